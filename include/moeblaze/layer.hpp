@@ -1,0 +1,80 @@
+// The MoE layer: forward and backward through a routing plan (DESIGN.md's eight steps).
+//
+// Tensors (all one dtype, cfg.dtype, on one device; gradients likewise):
+//   x   (T, d)        input tokens                 out (T, d)   o_t = sum_p s_p W2_e a_p
+//   w1  (E, 2n, d)    gated: rows [0,n) gate, [n,2n) up;  (E, n, d) non-gated
+//   w2  (E, d, n)
+// Backward additionally takes d_out (T, d) and writes dx (T, d), dw1, dw2 (weights' shapes) and
+// d_pair_weights (P,) fp32: the gradient of each routing pair's gate weight s_p, token-major
+// like the routing, to feed router_backward.
+//
+// Implementations (LayerMode):
+//   keep_h       keep H (S, w1_rows) and the plan; A is recomputed in backward (the default)
+//   recompute    keep only the plan; H is recomputed in backward (one more up-proj GEMM)
+//   materialized the conventional pipeline kept as a baseline: copies x into (S, d), unfused
+//                activation, keeps Xs (S,d), H, act(g) (S,n), A (S,n) and Y (S,d) for backward
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "moeblaze/config.hpp"
+#include "moeblaze/memory.hpp"
+#include "moeblaze/routing_plan.hpp"
+#include "moeblaze/tensor.hpp"
+
+namespace moeblaze {
+
+enum class LayerMode : uint8_t { keep_h, recompute, materialized };
+const char* layer_mode_name(LayerMode m);  // "moeblaze", "moeblaze-recompute", "materialized"
+
+struct LayerOptions {
+  LayerMode mode = LayerMode::keep_h;
+  int num_threads = 0;  // CPU backend: 0 = all hardware threads. Results do not depend on it.
+};
+
+// What forward keeps for backward. Owns its buffers (accounted); references the plan, which the
+// caller keeps alive until backward returns.
+class SavedForBackward {
+ public:
+  SavedForBackward() = default;
+  SavedForBackward(SavedForBackward&&) = default;
+  SavedForBackward& operator=(SavedForBackward&&) = default;
+
+  LayerMode mode() const { return mode_; }
+  bool valid() const { return valid_; }
+  // Bytes owned by this object (H, or the materialized baseline's tensors). The plan's bytes are
+  // reported by RoutingPlan::bytes(); kept-for-backward = bytes() + plan.bytes().
+  size_t bytes() const;
+
+  // Internal state (backend-defined); public so backends in other translation units can fill it.
+  LayerMode mode_ = LayerMode::keep_h;
+  bool valid_ = false;
+  int64_t S_ = 0;
+  Buffer h;        // (S, w1_rows) cfg.dtype — keep_h and materialized
+  Buffer xs;       // (S, d)  materialized only: gathered copy of x
+  Buffer act_g;    // (S, n)  materialized only: act(g) (gated) — saved by autograd of act
+  Buffer a;        // (S, n)  materialized only
+  Buffer y;        // (S, d)  materialized only: expert outputs, for the gate-weight gradient
+};
+
+struct LayerGrads {
+  TensorView dx;              // (T, d)
+  TensorView dw1;             // like w1
+  TensorView dw2;             // like w2
+  TensorView d_pair_weights;  // (P,) fp32, P = plan.S()
+};
+
+// Runs forward; fills `saved` (replacing its contents). Validates everything first and leaves
+// `out` untouched on error. T = 0 is valid (nothing to do).
+void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
+                   const TensorView& w1, const TensorView& w2, const TensorView& out,
+                   SavedForBackward& saved, const LayerOptions& opts = {});
+
+// Runs backward from `saved` (which must come from layer_forward with the same arguments).
+void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
+                    const TensorView& w1, const TensorView& w2, const TensorView& d_out,
+                    const SavedForBackward& saved, const LayerGrads& grads,
+                    const LayerOptions& opts = {});
+
+}  // namespace moeblaze

@@ -1,0 +1,67 @@
+// Owning, accounted memory. Every buffer the library allocates for itself (saved activations,
+// routing plans, workspaces, temporaries) is a Buffer, so the bytes kept for backward and the
+// peak transient bytes of a call are read off real allocations, not computed by a formula.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+
+#include "moeblaze/tensor.hpp"
+
+namespace moeblaze {
+
+// Process-wide byte counters, one set per device kind. Thread-safe.
+struct MemoryStats {
+  size_t current = 0;  // bytes held by live Buffers now
+  size_t peak = 0;     // high-water mark of `current` since the last reset_peak()
+};
+MemoryStats memory_stats(Device device);
+void reset_peak(Device device);  // peak := current
+
+// Measures the peak bytes allocated above the level at construction, over its lifetime.
+// Not reentrant across threads of the caller: measure one call at a time.
+class PeakScope {
+ public:
+  explicit PeakScope(Device device);
+  size_t peak_above_start() const;  // peak during the scope minus bytes held at its start
+ private:
+  Device device_;
+  size_t start_;
+};
+
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(Device device, size_t bytes);  // zero bytes allocates nothing
+  ~Buffer();
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  Buffer(Buffer&& o) noexcept { swap(o); }
+  Buffer& operator=(Buffer&& o) noexcept {
+    if (this != &o) { Buffer tmp(std::move(o)); swap(tmp); }
+    return *this;
+  }
+
+  void* data() const { return data_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(data_); }
+  size_t bytes() const { return bytes_; }
+  Device device() const { return device_; }
+  void reset() { Buffer tmp; swap(tmp); }
+
+  // A view of the buffer as a tensor (shape must fit inside the allocation).
+  TensorView view(DType dtype, std::initializer_list<int64_t> dims) const;
+
+ private:
+  void swap(Buffer& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(bytes_, o.bytes_);
+    std::swap(device_, o.device_);
+  }
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+  Device device_ = Device::cpu;
+};
+
+}  // namespace moeblaze

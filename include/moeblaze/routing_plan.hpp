@@ -1,0 +1,75 @@
+// The routing plan: who goes where, as small integer index arrays built once per step and read
+// by every kernel of forward and backward. No per-expert token buffer ever exists.
+//
+// Slots are the S assignments grouped by expert; inside an expert, slots are in ascending token
+// order (ties impossible: a token picks an expert at most once). That order is part of the
+// contract: it makes every result independent of thread timing.
+//
+//   expert_token_offsets (E+1,) int32  slots of expert e are [off[e], off[e+1])
+//   expert_token_indices (S,)   int32  token id of each slot
+//   slot_weights         (S,)   fp32   gate weight s_p of each slot
+//   token_pair_offsets   (T+1,) int32  pairs of token t are [tpo[t], tpo[t+1]) (CSR; = t*K for
+//                                      plain top-K). DESIGN's token_slot_offsets.
+//   token_expert_indices (S,)   int32  expert of each pair, token-major
+//   token_index_map      (S,)   int32  slot of each pair, token-major
+//
+// For top-K routing the token view is exactly MoEBlaze's (T*K,) arrays. Token rounding removes
+// dropped pairs from the CSR instead of marking them -1 (one code path for every routing).
+#pragma once
+
+#include <cstdint>
+
+#include "moeblaze/memory.hpp"
+#include "moeblaze/routing.hpp"
+
+namespace moeblaze {
+
+struct RoutingPlanView {
+  int64_t T = 0, E = 0, S = 0;
+  const int32_t* expert_token_offsets = nullptr;  // (E+1,)
+  const int32_t* expert_token_indices = nullptr;  // (S,)
+  const float* slot_weights = nullptr;            // (S,)
+  const int32_t* token_pair_offsets = nullptr;    // (T+1,)
+  const int32_t* token_expert_indices = nullptr;  // (S,)
+  const int32_t* token_index_map = nullptr;       // (S,)
+  Device device = Device::cpu;
+};
+
+class RoutingPlan {
+ public:
+  RoutingPlan() = default;
+  RoutingPlan(Device device, int64_t T, int64_t E, int64_t S);  // uninitialised contents
+  int64_t T() const { return T_; }
+  int64_t E() const { return E_; }
+  int64_t S() const { return S_; }
+  Device device() const { return device_; }
+
+  int32_t* expert_token_offsets() { return expert_token_offsets_.as<int32_t>(); }
+  int32_t* expert_token_indices() { return expert_token_indices_.as<int32_t>(); }
+  float* slot_weights() { return slot_weights_.as<float>(); }
+  int32_t* token_pair_offsets() { return token_pair_offsets_.as<int32_t>(); }
+  int32_t* token_expert_indices() { return token_expert_indices_.as<int32_t>(); }
+  int32_t* token_index_map() { return token_index_map_.as<int32_t>(); }
+
+  RoutingPlanView view() const;
+  size_t bytes() const;  // bytes of all arrays (what keeping the plan for backward costs)
+
+ private:
+  int64_t T_ = 0, E_ = 0, S_ = 0;
+  Device device_ = Device::cpu;
+  Buffer expert_token_offsets_, expert_token_indices_, slot_weights_, token_pair_offsets_,
+      token_expert_indices_, token_index_map_;
+};
+
+enum class PlanBuilder : uint8_t {
+  atomic_free,  // per-tile per-expert counts → one exclusive scan → each pair writes its slot
+  sort,         // stable sort of pairs by expert (the MegaBlocks/ScatterMoE way); the baseline
+};
+const char* plan_builder_name(PlanBuilder b);
+
+// Builds the plan of a routing on the routing's device. Both builders produce bit-identical
+// plans. Workspace is O(P + E * tiles); no (T, E) array. Validates the routing (CPU) or raises a
+// device-side flag checked before return (GPU). T = 0 gives an empty plan.
+void build_routing_plan(const RoutingView& routing, PlanBuilder builder, RoutingPlan& plan);
+
+}  // namespace moeblaze

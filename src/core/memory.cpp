@@ -1,0 +1,107 @@
+// Accounted allocations. Host memory is 64-byte aligned (whole cache lines, and 16-byte vector
+// loads are always legal); device memory comes from cudaMalloc when CUDA is built in.
+#include "moeblaze/memory.hpp"
+
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+#include <new>
+
+#include "moeblaze/error.hpp"
+
+#ifdef MOEBLAZE_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace moeblaze {
+namespace {
+
+struct Counters {
+  std::mutex mu;
+  size_t current = 0;
+  size_t peak = 0;
+};
+Counters& counters(Device d) {
+  static Counters cpu, cuda;
+  return d == Device::cpu ? cpu : cuda;
+}
+
+void account_alloc(Device d, size_t bytes) {
+  Counters& c = counters(d);
+  std::lock_guard<std::mutex> lock(c.mu);
+  c.current += bytes;
+  if (c.current > c.peak) c.peak = c.current;
+}
+void account_free(Device d, size_t bytes) {
+  Counters& c = counters(d);
+  std::lock_guard<std::mutex> lock(c.mu);
+  c.current -= bytes;
+}
+
+}  // namespace
+
+MemoryStats memory_stats(Device device) {
+  Counters& c = counters(device);
+  std::lock_guard<std::mutex> lock(c.mu);
+  return {c.current, c.peak};
+}
+
+void reset_peak(Device device) {
+  Counters& c = counters(device);
+  std::lock_guard<std::mutex> lock(c.mu);
+  c.peak = c.current;
+}
+
+PeakScope::PeakScope(Device device) : device_(device) {
+  Counters& c = counters(device);
+  std::lock_guard<std::mutex> lock(c.mu);
+  c.peak = c.current;
+  start_ = c.current;
+}
+
+size_t PeakScope::peak_above_start() const {
+  return memory_stats(device_).peak - start_;
+}
+
+Buffer::Buffer(Device device, size_t bytes) : bytes_(bytes), device_(device) {
+  if (bytes == 0) return;
+  if (device == Device::cpu) {
+    const size_t rounded = (bytes + 63) / 64 * 64;
+    data_ = std::aligned_alloc(64, rounded);
+    if (!data_) throw std::bad_alloc();
+  } else {
+#ifdef MOEBLAZE_WITH_CUDA
+    cudaError_t err = cudaMalloc(&data_, bytes);
+    if (err != cudaSuccess) {
+      data_ = nullptr;
+      throw DeviceError(detail::concat("cudaMalloc of ", bytes, " bytes failed: ",
+                                       cudaGetErrorString(err)));
+    }
+#else
+    throw Unsupported("device memory requested but moeblaze was built without CUDA");
+#endif
+  }
+  account_alloc(device, bytes);
+}
+
+Buffer::~Buffer() {
+  if (!data_) return;
+  if (device_ == Device::cpu) {
+    std::free(data_);
+  } else {
+#ifdef MOEBLAZE_WITH_CUDA
+    cudaFree(data_);
+#endif
+  }
+  account_free(device_, bytes_);
+}
+
+TensorView Buffer::view(DType dtype, std::initializer_list<int64_t> dims) const {
+  TensorView v(data_, dtype, device_, dims);
+  if (v.bytes() > bytes_)
+    throw Error(detail::concat("Buffer::view: ", v.describe(), " does not fit in ", bytes_,
+                               " bytes"));
+  return v;
+}
+
+}  // namespace moeblaze

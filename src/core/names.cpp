@@ -1,0 +1,97 @@
+// Names and parsing of the public enums, and LayerConfig validation.
+#include <string>
+
+#include "moeblaze/config.hpp"
+#include "moeblaze/error.hpp"
+#include "moeblaze/layer.hpp"
+#include "moeblaze/routing_plan.hpp"
+
+namespace moeblaze {
+
+DType parse_dtype(const std::string& s) {
+  if (s == "fp32" || s == "float32" || s == "f32") return DType::f32;
+  if (s == "bf16" || s == "bfloat16") return DType::bf16;
+  throw InvalidArgument("dtype '" + s + "' is not one of: fp32, bf16");
+}
+
+const char* activation_name(Activation a) {
+  switch (a) {
+    case Activation::swiglu: return "swiglu";
+    case Activation::geglu: return "geglu";
+    case Activation::relu: return "relu";
+    case Activation::silu: return "silu";
+    case Activation::gelu: return "gelu";
+    case Activation::relu2: return "relu2";
+  }
+  return "?";
+}
+Activation parse_activation(const std::string& s) {
+  for (Activation a : {Activation::swiglu, Activation::geglu, Activation::relu, Activation::silu,
+                       Activation::gelu, Activation::relu2})
+    if (s == activation_name(a)) return a;
+  if (s == "relu²" || s == "relu^2") return Activation::relu2;
+  throw InvalidArgument("activation '" + s +
+                        "' is not one of: swiglu, geglu, relu, silu, gelu, relu2");
+}
+
+const char* router_name(RouterKind r) {
+  switch (r) {
+    case RouterKind::softmax_topk: return "softmax-topk";
+    case RouterKind::topk_softmax: return "topk-softmax";
+    case RouterKind::sigmoid_bias: return "sigmoid-bias";
+    case RouterKind::supplied: return "supplied";
+  }
+  return "?";
+}
+RouterKind parse_router(const std::string& s) {
+  for (RouterKind r : {RouterKind::softmax_topk, RouterKind::topk_softmax,
+                       RouterKind::sigmoid_bias, RouterKind::supplied})
+    if (s == router_name(r)) return r;
+  throw InvalidArgument("router '" + s +
+                        "' is not one of: softmax-topk, topk-softmax, sigmoid-bias, supplied");
+}
+
+const char* rounding_name(RoundingMode m) {
+  switch (m) {
+    case RoundingMode::nearest_freq: return "nr-f";
+    case RoundingMode::stochastic_freq: return "sr-f";
+    case RoundingMode::up: return "up";
+    case RoundingMode::down: return "down";
+  }
+  return "?";
+}
+RoundingMode parse_rounding(const std::string& s) {
+  for (RoundingMode m : {RoundingMode::nearest_freq, RoundingMode::stochastic_freq,
+                         RoundingMode::up, RoundingMode::down})
+    if (s == rounding_name(m)) return m;
+  throw InvalidArgument("token rounding '" + s + "' is not one of: nr-f, sr-f, up, down");
+}
+
+const char* plan_builder_name(PlanBuilder b) {
+  return b == PlanBuilder::atomic_free ? "atomic-free" : "sort";
+}
+
+const char* layer_mode_name(LayerMode m) {
+  switch (m) {
+    case LayerMode::keep_h: return "moeblaze";
+    case LayerMode::recompute: return "moeblaze-recompute";
+    case LayerMode::materialized: return "materialized";
+  }
+  return "?";
+}
+
+void LayerConfig::validate() const {
+  MOEBLAZE_REQUIRE(T >= 0, "T (", T, ") must be >= 0");
+  MOEBLAZE_REQUIRE(d >= 1, "d (", d, ") must be >= 1");
+  MOEBLAZE_REQUIRE(n >= 1, "n (", n, ") must be >= 1");
+  MOEBLAZE_REQUIRE(E >= 1, "num_experts E (", E, ") must be >= 1");
+  MOEBLAZE_REQUIRE(K >= 1, "top_k K (", K, ") must be >= 1");
+  MOEBLAZE_REQUIRE(K <= E, "top_k K (", K, ") exceeds num_experts E (", E, ")");
+  MOEBLAZE_REQUIRE(dtype == DType::f32 || dtype == DType::bf16, "dtype (", dtype_name(dtype),
+                   ") must be fp32 or bf16");
+  // int32 slot indices: S = T*K must fit.
+  MOEBLAZE_REQUIRE(T * K < (int64_t(1) << 31), "T*K (", T * K,
+                   ") exceeds the int32 index range of the routing plan");
+}
+
+}  // namespace moeblaze
