@@ -31,6 +31,7 @@ const char* layer_mode_name(LayerMode m);  // "moeblaze", "moeblaze-recompute", 
 struct LayerOptions {
   LayerMode mode = LayerMode::keep_h;
   int num_threads = 0;  // CPU backend: 0 = all hardware threads. Results do not depend on it.
+  void* stream = nullptr;  // CUDA backend: the cudaStream_t to run on (nullptr = default stream)
 };
 
 // What forward keeps for backward. Owns its buffers (accounted); references the plan, which the
