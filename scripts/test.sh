@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# Builds moeblaze and runs every test. GPU tests (label `gpu`) report "skipped: no GPU" on a
-# machine without one. Pass ctest options through, e.g. scripts/test.sh -L cpu.
+# Builds moeblaze and runs every test. GPU tests (ctest label `gpu`) skip themselves with
+# "skipped: no GPU" on a machine without one; ctest lists them as skipped. Extra arguments go to
+# ctest, e.g. scripts/test.sh -L cpu.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/build.sh
-cd build && ctest --output-on-failure -j "$(nproc)" "$@"
+cd build
+gpu_tests=$(ctest -N -L gpu 2>/dev/null | sed -n 's/^Total Tests: //p')
+if [ "${gpu_tests:-0}" != "0" ] && ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "moeblaze: no GPU on this machine: the ${gpu_tests} GPU tests (label gpu) report: skipped: no GPU"
+fi
+ctest --output-on-failure -j "$(nproc)" "$@"
