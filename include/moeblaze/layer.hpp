@@ -78,4 +78,10 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
                     const SavedForBackward& saved, const LayerGrads& grads,
                     const LayerOptions& opts = {});
 
+// Bytes of the one workspace Buffer that a layer_forward or layer_backward call allocates for its
+// temporaries on `device`, for a plan of S assignments: the larger of the two calls' needs
+// (forward's is never more). Reported before the call so a caller can budget memory; the
+// kept-for-backward bytes (SavedForBackward::bytes()) are separate.
+size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, Device device);
+
 }  // namespace moeblaze
