@@ -23,4 +23,31 @@ void check(cudaError_t err, const char* what);
 void aggregate_rows(const RoutingPlanView& plan, const void* rows, const float* slot_weights,
                     void* out, int64_t d, DType dtype, cudaStream_t stream);
 
+// d_pair_weights[p] = ds[token_index_map[p]]: the per-slot gate gradient back in pair order.
+// ds (S,) fp32 grouped by expert, d_pair_weights (S,) fp32 token-major.
+void gather_pair_grads(const RoutingPlanView& plan, const float* ds, float* d_pair_weights,
+                       cudaStream_t stream);
+
+// ---- layer (src/cuda/layer/layer_cuda.cu): keep_h and recompute modes, bf16 storage ----
+// Arguments were validated by the public API; these check what only the GPU path needs (dtype
+// bf16, dims the GEMM kernels take) and throw Unsupported naming the dimension.
+void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
+                   const TensorView& w1, const TensorView& w2, const TensorView& out,
+                   SavedForBackward& saved, const LayerOptions& opts);
+void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
+                    const TensorView& w1, const TensorView& w2, const TensorView& d_out,
+                    const SavedForBackward& saved, const LayerGrads& grads,
+                    const LayerOptions& opts);
+// The workspace one layer_forward / layer_backward call allocates (max of the two).
+size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode);
+
+// ---- materialized baseline on the GPU (src/baselines/materialized_cuda.cu) ----
+void materialized_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
+                          const TensorView& w1, const TensorView& w2, const TensorView& out,
+                          SavedForBackward& saved, const LayerOptions& opts);
+void materialized_backward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
+                           const TensorView& w1, const TensorView& w2, const TensorView& d_out,
+                           const SavedForBackward& saved, const LayerGrads& grads,
+                           const LayerOptions& opts);
+
 }  // namespace moeblaze::cuda
