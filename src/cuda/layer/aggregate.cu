@@ -1,0 +1,192 @@
+// Aggregation through the plan's token view (DESIGN steps 3 and 7): out_t = sum over the pairs
+// of token t, in pair order, of w_p * rows[slot_p]. A gather-and-sum, not a scatter: every output
+// row is produced by the threads that own it, so no atomics and a fixed summation order.
+//
+// Layout of the work: one thread per (token, 16-byte column chunk). Consecutive threads take
+// consecutive chunks of one row, so both the row gathers and the output stores are coalesced
+// 16-byte accesses; the index arrays (a few bytes per pair) stay in L1/L2.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/cuda_backend.hpp"
+#include "moeblaze/error.hpp"
+
+namespace moeblaze::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+// Pairs whose rows are loaded before the first is summed: independent 16-byte loads in flight.
+constexpr int kBatch = 4;
+
+template <typename T>
+struct Vec;  // one 16-byte chunk of T, unpacked to floats
+template <>
+struct Vec<__nv_bfloat16> {
+  static constexpr int kElems = 8;
+  static __device__ __forceinline__ void unpack(const uint4& raw, float* f) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = __bfloat1622float2(h[i]);
+      f[2 * i] = v.x;
+      f[2 * i + 1] = v.y;
+    }
+  }
+  static __device__ __forceinline__ uint4 pack(const float* f) {
+    uint4 raw;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    return raw;
+  }
+};
+template <>
+struct Vec<float> {
+  static constexpr int kElems = 4;
+  static __device__ __forceinline__ void unpack(const uint4& raw, float* f) {
+    f[0] = __uint_as_float(raw.x);
+    f[1] = __uint_as_float(raw.y);
+    f[2] = __uint_as_float(raw.z);
+    f[3] = __uint_as_float(raw.w);
+  }
+  static __device__ __forceinline__ uint4 pack(const float* f) {
+    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
+                      __float_as_uint(f[3]));
+  }
+};
+
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f(float v) { return v; }
+template <typename T>
+__device__ __forceinline__ T from_f(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ float from_f<float>(float v) { return v; }
+
+// rows (S, d) T, out (T, d) T; d a multiple of Vec<T>::kElems and both 16-byte aligned.
+template <typename T, bool kWeighted>
+__global__ void __launch_bounds__(kThreads)
+    aggregate_vec_kernel(const int32_t* __restrict__ token_pair_offsets,  // (T+1,)
+                         const int32_t* __restrict__ token_index_map,     // (S,) pair → slot
+                         const float* __restrict__ slot_weights,          // (S,) by slot
+                         const T* __restrict__ rows, T* __restrict__ out, int64_t num_tokens,
+                         int64_t d) {
+  constexpr int V = Vec<T>::kElems;
+  const int64_t chunks = d / V;
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= num_tokens * chunks) return;
+  const int64_t t = i / chunks;
+  const int64_t c = i - t * chunks;
+  const int p0 = token_pair_offsets[t], p1 = token_pair_offsets[t + 1];
+
+  float acc[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) acc[j] = 0.0f;
+
+  for (int p = p0; p < p1; p += kBatch) {
+    uint4 raw[kBatch];
+    float w[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (p + b < p1) {
+        const int64_t slot = token_index_map[p + b];
+        w[b] = kWeighted ? slot_weights[slot] : 1.0f;
+        raw[b] = __ldg(reinterpret_cast<const uint4*>(rows + slot * d) + c);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (p + b < p1) {
+        float f[V];
+        Vec<T>::unpack(raw[b], f);
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[j] = kWeighted ? fmaf(w[b], f[j], acc[j]) : acc[j] + f[j];
+      }
+    }
+  }
+  reinterpret_cast<uint4*>(out + t * d)[c] = Vec<T>::pack(acc);
+}
+
+// Any d, any alignment: one thread per output element, same order and arithmetic.
+template <typename T, bool kWeighted>
+__global__ void __launch_bounds__(kThreads)
+    aggregate_scalar_kernel(const int32_t* __restrict__ token_pair_offsets,
+                            const int32_t* __restrict__ token_index_map,
+                            const float* __restrict__ slot_weights, const T* __restrict__ rows,
+                            T* __restrict__ out, int64_t num_tokens, int64_t d) {
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= num_tokens * d) return;
+  const int64_t t = i / d;
+  const int64_t col = i - t * d;
+  float acc = 0.0f;
+  for (int p = token_pair_offsets[t]; p < token_pair_offsets[t + 1]; ++p) {
+    const int64_t slot = token_index_map[p];
+    const float v = to_f(rows[slot * d + col]);
+    acc = kWeighted ? fmaf(slot_weights[slot], v, acc) : acc + v;
+  }
+  out[i] = from_f<T>(acc);
+}
+
+template <typename T, bool kWeighted>
+void launch_aggregate(const RoutingPlanView& plan, const void* rows, const float* w, void* out,
+                      int64_t d, cudaStream_t stream) {
+  constexpr int V = Vec<T>::kElems;
+  const bool aligned = (reinterpret_cast<uintptr_t>(rows) % 16 == 0) &&
+                       (reinterpret_cast<uintptr_t>(out) % 16 == 0) && d % V == 0;
+  const int64_t work = aligned ? plan.T * (d / V) : plan.T * d;
+  const int64_t blocks = (work + kThreads - 1) / kThreads;
+  MOEBLAZE_UNSUPPORTED_IF(blocks > int64_t(INT32_MAX), "aggregate: T*d (", plan.T * d,
+                          ") is too large for one launch");
+  if (aligned) {
+    aggregate_vec_kernel<T, kWeighted><<<unsigned(blocks), kThreads, 0, stream>>>(
+        plan.token_pair_offsets, plan.token_index_map, w, static_cast<const T*>(rows),
+        static_cast<T*>(out), plan.T, d);
+  } else {
+    aggregate_scalar_kernel<T, kWeighted><<<unsigned(blocks), kThreads, 0, stream>>>(
+        plan.token_pair_offsets, plan.token_index_map, w, static_cast<const T*>(rows),
+        static_cast<T*>(out), plan.T, d);
+  }
+  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+}
+
+__global__ void gather_pair_grads_kernel(const int32_t* __restrict__ token_index_map,  // (S,)
+                                         const float* __restrict__ ds,  // (S,) by slot
+                                         float* __restrict__ d_pair_weights,  // (S,) by pair
+                                         int64_t S) {
+  const int64_t p = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (p < S) d_pair_weights[p] = ds[token_index_map[p]];
+}
+
+}  // namespace
+
+void aggregate_rows(const RoutingPlanView& plan, const void* rows, const float* slot_weights,
+                    void* out, int64_t d, DType dtype, cudaStream_t stream) {
+  MOEBLAZE_REQUIRE(dtype == DType::bf16 || dtype == DType::f32, "aggregate_rows: dtype (",
+                   dtype_name(dtype), ") must be bf16 or fp32");
+  MOEBLAZE_REQUIRE(d >= 1, "aggregate_rows: d (", d, ") must be >= 1");
+  if (plan.T == 0) return;
+  const bool weighted = slot_weights != nullptr;
+  if (dtype == DType::bf16) {
+    weighted ? launch_aggregate<__nv_bfloat16, true>(plan, rows, slot_weights, out, d, stream)
+             : launch_aggregate<__nv_bfloat16, false>(plan, rows, nullptr, out, d, stream);
+  } else {
+    weighted ? launch_aggregate<float, true>(plan, rows, slot_weights, out, d, stream)
+             : launch_aggregate<float, false>(plan, rows, nullptr, out, d, stream);
+  }
+}
+
+void gather_pair_grads(const RoutingPlanView& plan, const float* ds, float* d_pair_weights,
+                       cudaStream_t stream) {
+  if (plan.S == 0) return;
+  const int64_t blocks = (plan.S + kThreads - 1) / kThreads;
+  gather_pair_grads_kernel<<<unsigned(blocks), kThreads, 0, stream>>>(plan.token_index_map, ds,
+                                                                       d_pair_weights, plan.S);
+  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace moeblaze::cuda
