@@ -1,0 +1,99 @@
+// Grouped GEMMs of the MoE pipeline on sm_90a (WGMMA), one per GEMM of DESIGN's eight-kernel
+// pipeline, each reading its per-expert row ranges ON THE DEVICE from the routing plan
+// (expert_token_offsets), so nothing here synchronises with the host and a whole step can be
+// captured in a CUDA graph. Grids are sized from host-known bounds (S, E, d, n); tiles beyond the
+// real work exit at once.
+//
+// Conventions shared by every function below:
+//   * Operands and outputs are bf16 (moeblaze::bf16 = the device's __nv_bfloat16 bits), row-major,
+//     16-byte aligned; accumulation is fp32 (WGMMA); slot_weights / ds are fp32.
+//   * `plan` is a RoutingPlanView on Device::cuda; only plan.E, plan.S, expert_token_offsets
+//     (E+1,), expert_token_indices (S,) (slot -> token) and, for dH, slot_weights (S,) are read.
+//     Slots of expert e are [off[e], off[e+1]); rows of the varlen-M outputs are slots.
+//   * Shapes: d, n are the layer's hidden and expert-intermediate sizes; w1_rows = 2n for gated
+//     activations (rows [0,n) gate, [n,2n) up), n otherwise (config.hpp, is_gated()).
+//   * Every function validates its arguments before launching anything and throws
+//     InvalidArgument (null pointer, non-CUDA plan, non-positive size) or Unsupported (a dim the
+//     kernels do not take; see check_gemm_shape) with a message naming the argument and the rule.
+//     Outputs are untouched on a throw.
+//   * No atomics; every output is bitwise identical run to run (fixed decomposition and order).
+//   * Asynchronous on `stream`; the launch error is checked (DeviceError) before return.
+//   * S = 0 is valid: varlen-M functions do nothing, varlen-K ones write zero weight gradients.
+//
+// Stability: this header is coded against by the layer (src/cuda/layer/). Changes are additive
+// only and listed here:
+//   (none yet)
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "moeblaze/config.hpp"
+#include "moeblaze/dtype.hpp"
+#include "moeblaze/routing_plan.hpp"
+
+namespace moeblaze::cuda::gemm {
+
+// Throws Unsupported unless the kernels take (d, n): both must be positive multiples of 64
+// (the K-tile and the gated epilogue's gate/up half-tile), e.g.
+// "d (100) must be a multiple of 64 for the CUDA backend".
+void check_gemm_shape(int64_t d, int64_t n);
+
+// Columns of the dH kernel's ds partials buffer: one per 128-wide tile of n (ceil(n / 128)).
+int64_t ds_partials_cols(int64_t n);
+
+// ---- forward -------------------------------------------------------------------------------
+
+// (1) up-projection, A operand gathered: for each slot r of expert e, token t = indices[r],
+//   h[r, :] = W1_e x[t, :]              (w1_rows,)   fp32 accumulate, stored bf16
+//   a[r, :] = act(g) * u  (gated)  or  act(h)  (plain)   (n,), computed from the fp32
+//   accumulators (not from the bf16-rounded h).
+// x (T, d); w1 (E, w1_rows, d); h (S, w1_rows); a (S, n).
+// Either h or a may be nullptr (not both) to skip that store: recompute mode's backward needs h
+// only, inference needs a only.
+void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
+             int64_t d, int64_t n, Activation act, cudaStream_t stream);
+
+// (2) down-projection, A operand contiguous: y[r, :] = W2_e a[r, :].
+// a (S, n); w2 (E, d, n); y (S, d).
+void down_proj(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16* y, int64_t d,
+               int64_t n, cudaStream_t stream);
+
+// ---- backward ------------------------------------------------------------------------------
+
+// (4) dH, A operand gathered from d_out, W2_e read N-major. For slot r of expert e, t = token:
+//   da'[r, :] = W2_eᵀ d_out[t, :]                       (n,)  fp32, never stored
+//   a         = act(g) * u  /  act(h), recomputed in fp32 from the stored bf16 h
+//   ds_partials[r, j] = sum over columns c of tile j (128 wide) of da'[r, c] * a[r, c]
+//   da = s_r da'  (s_r = plan.slot_weights[r])
+//   dh[r, :] = gated: [da * u * act'(g); da * act(g)]   plain: da * act'(h)   (w1_rows,)
+//   a_scaled[r, :] = s_r * a                                                   (n,)
+// d_out (T, d); w2 (E, d, n); h (S, w1_rows); ds_partials (S, ds_partials_cols(n)) fp32;
+// dh (S, w1_rows); a_scaled (S, n) (A' of DESIGN, the second operand of dW2).
+// The per-slot gate gradient is ds[r] = sum_j ds_partials[r, j]: call reduce_ds next.
+void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,
+             float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n, Activation act,
+             cudaStream_t stream);
+
+// ds[r] = sum over j = 0, 1, ... in order of ds_partials[r, j] (fixed order, fp32).
+// ds_partials (S, ds_partials_cols(n)) fp32; ds (S,) fp32 grouped by expert (slot order).
+void reduce_ds(const float* ds_partials, float* ds, int64_t S, int64_t n, cudaStream_t stream);
+
+// (5) dW2, varlen-K (the reduction runs over the expert's slots):
+//   dw2[e] = sum over slots r of e of d_out[token(r), :]ᵀ ⊗ a_scaled[r, :]    (d, n)
+// d_out (T, d) gathered; a_scaled (S, n); dw2 (E, d, n). An expert with no slot gets zeros.
+void dw2_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled, bf16* dw2,
+              int64_t d, int64_t n, cudaStream_t stream);
+
+// (6) dX̃, A operand contiguous, W1_e read N-major: dx_slots[r, :] = W1_eᵀ dh[r, :]   (d,)
+// dh (S, w1_rows); w1 (E, w1_rows, d); dx_slots (S, d). Summed per token by aggregate_rows.
+void dx_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* dx_slots,
+             int64_t d, int64_t n, Activation act, cudaStream_t stream);
+
+// (8) dW1, varlen-K: dw1[e] = sum over slots r of e of dh[r, :]ᵀ ⊗ x[token(r), :]  (w1_rows, d)
+// dh (S, w1_rows); x (T, d) gathered; dw1 (E, w1_rows, d). An expert with no slot gets zeros.
+void dw1_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1, int64_t d,
+              int64_t n, Activation act, cudaStream_t stream);
+
+}  // namespace moeblaze::cuda::gemm
