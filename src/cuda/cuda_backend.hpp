@@ -51,3 +51,50 @@ void materialized_backward(const LayerConfig& cfg, const RoutingPlan& plan, cons
                            const LayerOptions& opts);
 
 }  // namespace moeblaze::cuda
+
+// ---- routing plan (src/cuda/routing/plan_build.cu, plan_sort_cub.cu, routing_api_cuda.cpp) ----
+namespace moeblaze::cuda {
+
+// Device-side bad-input flags: (kRoutingFlagCount,) int32 in device memory. A kernel that sees a
+// violation stores 1 into that entry with a plain store (every writer stores the same value: a
+// benign race, no atomic read-modify-write); kernels never clear them. The checked entry points
+// clear them, run, read them back once (one small device→host copy at the API boundary) and
+// throw InvalidArgument with the CPU validator's message. The *_async entry points leave them on
+// the device: that path is graph-capturable, and the caller checks the flags when it chooses.
+enum RoutingFlag : int {
+  kFlagExpertOutOfRange = 0,  // an expert id outside [0, E)
+  kFlagExpertRepeated = 1,    // an expert twice within one token
+  kFlagNonFinite = 2,         // a NaN/Inf logit or pair weight
+  kFlagBadOffsets = 3,        // pair_offsets not non-decreasing from 0 to P
+  kRoutingFlagCount = 4
+};
+
+struct PlanBuildOptions {
+  // atomic-free builder: pairs per tile = 256 * tile_steps (1..64); 0 picks it from (P, E).
+  // Only the benchmark sets it (to sweep tile sizes); the plan is the same for every value.
+  int tile_steps = 0;
+};
+
+// Device bytes build_plan_async needs as workspace for this shape (O(P) for sort,
+// O(E * tiles) for atomic_free; never a (T, E) array).
+size_t plan_build_workspace_bytes(int64_t T, int64_t E, int64_t P, PlanBuilder builder,
+                                  const PlanBuildOptions& opts = {});
+
+// Builds `plan` (allocated on the GPU with (T, E, S = P)) from a GPU routing on `stream`.
+// No host synchronisation, no allocation, no atomics: capturable in a CUDA graph. Bad input
+// raises d_flags (kRoutingFlagCount int32 on the device, may be nullptr); the plan is then
+// garbage but every write stays in bounds.
+void build_plan_async(const RoutingView& routing, PlanBuilder builder, RoutingPlan& plan,
+                      void* workspace, size_t workspace_bytes, int32_t* d_flags,
+                      cudaStream_t stream, const PlanBuildOptions& opts = {});
+
+// Throws InvalidArgument naming the first bad entry (the CPU validator's message, run on a host
+// copy of the routing) when any of h_flags (host copy of the device flags) is raised.
+void throw_if_routing_flags(const int32_t* h_flags, const RoutingView& routing);
+
+// The public build_routing_plan for a GPU routing: builds into fresh buffers on the default
+// stream, reads the flags (the one host sync), throws on bad input, then moves the result into
+// `plan`, so `plan` is untouched on error.
+void build_routing_plan(const RoutingView& routing, PlanBuilder builder, RoutingPlan& plan);
+
+}  // namespace moeblaze::cuda
