@@ -1,0 +1,51 @@
+// Expert activations on the device, the same formulas as the CPU backend (src/cpu/activation.hpp):
+// gelu is the exact erf form, silu uses 1 / (1 + exp(-x)), so CPU and GPU agree to rounding.
+// Used by the naive grouped GEMM (test oracle) and the materialized baseline's unfused passes.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "moeblaze/config.hpp"
+
+namespace moeblaze::cuda {
+
+__host__ __device__ __forceinline__ bool dev_is_gated(Activation a) {
+  return a == Activation::swiglu || a == Activation::geglu;
+}
+
+__device__ __forceinline__ float dev_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// f of the activation (for gated ones, the gate's function).
+__device__ __forceinline__ float dev_act(Activation act, float x) {
+  switch (act) {
+    case Activation::swiglu:
+    case Activation::silu: return x * dev_sigmoid(x);
+    case Activation::geglu:
+    case Activation::gelu: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+    case Activation::relu: return x > 0.0f ? x : 0.0f;
+    case Activation::relu2: return x > 0.0f ? x * x : 0.0f;
+  }
+  return 0.0f;
+}
+
+// f'.
+__device__ __forceinline__ float dev_act_grad(Activation act, float x) {
+  switch (act) {
+    case Activation::swiglu:
+    case Activation::silu: {
+      const float s = dev_sigmoid(x);
+      return s * (1.0f + x * (1.0f - s));
+    }
+    case Activation::geglu:
+    case Activation::gelu: {
+      const float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
+      const float pdf = 0.39894228040143268f * expf(-0.5f * x * x);
+      return cdf + x * pdf;
+    }
+    case Activation::relu: return x > 0.0f ? 1.0f : 0.0f;
+    case Activation::relu2: return x > 0.0f ? 2.0f * x : 0.0f;
+  }
+  return 0.0f;
+}
+
+}  // namespace moeblaze::cuda
