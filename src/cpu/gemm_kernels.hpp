@@ -54,7 +54,7 @@ inline MatRef mat(const void* data, DType dtype, int64_t ld, const int32_t* rows
 // and cache blocks: a packed A block (MC x KC) stays in L1/L2, a packed B block (KC x NC) in L2.
 constexpr int64_t kMR = 4;
 constexpr int64_t kNR = 8;
-constexpr int64_t kMC = 96;
+constexpr int64_t kMC = 128;
 constexpr int64_t kKC = 256;
 constexpr int64_t kNC = 256;
 

@@ -1,0 +1,138 @@
+// Public layer API: validates every argument before any output is touched, then dispatches to
+// the backend of the plan's device (CPU: keep_h / recompute → cpu::layer_*, materialized →
+// cpu::materialized_*).
+#include "core/parallel.hpp"
+#include "cpu/cpu_backend.hpp"
+#include "cpu/layer_common.hpp"
+#include "moeblaze/error.hpp"
+#include "moeblaze/layer.hpp"
+
+#ifdef MOEBLAZE_WITH_CUDA
+#include "cuda/cuda_backend.hpp"
+#endif
+
+namespace moeblaze {
+namespace {
+
+// A tensor argument: shape, dtype, device (the plan's) and data, in that order, so the first
+// broken rule is the one reported.
+void check_tensor(const TensorView& t, const char* name, std::initializer_list<int64_t> dims,
+                  DType dtype, Device device) {
+  require_shape(t, name, dims);
+  require_dtype(t, name, dtype);
+  require_device(t, name, device);
+  require_data(t, name);
+}
+
+void check_common(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
+                  const TensorView& w1, const TensorView& w2, const LayerOptions& opts) {
+  cfg.validate();
+  MOEBLAZE_REQUIRE(plan.T() == cfg.T, "plan has T = ", plan.T(), " tokens, expected cfg.T = ",
+                   cfg.T);
+  MOEBLAZE_REQUIRE(plan.E() == cfg.E, "plan has E = ", plan.E(), " experts, expected cfg.E = ",
+                   cfg.E);
+  MOEBLAZE_REQUIRE(opts.mode == LayerMode::keep_h || opts.mode == LayerMode::recompute ||
+                       opts.mode == LayerMode::materialized,
+                   "opts.mode (", int(opts.mode), ") is not a LayerMode");
+  MOEBLAZE_REQUIRE(opts.num_threads >= 0, "opts.num_threads (", opts.num_threads,
+                   ") must be >= 0 (0 = all hardware threads)");
+  const Device dev = plan.device();
+#ifndef MOEBLAZE_WITH_CUDA
+  for (const auto& [t, name] : {std::pair<const TensorView*, const char*>{&x, "x"}, {&w1, "w1"},
+                                {&w2, "w2"}})
+    MOEBLAZE_UNSUPPORTED_IF(t->device == Device::cuda, name,
+                            " is on cuda, but moeblaze was built without CUDA");
+#endif
+  check_tensor(x, "x", {cfg.T, cfg.d}, cfg.dtype, dev);
+  check_tensor(w1, "w1", {cfg.E, cfg.w1_rows(), cfg.d}, cfg.dtype, dev);
+  check_tensor(w2, "w2", {cfg.E, cfg.d, cfg.n}, cfg.dtype, dev);
+}
+
+void check_output(const TensorView& t, const char* name, std::initializer_list<int64_t> dims,
+                  DType dtype, Device dev) {
+#ifndef MOEBLAZE_WITH_CUDA
+  MOEBLAZE_UNSUPPORTED_IF(t.device == Device::cuda, name,
+                          " is on cuda, but moeblaze was built without CUDA");
+#endif
+  check_tensor(t, name, dims, dtype, dev);
+}
+
+}  // namespace
+
+void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
+                   const TensorView& w1, const TensorView& w2, const TensorView& out,
+                   SavedForBackward& saved, const LayerOptions& opts) {
+  check_common(cfg, plan, x, w1, w2, opts);
+  check_output(out, "out", {cfg.T, cfg.d}, cfg.dtype, plan.device());
+
+  if (plan.device() == Device::cuda) {
+#ifdef MOEBLAZE_WITH_CUDA
+    // GPU dispatch: cuda::layer_forward / cuda::materialized_forward go here.
+    MOEBLAZE_UNSUPPORTED_IF(true, "layer_forward on cuda is not wired in yet");
+#else
+    MOEBLAZE_UNSUPPORTED_IF(true, "plan is on cuda, but moeblaze was built without CUDA");
+#endif
+  }
+  ThreadCountScope threads(opts.num_threads);
+  if (opts.mode == LayerMode::materialized)
+    cpu::materialized_forward(cfg, plan, x, w1, w2, out, saved, opts);
+  else
+    cpu::layer_forward(cfg, plan, x, w1, w2, out, saved, opts);
+}
+
+void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
+                    const TensorView& w1, const TensorView& w2, const TensorView& d_out,
+                    const SavedForBackward& saved, const LayerGrads& grads,
+                    const LayerOptions& opts) {
+  check_common(cfg, plan, x, w1, w2, opts);
+  const Device dev = plan.device();
+  check_output(d_out, "d_out", {cfg.T, cfg.d}, cfg.dtype, dev);
+  check_output(grads.dx, "dx", {cfg.T, cfg.d}, cfg.dtype, dev);
+  check_output(grads.dw1, "dw1", {cfg.E, cfg.w1_rows(), cfg.d}, cfg.dtype, dev);
+  check_output(grads.dw2, "dw2", {cfg.E, cfg.d, cfg.n}, cfg.dtype, dev);
+  check_output(grads.d_pair_weights, "d_pair_weights", {plan.S()}, DType::f32, dev);
+  MOEBLAZE_REQUIRE(saved.valid(), "saved is not valid: run layer_forward first");
+  MOEBLAZE_REQUIRE(saved.mode() == opts.mode, "saved comes from mode ",
+                   layer_mode_name(saved.mode()), ", but opts.mode is ",
+                   layer_mode_name(opts.mode));
+  MOEBLAZE_REQUIRE(saved.S_ == plan.S(), "saved holds S = ", saved.S_,
+                   " assignments, but plan has S = ", plan.S());
+  if (opts.mode == LayerMode::keep_h) {
+    const size_t want = static_cast<size_t>(plan.S() * cfg.w1_rows()) * dtype_size(cfg.dtype);
+    MOEBLAZE_REQUIRE(saved.h.bytes() == want && saved.h.device() == dev, "saved.h holds ",
+                     saved.h.bytes(), " bytes on ", device_name(saved.h.device()),
+                     ", expected S*w1_rows*dtype_size = ", want, " on ", device_name(dev));
+  }
+
+  if (dev == Device::cuda) {
+#ifdef MOEBLAZE_WITH_CUDA
+    // GPU dispatch: cuda::layer_backward / cuda::materialized_backward go here.
+    MOEBLAZE_UNSUPPORTED_IF(true, "layer_backward on cuda is not wired in yet");
+#else
+    MOEBLAZE_UNSUPPORTED_IF(true, "plan is on cuda, but moeblaze was built without CUDA");
+#endif
+  }
+  ThreadCountScope threads(opts.num_threads);
+  if (opts.mode == LayerMode::materialized)
+    cpu::materialized_backward(cfg, plan, x, w1, w2, d_out, saved, grads, opts);
+  else
+    cpu::layer_backward(cfg, plan, x, w1, w2, d_out, saved, grads, opts);
+}
+
+size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, Device device) {
+  cfg.validate();
+  MOEBLAZE_REQUIRE(S >= 0, "S (", S, ") must be >= 0");
+  if (device == Device::cuda) {
+#ifdef MOEBLAZE_WITH_CUDA
+    return cuda::layer_workspace_bytes(cfg, S, mode);
+#else
+    MOEBLAZE_UNSUPPORTED_IF(true, "device cuda, but moeblaze was built without CUDA");
+#endif
+  }
+  MOEBLAZE_UNSUPPORTED_IF(mode == LayerMode::materialized,
+                          "layer_workspace_bytes: the CPU materialized baseline allocates several "
+                          "buffers, not one workspace; measure it with PeakScope");
+  return cpu::layer::workspace_bytes(cfg, S, mode);
+}
+
+}  // namespace moeblaze

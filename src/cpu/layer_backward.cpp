@@ -1,0 +1,167 @@
+// CPU layer backward through the routing plan (DESIGN.md kernels 4-8). Three phases, each over
+// a fixed decomposition, so every result is bitwise independent of the thread count:
+//
+// 1. per (expert e, tile of its slots):
+//      (recompute) Hf = X[tile] · W1_eᵀ        else Hf = saved H[tile]; either way Hf holds the
+//                                              cfg.dtype-rounded H, so both modes agree bitwise
+//      dA' = dO[tokens of tile] · W2_e          dO gathered through the plan, fp32
+//      a = act(Hf) (fp32)   ds_p = <dA'_p, a_p>   da = s_p dA'   dH = act'(Hf, da)
+//      A'_p = s_p a_p,  dH  → stored in cfg.dtype (S, ·) workspaces
+//      dX~[tile] = dH[tile] · W1_e              stored in cfg.dtype (S, d) workspace
+// 2. per token t:  dx_t = Σ_{pairs p of t, in pair order} dX~[token_index_map[p]];
+//    per pair p:   d_pair_weights[p] = ds[token_index_map[p]]
+// 3. per (expert e, block of output rows):
+//      dW2_e = Σ_{slots of e, in slot order} dO_tᵀ A'_p     (d, n)
+//      dW1_e = Σ_{slots of e, in slot order} dH_pᵀ x_t      (R, d)
+//    the slot sum of one output element is never split across threads.
+#include <cstring>
+
+#include "core/parallel.hpp"
+#include "cpu/activation.hpp"
+#include "cpu/cpu_backend.hpp"
+#include "cpu/gemm_kernels.hpp"
+#include "cpu/layer_common.hpp"
+
+namespace moeblaze::cpu {
+
+using gemm::mat;
+
+void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
+                    const TensorView& w1, const TensorView& w2, const TensorView& d_out,
+                    const SavedForBackward& saved, const LayerGrads& grads,
+                    const LayerOptions& opts) {
+  const RoutingPlanView pv = plan.view();
+  const int64_t T = cfg.T, d = cfg.d, n = cfg.n, E = cfg.E, R = cfg.w1_rows(), S = pv.S;
+  const DType dt = cfg.dtype;
+  const size_t es = dtype_size(dt);
+  const Activation act = cfg.activation;
+  const bool recompute = opts.mode == LayerMode::recompute;
+
+  const int threads = max_threads();
+  const layer::BackwardWorkspace sizes = layer::backward_workspace(cfg, S, threads, nullptr);
+  Buffer ws_buf(Device::cpu, sizes.bytes);
+  const layer::BackwardWorkspace ws = layer::backward_workspace(cfg, S, threads, ws_buf.data());
+
+  const int32_t* off = pv.expert_token_offsets;  // (E+1,)
+  const int32_t* eti = pv.expert_token_indices;  // (S,) token of each slot
+  const float* sw = pv.slot_weights;             // (S,) fp32
+  const int64_t tasks = layer::build_tile_offsets(off, E, ws.tile_offsets);
+  const char* w1p = static_cast<const char*>(w1.data);
+  const char* w2p = static_cast<const char*>(w2.data);
+  const char* h_saved = saved.h.as<const char>();  // (S, R) cfg.dtype, keep_h only
+  char* dh = static_cast<char*>(ws.dh);              // (S, R) cfg.dtype
+  char* a_scaled = static_cast<char*>(ws.a_scaled);  // (S, n) cfg.dtype
+  char* dx_slots = static_cast<char*>(ws.dx_slots);  // (S, d) cfg.dtype
+
+  // ---- phase 1: per (expert, tile) ----
+  parallel_for(0, tasks, 1, [&](int64_t task) {
+    const int64_t e = layer::task_expert(ws.tile_offsets, E, task);
+    const int64_t slot0 = off[e] + (task - ws.tile_offsets[e]) * layer::kTileM;
+    const int64_t m = std::min<int64_t>(layer::kTileM, off[e + 1] - slot0);
+    float* pack = ws.thread_scratch + layer::thread_index() * ws.per_thread;
+    float* hf = pack + gemm::kPackFloats;   // (m, R) fp32 holding cfg.dtype-rounded H
+    float* daf = hf + layer::kTileM * R;    // (m, n) fp32: dA', then da = s dA' in place
+    float* dxf = daf + layer::kTileM * n;   // (m, d) fp32
+    float* arow = dxf + layer::kTileM * d;  // (n,) fp32
+    float* dhrow = arow + n;                // (R,) fp32
+    const char* w1e = w1p + e * R * d * es;
+
+    if (recompute) {
+      gemm::gemm_nt(m, R, d, mat(x.data, dt, d, eti + slot0), mat(w1e, dt, d), hf, R, false,
+                    pack);
+      if (dt == DType::bf16)
+        for (int64_t i = 0; i < m * R; ++i) hf[i] = round_to_bf16(hf[i]);
+    } else {
+      for (int64_t i = 0; i < m; ++i)
+        gemm::load_row(h_saved + (slot0 + i) * R * es, dt, R, hf + i * R);
+    }
+    gemm::gemm_nn(m, n, d, mat(d_out.data, dt, d, eti + slot0), mat(w2p + e * d * n * es, dt, n),
+                  daf, n, false, pack);
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t slot = slot0 + i;
+      const float s = sw[slot];
+      const float* hrow = hf + i * R;
+      float* da = daf + i * n;
+      activation_row(act, hrow, n, arow);
+      float dsv = 0.0f;
+      for (int64_t j = 0; j < n; ++j) dsv += da[j] * arow[j];
+      ws.ds[slot] = dsv;
+      for (int64_t j = 0; j < n; ++j) {
+        da[j] *= s;
+        arow[j] *= s;
+      }
+      gemm::store_row(arow, n, a_scaled + slot * n * es, dt);
+      activation_backward_row(act, hrow, da, n, dhrow);
+      gemm::store_row(dhrow, R, dh + slot * R * es, dt);
+    }
+    // dX~ reads dH back from its cfg.dtype store, as the GPU's kernel 6 does.
+    gemm::gemm_nn(m, d, R, mat(dh + slot0 * R * es, dt, R), mat(w1e, dt, d), dxf, d, false, pack);
+    for (int64_t i = 0; i < m; ++i)
+      gemm::store_row(dxf + i * d, d, dx_slots + (slot0 + i) * d * es, dt);
+  });
+
+  // ---- phase 2: per token ----
+  const int32_t* tpo = pv.token_pair_offsets;  // (T+1,)
+  const int32_t* tim = pv.token_index_map;     // (S,) slot of each pair, token-major
+  char* dx = static_cast<char*>(grads.dx.data);  // (T, d) cfg.dtype
+  float* dpw = grads.d_pair_weights.as<float>(); // (S,) fp32, token-major
+  parallel_for(0, T, 64, [&](int64_t t) {
+    float* acc = ws.thread_scratch + layer::thread_index() * ws.per_thread;  // (d,) fp32
+    std::memset(acc, 0, sizeof(float) * d);
+    for (int64_t p = tpo[t]; p < tpo[t + 1]; ++p) {
+      const int64_t slot = tim[p];
+      dpw[p] = ws.ds[slot];
+      const char* row = dx_slots + slot * d * es;
+      if (dt == DType::bf16) {
+        const uint16_t* r = reinterpret_cast<const uint16_t*>(row);
+        for (int64_t j = 0; j < d; ++j) acc[j] += bf16::to_float(r[j]);
+      } else {
+        const float* r = reinterpret_cast<const float*>(row);
+        for (int64_t j = 0; j < d; ++j) acc[j] += r[j];
+      }
+    }
+    gemm::store_row(acc, d, dx + t * d * es, dt);
+  });
+
+  // ---- phase 3: weight gradients, per (expert, output-row block) ----
+  // Tasks [0, E*b2) are dW2 blocks (rows of d), then E*b1 dW1 blocks (rows of R).
+  const int64_t b2 = (d + layer::kGradRows - 1) / layer::kGradRows;
+  const int64_t b1 = (R + layer::kGradRows - 1) / layer::kGradRows;
+  char* dw1 = static_cast<char*>(grads.dw1.data);  // (E, R, d) cfg.dtype
+  char* dw2 = static_cast<char*>(grads.dw2.data);  // (E, d, n) cfg.dtype
+  parallel_for(0, E * (b1 + b2), 1, [&](int64_t task) {
+    float* pack = ws.thread_scratch + layer::thread_index() * ws.per_thread;
+    float* c = pack + gemm::kPackFloats;  // (kGradRows, n or d) fp32
+    const bool is_w2 = task < E * b2;
+    const int64_t local = is_w2 ? task : task - E * b2;
+    const int64_t blocks = is_w2 ? b2 : b1;
+    const int64_t e = local / blocks;
+    const int64_t r0 = (local % blocks) * layer::kGradRows;
+    const int64_t rows = is_w2 ? d : R, cols = is_w2 ? n : d;
+    const int64_t mb = std::min(layer::kGradRows, rows - r0);
+    const int64_t s0 = off[e], cnt = off[e + 1] - off[e];
+    if (is_w2) {
+      // dW2_e[r, :] = Σ_p dO[t_p, r] A'_p: A is dO gathered by slot, columns r0.. of each row.
+      gemm::gemm_tn(mb, n, cnt, mat(static_cast<const char*>(d_out.data) + r0 * es, dt, d, eti + s0),
+                    mat(a_scaled + s0 * n * es, dt, n), c, n, false, pack);
+    } else {
+      gemm::gemm_tn(mb, d, cnt, mat(dh + (s0 * R + r0) * es, dt, R),
+                    mat(x.data, dt, d, eti + s0), c, d, false, pack);
+    }
+    char* dst = (is_w2 ? dw2 : dw1) + (e * rows + r0) * cols * es;
+    for (int64_t i = 0; i < mb; ++i) gemm::store_row(c + i * cols, cols, dst + i * cols * es, dt);
+  });
+}
+
+namespace layer {
+
+size_t workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode) {
+  (void)mode;  // keep_h and recompute carve the same workspaces (recompute's H is per tile)
+  const int threads = max_threads();
+  const size_t fwd = forward_workspace(cfg, S, threads, nullptr).bytes;
+  const size_t bwd = backward_workspace(cfg, S, threads, nullptr).bytes;
+  return fwd > bwd ? fwd : bwd;
+}
+
+}  // namespace layer
+}  // namespace moeblaze::cpu

@@ -1,0 +1,141 @@
+// Pieces shared by the CPU layer's forward and backward (src/cpu/layer_forward.cpp,
+// src/cpu/layer_backward.cpp) and the public API (src/core/layer_api.cpp): the work
+// decomposition and the one-workspace layouts.
+//
+// Work is decomposed into (expert, slot tile) tasks of kTileM slots. The decomposition depends
+// only on the plan, never on the thread count, and each task writes only its own slots, so the
+// results are bitwise independent of the thread count.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "cpu/gemm_kernels.hpp"
+#include "moeblaze/config.hpp"
+#include "moeblaze/layer.hpp"
+
+namespace moeblaze::cpu::layer {
+
+// Slots per (expert, tile) task: large enough that packing a weight panel (once per task) is a
+// few percent of the task's GEMM work, small enough that cpu-default gives ~64 tasks.
+constexpr int64_t kTileM = 128;
+// Output rows per weight-gradient task: dW_e rows [r0, r0 + kGradRows) summed over all slots of e.
+constexpr int64_t kGradRows = 128;
+
+inline int thread_index() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+inline size_t align64(size_t b) { return (b + 63) / 64 * 64; }
+
+// tile_offsets[e] = number of tiles of experts < e; (E+1,) int64. Returns the total.
+inline int64_t build_tile_offsets(const int32_t* expert_token_offsets, int64_t E,
+                                  int64_t* tile_offsets) {
+  int64_t t = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    tile_offsets[e] = t;
+    const int64_t cnt = expert_token_offsets[e + 1] - expert_token_offsets[e];
+    t += (cnt + kTileM - 1) / kTileM;
+  }
+  tile_offsets[E] = t;
+  return t;
+}
+
+// Expert of task `task` (binary search over the (E+1,) tile offsets; empty experts own no task).
+inline int64_t task_expert(const int64_t* tile_offsets, int64_t E, int64_t task) {
+  int64_t lo = 0, hi = E;  // answer in [lo, hi): tile_offsets[e] <= task < tile_offsets[e+1]
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (tile_offsets[mid] <= task) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// Byte layout of a workspace carved from one Buffer. With base == nullptr only sizes are
+// computed (used by layer_workspace_bytes).
+struct Carver {
+  char* base;
+  size_t used = 0;
+  template <typename T>
+  T* take(size_t count) {
+    T* p = base ? reinterpret_cast<T*>(base + used) : nullptr;
+    used += align64(sizeof(T) * count);
+    return p;
+  }
+};
+
+// Forward workspace: Y (S, d) expert outputs, consumed by the aggregation and freed on return,
+// plus per-thread tile scratch. H (keep_h) is not here: it is kept in SavedForBackward.
+struct ForwardWorkspace {
+  int64_t* tile_offsets = nullptr;  // (E+1,) int64
+  void* y = nullptr;                // (S, d) cfg.dtype, grouped by expert (slot order)
+  float* thread_scratch = nullptr;  // (threads, per_thread) fp32
+  int64_t per_thread = 0;           // floats per thread: pack | Hf (M,R) | Af (M,n) | Yf (M,d)
+  size_t bytes = 0;
+};
+
+inline ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, int threads,
+                                          void* base) {
+  ForwardWorkspace w;
+  Carver c{static_cast<char*>(base)};
+  w.tile_offsets = c.take<int64_t>(static_cast<size_t>(cfg.E + 1));
+  w.y = c.take<char>(static_cast<size_t>(S * cfg.d) * dtype_size(cfg.dtype));
+  w.per_thread = static_cast<int64_t>(
+      align64(sizeof(float) * (gemm::kPackFloats +
+                               kTileM * (cfg.w1_rows() + cfg.n + cfg.d))) / sizeof(float));
+  w.thread_scratch = c.take<float>(static_cast<size_t>(threads * w.per_thread));
+  w.bytes = c.used;
+  return w;
+}
+
+// Backward workspace. Peak for bf16 cpu-default (S = 8192, R = 2n = 1024, d = 256):
+//   dH 16 MiB + A' 8 MiB + dX~ 4 MiB + ds 32 KiB + ~1.5 MiB per-thread scratch ≈ 28 MiB,
+// i.e. S·(R + n + d)·dtype_size + 4·S plus O(threads) scratch; H (keep_h) is the caller's.
+struct BackwardWorkspace {
+  int64_t* tile_offsets = nullptr;  // (E+1,) int64
+  float* ds = nullptr;              // (S,) fp32, grouped by expert: <dA'_p, a_p>
+  void* dh = nullptr;               // (S, R) cfg.dtype, grouped by expert
+  void* a_scaled = nullptr;         // (S, n) cfg.dtype, grouped by expert: A'_p = s_p a_p
+  void* dx_slots = nullptr;         // (S, d) cfg.dtype, grouped by expert: dX~ = dH W1_e
+  float* thread_scratch = nullptr;  // (threads, per_thread) fp32
+  // per thread: pack | Hf (M,R) | dAf (M,n) | dXf (M,d) | a row (n) | dh row (R); the
+  // weight-gradient phase reuses everything after pack as its (kGradRows, max(n, d)) tile.
+  int64_t per_thread = 0;
+  size_t bytes = 0;
+};
+
+inline BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, int threads,
+                                            void* base) {
+  BackwardWorkspace w;
+  Carver c{static_cast<char*>(base)};
+  const size_t ds = dtype_size(cfg.dtype);
+  const int64_t R = cfg.w1_rows();
+  w.tile_offsets = c.take<int64_t>(static_cast<size_t>(cfg.E + 1));
+  w.ds = c.take<float>(static_cast<size_t>(S));
+  w.dh = c.take<char>(static_cast<size_t>(S * R) * ds);
+  w.a_scaled = c.take<char>(static_cast<size_t>(S * cfg.n) * ds);
+  w.dx_slots = c.take<char>(static_cast<size_t>(S * cfg.d) * ds);
+  const int64_t phase1 = kTileM * (R + cfg.n + cfg.d) + cfg.n + R;
+  const int64_t phase3 = kGradRows * (cfg.n > cfg.d ? cfg.n : cfg.d);
+  w.per_thread = static_cast<int64_t>(
+      align64(sizeof(float) * (gemm::kPackFloats + (phase1 > phase3 ? phase1 : phase3))) /
+      sizeof(float));
+  w.thread_scratch = c.take<float>(static_cast<size_t>(threads * w.per_thread));
+  w.bytes = c.used;
+  return w;
+}
+
+// The workspace one CPU layer_forward / layer_backward call allocates for keep_h / recompute
+// (the larger of the two; forward's is never more), for the thread count the calling scope runs
+// with (max_threads(); the per-thread tile scratch is part of it).
+size_t workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode);
+
+}  // namespace moeblaze::cpu::layer

@@ -1,0 +1,101 @@
+// CPU layer forward through the routing plan (DESIGN.md kernels 1-3):
+//   per (expert e, tile of its slots), in parallel:
+//     Hf = X[expert_token_indices[tile]] · W1_eᵀ      gathered rows, fp32 accumulation
+//     (keep_h) H[tile] = Hf stored in cfg.dtype        kept for backward
+//     A  = act(Hf), rounded to cfg.dtype               from the fp32 Hf, as the GPU epilogue does
+//     Y[tile] = A · W2_eᵀ stored in cfg.dtype          transient (S, d)
+//   per token t, in parallel:  o_t = Σ_{pairs p of t, in pair order} s_p · Y[token_index_map[p]]
+// No (S, d) copy of x is made: each task gathers its rows while packing the GEMM operand.
+#include <cstring>
+
+#include "core/parallel.hpp"
+#include "cpu/activation.hpp"
+#include "cpu/cpu_backend.hpp"
+#include "cpu/gemm_kernels.hpp"
+#include "cpu/layer_common.hpp"
+
+namespace moeblaze::cpu {
+
+using gemm::mat;
+
+void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
+                   const TensorView& w1, const TensorView& w2, const TensorView& out,
+                   SavedForBackward& saved, const LayerOptions& opts) {
+  const RoutingPlanView pv = plan.view();
+  const int64_t T = cfg.T, d = cfg.d, n = cfg.n, E = cfg.E, R = cfg.w1_rows(), S = pv.S;
+  const DType dt = cfg.dtype;
+  const size_t es = dtype_size(dt);
+  const Activation act = cfg.activation;
+  const bool keep_h = opts.mode == LayerMode::keep_h;
+
+  // Release the previous contents first, so that they never coexist with the new H.
+  saved = SavedForBackward();
+  if (keep_h) saved.h = Buffer(Device::cpu, static_cast<size_t>(S * R) * es);  // (S, R) cfg.dtype
+
+  const int threads = max_threads();
+  const layer::ForwardWorkspace sizes = layer::forward_workspace(cfg, S, threads, nullptr);
+  Buffer ws_buf(Device::cpu, sizes.bytes);
+  const layer::ForwardWorkspace ws = layer::forward_workspace(cfg, S, threads, ws_buf.data());
+
+  const int32_t* off = pv.expert_token_offsets;  // (E+1,)
+  const int32_t* eti = pv.expert_token_indices;  // (S,) token of each slot
+  const int64_t tasks = layer::build_tile_offsets(off, E, ws.tile_offsets);
+  const char* w1p = static_cast<const char*>(w1.data);
+  const char* w2p = static_cast<const char*>(w2.data);
+  char* y = static_cast<char*>(ws.y);  // (S, d) cfg.dtype
+  char* h_keep = saved.h.as<char>();   // (S, R) cfg.dtype or null (recompute)
+
+  parallel_for(0, tasks, 1, [&](int64_t task) {
+    const int64_t e = layer::task_expert(ws.tile_offsets, E, task);
+    const int64_t slot0 = off[e] + (task - ws.tile_offsets[e]) * layer::kTileM;
+    const int64_t m = std::min<int64_t>(layer::kTileM, off[e + 1] - slot0);
+    float* scratch = ws.thread_scratch + layer::thread_index() * ws.per_thread;
+    float* pack = scratch;                      // gemm::kPackFloats
+    float* hf = pack + gemm::kPackFloats;       // (m, R) fp32
+    float* af = hf + layer::kTileM * R;         // (m, n) fp32 holding cfg.dtype-rounded values
+    float* yf = af + layer::kTileM * n;         // (m, d) fp32
+
+    gemm::gemm_nt(m, R, d, mat(x.data, dt, d, eti + slot0),
+                  mat(w1p + e * R * d * es, dt, d), hf, R, false, pack);
+    for (int64_t i = 0; i < m; ++i) {
+      const float* hrow = hf + i * R;
+      if (h_keep) gemm::store_row(hrow, R, h_keep + (slot0 + i) * R * es, dt);
+      float* arow = af + i * n;
+      activation_row(act, hrow, n, arow);
+      if (dt == DType::bf16)
+        for (int64_t j = 0; j < n; ++j) arow[j] = round_to_bf16(arow[j]);
+    }
+    gemm::gemm_nt(m, d, n, mat(af, DType::f32, n), mat(w2p + e * d * n * es, dt, n), yf, d,
+                  false, pack);
+    for (int64_t i = 0; i < m; ++i) gemm::store_row(yf + i * d, d, y + (slot0 + i) * d * es, dt);
+  });
+
+  // Aggregation: each output row is owned by one token, summed in its pair order.
+  const int32_t* tpo = pv.token_pair_offsets;  // (T+1,)
+  const int32_t* tim = pv.token_index_map;     // (S,) slot of each pair, token-major
+  const float* sw = pv.slot_weights;           // (S,) fp32
+  char* o = static_cast<char*>(out.data);      // (T, d) cfg.dtype
+  parallel_for(0, T, 64, [&](int64_t t) {
+    float* acc = ws.thread_scratch + layer::thread_index() * ws.per_thread;  // (d,) fp32
+    std::memset(acc, 0, sizeof(float) * d);
+    for (int64_t p = tpo[t]; p < tpo[t + 1]; ++p) {
+      const int64_t slot = tim[p];
+      const float s = sw[slot];
+      const char* yrow = y + slot * d * es;
+      if (dt == DType::bf16) {
+        const uint16_t* yr = reinterpret_cast<const uint16_t*>(yrow);
+        for (int64_t j = 0; j < d; ++j) acc[j] += s * bf16::to_float(yr[j]);
+      } else {
+        const float* yr = reinterpret_cast<const float*>(yrow);
+        for (int64_t j = 0; j < d; ++j) acc[j] += s * yr[j];
+      }
+    }
+    gemm::store_row(acc, d, o + t * d * es, dt);
+  });
+
+  saved.mode_ = opts.mode;
+  saved.S_ = S;
+  saved.valid_ = true;
+}
+
+}  // namespace moeblaze::cpu

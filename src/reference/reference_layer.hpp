@@ -1,0 +1,56 @@
+// A float64 reference of the MoE layer, computed directly from DESIGN.md's math: dense loops per
+// routing pair, no routing plan, no tiling, no threads, its own activation formulas (not the
+// backend's). It is the yardstick for the CPU and GPU layers and the `moeblaze` command's error
+// column; its backward is checked against central finite differences of its own forward.
+//
+// The routing is given as pairs (CSR over tokens, routing.hpp's convention):
+//   pair_offsets (T+1,) int32, pair_experts (P,) int32, pair_weights (P,) float64
+// and for every pair p = (t, e, s):
+//   h = W1_e x_t;  a = act(h) (gated: f(g) * u);  y = W2_e a;  o_t += s * y
+//   backward from do_t:  da' = W2_eᵀ do_t;  d_pair_weights[p] = <da', a>;  da = s da'
+//                        dh = act'(h, da);  dx_t += W1_eᵀ dh;  dW1_e += dh x_tᵀ;
+//                        dW2_e += s do_t aᵀ
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "moeblaze/config.hpp"
+#include "moeblaze/routing.hpp"
+#include "moeblaze/tensor.hpp"
+
+namespace moeblaze::reference {
+
+struct LayerReference {
+  std::vector<double> out;             // (T, d)
+  std::vector<double> dx;              // (T, d)        empty when no d_out was given
+  std::vector<double> dw1;             // (E, w1_rows, d)
+  std::vector<double> dw2;             // (E, d, n)
+  std::vector<double> d_pair_weights;  // (P,) token-major, like the routing
+};
+
+// float64 inputs, row-major: x (T, d), w1 (E, w1_rows, d), w2 (E, d, n), d_out (T, d) or null
+// (forward only). Uses cfg.T, d, n, E, activation; cfg.dtype and cfg.K are ignored (P comes
+// from pair_offsets[T]). Throws InvalidArgument on an expert id outside [0, E).
+LayerReference reference_layer(const LayerConfig& cfg, const int32_t* pair_offsets,
+                               const int32_t* pair_experts, const double* pair_weights,
+                               const double* x, const double* w1, const double* w2,
+                               const double* d_out);
+
+// The same from a routing and fp32/bf16/fp64 host tensors (widened exactly). d_out may be a
+// default-constructed TensorView (rank 0): forward only.
+LayerReference reference_layer(const LayerConfig& cfg, const RoutingView& routing,
+                               const TensorView& x, const TensorView& w1, const TensorView& w2,
+                               const TensorView& d_out);
+
+// Loss used by finite-difference checks: L = Σ_t <d_out_t, o_t> (so dL/d(anything) is exactly
+// what reference_layer's backward returns for that d_out).
+double reference_loss(const LayerConfig& cfg, const int32_t* pair_offsets,
+                      const int32_t* pair_experts, const double* pair_weights, const double* x,
+                      const double* w1, const double* w2, const double* d_out);
+
+// The activation in float64 (f and f' of config.hpp's activations; gelu is the exact erf form).
+double activation_f(Activation act, double v);
+double activation_df(Activation act, double v);
+
+}  // namespace moeblaze::reference
