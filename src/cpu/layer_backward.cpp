@@ -54,7 +54,8 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   char* dx_slots = static_cast<char*>(ws.dx_slots);  // (S, d) cfg.dtype
 
   // ---- phase 1: per (expert, tile) ----
-  parallel_for(0, tasks, 1, [&](int64_t task) {
+  const double flops = backward_flops(cfg, S);
+  layer::run_tasks(tasks, 1, flops, [&](int64_t task) {
     const int64_t e = layer::task_expert(ws.tile_offsets, E, task);
     const int64_t slot0 = off[e] + (task - ws.tile_offsets[e]) * layer::kTileM;
     const int64_t m = std::min<int64_t>(layer::kTileM, off[e + 1] - slot0);
@@ -105,7 +106,7 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   const int32_t* tim = pv.token_index_map;     // (S,) slot of each pair, token-major
   char* dx = static_cast<char*>(grads.dx.data);  // (T, d) cfg.dtype
   float* dpw = grads.d_pair_weights.as<float>(); // (S,) fp32, token-major
-  parallel_for(0, T, 64, [&](int64_t t) {
+  layer::run_tasks(T, 64, double(S) * double(d), [&](int64_t t) {
     float* acc = ws.thread_scratch + layer::thread_index() * ws.per_thread;  // (d,) fp32
     std::memset(acc, 0, sizeof(float) * d);
     for (int64_t p = tpo[t]; p < tpo[t + 1]; ++p) {
@@ -129,7 +130,7 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   const int64_t b1 = (R + layer::kGradRows - 1) / layer::kGradRows;
   char* dw1 = static_cast<char*>(grads.dw1.data);  // (E, R, d) cfg.dtype
   char* dw2 = static_cast<char*>(grads.dw2.data);  // (E, d, n) cfg.dtype
-  parallel_for(0, E * (b1 + b2), 1, [&](int64_t task) {
+  layer::run_tasks(E * (b1 + b2), 1, flops, [&](int64_t task) {
     float* pack = ws.thread_scratch + layer::thread_index() * ws.per_thread;
     float* c = pack + gemm::kPackFloats;  // (kGradRows, n or d) fp32
     const bool is_w2 = task < E * b2;

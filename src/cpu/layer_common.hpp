@@ -14,6 +14,7 @@
 #include <omp.h>
 #endif
 
+#include "core/parallel.hpp"
 #include "cpu/gemm_kernels.hpp"
 #include "moeblaze/config.hpp"
 #include "moeblaze/layer.hpp"
@@ -57,6 +58,18 @@ inline int64_t task_expert(const int64_t* tile_offsets, int64_t E, int64_t task)
     if (tile_offsets[mid] <= task) lo = mid; else hi = mid;
   }
   return lo;
+}
+
+// parallel_for, except that work too small to pay for waking the thread team (a few
+// microseconds, far more when the machine is oversubscribed) runs on the calling thread. Which
+// thread runs a task never changes its result.
+template <typename Fn>
+void run_tasks(int64_t count, int64_t grain, double flops, const Fn& fn) {
+  if (count <= grain || flops < 4.0e6) {
+    for (int64_t i = 0; i < count; ++i) fn(i);
+  } else {
+    parallel_for(0, count, grain, fn);
+  }
 }
 
 // Byte layout of a workspace carved from one Buffer. With base == nullptr only sizes are

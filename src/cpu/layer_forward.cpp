@@ -45,7 +45,8 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
   char* y = static_cast<char*>(ws.y);  // (S, d) cfg.dtype
   char* h_keep = saved.h.as<char>();   // (S, R) cfg.dtype or null (recompute)
 
-  parallel_for(0, tasks, 1, [&](int64_t task) {
+  const double flops = forward_flops(cfg, S);
+  layer::run_tasks(tasks, 1, flops, [&](int64_t task) {
     const int64_t e = layer::task_expert(ws.tile_offsets, E, task);
     const int64_t slot0 = off[e] + (task - ws.tile_offsets[e]) * layer::kTileM;
     const int64_t m = std::min<int64_t>(layer::kTileM, off[e + 1] - slot0);
@@ -75,7 +76,7 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
   const int32_t* tim = pv.token_index_map;     // (S,) slot of each pair, token-major
   const float* sw = pv.slot_weights;           // (S,) fp32
   char* o = static_cast<char*>(out.data);      // (T, d) cfg.dtype
-  parallel_for(0, T, 64, [&](int64_t t) {
+  layer::run_tasks(T, 64, 2.0 * double(S) * double(d), [&](int64_t t) {
     float* acc = ws.thread_scratch + layer::thread_index() * ws.per_thread;  // (d,) fp32
     std::memset(acc, 0, sizeof(float) * d);
     for (int64_t p = tpo[t]; p < tpo[t + 1]; ++p) {
