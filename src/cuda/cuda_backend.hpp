@@ -98,3 +98,32 @@ void throw_if_routing_flags(const int32_t* h_flags, const RoutingView& routing);
 void build_routing_plan(const RoutingView& routing, PlanBuilder builder, RoutingPlan& plan);
 
 }  // namespace moeblaze::cuda
+
+// ---- routers and token rounding (src/cuda/routing/router_*.cu, token_rounding.cu) ----
+// Weights and selection reproduce the CPU backend bit for bit (same fp32 operation order, an
+// exp equal to the CPU's expf); ids are bit-identical, weights equal (tested within 1 ulp).
+namespace moeblaze::cuda {
+
+// Router forward without host synchronisation (graph-capturable): `out` allocated on the GPU with
+// (T, E, P = T*K); workspace of route_workspace_bytes; d_losses (2,) double on the device
+// receives {aux_loss, z_loss} (0 when the coefficient is 0); non-finite logits or bias raise
+// d_flags[kFlagNonFinite].
+size_t route_workspace_bytes(const RouterConfig& cfg, int64_t T, int64_t E);
+void route_async(const RouterConfig& cfg, const TensorView& logits, const TensorView& bias,
+                 Routing& out, void* workspace, double* d_losses, int32_t* d_flags,
+                 cudaStream_t stream);
+
+// The public API's GPU paths (arguments already checked by src/core/routing_api.cpp). Each runs
+// on the default stream and synchronises once at the end to read its flags (and the losses, or
+// token rounding's pair count); bad values throw InvalidArgument with the CPU's message and leave
+// the outputs untouched.
+RouterLosses route(const RouterConfig& cfg, const TensorView& logits, const TensorView& bias,
+                   Routing& out);
+void router_backward(const RouterConfig& cfg, const TensorView& logits, const TensorView& bias,
+                     const RoutingView& routing, const TensorView& d_pair_weights,
+                     const TensorView& d_logits);
+void token_round(const RouterConfig& router, const TokenRoundingConfig& cfg,
+                 const TensorView& logits, const TensorView& bias, const RoutingView& topk,
+                 Routing& out);
+
+}  // namespace moeblaze::cuda
