@@ -89,6 +89,11 @@ void router_backward(const RouterConfig& cfg, const TensorView& logits, const Te
 // set (softmax_topk: p_e, renormalised over the token's pairs if cfg.renormalize; topk_softmax:
 // softmax over the token's pair logits; sigmoid_bias: s_e, likewise), so router_backward
 // applies unchanged. A token may end with zero pairs (its output is then zero).
+// Target count per expert (as SonicMoE's reference): NR-f rounds c/m_tile half-to-even (like
+// torch.round); SR-f rounds up iff a counter-based draw of (seed, expert) in [0, m_tile) is below
+// c mod m_tile (src/cpu/token_rounding.cpp: sr_draw); the target is then clamped to [0, T], so an
+// expert whose rounded-up target exceeds T takes all T tokens. Scores: softmax probability
+// (softmax_topk), logit (topk_softmax), sigmoid + bias (sigmoid_bias); ties → lower token id.
 void token_round(const RouterConfig& router, const TokenRoundingConfig& cfg,
                  const TensorView& logits, const TensorView& bias, const RoutingView& topk,
                  Routing& out);
