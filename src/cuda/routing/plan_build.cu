@@ -1,0 +1,363 @@
+// The atomic-free routing-plan build on the GPU (MoEBlaze §4.2 without the dense (T, E) map).
+//
+// Pairs (token-major CSR) are cut into tiles of `tile_pairs` consecutive pairs; a block owns a
+// tile and each of its warps a contiguous run of 32·steps pairs inside it.
+//   1. count:   every block counts its tile's pairs per expert (per-warp counters in shared
+//               memory, peers found with __match_any_sync, one leader lane per expert updates
+//               its warp's counter: no two lanes ever write one counter in the same step) and
+//               writes the tile's column of counts (E·tiles + 1,) int32, expert-major. It also
+//               copies pair_offsets into the plan and checks them.
+//   2. scan:    one exclusive scan (CUB DeviceScan, integers: exact) over the expert-major
+//               counts gives every (expert, tile) its first slot; entry E·tiles is the total.
+//   3. scatter: every block recounts per warp, turns the counts into per-warp first slots, and
+//               each pair writes its own slot = first slot of (expert, warp) + its rank among
+//               the earlier pairs of the warp with the same expert (popc of the peer mask).
+// Slots inside an expert therefore follow the pair order, which is the token order: the plan
+// is a function of the routing alone (bit-identical to the CPU builders). No atomics, no host
+// synchronisation (the counts never leave the device), no allocation: capturable in a graph.
+#include <cub/device/device_scan.cuh>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/cuda_backend.hpp"
+#include "cuda/routing/plan_build.hpp"
+#include "cuda/routing/routing_device.cuh"
+#include "moeblaze/error.hpp"
+
+namespace moeblaze::cuda {
+namespace {
+
+using detail::kFullMask;
+using detail::raise_flag;
+
+constexpr int kUnroll = 8;  // warp steps whose loads are issued together
+
+// Counts the pairs [begin, begin + 32*steps) ∩ [.., end) into this warp's counters cnt (E,).
+// Ids come from `ids` indexed relative to `ids_base` (global memory or the block's smem copy).
+// Out-of-range ids are skipped (the scatter skips them the same way, so counts and slots agree)
+// and raise kFlagExpertOutOfRange when `flags` is given.
+__device__ __forceinline__ void warp_count(const int32_t* ids, int64_t ids_base, int64_t begin,
+                                           int64_t end, int steps, int E, int32_t* cnt,
+                                           int32_t* flags) {
+  const int lane = threadIdx.x & 31;
+  for (int s0 = 0; s0 < steps; s0 += kUnroll) {
+    if (begin + int64_t(s0) * 32 >= end) break;  // warp-uniform
+    int32_t key[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t p = begin + int64_t(s0 + u) * 32 + lane;
+      const bool in = s0 + u < steps && p < end;
+      const int32_t e = in ? ids[p - ids_base] : -1;
+      const bool ok = e >= 0 && e < E;
+      if (in && !ok) raise_flag(flags, kFlagExpertOutOfRange);
+      key[u] = ok ? e : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (s0 + u >= steps || begin + int64_t(s0 + u) * 32 >= end) break;  // warp-uniform
+      const unsigned peers = __match_any_sync(kFullMask, key[u]);
+      if (key[u] >= 0 && lane == __ffs(peers) - 1) cnt[key[u]] += __popc(peers);
+      __syncwarp();
+    }
+  }
+}
+
+// Copies pair_offsets into the plan, checks 0 = off[0] <= ... <= off[T] = P, and clears
+// `*uniform_ok` if some off[t] != t*K0 (the scatter then looks tokens up by binary search).
+__device__ void copy_check_offsets(const int32_t* __restrict__ pair_offsets, int64_t T, int64_t P,
+                                   int32_t K0, int32_t* __restrict__ out_offsets,
+                                   int32_t* __restrict__ nonuniform, int32_t* __restrict__ flags) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t <= T; t += stride) {
+    const int32_t o = pair_offsets[t];
+    out_offsets[t] = o;
+    if ((t == 0 && o != 0) || (t == T && o != P) || (t > 0 && pair_offsets[t - 1] > o))
+      raise_flag(flags, kFlagBadOffsets);
+    if (int64_t(o) != t * K0) *nonuniform = 1;
+  }
+}
+
+template <int kWarps>
+__global__ void __launch_bounds__(kWarps * 32)
+plan_count_kernel(const int32_t* __restrict__ pair_experts,  // (P,) int32, token-major
+                  const int32_t* __restrict__ pair_offsets,  // (T+1,) int32
+                  int64_t T, int64_t P, int E, int steps, int tiles, int32_t K0,
+                  int32_t* __restrict__ counts,              // (E*tiles + 1,) int32, expert-major
+                  int32_t* __restrict__ token_pair_offsets,  // (T+1,) int32, plan's copy
+                  int32_t* __restrict__ nonuniform,          // (1,) int32, cleared by the host
+                  int32_t* __restrict__ flags) {             // (kRoutingFlagCount,) int32
+  extern __shared__ int32_t s_cnt[];                         // (kWarps, E) int32
+  copy_check_offsets(pair_offsets, T, P, K0, token_pair_offsets, nonuniform, flags);
+  if (blockIdx.x == 0 && threadIdx.x == 0) counts[int64_t(E) * tiles] = 0;
+  if (int(blockIdx.x) >= tiles) return;
+
+  const int w = threadIdx.x >> 5;
+  const int64_t tile_pairs = int64_t(kWarps) * 32 * steps;
+  const int64_t tile_begin = int64_t(blockIdx.x) * tile_pairs;
+  const int64_t tile_end = min(P, tile_begin + tile_pairs);
+  for (int i = threadIdx.x; i < kWarps * E; i += blockDim.x) s_cnt[i] = 0;
+  __syncthreads();
+  const int64_t wbegin = tile_begin + int64_t(w) * 32 * steps;
+  warp_count(pair_experts, 0, wbegin, tile_end, steps, E, s_cnt + w * E, flags);
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int32_t c = 0;
+#pragma unroll
+    for (int v = 0; v < kWarps; ++v) c += s_cnt[v * E + e];
+    counts[int64_t(e) * tiles + blockIdx.x] = c;
+  }
+}
+
+template <int kWarps>
+__global__ void __launch_bounds__(kWarps * 32)
+plan_scatter_kernel(const int32_t* __restrict__ pair_experts,  // (P,) int32, token-major
+                    const float* __restrict__ pair_weights,    // (P,) fp32, token-major
+                    const int32_t* __restrict__ pair_offsets,  // (T+1,) int32
+                    int64_t T, int64_t P, int E, int steps, int tiles, int32_t K0,
+                    const int32_t* __restrict__ bases,  // (E*tiles + 1,) first slot of (e, tile)
+                    const int32_t* __restrict__ nonuniform,            // (1,) int32
+                    int32_t* __restrict__ expert_token_offsets,        // (E+1,) int32
+                    int32_t* __restrict__ expert_token_indices,        // (S,) int32, by expert
+                    float* __restrict__ slot_weights,                  // (S,) fp32, by expert
+                    int32_t* __restrict__ token_expert_indices,        // (S,) int32, token-major
+                    int32_t* __restrict__ token_index_map,             // (S,) int32, token-major
+                    int32_t* __restrict__ flags) {                     // (kRoutingFlagCount,)
+  extern __shared__ int32_t smem[];
+  int32_t* s_cnt = smem;                   // (kWarps, E) int32: counts, then running first slots
+  int32_t* s_ids = smem + kWarps * E;      // (tile_pairs,) int32: the tile's expert ids
+  __shared__ int32_t s_tok[2];             // token range of the tile (non-uniform CSR only)
+
+  if (blockIdx.x == 0)
+    for (int e = threadIdx.x; e <= E; e += blockDim.x)
+      expert_token_offsets[e] = bases[int64_t(e) * tiles];
+  if (int(blockIdx.x) >= tiles) return;
+
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int64_t tile_pairs = int64_t(kWarps) * 32 * steps;
+  const int64_t tile_begin = int64_t(blockIdx.x) * tile_pairs;
+  const int64_t tile_end = min(P, tile_begin + tile_pairs);
+  const bool uniform = K0 > 0 && *nonuniform == 0;
+
+  for (int i = threadIdx.x; i < kWarps * E; i += blockDim.x) s_cnt[i] = 0;
+  for (int64_t p = tile_begin + threadIdx.x; p < tile_end; p += blockDim.x) {
+    const int32_t e = __ldg(pair_experts + p);
+    s_ids[p - tile_begin] = e;
+    token_expert_indices[p] = e;
+  }
+  if (!uniform && threadIdx.x == 0) {
+    const int32_t hi = T > 0 ? int32_t(T - 1) : 0;
+    s_tok[0] = detail::token_of_pair_search(pair_offsets, int32_t(tile_begin), 0, hi);
+    s_tok[1] = detail::token_of_pair_search(pair_offsets, int32_t(tile_end - 1), 0, hi);
+  }
+  __syncthreads();
+
+  const int64_t wbegin = tile_begin + int64_t(w) * 32 * steps;
+  warp_count(s_ids, tile_begin, wbegin, tile_end, steps, E, s_cnt + w * E, nullptr);
+  __syncthreads();
+  // Counts → first slot of each (expert, warp): the tile's base plus the earlier warps' counts.
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int32_t run = bases[int64_t(e) * tiles + blockIdx.x];
+#pragma unroll
+    for (int v = 0; v < kWarps; ++v) {
+      const int32_t c = s_cnt[v * E + e];
+      s_cnt[v * E + e] = run;
+      run += c;
+    }
+  }
+  __syncthreads();
+
+  int32_t* cnt = s_cnt + w * E;
+  const int32_t tok_lo = uniform ? 0 : s_tok[0], tok_hi = uniform ? 0 : s_tok[1];
+  for (int s = 0; s < steps; ++s) {
+    const int64_t p = wbegin + int64_t(s) * 32 + lane;
+    if (wbegin + int64_t(s) * 32 >= tile_end) break;  // warp-uniform
+    const bool in = p < tile_end;
+    const int32_t e = in ? s_ids[p - tile_begin] : -1;
+    const bool ok = e >= 0 && e < E;
+    const int32_t key = ok ? e : -1;
+    const unsigned peers = __match_any_sync(kFullMask, key);
+    const int32_t first = ok ? cnt[key] : 0;
+    __syncwarp();
+    if (ok && lane == __ffs(peers) - 1) cnt[key] = first + __popc(peers);
+    __syncwarp();
+    if (!in) continue;
+
+    const int32_t pp = int32_t(p);
+    int32_t t, tstart;
+    if (uniform) {
+      t = pp / K0;
+      tstart = t * K0;
+    } else {
+      t = detail::token_of_pair_search(pair_offsets, pp, tok_lo, tok_hi);
+      tstart = __ldg(pair_offsets + t);
+    }
+    // A repeated expert inside a token: compare with the token's earlier pairs.
+    bool repeated = false;
+    for (int64_t q = max(int64_t(tstart), tile_begin); q < p && !repeated; ++q)
+      repeated = s_ids[q - tile_begin] == e;
+    for (int64_t q = tstart; q < min(tile_begin, p) && !repeated; ++q)
+      repeated = __ldg(pair_experts + q) == e;
+    if (repeated) raise_flag(flags, kFlagExpertRepeated);
+
+    const float wgt = __ldg(pair_weights + p);
+    if (!isfinite(wgt)) raise_flag(flags, kFlagNonFinite);
+    if (ok) {
+      const int32_t slot = first + __popc(peers & detail::lanemask_lt());
+      expert_token_indices[slot] = t;
+      slot_weights[slot] = wgt;
+      token_index_map[p] = slot;
+    } else {
+      token_index_map[p] = -1;
+    }
+  }
+}
+
+int num_sms() {
+  static const int n = [] {
+    int dev = 0, sms = 0;
+    MOEBLAZE_CUDA_CHECK(cudaGetDevice(&dev));
+    MOEBLAZE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    return sms;
+  }();
+  return n;
+}
+
+int max_smem_optin() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    MOEBLAZE_CUDA_CHECK(cudaGetDevice(&dev));
+    MOEBLAZE_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    return v;
+  }();
+  return n;
+}
+
+template <int kWarps>
+void raise_smem_limits() {
+  // Once per process: the scatter of large E needs more than the default 48 KB.
+  static const bool done = [] {
+    const int lim = max_smem_optin();
+    MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(plan_count_kernel<kWarps>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, lim));
+    MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(plan_scatter_kernel<kWarps>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, lim));
+    return true;
+  }();
+  (void)done;
+}
+
+size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
+
+size_t scan_temp_bytes(int64_t n) {
+  size_t bytes = 0;
+  MOEBLAZE_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, bytes, static_cast<int32_t*>(nullptr),
+                                                    static_cast<int32_t*>(nullptr), int(n)));
+  return bytes;
+}
+
+// Workspace: [nonuniform hint (1,)] [counts (E*tiles+1,)] [bases (E*tiles+1,)] [CUB scan temp].
+struct AtomicFreeLayout {
+  size_t hint = 0, counts = 0, bases = 0, temp = 0, temp_bytes = 0, total = 0;
+};
+AtomicFreeLayout atomic_free_layout(const PlanTiling& tl, int64_t E) {
+  AtomicFreeLayout l;
+  const int64_t n = E * tl.tiles + 1;
+  l.hint = 0;
+  l.counts = align_up(sizeof(int32_t));
+  l.bases = l.counts + align_up(sizeof(int32_t) * size_t(n));
+  l.temp = l.bases + align_up(sizeof(int32_t) * size_t(n));
+  l.temp_bytes = scan_temp_bytes(n);
+  l.total = l.temp + align_up(l.temp_bytes);
+  return l;
+}
+
+}  // namespace
+
+PlanTiling plan_tiling(int64_t P, int64_t E, int tile_steps) {
+  PlanTiling tl;
+  // Per-warp counters live in shared memory beside the tile's ids: 8 warps while E allows it,
+  // one warp for very many experts.
+  const int64_t smem_cap = max_smem_optin();
+  tl.warps = (8 * E + 8 * 32 * 4) * 4 <= smem_cap ? 8 : 1;
+  MOEBLAZE_UNSUPPORTED_IF((E + 32 * 4) * 4 > smem_cap, "num_experts E (", E,
+                          ") is too large for the GPU atomic-free plan builder (per-expert "
+                          "counters must fit in shared memory); use PlanBuilder::sort");
+  int steps = tile_steps;
+  if (steps <= 0) {
+    // Enough pairs per tile that the (E, tiles) counts stay small next to the plan (about
+    // 16 pairs per counter), fewer when that would leave SMs idle.
+    steps = int(std::min<int64_t>(32, std::max<int64_t>(4, (16 * E + 255) / 256)));
+    const int64_t want_tiles = 2 * int64_t(num_sms());
+    while (steps > 4 && (P + 256 * steps - 1) / (256 * int64_t(steps)) < want_tiles) steps /= 2;
+  }
+  steps = std::max(1, std::min(64, steps));
+  // Keep the tile's ids plus counters inside shared memory.
+  while (steps > 1 && (int64_t(tl.warps) * E + int64_t(tl.warps) * 32 * steps) * 4 > smem_cap)
+    steps /= 2;
+  tl.steps = steps;
+  tl.tile_pairs = int64_t(tl.warps) * 32 * steps;
+  tl.tiles = (P + tl.tile_pairs - 1) / tl.tile_pairs;
+  tl.smem_count = size_t(tl.warps) * size_t(E) * 4;
+  tl.smem_scatter = tl.smem_count + size_t(tl.tile_pairs) * 4;
+  return tl;
+}
+
+size_t atomic_free_workspace_bytes(int64_t T, int64_t E, int64_t P, const PlanBuildOptions& o) {
+  (void)T;
+  return atomic_free_layout(plan_tiling(P, E, o.tile_steps), E).total;
+}
+
+void build_plan_atomic_free_async(const RoutingView& r, RoutingPlan& plan, void* workspace,
+                                  size_t workspace_bytes, int32_t* d_flags, cudaStream_t stream,
+                                  const PlanBuildOptions& o) {
+  const int64_t T = r.T, P = r.P;
+  const int E = int(r.E);
+  const PlanTiling tl = plan_tiling(P, E, o.tile_steps);
+  const AtomicFreeLayout l = atomic_free_layout(tl, E);
+  MOEBLAZE_REQUIRE(workspace_bytes >= l.total, "workspace (", workspace_bytes,
+                   " bytes) is smaller than the atomic-free plan build needs (", l.total, ")");
+  char* ws = static_cast<char*>(workspace);
+  int32_t* hint = reinterpret_cast<int32_t*>(ws + l.hint);      // (1,) non-uniform CSR
+  int32_t* counts = reinterpret_cast<int32_t*>(ws + l.counts);  // (E*tiles+1,) expert-major
+  int32_t* bases = reinterpret_cast<int32_t*>(ws + l.bases);    // (E*tiles+1,) first slots
+  void* temp = ws + l.temp;
+  // Pairs per token when the CSR is plain top-K (checked on the device).
+  const int32_t K0 = (T > 0 && P % T == 0) ? int32_t(P / T) : 0;
+  const int tiles = int(tl.tiles);
+  const int threads = tl.warps * 32;
+  const int64_t offset_blocks = (T + 1 + threads - 1) / threads;
+  const int count_grid = int(std::max<int64_t>({int64_t(tiles), std::min<int64_t>(offset_blocks, 4 * 1024), 1}));
+
+  MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(hint, 0, sizeof(int32_t), stream));
+  if (tl.warps == 8) {
+    raise_smem_limits<8>();
+    plan_count_kernel<8><<<count_grid, threads, tl.smem_count, stream>>>(
+        r.pair_experts, r.pair_offsets, T, P, E, tl.steps, tiles, K0, counts,
+        plan.token_pair_offsets(), hint, d_flags);
+  } else {
+    raise_smem_limits<1>();
+    plan_count_kernel<1><<<count_grid, threads, tl.smem_count, stream>>>(
+        r.pair_experts, r.pair_offsets, T, P, E, tl.steps, tiles, K0, counts,
+        plan.token_pair_offsets(), hint, d_flags);
+  }
+  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+  size_t temp_bytes = l.temp_bytes;
+  MOEBLAZE_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp, temp_bytes, counts, bases,
+                                                    int(int64_t(E) * tiles + 1), stream));
+  const int scatter_grid = std::max(tiles, 1);
+  if (tl.warps == 8) {
+    plan_scatter_kernel<8><<<scatter_grid, threads, tl.smem_scatter, stream>>>(
+        r.pair_experts, r.pair_weights, r.pair_offsets, T, P, E, tl.steps, tiles, K0, bases, hint,
+        plan.expert_token_offsets(), plan.expert_token_indices(), plan.slot_weights(),
+        plan.token_expert_indices(), plan.token_index_map(), d_flags);
+  } else {
+    plan_scatter_kernel<1><<<scatter_grid, threads, tl.smem_scatter, stream>>>(
+        r.pair_experts, r.pair_weights, r.pair_offsets, T, P, E, tl.steps, tiles, K0, bases, hint,
+        plan.expert_token_offsets(), plan.expert_token_indices(), plan.slot_weights(),
+        plan.token_expert_indices(), plan.token_index_map(), d_flags);
+  }
+  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace moeblaze::cuda
