@@ -9,6 +9,9 @@
 #include "cpu/cpu_backend.hpp"
 #include "moeblaze/error.hpp"
 #include "moeblaze/routing.hpp"
+#ifdef MOEBLAZE_WITH_CUDA
+#include "cuda/cuda_backend.hpp"
+#endif
 
 namespace moeblaze {
 namespace {
@@ -124,6 +127,9 @@ RouterLosses route(const RouterConfig& cfg, const TensorView& logits, const Tens
   MOEBLAZE_REQUIRE(logits.dim(0) * cfg.top_k < (int64_t(1) << 31), "T*top_k (",
                    logits.dim(0) * cfg.top_k, ") exceeds the int32 index range of a routing");
   if (logits.device == Device::cpu) return cpu::route(cfg, logits, bias, out);
+#ifdef MOEBLAZE_WITH_CUDA
+  if (logits.device == Device::cuda) return cuda::route(cfg, logits, bias, out);
+#endif
   no_backend("logits", logits.device, "router");
 }
 
@@ -193,6 +199,12 @@ void router_backward(const RouterConfig& cfg, const TensorView& logits, const Te
     cpu::router_backward(cfg, logits, bias, routing, d_pair_weights, d_logits);
     return;
   }
+#ifdef MOEBLAZE_WITH_CUDA
+  if (logits.device == Device::cuda) {
+    cuda::router_backward(cfg, logits, bias, routing, d_pair_weights, d_logits);
+    return;
+  }
+#endif
   no_backend("logits", logits.device, "router backward");
 }
 
@@ -213,6 +225,12 @@ void token_round(const RouterConfig& router, const TokenRoundingConfig& cfg,
     cpu::token_round(router, cfg, logits, bias, topk, out);
     return;
   }
+#ifdef MOEBLAZE_WITH_CUDA
+  if (logits.device == Device::cuda) {
+    cuda::token_round(router, cfg, logits, bias, topk, out);
+    return;
+  }
+#endif
   no_backend("logits", logits.device, "token rounding");
 }
 

@@ -10,6 +10,9 @@
 #include "cpu/cpu_backend.hpp"
 #include "moeblaze/error.hpp"
 #include "moeblaze/routing_plan.hpp"
+#ifdef MOEBLAZE_WITH_CUDA
+#include "cuda/cuda_backend.hpp"
+#endif
 
 namespace moeblaze {
 namespace {
@@ -120,6 +123,11 @@ void build_routing_plan(const RoutingView& routing, PlanBuilder builder, Routing
       cpu::build_plan_atomic_free(routing, plan);
     else
       cpu::build_plan_sort(routing, plan);
+#ifdef MOEBLAZE_WITH_CUDA
+  } else if (routing.device == Device::cuda) {
+    // Values are checked on the device (flags read back once); `plan` is untouched on error.
+    cuda::build_routing_plan(routing, builder, plan);
+#endif
   } else {
     throw Unsupported(detail::concat("build_routing_plan: routing on ",
                                      device_name(routing.device),
