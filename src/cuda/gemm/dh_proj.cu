@@ -1,0 +1,143 @@
+// (4) dH with the activation backward, the gate-weight gradient and A' fused into the epilogue —
+// varlen-M, A = d_out gathered through expert_token_indices, B = w2 read N-major (the reduction
+// runs over d, w2's row index). The accumulators are da' = W2_eᵀ do (fp32); the epilogue reads
+// the H tile of the same rows and columns, recomputes a, and writes dh, s·a and one ds partial
+// per (slot, 128-column tile). Also the fixed-order reduction of those partials. One GEMM
+// instantiation: varlen_m_kernel<N-major B, DhEpilogue>.
+#include "cuda/gemm/gemm_checks.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/gemm/sm90_varlen_m.cuh"
+
+namespace moeblaze::cuda::gemm {
+namespace sm90 {
+
+struct DhEpilogue {
+  struct Params {
+    const __nv_bfloat16* h;    // (S, w1_rows)
+    const float* slot_weights;  // (S,)
+    float* ds_partials;        // (S, ds_cols)
+    int ds_cols;
+    __nv_bfloat16* dh;        // (S, w1_rows)
+    __nv_bfloat16* a_scaled;  // (S, n)
+    int n;
+    Activation act;
+    bool gated;
+  };
+  template <class Acc>
+  __device__ static void apply(const Params& p, Acc& acc, int /*expert*/, int m_begin, int m_end,
+                               int n_tile) {
+    const int64_t w1_rows = p.gated ? 2 * int64_t(p.n) : p.n;
+    const int n0 = n_tile * kBN;
+#pragma unroll
+    for (int v1 = 0; v1 < 2; ++v1) {
+      const int slot = m_begin + frag_row(v1);
+      const bool row_ok = slot < m_end;
+      float part = 0.0f;  // this thread's share of sum_j da'_j a_j over the tile's columns
+      if (row_ok) {
+        const float s = __ldg(p.slot_weights + slot);
+        const __nv_bfloat16* h_row = p.h + int64_t(slot) * w1_rows;
+        __nv_bfloat16* dh_row = p.dh + int64_t(slot) * w1_rows;
+        __nv_bfloat16* as_row = p.a_scaled + int64_t(slot) * p.n;
+#pragma unroll
+        for (int i = 0; i < kFragColGroups; ++i) {
+          const int j = n0 + frag_col(i);
+          if (j >= p.n) continue;  // n is a multiple of 64: pairs never straddle the end
+          const float dap0 = acc(4 * i + 2 * v1), dap1 = acc(4 * i + 2 * v1 + 1);
+          const float da0 = s * dap0, da1 = s * dap1;
+          if (p.gated) {
+            const float2 g = load_bf16x2(h_row + j);
+            const float2 u = load_bf16x2(h_row + p.n + j);
+            const float f0 = act_fn(p.act, g.x), f1 = act_fn(p.act, g.y);
+            const float a0 = f0 * u.x, a1 = f1 * u.y;
+            part += dap0 * a0;
+            part += dap1 * a1;
+            store_bf16x2(dh_row + j, da0 * u.x * act_grad(p.act, g.x),
+                         da1 * u.y * act_grad(p.act, g.y));
+            store_bf16x2(dh_row + p.n + j, da0 * f0, da1 * f1);
+            store_bf16x2(as_row + j, s * a0, s * a1);
+          } else {
+            const float2 hv = load_bf16x2(h_row + j);
+            const float a0 = act_fn(p.act, hv.x), a1 = act_fn(p.act, hv.y);
+            part += dap0 * a0;
+            part += dap1 * a1;
+            store_bf16x2(dh_row + j, da0 * act_grad(p.act, hv.x), da1 * act_grad(p.act, hv.y));
+            store_bf16x2(as_row + j, s * a0, s * a1);
+          }
+        }
+      }
+      // The 4 lanes sharing a row hold its 128 columns; a fixed butterfly keeps the order fixed.
+      part += __shfl_xor_sync(0xffffffffu, part, 1);
+      part += __shfl_xor_sync(0xffffffffu, part, 2);
+      if (row_ok && (threadIdx.x & 3) == 0)
+        p.ds_partials[int64_t(slot) * p.ds_cols + n_tile] = part;
+    }
+  }
+};
+
+// ds[r] = sum_j ds_partials[r, j], j ascending.
+__global__ void reduce_ds_kernel(const float* __restrict__ partials, float* __restrict__ ds,
+                                 int64_t S, int cols) {
+  const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= S) return;
+  const float* row = partials + r * cols;
+  float acc = 0.0f;
+  for (int j = 0; j < cols; ++j) acc += row[j];
+  ds[r] = acc;
+}
+
+}  // namespace sm90
+
+void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,
+             float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n, Activation act,
+             cudaStream_t stream) {
+  constexpr const char* fn = "dh_proj";
+  detail::check_plan(fn, plan, /*gathers=*/true, /*weights=*/true);
+  detail::check_dims(fn, d, n);
+  const bool need = plan.S > 0;
+  detail::check_ptr(fn, d_out, "d_out", need);
+  detail::check_ptr(fn, w2, "w2", need);
+  detail::check_ptr(fn, h, "h", need);
+  detail::check_ptr(fn, ds_partials, "ds_partials", need);
+  detail::check_ptr(fn, dh, "dh", need);
+  detail::check_ptr(fn, a_scaled, "a_scaled", need);
+
+  sm90::VarlenMArgs p{};
+  p.a = reinterpret_cast<const __nv_bfloat16*>(d_out);  // (T, d), rows gathered per slot
+  p.lda = d;
+  p.a_gather = plan.expert_token_indices;
+  p.b = reinterpret_cast<const __nv_bfloat16*>(w2);  // (E, d, n): K = d rows of N = n
+  p.b_expert_stride = d * n;
+  p.ldb = n;
+  p.offsets = plan.expert_token_offsets;
+  p.E = static_cast<int>(plan.E);
+  p.K = static_cast<int>(d);
+  p.N = static_cast<int>(n);
+  p.n_tiles = static_cast<int>(ds_partials_cols(n));
+  p.gate_split = 0;
+  sm90::DhEpilogue::Params ep{reinterpret_cast<const __nv_bfloat16*>(h),
+                              plan.slot_weights,
+                              ds_partials,
+                              p.n_tiles,
+                              reinterpret_cast<__nv_bfloat16*>(dh),
+                              reinterpret_cast<__nv_bfloat16*>(a_scaled),
+                              static_cast<int>(n),
+                              act,
+                              is_gated(act)};
+  sm90::launch_varlen_m<sm90::GMajor::MN, sm90::DhEpilogue>(p, ep, plan.S, stream);
+}
+
+void reduce_ds(const float* ds_partials, float* ds, int64_t S, int64_t n, cudaStream_t stream) {
+  constexpr const char* fn = "reduce_ds";
+  MOEBLAZE_REQUIRE(S >= 0, fn, ": S (", S, ") must not be negative");
+  MOEBLAZE_REQUIRE(n > 0, fn, ": n (", n, ") must be positive");
+  detail::check_ptr(fn, ds_partials, "ds_partials", S > 0);
+  detail::check_ptr(fn, ds, "ds", S > 0);
+  if (S == 0) return;
+  constexpr int kBlock = 256;
+  const int64_t blocks = (S + kBlock - 1) / kBlock;
+  sm90::reduce_ds_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, stream>>>(
+      ds_partials, ds, S, static_cast<int>(ds_partials_cols(n)));
+  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace moeblaze::cuda::gemm

@@ -1,0 +1,35 @@
+// (2) down-projection: y[r, :] = W2_e a[r, :] — varlen-M, A contiguous, B = w2 K-major, plain
+// bf16 store. One instantiation: varlen_m_kernel<K-major B, StoreEpilogue>.
+#include "cuda/gemm/gemm_checks.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/gemm/sm90_varlen_m.cuh"
+
+namespace moeblaze::cuda::gemm {
+
+void down_proj(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16* y, int64_t d,
+               int64_t n, cudaStream_t stream) {
+  constexpr const char* fn = "down_proj";
+  detail::check_plan(fn, plan, /*gathers=*/false, /*weights=*/false);
+  detail::check_dims(fn, d, n);
+  detail::check_ptr(fn, a, "a", plan.S > 0);
+  detail::check_ptr(fn, w2, "w2", plan.S > 0);
+  detail::check_ptr(fn, y, "y", plan.S > 0);
+
+  sm90::VarlenMArgs p{};
+  p.a = reinterpret_cast<const __nv_bfloat16*>(a);  // (S, n)
+  p.lda = n;
+  p.a_gather = nullptr;
+  p.b = reinterpret_cast<const __nv_bfloat16*>(w2);  // (E, d, n): N = d rows of K = n
+  p.b_expert_stride = d * n;
+  p.ldb = n;
+  p.offsets = plan.expert_token_offsets;
+  p.E = static_cast<int>(plan.E);
+  p.K = static_cast<int>(n);
+  p.N = static_cast<int>(d);
+  p.n_tiles = static_cast<int>((d + sm90::kBN - 1) / sm90::kBN);
+  p.gate_split = 0;
+  sm90::StoreEpilogue::Params ep{reinterpret_cast<__nv_bfloat16*>(y), d, static_cast<int>(d)};
+  sm90::launch_varlen_m<sm90::GMajor::K, sm90::StoreEpilogue>(p, ep, plan.S, stream);
+}
+
+}  // namespace moeblaze::cuda::gemm

@@ -1,0 +1,38 @@
+// (6) dX̃: dx_slots[r, :] = W1_eᵀ dh[r, :] — varlen-M, A = dh contiguous, B = w1 read N-major
+// (the reduction runs over w1's rows), plain bf16 store. One instantiation:
+// varlen_m_kernel<N-major B, StoreEpilogue>.
+#include "cuda/gemm/gemm_checks.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/gemm/sm90_varlen_m.cuh"
+
+namespace moeblaze::cuda::gemm {
+
+void dx_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* dx_slots,
+             int64_t d, int64_t n, Activation act, cudaStream_t stream) {
+  constexpr const char* fn = "dx_proj";
+  detail::check_plan(fn, plan, /*gathers=*/false, /*weights=*/false);
+  detail::check_dims(fn, d, n);
+  detail::check_ptr(fn, dh, "dh", plan.S > 0);
+  detail::check_ptr(fn, w1, "w1", plan.S > 0);
+  detail::check_ptr(fn, dx_slots, "dx_slots", plan.S > 0);
+  const int64_t w1_rows = is_gated(act) ? 2 * n : n;
+
+  sm90::VarlenMArgs p{};
+  p.a = reinterpret_cast<const __nv_bfloat16*>(dh);  // (S, w1_rows)
+  p.lda = w1_rows;
+  p.a_gather = nullptr;
+  p.b = reinterpret_cast<const __nv_bfloat16*>(w1);  // (E, w1_rows, d): K = w1_rows rows of N = d
+  p.b_expert_stride = w1_rows * d;
+  p.ldb = d;
+  p.offsets = plan.expert_token_offsets;
+  p.E = static_cast<int>(plan.E);
+  p.K = static_cast<int>(w1_rows);
+  p.N = static_cast<int>(d);
+  p.n_tiles = static_cast<int>((d + sm90::kBN - 1) / sm90::kBN);
+  p.gate_split = 0;
+  sm90::StoreEpilogue::Params ep{reinterpret_cast<__nv_bfloat16*>(dx_slots), d,
+                                 static_cast<int>(d)};
+  sm90::launch_varlen_m<sm90::GMajor::MN, sm90::StoreEpilogue>(p, ep, plan.S, stream);
+}
+
+}  // namespace moeblaze::cuda::gemm

@@ -1,0 +1,22 @@
+// Argument checks shared by the grouped GEMM entry points (grouped_gemm.hpp). Host-only.
+#pragma once
+
+#include <cstdint>
+
+#include "moeblaze/routing_plan.hpp"
+
+namespace moeblaze::cuda::gemm::detail {
+
+// InvalidArgument unless the plan lives on the GPU, E >= 1, S >= 0 and S fits int32, and the
+// arrays the kernels read are present: expert_token_offsets always, expert_token_indices when
+// `gathers` and S > 0, slot_weights when `weights` and S > 0. `fn` prefixes the message.
+void check_plan(const char* fn, const RoutingPlanView& plan, bool gathers, bool weights);
+
+// InvalidArgument "fn: name must not be null" when p is null and `needed` (an empty operand of
+// an S = 0 call may be null).
+void check_ptr(const char* fn, const void* p, const char* name, bool needed = true);
+
+// InvalidArgument unless d, n are positive and below 2^30, then check_gemm_shape (Unsupported).
+void check_dims(const char* fn, int64_t d, int64_t n);
+
+}  // namespace moeblaze::cuda::gemm::detail

@@ -1,0 +1,128 @@
+// Varlen-M grouped GEMM (sm_90a): for every expert e, rows = the expert's slots
+// [off[e], off[e+1]) read from the routing plan on the device,
+//   C[slot, :] = A[row(slot), :] · B_eᵀ        row(slot) = gather[slot] (token) or slot
+// with A K-major (T or S rows of K elements), B_e either K-major (N rows of K: nn.Linear's
+// out x in, reduce over its columns) or N-major (K rows of N: reduce over its rows), and an
+// epilogue policy that consumes the fp32 accumulators (plain store, fused activation, dH).
+// Instantiated once per (B major, epilogue) pair in its own .cu file.
+#pragma once
+
+#include <climits>
+
+#include "cuda/cuda_backend.hpp"
+#include "cuda/gemm/sm90_gemm_core.cuh"
+#include "moeblaze/error.hpp"
+
+namespace moeblaze::cuda::gemm::sm90 {
+
+struct VarlenMArgs {
+  const __nv_bfloat16* a;  // (rows, lda), rows = tokens (gathered) or slots
+  int64_t lda;
+  const int32_t* a_gather;  // (S,) slot -> A row, or nullptr (A row = slot)
+  const __nv_bfloat16* b;   // (E, ...) expert-stacked weights
+  int64_t b_expert_stride;  // elements between experts
+  int64_t ldb;              // K-major: K; N-major: N
+  const int32_t* offsets;   // (E+1,) expert_token_offsets
+  int E;
+  int K;        // reduction length, a multiple of kBK
+  int N;        // output columns (for the gated up-projection: n, counted in j)
+  int n_tiles;  // tiles along N
+  // > 0: gated up-projection. Tile t covers j in [64 t, 64 t + 64); B tile rows 0..63 are w1 rows
+  // j (gate) and rows 64..127 are w1 rows gate_split + j (up), so one tile holds g and u of the
+  // same j and the epilogue can combine them.
+  int gate_split;
+};
+
+template <GMajor kMajorB, class Epi>
+__global__ void __launch_bounds__(kThreads, 1)
+    varlen_m_kernel(const VarlenMArgs p, const typename Epi::Params ep) {
+  using Cfg = TileConfig<GMajor::K, kMajorB>;
+  extern __shared__ char smem_raw[];
+  char* smem = align_smem_1k(smem_raw);
+
+  const int n_tile = static_cast<int>(blockIdx.x % unsigned(p.n_tiles));
+  int expert, m_tile;
+  if (!find_expert_tile(p.offsets, p.E, static_cast<int>(blockIdx.x / unsigned(p.n_tiles)),
+                        expert, m_tile))
+    return;
+  const int m_begin = p.offsets[expert] + m_tile * kBM;  // first slot of this tile
+  const int m_end = p.offsets[expert + 1];                // one past the expert's last slot
+  const int tid = threadIdx.x;
+
+  KMajorLoader la;
+  la.init(tid, p.a, [&](int i) -> const __nv_bfloat16* {
+    const int slot = m_begin + i;
+    if (slot >= m_end) return nullptr;
+    const int row = p.a_gather ? __ldg(p.a_gather + slot) : slot;
+    return p.a + int64_t(row) * p.lda;
+  });
+
+  const __nv_bfloat16* b_e = p.b + int64_t(expert) * p.b_expert_stride;
+  auto acc = cute::partition_fragment_C(typename Cfg::TiledMma{},
+                                        cute::Shape<cute::Int<kBM>, cute::Int<kBN>>{});
+  if constexpr (kMajorB == GMajor::K) {
+    KMajorLoader lb;
+    lb.init(tid, b_e, [&](int i) -> const __nv_bfloat16* {
+      int row;
+      if (p.gate_split > 0) {
+        const int j0 = n_tile * (kBN / 2);
+        row = i < kBN / 2 ? j0 + i : p.gate_split + j0 + (i - kBN / 2);
+      } else {
+        row = n_tile * kBN + i;
+        if (row >= p.N) return nullptr;
+      }
+      return b_e + int64_t(row) * p.ldb;
+    });
+    mainloop<Cfg>(smem, la, lb, p.K / kBK, acc);
+  } else {
+    MNMajorLoader lb;
+    lb.init(tid, b_e, p.ldb, nullptr, 0, p.K, n_tile * kBN, p.N);
+    mainloop<Cfg>(smem, la, lb, p.K / kBK, acc);
+  }
+  Epi::apply(ep, acc, expert, m_begin, m_end, n_tile);
+}
+
+// Plain store of the tile: out[slot, n_tile * 128 + c] (bf16), columns < N.
+struct StoreEpilogue {
+  struct Params {
+    __nv_bfloat16* out;  // (S, ldo)
+    int64_t ldo;
+    int N;
+  };
+  template <class Acc>
+  __device__ static void apply(const Params& p, Acc& acc, int /*expert*/, int m_begin, int m_end,
+                               int n_tile) {
+    const int n0 = n_tile * kBN;
+#pragma unroll
+    for (int v1 = 0; v1 < 2; ++v1) {
+      const int slot = m_begin + frag_row(v1);
+      if (slot >= m_end) continue;
+      __nv_bfloat16* out_row = p.out + int64_t(slot) * p.ldo + n0;
+#pragma unroll
+      for (int i = 0; i < kFragColGroups; ++i) {
+        const int c = frag_col(i);
+        if (n0 + c < p.N) store_bf16x2(out_row + c, acc(4 * i + 2 * v1), acc(4 * i + 2 * v1 + 1));
+      }
+    }
+  }
+};
+
+// Launches varlen_m_kernel<MB, Epi> over ceil(S / 128) + E m-tiles (the host-known bound) times
+// n_tiles; CTAs past the last real tile exit in the scheduler.
+template <GMajor kMajorB, class Epi>
+void launch_varlen_m(const VarlenMArgs& p, const typename Epi::Params& ep, int64_t S,
+                     cudaStream_t stream) {
+  if (S == 0) return;
+  using Cfg = TileConfig<GMajor::K, kMajorB>;
+  const int64_t m_tiles = (S + kBM - 1) / kBM + p.E;
+  const int64_t blocks = m_tiles * p.n_tiles;
+  MOEBLAZE_UNSUPPORTED_IF(blocks > int64_t(INT32_MAX), "grouped GEMM grid of ", blocks,
+                          " CTAs (S = ", S, ") exceeds 2^31 - 1");
+  auto kernel = &varlen_m_kernel<kMajorB, Epi>;
+  MOEBLAZE_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+  kernel<<<static_cast<unsigned>(blocks), kThreads, Cfg::kSmemBytes, stream>>>(p, ep);
+  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace moeblaze::cuda::gemm::sm90

@@ -1,0 +1,95 @@
+// (1) up-projection with the activation fused into the epilogue — varlen-M, A = x gathered
+// through expert_token_indices, B = w1 K-major. For gated activations a CTA's 128 B rows are 64
+// gate rows j and the 64 up rows n + j of the same j (VarlenMArgs::gate_split), so its
+// accumulators hold g and u of the same column j in the same thread: columns c and c + 64 of the
+// WGMMA fragment (frag_col(i) and frag_col(i + 8)). One instantiation:
+// varlen_m_kernel<K-major B, ActEpilogue>.
+#include "cuda/gemm/gemm_checks.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/gemm/sm90_varlen_m.cuh"
+
+namespace moeblaze::cuda::gemm {
+namespace sm90 {
+
+// h (S, w1_rows) and a (S, n), both bf16, from the fp32 accumulators; either may be null.
+struct ActEpilogue {
+  struct Params {
+    __nv_bfloat16* h;
+    __nv_bfloat16* a;
+    int n;
+    Activation act;
+    bool gated;
+  };
+  template <class Acc>
+  __device__ static void apply(const Params& p, Acc& acc, int /*expert*/, int m_begin, int m_end,
+                               int n_tile) {
+    const int64_t w1_rows = p.gated ? 2 * int64_t(p.n) : p.n;
+#pragma unroll
+    for (int v1 = 0; v1 < 2; ++v1) {
+      const int slot = m_begin + frag_row(v1);
+      if (slot >= m_end) continue;
+      __nv_bfloat16* h_row = p.h ? p.h + int64_t(slot) * w1_rows : nullptr;
+      __nv_bfloat16* a_row = p.a ? p.a + int64_t(slot) * p.n : nullptr;
+      if (p.gated) {
+        const int j0 = n_tile * (kBN / 2);
+#pragma unroll
+        for (int i = 0; i < kFragColGroups / 2; ++i) {
+          const int j = j0 + frag_col(i);
+          const float g0 = acc(4 * i + 2 * v1), g1 = acc(4 * i + 2 * v1 + 1);
+          const float u0 = acc(4 * (i + kFragColGroups / 2) + 2 * v1);
+          const float u1 = acc(4 * (i + kFragColGroups / 2) + 2 * v1 + 1);
+          if (h_row) {
+            store_bf16x2(h_row + j, g0, g1);
+            store_bf16x2(h_row + p.n + j, u0, u1);
+          }
+          if (a_row) store_bf16x2(a_row + j, act_fn(p.act, g0) * u0, act_fn(p.act, g1) * u1);
+        }
+      } else {
+        const int n0 = n_tile * kBN;
+#pragma unroll
+        for (int i = 0; i < kFragColGroups; ++i) {
+          const int j = n0 + frag_col(i);
+          if (j >= p.n) continue;
+          const float h0 = acc(4 * i + 2 * v1), h1 = acc(4 * i + 2 * v1 + 1);
+          if (h_row) store_bf16x2(h_row + j, h0, h1);
+          if (a_row) store_bf16x2(a_row + j, act_fn(p.act, h0), act_fn(p.act, h1));
+        }
+      }
+    }
+  }
+};
+
+}  // namespace sm90
+
+void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
+             int64_t d, int64_t n, Activation act, cudaStream_t stream) {
+  constexpr const char* fn = "up_proj";
+  detail::check_plan(fn, plan, /*gathers=*/true, /*weights=*/false);
+  detail::check_dims(fn, d, n);
+  detail::check_ptr(fn, x, "x", plan.S > 0);
+  detail::check_ptr(fn, w1, "w1", plan.S > 0);
+  MOEBLAZE_REQUIRE(plan.S == 0 || h != nullptr || a != nullptr, fn,
+                   ": h and a must not both be null");
+  const bool gated = is_gated(act);
+  const int64_t w1_rows = gated ? 2 * n : n;
+
+  sm90::VarlenMArgs p{};
+  p.a = reinterpret_cast<const __nv_bfloat16*>(x);  // (T, d), rows gathered per slot
+  p.lda = d;
+  p.a_gather = plan.expert_token_indices;
+  p.b = reinterpret_cast<const __nv_bfloat16*>(w1);  // (E, w1_rows, d)
+  p.b_expert_stride = w1_rows * d;
+  p.ldb = d;
+  p.offsets = plan.expert_token_offsets;
+  p.E = static_cast<int>(plan.E);
+  p.K = static_cast<int>(d);
+  p.N = static_cast<int>(n);
+  p.n_tiles = static_cast<int>(gated ? n / (sm90::kBN / 2) : (n + sm90::kBN - 1) / sm90::kBN);
+  p.gate_split = gated ? static_cast<int>(n) : 0;
+  sm90::ActEpilogue::Params ep{reinterpret_cast<__nv_bfloat16*>(h),
+                               reinterpret_cast<__nv_bfloat16*>(a), static_cast<int>(n), act,
+                               gated};
+  sm90::launch_varlen_m<sm90::GMajor::K, sm90::ActEpilogue>(p, ep, plan.S, stream);
+}
+
+}  // namespace moeblaze::cuda::gemm
