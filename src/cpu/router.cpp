@@ -27,13 +27,14 @@ float logsumexp_row(const float* l, int64_t E) {
 
 // q (E,): the per-token distribution the load-balancing loss averages into P_e. softmax(logits)
 // for the softmax routers; for sigmoid_bias, which has no softmax, the normalised sigmoid scores
-// s / sum_e s. `identity` is (E,) = 0, 1, ..., E-1 (the summation order).
-void aux_distribution(RouterKind kind, const float* row, int64_t E, const int32_t* identity,
-                      float* q) {
-  if (kind == RouterKind::sigmoid_bias)
-    rm::normalized_sigmoid(row, identity, E, q);
-  else
-    rm::softmax_row(row, E, q);
+// s / sum_e s. `identity` is (E,) = 0, 1, ..., E-1 (the summation order). Returns logsumexp(row)
+// when q is the softmax (bitwise what logsumexp_row gives: same operations, same order), so the
+// z-loss can reuse it; NaN otherwise.
+float aux_distribution(RouterKind kind, const float* row, int64_t E, const int32_t* identity,
+                       float* q) {
+  if (kind != RouterKind::sigmoid_bias) return rm::softmax_row(row, E, q);
+  rm::normalized_sigmoid(row, identity, E, q);
+  return NAN;
 }
 
 }  // namespace
@@ -73,13 +74,14 @@ RouterLosses route(const RouterConfig& cfg, const TensorView& logits, const Tens
       rm::top_k(key.data(), E, K, ids);
       rm::pair_weights(cfg, s.row.data(), E, ids, K, weights + t * K, s);
       offsets[t + 1] = static_cast<int32_t>((t + 1) * K);
+      float lse = NAN;
       if (want_aux) {
-        aux_distribution(cfg.kind, s.row.data(), E, identity.data(), q.data());
+        lse = aux_distribution(cfg.kind, s.row.data(), E, identity.data(), q.data());
         float* acc = q_partial.data() + c * E;
         for (int64_t e = 0; e < E; ++e) acc[e] += q[e];
       }
       if (want_z) {
-        const float lse = logsumexp_row(s.row.data(), E);
+        if (std::isnan(lse)) lse = logsumexp_row(s.row.data(), E);
         lse2_partial[c] += lse * lse;
       }
     }
@@ -180,7 +182,7 @@ void router_backward(const RouterConfig& cfg, const TensorView& logits, const Te
       if (want_aux) {
         // d/dl_j [coef E/T sum_e f_e q_e] = coef E/T * q_j (f_j - sum_e f_e q_e)
         // (times sigma(-l_j) for the normalised sigmoid).
-        aux_distribution(cfg.kind, row, E, identity.data(), q.data());
+        const float lse = aux_distribution(cfg.kind, row, E, identity.data(), q.data());
         float fq = 0.0f;
         for (int64_t e = 0; e < E; ++e) fq += f[e] * q[e];
         for (int64_t e = 0; e < E; ++e) {
@@ -188,8 +190,11 @@ void router_backward(const RouterConfig& cfg, const TensorView& logits, const Te
           if (cfg.kind == RouterKind::sigmoid_bias) term *= rm::sigmoid(-row[e]);
           d[e] += term;
         }
+        if (want_z && !std::isnan(lse)) {  // q is already the softmax
+          for (int64_t e = 0; e < E; ++e) d[e] += z_scale * lse * q[e];
+        }
       }
-      if (want_z) {
+      if (want_z && (!want_aux || cfg.kind == RouterKind::sigmoid_bias)) {
         // d/dl_j [coef/T lse^2] = 2 coef/T * lse * softmax_j
         const float lse = rm::softmax_row(row, E, q.data());
         for (int64_t e = 0; e < E; ++e) d[e] += z_scale * lse * q[e];
