@@ -21,10 +21,7 @@
 #include "configs.hpp"
 #include "core/parallel.hpp"
 #include "moeblaze/moeblaze.hpp"
-#if __has_include("reference/reference_layer.hpp")  // TEMPORARY until the layer reference lands
 #include "reference/reference_layer.hpp"
-#define MOEBLAZE_RUN_HAVE_LAYER_REFERENCE 1
-#endif
 #include "reference/reference_router.hpp"
 #include "table.hpp"
 
@@ -33,9 +30,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// The float64 reference is a plain triple loop: it costs about 18·S·n·d multiply-adds in double
-// on one core (~1 GFLOP/s). Above this many S·n·d it would take minutes, so it is skipped with
-// a notice (--no-reference skips it always).
+// The float64 reference is a plain loop nest on one thread: about 18·S·n·d flops at ~2 GFLOP/s
+// (measured: cpu-default, S·n·d = 1.1e9, ~9 s of CPU time). At this S·n·d it needs about half a
+// minute; above, it is skipped with a notice (--no-reference skips it always).
 constexpr double kReferenceMaxSnd = 4.0e9;
 
 // ---- flags -----------------------------------------------------------------------------------
@@ -321,16 +318,20 @@ void make_routing(const RunSetup& s, const Inputs& in, Routing& out) {
 // stay quiet). On a terminal it rewrites one line with \r; otherwise one line per step.
 class Progress {
  public:
-  explicit Progress(bool quiet) : quiet_(quiet), tty_(isatty(STDERR_FILENO) == 1) {}
+  // `from_start`: show every step at once (the caller expects a long run); otherwise only steps
+  // that begin after the command has run for a few seconds.
+  explicit Progress(bool from_start)
+      : from_start_(from_start), tty_(isatty(STDERR_FILENO) == 1) {}
   void step(const std::string& msg) {
-    if (quiet_) return;
-    if (!shown_ && Clock::now() - start_ < std::chrono::seconds(3)) return;
-    shown_ = true;
+    if (!from_start_ && Clock::now() - start_ < std::chrono::seconds(3)) return;
+    const double s = std::chrono::duration<double>(Clock::now() - start_).count();
+    std::ostringstream line;
+    line << "[moeblaze] " << fixed(s, 0) << " s: " << msg;
     if (tty_) {
-      std::cerr << "\r[moeblaze] " << msg << "\x1b[K" << std::flush;
+      std::cerr << "\r" << line.str() << "\x1b[K" << std::flush;
       open_ = true;
     } else {
-      std::cerr << "[moeblaze] " << msg << "\n" << std::flush;
+      std::cerr << line.str() << "\n" << std::flush;
     }
   }
   void clear() {
@@ -339,8 +340,8 @@ class Progress {
   }
 
  private:
-  bool quiet_, tty_;
-  bool shown_ = false, open_ = false;
+  bool from_start_, tty_;
+  bool open_ = false;
   Clock::time_point start_ = Clock::now();
 };
 
@@ -371,12 +372,8 @@ std::vector<double> widen(const HostTensor& t) {
 
 Reference compute_reference(const RunSetup& s, const Inputs& in, const Routing& routing) {
   Reference r;
-#ifndef MOEBLAZE_RUN_HAVE_LAYER_REFERENCE
-  (void)s, (void)in, (void)routing;
-  throw Error("the float64 layer reference is not built yet; run with --no-reference");
-#else
-  ref::LayerReference lr =
-      ref::reference_layer(s.cfg, routing.view(), in.x.view(), in.w1.view(), in.w2.view(),
+  reference::LayerReference lr =
+      reference::reference_layer(s.cfg, routing.view(), in.x.view(), in.w1.view(), in.w2.view(),
                            in.d_out.view());
   r.out = std::move(lr.out);
   r.dx = std::move(lr.dx);
@@ -391,7 +388,6 @@ Reference compute_reference(const RunSetup& s, const Inputs& in, const Routing& 
       routing.pair_offsets(), routing.pair_experts(), r.d_pair_weights.data());
   r.has_d_logits = true;
   return r;
-#endif
 }
 
 // ---- one implementation ----------------------------------------------------------------------
@@ -553,7 +549,12 @@ void run_command(const RunFlags& f) {
   ThreadCountScope thread_scope(s.threads);
   const int threads = s.threads > 0 ? s.threads : max_threads();
   const LayerConfig& c = s.cfg;
-  Progress progress(false);
+  // Expected work: DESIGN's FLOPs per step, times warm-up + reps, per implementation, plus the
+  // reference; above ~3e11 (half a minute at ~10 GFLOP/s) the progress shows from the start.
+  const double step_flops = 3.0 * forward_flops(c, c.T * c.K);
+  const double work =
+      step_flops * (double(s.reps) + 1.0) * double(s.impls.size()) + (s.reference ? step_flops : 0);
+  Progress progress(work > 3e11);
 
   std::ostringstream cfg_line;
   cfg_line << "config " << s.config_name << ": T=" << c.T << " d=" << c.d << " n=" << c.n
@@ -625,8 +626,12 @@ void run_command(const RunFlags& f) {
     for (const ImplResult& r : results) {
       const double flops = forward_flops(c, r.S) + backward_flops(c, r.S);
       std::string kept = human_bytes(r.kept_bytes);
-      if (materialized_kept > 0)
-        kept += " (" + fixed(double(r.kept_bytes) / double(materialized_kept), 2) + "x)";
+      if (materialized_kept > 0) {
+        const double ratio = double(r.kept_bytes) / double(materialized_kept);
+        char buf[32];
+        std::snprintf(buf, sizeof buf, ratio >= 0.1 ? "%.2f" : "%.2g", ratio);
+        kept += std::string(" (") + buf + "x)";
+      }
       std::string err = "-";
       if (!std::isnan(r.max_rel_err)) err = scientific(r.max_rel_err, 1) + " (" + r.worst + ")";
       t.add_row({layer_mode_name(r.mode), fixed(r.fwd_ms, 2), fixed(r.bwd_ms, 2),
