@@ -1,0 +1,198 @@
+// The MoE layer on the GPU: DESIGN's eight kernels wired into forward and backward.
+//
+// forward   1 up-proj (x gathered)  → H (kept, keep_h only) and A        [workspace: A]
+//           2 down-proj             → Y                                 [workspace: Y]
+//           3 aggregate             → out_t = Σ s_p Y[slot]
+// backward  (recompute: up-proj again, H only, into the workspace)
+//           4 dH (dO gathered)      → dH, A' = s·A, ds partials        [workspace]
+//             ds reduction (fixed order)
+//           5 dW2 (varlen-K)        ← dO gathered, A'
+//           6 dX̃                    → dX̃ (over the dead A' / H bytes)
+//           7 aggregate             → dx_t = Σ dX̃[slot]
+//           8 dW1 (varlen-K)        ← dH, x gathered
+//             d_pair_weights[p] = ds[token_index_map[p]]
+// Kept for backward: H (keep_h) and the plan, nothing else; every temporary comes from one
+// workspace Buffer per call, sized by layer_workspace_bytes. All work is stream-ordered on
+// opts.stream, so a piece of the workspace is reused as soon as its last reader was enqueued.
+#include "cuda/layer/layer_cuda.hpp"
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#include "cuda/cuda_backend.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/layer/naive_grouped_gemm.hpp"
+#include "moeblaze/error.hpp"
+
+namespace moeblaze::cuda {
+namespace {
+
+const GemmOps kSm90Ops = {gemm::up_proj,  gemm::down_proj, gemm::dh_proj,
+                          gemm::reduce_ds, gemm::dw2_proj, gemm::dx_proj,
+                          gemm::dw1_proj, gemm::ds_partials_cols, "sm90"};
+const GemmOps kNaiveOps = {naive::up_proj,  naive::down_proj, naive::dh_proj,
+                           naive::reduce_ds, naive::dw2_proj, naive::dx_proj,
+                           naive::dw1_proj, naive::ds_partials_cols, "naive"};
+
+// -1: not decided yet (read MOEBLAZE_GEMM at first use).
+std::atomic<int> g_gemm_impl{-1};
+
+int64_t w1_rows(const LayerConfig& cfg) { return cfg.w1_rows(); }
+
+}  // namespace
+
+const GemmOps& gemm_ops() {
+  int impl = g_gemm_impl.load();
+  if (impl < 0) {
+    const char* env = std::getenv("MOEBLAZE_GEMM");
+    impl = (env && std::strcmp(env, "naive") == 0) ? int(GemmImpl::naive) : int(GemmImpl::sm90);
+    g_gemm_impl.store(impl);
+  }
+  return impl == int(GemmImpl::naive) ? kNaiveOps : kSm90Ops;
+}
+
+void set_gemm_impl(GemmImpl impl) { g_gemm_impl.store(int(impl)); }
+
+ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, void* base) {
+  Carver c(base);
+  ForwardWorkspace w;
+  w.a = c.take<bf16>(S * cfg.n);
+  w.y = c.take<bf16>(S * cfg.d);
+  w.bytes = c.high_water();
+  return w;
+}
+
+BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMode mode,
+                                     int64_t ds_cols, void* base) {
+  Carver c(base);
+  BackwardWorkspace w;
+  w.dh = c.take<bf16>(S * w1_rows(cfg));
+  w.ds_partials = c.take<float>(S * ds_cols);
+  w.ds = c.take<float>(S);
+  // H (recompute) and A' die before dX̃ is written: dX̃ takes their bytes.
+  const size_t shared = c.mark();
+  if (mode == LayerMode::recompute) w.h = c.take<bf16>(S * w1_rows(cfg));
+  w.a_scaled = c.take<bf16>(S * cfg.n);
+  c.rewind(shared);
+  w.dx_slots = c.take<bf16>(S * cfg.d);
+  w.bytes = c.high_water();
+  return w;
+}
+
+void check_gpu_layer_args(const LayerConfig& cfg, const RoutingPlan& plan,
+                          std::initializer_list<const TensorView*> tensors,
+                          std::initializer_list<const char*> names) {
+  MOEBLAZE_UNSUPPORTED_IF(cfg.dtype != DType::bf16, "dtype ", dtype_name(cfg.dtype),
+                          ": the CUDA backend stores bf16; use the CPU backend for fp32");
+  gemm::check_gemm_shape(cfg.d, cfg.n);
+  MOEBLAZE_REQUIRE(plan.device() == Device::cuda, "plan is on ", device_name(plan.device()),
+                   ", expected cuda");
+  MOEBLAZE_REQUIRE(plan.T() == cfg.T, "plan has T = ", plan.T(), ", the layer has T = ", cfg.T);
+  MOEBLAZE_REQUIRE(plan.E() == cfg.E, "plan has E = ", plan.E(), ", the layer has E = ", cfg.E);
+  auto name = names.begin();
+  for (const TensorView* t : tensors) {
+    require_device(*t, *name, Device::cuda);
+    MOEBLAZE_UNSUPPORTED_IF(reinterpret_cast<uintptr_t>(t->data) % 16 != 0, *name,
+                            ": the CUDA backend needs 16-byte aligned data");
+    ++name;
+  }
+}
+
+size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode) {
+  MOEBLAZE_REQUIRE(S >= 0, "S (", S, ") must be >= 0");
+  if (mode == LayerMode::materialized) return materialized_workspace_bytes(cfg, S);
+  const size_t fwd = forward_workspace(cfg, S, nullptr).bytes;
+  const size_t bwd =
+      backward_workspace(cfg, S, mode, gemm_ops().ds_partials_cols(cfg.n), nullptr).bytes;
+  return fwd > bwd ? fwd : bwd;
+}
+
+void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
+                   const TensorView& w1, const TensorView& w2, const TensorView& out,
+                   SavedForBackward& saved, const LayerOptions& opts) {
+  MOEBLAZE_REQUIRE(opts.mode == LayerMode::keep_h || opts.mode == LayerMode::recompute,
+                   "cuda::layer_forward: mode ", layer_mode_name(opts.mode),
+                   " is the materialized baseline's");
+  check_gpu_layer_args(cfg, plan, {&x, &w1, &w2, &out}, {"x", "w1", "w2", "out"});
+  const GemmOps& g = gemm_ops();
+  const cudaStream_t stream = stream_of(opts);
+  const int64_t S = plan.S();
+  const RoutingPlanView pv = plan.view();
+
+  SavedForBackward next;
+  next.mode_ = opts.mode;
+  next.S_ = S;
+  // (S, w1_rows) bf16, slot order: the only activation kept for backward.
+  if (opts.mode == LayerMode::keep_h) next.h = Buffer(Device::cuda, size_t(S * cfg.w1_rows()) * 2);
+
+  if (cfg.T > 0) {
+    Buffer ws(Device::cuda, forward_workspace(cfg, S, nullptr).bytes);
+    const ForwardWorkspace w = forward_workspace(cfg, S, ws.data());
+    if (S > 0) {
+      g.up_proj(pv, x.as<bf16>(), w1.as<bf16>(), next.h.as<bf16>(), w.a, cfg.d, cfg.n,
+                cfg.activation, stream);
+      g.down_proj(pv, w.a, w2.as<bf16>(), w.y, cfg.d, cfg.n, stream);
+    }
+    aggregate_rows(pv, w.y, pv.slot_weights, out.data, cfg.d, DType::bf16, stream);
+    // The workspace is freed when `ws` goes out of scope; cudaFree waits for the device, so
+    // the kernels above have finished reading it.
+  }
+  next.valid_ = true;
+  saved = std::move(next);
+}
+
+void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
+                    const TensorView& w1, const TensorView& w2, const TensorView& d_out,
+                    const SavedForBackward& saved, const LayerGrads& grads,
+                    const LayerOptions& opts) {
+  MOEBLAZE_REQUIRE(opts.mode == LayerMode::keep_h || opts.mode == LayerMode::recompute,
+                   "cuda::layer_backward: mode ", layer_mode_name(opts.mode),
+                   " is the materialized baseline's");
+  check_gpu_layer_args(cfg, plan, {&x, &w1, &w2, &d_out, &grads.dx, &grads.dw1, &grads.dw2},
+                       {"x", "w1", "w2", "d_out", "dx", "dw1", "dw2"});
+  require_device(grads.d_pair_weights, "d_pair_weights", Device::cuda);
+  MOEBLAZE_REQUIRE(saved.valid(), "saved: not filled by layer_forward");
+  MOEBLAZE_REQUIRE(saved.mode() == opts.mode, "saved was made in mode ",
+                   layer_mode_name(saved.mode()), ", backward asked for ",
+                   layer_mode_name(opts.mode));
+  MOEBLAZE_REQUIRE(saved.S_ == plan.S(), "saved holds S = ", saved.S_, " assignments, the plan has ",
+                   plan.S());
+  MOEBLAZE_REQUIRE(opts.mode != LayerMode::keep_h ||
+                       saved.h.bytes() == size_t(plan.S() * cfg.w1_rows()) * 2,
+                   "saved.h has ", saved.h.bytes(), " bytes, expected (S, w1_rows) bf16");
+
+  const GemmOps& g = gemm_ops();
+  const cudaStream_t stream = stream_of(opts);
+  const int64_t S = plan.S();
+  const RoutingPlanView pv = plan.view();
+  if (S == 0) {
+    // Nothing routed: every gradient is zero (bf16 and fp32 zero are all-zero bits).
+    if (cfg.T > 0) MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(grads.dx.data, 0, grads.dx.bytes(), stream));
+    MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(grads.dw1.data, 0, grads.dw1.bytes(), stream));
+    MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(grads.dw2.data, 0, grads.dw2.bytes(), stream));
+    return;
+  }
+
+  const int64_t ds_cols = g.ds_partials_cols(cfg.n);
+  Buffer ws(Device::cuda, backward_workspace(cfg, S, opts.mode, ds_cols, nullptr).bytes);
+  const BackwardWorkspace w = backward_workspace(cfg, S, opts.mode, ds_cols, ws.data());
+  const bf16* h = saved.h.as<bf16>();
+  if (opts.mode == LayerMode::recompute) {
+    g.up_proj(pv, x.as<bf16>(), w1.as<bf16>(), w.h, nullptr, cfg.d, cfg.n, cfg.activation,
+              stream);
+    h = w.h;
+  }
+  g.dh_proj(pv, d_out.as<bf16>(), w2.as<bf16>(), h, w.ds_partials, w.dh, w.a_scaled, cfg.d,
+            cfg.n, cfg.activation, stream);
+  g.reduce_ds(w.ds_partials, w.ds, S, cfg.n, stream);
+  g.dw2_proj(pv, d_out.as<bf16>(), w.a_scaled, grads.dw2.as<bf16>(), cfg.d, cfg.n, stream);
+  g.dx_proj(pv, w.dh, w1.as<bf16>(), w.dx_slots, cfg.d, cfg.n, cfg.activation, stream);
+  aggregate_rows(pv, w.dx_slots, nullptr, grads.dx.data, cfg.d, DType::bf16, stream);
+  g.dw1_proj(pv, w.dh, x.as<bf16>(), grads.dw1.as<bf16>(), cfg.d, cfg.n, cfg.activation, stream);
+  gather_pair_grads(pv, w.ds, grads.d_pair_weights.as<float>(), stream);
+}
+
+}  // namespace moeblaze::cuda

@@ -1,0 +1,129 @@
+// Internals of the CUDA layer (layer_cuda.cu) shared with the GPU materialized baseline and the
+// GPU tests: which grouped GEMM implementation runs, the one-buffer workspace layouts, and the
+// argument checks only the GPU path needs.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "moeblaze/config.hpp"
+#include "moeblaze/layer.hpp"
+#include "moeblaze/memory.hpp"
+#include "moeblaze/routing_plan.hpp"
+
+namespace moeblaze::cuda {
+
+// The grouped GEMM entry points of src/cuda/gemm/grouped_gemm.hpp, as a table so the layer can
+// run on the naive oracle (src/cuda/layer/naive_grouped_gemm.hpp) for cross-checks.
+struct GemmOps {
+  void (*up_proj)(const RoutingPlanView&, const bf16*, const bf16*, bf16*, bf16*, int64_t,
+                  int64_t, Activation, cudaStream_t);
+  void (*down_proj)(const RoutingPlanView&, const bf16*, const bf16*, bf16*, int64_t, int64_t,
+                    cudaStream_t);
+  void (*dh_proj)(const RoutingPlanView&, const bf16*, const bf16*, const bf16*, float*, bf16*,
+                  bf16*, int64_t, int64_t, Activation, cudaStream_t);
+  void (*reduce_ds)(const float*, float*, int64_t, int64_t, cudaStream_t);
+  void (*dw2_proj)(const RoutingPlanView&, const bf16*, const bf16*, bf16*, int64_t, int64_t,
+                   cudaStream_t);
+  void (*dx_proj)(const RoutingPlanView&, const bf16*, const bf16*, bf16*, int64_t, int64_t,
+                  Activation, cudaStream_t);
+  void (*dw1_proj)(const RoutingPlanView&, const bf16*, const bf16*, bf16*, int64_t, int64_t,
+                   Activation, cudaStream_t);
+  int64_t (*ds_partials_cols)(int64_t);
+  const char* name;
+};
+
+enum class GemmImpl : uint8_t { sm90, naive };
+// The table in use (process-wide; sm90 unless set, or unless MOEBLAZE_GEMM=naive is in the
+// environment at the first call). Tests switch it to cross-check the two.
+const GemmOps& gemm_ops();
+void set_gemm_impl(GemmImpl impl);
+
+// Carves 256-byte-aligned pieces out of one workspace allocation, or (base == nullptr) only
+// counts the bytes, so the size reported before a call and the carving share one code path.
+class Carver {
+ public:
+  explicit Carver(void* base = nullptr) : base_(static_cast<char*>(base)) {}
+  template <typename T>
+  T* take(int64_t count) {
+    const size_t at = offset_;
+    offset_ += (static_cast<size_t>(count) * sizeof(T) + 255) / 256 * 256;
+    return base_ ? reinterpret_cast<T*>(base_ + at) : nullptr;
+  }
+  // Marks the current offset; rewind() returns to it, so later takes reuse the bytes of the
+  // pieces taken since (for buffers whose lifetimes do not overlap). high_water() is the size.
+  size_t mark() const { return offset_; }
+  void rewind(size_t mark) {
+    if (offset_ > high_) high_ = offset_;
+    offset_ = mark;
+  }
+  size_t high_water() const { return offset_ > high_ ? offset_ : high_; }
+
+ private:
+  char* base_;
+  size_t offset_ = 0;
+  size_t high_ = 0;
+};
+
+// Workspace pieces of one forward / backward call (pointers null when only counting).
+struct ForwardWorkspace {
+  bf16* a = nullptr;  // (S, n)  activation output, input of the down-projection
+  bf16* y = nullptr;  // (S, d)  expert outputs, aggregated into out
+  size_t bytes = 0;
+};
+struct BackwardWorkspace {
+  bf16* dh = nullptr;           // (S, w1_rows)  dSwiGLU output, read by dX̃ and dW1
+  bf16* h = nullptr;            // (S, w1_rows)  recompute mode only: H recomputed
+  bf16* a_scaled = nullptr;     // (S, n)        A' = s·A, second operand of dW2
+  bf16* dx_slots = nullptr;     // (S, d)        dX̃; reuses the bytes of A' (and H): both dead
+  float* ds_partials = nullptr;  // (S, ds_partials_cols(n)) per-N-tile partial sums of ds
+  float* ds = nullptr;          // (S,) fp32 gate gradient by slot, gathered to pair order last
+  size_t bytes = 0;
+};
+ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, void* base);
+BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMode mode,
+                                     int64_t ds_cols, void* base);
+
+// Checks what only the GPU path needs (storage dtype bf16, dims the GEMM kernels take, tensors
+// and plan on the device, 16-byte aligned data) and throws Unsupported / InvalidArgument naming
+// the argument. `tensors` / `names`: the caller's tensors to check for device and alignment.
+void check_gpu_layer_args(const LayerConfig& cfg, const RoutingPlan& plan,
+                          std::initializer_list<const TensorView*> tensors,
+                          std::initializer_list<const char*> names);
+
+// The GPU materialized baseline's per-call workspace (src/baselines/materialized_cuda.cu).
+size_t materialized_workspace_bytes(const LayerConfig& cfg, int64_t S);
+
+// data[i] = N(0, stddev) from a counter-based hash of (seed, i); never exactly zero.
+// (src/cuda/layer/fill_random.cu; benchmark inputs.)
+void fill_normal(void* data, DType dtype, int64_t count, uint64_t seed, float stddev,
+                 cudaStream_t stream);
+
+// The dense upper bound (src/baselines/dense_bound_cuda.cu): cuBLAS strided-batched bf16 GEMMs
+// over E experts with exactly m = S / E tokens each, contiguous, doing the layer's FLOPs:
+// forward = up-proj GEMM, activation, down-proj GEMM; backward = dA, dW2, dX, dW1 GEMMs and the
+// activation backward. No routing, gather or aggregation: the ceiling for any grouped GEMM.
+class DenseBound {
+ public:
+  DenseBound(const LayerConfig& cfg, int64_t S, uint64_t seed, cudaStream_t stream);
+  ~DenseBound();
+  DenseBound(const DenseBound&) = delete;
+  DenseBound& operator=(const DenseBound&) = delete;
+  void forward();
+  void backward();
+  int64_t tokens_per_expert() const;
+  size_t kept_bytes() const;       // H and A: what backward reads besides inputs
+  size_t transient_bytes() const;  // every intermediate it allocates (H, A, Y, dA, dH, dX)
+
+ private:
+  struct Impl;
+  Impl* impl_;
+};
+
+inline cudaStream_t stream_of(const LayerOptions& opts) {
+  return static_cast<cudaStream_t>(opts.stream);
+}
+
+}  // namespace moeblaze::cuda
