@@ -27,11 +27,6 @@ void add_bench_routing_command(CLI::App& bench) {
   add_placeholder(bench, "routing", "routing-plan build benchmark on the GPU");
 }
 
-// Delete when tools/cmd_bench_layer.cpp lands.
-void add_bench_layer_command(CLI::App& bench) {
-  add_placeholder(bench, "layer", "MoE layer forward/backward benchmark on the GPU");
-}
-
 }  // namespace moeblaze::tools
 
 #endif  // MOEBLAZE_WITH_CUDA

@@ -1,0 +1,551 @@
+// `moeblaze bench layer`: forward and backward of the MoE layer on the GPU, per named config and
+// implementation (moeblaze, moeblaze-recompute, materialized, dense-bound), by DESIGN's protocol:
+// CUDA events around the region, warm-up first, median of --reps (>= 20) repetitions, L2 flushed
+// between repetitions by writing a 256 MiB buffer, backward = median(fwd+bwd) - median(fwd).
+// Rows carry kept-for-backward bytes (SavedForBackward::bytes() + RoutingPlan::bytes(), read off
+// the allocator's buffers), peak device bytes above the inputs (PeakScope over forward+backward)
+// and the max relative error against a float64 host reference on a random subsample of tokens
+// (out and dx rows, and the d_pair_weights of those tokens; the weight gradients would need the
+// whole layer in float64, so they are tested by the GPU tests instead).
+//
+// Also measures the aggregation kernel (step 3) against the device-to-device copy ceiling
+// measured in the same run: rows with bench "aggregate".
+#include <CLI/CLI.hpp>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "commands.hpp"
+#include "configs.hpp"
+#include "core/parallel.hpp"
+#include "cuda/cuda_backend.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/layer/layer_cuda.hpp"
+#include "moeblaze/moeblaze.hpp"
+#include "table.hpp"
+
+namespace moeblaze::tools {
+namespace {
+
+constexpr size_t kFlushBytes = size_t(256) << 20;  // >= 2x the H200's 60 MB L2
+
+struct BenchFlags {
+  std::string config = "all";
+  std::string impl = "moeblaze,moeblaze-recompute,materialized,dense-bound";
+  std::string activation = "swiglu";
+  int reps = 20;
+  int warmup = 2;
+  int sample_tokens = 16;
+  uint64_t seed = 1234;
+  std::string out;  // append JSON lines here
+  bool json = false;
+  bool no_aggregate = false;
+};
+
+// ---- device memory the command owns (caller memory: not counted as "above the inputs") --------
+
+struct DevBuf {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit DevBuf(size_t b) : bytes(b) {
+    if (b) MOEBLAZE_CUDA_CHECK(cudaMalloc(&p, b));
+  }
+  ~DevBuf() {
+    if (p) cudaFree(p);
+  }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  template <typename T>
+  T* as() const { return static_cast<T*>(p); }
+};
+
+std::vector<std::string> split_commas(const std::string& s) {
+  std::vector<std::string> out;
+  std::string cur;
+  std::istringstream is(s);
+  while (std::getline(is, cur, ',')) {
+    cur.erase(0, cur.find_first_not_of(" \t"));
+    cur.erase(cur.find_last_not_of(" \t") + 1);
+    if (!cur.empty()) out.push_back(cur);
+  }
+  return out;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+}
+
+std::string driver_version() {
+  std::string s;
+  if (FILE* f = popen("nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null", "r")) {
+    char buf[128];
+    if (fgets(buf, sizeof buf, f)) s = buf;
+    pclose(f);
+  }
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+  if (s.empty()) {
+    int v = 0;
+    cudaDriverGetVersion(&v);
+    s = "cuda-driver-api " + std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
+  }
+  return s;
+}
+
+// Times `fn` by the protocol: flush L2 (not timed), events around fn, median in ms.
+class Timer {
+ public:
+  Timer(cudaStream_t s, void* flush) : s_(s), flush_(flush) {
+    MOEBLAZE_CUDA_CHECK(cudaEventCreate(&a_));
+    MOEBLAZE_CUDA_CHECK(cudaEventCreate(&b_));
+  }
+  ~Timer() {
+    cudaEventDestroy(a_);
+    cudaEventDestroy(b_);
+  }
+  template <typename Before, typename Fn>
+  double median_ms(int warmup, int reps, Before&& before, Fn&& fn) {
+    std::vector<double> t;
+    for (int i = 0; i < warmup + reps; ++i) {
+      before();
+      MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(flush_, (i * 37 + 1) & 0xff, kFlushBytes, s_));
+      MOEBLAZE_CUDA_CHECK(cudaEventRecord(a_, s_));
+      fn();
+      MOEBLAZE_CUDA_CHECK(cudaEventRecord(b_, s_));
+      MOEBLAZE_CUDA_CHECK(cudaEventSynchronize(b_));
+      float ms = 0;
+      MOEBLAZE_CUDA_CHECK(cudaEventElapsedTime(&ms, a_, b_));
+      if (i >= warmup) t.push_back(ms);
+    }
+    return median(t);
+  }
+
+ private:
+  cudaStream_t s_;
+  void* flush_;
+  cudaEvent_t a_, b_;
+};
+
+// ---- float64 reference on sampled tokens --------------------------------------------------------
+
+double act_f(Activation a, double x) {
+  switch (a) {
+    case Activation::swiglu:
+    case Activation::silu: return x / (1.0 + std::exp(-x));
+    case Activation::geglu:
+    case Activation::gelu: return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
+    case Activation::relu: return x > 0 ? x : 0.0;
+    case Activation::relu2: return x > 0 ? x * x : 0.0;
+  }
+  return 0;
+}
+double act_d(Activation a, double x) {
+  switch (a) {
+    case Activation::swiglu:
+    case Activation::silu: {
+      const double s = 1.0 / (1.0 + std::exp(-x));
+      return s * (1.0 + x * (1.0 - s));
+    }
+    case Activation::geglu:
+    case Activation::gelu:
+      return 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))) +
+             x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI);
+    case Activation::relu: return x > 0 ? 1.0 : 0.0;
+    case Activation::relu2: return x > 0 ? 2.0 * x : 0.0;
+  }
+  return 0;
+}
+
+template <typename T>
+std::vector<T> download(const void* src, size_t count) {
+  std::vector<T> v(count);
+  if (count) MOEBLAZE_CUDA_CHECK(cudaMemcpy(v.data(), src, count * sizeof(T), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+// out and dx rows of the sampled tokens, and d_pair_weights of their pairs, in float64.
+struct SampleRef {
+  std::vector<int64_t> tokens;
+  std::vector<double> out, dx, dpw;  // (tokens, d), (tokens, d), (pairs of the tokens,)
+};
+
+SampleRef reference_on_sample(const LayerConfig& c, const RoutingPlan& host_plan, const bf16* x,
+                              const bf16* w1, const bf16* w2, const bf16* dout, int count,
+                              uint64_t seed) {
+  SampleRef ref;
+  std::mt19937_64 rng(seed ^ 0x5eed);
+  std::vector<int64_t> all(c.T);
+  for (int64_t t = 0; t < c.T; ++t) all[t] = t;
+  std::shuffle(all.begin(), all.end(), rng);
+  ref.tokens.assign(all.begin(), all.begin() + std::min<int64_t>(count, c.T));
+  std::sort(ref.tokens.begin(), ref.tokens.end());
+  const RoutingPlanView pv = host_plan.view();
+  const int64_t d = c.d, n = c.n, R = c.w1_rows();
+  const bool gated = is_gated(c.activation);
+
+  // Host copies of the sampled rows and of the experts they use.
+  std::map<int, std::pair<std::vector<bf16>, std::vector<bf16>>> experts;
+  std::vector<std::vector<bf16>> xs, dos;
+  for (int64_t t : ref.tokens) {
+    xs.push_back(download<bf16>(x + t * d, d));
+    dos.push_back(download<bf16>(dout + t * d, d));
+    for (int32_t p = pv.token_pair_offsets[t]; p < pv.token_pair_offsets[t + 1]; ++p) {
+      const int e = pv.token_expert_indices[p];
+      if (!experts.count(e))
+        experts[e] = {download<bf16>(w1 + int64_t(e) * R * d, R * d),
+                      download<bf16>(w2 + int64_t(e) * d * n, d * n)};
+    }
+  }
+  const int64_t ns = int64_t(ref.tokens.size());
+  ref.out.assign(ns * d, 0.0);
+  ref.dx.assign(ns * d, 0.0);
+  std::vector<int64_t> pair_base(ns + 1, 0);
+  for (int64_t i = 0; i < ns; ++i) {
+    const int64_t t = ref.tokens[i];
+    pair_base[i + 1] = pair_base[i] + pv.token_pair_offsets[t + 1] - pv.token_pair_offsets[t];
+  }
+  ref.dpw.assign(pair_base[ns], 0.0);
+  parallel_for(0, ns, 1, [&](int64_t i) {
+    const int64_t t = ref.tokens[i];
+    std::vector<double> h(R), a(n), dap(n), dh(R);
+    for (int32_t p = pv.token_pair_offsets[t]; p < pv.token_pair_offsets[t + 1]; ++p) {
+      const int64_t r = pv.token_index_map[p];
+      const double s = pv.slot_weights[r];
+      const auto& W = experts.at(pv.token_expert_indices[p]);
+      const bf16* W1 = W.first.data();
+      const bf16* W2 = W.second.data();
+      for (int64_t j = 0; j < R; ++j) {
+        double acc = 0;
+        for (int64_t k = 0; k < d; ++k) acc += double(float(W1[j * d + k])) * double(float(xs[i][k]));
+        h[j] = acc;
+      }
+      for (int64_t j = 0; j < n; ++j) a[j] = gated ? act_f(c.activation, h[j]) * h[n + j] : act_f(c.activation, h[j]);
+      std::fill(dap.begin(), dap.end(), 0.0);
+      for (int64_t k = 0; k < d; ++k) {
+        double y = 0;
+        const double g = float(dos[i][k]);
+        for (int64_t j = 0; j < n; ++j) {
+          const double w = float(W2[k * n + j]);
+          y += w * a[j];
+          dap[j] += w * g;
+        }
+        ref.out[i * d + k] += s * y;
+      }
+      double ds = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        ds += dap[j] * a[j];
+        const double da = s * dap[j];
+        if (gated) {
+          dh[j] = da * h[n + j] * act_d(c.activation, h[j]);
+          dh[n + j] = da * act_f(c.activation, h[j]);
+        } else {
+          dh[j] = da * act_d(c.activation, h[j]);
+        }
+      }
+      ref.dpw[pair_base[i] + (p - pv.token_pair_offsets[t])] = ds;
+      for (int64_t j = 0; j < R; ++j)
+        for (int64_t k = 0; k < d; ++k) ref.dx[i * d + k] += dh[j] * double(float(W1[j * d + k]));
+    }
+  });
+  return ref;
+}
+
+template <typename A>
+double rel_frob(const std::vector<A>& a, const std::vector<double>& r) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < r.size(); ++i) {
+    const double x = double(float(a[i]));
+    if (std::isnan(x)) return INFINITY;
+    num += (x - r[i]) * (x - r[i]);
+    den += r[i] * r[i];
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+}
+
+double sample_error(const SampleRef& ref, const RoutingPlan& host_plan, const LayerConfig& c,
+                    const void* out, const void* dx, const float* dpw) {
+  const int64_t d = c.d, ns = int64_t(ref.tokens.size());
+  std::vector<bf16> o(ns * d), g(ns * d);
+  std::vector<float> p;
+  const RoutingPlanView pv = host_plan.view();
+  for (int64_t i = 0; i < ns; ++i) {
+    const int64_t t = ref.tokens[i];
+    MOEBLAZE_CUDA_CHECK(cudaMemcpy(o.data() + i * d, static_cast<const bf16*>(out) + t * d, d * 2, cudaMemcpyDeviceToHost));
+    MOEBLAZE_CUDA_CHECK(cudaMemcpy(g.data() + i * d, static_cast<const bf16*>(dx) + t * d, d * 2, cudaMemcpyDeviceToHost));
+    const int32_t p0 = pv.token_pair_offsets[t], p1 = pv.token_pair_offsets[t + 1];
+    const std::vector<float> part = download<float>(dpw + p0, size_t(p1 - p0));
+    p.insert(p.end(), part.begin(), part.end());
+  }
+  return std::max({rel_frob(o, ref.out), rel_frob(g, ref.dx), rel_frob(p, ref.dpw)});
+}
+
+// ---- one config -------------------------------------------------------------------------------
+
+struct Row {
+  std::string impl;
+  double fwd = 0, bwd = 0, total = 0;
+  size_t kept = 0, peak = 0;
+  double err = NAN;
+};
+
+struct Meta {
+  std::string gpu, driver, commit, date;
+};
+
+void emit(const BenchFlags& f, const Meta& m, const NamedConfig& nc, const LayerConfig& c,
+          int64_t S, const Row& r, int ns, Table& table, std::ofstream* out) {
+  const double ff = forward_flops(c, S), fb = backward_flops(c, S);
+  JsonLine j;
+  j.add("bench", "layer").add("config", nc.name).add("impl", r.impl);
+  j.add("T", c.T).add("d", c.d).add("n", c.n).add("E", c.E).add("K", c.K).add("S", S);
+  j.add("activation", activation_name(c.activation)).add("routing", "softmax-topk");
+  j.add("fwd_ms", r.fwd).add("bwd_ms", r.bwd).add("total_ms", r.total);
+  j.add("fwd_tflops", ff / r.fwd / 1e9).add("bwd_tflops", fb / r.bwd / 1e9);
+  j.add("total_tflops", (ff + fb) / r.total / 1e9);
+  j.add("kept_bytes", uint64_t(r.kept)).add("peak_bytes", uint64_t(r.peak));
+  if (std::isnan(r.err)) j.add_null("max_rel_err"); else j.add("max_rel_err", r.err);
+  j.add("err_tokens", std::isnan(r.err) ? 0 : ns).add("reps", f.reps);
+  j.add("gpu", m.gpu).add("driver", m.driver).add("commit", m.commit).add("date", m.date);
+  const std::string line = j.str();
+  if (f.json) std::cout << line << "\n" << std::flush;
+  if (out) *out << line << "\n" << std::flush;
+  table.add_row({nc.name, r.impl, fixed(r.fwd, 3), fixed(r.bwd, 3), fixed(r.total, 3),
+                 fixed(ff / r.fwd / 1e9, 1), fixed(fb / r.bwd / 1e9, 1),
+                 fixed((ff + fb) / r.total / 1e9, 1), human_bytes(r.kept), human_bytes(r.peak),
+                 std::isnan(r.err) ? "-" : scientific(r.err, 2)});
+}
+
+void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
+                  const std::vector<std::string>& impls, void* flush, Table& table,
+                  Table& agg_table, std::ofstream* jsonl) {
+  const LayerConfig c = layer_config(nc, parse_activation(f.activation), DType::bf16);
+  cuda::gemm::check_gemm_shape(c.d, c.n);  // Unsupported naming the dimension: skip the config
+  const cudaStream_t stream = nullptr;
+  const int64_t R = c.w1_rows();
+
+  // Routing: softmax of N(0, 1) logits, top-K, on the host; the plan is copied to the device.
+  std::vector<float> logits(size_t(c.T * c.E));
+  {
+    std::mt19937_64 rng(f.seed);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (float& v : logits) v = nd(rng);
+  }
+  RouterConfig rc;
+  rc.kind = RouterKind::softmax_topk;
+  rc.top_k = int(c.K);
+  Routing routing;
+  route(rc, host_view(logits.data(), {c.T, c.E}), TensorView(), routing);
+  RoutingPlan host_plan;
+  build_routing_plan(routing.view(), PlanBuilder::atomic_free, host_plan);
+  const int64_t S = host_plan.S();
+  RoutingPlan plan(Device::cuda, c.T, c.E, S);
+  auto up = [](void* dst, const void* src, size_t b) {
+    if (b) MOEBLAZE_CUDA_CHECK(cudaMemcpy(dst, src, b, cudaMemcpyHostToDevice));
+  };
+  up(plan.expert_token_offsets(), host_plan.expert_token_offsets(), 4 * (c.E + 1));
+  up(plan.expert_token_indices(), host_plan.expert_token_indices(), 4 * S);
+  up(plan.slot_weights(), host_plan.slot_weights(), 4 * S);
+  up(plan.token_pair_offsets(), host_plan.token_pair_offsets(), 4 * (c.T + 1));
+  up(plan.token_expert_indices(), host_plan.token_expert_indices(), 4 * S);
+  up(plan.token_index_map(), host_plan.token_index_map(), 4 * S);
+
+  // Inputs and outputs (the caller's memory).
+  DevBuf x(c.T * c.d * 2), w1(c.E * R * c.d * 2), w2(c.E * c.d * c.n * 2), dout(c.T * c.d * 2);
+  DevBuf out(c.T * c.d * 2), dx(c.T * c.d * 2), dw1(c.E * R * c.d * 2), dw2(c.E * c.d * c.n * 2),
+      dpw(S * 4);
+  cuda::fill_normal(x.p, DType::bf16, c.T * c.d, f.seed + 1, 1.0f, stream);
+  cuda::fill_normal(w1.p, DType::bf16, c.E * R * c.d, f.seed + 2, 1.0f / std::sqrt(float(c.d)), stream);
+  cuda::fill_normal(w2.p, DType::bf16, c.E * c.d * c.n, f.seed + 3, 1.0f / std::sqrt(float(c.n)), stream);
+  cuda::fill_normal(dout.p, DType::bf16, c.T * c.d, f.seed + 4, 1.0f, stream);
+  MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
+  const TensorView xv(x.p, DType::bf16, Device::cuda, {c.T, c.d});
+  const TensorView w1v(w1.p, DType::bf16, Device::cuda, {c.E, R, c.d});
+  const TensorView w2v(w2.p, DType::bf16, Device::cuda, {c.E, c.d, c.n});
+  const TensorView outv(out.p, DType::bf16, Device::cuda, {c.T, c.d});
+  const TensorView doutv(dout.p, DType::bf16, Device::cuda, {c.T, c.d});
+  LayerGrads g;
+  g.dx = TensorView(dx.p, DType::bf16, Device::cuda, {c.T, c.d});
+  g.dw1 = TensorView(dw1.p, DType::bf16, Device::cuda, {c.E, R, c.d});
+  g.dw2 = TensorView(dw2.p, DType::bf16, Device::cuda, {c.E, c.d, c.n});
+  g.d_pair_weights = TensorView(dpw.p, DType::f32, Device::cuda, {S});
+
+  const SampleRef ref = reference_on_sample(c, host_plan, x.as<bf16>(), w1.as<bf16>(),
+                                            w2.as<bf16>(), dout.as<bf16>(), f.sample_tokens, f.seed);
+  Timer timer(stream, flush);
+
+  for (const std::string& impl : impls) {
+    Row r;
+    r.impl = impl;
+    try {
+    if (impl == "dense-bound") {
+      cuda::DenseBound db(c, S, f.seed + 9, stream);
+      r.fwd = timer.median_ms(f.warmup, f.reps, [] {}, [&] { db.forward(); });
+      r.total = timer.median_ms(f.warmup, f.reps, [] {}, [&] {
+        db.forward();
+        db.backward();
+      });
+      r.kept = db.kept_bytes();
+      r.peak = db.transient_bytes();
+    } else {
+      LayerOptions opts;
+      opts.mode = impl == "moeblaze" ? LayerMode::keep_h
+                  : impl == "moeblaze-recompute" ? LayerMode::recompute
+                                                 : LayerMode::materialized;
+      opts.stream = stream;
+      SavedForBackward saved;
+      {
+        // Memory and error on one untimed run (outputs poisoned first: NaN fails the error).
+        MOEBLAZE_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.bytes));
+        MOEBLAZE_CUDA_CHECK(cudaMemset(dx.p, 0xFF, dx.bytes));
+        MOEBLAZE_CUDA_CHECK(cudaMemset(dpw.p, 0xFF, dpw.bytes));
+        PeakScope peak(Device::cuda);
+        layer_forward(c, plan, xv, w1v, w2v, outv, saved, opts);
+        MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
+        r.kept = saved.bytes() + plan.bytes();
+        layer_backward(c, plan, xv, w1v, w2v, doutv, saved, g, opts);
+        MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
+        r.peak = peak.peak_above_start();
+        r.err = sample_error(ref, host_plan, c, out.p, dx.p, dpw.as<float>());
+      }
+      auto reset = [&] { saved = SavedForBackward(); };  // free the last H outside the timing
+      r.fwd = timer.median_ms(f.warmup, f.reps, reset,
+                              [&] { layer_forward(c, plan, xv, w1v, w2v, outv, saved, opts); });
+      r.total = timer.median_ms(f.warmup, f.reps, reset, [&] {
+        layer_forward(c, plan, xv, w1v, w2v, outv, saved, opts);
+        layer_backward(c, plan, xv, w1v, w2v, doutv, saved, g, opts);
+      });
+    }
+    } catch (const DeviceError& e) {  // e.g. out of device memory: the other impls still run
+      std::cerr << "bench layer: " << nc.name << " " << impl << ": device error: " << e.what() << "\n";
+      (void)cudaGetLastError();
+      continue;
+    }
+    r.bwd = r.total - r.fwd;
+    emit(f, meta, nc, c, S, r, int(ref.tokens.size()), table, jsonl);
+    std::cerr << "bench layer: " << nc.name << " " << impl << " done\n";
+  }
+
+  if (!f.no_aggregate && S > 0) {
+    // Aggregation alone (step 3) against the copy ceiling, on this config's plan.
+    DevBuf y(size_t(S) * c.d * 2);
+    cuda::fill_normal(y.p, DType::bf16, S * c.d, f.seed + 5, 1.0f, stream);
+    const RoutingPlanView pv = plan.view();
+    const double agg_ms = timer.median_ms(f.warmup, f.reps, [] {}, [&] {
+      cuda::aggregate_rows(pv, y.p, pv.slot_weights, out.p, c.d, DType::bf16, stream);
+    });
+    // Minimum bytes: read every row of Y once, write out once, read the token view and weights.
+    const double bytes = double(S) * c.d * 2 + double(c.T) * c.d * 2 + 4.0 * (c.T + 1) + 8.0 * S;
+    const size_t copy_bytes = std::min<size_t>(y.bytes, size_t(1) << 30);
+    DevBuf dst(copy_bytes);
+    const double copy_ms = timer.median_ms(f.warmup, f.reps, [] {}, [&] {
+      MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(dst.p, y.p, copy_bytes, cudaMemcpyDeviceToDevice, stream));
+    });
+    const double gbps = bytes / agg_ms / 1e6, copy_gbps = 2.0 * copy_bytes / copy_ms / 1e6;
+    JsonLine j;
+    j.add("bench", "aggregate").add("config", nc.name).add("T", c.T).add("d", c.d).add("S", S);
+    j.add("us", agg_ms * 1e3).add("gbps", gbps).add("copy_gbps", copy_gbps);
+    j.add("pct_of_copy", 100.0 * gbps / copy_gbps).add("copy_bytes", uint64_t(copy_bytes));
+    j.add("gpu", meta.gpu).add("driver", meta.driver).add("commit", meta.commit).add("date", meta.date);
+    if (f.json) std::cout << j.str() << "\n";
+    if (jsonl) *jsonl << j.str() << "\n" << std::flush;
+    agg_table.add_row({nc.name, std::to_string(S), fixed(agg_ms * 1e3, 1), fixed(gbps, 0),
+                       fixed(copy_gbps, 0), fixed(100.0 * gbps / copy_gbps, 1)});
+  }
+}
+
+void run_bench(const BenchFlags& f) {
+  // Validate every flag before any work.
+  MOEBLAZE_REQUIRE(f.reps >= 20, "reps (", f.reps, ") must be >= 20 (DESIGN's protocol)");
+  MOEBLAZE_REQUIRE(f.warmup >= 1, "warmup (", f.warmup, ") must be >= 1");
+  MOEBLAZE_REQUIRE(f.sample_tokens >= 1, "sample-tokens (", f.sample_tokens, ") must be >= 1");
+  parse_activation(f.activation);
+  std::vector<const NamedConfig*> configs;
+  if (f.config == "all") {
+    for (const NamedConfig& c : named_configs()) configs.push_back(&c);
+  } else {
+    for (const std::string& name : split_commas(f.config)) configs.push_back(&require_config(name));
+  }
+  const std::vector<std::string> impls = split_commas(f.impl);
+  MOEBLAZE_REQUIRE(!impls.empty(), "impl list '", f.impl, "' is empty");
+  for (const std::string& i : impls)
+    MOEBLAZE_REQUIRE(i == "moeblaze" || i == "moeblaze-recompute" || i == "materialized" ||
+                         i == "dense-bound",
+                     "impl '", i, "' is not one of: moeblaze, moeblaze-recompute, materialized, "
+                     "dense-bound");
+  int devices = 0;
+  MOEBLAZE_UNSUPPORTED_IF(cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0,
+                          "bench layer needs a GPU; none is visible");
+  std::unique_ptr<std::ofstream> out;
+  if (!f.out.empty()) {
+    out.reset(new std::ofstream(f.out, std::ios::app));
+    MOEBLAZE_REQUIRE(out->good(), "out: cannot open '", f.out, "' for appending");
+  }
+
+  cudaDeviceProp prop{};
+  MOEBLAZE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  // MOEBLAZE_COMMIT overrides git where the tree was copied without its .git (device machines).
+  const char* commit_env = std::getenv("MOEBLAZE_COMMIT");
+  const Meta meta{prop.name, driver_version(), commit_env ? commit_env : git_commit(),
+                  utc_date_iso()};
+  std::cerr << "bench layer: " << meta.gpu << ", driver " << meta.driver << ", commit "
+            << meta.commit << ", grouped GEMM " << cuda::gemm_ops().name << "\n";
+  DevBuf flush(kFlushBytes);
+
+  Table table({{"config", Align::left}, {"impl", Align::left}, {"fwd ms"}, {"bwd ms"},
+               {"total ms"}, {"fwd TFLOPS"}, {"bwd TFLOPS"}, {"total TFLOPS"}, {"kept"},
+               {"peak"}, {"max rel err"}});
+  Table agg_table({{"config", Align::left}, {"S"}, {"aggregate us"}, {"GB/s"}, {"copy GB/s"},
+                   {"% of copy"}});
+  for (const NamedConfig* nc : configs) {
+    try {
+      bench_config(f, meta, *nc, impls, flush.p, table, agg_table, out.get());
+    } catch (const Unsupported& e) {
+      std::cerr << "bench layer: " << nc->name << ": skipped: " << e.what() << "\n";
+    } catch (const DeviceError& e) {
+      std::cerr << "bench layer: " << nc->name << ": device error: " << e.what() << "\n";
+      (void)cudaGetLastError();
+    }
+  }
+  std::ostream& os = f.json ? std::cerr : std::cout;
+  table.print(os);
+  if (agg_table.rows()) {
+    os << "\n";
+    agg_table.print(os);
+  }
+}
+
+}  // namespace
+
+void add_bench_layer_command(CLI::App& bench) {
+  auto flags = std::make_shared<BenchFlags>();
+  CLI::App* sub = bench.add_subcommand(
+      "layer", "MoE layer forward/backward on the GPU: moeblaze, recompute, materialized and "
+               "dense-bound, by DESIGN's protocol");
+  sub->add_option("--config", flags->config, "a named config, a comma list, or 'all'")
+      ->capture_default_str();
+  sub->add_option("--impl", flags->impl, "comma list of implementations")->capture_default_str();
+  sub->add_option("--activation", flags->activation, "expert activation")->capture_default_str();
+  sub->add_option("--reps", flags->reps, "timed repetitions (median; >= 20)")->capture_default_str();
+  sub->add_option("--warmup", flags->warmup, "untimed repetitions first")->capture_default_str();
+  sub->add_option("--sample-tokens", flags->sample_tokens,
+                  "tokens checked against the float64 reference")->capture_default_str();
+  sub->add_option("--seed", flags->seed, "seed of inputs and routing")->capture_default_str();
+  sub->add_option("--out", flags->out, "append the JSON lines to this file");
+  sub->add_flag("--json", flags->json, "JSON lines on stdout (the table goes to stderr)");
+  sub->add_flag("--no-aggregate", flags->no_aggregate, "skip the aggregation-kernel rows");
+  sub->callback([flags] { run_bench(*flags); });
+}
+
+}  // namespace moeblaze::tools
