@@ -67,8 +67,11 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
 
   if (plan.device() == Device::cuda) {
 #ifdef MOEBLAZE_WITH_CUDA
-    // GPU dispatch: cuda::layer_forward / cuda::materialized_forward go here.
-    MOEBLAZE_UNSUPPORTED_IF(true, "layer_forward on cuda is not wired in yet");
+    if (opts.mode == LayerMode::materialized)
+      cuda::materialized_forward(cfg, plan, x, w1, w2, out, saved, opts);
+    else
+      cuda::layer_forward(cfg, plan, x, w1, w2, out, saved, opts);
+    return;
 #else
     MOEBLAZE_UNSUPPORTED_IF(true, "plan is on cuda, but moeblaze was built without CUDA");
 #endif
@@ -106,8 +109,11 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
 
   if (dev == Device::cuda) {
 #ifdef MOEBLAZE_WITH_CUDA
-    // GPU dispatch: cuda::layer_backward / cuda::materialized_backward go here.
-    MOEBLAZE_UNSUPPORTED_IF(true, "layer_backward on cuda is not wired in yet");
+    if (opts.mode == LayerMode::materialized)
+      cuda::materialized_backward(cfg, plan, x, w1, w2, d_out, saved, grads, opts);
+    else
+      cuda::layer_backward(cfg, plan, x, w1, w2, d_out, saved, grads, opts);
+    return;
 #else
     MOEBLAZE_UNSUPPORTED_IF(true, "plan is on cuda, but moeblaze was built without CUDA");
 #endif
