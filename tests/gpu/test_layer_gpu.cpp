@@ -1,0 +1,680 @@
+// The MoE layer on the GPU (src/cuda/layer/, src/baselines/materialized_cuda.cu) against the
+// CPU backend and a float64 reference, on a subsampled grid of shapes, activations, modes and
+// routings (uneven, empty experts, token-rounded CSR plans with S != T*K). Also: aggregation,
+// bitwise determinism, kept-for-backward and peak bytes, and inputs the GPU path rejects.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/test_util.hpp"
+#include "core/parallel.hpp"
+#include "cuda/cuda_backend.hpp"
+#include "cuda/layer/layer_cuda.hpp"
+#include "gpu/gpu_test_util.hpp"
+#include "moeblaze/moeblaze.hpp"
+
+namespace moeblaze::test {
+namespace {
+
+// ---- device memory owned by the test (the caller's tensors: not accounted) --------------------
+
+struct DevMem {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit DevMem(size_t b) : bytes(b) {
+    if (b) MOEBLAZE_CUDA_CHECK(cudaMalloc(&p, b));
+  }
+  ~DevMem() {
+    if (p) cudaFree(p);
+  }
+  DevMem(const DevMem&) = delete;
+  DevMem& operator=(const DevMem&) = delete;
+  template <typename T>
+  void upload(const std::vector<T>& v) {
+    MOEBLAZE_CUDA_CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  template <typename T>
+  std::vector<T> download() const {
+    std::vector<T> v(bytes / sizeof(T));
+    MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
+    if (bytes) MOEBLAZE_CUDA_CHECK(cudaMemcpy(v.data(), p, bytes, cudaMemcpyDeviceToHost));
+    return v;
+  }
+  void poison() {  // 0xFF bytes: NaN in bf16 and fp32, so an unwritten element fails the check
+    if (bytes) MOEBLAZE_CUDA_CHECK(cudaMemset(p, 0xFF, bytes));
+  }
+};
+
+// ---- routings ---------------------------------------------------------------------------------
+
+enum class RouteKind { balanced, skewed, rounded };
+const char* route_name(RouteKind k) {
+  return k == RouteKind::balanced ? "balanced" : k == RouteKind::skewed ? "skewed" : "rounded";
+}
+
+struct HostRouting {
+  int64_t T = 0, E = 0;
+  std::vector<int32_t> offsets, experts;
+  std::vector<float> weights;
+  RoutingView view() const {
+    RoutingView v;
+    v.T = T;
+    v.E = E;
+    v.P = int64_t(experts.size());
+    v.pair_offsets = offsets.data();
+    v.pair_experts = experts.data();
+    v.pair_weights = weights.data();
+    v.device = Device::cpu;
+    return v;
+  }
+};
+
+// balanced: K distinct uniform experts per token. skewed: 20 % of the experts draw 80 % of the
+// picks and every 4th expert (from the cold ones) is never picked (empty experts). rounded: a
+// general CSR as token rounding leaves it: 0 .. K+2 pairs per token (some tokens lose all),
+// experts ascending within a token, so S != T*K.
+HostRouting make_routing(int64_t T, int64_t E, int64_t K, RouteKind kind, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  HostRouting r;
+  r.T = T;
+  r.E = E;
+  std::vector<double> prob(E, 1.0);
+  if (kind == RouteKind::skewed) {
+    const int64_t hot = std::max<int64_t>(1, E / 5);
+    for (int64_t e = 0; e < E; ++e) prob[e] = e < hot ? 0.8 / hot : 0.2 / std::max<int64_t>(1, E - hot);
+    int64_t allowed = E;
+    for (int64_t e = hot; e < E; e += 4)
+      if (allowed > K) { prob[e] = 0.0; --allowed; }
+  }
+  std::uniform_real_distribution<float> wdist(0.05f, 1.0f);
+  r.offsets.push_back(0);
+  for (int64_t t = 0; t < T; ++t) {
+    int64_t count = K;
+    if (kind == RouteKind::rounded)
+      count = std::uniform_int_distribution<int64_t>(0, std::min<int64_t>(E, K + 2))(rng);
+    std::vector<double> p = prob;
+    std::vector<int32_t> picked;
+    for (int64_t k = 0; k < count; ++k) {
+      std::discrete_distribution<int> pick(p.begin(), p.end());
+      const int e = pick(rng);
+      picked.push_back(e);
+      p[e] = 0.0;  // distinct experts within a token
+    }
+    if (kind == RouteKind::rounded) std::sort(picked.begin(), picked.end());
+    for (int32_t e : picked) {
+      r.experts.push_back(e);
+      r.weights.push_back(wdist(rng));
+    }
+    r.offsets.push_back(int32_t(r.experts.size()));
+  }
+  return r;
+}
+
+// Host plan (CPU builder) and its copy on the device.
+struct Plans {
+  RoutingPlan host, dev;
+};
+void copy_array(void* dst, const void* src, size_t bytes) {
+  if (bytes) MOEBLAZE_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+}
+void make_plans(const HostRouting& r, Plans& p) {
+  build_routing_plan(r.view(), PlanBuilder::atomic_free, p.host);
+  const int64_t T = p.host.T(), E = p.host.E(), S = p.host.S();
+  p.dev = RoutingPlan(Device::cuda, T, E, S);
+  copy_array(p.dev.expert_token_offsets(), p.host.expert_token_offsets(), 4 * (E + 1));
+  copy_array(p.dev.expert_token_indices(), p.host.expert_token_indices(), 4 * S);
+  copy_array(p.dev.slot_weights(), p.host.slot_weights(), 4 * S);
+  copy_array(p.dev.token_pair_offsets(), p.host.token_pair_offsets(), 4 * (T + 1));
+  copy_array(p.dev.token_expert_indices(), p.host.token_expert_indices(), 4 * S);
+  copy_array(p.dev.token_index_map(), p.host.token_index_map(), 4 * S);
+}
+
+// ---- float64 reference ------------------------------------------------------------------------
+
+double act_f(Activation a, double x) {
+  switch (a) {
+    case Activation::swiglu:
+    case Activation::silu: return x / (1.0 + std::exp(-x));
+    case Activation::geglu:
+    case Activation::gelu: return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
+    case Activation::relu: return x > 0 ? x : 0.0;
+    case Activation::relu2: return x > 0 ? x * x : 0.0;
+  }
+  return 0;
+}
+double act_d(Activation a, double x) {
+  switch (a) {
+    case Activation::swiglu:
+    case Activation::silu: {
+      const double s = 1.0 / (1.0 + std::exp(-x));
+      return s * (1.0 + x * (1.0 - s));
+    }
+    case Activation::geglu:
+    case Activation::gelu:
+      return 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))) +
+             x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI);
+    case Activation::relu: return x > 0 ? 1.0 : 0.0;
+    case Activation::relu2: return x > 0 ? 2.0 * x : 0.0;
+  }
+  return 0;
+}
+
+struct Ref {
+  std::vector<double> out, dx, dw1, dw2, dpw;
+};
+
+// Straight from DESIGN's math, per slot, in double, on the bf16 input values.
+Ref reference(const LayerConfig& c, const RoutingPlan& plan, const std::vector<bf16>& x,
+              const std::vector<bf16>& w1, const std::vector<bf16>& w2,
+              const std::vector<bf16>& dout) {
+  const int64_t T = c.T, d = c.d, n = c.n, E = c.E, R = c.w1_rows(), S = plan.S();
+  const bool gated = is_gated(c.activation);
+  const int32_t* off = plan.view().expert_token_offsets;
+  const int32_t* tok = plan.view().expert_token_indices;
+  const float* sw = plan.view().slot_weights;
+  std::vector<int32_t> expert(S);
+  for (int64_t e = 0; e < E; ++e)
+    for (int32_t r = off[e]; r < off[e + 1]; ++r) expert[r] = int32_t(e);
+  std::vector<double> y(S * d), dxs(S * d), as(S * n), dh(S * R), ds(S);
+  parallel_for(0, S, 16, [&](int64_t r) {
+    const int64_t e = expert[r], t = tok[r];
+    const double s = sw[r];
+    std::vector<double> h(R), a(n), dap(n);
+    for (int64_t j = 0; j < R; ++j) {
+      double acc = 0;
+      for (int64_t k = 0; k < d; ++k) acc += double(float(w1[(e * R + j) * d + k])) * double(float(x[t * d + k]));
+      h[j] = acc;
+    }
+    for (int64_t j = 0; j < n; ++j) a[j] = gated ? act_f(c.activation, h[j]) * h[n + j] : act_f(c.activation, h[j]);
+    for (int64_t i = 0; i < d; ++i) {
+      double acc = 0;
+      for (int64_t j = 0; j < n; ++j) acc += double(float(w2[(e * d + i) * n + j])) * a[j];
+      y[r * d + i] = acc;
+    }
+    std::fill(dap.begin(), dap.end(), 0.0);
+    for (int64_t i = 0; i < d; ++i) {
+      const double g = float(dout[t * d + i]);
+      for (int64_t j = 0; j < n; ++j) dap[j] += double(float(w2[(e * d + i) * n + j])) * g;
+    }
+    double dsum = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      dsum += dap[j] * a[j];
+      as[r * n + j] = s * a[j];
+      const double da = s * dap[j];
+      if (gated) {
+        dh[r * R + j] = da * h[n + j] * act_d(c.activation, h[j]);
+        dh[r * R + n + j] = da * act_f(c.activation, h[j]);
+      } else {
+        dh[r * R + j] = da * act_d(c.activation, h[j]);
+      }
+    }
+    ds[r] = dsum;
+    for (int64_t i = 0; i < d; ++i) {
+      double acc = 0;
+      for (int64_t j = 0; j < R; ++j) acc += dh[r * R + j] * double(float(w1[(e * R + j) * d + i]));
+      dxs[r * d + i] = acc;
+    }
+  });
+  Ref ref;
+  ref.out.assign(T * d, 0.0);
+  ref.dx.assign(T * d, 0.0);
+  ref.dpw.assign(S, 0.0);
+  const int32_t* tpo = plan.view().token_pair_offsets;
+  const int32_t* tim = plan.view().token_index_map;
+  for (int64_t t = 0; t < T; ++t)
+    for (int32_t p = tpo[t]; p < tpo[t + 1]; ++p) {
+      const int64_t r = tim[p];
+      ref.dpw[p] = ds[r];
+      for (int64_t i = 0; i < d; ++i) {
+        ref.out[t * d + i] += sw[r] * y[r * d + i];
+        ref.dx[t * d + i] += dxs[r * d + i];
+      }
+    }
+  ref.dw2.assign(E * d * n, 0.0);
+  ref.dw1.assign(E * R * d, 0.0);
+  parallel_for(0, E * d, 8, [&](int64_t ei) {
+    const int64_t e = ei / d, i = ei % d;
+    for (int32_t r = off[e]; r < off[e + 1]; ++r) {
+      const double g = float(dout[int64_t(tok[r]) * d + i]);
+      for (int64_t j = 0; j < n; ++j) ref.dw2[ei * n + j] += g * as[r * n + j];
+    }
+  });
+  parallel_for(0, E * R, 8, [&](int64_t ek) {
+    const int64_t e = ek / R, k = ek % R;
+    for (int32_t r = off[e]; r < off[e + 1]; ++r) {
+      const double g = dh[r * R + k];
+      for (int64_t i = 0; i < d; ++i) ref.dw1[ek * d + i] += g * double(float(x[int64_t(tok[r]) * d + i]));
+    }
+  });
+  return ref;
+}
+
+// ---- one GPU (and CPU backend) run of a case --------------------------------------------------
+
+struct Case {
+  int64_t T, d, n, E, K;
+  Activation act;
+  LayerMode mode;
+  RouteKind route;
+};
+std::string describe(const Case& c) {
+  return "T=" + std::to_string(c.T) + " d=" + std::to_string(c.d) + " n=" + std::to_string(c.n) +
+         " E=" + std::to_string(c.E) + " K=" + std::to_string(c.K) + " " +
+         activation_name(c.act) + " " + layer_mode_name(c.mode) + " " + route_name(c.route);
+}
+
+struct Inputs {
+  LayerConfig cfg;
+  HostRouting routing;
+  Plans plans;
+  std::vector<bf16> x, w1, w2, dout;
+};
+Inputs make_inputs(const Case& c, uint64_t seed) {
+  Inputs in;
+  in.cfg.T = c.T;
+  in.cfg.d = c.d;
+  in.cfg.n = c.n;
+  in.cfg.E = c.E;
+  in.cfg.K = c.K;
+  in.cfg.activation = c.act;
+  in.cfg.dtype = DType::bf16;
+  in.routing = make_routing(c.T, c.E, c.K, c.route, seed);
+  make_plans(in.routing, in.plans);
+  const int64_t R = in.cfg.w1_rows();
+  // Weights scaled by 1/sqrt(fan-in) so every intermediate stays O(1).
+  in.x = to_bf16(random_normal(c.T * c.d, seed + 1));
+  in.w1 = to_bf16(random_normal(c.E * R * c.d, seed + 2, float(1.0 / std::sqrt(double(c.d)))));
+  in.w2 = to_bf16(random_normal(c.E * c.d * c.n, seed + 3, float(1.0 / std::sqrt(double(c.n)))));
+  in.dout = to_bf16(random_normal(c.T * c.d, seed + 4));
+  return in;
+}
+
+struct GpuResult {
+  std::vector<bf16> out, dx, dw1, dw2;
+  std::vector<float> dpw;
+  size_t kept_bytes = 0;       // bytes still held on the device after forward (SavedForBackward)
+  size_t saved_bytes = 0;      // saved.bytes()
+  size_t fwd_peak = 0, bwd_peak = 0;
+};
+
+GpuResult run_gpu(const Inputs& in, LayerMode mode) {
+  const LayerConfig& c = in.cfg;
+  const int64_t S = in.plans.dev.S(), R = c.w1_rows();
+  DevMem x(in.x.size() * 2), w1(in.w1.size() * 2), w2(in.w2.size() * 2), dout(in.dout.size() * 2);
+  x.upload(in.x);
+  w1.upload(in.w1);
+  w2.upload(in.w2);
+  dout.upload(in.dout);
+  DevMem out(c.T * c.d * 2), dx(c.T * c.d * 2), dw1(c.E * R * c.d * 2), dw2(c.E * c.d * c.n * 2),
+      dpw(S * 4);
+  out.poison();
+  dx.poison();
+  dw1.poison();
+  dw2.poison();
+  dpw.poison();
+  const TensorView xv(x.p, DType::bf16, Device::cuda, {c.T, c.d});
+  const TensorView w1v(w1.p, DType::bf16, Device::cuda, {c.E, R, c.d});
+  const TensorView w2v(w2.p, DType::bf16, Device::cuda, {c.E, c.d, c.n});
+  const TensorView outv(out.p, DType::bf16, Device::cuda, {c.T, c.d});
+  const TensorView doutv(dout.p, DType::bf16, Device::cuda, {c.T, c.d});
+  LayerGrads g;
+  g.dx = TensorView(dx.p, DType::bf16, Device::cuda, {c.T, c.d});
+  g.dw1 = TensorView(dw1.p, DType::bf16, Device::cuda, {c.E, R, c.d});
+  g.dw2 = TensorView(dw2.p, DType::bf16, Device::cuda, {c.E, c.d, c.n});
+  g.d_pair_weights = TensorView(dpw.p, DType::f32, Device::cuda, {S});
+  LayerOptions opts;
+  opts.mode = mode;
+
+  GpuResult res;
+  SavedForBackward saved;
+  const size_t before = memory_stats(Device::cuda).current;
+  {
+    PeakScope peak(Device::cuda);
+    layer_forward(c, in.plans.dev, xv, w1v, w2v, outv, saved, opts);
+    MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
+    res.fwd_peak = peak.peak_above_start();
+  }
+  res.kept_bytes = memory_stats(Device::cuda).current - before;
+  res.saved_bytes = saved.bytes();
+  {
+    PeakScope peak(Device::cuda);
+    layer_backward(c, in.plans.dev, xv, w1v, w2v, doutv, saved, g, opts);
+    MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
+    res.bwd_peak = peak.peak_above_start();
+  }
+  res.out = out.download<bf16>();
+  res.dx = dx.download<bf16>();
+  res.dw1 = dw1.download<bf16>();
+  res.dw2 = dw2.download<bf16>();
+  res.dpw = dpw.download<float>();
+  return res;
+}
+
+struct CpuResult {
+  std::vector<bf16> out, dx, dw1, dw2;
+  std::vector<float> dpw;
+};
+CpuResult run_cpu(const Inputs& in, LayerMode mode) {
+  const LayerConfig& c = in.cfg;
+  const int64_t S = in.plans.host.S(), R = c.w1_rows();
+  CpuResult r;
+  r.out.resize(c.T * c.d);
+  r.dx.resize(c.T * c.d);
+  r.dw1.resize(c.E * R * c.d);
+  r.dw2.resize(c.E * c.d * c.n);
+  r.dpw.resize(S);
+  LayerGrads g;
+  g.dx = host_view(r.dx.data(), {c.T, c.d});
+  g.dw1 = host_view(r.dw1.data(), {c.E, R, c.d});
+  g.dw2 = host_view(r.dw2.data(), {c.E, c.d, c.n});
+  g.d_pair_weights = host_view(r.dpw.data(), {S});
+  LayerOptions opts;
+  opts.mode = mode;
+  SavedForBackward saved;
+  layer_forward(c, in.plans.host, host_view(in.x.data(), {c.T, c.d}),
+                host_view(in.w1.data(), {c.E, R, c.d}), host_view(in.w2.data(), {c.E, c.d, c.n}),
+                host_view(r.out.data(), {c.T, c.d}), saved, opts);
+  layer_backward(c, in.plans.host, host_view(in.x.data(), {c.T, c.d}),
+                 host_view(in.w1.data(), {c.E, R, c.d}), host_view(in.w2.data(), {c.E, c.d, c.n}),
+                 host_view(in.dout.data(), {c.T, c.d}), saved, g, opts);
+  return r;
+}
+
+template <typename A>
+double rel_err_vs(const std::vector<A>& a, const std::vector<double>& ref) {
+  EXPECT_EQ(a.size(), ref.size());
+  return rel_frobenius(a.data(), ref.data(), std::min(a.size(), ref.size()));
+}
+template <typename A, typename B>
+double rel_err_vs_cpu(const std::vector<A>& a, const std::vector<B>& b) {
+  std::vector<double> ref(b.size());
+  for (size_t i = 0; i < b.size(); ++i) ref[i] = double(float(b[i]));
+  return rel_err_vs(a, ref);
+}
+
+template <typename T>
+bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+// ---- the grid ---------------------------------------------------------------------------------
+
+class LayerGpuGrid : public ::testing::TestWithParam<Case> {};
+
+TEST_P(LayerGpuGrid, MatchesCpuBackendAndFloat64Reference) {
+  MOEBLAZE_REQUIRE_GPU();
+  const Case c = GetParam();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed) + " " + describe(c));
+  const Inputs in = make_inputs(c, seed);
+  const int64_t S = in.plans.dev.S();
+  const GpuResult gpu = run_gpu(in, c.mode);
+  const Ref ref = reference(in.cfg, in.plans.host, in.x, in.w1, in.w2, in.dout);
+  const double tol = rel_tolerance(DType::bf16);
+  EXPECT_LE(rel_err_vs(gpu.out, ref.out), tol) << "out";
+  EXPECT_LE(rel_err_vs(gpu.dx, ref.dx), tol) << "dx";
+  EXPECT_LE(rel_err_vs(gpu.dw1, ref.dw1), tol) << "dw1";
+  EXPECT_LE(rel_err_vs(gpu.dw2, ref.dw2), tol) << "dw2";
+  EXPECT_LE(rel_err_vs(gpu.dpw, ref.dpw), tol) << "d_pair_weights";
+
+  // The CPU backend stores the same bf16 intermediates: the two backends agree at least as
+  // closely as each agrees with float64.
+  const CpuResult cpu = run_cpu(in, c.mode);
+  EXPECT_LE(rel_err_vs_cpu(gpu.out, cpu.out), tol) << "out vs CPU backend";
+  EXPECT_LE(rel_err_vs_cpu(gpu.dx, cpu.dx), tol) << "dx vs CPU backend";
+  EXPECT_LE(rel_err_vs_cpu(gpu.dw1, cpu.dw1), tol) << "dw1 vs CPU backend";
+  EXPECT_LE(rel_err_vs_cpu(gpu.dw2, cpu.dw2), tol) << "dw2 vs CPU backend";
+  EXPECT_LE(rel_err_vs_cpu(gpu.dpw, cpu.dpw), tol) << "d_pair_weights vs CPU backend";
+
+  // Memory: keep_h keeps exactly H (S, w1_rows) bf16; recompute keeps nothing but the plan
+  // (which the caller owns). The forward's transients are A and Y; backward's its workspace.
+  const LayerConfig& cfg = in.cfg;
+  const size_t h_bytes = size_t(S * cfg.w1_rows()) * 2;
+  const size_t expect_saved = c.mode == LayerMode::keep_h ? h_bytes : 0;
+  EXPECT_EQ(gpu.saved_bytes, expect_saved);
+  EXPECT_EQ(gpu.kept_bytes, expect_saved) << "forward left other device memory behind";
+  const double fwd_bound =
+      1.05 * double(h_bytes + size_t(S * cfg.n) * 2 + size_t(S * cfg.d) * 2 + in.plans.dev.bytes());
+  EXPECT_LE(double(gpu.fwd_peak), fwd_bound) << "forward peak";
+  // Backward bound: dH (S, w1_rows) + max(A' (S, n) [+ H in recompute], dX̃ (S, d)) + ds
+  // partials and ds (fp32), each piece rounded up to 256 bytes.
+  const size_t reuse = std::max(size_t(S * cfg.n) * 2 + (c.mode == LayerMode::recompute ? h_bytes : 0),
+                                size_t(S * cfg.d) * 2);
+  const size_t bwd_bound = h_bytes + reuse + size_t(S) * 4 * ((cfg.n + 127) / 128 + 1) + 6 * 256;
+  EXPECT_LE(gpu.bwd_peak, bwd_bound) << "backward peak";
+  EXPECT_LE(gpu.bwd_peak, layer_workspace_bytes(cfg, S, c.mode, Device::cuda));
+}
+
+// A subsample of T ∈ {1, 7, 1000, 8192} × d, n ∈ {128, 256, 768, 1536} × E ∈ {1, 8, 64, 128} ×
+// K ∈ {1, 2, 8}, with every activation, both modes and all three routings appearing.
+INSTANTIATE_TEST_SUITE_P(
+    Grid, LayerGpuGrid,
+    ::testing::Values(
+        Case{1, 128, 128, 1, 1, Activation::swiglu, LayerMode::keep_h, RouteKind::balanced},
+        Case{7, 256, 128, 8, 2, Activation::geglu, LayerMode::recompute, RouteKind::balanced},
+        Case{1000, 768, 256, 64, 8, Activation::swiglu, LayerMode::keep_h, RouteKind::skewed},
+        Case{1000, 128, 1536, 8, 2, Activation::relu, LayerMode::keep_h, RouteKind::skewed},
+        Case{1000, 256, 256, 64, 2, Activation::silu, LayerMode::recompute, RouteKind::rounded},
+        Case{1000, 1536, 768, 8, 1, Activation::gelu, LayerMode::keep_h, RouteKind::balanced},
+        Case{1000, 256, 128, 128, 8, Activation::relu2, LayerMode::keep_h, RouteKind::rounded},
+        Case{8192, 128, 128, 128, 8, Activation::swiglu, LayerMode::keep_h, RouteKind::skewed},
+        Case{8192, 256, 256, 8, 2, Activation::swiglu, LayerMode::recompute, RouteKind::rounded}),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      const Case& c = info.param;
+      return std::string(route_name(c.route)) + "_T" + std::to_string(c.T) + "_d" +
+             std::to_string(c.d) + "_n" + std::to_string(c.n) + "_E" + std::to_string(c.E) +
+             "_K" + std::to_string(c.K) + "_" + activation_name(c.act) +
+             (c.mode == LayerMode::recompute ? "_recompute" : "");
+    });
+
+// ---- determinism, materialized baseline, naive GEMM cross-check -------------------------------
+
+TEST(LayerGpu, BitwiseDeterministicAcrossRuns) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (LayerMode mode : {LayerMode::keep_h, LayerMode::recompute, LayerMode::materialized}) {
+    SCOPED_TRACE(layer_mode_name(mode));
+    const Inputs in = make_inputs({2048, 256, 512, 16, 4, Activation::swiglu, mode, RouteKind::skewed}, seed);
+    const GpuResult a = run_gpu(in, mode);
+    const GpuResult b = run_gpu(in, mode);
+    EXPECT_TRUE(bitwise_equal(a.out, b.out)) << "out";
+    EXPECT_TRUE(bitwise_equal(a.dx, b.dx)) << "dx";
+    EXPECT_TRUE(bitwise_equal(a.dw1, b.dw1)) << "dw1";
+    EXPECT_TRUE(bitwise_equal(a.dw2, b.dw2)) << "dw2";
+    EXPECT_TRUE(bitwise_equal(a.dpw, b.dpw)) << "d_pair_weights";
+  }
+}
+
+TEST(LayerGpu, MaterializedBaselineMatchesReferenceAndKeepsItsTensors) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (Activation act : {Activation::swiglu, Activation::gelu}) {
+    SCOPED_TRACE(activation_name(act));
+    const Inputs in = make_inputs({1000, 256, 384, 16, 4, act, LayerMode::materialized, RouteKind::rounded}, seed);
+    const GpuResult gpu = run_gpu(in, LayerMode::materialized);
+    const Ref ref = reference(in.cfg, in.plans.host, in.x, in.w1, in.w2, in.dout);
+    const double tol = rel_tolerance(DType::bf16);
+    EXPECT_LE(rel_err_vs(gpu.out, ref.out), tol) << "out";
+    EXPECT_LE(rel_err_vs(gpu.dx, ref.dx), tol) << "dx";
+    EXPECT_LE(rel_err_vs(gpu.dw1, ref.dw1), tol) << "dw1";
+    EXPECT_LE(rel_err_vs(gpu.dw2, ref.dw2), tol) << "dw2";
+    EXPECT_LE(rel_err_vs(gpu.dpw, ref.dpw), tol) << "d_pair_weights";
+    const int64_t S = in.plans.dev.S();
+    const LayerConfig& c = in.cfg;
+    const size_t expect = 2 * size_t(S) *
+                          (c.d + c.w1_rows() + (is_gated(act) ? c.n : 0) + c.n + c.d);
+    EXPECT_EQ(gpu.saved_bytes, expect) << "Xs, H, act(g), A, Y";
+    EXPECT_EQ(gpu.kept_bytes, expect);
+  }
+}
+
+TEST(LayerGpu, Sm90GemmsAgreeWithNaiveOracle) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Inputs in = make_inputs({3000, 512, 256, 32, 4, Activation::swiglu, LayerMode::keep_h, RouteKind::skewed}, seed);
+  cuda::set_gemm_impl(cuda::GemmImpl::naive);
+  const GpuResult naive = run_gpu(in, LayerMode::keep_h);
+  cuda::set_gemm_impl(cuda::GemmImpl::sm90);
+  const GpuResult fast = run_gpu(in, LayerMode::keep_h);
+  const double tol = rel_tolerance(DType::bf16);
+  EXPECT_LE(rel_err_vs_cpu(fast.out, naive.out), tol) << "out";
+  EXPECT_LE(rel_err_vs_cpu(fast.dx, naive.dx), tol) << "dx";
+  EXPECT_LE(rel_err_vs_cpu(fast.dw1, naive.dw1), tol) << "dw1";
+  EXPECT_LE(rel_err_vs_cpu(fast.dw2, naive.dw2), tol) << "dw2";
+  EXPECT_LE(rel_err_vs_cpu(fast.dpw, naive.dpw), tol) << "d_pair_weights";
+}
+
+TEST(LayerGpu, EmptyTokensAndEmptyPlan) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  // T = 0: nothing to do, nothing kept.
+  {
+    const Inputs in = make_inputs({0, 128, 128, 4, 2, Activation::swiglu, LayerMode::keep_h, RouteKind::balanced}, seed);
+    const GpuResult r = run_gpu(in, LayerMode::keep_h);
+    EXPECT_EQ(r.saved_bytes, 0u);
+    EXPECT_TRUE(r.out.empty());
+  }
+  // T > 0 but every token dropped (S = 0): out, dx and the weight gradients are zeros.
+  {
+    Inputs in = make_inputs({5, 128, 128, 4, 2, Activation::swiglu, LayerMode::keep_h, RouteKind::balanced}, seed);
+    HostRouting empty;
+    empty.T = 5;
+    empty.E = 4;
+    empty.offsets.assign(6, 0);
+    in.routing = empty;
+    in.plans = Plans();
+    make_plans(in.routing, in.plans);
+    const GpuResult r = run_gpu(in, LayerMode::keep_h);
+    for (const auto* v : {&r.out, &r.dx, &r.dw1, &r.dw2})
+      for (bf16 b : *v) ASSERT_EQ(b.bits, 0u);
+  }
+}
+
+// ---- aggregation ------------------------------------------------------------------------------
+
+TEST(LayerGpu, AggregateRowsMatchesHostInFixedOrder) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (DType dt : {DType::bf16, DType::f32}) {
+    for (int64_t d : {int64_t(512), int64_t(100), int64_t(37)}) {  // vector and scalar paths
+      for (bool weighted : {true, false}) {
+        SCOPED_TRACE(std::string(dtype_name(dt)) + " d=" + std::to_string(d) +
+                     (weighted ? " weighted" : " unweighted"));
+        Inputs in;
+        in.routing = make_routing(300, 16, 4, RouteKind::rounded, seed);
+        make_plans(in.routing, in.plans);
+        const int64_t S = in.plans.host.S(), T = 300;
+        const std::vector<float> rows = random_normal(S * d, seed + 7);
+        const size_t es = dtype_size(dt);
+        std::vector<uint8_t> raw(S * d * es);
+        for (int64_t i = 0; i < S * d; ++i) {
+          if (dt == DType::bf16) reinterpret_cast<bf16*>(raw.data())[i] = bf16(rows[i]);
+          else reinterpret_cast<float*>(raw.data())[i] = rows[i];
+        }
+        DevMem drows(raw.size()), dout(T * d * es);
+        drows.upload(raw);
+        dout.poison();
+        const RoutingPlanView pv = in.plans.dev.view();
+        cuda::aggregate_rows(pv, drows.p, weighted ? pv.slot_weights : nullptr, dout.p, d, dt, nullptr);
+        const std::vector<uint8_t> got = dout.download<uint8_t>();
+        // Host: the same fp32 order (pairs in order, fma for the weighted sum).
+        const RoutingPlanView hv = in.plans.host.view();
+        std::vector<double> ref(T * d);
+        double max_ulp_err = 0;
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t i = 0; i < d; ++i) {
+            float acc = 0;
+            for (int32_t p = hv.token_pair_offsets[t]; p < hv.token_pair_offsets[t + 1]; ++p) {
+              const int64_t r = hv.token_index_map[p];
+              const float v = dt == DType::bf16 ? float(reinterpret_cast<const bf16*>(raw.data())[r * d + i])
+                                                : reinterpret_cast<const float*>(raw.data())[r * d + i];
+              acc = weighted ? std::fma(hv.slot_weights[r], v, acc) : acc + v;
+            }
+            const float g = dt == DType::bf16 ? float(reinterpret_cast<const bf16*>(got.data())[t * d + i])
+                                              : reinterpret_cast<const float*>(got.data())[t * d + i];
+            const float want = dt == DType::bf16 ? round_to_bf16(acc) : acc;
+            ASSERT_FALSE(std::isnan(g)) << "unwritten element t=" << t << " i=" << i;
+            max_ulp_err = std::max(max_ulp_err, double(std::fabs(g - want)));
+          }
+        EXPECT_EQ(max_ulp_err, 0.0) << "GPU and host summed in a different order";
+      }
+    }
+  }
+}
+
+TEST(LayerGpu, DPairWeightsGatherIsExact) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  Plans plans;
+  make_plans(make_routing(500, 32, 4, RouteKind::rounded, seed), plans);
+  const int64_t S = plans.host.S();
+  const std::vector<float> ds = random_normal(S, seed + 1);
+  DevMem dds(S * 4), dpw(S * 4);
+  dds.upload(ds);
+  dpw.poison();
+  cuda::gather_pair_grads(plans.dev.view(), static_cast<const float*>(dds.p), static_cast<float*>(dpw.p), nullptr);
+  const std::vector<float> got = dpw.download<float>();
+  for (int64_t p = 0; p < S; ++p)
+    ASSERT_EQ(got[p], ds[plans.host.view().token_index_map[p]]) << "pair " << p;
+}
+
+// ---- inputs the GPU path rejects --------------------------------------------------------------
+
+TEST(LayerGpu, RejectsWhatTheGpuPathCannotTakeAndLeavesOutputsUntouched) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  struct Bad {
+    int64_t d, n;
+    DType dtype;
+    const char* expect;
+  };
+  for (const Bad& b : {Bad{100, 128, DType::bf16, "d (100)"}, Bad{128, 96, DType::bf16, "n (96)"},
+                       Bad{128, 128, DType::f32, "dtype fp32: the CUDA backend stores bf16"}}) {
+    SCOPED_TRACE(b.expect);
+    LayerConfig c;
+    c.T = 16;
+    c.d = b.d;
+    c.n = b.n;
+    c.E = 4;
+    c.K = 2;
+    c.dtype = b.dtype;
+    Plans plans;
+    make_plans(make_routing(c.T, c.E, c.K, RouteKind::balanced, seed), plans);
+    const size_t es = dtype_size(b.dtype);
+    DevMem x(c.T * c.d * es), w1(c.E * c.w1_rows() * c.d * es), w2(c.E * c.d * c.n * es),
+        out(c.T * c.d * es);
+    x.upload(random_normal(c.T * c.d * es / 4, seed));
+    out.poison();
+    SavedForBackward saved;
+    LayerOptions opts;
+    try {
+      layer_forward(c, plans.dev, TensorView(x.p, b.dtype, Device::cuda, {c.T, c.d}),
+                    TensorView(w1.p, b.dtype, Device::cuda, {c.E, c.w1_rows(), c.d}),
+                    TensorView(w2.p, b.dtype, Device::cuda, {c.E, c.d, c.n}),
+                    TensorView(out.p, b.dtype, Device::cuda, {c.T, c.d}), saved, opts);
+      ADD_FAILURE() << "no error thrown";
+    } catch (const Unsupported& e) {
+      EXPECT_NE(std::string(e.what()).find(b.expect), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(saved.valid());
+    for (uint8_t v : out.download<uint8_t>()) ASSERT_EQ(v, 0xFF) << "out was written";
+  }
+}
+
+}  // namespace
+}  // namespace moeblaze::test
