@@ -121,6 +121,8 @@ def median(v):
 
 
 def git_commit():
+    if os.environ.get("MOEBLAZE_COMMIT"):
+        return os.environ["MOEBLAZE_COMMIT"]
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         c = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
