@@ -27,6 +27,8 @@ void add_run_command(CLI::App& app);
 // tools/cmd_bench_layer.cpp), added under the `bench` subcommand that main.cpp creates.
 void add_bench_routing_command(CLI::App& bench);
 void add_bench_layer_command(CLI::App& bench);
+// `moeblaze bench gemm`: the grouped GEMM kernels alone (tools/cmd_bench_gemm.cpp).
+void add_bench_gemm_command(CLI::App& bench);
 #endif
 
 }  // namespace moeblaze::tools

@@ -22,6 +22,7 @@ int main(int argc, char** argv) {
   bench->require_subcommand(1);
   add_bench_routing_command(*bench);
   add_bench_layer_command(*bench);
+  add_bench_gemm_command(*bench);
 #endif
 
   try {
