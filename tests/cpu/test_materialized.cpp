@@ -1,12 +1,17 @@
-// The materialized baseline (src/baselines/materialized_cpu.cpp): numerics against a float64
-// reference computed straight from the routing pairs, what it keeps for backward, determinism
-// across runs and thread counts, edge cases (empty experts, all tokens on one expert, tokens
-// without pairs, T = 0), and the checks on `saved`.
+// The materialized baseline (src/baselines/materialized_cpu.cpp), run through the public layer
+// API with LayerMode::materialized: numerics against a float64 reference computed straight from
+// the routing pairs and against moeblaze's own layer (keep_h), what it keeps for backward (and
+// that moeblaze keeps less than half of it on cpu-default), determinism across runs and thread
+// counts, edge cases (empty experts, all tokens on one expert, tokens without pairs, T = 0), and
+// its own checks on `saved`.
 //
-// Tolerances (relative Frobenius against float64):
-//   fp32: 1e-4 (test::rel_tolerance): fp32 accumulation over d, n or tokens-per-expert terms
-//   bf16: 1e-2 (test::rel_tolerance): the baseline stores H, act(g), A, Y, dA, dH, dXs in bf16,
-//         each a 2^-9 relative rounding, and the results are stored in bf16 too
+// Tolerances, relative Frobenius error (d_pair_weights: see expect_dpw_close):
+//   against float64       fp32 1e-4, bf16 1e-2 (test::rel_tolerance): fp32 accumulation over
+//                         d, n or tokens-per-expert terms; in bf16 the baseline stores H, act(g),
+//                         A, Y, dA, s dO, dH, dXs, each a 2^-9 relative rounding, and the results
+//   against keep_h layer  fp32 1e-5: same GEMM kernels and summation order, the only
+//                         differences are fp32 roundings (ds = <dO, Y> vs <dA', a>, s applied
+//                         before or after a GEMM); bf16 1e-2: the baseline's extra bf16 roundings
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -276,7 +281,8 @@ struct Result {
 // Output tensors start as a sentinel (never a plausible result) so a missed write shows.
 constexpr float kSentinel = 12345.0f;
 
-Result run_materialized(const Problem& pb, int threads = 0) {
+// Forward and backward through the public API in `mode`.
+Result run_mode(const Problem& pb, LayerMode mode, int threads = 0) {
   const LayerConfig& c = pb.cfg;
   Result r;
   r.out = HostTensor(c.dtype, {c.T, c.d});
@@ -286,13 +292,12 @@ Result run_materialized(const Problem& pb, int threads = 0) {
   r.dpw.assign(size_t(pb.plan.S()), kSentinel);
   for (HostTensor* t : {&r.out, &r.dx, &r.dw1, &r.dw2}) t->fill(kSentinel);
   LayerOptions opts;
-  opts.mode = LayerMode::materialized;
+  opts.mode = mode;
   opts.num_threads = threads;
   SavedForBackward saved;
-  cpu::materialized_forward(c, pb.plan, pb.x.view(), pb.w1.view(), pb.w2.view(), r.out.view(),
-                            saved, opts);
+  layer_forward(c, pb.plan, pb.x.view(), pb.w1.view(), pb.w2.view(), r.out.view(), saved, opts);
   EXPECT_TRUE(saved.valid());
-  EXPECT_EQ(saved.mode(), LayerMode::materialized);
+  EXPECT_EQ(saved.mode(), mode);
   EXPECT_EQ(saved.S_, pb.plan.S());
   r.saved_bytes = saved.bytes();
   for (const Buffer* b : {&saved.xs, &saved.h, &saved.act_g, &saved.a, &saved.y}) {
@@ -304,9 +309,13 @@ Result run_materialized(const Problem& pb, int threads = 0) {
   g.dw1 = r.dw1.view();
   g.dw2 = r.dw2.view();
   g.d_pair_weights = host_view(r.dpw.data(), {pb.plan.S()});
-  cpu::materialized_backward(c, pb.plan, pb.x.view(), pb.w1.view(), pb.w2.view(),
-                             pb.dout.view(), saved, g, opts);
+  layer_backward(c, pb.plan, pb.x.view(), pb.w1.view(), pb.w2.view(), pb.dout.view(), saved, g,
+                 opts);
   return r;
+}
+
+Result run_materialized(const Problem& pb, int threads = 0) {
+  return run_mode(pb, LayerMode::materialized, threads);
 }
 
 std::string describe(const LayerConfig& c, RouteShape shape, uint64_t seed) {
@@ -374,6 +383,81 @@ TEST(Materialized, MatchesFloat64Reference) {
       }
     }
   }
+}
+
+// The baseline and moeblaze's layer (keep_h) agree on every output and gradient, for every
+// activation, both dtypes, and routings with uneven and empty experts and tokens without pairs.
+TEST(Materialized, MatchesMoeblazeLayer) {
+  struct Shape { int64_t T, d, n, E, K; RouteShape route; };
+  const Shape shapes[] = {
+      {150, 40, 56, 6, 2, RouteShape::uniform},
+      {200, 64, 48, 8, 2, RouteShape::skewed},
+      {97, 32, 40, 5, 3, RouteShape::ragged},
+      {300, 24, 16, 4, 1, RouteShape::one_expert},
+  };
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    for (Activation act : kAllActivations) {
+      for (const Shape& s : shapes) {
+        const LayerConfig cfg{s.T, s.d, s.n, s.E, s.K, act, dtype};
+        const uint64_t seed = test::fresh_seed();
+        SCOPED_TRACE(describe(cfg, s.route, seed));
+        const Problem pb = make_problem(cfg, s.route, seed);
+        const Result mat = run_mode(pb, LayerMode::materialized);
+        const Result moe = run_mode(pb, LayerMode::keep_h);
+        const double tol = dtype == DType::bf16 ? 1e-2 : 1e-5;
+        auto as_double = [](const HostTensor& t) {
+          const auto v = t.values();
+          return std::vector<double>(v.begin(), v.end());
+        };
+        expect_close(mat.out, as_double(moe.out), tol, "out vs keep_h");
+        expect_close(mat.dx, as_double(moe.dx), tol, "dx vs keep_h");
+        expect_close(mat.dw1, as_double(moe.dw1), tol, "dw1 vs keep_h");
+        expect_close(mat.dw2, as_double(moe.dw2), tol, "dw2 vs keep_h");
+        Grads64 moe_dpw;  // keep_h's ds, with the term magnitudes of the float64 reference
+        moe_dpw.dpw.assign(moe.dpw.begin(), moe.dpw.end());
+        moe_dpw.dpw_scale = reference(cfg, pb.routing, pb.x, pb.w1, pb.w2, pb.dout).dpw_scale;
+        expect_dpw_close(mat.dpw, moe_dpw, tol);
+      }
+    }
+  }
+}
+
+// cpu-default (T=2048, d=256, n=512, E=16, K=4, swiglu, bf16): the baseline keeps
+// Xs + H + act(g) + A + Y = S (d + 2n + n + n + d) bf16 values, moeblaze keeps H = S 2n; with the
+// plan on top of each, moeblaze keeps less than half. Forward only (what is kept is decided
+// there); the two forwards' outputs are compared too, at this realistic size.
+TEST(Materialized, MoeblazeKeepsLessThanHalfOnCpuDefault) {
+  const LayerConfig cfg{2048, 256, 512, 16, 4, Activation::swiglu, DType::bf16};
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE(describe(cfg, RouteShape::uniform, seed));
+  Problem pb = make_problem(cfg, RouteShape::uniform, seed);
+  RoutingPlan moe_plan;
+  build_routing_plan(pb.routing.view(), PlanBuilder::atomic_free, moe_plan);
+  ASSERT_EQ(pb.plan.S(), cfg.T * cfg.K);
+
+  HostTensor mat_out(cfg.dtype, {cfg.T, cfg.d}), moe_out(cfg.dtype, {cfg.T, cfg.d});
+  LayerOptions opts;
+  SavedForBackward mat_saved, moe_saved;
+  opts.mode = LayerMode::materialized;
+  layer_forward(cfg, pb.plan, pb.x.view(), pb.w1.view(), pb.w2.view(), mat_out.view(),
+                mat_saved, opts);
+  opts.mode = LayerMode::keep_h;
+  layer_forward(cfg, moe_plan, pb.x.view(), pb.w1.view(), pb.w2.view(), moe_out.view(),
+                moe_saved, opts);
+
+  const size_t S = size_t(pb.plan.S()), d = size_t(cfg.d), n = size_t(cfg.n);
+  EXPECT_EQ(mat_saved.bytes(), (S * d + S * 2 * n + S * n + S * n + S * d) * 2);
+  EXPECT_EQ(moe_saved.bytes(), S * 2 * n * 2);
+  EXPECT_EQ(moe_plan.bytes(), pb.plan.bytes());
+  const size_t mat_kept = mat_saved.bytes() + pb.plan.bytes();
+  const size_t moe_kept = moe_saved.bytes() + moe_plan.bytes();
+  RecordProperty("materialized_kept_bytes", std::to_string(mat_kept));
+  RecordProperty("moeblaze_kept_bytes", std::to_string(moe_kept));
+  EXPECT_LT(double(moe_kept), 0.5 * double(mat_kept))
+      << "moeblaze keeps " << moe_kept << " bytes, materialized " << mat_kept;
+
+  const auto v = moe_out.values();
+  expect_close(mat_out, std::vector<double>(v.begin(), v.end()), 1e-2, "out vs keep_h");
 }
 
 // One expert with more tokens than a GEMM task has rows and than a k-block holds (the dW GEMMs
@@ -463,8 +547,8 @@ TEST(Materialized, SavedBytesAreTheConventionalSet) {
       opts.mode = LayerMode::materialized;
       HostTensor out(dtype, {cfg.T, cfg.d});
       SavedForBackward saved;
-      cpu::materialized_forward(cfg, pb.plan, pb.x.view(), pb.w1.view(), pb.w2.view(),
-                                out.view(), saved, opts);
+      layer_forward(cfg, pb.plan, pb.x.view(), pb.w1.view(), pb.w2.view(), out.view(), saved,
+                    opts);
       const size_t S = size_t(pb.plan.S()), d = size_t(cfg.d), n = size_t(cfg.n);
       const size_t es = dtype_size(dtype);
       const size_t want = is_gated(act) ? (S * d + S * 2 * n + S * n + S * n + S * d) * es
