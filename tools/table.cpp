@@ -5,6 +5,7 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <fstream>
 #include <stdexcept>
@@ -185,6 +186,9 @@ std::string shell_quote(const std::string& s) {
 }  // namespace
 
 std::string git_commit() {
+  // Device machines get a copy of the tree without .git; the scripts pass the commit along.
+  const char* env = std::getenv("MOEBLAZE_COMMIT");
+  if (env && *env) return env;
   const std::string dir = shell_quote(exe_dir());
   const std::string head = first_line_of("git -C " + dir + " rev-parse --short HEAD 2>/dev/null");
   if (head.empty()) return "unknown";

@@ -61,8 +61,9 @@ std::string human_bytes(size_t bytes);          // "512 B", "12.0 KiB", "12.0 Mi
 
 // Row metadata.
 std::string cpu_model();     // "model name" of /proc/cpuinfo, "unknown cpu" when unreadable
-std::string git_commit();    // short commit of the source tree the binary was built in, with
-                             // "-dirty" when tracked files differ; "unknown" without git
+std::string git_commit();    // $MOEBLAZE_COMMIT when set; else the short commit of the source
+                             // tree the binary was built in, with "-dirty" when tracked files
+                             // differ; "unknown" without git
 std::string utc_date_iso();  // "2026-11-29T12:46:02Z"
 
 }  // namespace moeblaze::tools
