@@ -52,6 +52,7 @@ LayerReference reference_layer(const LayerConfig& cfg, const int32_t* pair_offse
     r.dw1.assign(static_cast<size_t>(E * R * d), 0.0);
     r.dw2.assign(static_cast<size_t>(E * d * n), 0.0);
     r.d_pair_weights.assign(static_cast<size_t>(P), 0.0);
+    r.d_pair_weights_abs.assign(static_cast<size_t>(P), 0.0);
   }
   std::vector<double> h(R), a(n), y(d), dap(n), dh(R);
   for (int64_t t = 0; t < T; ++t) {
@@ -79,14 +80,16 @@ LayerReference reference_layer(const LayerConfig& cfg, const int32_t* pair_offse
       }
       if (!d_out) continue;
       const double* dot = d_out + t * d;
-      double ds = 0;
+      double ds = 0, ds_abs = 0;
       for (int64_t j = 0; j < n; ++j) {
         double acc = 0;
         for (int64_t i = 0; i < d; ++i) acc += W2[i * n + j] * dot[i];
         dap[j] = acc;
         ds += acc * a[j];
+        ds_abs += std::fabs(acc * a[j]);
       }
       r.d_pair_weights[p] = ds;
+      r.d_pair_weights_abs[p] = ds_abs;
       for (int64_t j = 0; j < n; ++j) {
         const double da = s * dap[j];
         if (gated) {

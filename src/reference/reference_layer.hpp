@@ -27,6 +27,10 @@ struct LayerReference {
   std::vector<double> dw1;             // (E, w1_rows, d)
   std::vector<double> dw2;             // (E, d, n)
   std::vector<double> d_pair_weights;  // (P,) token-major, like the routing
+  // (P,) Σ_j |da'_j a_j|: the scale of d_pair_weights' rounding error. Each d pair weight is one
+  // dot product that may cancel, so its error is bounded relative to this sum of magnitudes
+  // (the dot product's condition), not relative to its own value.
+  std::vector<double> d_pair_weights_abs;
 };
 
 // float64 inputs, row-major: x (T, d), w1 (E, w1_rows, d), w2 (E, d, n), d_out (T, d) or null

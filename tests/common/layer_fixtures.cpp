@@ -183,4 +183,18 @@ double rel_error(const HostTensor& a, const std::vector<double>& ref) {
   return std::sqrt(num / den);
 }
 
+double scaled_error(const HostTensor& a, const std::vector<double>& ref,
+                    const std::vector<double>& scale) {
+  if (static_cast<size_t>(a.numel()) != ref.size() || ref.size() != scale.size()) return INFINITY;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double v = a.at(static_cast<int64_t>(i));
+    if (!std::isfinite(v)) return INFINITY;
+    num += (v - ref[i]) * (v - ref[i]);
+    den += scale[i] * scale[i];
+  }
+  if (den == 0) return num == 0 ? 0.0 : INFINITY;
+  return std::sqrt(num / den);
+}
+
 }  // namespace moeblaze::test

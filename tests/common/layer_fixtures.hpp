@@ -71,4 +71,9 @@ bool bitwise_equal(const HostTensor& a, const HostTensor& b);
 // when ref is all zero (returns +inf if a is not all zero).
 double rel_error(const HostTensor& a, const std::vector<double>& ref);
 
+// ||a - ref||_F / ||scale||_F: the error measured against a scale of its own (e.g. the sum of
+// magnitudes of the terms of a dot product that may cancel).
+double scaled_error(const HostTensor& a, const std::vector<double>& ref,
+                    const std::vector<double>& scale);
+
 }  // namespace moeblaze::test
