@@ -32,11 +32,11 @@ __device__ __forceinline__ int expert_of(const int32_t* off, int E, int64_t r) {
 
 unsigned blocks_for(int64_t work) { return unsigned((work + kThreads - 1) / kThreads); }
 
-// grid (ceil(n/128), S): thread = (slot r, column j of n).
+// grid (S, ceil(n/128)): thread = (slot r, column j of n). Slots on x: y is limited to 65535.
 __global__ void up_kernel(RoutingPlanView p, const bf16* x, const bf16* w1, bf16* h, bf16* a,
                           int64_t d, int64_t n, Activation act) {
-  const int64_t r = blockIdx.y;
-  const int64_t j = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t r = blockIdx.x;
+  const int64_t j = int64_t(blockIdx.y) * kThreads + threadIdx.x;
   if (j >= n) return;
   const int e = expert_of(p.expert_token_offsets, int(p.E), r);
   const int64_t t = p.expert_token_indices[r];
@@ -57,11 +57,11 @@ __global__ void up_kernel(RoutingPlanView p, const bf16* x, const bf16* w1, bf16
   if (a) st(a, r * n + j, gated ? dev_act(act, g) * u : dev_act(act, g));
 }
 
-// grid (ceil(d/128), S)
+// grid (S, ceil(d/128))
 __global__ void down_kernel(RoutingPlanView p, const bf16* a, const bf16* w2, bf16* y, int64_t d,
                             int64_t n) {
-  const int64_t r = blockIdx.y;
-  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t r = blockIdx.x;
+  const int64_t i = int64_t(blockIdx.y) * kThreads + threadIdx.x;
   if (i >= d) return;
   const int e = expert_of(p.expert_token_offsets, int(p.E), r);
   const bf16* wr = w2 + (int64_t(e) * d + i) * n;
@@ -70,13 +70,13 @@ __global__ void down_kernel(RoutingPlanView p, const bf16* a, const bf16* w2, bf
   st(y, r * d + i, acc);
 }
 
-// grid (ceil(n/128), S): one block = one 128-column ds tile of one slot.
+// grid (S, ceil(n/128)): one block = one 128-column ds tile of one slot.
 __global__ void dh_kernel(RoutingPlanView p, const bf16* dout, const bf16* w2, const bf16* h,
                           float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n,
                           Activation act, int64_t cols) {
   __shared__ float prod[kThreads];
-  const int64_t r = blockIdx.y;
-  const int64_t c = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t r = blockIdx.x;
+  const int64_t c = int64_t(blockIdx.y) * kThreads + threadIdx.x;
   const int e = expert_of(p.expert_token_offsets, int(p.E), r);
   const int64_t t = p.expert_token_indices[r];
   const bool gated = dev_is_gated(act);
@@ -108,7 +108,7 @@ __global__ void dh_kernel(RoutingPlanView p, const bf16* dout, const bf16* w2, c
   if (threadIdx.x == 0) {
     float acc = 0.0f;
     for (int k = 0; k < kThreads; ++k) acc += prod[k];  // fixed order
-    ds_partials[r * cols + blockIdx.x] = acc;
+    ds_partials[r * cols + blockIdx.y] = acc;
   }
 }
 
@@ -133,11 +133,11 @@ __global__ void dw2_kernel(RoutingPlanView p, const bf16* dout, const bf16* as, 
   st(dw2, (e * d + i) * n + c, acc);
 }
 
-// grid (ceil(d/128), S): dx_slots[r, i] = sum_k dh[r, k] W1_e[k, i]
+// grid (S, ceil(d/128)): dx_slots[r, i] = sum_k dh[r, k] W1_e[k, i]
 __global__ void dx_kernel(RoutingPlanView p, const bf16* dh, const bf16* w1, bf16* dxs, int64_t d,
                           int64_t rows) {
-  const int64_t r = blockIdx.y;
-  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t r = blockIdx.x;
+  const int64_t i = int64_t(blockIdx.y) * kThreads + threadIdx.x;
   if (i >= d) return;
   const int e = expert_of(p.expert_token_offsets, int(p.E), r);
   float acc = 0.0f;
@@ -170,15 +170,14 @@ void up_proj(const RoutingPlanView& p, const bf16* x, const bf16* w1, bf16* h, b
              int64_t n, Activation act, cudaStream_t stream) {
   MOEBLAZE_REQUIRE(h || a, "up_proj: h and a are both null");
   if (p.S == 0) return;
-  MOEBLAZE_UNSUPPORTED_IF(p.S > INT32_MAX, "naive up_proj: S too large");
-  up_kernel<<<dim3(blocks_for(n), unsigned(p.S)), kThreads, 0, stream>>>(p, x, w1, h, a, d, n, act);
+  up_kernel<<<dim3(unsigned(p.S), blocks_for(n)), kThreads, 0, stream>>>(p, x, w1, h, a, d, n, act);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 
 void down_proj(const RoutingPlanView& p, const bf16* a, const bf16* w2, bf16* y, int64_t d,
                int64_t n, cudaStream_t stream) {
   if (p.S == 0) return;
-  down_kernel<<<dim3(blocks_for(d), unsigned(p.S)), kThreads, 0, stream>>>(p, a, w2, y, d, n);
+  down_kernel<<<dim3(unsigned(p.S), blocks_for(d)), kThreads, 0, stream>>>(p, a, w2, y, d, n);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -186,7 +185,7 @@ void dh_proj(const RoutingPlanView& p, const bf16* d_out, const bf16* w2, const 
              float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n, Activation act,
              cudaStream_t stream) {
   if (p.S == 0) return;
-  dh_kernel<<<dim3(blocks_for(n), unsigned(p.S)), kThreads, 0, stream>>>(
+  dh_kernel<<<dim3(unsigned(p.S), blocks_for(n)), kThreads, 0, stream>>>(
       p, d_out, w2, h, ds_partials, dh, a_scaled, d, n, act, ds_partials_cols(n));
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
@@ -208,7 +207,7 @@ void dw2_proj(const RoutingPlanView& p, const bf16* d_out, const bf16* a_scaled,
 void dx_proj(const RoutingPlanView& p, const bf16* dh, const bf16* w1, bf16* dx_slots, int64_t d,
              int64_t n, Activation act, cudaStream_t stream) {
   if (p.S == 0) return;
-  dx_kernel<<<dim3(blocks_for(d), unsigned(p.S)), kThreads, 0, stream>>>(
+  dx_kernel<<<dim3(unsigned(p.S), blocks_for(d)), kThreads, 0, stream>>>(
       p, dh, w1, dx_slots, d, is_gated(act) ? 2 * n : n);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
