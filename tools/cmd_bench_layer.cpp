@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -51,6 +52,7 @@ struct BenchFlags {
   std::string out;  // append JSON lines here
   bool json = false;
   bool no_aggregate = false;
+  bool breakdown = false;
 };
 
 // ---- device memory the command owns (caller memory: not counted as "above the inputs") --------
@@ -329,7 +331,7 @@ void emit(const BenchFlags& f, const Meta& m, const NamedConfig& nc, const Layer
 
 void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
                   const std::vector<std::string>& impls, void* flush, Table& table,
-                  Table& agg_table, std::ofstream* jsonl) {
+                  Table& agg_table, Table& step_table, std::ofstream* jsonl) {
   const LayerConfig c = layer_config(nc, parse_activation(f.activation), DType::bf16);
   cuda::gemm::check_gemm_shape(c.d, c.n);  // Unsupported naming the dimension: skip the config
   const cudaStream_t stream = nullptr;
@@ -389,44 +391,44 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
     Row r;
     r.impl = impl;
     try {
-    if (impl == "dense-bound") {
-      cuda::DenseBound db(c, S, f.seed + 9, stream);
-      r.fwd = timer.median_ms(f.warmup, f.reps, [] {}, [&] { db.forward(); });
-      r.total = timer.median_ms(f.warmup, f.reps, [] {}, [&] {
-        db.forward();
-        db.backward();
-      });
-      r.kept = db.kept_bytes();
-      r.peak = db.transient_bytes();
-    } else {
-      LayerOptions opts;
-      opts.mode = impl == "moeblaze" ? LayerMode::keep_h
-                  : impl == "moeblaze-recompute" ? LayerMode::recompute
-                                                 : LayerMode::materialized;
-      opts.stream = stream;
-      SavedForBackward saved;
-      {
-        // Memory and error on one untimed run (outputs poisoned first: NaN fails the error).
-        MOEBLAZE_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.bytes));
-        MOEBLAZE_CUDA_CHECK(cudaMemset(dx.p, 0xFF, dx.bytes));
-        MOEBLAZE_CUDA_CHECK(cudaMemset(dpw.p, 0xFF, dpw.bytes));
-        PeakScope peak(Device::cuda);
-        layer_forward(c, plan, xv, w1v, w2v, outv, saved, opts);
-        MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
-        r.kept = saved.bytes() + plan.bytes();
-        layer_backward(c, plan, xv, w1v, w2v, doutv, saved, g, opts);
-        MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
-        r.peak = peak.peak_above_start();
-        r.err = sample_error(ref, host_plan, c, out.p, dx.p, dpw.as<float>());
+      if (impl == "dense-bound") {
+        cuda::DenseBound db(c, S, f.seed + 9, stream);
+        r.fwd = timer.median_ms(f.warmup, f.reps, [] {}, [&] { db.forward(); });
+        r.total = timer.median_ms(f.warmup, f.reps, [] {}, [&] {
+          db.forward();
+          db.backward();
+        });
+        r.kept = db.kept_bytes();
+        r.peak = db.transient_bytes();
+      } else {
+        LayerOptions opts;
+        opts.mode = impl == "moeblaze" ? LayerMode::keep_h
+                    : impl == "moeblaze-recompute" ? LayerMode::recompute
+                                                   : LayerMode::materialized;
+        opts.stream = stream;
+        SavedForBackward saved;
+        {
+          // Memory and error on one untimed run (outputs poisoned first: NaN fails the error).
+          MOEBLAZE_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.bytes));
+          MOEBLAZE_CUDA_CHECK(cudaMemset(dx.p, 0xFF, dx.bytes));
+          MOEBLAZE_CUDA_CHECK(cudaMemset(dpw.p, 0xFF, dpw.bytes));
+          PeakScope peak(Device::cuda);
+          layer_forward(c, plan, xv, w1v, w2v, outv, saved, opts);
+          MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
+          r.kept = saved.bytes() + plan.bytes();
+          layer_backward(c, plan, xv, w1v, w2v, doutv, saved, g, opts);
+          MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
+          r.peak = peak.peak_above_start();
+          r.err = sample_error(ref, host_plan, c, out.p, dx.p, dpw.as<float>());
+        }
+        auto reset = [&] { saved = SavedForBackward(); };  // free the last H outside the timing
+        r.fwd = timer.median_ms(f.warmup, f.reps, reset,
+                                [&] { layer_forward(c, plan, xv, w1v, w2v, outv, saved, opts); });
+        r.total = timer.median_ms(f.warmup, f.reps, reset, [&] {
+          layer_forward(c, plan, xv, w1v, w2v, outv, saved, opts);
+          layer_backward(c, plan, xv, w1v, w2v, doutv, saved, g, opts);
+        });
       }
-      auto reset = [&] { saved = SavedForBackward(); };  // free the last H outside the timing
-      r.fwd = timer.median_ms(f.warmup, f.reps, reset,
-                              [&] { layer_forward(c, plan, xv, w1v, w2v, outv, saved, opts); });
-      r.total = timer.median_ms(f.warmup, f.reps, reset, [&] {
-        layer_forward(c, plan, xv, w1v, w2v, outv, saved, opts);
-        layer_backward(c, plan, xv, w1v, w2v, doutv, saved, g, opts);
-      });
-    }
     } catch (const DeviceError& e) {  // e.g. out of device memory: the other impls still run
       std::cerr << "bench layer: " << nc.name << " " << impl << ": device error: " << e.what() << "\n";
       (void)cudaGetLastError();
@@ -435,6 +437,56 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
     r.bwd = r.total - r.fwd;
     emit(f, meta, nc, c, S, r, int(ref.tokens.size()), table, jsonl);
     std::cerr << "bench layer: " << nc.name << " " << impl << " done\n";
+  }
+
+  if (f.breakdown && S > 0) {
+    // Each of the eight steps alone (keep_h), on preallocated buffers, by the same protocol:
+    // where the layer's time goes, and what the API adds (allocation, launch gaps) on top.
+    const cuda::GemmOps& gm = cuda::gemm_ops();
+    const int64_t cols = gm.ds_partials_cols(c.n);
+    Buffer h(Device::cuda, size_t(S * R) * 2);
+    Buffer fws(Device::cuda, cuda::forward_workspace(c, S, nullptr).bytes);
+    Buffer bws(Device::cuda, cuda::backward_workspace(c, S, LayerMode::keep_h, cols, nullptr).bytes);
+    const cuda::ForwardWorkspace fw = cuda::forward_workspace(c, S, fws.data());
+    const cuda::BackwardWorkspace bw = cuda::backward_workspace(c, S, LayerMode::keep_h, cols, bws.data());
+    const RoutingPlanView pv = plan.view();
+    const bf16* X = x.as<bf16>();
+    const bf16* W1 = w1.as<bf16>();
+    const bf16* W2 = w2.as<bf16>();
+    const bf16* DO = dout.as<bf16>();
+    const double snd = double(S) * c.n * c.d;
+    const double up_f = 2.0 * double(S) * R * c.d;
+    struct Step {
+      const char* name;
+      double flops, bytes;
+      std::function<void()> fn;
+    };
+    const double agg_bytes = double(S) * c.d * 2 + double(c.T) * c.d * 2 + 4.0 * (c.T + 1) + 8.0 * S;
+    const std::vector<Step> steps = {
+        {"1 up-proj", up_f, 0, [&] { gm.up_proj(pv, X, W1, h.as<bf16>(), fw.a, c.d, c.n, c.activation, stream); }},
+        {"2 down-proj", 2 * snd, 0, [&] { gm.down_proj(pv, fw.a, W2, fw.y, c.d, c.n, stream); }},
+        {"3 aggregate", 0, agg_bytes, [&] { cuda::aggregate_rows(pv, fw.y, pv.slot_weights, out.p, c.d, DType::bf16, stream); }},
+        {"4 dH", 2 * snd, 0, [&] { gm.dh_proj(pv, DO, W2, h.as<bf16>(), bw.ds_partials, bw.dh, bw.a_scaled, c.d, c.n, c.activation, stream); }},
+        {"  ds reduce", 0, 4.0 * S * (cols + 1), [&] { gm.reduce_ds(bw.ds_partials, bw.ds, S, c.n, stream); }},
+        {"5 dW2", 2 * snd, 0, [&] { gm.dw2_proj(pv, DO, bw.a_scaled, dw2.as<bf16>(), c.d, c.n, stream); }},
+        {"6 dX~", up_f, 0, [&] { gm.dx_proj(pv, bw.dh, W1, bw.dx_slots, c.d, c.n, c.activation, stream); }},
+        {"7 dX aggregate", 0, agg_bytes - 4.0 * S, [&] { cuda::aggregate_rows(pv, bw.dx_slots, nullptr, dx.p, c.d, DType::bf16, stream); }},
+        {"8 dW1", up_f, 0, [&] { gm.dw1_proj(pv, bw.dh, X, dw1.as<bf16>(), c.d, c.n, c.activation, stream); }},
+        {"  d_pair_weights", 0, 12.0 * S, [&] { cuda::gather_pair_grads(pv, bw.ds, dpw.as<float>(), stream); }},
+    };
+    for (const Step& st : steps) {
+      const double ms = timer.median_ms(f.warmup, f.reps, [] {}, st.fn);
+      JsonLine j;
+      j.add("bench", "layer-step").add("config", nc.name).add("step", st.name).add("S", S);
+      j.add("ms", ms);
+      if (st.flops > 0) j.add("tflops", st.flops / ms / 1e9); else j.add("gbps", st.bytes / ms / 1e6);
+      j.add("gpu", meta.gpu).add("commit", meta.commit).add("date", meta.date);
+      if (f.json) std::cout << j.str() << "\n";
+      if (jsonl) *jsonl << j.str() << "\n" << std::flush;
+      step_table.add_row({nc.name, st.name, fixed(ms, 3),
+                          st.flops > 0 ? fixed(st.flops / ms / 1e9, 1) : "-",
+                          st.flops > 0 ? "-" : fixed(st.bytes / ms / 1e6, 0)});
+    }
   }
 
   if (!f.no_aggregate && S > 0) {
@@ -508,9 +560,10 @@ void run_bench(const BenchFlags& f) {
                {"peak"}, {"max rel err"}});
   Table agg_table({{"config", Align::left}, {"S"}, {"aggregate us"}, {"GB/s"}, {"copy GB/s"},
                    {"% of copy"}});
+  Table step_table({{"config", Align::left}, {"step", Align::left}, {"ms"}, {"TFLOPS"}, {"GB/s"}});
   for (const NamedConfig* nc : configs) {
     try {
-      bench_config(f, meta, *nc, impls, flush.p, table, agg_table, out.get());
+      bench_config(f, meta, *nc, impls, flush.p, table, agg_table, step_table, out.get());
     } catch (const Unsupported& e) {
       std::cerr << "bench layer: " << nc->name << ": skipped: " << e.what() << "\n";
     } catch (const DeviceError& e) {
@@ -520,6 +573,10 @@ void run_bench(const BenchFlags& f) {
   }
   std::ostream& os = f.json ? std::cerr : std::cout;
   table.print(os);
+  if (step_table.rows()) {
+    os << "\n";
+    step_table.print(os);
+  }
   if (agg_table.rows()) {
     os << "\n";
     agg_table.print(os);
@@ -545,6 +602,8 @@ void add_bench_layer_command(CLI::App& bench) {
   sub->add_option("--out", flags->out, "append the JSON lines to this file");
   sub->add_flag("--json", flags->json, "JSON lines on stdout (the table goes to stderr)");
   sub->add_flag("--no-aggregate", flags->no_aggregate, "skip the aggregation-kernel rows");
+  sub->add_flag("--breakdown", flags->breakdown,
+                "also time each of the eight steps alone (keep_h, preallocated buffers)");
   sub->callback([flags] { run_bench(*flags); });
 }
 
