@@ -58,7 +58,7 @@ constexpr int64_t kTileRows = 128;
 struct Scratch {
   Buffer buf;
   int64_t per_thread = 0;  // floats
-  Scratch(int64_t max_cols) {
+  explicit Scratch(int64_t max_cols) {
     per_thread = (gemm::kPackFloats + kTileRows * max_cols + 15) / 16 * 16;  // 64-byte rows
     buf = Buffer(Device::cpu, sizeof(float) * size_t(per_thread * max_threads()));
   }
@@ -66,8 +66,9 @@ struct Scratch {
   float* tile() const { return pack() + gemm::kPackFloats; }
 };
 
-// Tasks (expert, first row) over per-expert row counts rows[e]; experts with no rows own none
-// unless `keep_empty` (varlen-K: an empty expert still writes its zero gradient).
+// Tasks (expert, first row) over per-expert row counts rows(e). Varlen-M: rows are the expert's
+// slots, so an empty expert owns no task. Varlen-K: rows are weight rows, so an empty expert
+// still owns tasks and writes its zero gradient (a K = 0 GEMM stores zeros).
 struct TileTask {
   int32_t e;
   int64_t r0;
