@@ -223,12 +223,13 @@ int num_sms() {
   return n;
 }
 
+// Dynamic shared memory a block may opt into, less room for the kernels' static shared memory.
 int max_smem_optin() {
   static const int n = [] {
     int dev = 0, v = 0;
     MOEBLAZE_CUDA_CHECK(cudaGetDevice(&dev));
     MOEBLAZE_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    return v;
+    return v - 1024;
   }();
   return n;
 }

@@ -133,16 +133,14 @@ select_kept_kernel(const int32_t* __restrict__ sorted_tokens,  // (E*T,) per exp
                    uint8_t* __restrict__ keep) {               // (E, T), zeroed
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ int s_carry;
   const int e = blockIdx.x;
   const int64_t c = counts[e];
   const int64_t target = rounded_count(mode, m_tile, seed, c, T, e);
-  const int64_t want_chosen = min(target, c), want_other = max<int64_t>(0, target - c);
+  const int64_t want_chosen = min(target, c), want_other = max(int64_t(0), target - c);
   const int32_t* tok = sorted_tokens + int64_t(e) * T;
   const uint8_t* ch = chosen + int64_t(e) * T;
   uint8_t* kp = keep + int64_t(e) * T;
   int64_t seen_chosen = 0, seen_other = 0;
-  if (threadIdx.x == 0) s_carry = 0;
   for (int64_t base = 0; base < T; base += kThreads) {
     if (seen_chosen >= want_chosen && seen_other >= want_other) break;  // block-uniform
     const int64_t i = base + threadIdx.x;
@@ -154,7 +152,7 @@ select_kept_kernel(const int32_t* __restrict__ sorted_tokens,  // (E*T,) per exp
     const int64_t chosen_rank = seen_chosen + before;
     const int64_t other_rank = seen_other + (threadIdx.x - before);
     if (in && (is_chosen ? chosen_rank < want_chosen : other_rank < want_other)) kp[t] = 1;
-    const int n_in = int(min<int64_t>(kThreads, T - base));
+    const int n_in = int(min(int64_t(kThreads), T - base));
     seen_chosen += total;
     seen_other += n_in - total;
     __syncthreads();  // scan_tmp is reused next round

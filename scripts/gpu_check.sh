@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# The one full GPU check: configure with CUDA, build, run the tests (CPU and `gpu`-labelled),
+# then the GPU benchmarks, writing logs and JSON lines into the output folder and printing a
+# short table last.
+#
+#   scripts/gpu_check.sh OUT [PART ...]
+#     PART: all (default) | tests | routing-tests | routing | layer
+#       tests          ctest, every test (CPU and GPU)          → OUT/ctest.log
+#       routing-tests  only the GPU routing tests (gtest filter) → OUT/routing_tests.log
+#       routing        moeblaze bench routing                   → OUT/routing.jsonl, routing.md
+#       layer          moeblaze bench layer (appended by the layer engineers)
+#   scripts/gpu_check.sh --pack-deps
+#     copies GoogleTest and CLI11 (headers, static libs) from this machine into
+#     third_party/gpudeps, for a GPU machine that has a CUDA toolkit but no such packages; the
+#     check uses them when the machine lacks its own. Carry third_party/ to the GPU machine.
+#
+# Environment: ROUTING_BENCH_ARGS (extra flags for bench routing, e.g. "--quick"),
+# MOEBLAZE_COMMIT (commit recorded in result rows when the tree has no .git), BUILD_DIR
+# (default build-gpu), JOBS (default nproc).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = "--pack-deps" ]; then
+  dst=third_party/gpudeps
+  rm -rf "$dst" && mkdir -p "$dst/include" "$dst/lib"
+  cp -r /usr/include/gtest /usr/include/CLI "$dst/include/"
+  [ -d /usr/include/gmock ] && cp -r /usr/include/gmock "$dst/include/"
+  cp /usr/lib/x86_64-linux-gnu/libgtest.a /usr/lib/x86_64-linux-gnu/libgtest_main.a "$dst/lib/"
+  echo "gpu_check: packed $(du -sh "$dst" | cut -f1) into $dst"
+  exit 0
+fi
+
+OUT=${1:?usage: scripts/gpu_check.sh OUT [all|tests|routing-tests|routing|layer ...]}
+shift
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(all)
+want() {
+  local p
+  for p in "${parts[@]}"; do [ "$p" = all ] || [ "$p" = "$1" ] && return 0; done
+  return 1
+}
+
+export PATH="$PATH:/usr/local/cuda/bin"
+BUILD=${BUILD_DIR:-build-gpu}
+JOBS=${JOBS:-$(nproc)}
+export MOEBLAZE_COMMIT=${MOEBLAZE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+summary=()
+
+# ---- configure (packed deps only where the machine has none of its own) ----
+cmake_args=(-DMOEBLAZE_CUDA=ON -DCMAKE_BUILD_TYPE=Release)
+command -v ninja >/dev/null && cmake_args+=(-G Ninja)
+if [ ! -f /usr/include/gtest/gtest.h ] && [ -d third_party/gpudeps ]; then
+  deps=$(pwd)/third_party/gpudeps
+  cmake_args+=(-DGTEST_ROOT="$deps" -DGTest_ROOT="$deps" -DCLI11_INCLUDE_DIR="$deps/include")
+fi
+start=$(date +%s)
+cmake -S . -B "$BUILD" "${cmake_args[@]}" >"$OUT/configure.log" 2>&1 || {
+  tail -30 "$OUT/configure.log"; echo "gpu_check: configure FAILED"; exit 1; }
+
+# ---- build only what the requested parts need ----
+targets=(moeblaze_cli)
+if want tests; then targets+=(moeblaze_tests moeblaze_gpu_tests); fi
+if want routing-tests; then targets+=(moeblaze_gpu_tests); fi
+cmake --build "$BUILD" -j "$JOBS" --target "${targets[@]}" >"$OUT/build.log" 2>&1 || {
+  grep -E "error|Error" "$OUT/build.log" | head -40; echo "gpu_check: build FAILED"; exit 1; }
+summary+=("build: ok in $(( $(date +%s) - start )) s (${targets[*]})")
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
+  >"$OUT/gpu.txt" 2>&1 || true
+
+status=0
+# ---- tests ----
+if want tests; then
+  t0=$(date +%s)
+  if (cd "$BUILD" && ctest --output-on-failure --timeout 900 -j 4) >"$OUT/ctest.log" 2>&1; then
+    summary+=("ctest: $(grep -E 'tests passed' "$OUT/ctest.log" | tail -1) [$(( $(date +%s) - t0 )) s]")
+  else
+    status=1
+    summary+=("ctest: FAILED: $(grep -E 'tests passed|tests failed' "$OUT/ctest.log" | tail -1)")
+    grep -E "\(Failed\)|\(SEGFAULT\)|\(Timeout\)|Exception" "$OUT/ctest.log" | head -20 || true
+  fi
+fi
+if want routing-tests && ! want tests; then
+  t0=$(date +%s)
+  if "$BUILD/moeblaze_gpu_tests" --gtest_filter='RoutingPlanGpu*:RouterGpu*:TokenRoundingGpu*' \
+      >"$OUT/routing_tests.log" 2>&1; then
+    summary+=("routing tests: $(grep -E '^\[  PASSED  \]' "$OUT/routing_tests.log") [$(( $(date +%s) - t0 )) s]")
+  else
+    status=1
+    grep -E "Failure|FAILED|error|what\(\)" "$OUT/routing_tests.log" | head -30 || true
+    summary+=("routing tests: FAILED (see routing_tests.log)")
+  fi
+fi
+
+# ---- benchmarks ----
+if want routing; then
+  t0=$(date +%s)
+  rm -f "$OUT/routing.jsonl"
+  # shellcheck disable=SC2086
+  if "$BUILD/moeblaze" bench routing --out "$OUT/routing.jsonl" --md "$OUT/routing.md" \
+      ${ROUTING_BENCH_ARGS:-} >"$OUT/routing_bench.log" 2>&1; then
+    summary+=("bench routing: $(wc -l <"$OUT/routing.jsonl") rows [$(( $(date +%s) - t0 )) s]")
+  else
+    status=1
+    tail -20 "$OUT/routing_bench.log"
+    summary+=("bench routing: FAILED (see routing_bench.log)")
+  fi
+fi
+
+# ---- short table last ----
+echo
+echo "== gpu_check summary ($(head -2 "$OUT/gpu.txt" 2>/dev/null | tail -1)) =="
+printf '%s\n' "${summary[@]}"
+if want routing && [ -s "$OUT/routing.jsonl" ] && command -v python3 >/dev/null; then
+  python3 - "$OUT/routing.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+if rows:
+    print("copy ceiling %.0f GB/s" % rows[0]["copy_gbps"])
+plan = [r for r in rows if r["impl"] == "moeblaze"]
+router = [r for r in rows if r["impl"].startswith("router")]
+def label(n):
+    return "%dM" % (n >> 20) if n % (1 << 20) == 0 else "%dK" % (n >> 10) if n % 1024 == 0 else str(n)
+print("plan build (atomic-free), worst over K and skew per (T, E): us range, min %copy, min x sort")
+print("%6s %4s %18s %8s %8s" % ("T", "E", "us", "%copy", "x sort"))
+for T in sorted({r["T"] for r in plan}):
+    for E in sorted({r["E"] for r in plan}):
+        g = [r for r in plan if r["T"] == T and r["E"] == E]
+        if not g: continue
+        print("%6s %4d %8.1f-%-9.1f %8.1f %8.2f" % (label(T), E, min(r["us"] for r in g),
+              max(r["us"] for r in g), min(r["pct_of_copy"] for r in g),
+              min(r.get("speedup_vs_sort", 0) for r in g)))
+sk = {}
+for r in plan:
+    sk.setdefault((r["T"], r["E"], r["K"]), {})[r["skew"]] = r["us"]
+ratios = [v["skewed"] / v["balanced"] for v in sk.values() if "skewed" in v and "balanced" in v]
+if ratios:
+    print("skewed / balanced time: max %.2f, median %.2f" % (max(ratios), sorted(ratios)[len(ratios) // 2]))
+if router:
+    print("router (softmax-topk), %copy reading logits, min-max over K:")
+    for dt in sorted({r.get("logits_dtype", "") for r in router}):
+        for T in sorted({r["T"] for r in router}):
+            for E in sorted({r["E"] for r in router}):
+                g = [r for r in router if r["T"] == T and r["E"] == E and r.get("logits_dtype") == dt]
+                if g:
+                    print("  %s T %6s E %4d: %6.1f-%6.1f us, %5.1f-%5.1f %% copy" % (dt, label(T), E,
+                          min(r["us"] for r in g), max(r["us"] for r in g),
+                          min(r["pct_of_copy"] for r in g), max(r["pct_of_copy"] for r in g)))
+EOF
+fi
+exit $status
