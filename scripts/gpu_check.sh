@@ -108,6 +108,36 @@ if want routing; then
   fi
 fi
 
+# ---- layer: moeblaze bench layer (moeblaze, recompute, materialized, dense-bound; the eight
+# steps alone; aggregation vs copy) and the torch._grouped_mm baseline → OUT/layer.jsonl ----
+# LAYER_CONFIGS (default all) picks the configs of both; LAYER_BENCH_ARGS adds flags.
+if want layer; then
+  t0=$(date +%s)
+  rm -f "$OUT/layer.jsonl"
+  # shellcheck disable=SC2086
+  if "$BUILD/moeblaze" bench layer --config "${LAYER_CONFIGS:-all}" --breakdown \
+      --out "$OUT/layer.jsonl" ${LAYER_BENCH_ARGS:-} >"$OUT/layer_bench.log" 2>&1; then
+    summary+=("bench layer: $(grep -c '"bench": "layer"' "$OUT/layer.jsonl") rows [$(( $(date +%s) - t0 )) s]")
+  else
+    status=1
+    tail -20 "$OUT/layer_bench.log"
+    summary+=("bench layer: FAILED (see layer_bench.log)")
+  fi
+  t0=$(date +%s)
+  if command -v python3 >/dev/null && python3 -c "import torch" 2>/dev/null; then
+    if PYTHONUNBUFFERED=1 python3 bench/torch_reference.py --config "${LAYER_CONFIGS:-all}" \
+        --out "$OUT/layer.jsonl" >"$OUT/torch_bench.log" 2>&1; then
+      summary+=("torch reference: ok [$(( $(date +%s) - t0 )) s]")
+    else
+      status=1
+      tail -10 "$OUT/torch_bench.log"
+      summary+=("torch reference: FAILED (see torch_bench.log)")
+    fi
+  else
+    summary+=("torch reference: skipped (no torch)")
+  fi
+fi
+
 # ---- short table last ----
 echo
 echo "== gpu_check summary ($(head -2 "$OUT/gpu.txt" 2>/dev/null | tail -1)) =="
@@ -147,6 +177,24 @@ if router:
                     print("  %s T %6s E %4d: %6.1f-%6.1f us, %5.1f-%5.1f %% copy" % (dt, label(T), E,
                           min(r["us"] for r in g), max(r["us"] for r in g),
                           min(r["pct_of_copy"] for r in g), max(r["pct_of_copy"] for r in g)))
+EOF
+fi
+if want layer && [ -s "$OUT/layer.jsonl" ] && command -v python3 >/dev/null; then
+  python3 - "$OUT/layer.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+layer = [r for r in rows if r.get("bench") == "layer"]
+print("layer fwd+bwd (total ms, TFLOPS, kept MiB, peak MiB, max rel err):")
+print("%-13s %-19s %9s %7s %9s %9s %9s" % ("config", "impl", "total ms", "TFLOPS", "kept", "peak", "err"))
+for r in layer:
+    err = r.get("max_rel_err")
+    print("%-13s %-19s %9.3f %7.1f %9.1f %9.1f %9s" % (r["config"], r["impl"], r["total_ms"],
+          r["total_tflops"], r["kept_bytes"] / 2**20, r["peak_bytes"] / 2**20,
+          "-" if err is None else "%.1e" % err))
+agg = [r for r in rows if r.get("bench") == "aggregate"]
+if agg:
+    print("aggregate: %.1f-%.1f %% of copy" % (min(r["pct_of_copy"] for r in agg),
+                                              max(r["pct_of_copy"] for r in agg)))
 EOF
 fi
 exit $status
