@@ -28,7 +28,7 @@ struct VarlenKArgs {
   __nv_bfloat16* out;  // (E, M, N)
 };
 
-__global__ void __launch_bounds__(kThreads, 1) varlen_k_kernel(const VarlenKArgs a) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks) varlen_k_kernel(const VarlenKArgs a) {
   using Cfg = TileConfig<GMajor::MN, GMajor::MN>;
   extern __shared__ char smem_raw[];
   char* smem = align_smem_1k(smem_raw);

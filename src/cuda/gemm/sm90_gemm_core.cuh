@@ -36,6 +36,11 @@ constexpr int kThreads = 256;  // two warpgroups, each 64 x kBN of the output
 #define MOEBLAZE_GEMM_STAGES 5
 #endif
 constexpr int kStages = MOEBLAZE_GEMM_STAGES;
+// CTAs per SM the kernels are compiled for (__launch_bounds__); 2 needs kStages <= 3.
+#ifndef MOEBLAZE_GEMM_MIN_BLOCKS
+#define MOEBLAZE_GEMM_MIN_BLOCKS 1
+#endif
+constexpr int kMinBlocks = MOEBLAZE_GEMM_MIN_BLOCKS;
 static_assert(kStages >= 3, "the pipeline needs at least 3 stages");
 
 template <GMajor M>

@@ -34,7 +34,7 @@ struct VarlenMArgs {
 };
 
 template <GMajor kMajorB, class Epi>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
     varlen_m_kernel(const VarlenMArgs p, const typename Epi::Params ep) {
   using Cfg = TileConfig<GMajor::K, kMajorB>;
   extern __shared__ char smem_raw[];
@@ -58,6 +58,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   });
 
   const __nv_bfloat16* b_e = p.b + int64_t(expert) * p.b_expert_stride;
+  // Epilogue inputs (e.g. the H tile of dH) are loaded into registers now, so their latency
+  // hides behind the mainloop instead of stalling the epilogue.
+  typename Epi::Prefetched pre;
+  Epi::prefetch(ep, pre, m_begin, m_end, n_tile);
   auto acc = cute::partition_fragment_C(typename Cfg::TiledMma{},
                                         cute::Shape<cute::Int<kBM>, cute::Int<kBN>>{});
   if constexpr (kMajorB == GMajor::K) {
@@ -79,8 +83,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     lb.init(tid, b_e, p.ldb, nullptr, 0, p.K, n_tile * kBN, p.N);
     mainloop<Cfg>(smem, la, lb, p.K / kBK, acc);
   }
-  Epi::apply(ep, acc, expert, m_begin, m_end, n_tile);
+  Epi::apply(ep, acc, pre, m_begin, m_end, n_tile);
 }
+
+// Epilogue policies provide Params, Prefetched (registers filled by prefetch() before the
+// mainloop) and apply(params, acc, prefetched, m_begin, m_end, n_tile).
+struct NoPrefetch {};
 
 // Plain store of the tile: out[slot, n_tile * 128 + c] (bf16), columns < N.
 struct StoreEpilogue {
@@ -89,9 +97,11 @@ struct StoreEpilogue {
     int64_t ldo;
     int N;
   };
+  using Prefetched = NoPrefetch;
+  __device__ static void prefetch(const Params&, Prefetched&, int, int, int) {}
   template <class Acc>
-  __device__ static void apply(const Params& p, Acc& acc, int /*expert*/, int m_begin, int m_end,
-                               int n_tile) {
+  __device__ static void apply(const Params& p, Acc& acc, const Prefetched&, int m_begin,
+                               int m_end, int n_tile) {
     const int n0 = n_tile * kBN;
 #pragma unroll
     for (int v1 = 0; v1 < 2; ++v1) {

@@ -20,9 +20,11 @@ struct ActEpilogue {
     Activation act;
     bool gated;
   };
+  using Prefetched = NoPrefetch;
+  __device__ static void prefetch(const Params&, Prefetched&, int, int, int) {}
   template <class Acc>
-  __device__ static void apply(const Params& p, Acc& acc, int /*expert*/, int m_begin, int m_end,
-                               int n_tile) {
+  __device__ static void apply(const Params& p, Acc& acc, const Prefetched&, int m_begin,
+                               int m_end, int n_tile) {
     const int64_t w1_rows = p.gated ? 2 * int64_t(p.n) : p.n;
 #pragma unroll
     for (int v1 = 0; v1 < 2; ++v1) {
