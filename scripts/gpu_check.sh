@@ -168,14 +168,14 @@ ratios = [v["skewed"] / v["balanced"] for v in sk.values() if "skewed" in v and 
 if ratios:
     print("skewed / balanced time: max %.2f, median %.2f" % (max(ratios), sorted(ratios)[len(ratios) // 2]))
 if router:
-    print("router (softmax-topk), %copy reading logits, min-max over K:")
-    for dt in sorted({r.get("logits_dtype", "") for r in router}):
-        for T in sorted({r["T"] for r in router}):
+    print("router, %copy reading logits, min-max over K, T >= 1M:")
+    for impl in sorted({r["impl"] for r in router}):
+        for dt in sorted({r.get("logits_dtype", "") for r in router}):
             for E in sorted({r["E"] for r in router}):
-                g = [r for r in router if r["T"] == T and r["E"] == E and r.get("logits_dtype") == dt]
+                g = [r for r in router if r["T"] >= 1 << 20 and r["E"] == E and
+                     r["impl"] == impl and r.get("logits_dtype") == dt]
                 if g:
-                    print("  %s T %6s E %4d: %6.1f-%6.1f us, %5.1f-%5.1f %% copy" % (dt, label(T), E,
-                          min(r["us"] for r in g), max(r["us"] for r in g),
+                    print("  %-19s %s E %4d: %5.1f-%5.1f %% copy" % (impl, dt, E,
                           min(r["pct_of_copy"] for r in g), max(r["pct_of_copy"] for r in g)))
 EOF
 fi

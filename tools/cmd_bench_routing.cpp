@@ -40,6 +40,7 @@ struct Flags {
   std::string K = "1,2,4,8";
   std::string skew = "balanced,skewed";
   std::string router_dtype = "bf16,fp32";
+  std::string router_kinds = "softmax-topk,topk-softmax";
   std::string tile_steps;  // extra atomic-free variants to time (tuning), e.g. "4,8,16,32"
   bool quick = false;
   bool json = false;
@@ -189,6 +190,12 @@ void run(const Flags& f) {
   std::vector<int64_t> Ts = parse_sizes(f.T, "--T"), Es = parse_sizes(f.E, "--E"),
                        Ks = parse_sizes(f.K, "--K");
   std::vector<std::string> skews = split(f.skew), dtypes = split(f.router_dtype);
+  std::vector<RouterKind> kinds;
+  for (const std::string& k : split(f.router_kinds)) {
+    kinds.push_back(parse_router(k));
+    MOEBLAZE_REQUIRE(kinds.back() != RouterKind::supplied && kinds.back() != RouterKind::sigmoid_bias,
+                     "--router-kinds entry '", k, "' is not softmax-topk or topk-softmax");
+  }
   for (const std::string& s : skews)
     MOEBLAZE_REQUIRE(s == "balanced" || s == "skewed", "--skew entry '", s,
                      "' is not balanced or skewed");
@@ -256,6 +263,11 @@ void run(const Flags& f) {
       Buffer logits_bf16(Device::cuda, size_t(T * E) * 2);
       cuda::fill_normal(logits_bf16.data(), DType::bf16, T * E, f.seed + uint64_t(T * 31 + E), stream);
       const TensorView lg16(logits_bf16.data(), DType::bf16, Device::cuda, {T, E});
+      Buffer logits_f32;
+      if (!f.no_router && std::find(dtypes.begin(), dtypes.end(), "fp32") != dtypes.end()) {
+        logits_f32 = Buffer(Device::cuda, size_t(T * E) * 4);
+        cuda::fill_normal(logits_f32.data(), DType::f32, T * E, f.seed + uint64_t(T * 31 + E), stream);
+      }
       for (int64_t K : Ks) {
         RouterConfig rc;
         rc.kind = RouterKind::softmax_topk;
@@ -265,32 +277,30 @@ void run(const Flags& f) {
         Buffer flags(Device::cuda, sizeof(int32_t) * cuda::kRoutingFlagCount);
         MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(flags.data(), 0, flags.bytes(), stream));
         if (!f.no_router) {
-          for (const std::string& dt : dtypes) {
-            Buffer lg32;
-            TensorView lg = lg16;
-            if (dt == "fp32") {
-              lg32 = Buffer(Device::cuda, size_t(T * E) * 4);
-              cuda::fill_normal(lg32.data(), DType::f32, T * E, f.seed + uint64_t(T * 31 + E), stream);
-              lg = TensorView(lg32.data(), DType::f32, Device::cuda, {T, E});
+          for (RouterKind kind : kinds)
+            for (const std::string& dt : dtypes) {
+              const TensorView lg =
+                  dt == "fp32" ? TensorView(logits_f32.data(), DType::f32, Device::cuda, {T, E}) : lg16;
+              RouterConfig kc = rc;
+              kc.kind = kind;
+              Routing r(Device::cuda, T, E, T * K);
+              const double us = timer.median_us(f.warmup, f.reps, [&] {
+                cuda::route_async(kc, lg, TensorView(), r, rws.data(), losses.as<double>(),
+                                  flags.as<int32_t>(), stream);
+              });
+              Row row;
+              row.impl = std::string("router-") + router_name(kind);
+              row.dtype = dt;
+              row.skew = "-";
+              row.T = T, row.E = E, row.K = K;
+              row.us = us;
+              const double bytes = double(T * E) * double(dtype_size(lg.dtype)) +
+                                   8.0 * double(T * K) + 4.0 * double(T + 1);
+              row.gbps = bytes / (us * 1e3);
+              row.pct_copy = 100.0 * row.gbps / copy_gbps;
+              row.workspace = rws.bytes();
+              push(row);
             }
-            Routing r(Device::cuda, T, E, T * K);
-            const double us = timer.median_us(f.warmup, f.reps, [&] {
-              cuda::route_async(rc, lg, TensorView(), r, rws.data(), losses.as<double>(),
-                                flags.as<int32_t>(), stream);
-            });
-            Row row;
-            row.impl = "router-softmax-topk";
-            row.dtype = dt;
-            row.skew = "-";
-            row.T = T, row.E = E, row.K = K;
-            row.us = us;
-            const double bytes = double(T * E) * double(dtype_size(lg.dtype)) +
-                                 8.0 * double(T * K) + 4.0 * double(T + 1);
-            row.gbps = bytes / (us * 1e3);
-            row.pct_copy = 100.0 * row.gbps / copy_gbps;
-            row.workspace = rws.bytes();
-            push(row);
-          }
         }
         for (const std::string& skew : skews) {
           Routing routing(Device::cuda, T, E, T * K);
@@ -399,6 +409,8 @@ void add_bench_routing_command(CLI::App& bench) {
   sub->add_option("--skew", flags->skew, "routings: balanced, skewed (80% of pairs on 20% of experts)")
       ->capture_default_str();
   sub->add_option("--router-dtype", flags->router_dtype, "logits dtypes of the router rows")
+      ->capture_default_str();
+  sub->add_option("--router-kinds", flags->router_kinds, "routers of the router rows")
       ->capture_default_str();
   sub->add_option("--tile-steps", flags->tile_steps,
                   "also time the atomic-free builder at these tile sizes (256*steps pairs)");

@@ -135,6 +135,12 @@ HostRouting to_host(const Routing& d) {
   HostRouting h;
   h.T = d.T();
   h.E = d.E();
+  if (d.device() == Device::cpu) {
+    h.offsets.assign(d.pair_offsets(), d.pair_offsets() + d.T() + 1);
+    h.experts.assign(d.pair_experts(), d.pair_experts() + d.P());
+    h.weights.assign(d.pair_weights(), d.pair_weights() + d.P());
+    return h;
+  }
   h.offsets = download(d.pair_offsets(), size_t(d.T() + 1));
   h.experts = download(d.pair_experts(), size_t(d.P()));
   h.weights = download(d.pair_weights(), size_t(d.P()));

@@ -3,7 +3,7 @@
 // Pairs (token-major CSR) are cut into tiles of `tile_pairs` consecutive pairs; a block owns a
 // tile and each of its warps a contiguous run of 32·steps pairs inside it.
 //   1. count:   every block counts its tile's pairs per expert (per-warp counters in shared
-//               memory, peers found with __match_any_sync, one leader lane per expert updates
+//               memory, peers found by one ballot per id bit, one leader lane per expert updates
 //               its warp's counter: no two lanes ever write one counter in the same step) and
 //               writes the tile's column of counts (E·tiles + 1,) int32, expert-major. It also
 //               copies pair_offsets into the plan and checks them.
@@ -38,7 +38,7 @@ constexpr int kUnroll = 8;  // warp steps whose loads are issued together
 // Out-of-range ids are skipped (the scatter skips them the same way, so counts and slots agree)
 // and raise kFlagExpertOutOfRange when `flags` is given.
 __device__ __forceinline__ void warp_count(const int32_t* ids, int64_t ids_base, int64_t begin,
-                                           int64_t end, int steps, int E, int32_t* cnt,
+                                           int64_t end, int steps, int E, int bits, int32_t* cnt,
                                            int32_t* flags) {
   const int lane = threadIdx.x & 31;
   for (int s0 = 0; s0 < steps; s0 += kUnroll) {
@@ -56,7 +56,7 @@ __device__ __forceinline__ void warp_count(const int32_t* ids, int64_t ids_base,
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (s0 + u >= steps || begin + int64_t(s0 + u) * 32 >= end) break;  // warp-uniform
-      const unsigned peers = __match_any_sync(kFullMask, key[u]);
+      const unsigned peers = detail::match_peers(key[u], bits);
       if (key[u] >= 0 && lane == __ffs(peers) - 1) cnt[key[u]] += __popc(peers);
       __syncwarp();
     }
@@ -82,7 +82,7 @@ template <int kWarps>
 __global__ void __launch_bounds__(kWarps * 32)
 plan_count_kernel(const int32_t* __restrict__ pair_experts,  // (P,) int32, token-major
                   const int32_t* __restrict__ pair_offsets,  // (T+1,) int32
-                  int64_t T, int64_t P, int E, int steps, int tiles, int32_t K0,
+                  int64_t T, int64_t P, int E, int bits, int steps, int tiles, int32_t K0,
                   int32_t* __restrict__ counts,              // (E*tiles + 1,) int32, expert-major
                   int32_t* __restrict__ token_pair_offsets,  // (T+1,) int32, plan's copy
                   int32_t* __restrict__ nonuniform,          // (1,) int32, cleared by the host
@@ -99,7 +99,7 @@ plan_count_kernel(const int32_t* __restrict__ pair_experts,  // (P,) int32, toke
   for (int i = threadIdx.x; i < kWarps * E; i += blockDim.x) s_cnt[i] = 0;
   __syncthreads();
   const int64_t wbegin = tile_begin + int64_t(w) * 32 * steps;
-  warp_count(pair_experts, 0, wbegin, tile_end, steps, E, s_cnt + w * E, flags);
+  warp_count(pair_experts, 0, wbegin, tile_end, steps, E, bits, s_cnt + w * E, flags);
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     int32_t c = 0;
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 plan_scatter_kernel(const int32_t* __restrict__ pair_experts,  // (P,) int32, token-major
                     const float* __restrict__ pair_weights,    // (P,) fp32, token-major
                     const int32_t* __restrict__ pair_offsets,  // (T+1,) int32
-                    int64_t T, int64_t P, int E, int steps, int tiles, int32_t K0,
+                    int64_t T, int64_t P, int E, int bits, int steps, int tiles, int32_t K0,
                     const int32_t* __restrict__ bases,  // (E*tiles + 1,) first slot of (e, tile)
                     const int32_t* __restrict__ nonuniform,            // (1,) int32
                     int32_t* __restrict__ expert_token_offsets,        // (E+1,) int32
@@ -153,7 +153,7 @@ plan_scatter_kernel(const int32_t* __restrict__ pair_experts,  // (P,) int32, to
   __syncthreads();
 
   const int64_t wbegin = tile_begin + int64_t(w) * 32 * steps;
-  warp_count(s_ids, tile_begin, wbegin, tile_end, steps, E, s_cnt + w * E, nullptr);
+  warp_count(s_ids, tile_begin, wbegin, tile_end, steps, E, bits, s_cnt + w * E, nullptr);
   __syncthreads();
   // Counts → first slot of each (expert, warp): the tile's base plus the earlier warps' counts.
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
@@ -176,7 +176,7 @@ plan_scatter_kernel(const int32_t* __restrict__ pair_experts,  // (P,) int32, to
     const int32_t e = in ? s_ids[p - tile_begin] : -1;
     const bool ok = e >= 0 && e < E;
     const int32_t key = ok ? e : -1;
-    const unsigned peers = __match_any_sync(kFullMask, key);
+    const unsigned peers = detail::match_peers(key, bits);
     const int32_t first = ok ? cnt[key] : 0;
     __syncwarp();
     if (ok && lane == __ffs(peers) - 1) cnt[key] = first + __popc(peers);
@@ -211,16 +211,6 @@ plan_scatter_kernel(const int32_t* __restrict__ pair_experts,  // (P,) int32, to
       token_index_map[p] = -1;
     }
   }
-}
-
-int num_sms() {
-  static const int n = [] {
-    int dev = 0, sms = 0;
-    MOEBLAZE_CUDA_CHECK(cudaGetDevice(&dev));
-    MOEBLAZE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    return sms;
-  }();
-  return n;
 }
 
 // Dynamic shared memory a block may opt into, less room for the kernels' static shared memory.
@@ -286,11 +276,9 @@ PlanTiling plan_tiling(int64_t P, int64_t E, int tile_steps) {
                           "counters must fit in shared memory); use PlanBuilder::sort");
   int steps = tile_steps;
   if (steps <= 0) {
-    // Enough pairs per tile that the (E, tiles) counts stay small next to the plan (about
-    // 16 pairs per counter), fewer when that would leave SMs idle.
-    steps = int(std::min<int64_t>(32, std::max<int64_t>(4, (16 * E + 255) / 256)));
-    const int64_t want_tiles = 2 * int64_t(num_sms());
-    while (steps > 4 && (P + 256 * steps - 1) / (256 * int64_t(steps)) < want_tiles) steps /= 2;
+    // Measured on the H200 (bench/NOTES.md): small tiles win; 1024 pairs up to E = 128, 2048
+    // beyond (the (E, tiles) counts then stay at E/2048 ints per pair).
+    steps = E <= 128 ? 4 : 8;
   }
   steps = std::max(1, std::min(64, steps));
   // Keep the tile's ids plus counters inside shared memory.
@@ -326,6 +314,7 @@ void build_plan_atomic_free_async(const RoutingView& r, RoutingPlan& plan, void*
   // Pairs per token when the CSR is plain top-K (checked on the device).
   const int32_t K0 = (T > 0 && P % T == 0) ? int32_t(P / T) : 0;
   const int tiles = int(tl.tiles);
+  const int bits = detail::expert_bits(E);
   const int threads = tl.warps * 32;
   const int64_t offset_blocks = (T + 1 + threads - 1) / threads;
   const int count_grid = int(std::max<int64_t>({int64_t(tiles), std::min<int64_t>(offset_blocks, 4 * 1024), 1}));
@@ -334,12 +323,12 @@ void build_plan_atomic_free_async(const RoutingView& r, RoutingPlan& plan, void*
   if (tl.warps == 8) {
     raise_smem_limits<8>();
     plan_count_kernel<8><<<count_grid, threads, tl.smem_count, stream>>>(
-        r.pair_experts, r.pair_offsets, T, P, E, tl.steps, tiles, K0, counts,
+        r.pair_experts, r.pair_offsets, T, P, E, bits, tl.steps, tiles, K0, counts,
         plan.token_pair_offsets(), hint, d_flags);
   } else {
     raise_smem_limits<1>();
     plan_count_kernel<1><<<count_grid, threads, tl.smem_count, stream>>>(
-        r.pair_experts, r.pair_offsets, T, P, E, tl.steps, tiles, K0, counts,
+        r.pair_experts, r.pair_offsets, T, P, E, bits, tl.steps, tiles, K0, counts,
         plan.token_pair_offsets(), hint, d_flags);
   }
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
@@ -349,12 +338,12 @@ void build_plan_atomic_free_async(const RoutingView& r, RoutingPlan& plan, void*
   const int scatter_grid = std::max(tiles, 1);
   if (tl.warps == 8) {
     plan_scatter_kernel<8><<<scatter_grid, threads, tl.smem_scatter, stream>>>(
-        r.pair_experts, r.pair_weights, r.pair_offsets, T, P, E, tl.steps, tiles, K0, bases, hint,
+        r.pair_experts, r.pair_weights, r.pair_offsets, T, P, E, bits, tl.steps, tiles, K0, bases, hint,
         plan.expert_token_offsets(), plan.expert_token_indices(), plan.slot_weights(),
         plan.token_expert_indices(), plan.token_index_map(), d_flags);
   } else {
     plan_scatter_kernel<1><<<scatter_grid, threads, tl.smem_scatter, stream>>>(
-        r.pair_experts, r.pair_weights, r.pair_offsets, T, P, E, tl.steps, tiles, K0, bases, hint,
+        r.pair_experts, r.pair_weights, r.pair_offsets, T, P, E, bits, tl.steps, tiles, K0, bases, hint,
         plan.expert_token_offsets(), plan.expert_token_indices(), plan.slot_weights(),
         plan.token_expert_indices(), plan.token_index_map(), d_flags);
   }

@@ -45,22 +45,11 @@ struct BwdArgs {
   bool renormalize, want_aux, want_z;
   float aux_scale, z_scale;
   int32_t* flags;
+  bool vec;  // 16-byte tile loads (detail::tile_vec_ok)
 };
 
-template <typename InT>
-__device__ __forceinline__ void load_rows(const InT* __restrict__ logits, int64_t T, int E,
-                                          int64_t row0, int e0, float (*tile)[33]) {
-  const int lane = threadIdx.x & 31;
-  const int c = e0 + lane;
-#pragma unroll 8
-  for (int i = 0; i < 32; ++i) {
-    const int64_t r = row0 + i;
-    tile[i][lane] = (r < T && c < E) ? load_logit(logits + r * E + c) : 0.0f;
-  }
-}
-
 __device__ __forceinline__ void store_rows(float* __restrict__ d, int64_t T, int E, int64_t row0,
-                                           int e0, float (*tile)[33]) {
+                                           int e0, detail::LogitTile& tile) {
   const int lane = threadIdx.x & 31;
   const int c = e0 + lane;
 #pragma unroll 8
@@ -107,7 +96,7 @@ __device__ __forceinline__ float add_loss_terms(const BwdArgs& a, const TokenCon
 
 template <typename InT>
 __global__ void __launch_bounds__(kThreads) router_backward_kernel(BwdArgs a) {
-  __shared__ float tile[kWarps][32][33];
+  __shared__ __align__(16) detail::LogitTile tile[kWarps];
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int64_t row0 = (int64_t(blockIdx.x) * kWarps + w) * 32;
   const int64_t t = row0 + lane;
@@ -123,7 +112,7 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(BwdArgs a) {
   c.m = -INFINITY;
   bool bad = false;
   for (int e0 = 0; e0 < E; e0 += 32) {
-    load_rows(logits, a.T, E, row0, e0, tile[w]);
+    detail::load_tile(logits, a.T, E, row0, e0, a.vec, tile[w]);
     __syncwarp();
     const int ne = min(32, E - e0);
     for (int j = 0; j < ne; ++j) {
@@ -136,7 +125,7 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(BwdArgs a) {
   }
   if (need_p) {
     for (int e0 = 0; e0 < E; e0 += 32) {
-      load_rows(logits, a.T, E, row0, e0, tile[w]);
+      detail::load_tile(logits, a.T, E, row0, e0, a.vec, tile[w]);
       __syncwarp();
       const int ne = min(32, E - e0);
       for (int j = 0; j < ne; ++j) c.z = __fadd_rn(c.z, ref_expf(__fsub_rn(tile[w][lane][j], c.m)));
@@ -147,14 +136,14 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(BwdArgs a) {
   c.my = -INFINITY;
   if (__any_sync(kFullMask, c.fallback)) {
     for (int e0 = 0; e0 < E; e0 += 32) {
-      load_rows(logits, a.T, E, row0, e0, tile[w]);
+      detail::load_tile(logits, a.T, E, row0, e0, a.vec, tile[w]);
       __syncwarp();
       const int ne = min(32, E - e0);
       for (int j = 0; j < ne; ++j) c.my = ref_max(c.my, detail::log_sigmoid_ref(tile[w][lane][j]));
       __syncwarp();
     }
     for (int e0 = 0; e0 < E; e0 += 32) {
-      load_rows(logits, a.T, E, row0, e0, tile[w]);
+      detail::load_tile(logits, a.T, E, row0, e0, a.vec, tile[w]);
       __syncwarp();
       const int ne = min(32, E - e0);
       for (int j = 0; j < ne; ++j)
@@ -183,7 +172,7 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(BwdArgs a) {
   if (a.want_aux) {
     c.fq = 0.0f;
     for (int e0 = 0; e0 < E; e0 += 32) {
-      load_rows(logits, a.T, E, row0, e0, tile[w]);
+      detail::load_tile(logits, a.T, E, row0, e0, a.vec, tile[w]);
       __syncwarp();
       const int ne = min(32, E - e0);
       for (int j = 0; j < ne; ++j) {
@@ -203,7 +192,7 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(BwdArgs a) {
 
   // Every entry as if its expert were not selected, written row-wise through the tile.
   for (int e0 = 0; e0 < E; e0 += 32) {
-    load_rows(logits, a.T, E, row0, e0, tile[w]);
+    detail::load_tile(logits, a.T, E, row0, e0, a.vec, tile[w]);
     __syncwarp();
     const int ne = min(32, E - e0);
     for (int j = 0; j < ne; ++j) {
@@ -260,6 +249,8 @@ void router_backward_async(const RouterConfig& cfg, const TensorView& logits, co
   a.aux_scale = aux_scale;
   a.z_scale = z_scale;
   a.flags = d_flags;
+  a.vec = logits.dtype == DType::bf16 ? detail::tile_vec_ok<uint16_t>(logits.data, a.E)
+                                      : detail::tile_vec_ok<float>(logits.data, a.E);
   if (a.T == 0) return;
   const int grid = int((a.T + kThreads - 1) / kThreads);
   if (logits.dtype == DType::bf16)

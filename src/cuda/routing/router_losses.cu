@@ -34,7 +34,7 @@ constexpr int kHistPairsPerWarp = 1024;
 // Block b counts pairs [b·8192, (b+1)·8192) into per-warp shared counters (one leader lane per
 // distinct expert in a warp step writes, so no two writers meet) and writes its row of partials.
 __global__ void __launch_bounds__(kHistWarps * 32)
-expert_hist_partial_kernel(const int32_t* __restrict__ experts, int64_t P, int E,
+expert_hist_partial_kernel(const int32_t* __restrict__ experts, int64_t P, int E, int bits,
                            int32_t* __restrict__ partial) {  // (blocks, E) int32
   extern __shared__ int32_t s_cnt[];                        // (kHistWarps, E)
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
@@ -47,7 +47,7 @@ expert_hist_partial_kernel(const int32_t* __restrict__ experts, int64_t P, int E
     const int64_t p = begin + s + lane;
     int32_t e = p < P ? __ldg(experts + p) : -1;
     if (e < 0 || e >= E) e = -1;
-    const unsigned peers = __match_any_sync(kFullMask, e);
+    const unsigned peers = detail::match_peers(e, bits);
     if (e >= 0 && lane == __ffs(peers) - 1) cnt[e] += __popc(peers);
     __syncwarp();
   }
@@ -86,23 +86,12 @@ struct LossArgs {
   float* q_partial;    // (chunks, E) fp32: Σ_{t in chunk} q_{t,e}, token order
   float* lse2_partial; // (chunks,) fp32: Σ_{t in chunk} lse_t², token order
   int32_t* flags;
+  bool vec;            // 16-byte tile loads (detail::tile_vec_ok)
 };
 
 template <typename InT>
-__device__ __forceinline__ void tile_rows(const InT* __restrict__ logits, int64_t T, int E,
-                                          int64_t row0, int e0, float (*tile)[33]) {
-  const int lane = threadIdx.x & 31;
-  const int c = e0 + lane;
-#pragma unroll 8
-  for (int i = 0; i < 32; ++i) {
-    const int64_t r = row0 + i;
-    tile[i][lane] = (r < T && c < E) ? load_logit(logits + r * E + c) : 0.0f;
-  }
-}
-
-template <typename InT>
 __global__ void __launch_bounds__(kChunk) router_loss_partials_kernel(LossArgs a) {
-  __shared__ float tile[2][32][33];  // per-warp (32 tokens, 32 experts)
+  __shared__ __align__(16) detail::LogitTile tile[2];  // per warp: 32 tokens × 32 experts
   __shared__ float q_tile[kChunk][33];
   __shared__ float s_sq[kChunk];
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, tid = threadIdx.x;
@@ -113,7 +102,7 @@ __global__ void __launch_bounds__(kChunk) router_loss_partials_kernel(LossArgs a
   // Pass 1: row max (and the sigmoid sum, which needs no max).
   float m = -INFINITY, zs = 0.0f;
   for (int e0 = 0; e0 < E; e0 += 32) {
-    tile_rows(logits, a.T, E, row0, e0, tile[w]);
+    detail::load_tile(logits, a.T, E, row0, e0, a.vec, tile[w]);
     __syncwarp();
     const int ne = min(32, E - e0);
     for (int j = 0; j < ne; ++j) {
@@ -128,7 +117,7 @@ __global__ void __launch_bounds__(kChunk) router_loss_partials_kernel(LossArgs a
   const bool need_z = a.want_z || (a.want_aux && !a.sigmoid_q);
   if (need_z) {
     for (int e0 = 0; e0 < E; e0 += 32) {
-      tile_rows(logits, a.T, E, row0, e0, tile[w]);
+      detail::load_tile(logits, a.T, E, row0, e0, a.vec, tile[w]);
       __syncwarp();
       const int ne = min(32, E - e0);
       for (int j = 0; j < ne; ++j) z = __fadd_rn(z, ref_expf(__fsub_rn(tile[w][lane][j], m)));
@@ -140,14 +129,14 @@ __global__ void __launch_bounds__(kChunk) router_loss_partials_kernel(LossArgs a
   float my = -INFINITY, zy = 0.0f;
   if (__any_sync(kFullMask, fallback)) {
     for (int e0 = 0; e0 < E; e0 += 32) {
-      tile_rows(logits, a.T, E, row0, e0, tile[w]);
+      detail::load_tile(logits, a.T, E, row0, e0, a.vec, tile[w]);
       __syncwarp();
       const int ne = min(32, E - e0);
       for (int j = 0; j < ne; ++j) my = ref_max(my, detail::log_sigmoid_ref(tile[w][lane][j]));
       __syncwarp();
     }
     for (int e0 = 0; e0 < E; e0 += 32) {
-      tile_rows(logits, a.T, E, row0, e0, tile[w]);
+      detail::load_tile(logits, a.T, E, row0, e0, a.vec, tile[w]);
       __syncwarp();
       const int ne = min(32, E - e0);
       for (int j = 0; j < ne; ++j)
@@ -170,7 +159,7 @@ __global__ void __launch_bounds__(kChunk) router_loss_partials_kernel(LossArgs a
   if (!a.want_aux) return;
   // Pass 3: q_{t,e}, summed over the chunk's tokens in token order per expert.
   for (int e0 = 0; e0 < E; e0 += 32) {
-    tile_rows(logits, a.T, E, row0, e0, tile[w]);
+    detail::load_tile(logits, a.T, E, row0, e0, a.vec, tile[w]);
     __syncwarp();
     const int ne = min(32, E - e0);
     for (int j = 0; j < ne; ++j) {
@@ -262,8 +251,8 @@ void expert_counts_async(const int32_t* experts, int64_t P, int E, int32_t* part
   MOEBLAZE_UNSUPPORTED_IF(hist_smem(E) > 200 * 1024, "num_experts E (", E,
                           ") is too large for the GPU expert histogram of the aux loss");
   const int blocks = hist_blocks(P);
-  expert_hist_partial_kernel<<<blocks, kHistWarps * 32, hist_smem(E), stream>>>(experts, P, E,
-                                                                               partial_ws);
+  expert_hist_partial_kernel<<<blocks, kHistWarps * 32, hist_smem(E), stream>>>(
+      experts, P, E, detail::expert_bits(E), partial_ws);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
   expert_hist_reduce_kernel<<<(E + 255) / 256, 256, 0, stream>>>(partial_ws, blocks, E, P,
                                                                  counts, f);
@@ -304,6 +293,8 @@ void router_losses_async(const RouterConfig& cfg, const TensorView& logits,
     a.q_partial = q_partial;
     a.lse2_partial = lse2;
     a.flags = nullptr;
+    a.vec = logits.dtype == DType::bf16 ? detail::tile_vec_ok<uint16_t>(logits.data, E)
+                                        : detail::tile_vec_ok<float>(logits.data, E);
     if (logits.dtype == DType::bf16)
       router_loss_partials_kernel<uint16_t><<<chunks, kChunk, 0, stream>>>(a);
     else

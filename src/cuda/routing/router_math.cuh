@@ -67,6 +67,66 @@ __device__ __forceinline__ float load_logit(const uint16_t* p) {
                          << 16);
 }
 
+// The warp's tile of logits: 32 tokens (rows) × 32 experts, fp32, rows padded to 36 floats so
+// that both the row-segment stores and each lane's float4 reads of its own row are free of bank
+// conflicts.
+constexpr int kTileStride = 36;
+using LogitTile = float[32][kTileStride];
+
+// Loads rows [row0, row0+32) × experts [e0, e0+32) of logits (T, E) into the tile (zeros outside
+// the tensor). With `vec` (E·sizeof(InT) a multiple of 16 and a 16-byte aligned base) every lane
+// moves 16 bytes per load; otherwise 4- or 2-byte loads.
+template <typename InT>
+__device__ __forceinline__ void load_tile(const InT* __restrict__ logits, int64_t T, int E,
+                                          int64_t row0, int e0, bool vec, LogitTile& tile) {
+  const int lane = threadIdx.x & 31;
+  if (vec) {
+    constexpr int kPer = 16 / sizeof(InT);  // elements per 16-byte load
+    constexpr int kSlotsPerRow = 32 / kPer;
+#pragma unroll
+    for (int i = 0; i < 32 * kSlotsPerRow / 32; ++i) {
+      const int slot = i * 32 + lane;
+      const int r = slot / kSlotsPerRow, c = (slot % kSlotsPerRow) * kPer;
+      const int64_t row = row0 + r;
+      float v[kPer];
+      if (row < T && e0 + c < E) {
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(logits + row * E + e0 + c));
+        if (sizeof(InT) == 4) {
+          v[0] = __uint_as_float(raw.x);
+          v[1] = __uint_as_float(raw.y);
+          v[2] = __uint_as_float(raw.z);
+          v[3] = __uint_as_float(raw.w);
+        } else {
+          const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            v[2 * q] = __uint_as_float(w4[q] << 16);
+            v[2 * q + 1] = __uint_as_float(w4[q] & 0xffff0000u);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int q = 0; q < kPer; ++q) v[q] = 0.0f;
+      }
+#pragma unroll
+      for (int q = 0; q < kPer; q += 4)
+        *reinterpret_cast<float4*>(&tile[r][c + q]) = make_float4(v[q], v[q + 1], v[q + 2], v[q + 3]);
+    }
+  } else {
+    const int c = e0 + lane;
+#pragma unroll 8
+    for (int i = 0; i < 32; ++i) {
+      const int64_t r = row0 + i;
+      tile[i][lane] = (r < T && c < E) ? load_logit(logits + r * E + c) : 0.0f;
+    }
+  }
+}
+
+template <typename InT>
+inline bool tile_vec_ok(const void* logits, int64_t E) {
+  return (E * int64_t(sizeof(InT))) % 16 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+}
+
 // Per-token constants of the router's weight rule over one token's pair set, so that the weight
 // of any pair can be (re)computed from its logit alone, identically every time:
 //  softmax_topk, no renorm:      w = exp(x - m) / z         (m, z over the whole row)

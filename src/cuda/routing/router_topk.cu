@@ -45,24 +45,12 @@ struct FwdArgs {
   int32_t* pair_experts;  // (T*K,) int32, rank order
   float* pair_weights;    // (T*K,) fp32
   int32_t* flags;         // (kRoutingFlagCount,) int32
+  bool vec;               // 16-byte tile loads (detail::tile_vec_ok)
 };
 
-// The warp's 32 rows × experts [e0, e0+32) into its tile; zeros outside the tensor.
-template <typename InT>
-__device__ __forceinline__ void load_tile(const InT* __restrict__ logits, int64_t T, int E,
-                                          int64_t row0, int e0, float (*tile)[33]) {
-  const int lane = threadIdx.x & 31;
-  const int c = e0 + lane;
-#pragma unroll 8
-  for (int i = 0; i < 32; ++i) {
-    const int64_t r = row0 + i;
-    tile[i][lane] = (r < T && c < E) ? load_logit(logits + r * E + c) : 0.0f;
-  }
-}
-
 template <int KMAX, typename InT>
-__global__ void __launch_bounds__(kThreads) router_topk_fast_kernel(FwdArgs a) {
-  __shared__ float tile[kWarps][32][33];     // per-warp (32 tokens, 32 experts) logits
+__global__ void __launch_bounds__(kThreads, 12) router_topk_fast_kernel(FwdArgs a) {
+  __shared__ __align__(16) detail::LogitTile tile[kWarps];  // per warp: 32 tokens × 32 experts
   __shared__ int32_t s_id[KMAX][kThreads];   // the token's selected experts, rank order
   __shared__ float s_x[KMAX][kThreads];      // ... and their logits
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, tid = threadIdx.x;
@@ -83,42 +71,57 @@ __global__ void __launch_bounds__(kThreads) router_topk_fast_kernel(FwdArgs a) {
   }
   float m = -INFINITY;
   bool bad = false;
-  for (int e0 = 0; e0 < E; e0 += 32) {
-    load_tile(logits, a.T, E, row0, e0, tile[w]);
-    __syncwarp();
-    const int ne = min(32, E - e0);
-    for (int j = 0; j < ne; ++j) {
-      const float v = tile[w][lane][j];
-      const int e = e0 + j;
-      bad |= !isfinite(v);
-      m = ref_max(m, v);
-      float key = v;
-      if (sig) {
-        const float b = __ldg(a.bias + e);
-        bad |= !isfinite(b);
-        key = __fadd_rn(ref_sigmoid(v), b);
-      }
-      if (key > kv[KMAX - 1]) {
-        // Insert below every key >= this one (ties keep the earlier, lower expert ahead).
+  auto select = [&](float v, int e) {
+    bad |= !isfinite(v);
+    m = ref_max(m, v);
+    float key = v;
+    if (sig) {
+      const float b = __ldg(a.bias + e);
+      bad |= !isfinite(b);
+      key = __fadd_rn(ref_sigmoid(v), b);
+    }
+    if (key > kv[KMAX - 1]) {
+      // Insert below every key >= this one (ties keep the earlier, lower expert ahead).
 #pragma unroll
-        for (int q = KMAX - 1; q > 0; --q) {
-          if (kv[q - 1] < key) {
-            kv[q] = kv[q - 1];
-            xv[q] = xv[q - 1];
-            id[q] = id[q - 1];
-          } else if (kv[q] < key) {
-            kv[q] = key;
-            xv[q] = v;
-            id[q] = e;
-          }
+      for (int q = KMAX - 1; q > 0; --q) {
+        if (kv[q - 1] < key) {
+          kv[q] = kv[q - 1];
+          xv[q] = xv[q - 1];
+          id[q] = id[q - 1];
+        } else if (kv[q] < key) {
+          kv[q] = key;
+          xv[q] = v;
+          id[q] = e;
         }
-        if (kv[0] < key) {
-          kv[0] = key;
-          xv[0] = v;
-          id[0] = e;
-        }
+      }
+      if (kv[0] < key) {
+        kv[0] = key;
+        xv[0] = v;
+        id[0] = e;
       }
     }
+  };
+  // Each lane walks its own row of the tile, four experts per 16-byte shared-memory read.
+  auto walk_row = [&](int e0, auto&& fn) {
+    const int ne = min(32, E - e0);
+    const float4* row = reinterpret_cast<const float4*>(tile[w][lane]);
+    if (ne == 32) {
+#pragma unroll 2
+      for (int j = 0; j < 8; ++j) {
+        const float4 q = row[j];
+        fn(q.x, e0 + 4 * j);
+        fn(q.y, e0 + 4 * j + 1);
+        fn(q.z, e0 + 4 * j + 2);
+        fn(q.w, e0 + 4 * j + 3);
+      }
+    } else {
+      for (int j = 0; j < ne; ++j) fn(tile[w][lane][j], e0 + j);
+    }
+  };
+  for (int e0 = 0; e0 < E; e0 += 32) {
+    detail::load_tile(logits, a.T, E, row0, e0, a.vec, tile[w]);
+    __syncwarp();
+    walk_row(e0, select);
     __syncwarp();
   }
   if (bad && t < a.T) raise_flag(a.flags, kFlagNonFinite);
@@ -128,10 +131,9 @@ __global__ void __launch_bounds__(kThreads) router_topk_fast_kernel(FwdArgs a) {
   if (a.kind == RouterKind::softmax_topk && !a.renormalize) {
     z = 0.0f;
     for (int e0 = 0; e0 < E; e0 += 32) {
-      load_tile(logits, a.T, E, row0, e0, tile[w]);
+      detail::load_tile(logits, a.T, E, row0, e0, a.vec, tile[w]);
       __syncwarp();
-      const int ne = min(32, E - e0);
-      for (int j = 0; j < ne; ++j) z = __fadd_rn(z, ref_expf(__fsub_rn(tile[w][lane][j], m)));
+      walk_row(e0, [&](float v, int) { z = __fadd_rn(z, ref_expf(__fsub_rn(v, m))); });
       __syncwarp();
     }
   }
@@ -235,6 +237,8 @@ void router_topk_async(const RouterConfig& cfg, const TensorView& logits, const 
   a.pair_experts = out.pair_experts();
   a.pair_weights = out.pair_weights();
   a.flags = d_flags;
+  a.vec = logits.dtype == DType::bf16 ? detail::tile_vec_ok<uint16_t>(logits.data, a.E)
+                                      : detail::tile_vec_ok<float>(logits.data, a.E);
   if (logits.dtype == DType::bf16)
     launch_router<uint16_t>(a, stream);
   else

@@ -24,6 +24,29 @@ __device__ __forceinline__ unsigned lanemask_lt() {
   return m;
 }
 
+// Lanes of the warp holding the same key as this lane, for keys in [0, 2^bits) and -1 for "no
+// key" (lanes with -1 match only each other). One ballot per key bit, as CUB's MatchAny does:
+// on Hopper this is several times faster than __match_any_sync, which dominated the plan build.
+// All 32 lanes must call it with the same `bits`.
+__device__ __forceinline__ unsigned match_peers(int key, int bits) {
+  const bool valid = key >= 0;
+  const unsigned vmask = __ballot_sync(kFullMask, valid);
+  unsigned peers = valid ? vmask : ~vmask;
+  for (int b = 0; b < bits; ++b) {
+    const bool set = (key >> b) & 1;
+    const unsigned m = __ballot_sync(kFullMask, set);
+    peers &= set ? m : ~m;
+  }
+  return peers;
+}
+
+// Bits needed for expert ids in [0, E).
+inline int expert_bits(int64_t E) {
+  int bits = 1;
+  while ((int64_t(1) << bits) < E) ++bits;
+  return bits;
+}
+
 // Token of pair p in a CSR routing: the largest t in [lo, hi] with pair_offsets[t] <= p (empty
 // tokens are skipped because the next non-empty token has the same offset). Clamped into
 // [lo, hi], so invalid offsets (already flagged) can never send a thread out of bounds.
