@@ -33,7 +33,12 @@ class PeakScope {
 class Buffer {
  public:
   Buffer() = default;
-  Buffer(Device device, size_t bytes);  // zero bytes allocates nothing
+  // Zero bytes allocates nothing. Device memory is stream-ordered (cudaMallocAsync from the
+  // device's default pool, kept cached by the pool): it is allocated and later freed in the order
+  // of `stream` (a cudaStream_t; nullptr = the legacy default stream), so a buffer may be freed
+  // as soon as its last user was enqueued on that stream, without waiting for the device. Work
+  // that uses the buffer must run on that stream (or be ordered after it).
+  Buffer(Device device, size_t bytes, void* stream = nullptr);
   ~Buffer();
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
@@ -58,10 +63,12 @@ class Buffer {
     std::swap(data_, o.data_);
     std::swap(bytes_, o.bytes_);
     std::swap(device_, o.device_);
+    std::swap(stream_, o.stream_);
   }
   void* data_ = nullptr;
   size_t bytes_ = 0;
   Device device_ = Device::cpu;
+  void* stream_ = nullptr;  // CUDA stream the device allocation is ordered on
 };
 
 }  // namespace moeblaze

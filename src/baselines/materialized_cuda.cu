@@ -150,14 +150,14 @@ void materialized_forward(const LayerConfig& cfg, const RoutingPlan& plan, const
   SavedForBackward next;
   next.mode_ = LayerMode::materialized;
   next.S_ = S;
-  next.xs = Buffer(Device::cuda, size_t(S * d) * 2);                  // (S, d)
-  next.h = Buffer(Device::cuda, size_t(S * R) * 2);                   // (S, w1_rows)
-  if (gated) next.act_g = Buffer(Device::cuda, size_t(S * n) * 2);    // (S, n)
-  next.a = Buffer(Device::cuda, size_t(S * n) * 2);                   // (S, n)
-  next.y = Buffer(Device::cuda, size_t(S * d) * 2);                   // (S, d)
+  next.xs = Buffer(Device::cuda, size_t(S * d) * 2, opts.stream);                // (S, d)
+  next.h = Buffer(Device::cuda, size_t(S * R) * 2, opts.stream);                   // (S, w1_rows)
+  if (gated) next.act_g = Buffer(Device::cuda, size_t(S * n) * 2, opts.stream);    // (S, n)
+  next.a = Buffer(Device::cuda, size_t(S * n) * 2, opts.stream);                   // (S, n)
+  next.y = Buffer(Device::cuda, size_t(S * d) * 2, opts.stream);                 // (S, d)
 
   if (cfg.T > 0) {
-    Buffer ws(Device::cuda, size_t(S) * sizeof(int32_t));  // (S,) identity map
+    Buffer ws(Device::cuda, size_t(S) * sizeof(int32_t), opts.stream);  // (S,) identity map
     if (S > 0) {
       int32_t* iota = ws.as<int32_t>();
       iota_kernel<<<blocks_for(S), kThreads, 0, stream>>>(iota, S);
@@ -200,7 +200,7 @@ void materialized_backward(const LayerConfig& cfg, const RoutingPlan& plan, cons
     MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(grads.dw2.data, 0, grads.dw2.bytes(), stream));
     return;
   }
-  Buffer ws(Device::cuda, backward_ws(cfg, S, nullptr).bytes);
+  Buffer ws(Device::cuda, backward_ws(cfg, S, nullptr).bytes, opts.stream);
   const MatBackwardWs w = backward_ws(cfg, S, ws.data());
   const RoutingPlanView pv = plan.view();
   iota_kernel<<<blocks_for(S), kThreads, 0, stream>>>(w.iota, S);

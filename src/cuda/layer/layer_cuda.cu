@@ -126,10 +126,10 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
   next.mode_ = opts.mode;
   next.S_ = S;
   // (S, w1_rows) bf16, slot order: the only activation kept for backward.
-  if (opts.mode == LayerMode::keep_h) next.h = Buffer(Device::cuda, size_t(S * cfg.w1_rows()) * 2);
+  if (opts.mode == LayerMode::keep_h) next.h = Buffer(Device::cuda, size_t(S * cfg.w1_rows()) * 2, opts.stream);
 
   if (cfg.T > 0) {
-    Buffer ws(Device::cuda, forward_workspace(cfg, S, nullptr).bytes);
+    Buffer ws(Device::cuda, forward_workspace(cfg, S, nullptr).bytes, opts.stream);
     const ForwardWorkspace w = forward_workspace(cfg, S, ws.data());
     if (S > 0) {
       g.up_proj(pv, x.as<bf16>(), w1.as<bf16>(), next.h.as<bf16>(), w.a, cfg.d, cfg.n,
@@ -137,8 +137,8 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
       g.down_proj(pv, w.a, w2.as<bf16>(), w.y, cfg.d, cfg.n, stream);
     }
     aggregate_rows(pv, w.y, pv.slot_weights, out.data, cfg.d, DType::bf16, stream);
-    // The workspace is freed when `ws` goes out of scope; cudaFree waits for the device, so
-    // the kernels above have finished reading it.
+    // The workspace is freed when `ws` goes out of scope, in stream order after the kernels
+    // above (Buffer is stream-ordered on opts.stream).
   }
   next.valid_ = true;
   saved = std::move(next);
@@ -177,7 +177,8 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   }
 
   const int64_t ds_cols = g.ds_partials_cols(cfg.n);
-  Buffer ws(Device::cuda, backward_workspace(cfg, S, opts.mode, ds_cols, nullptr).bytes);
+  Buffer ws(Device::cuda, backward_workspace(cfg, S, opts.mode, ds_cols, nullptr).bytes,
+            opts.stream);
   const BackwardWorkspace w = backward_workspace(cfg, S, opts.mode, ds_cols, ws.data());
   const bf16* h = saved.h.as<bf16>();
   if (opts.mode == LayerMode::recompute) {
