@@ -23,48 +23,83 @@ struct DhEpilogue {
     Activation act;
     bool gated;
   };
-  // This thread's H values (gate g, up u; plain: h in g) and slot weights, loaded before the
-  // mainloop: 64 registers that would otherwise be 32 dependent global loads in the epilogue.
-  struct Prefetched {
-    __nv_bfloat162 g[2][kFragColGroups];
-    __nv_bfloat162 u[2][kFragColGroups];
-    float s[2];
+  // This thread's H values (gate g, up u; plain: h in g) and slot weights. With kPrefetch they
+  // are loaded before the mainloop (64 registers live across it; the load latency hides behind
+  // the MMAs); without, row by row in the epilogue, each row's 32 loads issued back to back
+  // (two round trips per tile, which the other CTA on the SM covers when two are resident, and
+  // no spills under the 128-register cap of two CTAs per SM).
+  static constexpr bool kPrefetch = MOEBLAZE_GEMM_DH_PREFETCH;
+  struct RowH {  // one accumulator row (v1) of this thread: 16 column pairs
+    __nv_bfloat162 g[kFragColGroups];
+    __nv_bfloat162 u[kFragColGroups];
+    float s;
   };
-  __device__ static void prefetch(const Params& p, Prefetched& pre, int m_begin, int m_end,
+  struct Prefetched {
+    RowH row[2];
+  };
+  __device__ static void load_row(const Params& p, RowH& r, int v1, int m_begin, int m_end,
                                   int n_tile) {
     const int64_t w1_rows = p.gated ? 2 * int64_t(p.n) : p.n;
     const int n0 = n_tile * kBN;
     const __nv_bfloat162 zero = __floats2bfloat162_rn(0.0f, 0.0f);
+    const int slot = m_begin + frag_row(v1);
+    const bool row_ok = slot < m_end;
+    r.s = row_ok ? __ldg(p.slot_weights + slot) : 0.0f;
+    const __nv_bfloat16* h_row = p.h + int64_t(row_ok ? slot : 0) * w1_rows;
 #pragma unroll
-    for (int v1 = 0; v1 < 2; ++v1) {
-      const int slot = m_begin + frag_row(v1);
-      const bool row_ok = slot < m_end;
-      pre.s[v1] = row_ok ? __ldg(p.slot_weights + slot) : 0.0f;
-      const __nv_bfloat16* h_row = p.h + int64_t(row_ok ? slot : 0) * w1_rows;
-#pragma unroll
-      for (int i = 0; i < kFragColGroups; ++i) {
-        const int j = n0 + frag_col(i);
-        const bool ok = row_ok && j < p.n;  // n is a multiple of 64: pairs never straddle the end
-        pre.g[v1][i] = ok ? __ldg(reinterpret_cast<const __nv_bfloat162*>(h_row + j)) : zero;
-        pre.u[v1][i] = ok && p.gated
-                           ? __ldg(reinterpret_cast<const __nv_bfloat162*>(h_row + p.n + j))
-                           : zero;
-      }
+    for (int i = 0; i < kFragColGroups; ++i) {
+      const int j = n0 + frag_col(i);
+      const bool ok = row_ok && j < p.n;  // n is a multiple of 64: pairs never straddle the end
+      r.g[i] = ok ? __ldg(reinterpret_cast<const __nv_bfloat162*>(h_row + j)) : zero;
+      r.u[i] = ok && p.gated ? __ldg(reinterpret_cast<const __nv_bfloat162*>(h_row + p.n + j))
+                             : zero;
+    }
+  }
+  __device__ static void prefetch(const Params& p, Prefetched& pre, int m_begin, int m_end,
+                                  int n_tile) {
+    if constexpr (kPrefetch) {
+      load_row(p, pre.row[0], 0, m_begin, m_end, n_tile);
+      load_row(p, pre.row[1], 1, m_begin, m_end, n_tile);
     }
   }
 
   template <class Acc>
   __device__ static void apply(const Params& p, Acc& acc, const Prefetched& pre, int m_begin,
                                int m_end, int n_tile) {
-    const int64_t w1_rows = p.gated ? 2 * int64_t(p.n) : p.n;
+    dispatch(p, acc, pre, m_begin, m_end, n_tile);
+  }
+
+  // One straight-line epilogue body per activation: the switch runs once per tile, not per
+  // element.
+  template <class Acc>
+  __device__ static void dispatch(const Params& p, Acc& acc, const Prefetched& pre, int m_begin,
+                                  int m_end, int n_tile) {
+    switch (p.act) {
+      case Activation::swiglu: return body<Activation::swiglu>(p, acc, pre, m_begin, m_end, n_tile);
+      case Activation::geglu: return body<Activation::geglu>(p, acc, pre, m_begin, m_end, n_tile);
+      case Activation::relu: return body<Activation::relu>(p, acc, pre, m_begin, m_end, n_tile);
+      case Activation::silu: return body<Activation::silu>(p, acc, pre, m_begin, m_end, n_tile);
+      case Activation::gelu: return body<Activation::gelu>(p, acc, pre, m_begin, m_end, n_tile);
+      case Activation::relu2: return body<Activation::relu2>(p, acc, pre, m_begin, m_end, n_tile);
+    }
+  }
+
+  template <Activation A, class Acc>
+  __device__ static void body(const Params& p, Acc& acc, const Prefetched& pre, int m_begin,
+                              int m_end, int n_tile) {
+    constexpr bool kGated = A == Activation::swiglu || A == Activation::geglu;
+    const int64_t w1_rows = kGated ? 2 * int64_t(p.n) : p.n;
     const int n0 = n_tile * kBN;
 #pragma unroll
     for (int v1 = 0; v1 < 2; ++v1) {
       const int slot = m_begin + frag_row(v1);
       const bool row_ok = slot < m_end;
       float part = 0.0f;  // this thread's share of sum_j da'_j a_j over the tile's columns
+      RowH loaded;
+      if constexpr (!kPrefetch) load_row(p, loaded, v1, m_begin, m_end, n_tile);
+      const RowH& rh = kPrefetch ? pre.row[v1] : loaded;
       if (row_ok) {
-        const float s = pre.s[v1];
+        const float s = rh.s;
         __nv_bfloat16* dh_row = p.dh + int64_t(slot) * w1_rows;
         __nv_bfloat16* as_row = p.a_scaled + int64_t(slot) * p.n;
 #pragma unroll
@@ -73,22 +108,21 @@ struct DhEpilogue {
           if (j >= p.n) continue;
           const float dap0 = acc(4 * i + 2 * v1), dap1 = acc(4 * i + 2 * v1 + 1);
           const float da0 = s * dap0, da1 = s * dap1;
-          const float2 g = __bfloat1622float2(pre.g[v1][i]);
-          if (p.gated) {
-            const float2 u = __bfloat1622float2(pre.u[v1][i]);
-            const float f0 = act_fn(p.act, g.x), f1 = act_fn(p.act, g.y);
+          const float2 g = __bfloat1622float2(rh.g[i]);
+          if constexpr (kGated) {
+            const float2 u = __bfloat1622float2(rh.u[i]);
+            const float f0 = act_fn(A, g.x), f1 = act_fn(A, g.y);
             const float a0 = f0 * u.x, a1 = f1 * u.y;
             part += dap0 * a0;
             part += dap1 * a1;
-            store_bf16x2(dh_row + j, da0 * u.x * act_grad(p.act, g.x),
-                         da1 * u.y * act_grad(p.act, g.y));
+            store_bf16x2(dh_row + j, da0 * u.x * act_grad(A, g.x), da1 * u.y * act_grad(A, g.y));
             store_bf16x2(dh_row + p.n + j, da0 * f0, da1 * f1);
             store_bf16x2(as_row + j, s * a0, s * a1);
           } else {
-            const float a0 = act_fn(p.act, g.x), a1 = act_fn(p.act, g.y);
+            const float a0 = act_fn(A, g.x), a1 = act_fn(A, g.y);
             part += dap0 * a0;
             part += dap1 * a1;
-            store_bf16x2(dh_row + j, da0 * act_grad(p.act, g.x), da1 * act_grad(p.act, g.y));
+            store_bf16x2(dh_row + j, da0 * act_grad(A, g.x), da1 * act_grad(A, g.y));
             store_bf16x2(as_row + j, s * a0, s * a1);
           }
         }

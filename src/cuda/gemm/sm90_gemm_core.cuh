@@ -32,13 +32,21 @@ constexpr int kBN = 128;  // columns of the output tile
 constexpr int kBK = 64;   // reduction step: one 128-byte swizzle row of bf16
 constexpr int kThreads = 256;  // two warpgroups, each 64 x kBN of the output
 // Shared-memory stages (32 KiB each). Loads run kStages - 2 tiles ahead of the MMA (see mainloop).
+// Measured on the H200 (bench/NOTES.md): 3 stages with 2 CTAs per SM beat 5 or 7 stages with one
+// CTA per SM on every GEMM (+2..+20%): the second CTA's mainloop covers this one's prologue
+// (index loads, pipeline fill) and epilogue, which a non-persistent kernel cannot overlap itself.
 #ifndef MOEBLAZE_GEMM_STAGES
-#define MOEBLAZE_GEMM_STAGES 5
+#define MOEBLAZE_GEMM_STAGES 3
 #endif
 constexpr int kStages = MOEBLAZE_GEMM_STAGES;
-// CTAs per SM the kernels are compiled for (__launch_bounds__); 2 needs kStages <= 3.
+// CTAs per SM the kernels are compiled for (__launch_bounds__ caps registers at 128 for 2);
+// 2 needs kStages <= 3 (shared memory).
 #ifndef MOEBLAZE_GEMM_MIN_BLOCKS
-#define MOEBLAZE_GEMM_MIN_BLOCKS 1
+#define MOEBLAZE_GEMM_MIN_BLOCKS 2
+#endif
+// dH epilogue: load the H tile before the mainloop (1) or at the epilogue's start (0).
+#ifndef MOEBLAZE_GEMM_DH_PREFETCH
+#define MOEBLAZE_GEMM_DH_PREFETCH 0
 #endif
 constexpr int kMinBlocks = MOEBLAZE_GEMM_MIN_BLOCKS;
 static_assert(kStages >= 3, "the pipeline needs at least 3 stages");
