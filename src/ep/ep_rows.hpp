@@ -1,0 +1,34 @@
+// Row movement for expert parallelism on the data's device: the gathers that build send buffers,
+// the fixed-order combine of returned partial rows, and host <-> device copies. The CPU versions
+// live in src/ep/ep_rows.cpp; for Device::cuda they call the kernels of src/cuda/ep/.
+//
+// Index arrays are host memory for Device::cpu and device memory for Device::cuda.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "moeblaze/dtype.hpp"
+#include "moeblaze/tensor.hpp"
+
+namespace moeblaze::ep {
+
+// dst (count, row_bytes) = src rows idx[0..count) — a byte copy, any dtype.
+void gather_rows(Device dev, const void* src, const int32_t* idx, int64_t count, size_t row_bytes,
+                 void* dst, void* stream);
+
+// out[t, :] = sum over i in [off[t], off[t+1]), in ascending i, of rows[idx[i], :]; fp32
+// accumulation starting from 0, stored in `dtype`. A token with no rows gets zeros.
+//   rows (*, d) dtype, off (T+1,) int32, idx (off[T],) int32, out (T, d) dtype
+void combine_rows(Device dev, const void* rows, const int32_t* off, const int32_t* idx, int64_t T,
+                  int64_t d, DType dtype, void* out, void* stream);
+
+// Host -> dev (host memory may be reused on return) and dev -> host (complete on return).
+// For Device::cpu both are memcpy.
+void copy_to_device(Device dev, void* dst, const void* host_src, size_t bytes, void* stream);
+void copy_to_host(Device dev, void* host_dst, const void* src, size_t bytes, void* stream);
+
+// Waits for the work queued on `stream` (Device::cuda); nothing on the CPU.
+void synchronize(Device dev, void* stream);
+
+}  // namespace moeblaze::ep
