@@ -67,7 +67,7 @@ cmake --build "$BUILD" -j "$JOBS" --target "${targets[@]}" >"$OUT/build.log" 2>&
   grep -E "error|Error" "$OUT/build.log" | head -40; echo "gpu_check: build FAILED"; exit 1; }
 summary+=("build: ok in $(( $(date +%s) - start )) s (${targets[*]})")
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
-  >"$OUT/gpu.txt" 2>&1 || true
+  >"$OUT/gpu.txt" 2>/dev/null || printf 'gpu\nnone visible (nvidia-smi failed)\n' >"$OUT/gpu.txt"
 
 status=0
 # ---- tests ----
