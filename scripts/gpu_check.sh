@@ -4,11 +4,12 @@
 # short table last.
 #
 #   scripts/gpu_check.sh OUT [PART ...]
-#     PART: all (default) | tests | routing-tests | routing | layer
+#     PART: all (default) | tests | routing-tests | routing | layer | gemm
 #       tests          ctest, every test (CPU and GPU)          → OUT/ctest.log
 #       routing-tests  only the GPU routing tests (gtest filter) → OUT/routing_tests.log
 #       routing        moeblaze bench routing                   → OUT/routing.jsonl, routing.md
 #       layer          moeblaze bench layer (appended by the layer engineers)
+#       gemm           moeblaze bench gemm: the six grouped GEMMs alone → OUT/gemm.jsonl, gemm.md
 #   scripts/gpu_check.sh --pack-deps
 #     copies GoogleTest and CLI11 (headers, static libs) from this machine into
 #     third_party/gpudeps, for a GPU machine that has a CUDA toolkit but no such packages; the
@@ -138,6 +139,22 @@ if want layer; then
   fi
 fi
 
+# ---- gemm: moeblaze bench gemm (the six grouped GEMMs alone, cuBLAS same-FLOP column);
+# GEMM_BENCH_ARGS adds flags (e.g. "--configs gemm-big") ----
+if want gemm; then
+  t0=$(date +%s)
+  rm -f "$OUT/gemm.jsonl"
+  # shellcheck disable=SC2086
+  if "$BUILD/moeblaze" bench gemm --out "$OUT/gemm.jsonl" --md "$OUT/gemm.md" \
+      ${GEMM_BENCH_ARGS:-} >"$OUT/gemm_bench.log" 2>&1; then
+    summary+=("bench gemm: $(wc -l <"$OUT/gemm.jsonl") rows [$(( $(date +%s) - t0 )) s]")
+  else
+    status=1
+    tail -20 "$OUT/gemm_bench.log"
+    summary+=("bench gemm: FAILED (see gemm_bench.log)")
+  fi
+fi
+
 # ---- short table last ----
 echo
 echo "== gpu_check summary ($(head -2 "$OUT/gpu.txt" 2>/dev/null | tail -1)) =="
@@ -195,6 +212,17 @@ agg = [r for r in rows if r.get("bench") == "aggregate"]
 if agg:
     print("aggregate: %.1f-%.1f %% of copy" % (min(r["pct_of_copy"] for r in agg),
                                               max(r["pct_of_copy"] for r in agg)))
+EOF
+fi
+if want gemm && [ -s "$OUT/gemm.jsonl" ] && command -v python3 >/dev/null; then
+  python3 - "$OUT/gemm.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print("grouped GEMMs, TFLOP/s (x cuBLAS same-FLOP):")
+for c in dict.fromkeys(r["config"] for r in rows):
+    print("  %-12s " % c + "  ".join("%s %.0f (%.2f)" % (r["gemm"], r["tflops"],
+          r["tflops"] / r["dense_same_flop_tflops"] if r.get("dense_same_flop_tflops") else float("nan"))
+          for r in rows if r["config"] == c))
 EOF
 fi
 exit $status
