@@ -5,8 +5,9 @@
 // each run, so an unwritten element fails; each kernel runs twice and must be bitwise equal.
 //
 // Observed errors (relative Frobenius, float64 reference) are printed per case; the bound
-// asserted for bf16 outputs is rel_tolerance(bf16) = 1e-2 (rounding to bf16 alone gives ~2e-3),
-// for the fp32 ds 1e-4.
+// asserted for bf16 outputs is rel_tolerance(bf16) = 1e-2, for the fp32 ds 1e-4. Seen on the H200
+// (2026-11-29, all cases): at most 1.7e-3 for every bf16 output (bf16 rounding of the result
+// alone) and 1.6e-6 for ds.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 

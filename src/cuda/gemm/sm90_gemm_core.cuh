@@ -33,8 +33,9 @@ constexpr int kBK = 64;   // reduction step: one 128-byte swizzle row of bf16
 constexpr int kThreads = 256;  // two warpgroups, each 64 x kBN of the output
 // Shared-memory stages (32 KiB each). Loads run kStages - 2 tiles ahead of the MMA (see mainloop).
 // Measured on the H200 (bench/NOTES.md): 3 stages with 2 CTAs per SM beat 5 or 7 stages with one
-// CTA per SM on every GEMM (+2..+20%): the second CTA's mainloop covers this one's prologue
-// (index loads, pipeline fill) and epilogue, which a non-persistent kernel cannot overlap itself.
+// CTA per SM on 17 of 18 (config, GEMM) pairs (+3..+29%; gemm-big's down-proj equal): the second
+// CTA's mainloop covers this one's prologue (index loads, pipeline fill) and epilogue, which a
+// non-persistent kernel cannot overlap itself.
 #ifndef MOEBLAZE_GEMM_STAGES
 #define MOEBLAZE_GEMM_STAGES 3
 #endif
