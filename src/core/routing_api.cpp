@@ -86,39 +86,6 @@ const char* nonfinite_name(float v) { return std::isnan(v) ? "nan" : "inf"; }
 
 }  // namespace
 
-void validate_routing(const RoutingView& r) {
-  MOEBLAZE_REQUIRE(r.T >= 0, "routing has T = ", r.T, " (must be >= 0)");
-  MOEBLAZE_REQUIRE(r.E >= 1, "routing has E = ", r.E, " (num_experts must be >= 1)");
-  MOEBLAZE_REQUIRE(r.P >= 0 && r.P < (int64_t(1) << 31), "routing has P = ", r.P,
-                   " pairs (must be in [0, 2^31))");
-  if (r.device != Device::cpu)
-    throw Unsupported(detail::concat("validate_routing: the routing is on ",
-                                     device_name(r.device), "; only CPU routings can be read"));
-  MOEBLAZE_REQUIRE(r.pair_offsets != nullptr, "pair_offsets is null");
-  MOEBLAZE_REQUIRE(r.P == 0 || (r.pair_experts != nullptr && r.pair_weights != nullptr),
-                   "pair_experts / pair_weights are null but P = ", r.P);
-  MOEBLAZE_REQUIRE(r.pair_offsets[0] == 0, "pair_offsets[0] is ", r.pair_offsets[0],
-                   ", expected 0");
-  for (int64_t t = 0; t < r.T; ++t)
-    MOEBLAZE_REQUIRE(r.pair_offsets[t + 1] >= r.pair_offsets[t], "pair_offsets decreases at token ",
-                     t, " (", r.pair_offsets[t], " then ", r.pair_offsets[t + 1], ")");
-  MOEBLAZE_REQUIRE(r.pair_offsets[r.T] == r.P, "pair_offsets[T] (", r.pair_offsets[r.T],
-                   ") differs from P (", r.P, ")");
-  std::vector<int64_t> seen_in(r.E, -1);  // (E,) last token that used each expert
-  for (int64_t t = 0; t < r.T; ++t) {
-    for (int64_t p = r.pair_offsets[t]; p < r.pair_offsets[t + 1]; ++p) {
-      const int32_t e = r.pair_experts[p];
-      MOEBLAZE_REQUIRE(e >= 0 && e < r.E, "pair_experts: expert id ", e, " of token ", t,
-                       " is out of range [0, ", r.E, ")");
-      MOEBLAZE_REQUIRE(seen_in[e] != t, "pair_experts: expert ", e, " appears twice in token ", t);
-      seen_in[e] = t;
-      MOEBLAZE_REQUIRE(std::isfinite(r.pair_weights[p]), "pair_weights[", p, "] (token ", t,
-                       ", expert ", e, ") is ", nonfinite_name(r.pair_weights[p]),
-                       ": weights must be finite");
-    }
-  }
-}
-
 RouterLosses route(const RouterConfig& cfg, const TensorView& logits, const TensorView& bias,
                    Routing& out) {
   require_logits(logits);

@@ -685,19 +685,19 @@ TEST(ValidateRouting, NamesTheFirstOffendingEntry) {
   expect_invalid([&] { validate_routing(rv); },
                  "pair_experts: expert id 9 of token 2 is out of range [0, 8)");
   ex[4] = 5;
-  expect_invalid([&] { validate_routing(rv); }, "pair_experts: expert 5 appears twice in token 2");
+  expect_invalid([&] { validate_routing(rv); }, "pair_experts: expert id 5 is repeated in token 2 (pairs 4 and 5)");
   ex[4] = 7;
   w[3] = std::numeric_limits<float>::infinity();
-  expect_invalid([&] { validate_routing(rv); }, "pair_weights[3] (token 1, expert 2) is inf");
+  expect_invalid([&] { validate_routing(rv); }, "pair_weights: weight inf of token 1 (pair 3) is not finite");
   w[3] = 0.4f;
   off[0] = 1;
-  expect_invalid([&] { validate_routing(rv); }, "pair_offsets[0] is 1, expected 0");
+  expect_invalid([&] { validate_routing(rv); }, "pair_offsets[0] (1) must be 0");
   off[0] = 0;
   off[2] = 1;
-  expect_invalid([&] { validate_routing(rv); }, "pair_offsets decreases at token 1 (2 then 1)");
+  expect_invalid([&] { validate_routing(rv); }, "pair_offsets must be non-decreasing: token 1 has pair_offsets[2] (1) < pair_offsets[1] (2)");
   off[2] = 4;
   off[3] = 5;
-  expect_invalid([&] { validate_routing(rv); }, "pair_offsets[T] (5) differs from P (6)");
+  expect_invalid([&] { validate_routing(rv); }, "pair_offsets[T=3] (5) must equal the number of pairs P (6)");
   off[3] = 6;
   // The same expert in two different tokens is fine.
   ex = {0, 3, 0, 3, 0, 3};

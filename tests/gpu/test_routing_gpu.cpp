@@ -388,13 +388,13 @@ TEST(RoutingPlanGpu, BadRoutingRaisesFlagsAndClearErrors) {
        [](HostRouting& h) { h.experts[2 * 4321 + 1] = 9; }},
       {"negative", cuda::kFlagExpertOutOfRange, "is out of range [0, 8)",
        [](HostRouting& h) { h.experts[2 * 17] = -3; }},
-      {"repeated", cuda::kFlagExpertRepeated, "appears twice in token 5000",
+      {"repeated", cuda::kFlagExpertRepeated, "is repeated in token 5000",
        [](HostRouting& h) { h.experts[2 * 5000 + 1] = h.experts[2 * 5000]; }},
-      {"nan weight", cuda::kFlagNonFinite, "weights must be finite",
+      {"nan weight", cuda::kFlagNonFinite, "is not finite",
        [](HostRouting& h) { h.weights[777] = NAN; }},
-      {"inf weight", cuda::kFlagNonFinite, "weights must be finite",
+      {"inf weight", cuda::kFlagNonFinite, "is not finite",
        [](HostRouting& h) { h.weights[8000] = -INFINITY; }},
-      {"decreasing offsets", cuda::kFlagBadOffsets, "pair_offsets decreases at token",
+      {"decreasing offsets", cuda::kFlagBadOffsets, "pair_offsets must be non-decreasing: token",
        [](HostRouting& h) { std::swap(h.offsets[300], h.offsets[301]); }},
   };
   // A valid plan the failed calls must leave alone.
