@@ -21,9 +21,11 @@ namespace {
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 #endif
 
+#ifndef MOEBLAZE_WITH_CUDA
 [[noreturn]] void no_cuda() {
   throw Unsupported("expert parallelism: data on cuda, but moeblaze was built without CUDA");
 }
+#endif
 
 // Rows per parallel task: enough bytes per task to pay for scheduling it.
 constexpr int64_t kRowsPerTask = 64;
