@@ -5,6 +5,7 @@
 #include "moeblaze/config.hpp"
 #include "moeblaze/dtype.hpp"
 #include "moeblaze/error.hpp"
+#include "moeblaze/expert_parallel.hpp"
 #include "moeblaze/layer.hpp"
 #include "moeblaze/memory.hpp"
 #include "moeblaze/routing.hpp"
