@@ -203,6 +203,11 @@ TEST(CpuLayer, SavedBytesAreHInKeepHAndZeroInRecompute) {
 // layer_workspace_bytes reports. Also times fwd+bwd and checks sampled tokens' outputs against
 // float64.
 TEST(CpuLayer, CpuDefaultKeepsExactlyHPlusPlanAndBoundsPeak) {
+  // The CPU backend's transient scratch has a per-thread part (tile buffers, ~0.9 MiB per
+  // thread at cpu-default), so the peak bound below is stated for 2 threads, the project's CPU
+  // machine (on a 16-core machine the 16 tile buffers alone exceed the 5 % margin). Kept bytes
+  // do not depend on the thread count.
+  ThreadCountScope two_threads(2);
   const uint64_t seed = test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const int64_t T = 2048, d = 256, n = 512, E = 16, K = 4;
