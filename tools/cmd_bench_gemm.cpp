@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "cmd_bench_util.hpp"
 #include "commands.hpp"
 #include "configs.hpp"
 #include "cuda/cuda_backend.hpp"
@@ -40,7 +41,6 @@
 namespace moeblaze::tools {
 namespace {
 
-constexpr size_t kFlushBytes = size_t(256) << 20;
 constexpr double kDenseCeilingTflops = 760.0;  // measured cuBLAS 8192^3 bf16 on the H200
 
 struct Shape {
@@ -59,46 +59,12 @@ struct Flags {
   std::string md;   // write the table as Markdown here
 };
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::string cur;
-  std::istringstream is(s);
-  while (std::getline(is, cur, ',')) {
-    cur.erase(0, cur.find_first_not_of(" \t"));
-    cur.erase(cur.find_last_not_of(" \t") + 1);
-    if (!cur.empty()) out.push_back(cur);
-  }
-  return out;
-}
-
 // "gemm-big" is the GEMM issue's shape (S = 65536 slots, E = 16, d = 2048, n = 1024); the others
 // are DESIGN's named configs.
 Shape find_shape(const std::string& name) {
   if (name == "gemm-big") return {name, 16384, 2048, 1024, 16, 4};
   const NamedConfig& c = require_config(name);
   return {name, c.T, c.d, c.n, c.E, c.K};
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size() / 2;
-  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
-}
-
-std::string driver_version() {
-  std::string s;
-  if (FILE* f = popen("nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null", "r")) {
-    char buf[128];
-    if (fgets(buf, sizeof buf, f)) s = buf;
-    pclose(f);
-  }
-  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
-  if (s.empty()) {
-    int v = 0;
-    cudaDriverGetVersion(&v);
-    s = "cuda-driver-api " + std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
-  }
-  return s;
 }
 
 // Host-drawn N(0, stddev) bf16, in parallel chunks with per-chunk seeds (reproducible).
@@ -141,38 +107,6 @@ struct Dev {
   }
 };
 
-class Timer {
- public:
-  Timer(cudaStream_t s, void* flush) : s_(s), flush_(flush) {
-    MOEBLAZE_CUDA_CHECK(cudaEventCreate(&a_));
-    MOEBLAZE_CUDA_CHECK(cudaEventCreate(&b_));
-  }
-  ~Timer() {
-    cudaEventDestroy(a_);
-    cudaEventDestroy(b_);
-  }
-  template <typename Fn>
-  double median_ms(int warmup, int reps, Fn&& fn) {
-    std::vector<double> t;
-    for (int i = 0; i < warmup + reps; ++i) {
-      MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(flush_, i & 0xff, kFlushBytes, s_));
-      MOEBLAZE_CUDA_CHECK(cudaEventRecord(a_, s_));
-      fn();
-      MOEBLAZE_CUDA_CHECK(cudaEventRecord(b_, s_));
-      MOEBLAZE_CUDA_CHECK(cudaEventSynchronize(b_));
-      float ms = 0;
-      MOEBLAZE_CUDA_CHECK(cudaEventElapsedTime(&ms, a_, b_));
-      if (i >= warmup) t.push_back(ms);
-    }
-    return median(t);
-  }
-
- private:
-  cudaStream_t s_;
-  void* flush_;
-  cudaEvent_t a_, b_;
-};
-
 void cublas_check(cublasStatus_t s, const char* what) {
   if (s != CUBLAS_STATUS_SUCCESS)
     throw DeviceError(std::string(what) + " failed: cuBLAS status " + std::to_string(int(s)));
@@ -189,7 +123,7 @@ void run(const Flags& f) {
   MOEBLAZE_REQUIRE(f.warmup >= 1, "--warmup (", f.warmup, ") must be at least 1");
   const Activation act = parse_activation(f.activation);
   std::vector<Shape> shapes;
-  for (const auto& name : split(f.configs)) shapes.push_back(find_shape(name));
+  for (const auto& name : split_commas(f.configs)) shapes.push_back(find_shape(name));
   MOEBLAZE_REQUIRE(!shapes.empty(), "--configs is empty");
   for (const auto& s : shapes) cuda::gemm::check_gemm_shape(s.d, s.n);
 
@@ -204,8 +138,8 @@ void run(const Flags& f) {
   std::cerr << "bench gemm: " << gpu << ", driver " << driver << ", commit " << commit << "\n";
 
   cudaStream_t stream = nullptr;
-  Dev flush(kFlushBytes);
-  Timer timer(stream, flush.p);
+  Dev flush(kL2FlushBytes);
+  GpuTimer timer(stream, flush.p);
   cublasHandle_t blas = nullptr;
   if (!f.no_dense) {
     cublas_check(cublasCreate(&blas), "cublasCreate");

@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "cmd_bench_util.hpp"
 #include "commands.hpp"
 #include "configs.hpp"
 #include "core/parallel.hpp"
@@ -39,7 +40,6 @@
 namespace moeblaze::tools {
 namespace {
 
-constexpr size_t kFlushBytes = size_t(256) << 20;  // >= 2x the H200's 60 MB L2
 
 struct BenchFlags {
   std::string config = "all";
@@ -70,74 +70,6 @@ struct DevBuf {
   DevBuf& operator=(const DevBuf&) = delete;
   template <typename T>
   T* as() const { return static_cast<T*>(p); }
-};
-
-std::vector<std::string> split_commas(const std::string& s) {
-  std::vector<std::string> out;
-  std::string cur;
-  std::istringstream is(s);
-  while (std::getline(is, cur, ',')) {
-    cur.erase(0, cur.find_first_not_of(" \t"));
-    cur.erase(cur.find_last_not_of(" \t") + 1);
-    if (!cur.empty()) out.push_back(cur);
-  }
-  return out;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size() / 2;
-  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
-}
-
-std::string driver_version() {
-  std::string s;
-  if (FILE* f = popen("nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null", "r")) {
-    char buf[128];
-    if (fgets(buf, sizeof buf, f)) s = buf;
-    pclose(f);
-  }
-  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
-  if (s.empty()) {
-    int v = 0;
-    cudaDriverGetVersion(&v);
-    s = "cuda-driver-api " + std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
-  }
-  return s;
-}
-
-// Times `fn` by the protocol: flush L2 (not timed), events around fn, median in ms.
-class Timer {
- public:
-  Timer(cudaStream_t s, void* flush) : s_(s), flush_(flush) {
-    MOEBLAZE_CUDA_CHECK(cudaEventCreate(&a_));
-    MOEBLAZE_CUDA_CHECK(cudaEventCreate(&b_));
-  }
-  ~Timer() {
-    cudaEventDestroy(a_);
-    cudaEventDestroy(b_);
-  }
-  template <typename Before, typename Fn>
-  double median_ms(int warmup, int reps, Before&& before, Fn&& fn) {
-    std::vector<double> t;
-    for (int i = 0; i < warmup + reps; ++i) {
-      before();
-      MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(flush_, (i * 37 + 1) & 0xff, kFlushBytes, s_));
-      MOEBLAZE_CUDA_CHECK(cudaEventRecord(a_, s_));
-      fn();
-      MOEBLAZE_CUDA_CHECK(cudaEventRecord(b_, s_));
-      MOEBLAZE_CUDA_CHECK(cudaEventSynchronize(b_));
-      float ms = 0;
-      MOEBLAZE_CUDA_CHECK(cudaEventElapsedTime(&ms, a_, b_));
-      if (i >= warmup) t.push_back(ms);
-    }
-    return median(t);
-  }
-
- private:
-  cudaStream_t s_;
-  void* flush_;
-  cudaEvent_t a_, b_;
 };
 
 // ---- float64 reference on sampled tokens --------------------------------------------------------
@@ -385,7 +317,7 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
 
   const SampleRef ref = reference_on_sample(c, host_plan, x.as<bf16>(), w1.as<bf16>(),
                                             w2.as<bf16>(), dout.as<bf16>(), f.sample_tokens, f.seed);
-  Timer timer(stream, flush);
+  GpuTimer timer(stream, flush);
 
   for (const std::string& impl : impls) {
     Row r;
@@ -553,7 +485,7 @@ void run_bench(const BenchFlags& f) {
                   utc_date_iso()};
   std::cerr << "bench layer: " << meta.gpu << ", driver " << meta.driver << ", commit "
             << meta.commit << ", grouped GEMM " << cuda::gemm_ops().name << "\n";
-  DevBuf flush(kFlushBytes);
+  DevBuf flush(kL2FlushBytes);
 
   Table table({{"config", Align::left}, {"impl", Align::left}, {"fwd ms"}, {"bwd ms"},
                {"total ms"}, {"fwd TFLOPS"}, {"bwd TFLOPS"}, {"total TFLOPS"}, {"kept"},

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "cmd_bench_util.hpp"
 #include "commands.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/routing/bench_data.hpp"
@@ -32,7 +33,6 @@
 namespace moeblaze::tools {
 namespace {
 
-constexpr size_t kFlushBytes = size_t(256) << 20;
 
 struct Flags {
   std::string T = "16K,128K,1M,2M,8M";
@@ -52,22 +52,10 @@ struct Flags {
   std::string md;   // write the table as Markdown here
 };
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::string cur;
-  std::istringstream is(s);
-  while (std::getline(is, cur, ',')) {
-    cur.erase(0, cur.find_first_not_of(" \t"));
-    cur.erase(cur.find_last_not_of(" \t") + 1);
-    if (!cur.empty()) out.push_back(cur);
-  }
-  return out;
-}
-
 // "16K" = 16384, "1M" = 1048576, or a plain number.
 std::vector<int64_t> parse_sizes(const std::string& s, const char* flag) {
   std::vector<int64_t> v;
-  for (const std::string& tok : split(s)) {
+  for (const std::string& tok : split_commas(s)) {
     char* end = nullptr;
     const long long n = std::strtoll(tok.c_str(), &end, 10);
     int64_t mul = 1;
@@ -87,61 +75,6 @@ std::string size_label(int64_t n) {
   if (n % 1024 == 0) return std::to_string(n / 1024) + "K";
   return std::to_string(n);
 }
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size() / 2;
-  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
-}
-
-std::string driver_version() {
-  std::string s;
-  if (FILE* f = popen("nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null", "r")) {
-    char buf[128];
-    if (fgets(buf, sizeof buf, f)) s = buf;
-    pclose(f);
-  }
-  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
-  if (s.empty()) {
-    int v = 0;
-    cudaDriverGetVersion(&v);
-    s = "cuda-driver-api " + std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
-  }
-  return s;
-}
-
-class Timer {
- public:
-  Timer(cudaStream_t s, void* flush) : s_(s), flush_(flush) {
-    MOEBLAZE_CUDA_CHECK(cudaEventCreate(&a_));
-    MOEBLAZE_CUDA_CHECK(cudaEventCreate(&b_));
-  }
-  ~Timer() {
-    cudaEventDestroy(a_);
-    cudaEventDestroy(b_);
-  }
-  // Median µs of fn over reps, after warmup; L2 flushed (untimed) before every call.
-  template <typename Fn>
-  double median_us(int warmup, int reps, Fn&& fn) {
-    std::vector<double> t;
-    for (int i = 0; i < warmup + reps; ++i) {
-      MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(flush_, i & 0xff, kFlushBytes, s_));
-      MOEBLAZE_CUDA_CHECK(cudaEventRecord(a_, s_));
-      fn();
-      MOEBLAZE_CUDA_CHECK(cudaEventRecord(b_, s_));
-      MOEBLAZE_CUDA_CHECK(cudaEventSynchronize(b_));
-      float ms = 0;
-      MOEBLAZE_CUDA_CHECK(cudaEventElapsedTime(&ms, a_, b_));
-      if (i >= warmup) t.push_back(1000.0 * ms);
-    }
-    return median(t);
-  }
-
- private:
-  cudaStream_t s_;
-  void* flush_;
-  cudaEvent_t a_, b_;
-};
 
 struct Meta {
   std::string gpu, driver, commit, date;
@@ -189,9 +122,9 @@ void run(const Flags& f) {
   MOEBLAZE_REQUIRE(f.warmup >= 1, "--warmup (", f.warmup, ") must be >= 1");
   std::vector<int64_t> Ts = parse_sizes(f.T, "--T"), Es = parse_sizes(f.E, "--E"),
                        Ks = parse_sizes(f.K, "--K");
-  std::vector<std::string> skews = split(f.skew), dtypes = split(f.router_dtype);
+  std::vector<std::string> skews = split_commas(f.skew), dtypes = split_commas(f.router_dtype);
   std::vector<RouterKind> kinds;
-  for (const std::string& k : split(f.router_kinds)) {
+  for (const std::string& k : split_commas(f.router_kinds)) {
     kinds.push_back(parse_router(k));
     MOEBLAZE_REQUIRE(kinds.back() != RouterKind::supplied && kinds.back() != RouterKind::sigmoid_bias,
                      "--router-kinds entry '", k, "' is not softmax-topk or topk-softmax");
@@ -228,8 +161,8 @@ void run(const Flags& f) {
   meta.date = utc_date_iso();
 
   cudaStream_t stream = nullptr;
-  Buffer flush(Device::cuda, kFlushBytes);
-  Timer timer(stream, flush.data());
+  Buffer flush(Device::cuda, kL2FlushBytes);
+  GpuTimer timer(stream, flush.data());
 
   // The copy ceiling: cudaMemcpy D2D of 2 GiB, bytes read + written.
   double copy_gbps = 0;

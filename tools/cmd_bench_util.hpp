@@ -1,0 +1,66 @@
+// What the GPU benchmark subcommands (tools/cmd_bench_*.cpp) share: DESIGN's timing protocol
+// (CUDA events around the region, L2 flushed before every repetition, median), the driver
+// version for result rows, and flag parsing helpers. Compiled only into CUDA builds.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_backend.hpp"
+
+namespace moeblaze::tools {
+
+// Written between repetitions so that no operand stays in the H200's 60 MB L2 (>= 2x L2).
+constexpr size_t kL2FlushBytes = size_t(256) << 20;
+
+double median(std::vector<double> v);
+// "580.159.04" from nvidia-smi, else the CUDA driver API version.
+std::string driver_version();
+// "a, b,c" -> {"a", "b", "c"} (blanks trimmed, empty items dropped).
+std::vector<std::string> split_commas(const std::string& s);
+
+// Times a region on `stream`: for each of warmup + reps repetitions, before() (untimed), an
+// untimed write of the flush buffer (kL2FlushBytes at `flush`), then events around fn(); returns
+// the median of the timed repetitions.
+class GpuTimer {
+ public:
+  GpuTimer(cudaStream_t stream, void* flush);
+  ~GpuTimer();
+  GpuTimer(const GpuTimer&) = delete;
+  GpuTimer& operator=(const GpuTimer&) = delete;
+
+  template <typename Before, typename Fn>
+  double median_ms(int warmup, int reps, Before&& before, Fn&& fn) {
+    std::vector<double> t;
+    for (int i = 0; i < warmup + reps; ++i) {
+      before();
+      flush(i);
+      MOEBLAZE_CUDA_CHECK(cudaEventRecord(start_, stream_));
+      fn();
+      MOEBLAZE_CUDA_CHECK(cudaEventRecord(stop_, stream_));
+      MOEBLAZE_CUDA_CHECK(cudaEventSynchronize(stop_));
+      float ms = 0;
+      MOEBLAZE_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+      if (i >= warmup) t.push_back(ms);
+    }
+    return median(t);
+  }
+  template <typename Fn>
+  double median_ms(int warmup, int reps, Fn&& fn) {
+    return median_ms(warmup, reps, [] {}, fn);
+  }
+  template <typename Fn>
+  double median_us(int warmup, int reps, Fn&& fn) {
+    return 1000.0 * median_ms(warmup, reps, fn);
+  }
+
+ private:
+  void flush(int rep);
+  cudaStream_t stream_;
+  void* flush_;
+  cudaEvent_t start_, stop_;
+};
+
+}  // namespace moeblaze::tools
