@@ -4,13 +4,15 @@
 // with rowX(r) = token (gathered through expert_token_indices) or r itself. Both operands are
 // read MN-major: one slot is one K row of 128 contiguous M (or N) elements, so the gather and the
 // expert's unaligned K range cost nothing extra (rows beyond the range are zero-filled).
-// Grid (M/128 * N/128, E): every CTA owns one output tile of one expert; an expert with no slot
-// stores zeros. One instantiation: varlen_k_kernel (both GEMMs differ only in their arguments).
+// Grid (M/128 * N/128, E): every CTA owns one output tile of one expert (tiles walked in
+// raster_tile's order within the expert); an expert with no slot stores zeros. One
+// instantiation: varlen_k_kernel (both GEMMs differ only in their arguments).
 #include <climits>
 
 #include "cuda/cuda_backend.hpp"
 #include "cuda/gemm/gemm_checks.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/gemm/raster.hpp"
 #include "cuda/gemm/sm90_gemm_core.cuh"
 #include "moeblaze/error.hpp"
 
@@ -26,6 +28,9 @@ struct VarlenKArgs {
   int M, N;
   int n_tiles;
   __nv_bfloat16* out;  // (E, M, N)
+  // Set by launch_varlen_k: ceil(M / kBM) and the band height of raster_tile (1..m_tiles).
+  int m_tiles;
+  int raster_group;
 };
 
 __global__ void __launch_bounds__(kThreads, kMinBlocks) varlen_k_kernel(const VarlenKArgs a) {
@@ -33,8 +38,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) varlen_k_kernel(const Va
   extern __shared__ char smem_raw[];
   char* smem = align_smem_1k(smem_raw);
   const int expert = blockIdx.y;
-  const int m_tile = static_cast<int>(blockIdx.x / unsigned(a.n_tiles));
-  const int n_tile = static_cast<int>(blockIdx.x % unsigned(a.n_tiles));
+  int m_tile, n_tile;
+  raster_tile(static_cast<int>(blockIdx.x), a.m_tiles, a.n_tiles, a.raster_group, m_tile, n_tile);
   const int k_begin = a.offsets[expert], k_end = a.offsets[expert + 1];
   const int tid = threadIdx.x;
 
@@ -70,8 +75,11 @@ void launch_varlen_k(const VarlenKArgs& a, int64_t E, cudaStream_t stream) {
                           ") must be at most 65535 for the CUDA backend");
   MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(
       varlen_k_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+  VarlenKArgs q = a;
+  q.m_tiles = static_cast<int>(m_tiles);
+  q.raster_group = raster_group_for(m_tiles);
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(E));
-  varlen_k_kernel<<<grid, kThreads, Cfg::kSmemBytes, stream>>>(a);
+  varlen_k_kernel<<<grid, kThreads, Cfg::kSmemBytes, stream>>>(q);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -328,6 +328,27 @@ __device__ __forceinline__ bool find_expert_tile(const int32_t* __restrict__ off
   return expert >= 0;
 }
 
+// ---- tile rasterization --------------------------------------------------------------------
+// The order in which consecutive CTAs (roughly: the CTAs resident at one time) walk an
+// m_tiles x n_tiles grid of output tiles, which decides what the L2 cache can share between
+// them. The grid is cut into bands of `group` consecutive m-tiles; a band is swept n-tile by
+// n-tile with its m-tiles innermost, so the ~264 resident CTAs (132 SMs x 2) cover about
+// group x (264 / group) tiles and each A row-panel and B column-panel loaded from DRAM is reused
+// by ~264 / group and ~group CTAs. group = 1 is the row-major order (one m-tile, all its
+// n-tiles): on a GEMM with many n-tiles (up-proj: 128) only 2 m-tiles are resident at once and
+// every B panel is fetched once per 2 m-tiles. The result is independent of the order (each
+// tile is computed alone), so any group gives bitwise the same output.
+__device__ __forceinline__ void raster_tile(int linear, int m_tiles, int n_tiles, int group,
+                                            int& m_tile, int& n_tile) {
+  const int band_tiles = group * n_tiles;  // group <= m_tiles (host-clamped): fits int
+  const int band = linear / band_tiles;
+  const int first_m = band * group;
+  const int band_m = min(group, m_tiles - first_m);  // the last band may be narrower
+  const int local = linear - band * band_tiles;
+  m_tile = first_m + local % band_m;
+  n_tile = local / band_m;
+}
+
 // ---- activations (src/cpu/activation.hpp's formulas, in fp32) -------------------------------
 
 __device__ __forceinline__ float act_fn(Activation act, float x) {

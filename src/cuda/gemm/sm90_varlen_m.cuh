@@ -10,6 +10,7 @@
 #include <climits>
 
 #include "cuda/cuda_backend.hpp"
+#include "cuda/gemm/raster.hpp"
 #include "cuda/gemm/sm90_gemm_core.cuh"
 #include "moeblaze/error.hpp"
 
@@ -31,6 +32,10 @@ struct VarlenMArgs {
   // j (gate) and rows 64..127 are w1 rows gate_split + j (up), so one tile holds g and u of the
   // same j and the epilogue can combine them.
   int gate_split;
+  // Set by launch_varlen_m: the grid's m-tile count (host bound ceil(S / kBM) + E) and the band
+  // height of raster_tile (1..m_tiles).
+  int m_tiles;
+  int raster_group;
 };
 
 template <GMajor kMajorB, class Epi>
@@ -40,11 +45,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   extern __shared__ char smem_raw[];
   char* smem = align_smem_1k(smem_raw);
 
-  const int n_tile = static_cast<int>(blockIdx.x % unsigned(p.n_tiles));
+  // m_linear numbers the m-tiles of all experts, expert by expert (find_expert_tile's order).
+  int m_linear, n_tile;
+  raster_tile(static_cast<int>(blockIdx.x), p.m_tiles, p.n_tiles, p.raster_group, m_linear,
+              n_tile);
   int expert, m_tile;
-  if (!find_expert_tile(p.offsets, p.E, static_cast<int>(blockIdx.x / unsigned(p.n_tiles)),
-                        expert, m_tile))
-    return;
+  if (!find_expert_tile(p.offsets, p.E, m_linear, expert, m_tile)) return;
   const int m_begin = p.offsets[expert] + m_tile * kBM;  // first slot of this tile
   const int m_end = p.offsets[expert + 1];                // one past the expert's last slot
   const int tid = threadIdx.x;
@@ -118,7 +124,7 @@ struct StoreEpilogue {
 };
 
 // Launches varlen_m_kernel<MB, Epi> over ceil(S / 128) + E m-tiles (the host-known bound) times
-// n_tiles; CTAs past the last real tile exit in the scheduler.
+// n_tiles, walked in raster_tile's order; CTAs past the last real tile exit in the scheduler.
 template <GMajor kMajorB, class Epi>
 void launch_varlen_m(const VarlenMArgs& p, const typename Epi::Params& ep, int64_t S,
                      cudaStream_t stream) {
@@ -128,10 +134,13 @@ void launch_varlen_m(const VarlenMArgs& p, const typename Epi::Params& ep, int64
   const int64_t blocks = m_tiles * p.n_tiles;
   MOEBLAZE_UNSUPPORTED_IF(blocks > int64_t(INT32_MAX), "grouped GEMM grid of ", blocks,
                           " CTAs (S = ", S, ") exceeds 2^31 - 1");
+  VarlenMArgs q = p;
+  q.m_tiles = static_cast<int>(m_tiles);
+  q.raster_group = raster_group_for(m_tiles);
   auto kernel = &varlen_m_kernel<kMajorB, Epi>;
   MOEBLAZE_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
-  kernel<<<static_cast<unsigned>(blocks), kThreads, Cfg::kSmemBytes, stream>>>(p, ep);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, Cfg::kSmemBytes, stream>>>(q, ep);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 
