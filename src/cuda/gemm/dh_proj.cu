@@ -111,18 +111,18 @@ struct DhEpilogue {
           const float2 g = __bfloat1622float2(rh.g[i]);
           if constexpr (kGated) {
             const float2 u = __bfloat1622float2(rh.u[i]);
-            const float f0 = act_fn(A, g.x), f1 = act_fn(A, g.y);
+            const float f0 = dev_act(A, g.x), f1 = dev_act(A, g.y);
             const float a0 = f0 * u.x, a1 = f1 * u.y;
             part += dap0 * a0;
             part += dap1 * a1;
-            store_bf16x2(dh_row + j, da0 * u.x * act_grad(A, g.x), da1 * u.y * act_grad(A, g.y));
+            store_bf16x2(dh_row + j, da0 * u.x * dev_act_grad(A, g.x), da1 * u.y * dev_act_grad(A, g.y));
             store_bf16x2(dh_row + p.n + j, da0 * f0, da1 * f1);
             store_bf16x2(as_row + j, s * a0, s * a1);
           } else {
-            const float a0 = act_fn(A, g.x), a1 = act_fn(A, g.y);
+            const float a0 = dev_act(A, g.x), a1 = dev_act(A, g.y);
             part += dap0 * a0;
             part += dap1 * a1;
-            store_bf16x2(dh_row + j, da0 * act_grad(A, g.x), da1 * act_grad(A, g.y));
+            store_bf16x2(dh_row + j, da0 * dev_act_grad(A, g.x), da1 * dev_act_grad(A, g.y));
             store_bf16x2(as_row + j, s * a0, s * a1);
           }
         }

@@ -7,7 +7,6 @@
 //   * a multistage shared-memory pipeline driven by all 256 threads;
 //   * the device-side tile scheduler for varlen-M grids (which expert and m-tile a CTA owns, from
 //     expert_token_offsets, without any host sync);
-//   * the activations and their derivatives (the same formulas as src/cpu/activation.hpp).
 // Included only by the .cu files of this folder; each instantiates one or two kernels.
 #pragma once
 
@@ -19,6 +18,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "cuda/activation.cuh"  // dev_act, dev_act_grad: the epilogues' activations
 #include "moeblaze/config.hpp"
 
 namespace moeblaze::cuda::gemm::sm90 {
@@ -347,39 +347,6 @@ __device__ __forceinline__ void raster_tile(int linear, int m_tiles, int n_tiles
   const int local = linear - band * band_tiles;
   m_tile = first_m + local % band_m;
   n_tile = local / band_m;
-}
-
-// ---- activations (src/cpu/activation.hpp's formulas, in fp32) -------------------------------
-
-__device__ __forceinline__ float act_fn(Activation act, float x) {
-  switch (act) {
-    case Activation::swiglu:
-    case Activation::silu: return x * (1.0f / (1.0f + expf(-x)));
-    case Activation::geglu:
-    case Activation::gelu: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
-    case Activation::relu: return x > 0.0f ? x : 0.0f;
-    case Activation::relu2: return x > 0.0f ? x * x : 0.0f;
-  }
-  return 0.0f;
-}
-
-__device__ __forceinline__ float act_grad(Activation act, float x) {
-  switch (act) {
-    case Activation::swiglu:
-    case Activation::silu: {
-      const float s = 1.0f / (1.0f + expf(-x));
-      return s * (1.0f + x * (1.0f - s));
-    }
-    case Activation::geglu:
-    case Activation::gelu: {
-      const float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
-      const float pdf = 0.39894228040143268f * expf(-0.5f * x * x);
-      return cdf + x * pdf;
-    }
-    case Activation::relu: return x > 0.0f ? 1.0f : 0.0f;
-    case Activation::relu2: return x > 0.0f ? 2.0f * x : 0.0f;
-  }
-  return 0.0f;
 }
 
 __device__ __forceinline__ char* align_smem_1k(char* p) {

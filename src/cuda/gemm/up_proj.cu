@@ -44,7 +44,7 @@ struct ActEpilogue {
             store_bf16x2(h_row + j, g0, g1);
             store_bf16x2(h_row + p.n + j, u0, u1);
           }
-          if (a_row) store_bf16x2(a_row + j, act_fn(p.act, g0) * u0, act_fn(p.act, g1) * u1);
+          if (a_row) store_bf16x2(a_row + j, dev_act(p.act, g0) * u0, dev_act(p.act, g1) * u1);
         }
       } else {
         const int n0 = n_tile * kBN;
@@ -54,7 +54,7 @@ struct ActEpilogue {
           if (j >= p.n) continue;
           const float h0 = acc(4 * i + 2 * v1), h1 = acc(4 * i + 2 * v1 + 1);
           if (h_row) store_bf16x2(h_row + j, h0, h1);
-          if (a_row) store_bf16x2(a_row + j, act_fn(p.act, h0), act_fn(p.act, h1));
+          if (a_row) store_bf16x2(a_row + j, dev_act(p.act, h0), dev_act(p.act, h1));
         }
       }
     }

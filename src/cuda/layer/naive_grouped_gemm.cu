@@ -4,7 +4,7 @@
 #include <cuda_bf16.h>
 
 #include "cuda/cuda_backend.hpp"
-#include "cuda/layer/activation.cuh"
+#include "cuda/activation.cuh"
 #include "moeblaze/error.hpp"
 
 namespace moeblaze::cuda::naive {

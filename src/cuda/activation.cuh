@@ -1,6 +1,7 @@
 // Expert activations on the device, the same formulas as the CPU backend (src/cpu/activation.hpp):
 // gelu is the exact erf form, silu uses 1 / (1 + exp(-x)), so CPU and GPU agree to rounding.
-// Used by the naive grouped GEMM (test oracle) and the materialized baseline's unfused passes.
+// The one device copy of the formulas: used by the grouped GEMMs' fused epilogues
+// (src/cuda/gemm), the naive grouped GEMM (test oracle) and the baselines' unfused passes.
 #pragma once
 
 #include <cuda_runtime.h>
