@@ -11,7 +11,7 @@
 #include <string>
 
 #include "cuda/cuda_backend.hpp"
-#include "cuda/layer/activation.cuh"
+#include "cuda/activation.cuh"
 #include "cuda/layer/layer_cuda.hpp"
 #include "moeblaze/error.hpp"
 

@@ -20,7 +20,7 @@
 #include <cstdint>
 
 #include "cuda/cuda_backend.hpp"
-#include "cuda/layer/activation.cuh"
+#include "cuda/activation.cuh"
 #include "cuda/layer/layer_cuda.hpp"
 #include "moeblaze/error.hpp"
 
