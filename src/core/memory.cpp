@@ -4,7 +4,6 @@
 
 #include <atomic>
 #include <cstdlib>
-#include <unordered_map>
 #include <cstdint>
 #include <mutex>
 #include <new>
@@ -39,57 +38,6 @@ void account_free(Device d, size_t bytes) {
   std::lock_guard<std::mutex> lock(c.mu);
   c.current -= bytes;
 }
-
-// Host blocks of 256 KiB and more are kept after release and handed out again for the same
-// rounded size: a training step allocates the same H, Y and workspace sizes every call, and
-// glibc would otherwise map each such block anew and fault its pages in again (measured: 10-13 %
-// of the CPU step at cpu-default, bench/NOTES.md). Smaller blocks go straight to malloc. The
-// pool holds at most kMaxCachedBytes; beyond that, released blocks are freed. Cached blocks are
-// not counted as held bytes (memory_stats counts live Buffers only).
-class HostPool {
- public:
-  static constexpr size_t kMinPooledBytes = size_t(256) << 10;
-  static constexpr size_t kMaxCachedBytes = size_t(2) << 30;
-
-  // `bytes` is a multiple of 64.
-  void* take(size_t bytes) {
-    if (bytes >= kMinPooledBytes) {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = free_.find(bytes);
-      if (it != free_.end()) {
-        void* p = it->second;
-        free_.erase(it);
-        cached_ -= bytes;
-        return p;
-      }
-    }
-    return std::aligned_alloc(64, bytes);
-  }
-  void give(void* p, size_t bytes) {
-    if (bytes >= kMinPooledBytes) {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (cached_ + bytes <= kMaxCachedBytes) {
-        free_.emplace(bytes, p);
-        cached_ += bytes;
-        return;
-      }
-    }
-    std::free(p);
-  }
-
- private:
-  std::mutex mu_;
-  std::unordered_multimap<size_t, void*> free_;  // rounded size -> released block
-  size_t cached_ = 0;
-};
-
-// Never destroyed: Buffers in other static objects may be released after it would be.
-HostPool& host_pool() {
-  static HostPool* pool = new HostPool();
-  return *pool;
-}
-
-size_t host_rounded(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
 }  // namespace
 
@@ -139,7 +87,8 @@ Buffer::Buffer(Device device, size_t bytes, void* stream)
     : bytes_(bytes), device_(device), stream_(stream) {
   if (bytes == 0) return;
   if (device == Device::cpu) {
-    data_ = host_pool().take(host_rounded(bytes));
+    const size_t rounded = (bytes + 63) / 64 * 64;
+    data_ = std::aligned_alloc(64, rounded);
     if (!data_) throw std::bad_alloc();
   } else {
 #ifdef MOEBLAZE_WITH_CUDA
@@ -160,7 +109,7 @@ Buffer::Buffer(Device device, size_t bytes, void* stream)
 Buffer::~Buffer() {
   if (!data_) return;
   if (device_ == Device::cpu) {
-    host_pool().give(data_, host_rounded(bytes_));
+    std::free(data_);
   } else {
 #ifdef MOEBLAZE_WITH_CUDA
     cudaFreeAsync(data_, static_cast<cudaStream_t>(stream_));
