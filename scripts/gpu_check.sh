@@ -47,6 +47,12 @@ want() {
 }
 
 export PATH="$PATH:/usr/local/cuda/bin"
+# The binaries link NCCL (expert parallelism). Where NCCL ships only inside PyTorch's wheels (the
+# project's H200 image), point the loader at it; CUDA's own lib folders first.
+nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
+export LD_LIBRARY_PATH="/usr/local/cuda/lib:/usr/local/cuda/lib64${nccl_dir:+:$nccl_dir}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# NVLink multicast stays off on shared multi-GPU hosts (the device README says why).
+export NCCL_NVLS_ENABLE=0
 BUILD=${BUILD_DIR:-build-gpu}
 JOBS=${JOBS:-$(nproc)}
 export MOEBLAZE_COMMIT=${MOEBLAZE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
