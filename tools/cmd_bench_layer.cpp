@@ -35,6 +35,7 @@
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/layer/layer_cuda.hpp"
 #include "moeblaze/moeblaze.hpp"
+#include "reference/reference_layer.hpp"
 #include "table.hpp"
 
 namespace moeblaze::tools {
@@ -73,34 +74,6 @@ struct DevBuf {
 };
 
 // ---- float64 reference on sampled tokens --------------------------------------------------------
-
-double act_f(Activation a, double x) {
-  switch (a) {
-    case Activation::swiglu:
-    case Activation::silu: return x / (1.0 + std::exp(-x));
-    case Activation::geglu:
-    case Activation::gelu: return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
-    case Activation::relu: return x > 0 ? x : 0.0;
-    case Activation::relu2: return x > 0 ? x * x : 0.0;
-  }
-  return 0;
-}
-double act_d(Activation a, double x) {
-  switch (a) {
-    case Activation::swiglu:
-    case Activation::silu: {
-      const double s = 1.0 / (1.0 + std::exp(-x));
-      return s * (1.0 + x * (1.0 - s));
-    }
-    case Activation::geglu:
-    case Activation::gelu:
-      return 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))) +
-             x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI);
-    case Activation::relu: return x > 0 ? 1.0 : 0.0;
-    case Activation::relu2: return x > 0 ? 2.0 * x : 0.0;
-  }
-  return 0;
-}
 
 template <typename T>
 std::vector<T> download(const void* src, size_t count) {
@@ -165,7 +138,7 @@ SampleRef reference_on_sample(const LayerConfig& c, const RoutingPlan& host_plan
         for (int64_t k = 0; k < d; ++k) acc += double(float(W1[j * d + k])) * double(float(xs[i][k]));
         h[j] = acc;
       }
-      for (int64_t j = 0; j < n; ++j) a[j] = gated ? act_f(c.activation, h[j]) * h[n + j] : act_f(c.activation, h[j]);
+      for (int64_t j = 0; j < n; ++j) a[j] = gated ? reference::activation_f(c.activation, h[j]) * h[n + j] : reference::activation_f(c.activation, h[j]);
       std::fill(dap.begin(), dap.end(), 0.0);
       for (int64_t k = 0; k < d; ++k) {
         double y = 0;
@@ -182,10 +155,10 @@ SampleRef reference_on_sample(const LayerConfig& c, const RoutingPlan& host_plan
         ds += dap[j] * a[j];
         const double da = s * dap[j];
         if (gated) {
-          dh[j] = da * h[n + j] * act_d(c.activation, h[j]);
-          dh[n + j] = da * act_f(c.activation, h[j]);
+          dh[j] = da * h[n + j] * reference::activation_df(c.activation, h[j]);
+          dh[n + j] = da * reference::activation_f(c.activation, h[j]);
         } else {
-          dh[j] = da * act_d(c.activation, h[j]);
+          dh[j] = da * reference::activation_df(c.activation, h[j]);
         }
       }
       ref.dpw[pair_base[i] + (p - pv.token_pair_offsets[t])] = ds;

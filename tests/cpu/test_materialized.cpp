@@ -25,6 +25,7 @@
 #include "common/test_util.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "moeblaze/moeblaze.hpp"
+#include "reference/reference_layer.hpp"
 
 namespace moeblaze {
 namespace {
@@ -148,34 +149,6 @@ Routing make_routing(int64_t T, int64_t E, int64_t K, RouteShape shape, uint64_t
 // ---------------------------------------------------------------------------------------------
 // Float64 reference, straight from the routing pairs (no plan involved)
 // ---------------------------------------------------------------------------------------------
-double act_ref(Activation a, double x) {
-  switch (a) {
-    case Activation::swiglu:
-    case Activation::silu: return x / (1.0 + std::exp(-x));
-    case Activation::geglu:
-    case Activation::gelu: return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
-    case Activation::relu: return x > 0 ? x : 0.0;
-    case Activation::relu2: return x > 0 ? x * x : 0.0;
-  }
-  return 0;
-}
-double act_grad_ref(Activation a, double x) {
-  switch (a) {
-    case Activation::swiglu:
-    case Activation::silu: {
-      const double s = 1.0 / (1.0 + std::exp(-x));
-      return s * (1.0 + x * (1.0 - s));
-    }
-    case Activation::geglu:
-    case Activation::gelu:
-      return 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))) +
-             x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI);
-    case Activation::relu: return x > 0 ? 1.0 : 0.0;
-    case Activation::relu2: return x > 0 ? 2.0 * x : 0.0;
-  }
-  return 0;
-}
-
 struct Grads64 {
   std::vector<double> out, dx, dw1, dw2, dpw;
   std::vector<double> dpw_scale;  // (P,) sum_j |do_t,j * y_p,j|: the magnitude of ds_p's terms
@@ -207,7 +180,7 @@ Grads64 reference(const LayerConfig& c, const Routing& r, const HostTensor& x,
         h[i] = acc;
       }
       for (int64_t j = 0; j < n; ++j)
-        a[j] = gated ? act_ref(c.activation, h[j]) * h[n + j] : act_ref(c.activation, h[j]);
+        a[j] = gated ? reference::activation_f(c.activation, h[j]) * h[n + j] : reference::activation_f(c.activation, h[j]);
       for (int64_t i = 0; i < d; ++i) {
         double acc = 0;
         for (int64_t j = 0; j < n; ++j) acc += double(w2e[i * n + j]) * a[j];
@@ -224,10 +197,10 @@ Grads64 reference(const LayerConfig& c, const Routing& r, const HostTensor& x,
       g.dpw[p] = ds;
       for (int64_t j = 0; j < n; ++j) {
         if (gated) {
-          dh[j] = da[j] * h[n + j] * act_grad_ref(c.activation, h[j]);
-          dh[n + j] = da[j] * act_ref(c.activation, h[j]);
+          dh[j] = da[j] * h[n + j] * reference::activation_df(c.activation, h[j]);
+          dh[n + j] = da[j] * reference::activation_f(c.activation, h[j]);
         } else {
-          dh[j] = da[j] * act_grad_ref(c.activation, h[j]);
+          dh[j] = da[j] * reference::activation_df(c.activation, h[j]);
         }
       }
       double* dw2e = g.dw2.data() + e * d * n;

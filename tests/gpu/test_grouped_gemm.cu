@@ -25,6 +25,7 @@
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "gpu/gpu_test_util.hpp"
 #include "moeblaze/error.hpp"
+#include "reference/reference_layer.hpp"
 
 namespace moeblaze::test {
 namespace {
@@ -32,34 +33,6 @@ namespace {
 namespace gg = moeblaze::cuda::gemm;
 
 // ---- host-side helpers ------------------------------------------------------------------------
-
-double act_f64(Activation act, double x) {
-  switch (act) {
-    case Activation::swiglu:
-    case Activation::silu: return x / (1.0 + std::exp(-x));
-    case Activation::geglu:
-    case Activation::gelu: return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
-    case Activation::relu: return x > 0 ? x : 0.0;
-    case Activation::relu2: return x > 0 ? x * x : 0.0;
-  }
-  return 0.0;
-}
-double act_grad_f64(Activation act, double x) {
-  switch (act) {
-    case Activation::swiglu:
-    case Activation::silu: {
-      const double s = 1.0 / (1.0 + std::exp(-x));
-      return s * (1.0 + x * (1.0 - s));
-    }
-    case Activation::geglu:
-    case Activation::gelu:
-      return 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))) +
-             x * std::exp(-0.5 * x * x) / 2.5066282746310002;  // sqrt(2 pi)
-    case Activation::relu: return x > 0 ? 1.0 : 0.0;
-    case Activation::relu2: return x > 0 ? 2.0 * x : 0.0;
-  }
-  return 0.0;
-}
 
 enum class Pattern { random, one_expert };
 
@@ -269,8 +242,8 @@ TEST_P(GroupedGemm, UpProjGatheredWithActivationEpilogue) {
     }
     for (int64_t j = 0; j < n; ++j) {
       const double* hr = &h_ref[size_t(r * R)];
-      a_ref[size_t(r * n + j)] = is_gated(c.act) ? act_f64(c.act, hr[j]) * hr[n + j]
-                                                 : act_f64(c.act, hr[j]);
+      a_ref[size_t(r * n + j)] = is_gated(c.act) ? reference::activation_f(c.act, hr[j]) * hr[n + j]
+                                                 : reference::activation_f(c.act, hr[j]);
     }
   }
 
@@ -361,13 +334,13 @@ TEST_P(GroupedGemm, DhProjGatheredWithBackwardEpilogue) {
       double a;
       if (is_gated(c.act)) {
         const double g = float(hr[j]), u = float(hr[n + j]);
-        a = act_f64(c.act, g) * u;
-        dh_ref[size_t(r * R + j)] = da * u * act_grad_f64(c.act, g);
-        dh_ref[size_t(r * R + n + j)] = da * act_f64(c.act, g);
+        a = reference::activation_f(c.act, g) * u;
+        dh_ref[size_t(r * R + j)] = da * u * reference::activation_df(c.act, g);
+        dh_ref[size_t(r * R + n + j)] = da * reference::activation_f(c.act, g);
       } else {
         const double hv = float(hr[j]);
-        a = act_f64(c.act, hv);
-        dh_ref[size_t(r * R + j)] = da * act_grad_f64(c.act, hv);
+        a = reference::activation_f(c.act, hv);
+        dh_ref[size_t(r * R + j)] = da * reference::activation_df(c.act, hv);
       }
       ds += dap * a;
       as_ref[size_t(r * n + j)] = s * a;

@@ -20,6 +20,7 @@
 #include "cuda/layer/layer_cuda.hpp"
 #include "gpu/gpu_test_util.hpp"
 #include "moeblaze/moeblaze.hpp"
+#include "reference/reference_layer.hpp"
 
 namespace moeblaze::test {
 namespace {
@@ -139,34 +140,6 @@ void make_plans(const HostRouting& r, Plans& p) {
 
 // ---- float64 reference ------------------------------------------------------------------------
 
-double act_f(Activation a, double x) {
-  switch (a) {
-    case Activation::swiglu:
-    case Activation::silu: return x / (1.0 + std::exp(-x));
-    case Activation::geglu:
-    case Activation::gelu: return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
-    case Activation::relu: return x > 0 ? x : 0.0;
-    case Activation::relu2: return x > 0 ? x * x : 0.0;
-  }
-  return 0;
-}
-double act_d(Activation a, double x) {
-  switch (a) {
-    case Activation::swiglu:
-    case Activation::silu: {
-      const double s = 1.0 / (1.0 + std::exp(-x));
-      return s * (1.0 + x * (1.0 - s));
-    }
-    case Activation::geglu:
-    case Activation::gelu:
-      return 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))) +
-             x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI);
-    case Activation::relu: return x > 0 ? 1.0 : 0.0;
-    case Activation::relu2: return x > 0 ? 2.0 * x : 0.0;
-  }
-  return 0;
-}
-
 struct Ref {
   std::vector<double> out, dx, dw1, dw2, dpw;
   // (P,) sum_j |da'_j a_j|: the scale of each d pair weight's own rounding error. A d pair
@@ -197,7 +170,7 @@ Ref reference(const LayerConfig& c, const RoutingPlan& plan, const std::vector<b
       for (int64_t k = 0; k < d; ++k) acc += double(float(w1[(e * R + j) * d + k])) * double(float(x[t * d + k]));
       h[j] = acc;
     }
-    for (int64_t j = 0; j < n; ++j) a[j] = gated ? act_f(c.activation, h[j]) * h[n + j] : act_f(c.activation, h[j]);
+    for (int64_t j = 0; j < n; ++j) a[j] = gated ? reference::activation_f(c.activation, h[j]) * h[n + j] : reference::activation_f(c.activation, h[j]);
     for (int64_t i = 0; i < d; ++i) {
       double acc = 0;
       for (int64_t j = 0; j < n; ++j) acc += double(float(w2[(e * d + i) * n + j])) * a[j];
@@ -215,10 +188,10 @@ Ref reference(const LayerConfig& c, const RoutingPlan& plan, const std::vector<b
       as[r * n + j] = s * a[j];
       const double da = s * dap[j];
       if (gated) {
-        dh[r * R + j] = da * h[n + j] * act_d(c.activation, h[j]);
-        dh[r * R + n + j] = da * act_f(c.activation, h[j]);
+        dh[r * R + j] = da * h[n + j] * reference::activation_df(c.activation, h[j]);
+        dh[r * R + n + j] = da * reference::activation_f(c.activation, h[j]);
       } else {
-        dh[r * R + j] = da * act_d(c.activation, h[j]);
+        dh[r * R + j] = da * reference::activation_df(c.activation, h[j]);
       }
     }
     ds[r] = dsum;
