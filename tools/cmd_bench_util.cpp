@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <sstream>
 
 namespace moeblaze::tools {
 
@@ -27,18 +26,6 @@ std::string driver_version() {
     s = "cuda-driver-api " + std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
   }
   return s;
-}
-
-std::vector<std::string> split_commas(const std::string& s) {
-  std::vector<std::string> out;
-  std::string cur;
-  std::istringstream is(s);
-  while (std::getline(is, cur, ',')) {
-    cur.erase(0, cur.find_first_not_of(" \t"));
-    cur.erase(cur.find_last_not_of(" \t") + 1);
-    if (!cur.empty()) out.push_back(cur);
-  }
-  return out;
 }
 
 GpuTimer::GpuTimer(cudaStream_t stream, void* flush) : stream_(stream), flush_(flush) {

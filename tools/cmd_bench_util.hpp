@@ -1,6 +1,6 @@
 // What the GPU benchmark subcommands (tools/cmd_bench_*.cpp) share: DESIGN's timing protocol
-// (CUDA events around the region, L2 flushed before every repetition, median), the driver
-// version for result rows, and flag parsing helpers. Compiled only into CUDA builds.
+// (CUDA events around the region, L2 flushed before every repetition, median) and the driver
+// version for result rows. Compiled only into CUDA builds.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,8 +18,6 @@ constexpr size_t kL2FlushBytes = size_t(256) << 20;
 double median(std::vector<double> v);
 // "580.159.04" from nvidia-smi, else the CUDA driver API version.
 std::string driver_version();
-// "a, b,c" -> {"a", "b", "c"} (blanks trimmed, empty items dropped).
-std::vector<std::string> split_commas(const std::string& s);
 
 // Times a region on `stream`: for each of warmup + reps repetitions, before() (untimed), an
 // untimed write of the flush buffer (kL2FlushBytes at `flush`), then events around fn(); returns

@@ -74,18 +74,6 @@ struct RunSetup {
   bool check = false;
 };
 
-std::vector<std::string> split_commas(const std::string& s) {
-  std::vector<std::string> out;
-  std::string cur;
-  std::istringstream is(s);
-  while (std::getline(is, cur, ',')) {
-    cur.erase(0, cur.find_first_not_of(" \t"));
-    cur.erase(cur.find_last_not_of(" \t") + 1);
-    out.push_back(cur);
-  }
-  return out;
-}
-
 LayerMode parse_impl(const std::string& s) {
   for (LayerMode m : {LayerMode::keep_h, LayerMode::recompute, LayerMode::materialized})
     if (s == layer_mode_name(m)) return m;

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
+#include <sstream>
 #include <stdexcept>
 
 namespace moeblaze::tools {
@@ -204,6 +205,18 @@ std::string utc_date_iso() {
   char buf[32];
   std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
   return buf;
+}
+
+std::vector<std::string> split_commas(const std::string& s) {
+  std::vector<std::string> out;
+  std::string cur;
+  std::istringstream is(s);
+  while (std::getline(is, cur, ',')) {
+    cur.erase(0, cur.find_first_not_of(" \t"));
+    cur.erase(cur.find_last_not_of(" \t") + 1);
+    out.push_back(cur);
+  }
+  return out;
 }
 
 }  // namespace moeblaze::tools

@@ -52,6 +52,10 @@ class JsonLine {
   std::vector<std::pair<std::string, std::string>> fields_;  // key, encoded value
 };
 
+// "a, b,,c" -> {"a", "b", "", "c"}: blanks trimmed, empty entries kept so that callers can
+// reject them by name.
+std::vector<std::string> split_commas(const std::string& s);
+
 std::string json_escape(const std::string& s);  // the quoted JSON string literal of s
 
 // Formatting helpers.
