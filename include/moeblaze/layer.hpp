@@ -32,6 +32,18 @@ struct LayerOptions {
   LayerMode mode = LayerMode::keep_h;
   int num_threads = 0;  // CPU backend: 0 = all hardware threads. Results do not depend on it.
   void* stream = nullptr;  // CUDA backend: the cudaStream_t to run on (nullptr = default stream)
+
+  // Caller-provided memory (keep_h / recompute only; nullptr = the library allocates its own,
+  // accounted). Borrowed memory is not counted in memory_stats.
+  //   workspace    this call's temporaries: workspace_bytes >= layer_workspace_bytes(cfg, S,
+  //                mode, device) (CPU: for the thread count the call runs with), on the plan's
+  //                device, 64-byte aligned; free again when the call's work is done (CUDA: in
+  //                stream order)
+  //   h_storage    forward, keep_h: (S, w1_rows) cfg.dtype storage for H, 16-byte aligned;
+  //                `saved` then borrows it and the caller keeps it alive until backward returns
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  void* h_storage = nullptr;
 };
 
 // What forward keeps for backward. Owns its buffers (accounted); references the plan, which the
@@ -47,6 +59,12 @@ class SavedForBackward {
   // Bytes owned by this object (H, or the materialized baseline's tensors). The plan's bytes are
   // reported by RoutingPlan::bytes(); kept-for-backward = bytes() + plan.bytes().
   size_t bytes() const;
+
+  // What layer_forward would leave for layer_backward, over caller storage: mode keep_h with H
+  // (S, w1_rows) cfg.dtype at `h` (h_bytes of it, borrowed), or recompute (h = nullptr, 0).
+  // For callers that keep H themselves between forward and backward (the C ABI, PyTorch).
+  static SavedForBackward borrow(LayerMode mode, int64_t S, Device device, void* h,
+                                 size_t h_bytes);
 
   // Internal state (backend-defined); public so backends in other translation units can fill it.
   LayerMode mode_ = LayerMode::keep_h;

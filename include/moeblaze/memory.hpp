@@ -39,6 +39,10 @@ class Buffer {
   // as soon as its last user was enqueued on that stream, without waiting for the device. Work
   // that uses the buffer must run on that stream (or be ordered after it).
   Buffer(Device device, size_t bytes, void* stream = nullptr);
+  // A non-owning Buffer over `bytes` of caller memory at `data` (on `device`): never freed and
+  // not counted in memory_stats (the caller owns and accounts it). Lets a caller such as the
+  // PyTorch front end keep H, the routing plan and workspaces in its own allocator's tensors.
+  static Buffer borrow(Device device, void* data, size_t bytes);
   ~Buffer();
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
@@ -53,6 +57,7 @@ class Buffer {
   T* as() const { return static_cast<T*>(data_); }
   size_t bytes() const { return bytes_; }
   Device device() const { return device_; }
+  bool owned() const { return owned_; }  // false for borrow()ed memory
   void reset() { Buffer tmp; swap(tmp); }
 
   // A view of the buffer as a tensor (shape must fit inside the allocation).
@@ -64,11 +69,13 @@ class Buffer {
     std::swap(bytes_, o.bytes_);
     std::swap(device_, o.device_);
     std::swap(stream_, o.stream_);
+    std::swap(owned_, o.owned_);
   }
   void* data_ = nullptr;
   size_t bytes_ = 0;
   Device device_ = Device::cpu;
   void* stream_ = nullptr;  // CUDA stream the device allocation is ordered on
+  bool owned_ = true;       // false: borrowed caller memory (not freed, not accounted)
 };
 
 }  // namespace moeblaze

@@ -34,6 +34,10 @@ class Routing {
  public:
   Routing() = default;
   Routing(Device device, int64_t T, int64_t E, int64_t P);  // uninitialised contents
+  // A routing over caller storage (offsets (T+1,), experts (P,), weights (P,) on `device`),
+  // borrowed: not freed, not accounted (Buffer::borrow). The caller keeps it alive.
+  static Routing borrow(Device device, int64_t T, int64_t E, int64_t P, int32_t* pair_offsets,
+                        int32_t* pair_experts, float* pair_weights);
   int64_t T() const { return T_; }
   int64_t E() const { return E_; }
   int64_t P() const { return P_; }

@@ -39,6 +39,13 @@ class RoutingPlan {
  public:
   RoutingPlan() = default;
   RoutingPlan(Device device, int64_t T, int64_t E, int64_t S);  // uninitialised contents
+  // A plan over caller storage (the six arrays of the shapes above, on `device`), borrowed: not
+  // freed, not accounted (Buffer::borrow). build_routing_plan on the CPU fills it in place when
+  // (T, E, S) match the routing; the caller keeps the storage alive while the plan is used.
+  static RoutingPlan borrow(Device device, int64_t T, int64_t E, int64_t S,
+                            int32_t* expert_token_offsets, int32_t* expert_token_indices,
+                            float* slot_weights, int32_t* token_pair_offsets,
+                            int32_t* token_expert_indices, int32_t* token_index_map);
   int64_t T() const { return T_; }
   int64_t E() const { return E_; }
   int64_t S() const { return S_; }

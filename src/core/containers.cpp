@@ -11,6 +11,18 @@ Routing::Routing(Device device, int64_t T, int64_t E, int64_t P)
       experts_(device, sizeof(int32_t) * static_cast<size_t>(P)),
       weights_(device, sizeof(float) * static_cast<size_t>(P)) {}
 
+Routing Routing::borrow(Device device, int64_t T, int64_t E, int64_t P, int32_t* pair_offsets,
+                        int32_t* pair_experts, float* pair_weights) {
+  Routing r;
+  r.T_ = T;
+  r.E_ = E;
+  r.P_ = P;
+  r.offsets_ = Buffer::borrow(device, pair_offsets, sizeof(int32_t) * static_cast<size_t>(T + 1));
+  r.experts_ = Buffer::borrow(device, pair_experts, sizeof(int32_t) * static_cast<size_t>(P));
+  r.weights_ = Buffer::borrow(device, pair_weights, sizeof(float) * static_cast<size_t>(P));
+  return r;
+}
+
 RoutingView Routing::view() const {
   RoutingView v;
   v.T = T_;
@@ -31,6 +43,25 @@ RoutingPlan::RoutingPlan(Device device, int64_t T, int64_t E, int64_t S)
       token_pair_offsets_(device, sizeof(int32_t) * static_cast<size_t>(T + 1)),
       token_expert_indices_(device, sizeof(int32_t) * static_cast<size_t>(S)),
       token_index_map_(device, sizeof(int32_t) * static_cast<size_t>(S)) {}
+
+RoutingPlan RoutingPlan::borrow(Device device, int64_t T, int64_t E, int64_t S,
+                                int32_t* expert_token_offsets, int32_t* expert_token_indices,
+                                float* slot_weights, int32_t* token_pair_offsets,
+                                int32_t* token_expert_indices, int32_t* token_index_map) {
+  const auto n = [](int64_t count) { return sizeof(int32_t) * static_cast<size_t>(count); };
+  RoutingPlan p;
+  p.T_ = T;
+  p.E_ = E;
+  p.S_ = S;
+  p.device_ = device;
+  p.expert_token_offsets_ = Buffer::borrow(device, expert_token_offsets, n(E + 1));
+  p.expert_token_indices_ = Buffer::borrow(device, expert_token_indices, n(S));
+  p.slot_weights_ = Buffer::borrow(device, slot_weights, sizeof(float) * static_cast<size_t>(S));
+  p.token_pair_offsets_ = Buffer::borrow(device, token_pair_offsets, n(T + 1));
+  p.token_expert_indices_ = Buffer::borrow(device, token_expert_indices, n(S));
+  p.token_index_map_ = Buffer::borrow(device, token_index_map, n(S));
+  return p;
+}
 
 RoutingPlanView RoutingPlan::view() const {
   RoutingPlanView v;
@@ -54,6 +85,16 @@ size_t RoutingPlan::bytes() const {
 
 size_t SavedForBackward::bytes() const {
   return h.bytes() + xs.bytes() + act_g.bytes() + a.bytes() + y.bytes();
+}
+
+SavedForBackward SavedForBackward::borrow(LayerMode mode, int64_t S, Device device, void* h,
+                                          size_t h_bytes) {
+  SavedForBackward s;
+  s.mode_ = mode;
+  s.valid_ = true;
+  s.S_ = S;
+  s.h = Buffer::borrow(device, h, h_bytes);
+  return s;
 }
 
 }  // namespace moeblaze

@@ -1,6 +1,8 @@
 // Public layer API: validates every argument before any output is touched, then dispatches to
 // the backend of the plan's device (CPU: keep_h / recompute → cpu::layer_*, materialized →
 // cpu::materialized_*).
+#include <cstdint>
+
 #include "core/parallel.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu/layer_common.hpp"
@@ -57,6 +59,34 @@ void check_output(const TensorView& t, const char* name, std::initializer_list<i
   check_tensor(t, name, dims, dtype, dev);
 }
 
+// Caller-provided memory (LayerOptions::workspace / h_storage). Called where the call's thread
+// count is in force (the CPU workspace holds per-thread scratch).
+void check_caller_memory(const LayerConfig& cfg, const RoutingPlan& plan, const LayerOptions& opts,
+                         bool forward) {
+  if (opts.workspace == nullptr && opts.workspace_bytes == 0 && opts.h_storage == nullptr) return;
+  MOEBLAZE_REQUIRE(opts.mode != LayerMode::materialized,
+                   "opts.workspace / opts.h_storage: the materialized baseline allocates its own "
+                   "memory (caller memory is for keep_h and recompute)");
+  if (opts.workspace != nullptr) {
+    const size_t need = layer_workspace_bytes(cfg, plan.S(), opts.mode, plan.device());
+    MOEBLAZE_REQUIRE(opts.workspace_bytes >= need, "opts.workspace_bytes (", opts.workspace_bytes,
+                     ") is less than layer_workspace_bytes (", need, ") for S = ", plan.S());
+    MOEBLAZE_REQUIRE(reinterpret_cast<uintptr_t>(opts.workspace) % 64 == 0,
+                     "opts.workspace must be 64-byte aligned");
+  } else {
+    MOEBLAZE_REQUIRE(opts.workspace_bytes == 0, "opts.workspace_bytes (", opts.workspace_bytes,
+                     ") is given without opts.workspace");
+  }
+  if (opts.h_storage != nullptr) {
+    MOEBLAZE_REQUIRE(forward, "opts.h_storage is for layer_forward only (backward reads H from "
+                              "saved)");
+    MOEBLAZE_REQUIRE(opts.mode == LayerMode::keep_h, "opts.h_storage is given, but mode ",
+                     layer_mode_name(opts.mode), " keeps no H");
+    MOEBLAZE_REQUIRE(reinterpret_cast<uintptr_t>(opts.h_storage) % 16 == 0,
+                     "opts.h_storage must be 16-byte aligned");
+  }
+}
+
 }  // namespace
 
 void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
@@ -67,6 +97,7 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
 
   if (plan.device() == Device::cuda) {
 #ifdef MOEBLAZE_WITH_CUDA
+    check_caller_memory(cfg, plan, opts, true);
     if (opts.mode == LayerMode::materialized)
       cuda::materialized_forward(cfg, plan, x, w1, w2, out, saved, opts);
     else
@@ -77,6 +108,7 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
 #endif
   }
   ThreadCountScope threads(opts.num_threads);
+  check_caller_memory(cfg, plan, opts, true);
   if (opts.mode == LayerMode::materialized)
     cpu::materialized_forward(cfg, plan, x, w1, w2, out, saved, opts);
   else
@@ -109,6 +141,7 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
 
   if (dev == Device::cuda) {
 #ifdef MOEBLAZE_WITH_CUDA
+    check_caller_memory(cfg, plan, opts, false);
     if (opts.mode == LayerMode::materialized)
       cuda::materialized_backward(cfg, plan, x, w1, w2, d_out, saved, grads, opts);
     else
@@ -119,6 +152,7 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
 #endif
   }
   ThreadCountScope threads(opts.num_threads);
+  check_caller_memory(cfg, plan, opts, false);
   if (opts.mode == LayerMode::materialized)
     cpu::materialized_backward(cfg, plan, x, w1, w2, d_out, saved, grads, opts);
   else

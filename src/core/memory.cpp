@@ -106,8 +106,19 @@ Buffer::Buffer(Device device, size_t bytes, void* stream)
   account_alloc(device, bytes);
 }
 
+Buffer Buffer::borrow(Device device, void* data, size_t bytes) {
+  MOEBLAZE_REQUIRE(data != nullptr || bytes == 0, "Buffer::borrow: null data for ", bytes,
+                   " bytes");
+  Buffer b;
+  b.data_ = bytes == 0 ? nullptr : data;
+  b.bytes_ = bytes;
+  b.device_ = device;
+  b.owned_ = false;
+  return b;
+}
+
 Buffer::~Buffer() {
-  if (!data_) return;
+  if (!data_ || !owned_) return;
   if (device_ == Device::cpu) {
     std::free(data_);
   } else {

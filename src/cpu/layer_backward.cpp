@@ -39,7 +39,8 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
 
   const int threads = max_threads();
   const layer::BackwardWorkspace sizes = layer::backward_workspace(cfg, S, threads, nullptr);
-  Buffer ws_buf(Device::cpu, sizes.bytes);
+  Buffer ws_buf = opts.workspace ? Buffer::borrow(Device::cpu, opts.workspace, opts.workspace_bytes)
+                                 : Buffer(Device::cpu, sizes.bytes);
   const layer::BackwardWorkspace ws = layer::backward_workspace(cfg, S, threads, ws_buf.data());
 
   const int32_t* off = pv.expert_token_offsets;  // (E+1,)

@@ -30,11 +30,16 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
 
   // Release the previous contents first, so that they never coexist with the new H.
   saved = SavedForBackward();
-  if (keep_h) saved.h = Buffer(Device::cpu, static_cast<size_t>(S * R) * es);  // (S, R) cfg.dtype
+  const size_t h_bytes = static_cast<size_t>(S * R) * es;  // (S, R) cfg.dtype
+  if (keep_h)
+    saved.h = opts.h_storage ? Buffer::borrow(Device::cpu, opts.h_storage, h_bytes)
+                             : Buffer(Device::cpu, h_bytes);
 
   const int threads = max_threads();
   const layer::ForwardWorkspace sizes = layer::forward_workspace(cfg, S, threads, nullptr);
-  Buffer ws_buf(Device::cpu, sizes.bytes);
+  // Caller workspace (checked by the API to be large enough) or our own.
+  Buffer ws_buf = opts.workspace ? Buffer::borrow(Device::cpu, opts.workspace, opts.workspace_bytes)
+                                 : Buffer(Device::cpu, sizes.bytes);
   const layer::ForwardWorkspace ws = layer::forward_workspace(cfg, S, threads, ws_buf.data());
 
   const int32_t* off = pv.expert_token_offsets;  // (E+1,)

@@ -126,10 +126,16 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
   next.mode_ = opts.mode;
   next.S_ = S;
   // (S, w1_rows) bf16, slot order: the only activation kept for backward.
-  if (opts.mode == LayerMode::keep_h) next.h = Buffer(Device::cuda, size_t(S * cfg.w1_rows()) * 2, opts.stream);
+  // Caller memory (LayerOptions::h_storage / workspace, checked by the API) is borrowed.
+  const size_t h_bytes = size_t(S * cfg.w1_rows()) * 2;
+  if (opts.mode == LayerMode::keep_h)
+    next.h = opts.h_storage ? Buffer::borrow(Device::cuda, opts.h_storage, h_bytes)
+                            : Buffer(Device::cuda, h_bytes, opts.stream);
 
   if (cfg.T > 0) {
-    Buffer ws(Device::cuda, forward_workspace(cfg, S, nullptr).bytes, opts.stream);
+    Buffer ws = opts.workspace
+                    ? Buffer::borrow(Device::cuda, opts.workspace, opts.workspace_bytes)
+                    : Buffer(Device::cuda, forward_workspace(cfg, S, nullptr).bytes, opts.stream);
     const ForwardWorkspace w = forward_workspace(cfg, S, ws.data());
     if (S > 0) {
       g.up_proj(pv, x.as<bf16>(), w1.as<bf16>(), next.h.as<bf16>(), w.a, cfg.d, cfg.n,
@@ -177,8 +183,10 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   }
 
   const int64_t ds_cols = g.ds_partials_cols(cfg.n);
-  Buffer ws(Device::cuda, backward_workspace(cfg, S, opts.mode, ds_cols, nullptr).bytes,
-            opts.stream);
+  Buffer ws = opts.workspace
+                  ? Buffer::borrow(Device::cuda, opts.workspace, opts.workspace_bytes)
+                  : Buffer(Device::cuda, backward_workspace(cfg, S, opts.mode, ds_cols, nullptr).bytes,
+                           opts.stream);
   const BackwardWorkspace w = backward_workspace(cfg, S, opts.mode, ds_cols, ws.data());
   const bf16* h = saved.h.as<bf16>();
   if (opts.mode == LayerMode::recompute) {
