@@ -1,0 +1,149 @@
+/* moeblaze C ABI: a thin, stable C interface over the C++ API for foreign callers (the PyTorch
+ * front end loads it with ctypes; docs/PYTORCH.md explains why a C ABI rather than a torch C++
+ * extension). Built as the shared library libmoeblaze_capi.so (CMake target moeblaze_capi).
+ *
+ * Conventions
+ *  - Every function returns MOEBLAZE_OK (0) or an error code; moeblaze_last_error() then holds
+ *    the message (per thread), which names the argument and the rule it broke, exactly as the
+ *    C++ API's exceptions do. Nothing is written to an output when a host-side check fails.
+ *  - The caller owns every byte: inputs, outputs, what forward keeps for backward (H, the routing
+ *    plan) and the workspaces. Pointers are host memory for device 0 (cpu) and device memory of
+ *    the current CUDA device for device 1 (cuda); tensors are dense, row-major.
+ *  - CUDA calls are enqueued on `stream` (a cudaStream_t, NULL = the legacy default stream) and
+ *    never synchronise with the host, so they can be captured in a CUDA graph; bad values that
+ *    can only be seen on the device (NaN logits, an out-of-range expert id) raise the `flags`
+ *    array (4 int32 on the device, zeroed by the caller) instead of failing the call, and
+ *    moeblaze_routing_flags_error() turns raised flags into the validator's message. The one
+ *    exception is moeblaze_token_round, which reads its pair count back (documented there).
+ *  - Codes: dtype 0 fp32, 1 bf16; device 0 cpu, 1 cuda; activation 0 swiglu, 1 geglu, 2 relu,
+ *    3 silu, 4 gelu, 5 relu2; router 0 softmax_topk, 1 topk_softmax, 2 sigmoid_bias; mode
+ *    0 keep_h, 1 recompute; rounding 0 nr-f, 1 sr-f, 2 up, 3 down (the C++ enums' values).
+ *  - The auxiliary losses (load balancing, z-loss) are not computed here: a caller with autograd
+ *    computes them from the logits itself (their coefficients do not reach the router).
+ */
+#ifndef MOEBLAZE_CAPI_H_
+#define MOEBLAZE_CAPI_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOEBLAZE_CAPI_VERSION 1
+
+enum {
+  MOEBLAZE_OK = 0,
+  MOEBLAZE_ERR_INVALID_ARGUMENT = 1, /* moeblaze::InvalidArgument */
+  MOEBLAZE_ERR_UNSUPPORTED = 2,      /* moeblaze::Unsupported (e.g. GPU needs d % 64 == 0) */
+  MOEBLAZE_ERR_DEVICE = 3,           /* moeblaze::DeviceError (a CUDA call failed) */
+  MOEBLAZE_ERR_OTHER = 4             /* anything else (bad_alloc, ...) */
+};
+
+/* The layer's shape and options (LayerConfig + LayerOptions). */
+typedef struct {
+  int64_t T, d, n, E, K;
+  int32_t activation;
+  int32_t dtype;
+  int32_t mode;        /* 0 keep_h, 1 recompute */
+  int32_t num_threads; /* CPU threads, 0 = all */
+} moeblaze_layer_cfg;
+
+/* The router (RouterConfig without the loss coefficients). */
+typedef struct {
+  int32_t kind;
+  int32_t top_k;
+  int32_t renormalize;
+} moeblaze_router_cfg;
+
+/* A routing: CSR over tokens. pair_offsets (T+1,), pair_experts (P,), pair_weights (P,). */
+typedef struct {
+  int64_t T, E, P;
+  int32_t* pair_offsets;
+  int32_t* pair_experts;
+  float* pair_weights;
+} moeblaze_routing;
+
+/* A routing plan over caller storage (routing_plan.hpp's arrays; S = the routing's P). */
+typedef struct {
+  int64_t T, E, S;
+  int32_t* expert_token_offsets; /* (E+1,) */
+  int32_t* expert_token_indices; /* (S,) */
+  float* slot_weights;           /* (S,) */
+  int32_t* token_pair_offsets;   /* (T+1,) */
+  int32_t* token_expert_indices; /* (S,) */
+  int32_t* token_index_map;      /* (S,) */
+} moeblaze_plan;
+
+int moeblaze_capi_version(void);
+int moeblaze_has_cuda(void);           /* 1 when built with the CUDA backend */
+const char* moeblaze_last_error(void); /* message of this thread's last failed call, or "" */
+
+/* Library-owned bytes (memory_stats): what moeblaze allocated itself. Caller memory passed in
+ * through this ABI is not counted. */
+int moeblaze_memory_stats(int32_t device, uint64_t* current, uint64_t* peak);
+int moeblaze_reset_peak(int32_t device);
+
+/* Router forward: logits (T, E) fp32/bf16 [+ bias (E,) fp32 for sigmoid_bias] → top-K routing
+ * into `out` (P = T*K; the caller sets out->T, E, P and the three arrays). workspace: CPU none;
+ * CUDA none either (0 bytes). */
+int moeblaze_route(const moeblaze_router_cfg* cfg, const void* logits, int32_t logits_dtype,
+                   int64_t T, int64_t E, const float* bias, int32_t device, void* stream,
+                   const moeblaze_routing* out, int32_t* flags);
+
+/* Router backward: d_logits (T, E) fp32 from d_pair_weights (P,) fp32, for a routing of these
+ * logits (top-K or token-rounded). */
+int moeblaze_router_backward(const moeblaze_router_cfg* cfg, const void* logits,
+                             int32_t logits_dtype, int64_t T, int64_t E, const float* bias,
+                             int32_t device, void* stream, const moeblaze_routing* routing,
+                             const float* d_pair_weights, float* d_logits, int32_t* flags);
+
+/* Token rounding (SonicMoE): from the logits and their top-K routing to a rounded routing whose
+ * pair count P' is only known after the call. Phase 1 computes it into a handle and returns P'
+ * (CUDA: reads it back to the host, one synchronisation: not graph-capturable); phase 2 copies
+ * it into caller arrays of P' pairs (moeblaze_routing_take, which frees the handle; or
+ * moeblaze_routing_free to drop it). */
+int moeblaze_token_round(const moeblaze_router_cfg* cfg, int32_t m_tile, int32_t rounding,
+                         uint64_t seed, const void* logits, int32_t logits_dtype, int64_t T,
+                         int64_t E, const float* bias, int32_t device, void* stream,
+                         const moeblaze_routing* topk, void** handle, int64_t* rounded_pairs);
+int moeblaze_routing_take(void* handle, const moeblaze_routing* out, void* stream);
+void moeblaze_routing_free(void* handle);
+
+/* Routing plan (atomic-free builder) over caller storage. The CPU validates the routing (error
+ * naming the first bad entry); CUDA raises `flags` instead. */
+int moeblaze_plan_workspace_bytes(int64_t T, int64_t E, int64_t P, int32_t device,
+                                  uint64_t* bytes);
+int moeblaze_build_plan(const moeblaze_routing* routing, int32_t device, void* stream,
+                        const moeblaze_plan* plan, void* workspace, uint64_t workspace_bytes,
+                        int32_t* flags);
+
+/* After a CUDA call raised flags: copy them (4 int32, host) and the routing here; returns
+ * MOEBLAZE_ERR_INVALID_ARGUMENT with the CPU validator's message naming the first bad entry
+ * (one synchronising copy; the error path only), MOEBLAZE_OK if no flag is raised. For the
+ * router's flags (non-finite logits) pass routing = NULL: the message then says so. */
+int moeblaze_routing_flags_error(const int32_t* host_flags, const moeblaze_routing* routing,
+                                 int32_t device);
+
+/* Layer. The workspace (NULL = the library allocates its own, accounted) needs at least
+ * moeblaze_layer_workspace_bytes for this call's thread count (CPU) and must be 64-byte
+ * aligned. h: (S, w1_rows) cfg dtype, written by forward and read by backward in keep_h mode;
+ * NULL in recompute mode. */
+int moeblaze_layer_workspace_bytes(const moeblaze_layer_cfg* cfg, int64_t S, int32_t device,
+                                   uint64_t* bytes);
+int moeblaze_layer_forward(const moeblaze_layer_cfg* cfg, const moeblaze_plan* plan,
+                           int32_t device, void* stream, const void* x, const void* w1,
+                           const void* w2, void* out, void* h, void* workspace,
+                           uint64_t workspace_bytes);
+int moeblaze_layer_backward(const moeblaze_layer_cfg* cfg, const moeblaze_plan* plan,
+                            int32_t device, void* stream, const void* x, const void* w1,
+                            const void* w2, const void* d_out, const void* h, void* dx,
+                            void* dw1, void* dw2, float* d_pair_weights, void* workspace,
+                            uint64_t workspace_bytes);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOEBLAZE_CAPI_H_ */

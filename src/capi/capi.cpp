@@ -1,0 +1,492 @@
+// The C ABI (include/moeblaze/capi.h) over the C++ API: every call converts its C arguments into
+// views, checks what the C++ entry point it forwards to does not (enum codes, the CUDA async
+// paths' host-side rules), and maps exceptions to an error code plus a per-thread message.
+//
+// CPU calls go through the public C++ API (which validates everything and never syncs anything).
+// CUDA calls go to the backend's *_async functions directly, over caller storage, so that no call
+// allocates through the library or synchronises with the host (graph-capturable); the public
+// C++ CUDA paths would read their device-side check flags back at the end of every call.
+#include "moeblaze/capi.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+
+#include "core/parallel.hpp"
+#include "moeblaze/moeblaze.hpp"
+
+#ifdef MOEBLAZE_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "cuda/cuda_backend.hpp"
+#include "cuda/routing/router_kernels.hpp"
+#endif
+
+using namespace moeblaze;
+
+namespace {
+
+thread_local std::string g_last_error;
+
+template <typename Fn>
+int guarded(Fn&& fn) {
+  try {
+    g_last_error.clear();
+    fn();
+    return MOEBLAZE_OK;
+  } catch (const InvalidArgument& e) {
+    g_last_error = e.what();
+    return MOEBLAZE_ERR_INVALID_ARGUMENT;
+  } catch (const Unsupported& e) {
+    g_last_error = e.what();
+    return MOEBLAZE_ERR_UNSUPPORTED;
+  } catch (const DeviceError& e) {
+    g_last_error = e.what();
+    return MOEBLAZE_ERR_DEVICE;
+  } catch (const std::bad_alloc&) {
+    g_last_error = "out of memory (std::bad_alloc)";
+    return MOEBLAZE_ERR_OTHER;
+  } catch (const std::exception& e) {
+    g_last_error = e.what();
+    return MOEBLAZE_ERR_OTHER;
+  } catch (...) {
+    g_last_error = "unknown exception";
+    return MOEBLAZE_ERR_OTHER;
+  }
+}
+
+Device to_device(int32_t device) {
+  MOEBLAZE_REQUIRE(device == 0 || device == 1, "device (", device, ") must be 0 (cpu) or 1 (cuda)");
+#ifndef MOEBLAZE_WITH_CUDA
+  MOEBLAZE_UNSUPPORTED_IF(device == 1, "device cuda: moeblaze was built without CUDA");
+#endif
+  return device == 0 ? Device::cpu : Device::cuda;
+}
+
+DType to_float_dtype(int32_t dtype, const char* name) {
+  MOEBLAZE_REQUIRE(dtype == 0 || dtype == 1, name, " dtype (", dtype,
+                   ") must be 0 (fp32) or 1 (bf16)");
+  return dtype == 0 ? DType::f32 : DType::bf16;
+}
+
+template <typename P>
+void require_ptr(const P* p, const char* name) {
+  MOEBLAZE_REQUIRE(p != nullptr, name, " is NULL");
+}
+
+RouterConfig to_router(const moeblaze_router_cfg* c, int64_t E) {
+  require_ptr(c, "cfg");
+  MOEBLAZE_REQUIRE(c->kind >= 0 && c->kind <= 2, "router kind (", c->kind,
+                   ") must be 0 (softmax_topk), 1 (topk_softmax) or 2 (sigmoid_bias)");
+  MOEBLAZE_REQUIRE(c->top_k >= 1, "top_k (", c->top_k, ") must be >= 1");
+  MOEBLAZE_REQUIRE(c->top_k <= E, "top_k (", c->top_k, ") exceeds num_experts (", E, ")");
+  RouterConfig r;
+  r.kind = static_cast<RouterKind>(c->kind);
+  r.top_k = c->top_k;
+  r.renormalize = c->renormalize != 0;
+  return r;
+}
+
+// The logits and bias views, with the rules the public router API applies.
+struct RouterArgs {
+  TensorView logits, bias;
+};
+RouterArgs router_args(const RouterConfig& r, const void* logits, int32_t logits_dtype,
+                       int64_t T, int64_t E, const float* bias, Device dev) {
+  MOEBLAZE_REQUIRE(T >= 0, "T (", T, ") must be >= 0");
+  MOEBLAZE_REQUIRE(E >= 1, "E (", E, ") must be >= 1");
+  RouterArgs a;
+  a.logits = TensorView(const_cast<void*>(logits), to_float_dtype(logits_dtype, "logits"), dev,
+                        {T, E});
+  require_data(a.logits, "logits");
+  if (r.kind == RouterKind::sigmoid_bias) {
+    MOEBLAZE_REQUIRE(bias != nullptr, "bias (", E,
+                     ",) fp32 is required by the sigmoid-bias router, got none");
+    a.bias = TensorView(const_cast<float*>(bias), DType::f32, dev, {E});
+  } else {
+    MOEBLAZE_REQUIRE(bias == nullptr, "bias is given but the ", router_name(r.kind),
+                     " router takes none (only sigmoid-bias uses a bias)");
+  }
+  MOEBLAZE_REQUIRE(T * r.top_k < (int64_t(1) << 31), "T*top_k (", T * r.top_k,
+                   ") exceeds the int32 index range of a routing");
+  return a;
+}
+
+RoutingView routing_view(const moeblaze_routing* r, Device dev, const char* name) {
+  require_ptr(r, name);
+  MOEBLAZE_REQUIRE(r->T >= 0 && r->E >= 1 && r->P >= 0, name, ": T (", r->T, "), E (", r->E,
+                   "), P (", r->P, ") must be >= 0, >= 1, >= 0");
+  MOEBLAZE_REQUIRE(r->P < (int64_t(1) << 31), name, ": P (", r->P,
+                   ") exceeds the int32 index range");
+  MOEBLAZE_REQUIRE(r->pair_offsets != nullptr, name, ".pair_offsets is NULL");
+  MOEBLAZE_REQUIRE(r->P == 0 || (r->pair_experts != nullptr && r->pair_weights != nullptr), name,
+                   ".pair_experts / pair_weights is NULL");
+  RoutingView v;
+  v.T = r->T;
+  v.E = r->E;
+  v.P = r->P;
+  v.pair_offsets = r->pair_offsets;
+  v.pair_experts = r->pair_experts;
+  v.pair_weights = r->pair_weights;
+  v.device = dev;
+  return v;
+}
+
+RoutingPlan borrow_plan(const moeblaze_plan* p, Device dev) {
+  require_ptr(p, "plan");
+  MOEBLAZE_REQUIRE(p->T >= 0 && p->E >= 1 && p->S >= 0, "plan: T (", p->T, "), E (", p->E,
+                   "), S (", p->S, ") must be >= 0, >= 1, >= 0");
+  MOEBLAZE_REQUIRE(p->expert_token_offsets && p->token_pair_offsets, "plan: offset arrays are NULL");
+  MOEBLAZE_REQUIRE(p->S == 0 || (p->expert_token_indices && p->slot_weights &&
+                                 p->token_expert_indices && p->token_index_map),
+                   "plan: slot arrays are NULL");
+  return RoutingPlan::borrow(dev, p->T, p->E, p->S, p->expert_token_offsets,
+                             p->expert_token_indices, p->slot_weights, p->token_pair_offsets,
+                             p->token_expert_indices, p->token_index_map);
+}
+
+LayerConfig to_layer(const moeblaze_layer_cfg* c) {
+  require_ptr(c, "cfg");
+  MOEBLAZE_REQUIRE(c->activation >= 0 && c->activation <= 5, "activation (", c->activation,
+                   ") must be 0..5 (swiglu, geglu, relu, silu, gelu, relu2)");
+  MOEBLAZE_REQUIRE(c->mode == 0 || c->mode == 1, "mode (", c->mode,
+                   ") must be 0 (keep_h) or 1 (recompute)");
+  LayerConfig cfg;
+  cfg.T = c->T;
+  cfg.d = c->d;
+  cfg.n = c->n;
+  cfg.E = c->E;
+  cfg.K = c->K;
+  cfg.activation = static_cast<Activation>(c->activation);
+  cfg.dtype = to_float_dtype(c->dtype, "layer");
+  cfg.validate();
+  return cfg;
+}
+
+LayerOptions to_options(const moeblaze_layer_cfg* c, void* stream, void* workspace,
+                        uint64_t workspace_bytes) {
+  LayerOptions o;
+  o.mode = c->mode == 0 ? LayerMode::keep_h : LayerMode::recompute;
+  o.num_threads = c->num_threads;
+  o.stream = stream;
+  o.workspace = workspace;
+  o.workspace_bytes = workspace ? static_cast<size_t>(workspace_bytes) : 0;
+  return o;
+}
+
+#ifdef MOEBLAZE_WITH_CUDA
+cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+#endif
+
+}  // namespace
+
+extern "C" {
+
+int moeblaze_capi_version(void) { return MOEBLAZE_CAPI_VERSION; }
+
+int moeblaze_has_cuda(void) {
+#ifdef MOEBLAZE_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+const char* moeblaze_last_error(void) { return g_last_error.c_str(); }
+
+int moeblaze_memory_stats(int32_t device, uint64_t* current, uint64_t* peak) {
+  return guarded([&] {
+    require_ptr(current, "current");
+    require_ptr(peak, "peak");
+    MOEBLAZE_REQUIRE(device == 0 || device == 1, "device (", device, ") must be 0 or 1");
+    const MemoryStats s = memory_stats(device == 0 ? Device::cpu : Device::cuda);
+    *current = s.current;
+    *peak = s.peak;
+  });
+}
+
+int moeblaze_reset_peak(int32_t device) {
+  return guarded([&] {
+    MOEBLAZE_REQUIRE(device == 0 || device == 1, "device (", device, ") must be 0 or 1");
+    reset_peak(device == 0 ? Device::cpu : Device::cuda);
+  });
+}
+
+int moeblaze_route(const moeblaze_router_cfg* cfg, const void* logits, int32_t logits_dtype,
+                   int64_t T, int64_t E, const float* bias, int32_t device, void* stream,
+                   const moeblaze_routing* out, int32_t* flags) {
+  return guarded([&] {
+    const Device dev = to_device(device);
+    const RouterConfig r = to_router(cfg, E);
+    const RouterArgs a = router_args(r, logits, logits_dtype, T, E, bias, dev);
+    const RoutingView o = routing_view(out, dev, "out");
+    MOEBLAZE_REQUIRE(o.T == T && o.E == E && o.P == T * r.top_k, "out has (T, E, P) = (", o.T,
+                     ", ", o.E, ", ", o.P, "), expected (", T, ", ", E, ", T*top_k = ",
+                     T * r.top_k, ")");
+    if (dev == Device::cpu) {
+      Routing tmp;
+      route(r, a.logits, a.bias, tmp);  // validates values (NaN logits name the entry)
+      std::memcpy(out->pair_offsets, tmp.pair_offsets(), sizeof(int32_t) * size_t(T + 1));
+      std::memcpy(out->pair_experts, tmp.pair_experts(), sizeof(int32_t) * size_t(o.P));
+      std::memcpy(out->pair_weights, tmp.pair_weights(), sizeof(float) * size_t(o.P));
+      return;
+    }
+#ifdef MOEBLAZE_WITH_CUDA
+    require_ptr(flags, "flags");
+    Routing borrowed = Routing::borrow(Device::cuda, T, E, o.P, out->pair_offsets,
+                                       out->pair_experts, out->pair_weights);
+    if (T > 0)
+      cuda::router_topk_async(r, a.logits, a.bias.as<const float>(), borrowed, flags,
+                              as_stream(stream));
+    else
+      MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(out->pair_offsets, 0, sizeof(int32_t),
+                                          as_stream(stream)));
+#else
+    (void)stream;
+    (void)flags;
+#endif
+  });
+}
+
+int moeblaze_router_backward(const moeblaze_router_cfg* cfg, const void* logits,
+                             int32_t logits_dtype, int64_t T, int64_t E, const float* bias,
+                             int32_t device, void* stream, const moeblaze_routing* routing,
+                             const float* d_pair_weights, float* d_logits, int32_t* flags) {
+  return guarded([&] {
+    const Device dev = to_device(device);
+    const RouterConfig r = to_router(cfg, E);
+    const RouterArgs a = router_args(r, logits, logits_dtype, T, E, bias, dev);
+    const RoutingView rv = routing_view(routing, dev, "routing");
+    MOEBLAZE_REQUIRE(rv.T == T && rv.E == E, "routing has (T, E) = (", rv.T, ", ", rv.E,
+                     "), logits are (", T, ", ", E, ")");
+    require_ptr(d_logits, "d_logits");
+    MOEBLAZE_REQUIRE(rv.P == 0 || d_pair_weights != nullptr, "d_pair_weights is NULL");
+    const TensorView dpw(const_cast<float*>(d_pair_weights), DType::f32, dev, {rv.P});
+    const TensorView dl(d_logits, DType::f32, dev, {T, E});
+    if (dev == Device::cpu) {
+      router_backward(r, a.logits, a.bias, rv, dpw, dl);
+      return;
+    }
+#ifdef MOEBLAZE_WITH_CUDA
+    require_ptr(flags, "flags");
+    if (T * E == 0) return;
+    // Loss coefficients are 0 here (the caller owns the auxiliary losses): no pair fractions.
+    cuda::router_backward_async(r, a.logits, a.bias.as<const float>(), rv, d_pair_weights,
+                                d_logits, nullptr, 0.0f, 0.0f, flags, as_stream(stream));
+#else
+    (void)stream;
+    (void)flags;
+#endif
+  });
+}
+
+int moeblaze_token_round(const moeblaze_router_cfg* cfg, int32_t m_tile, int32_t rounding,
+                         uint64_t seed, const void* logits, int32_t logits_dtype, int64_t T,
+                         int64_t E, const float* bias, int32_t device, void* stream,
+                         const moeblaze_routing* topk, void** handle, int64_t* rounded_pairs) {
+  return guarded([&] {
+    const Device dev = to_device(device);
+    const RouterConfig r = to_router(cfg, E);
+    const RouterArgs a = router_args(r, logits, logits_dtype, T, E, bias, dev);
+    const RoutingView tv = routing_view(topk, dev, "topk");
+    require_ptr(handle, "handle");
+    require_ptr(rounded_pairs, "rounded_pairs");
+    MOEBLAZE_REQUIRE(rounding >= 0 && rounding <= 3, "rounding (", rounding,
+                     ") must be 0 (nr-f), 1 (sr-f), 2 (up) or 3 (down)");
+    TokenRoundingConfig tc;
+    tc.m_tile = m_tile;
+    tc.mode = static_cast<RoundingMode>(rounding);
+    tc.seed = seed;
+#ifdef MOEBLAZE_WITH_CUDA
+    // The public GPU path runs on the legacy default stream; order it after the caller's stream
+    // (a non-blocking stream does not synchronise with it implicitly). This call syncs anyway.
+    if (dev == Device::cuda) MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
+#else
+    (void)stream;
+#endif
+    auto out = std::make_unique<Routing>();
+    token_round(r, tc, a.logits, a.bias, tv, *out);
+    *rounded_pairs = out->P();
+    *handle = out.release();
+  });
+}
+
+int moeblaze_routing_take(void* handle, const moeblaze_routing* out, void* stream) {
+  std::unique_ptr<Routing> r(static_cast<Routing*>(handle));
+  return guarded([&] {
+    require_ptr(r.get(), "handle");
+    const RoutingView o = routing_view(out, r->device(), "out");
+    MOEBLAZE_REQUIRE(o.T == r->T() && o.E == r->E() && o.P == r->P(), "out has (T, E, P) = (",
+                     o.T, ", ", o.E, ", ", o.P, "), the rounded routing has (", r->T(), ", ",
+                     r->E(), ", ", r->P(), ")");
+    const size_t off = sizeof(int32_t) * size_t(o.T + 1), pe = sizeof(int32_t) * size_t(o.P),
+                 pw = sizeof(float) * size_t(o.P);
+    if (r->device() == Device::cpu) {
+      std::memcpy(out->pair_offsets, r->pair_offsets(), off);
+      if (o.P) std::memcpy(out->pair_experts, r->pair_experts(), pe);
+      if (o.P) std::memcpy(out->pair_weights, r->pair_weights(), pw);
+      return;
+    }
+#ifdef MOEBLAZE_WITH_CUDA
+    const cudaStream_t s = as_stream(stream);
+    MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(out->pair_offsets, r->pair_offsets(), off,
+                                        cudaMemcpyDeviceToDevice, s));
+    if (o.P) {
+      MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(out->pair_experts, r->pair_experts(), pe,
+                                          cudaMemcpyDeviceToDevice, s));
+      MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(out->pair_weights, r->pair_weights(), pw,
+                                          cudaMemcpyDeviceToDevice, s));
+    }
+    // The handle's buffers were allocated on the default stream; free them only after the copies.
+    MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(s));
+#else
+    (void)stream;
+#endif
+  });
+}
+
+void moeblaze_routing_free(void* handle) { delete static_cast<Routing*>(handle); }
+
+int moeblaze_plan_workspace_bytes(int64_t T, int64_t E, int64_t P, int32_t device,
+                                  uint64_t* bytes) {
+  return guarded([&] {
+    const Device dev = to_device(device);
+    require_ptr(bytes, "bytes");
+    MOEBLAZE_REQUIRE(T >= 0 && E >= 1 && P >= 0, "T (", T, "), E (", E, "), P (", P,
+                     ") must be >= 0, >= 1, >= 0");
+    *bytes = 0;
+#ifdef MOEBLAZE_WITH_CUDA
+    if (dev == Device::cuda)
+      *bytes = cuda::plan_build_workspace_bytes(T, E, P, PlanBuilder::atomic_free);
+#else
+    (void)dev;
+#endif
+  });
+}
+
+int moeblaze_build_plan(const moeblaze_routing* routing, int32_t device, void* stream,
+                        const moeblaze_plan* plan, void* workspace, uint64_t workspace_bytes,
+                        int32_t* flags) {
+  return guarded([&] {
+    const Device dev = to_device(device);
+    const RoutingView rv = routing_view(routing, dev, "routing");
+    RoutingPlan p = borrow_plan(plan, dev);
+    MOEBLAZE_REQUIRE(p.T() == rv.T && p.E() == rv.E && p.S() == rv.P, "plan has (T, E, S) = (",
+                     p.T(), ", ", p.E(), ", ", p.S(), "), the routing has (T, E, P) = (", rv.T,
+                     ", ", rv.E, ", ", rv.P, ")");
+    if (dev == Device::cpu) {
+      build_routing_plan(rv, PlanBuilder::atomic_free, p);  // fills the borrowed arrays in place
+      MOEBLAZE_REQUIRE(p.view().expert_token_offsets == plan->expert_token_offsets,
+                       "internal: the CPU plan builder did not reuse the caller's storage");
+      return;
+    }
+#ifdef MOEBLAZE_WITH_CUDA
+    require_ptr(flags, "flags");
+    const size_t need = cuda::plan_build_workspace_bytes(rv.T, rv.E, rv.P, PlanBuilder::atomic_free);
+    MOEBLAZE_REQUIRE(workspace_bytes >= need, "workspace_bytes (", workspace_bytes,
+                     ") is less than the plan build's ", need);
+    MOEBLAZE_REQUIRE(need == 0 || workspace != nullptr, "workspace is NULL");
+    cuda::build_plan_async(rv, PlanBuilder::atomic_free, p, workspace, size_t(workspace_bytes),
+                           flags, as_stream(stream));
+#else
+    (void)stream;
+    (void)workspace;
+    (void)workspace_bytes;
+    (void)flags;
+#endif
+  });
+}
+
+int moeblaze_routing_flags_error(const int32_t* host_flags, const moeblaze_routing* routing,
+                                 int32_t device) {
+  return guarded([&] {
+    require_ptr(host_flags, "host_flags");
+    bool raised = false;
+    for (int i = 0; i < 4; ++i) raised = raised || host_flags[i] != 0;
+    if (!raised) return;
+    if (routing == nullptr)
+      throw InvalidArgument(detail::concat(
+          "logits: the router found a NaN or Inf logit (device-side check; flags [out_of_range=",
+          host_flags[0], ", repeated=", host_flags[1], ", non_finite=", host_flags[2],
+          ", bad_offsets=", host_flags[3], "])"));
+    const Device dev = to_device(device);
+    const RoutingView rv = routing_view(routing, dev, "routing");
+    if (dev == Device::cpu) {
+      validate_routing(rv);
+      return;
+    }
+#ifdef MOEBLAZE_WITH_CUDA
+    MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
+    cuda::throw_if_routing_flags(host_flags, rv);
+#endif
+  });
+}
+
+int moeblaze_layer_workspace_bytes(const moeblaze_layer_cfg* cfg, int64_t S, int32_t device,
+                                   uint64_t* bytes) {
+  return guarded([&] {
+    const Device dev = to_device(device);
+    const LayerConfig c = to_layer(cfg);
+    require_ptr(bytes, "bytes");
+    ThreadCountScope threads(cfg->num_threads);  // the CPU workspace holds per-thread scratch
+    *bytes = layer_workspace_bytes(c, S, cfg->mode == 0 ? LayerMode::keep_h : LayerMode::recompute,
+                                   dev);
+  });
+}
+
+int moeblaze_layer_forward(const moeblaze_layer_cfg* cfg, const moeblaze_plan* plan,
+                           int32_t device, void* stream, const void* x, const void* w1,
+                           const void* w2, void* out, void* h, void* workspace,
+                           uint64_t workspace_bytes) {
+  return guarded([&] {
+    const Device dev = to_device(device);
+    const LayerConfig c = to_layer(cfg);
+    const RoutingPlan p = borrow_plan(plan, dev);
+    LayerOptions o = to_options(cfg, stream, workspace, workspace_bytes);
+    if (o.mode == LayerMode::keep_h) {
+      MOEBLAZE_REQUIRE(h != nullptr || p.S() * c.w1_rows() == 0,
+                       "h is NULL: keep_h mode keeps H (S, w1_rows) in caller storage");
+      o.h_storage = h;
+    } else {
+      MOEBLAZE_REQUIRE(h == nullptr, "h is given, but recompute mode keeps no H");
+    }
+    const auto v = [&](const void* ptr, std::initializer_list<int64_t> dims) {
+      return TensorView(const_cast<void*>(ptr), c.dtype, dev, dims);
+    };
+    SavedForBackward saved;
+    layer_forward(c, p, v(x, {c.T, c.d}), v(w1, {c.E, c.w1_rows(), c.d}), v(w2, {c.E, c.d, c.n}),
+                  v(out, {c.T, c.d}), saved, o);
+  });
+}
+
+int moeblaze_layer_backward(const moeblaze_layer_cfg* cfg, const moeblaze_plan* plan,
+                            int32_t device, void* stream, const void* x, const void* w1,
+                            const void* w2, const void* d_out, const void* h, void* dx,
+                            void* dw1, void* dw2, float* d_pair_weights, void* workspace,
+                            uint64_t workspace_bytes) {
+  return guarded([&] {
+    const Device dev = to_device(device);
+    const LayerConfig c = to_layer(cfg);
+    const RoutingPlan p = borrow_plan(plan, dev);
+    const LayerOptions o = to_options(cfg, stream, workspace, workspace_bytes);
+    const size_t h_bytes = size_t(p.S() * c.w1_rows()) * dtype_size(c.dtype);
+    if (o.mode == LayerMode::keep_h)
+      MOEBLAZE_REQUIRE(h != nullptr || h_bytes == 0, "h is NULL: keep_h backward reads H");
+    else
+      MOEBLAZE_REQUIRE(h == nullptr, "h is given, but recompute mode keeps no H");
+    const SavedForBackward saved = SavedForBackward::borrow(
+        o.mode, p.S(), dev, const_cast<void*>(h), o.mode == LayerMode::keep_h ? h_bytes : 0);
+    const auto v = [&](const void* ptr, std::initializer_list<int64_t> dims) {
+      return TensorView(const_cast<void*>(ptr), c.dtype, dev, dims);
+    };
+    LayerGrads g{v(dx, {c.T, c.d}), v(dw1, {c.E, c.w1_rows(), c.d}), v(dw2, {c.E, c.d, c.n}),
+                 TensorView(d_pair_weights, DType::f32, dev, {p.S()})};
+    layer_backward(c, p, v(x, {c.T, c.d}), v(w1, {c.E, c.w1_rows(), c.d}),
+                   v(w2, {c.E, c.d, c.n}), v(d_out, {c.T, c.d}), saved, g, o);
+  });
+}
+
+}  // extern "C"
