@@ -1,0 +1,278 @@
+"""moeblaze.MoE (nn.Module), its pure-PyTorch twin TorchMoE, and the functional forms.
+
+Weights follow DESIGN's stacked nn.Linear layout (out x in):
+  gate.weight (E, d)            the router: logits = x @ gate.weight^T, computed in float32
+  w1          (E, 2n, d)        gated activations: rows [0, n) gate, [n, 2n) up; (E, n, d) else
+  w2          (E, d, n)
+forward(x) returns (out, RouterLosses(aux_loss, z_loss)); add losses.total to the training loss.
+"""
+from typing import NamedTuple, Optional
+
+import math
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import _lib, ops
+from .reference import torch_experts, torch_router
+
+
+class RouterLosses(NamedTuple):
+    aux_loss: Tensor  # switch load balancing: coef * E * sum_e f_e * P_e (0 if coef is 0)
+    z_loss: Tensor    # coef * mean_t logsumexp(logits_t)^2 (0 if coef is 0)
+
+    @property
+    def total(self):
+        return self.aux_loss + self.z_loss
+
+
+def _activation_code(activation):
+    if activation not in _lib.ACTIVATIONS:
+        raise ValueError(f"moeblaze: activation {activation!r} is not one of "
+                         f"{', '.join(_lib.ACTIVATIONS)}")
+    return _lib.ACTIVATIONS[activation]
+
+
+def _router_code(router):
+    r = router.replace("-", "_")
+    if r not in _lib.ROUTERS:
+        raise ValueError(f"moeblaze: router {router!r} is not one of softmax_topk, topk_softmax, "
+                         "sigmoid_bias")
+    return _lib.ROUTERS[r]
+
+
+def router_losses(logits, pair_experts, num_experts, router="softmax_topk", aux_loss_coef=0.0,
+                  z_loss_coef=0.0):
+    """The auxiliary losses of routing.hpp, in torch (autograd handles their gradients, whatever
+    they are scaled by). f_e = (pairs routed to e) / P, P_e = mean_t q_t,e with q = softmax(logits)
+    (normalised sigmoid for sigmoid_bias). No host sync."""
+    zero = logits.new_zeros((), dtype=torch.float32)
+    aux = z = zero
+    logits = logits.float()
+    if aux_loss_coef > 0 and logits.shape[0] > 0:
+        e = pair_experts.reshape(-1).long()
+        counts = torch.zeros(num_experts, device=logits.device).scatter_add_(
+            0, e, torch.ones_like(e, dtype=torch.float32))
+        f = counts / max(e.numel(), 1)
+        if router.replace("-", "_") == "sigmoid_bias":
+            s = torch.sigmoid(logits)
+            q = s / s.sum(-1, keepdim=True)
+        else:
+            q = torch.softmax(logits, dim=-1)
+        aux = aux_loss_coef * num_experts * (f * q.mean(0)).sum()
+    if z_loss_coef > 0 and logits.shape[0] > 0:
+        z = z_loss_coef * torch.logsumexp(logits, dim=-1).square().mean()
+    return RouterLosses(aux, z)
+
+
+def _check_flags_enabled(validate, device):
+    if validate is None:
+        return False  # CPU ops validate in the call; CUDA checks stay on the device (no sync)
+    return bool(validate) and device.type == "cuda"
+
+
+def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, activation="swiglu",
+                         recompute=False, num_threads=0, validate=None):
+    """The experts over a routing in moeblaze's CSR form (pair_offsets (T+1,) int32, pair_experts
+    (P,) int32, pair_weights (P,) float32, differentiable). validate=True on CUDA reads the plan
+    builder's device-side flags back (a host sync) and raises ValueError naming a bad entry."""
+    E = w2.shape[0]
+    plan = ops.build_plan(pair_offsets, pair_experts, pair_weights.detach(), E)
+    if _check_flags_enabled(validate, x.device):
+        ops.check_flags(plan[6], (pair_offsets, pair_experts, pair_weights.detach()), E)
+    out, _h = ops.experts_forward(x, w1, w2, pair_weights, *plan[:6], _activation_code(activation),
+                                  bool(recompute), int(num_threads))
+    return out
+
+
+def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", recompute=False,
+                validate=None):
+    """Functional MoE with caller-supplied routing: expert_ids (T, K) integer, expert_weights
+    (T, K) (gradients flow to them). x (T, d), w1 (E, rows, d), w2 (E, d, n), one dtype.
+    On the CPU a bad id raises ValueError naming it; on CUDA pass validate=True to check (a host
+    sync), otherwise a bad id gives garbage but never an out-of-bounds write."""
+    if expert_ids.dim() != 2 or expert_weights.shape != expert_ids.shape:
+        raise ValueError(f"moeblaze: expert_ids and expert_weights must both be (T, K), got "
+                         f"{tuple(expert_ids.shape)} and {tuple(expert_weights.shape)}")
+    T, K = expert_ids.shape
+    if x.dim() != 2 or x.shape[0] != T:
+        raise ValueError(f"moeblaze: x must be (T, d) with T = {T} (rows of expert_ids), got "
+                         f"{tuple(x.shape)}")
+    offsets = torch.arange(0, T * K + 1, K, dtype=torch.int32, device=x.device) if K > 0 else \
+        torch.zeros(T + 1, dtype=torch.int32, device=x.device)
+    experts = expert_ids.to(torch.int32).reshape(-1)
+    weights = expert_weights.to(torch.float32).reshape(-1)
+    return experts_from_routing(x, w1, w2, offsets, experts, weights, activation, recompute,
+                                validate=validate)
+
+
+class MoE(nn.Module):
+    """A Mixture-of-Experts layer run by moeblaze (CPU backend or the Hopper GPU backend).
+
+    router: softmax_topk (default), topk_softmax or sigmoid_bias (expert_bias buffer, selection
+    only). token_rounding: None, or "nr-f" / "sr-f" / "up" / "down" (SonicMoE's tile-aware
+    rounding to multiples of m_tile; needs a host sync per call on CUDA, so not CUDA-graph
+    capturable). recompute=True keeps only the routing plan for backward (H is recomputed)."""
+
+    def __init__(self, hidden_size, intermediate_size, num_experts, top_k, activation="swiglu",
+                 router="softmax_topk", renormalize=False, token_rounding=None, m_tile=128,
+                 recompute=False, aux_loss_coef=0.0, z_loss_coef=0.0, device=None, dtype=None):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"moeblaze: top_k ({top_k}) must be in [1, num_experts = "
+                             f"{num_experts}]")
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_experts, self.top_k = num_experts, top_k
+        self.activation = activation
+        self._act = _activation_code(activation)
+        self.router = router.replace("-", "_")
+        self._kind = _router_code(router)
+        self.renormalize = bool(renormalize)
+        if token_rounding is not None and token_rounding not in _lib.ROUNDINGS:
+            raise ValueError(f"moeblaze: token_rounding {token_rounding!r} is not None, nr-f, "
+                             "sr-f, up or down")
+        self.token_rounding, self.m_tile, self.rounding_seed = token_rounding, int(m_tile), 0
+        self.recompute = bool(recompute)
+        self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
+        kw = {"device": device, "dtype": dtype}
+        rows = 2 * intermediate_size if activation in _lib.GATED else intermediate_size
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False, **kw)
+        self.w1 = nn.Parameter(torch.empty(num_experts, rows, hidden_size, **kw))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **kw))
+        if self.router == "sigmoid_bias":
+            self.register_buffer("expert_bias", torch.zeros(num_experts, device=device,
+                                                            dtype=torch.float32))
+        else:
+            self.expert_bias = None
+        self.last_flags = None  # device-side check flags of the last forward (see check())
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # nn.Linear's default init per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+        nn.init.uniform_(self.w1, -1 / math.sqrt(self.hidden_size), 1 / math.sqrt(self.hidden_size))
+        nn.init.uniform_(self.w2, -1 / math.sqrt(self.intermediate_size),
+                         1 / math.sqrt(self.intermediate_size))
+        self.gate.reset_parameters()
+
+    def extra_repr(self):
+        return (f"d={self.hidden_size}, n={self.intermediate_size}, E={self.num_experts}, "
+                f"K={self.top_k}, activation={self.activation}, router={self.router}, "
+                f"token_rounding={self.token_rounding}, recompute={self.recompute}")
+
+    def route(self, x2):
+        """(logits fp32 (T, E), pair_offsets, pair_experts, pair_weights) for tokens x2 (T, d)."""
+        logits = F.linear(x2.float(), self.gate.weight.float())
+        bias = self.expert_bias
+        offsets, experts, weights, flags = ops.route(logits, bias, self._kind, self.top_k,
+                                                     self.renormalize)
+        self.last_flags = flags
+        if self.token_rounding is not None:
+            offsets, experts, weights = ops.token_round(
+                logits, bias, offsets, experts, weights, self._kind, self.top_k, self.renormalize,
+                self.m_tile, _lib.ROUNDINGS[self.token_rounding], self.rounding_seed)
+        return logits, offsets, experts, weights
+
+    def forward(self, x):
+        shape = x.shape
+        if shape[-1] != self.hidden_size:
+            raise ValueError(f"moeblaze: x has last dimension {shape[-1]}, expected hidden_size "
+                             f"{self.hidden_size}")
+        x2 = x.reshape(-1, self.hidden_size)
+        logits, offsets, experts, weights = self.route(x2)
+        out = experts_from_routing(x2, self.w1, self.w2, offsets, experts, weights,
+                                   self.activation, self.recompute)
+        losses = router_losses(logits, experts, self.num_experts, self.router, self.aux_loss_coef,
+                               self.z_loss_coef)
+        return out.reshape(shape), losses
+
+    def check(self):
+        """Raises ValueError if the last forward's device-side router check saw NaN/Inf logits
+        (CUDA; a host sync)."""
+        if self.last_flags is not None:
+            ops.check_flags(self.last_flags)
+
+    # ---- interop --------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_experts(self, gate_weight, up_weights=None, down_weights=None, gate_proj=None,
+                     gate_up_weights=None):
+        """Loads weights given in the per-expert nn.Linear layout (out x in):
+        gate_weight (E, d) router; per expert either gate_proj[e] (n, d) and up_weights[e] (n, d)
+        (Mixtral w1/w3, Qwen gate_proj/up_proj) or fused gate_up_weights[e] (2n, d) (gate rows
+        first); down_weights[e] (d, n) (Mixtral w2, Qwen down_proj). Lists or stacked tensors."""
+        E, n, d = self.num_experts, self.intermediate_size, self.hidden_size
+
+        def stack(ws, shape, name):
+            t = torch.stack(list(ws)) if not torch.is_tensor(ws) else ws
+            if tuple(t.shape) != (E,) + shape:
+                raise ValueError(f"moeblaze: {name} must be {(E,) + shape}, got {tuple(t.shape)}")
+            return t
+
+        if tuple(gate_weight.shape) != (E, d):
+            raise ValueError(f"moeblaze: gate_weight must be {(E, d)}, got "
+                             f"{tuple(gate_weight.shape)}")
+        self.gate.weight.copy_(gate_weight)
+        if gate_up_weights is not None:
+            w1 = stack(gate_up_weights, tuple(self.w1.shape[1:]), "gate_up_weights")
+        elif self.activation in _lib.GATED:
+            if gate_proj is None or up_weights is None:
+                raise ValueError("moeblaze: a gated activation needs gate_proj and up_weights "
+                                 "(or gate_up_weights)")
+            w1 = torch.cat([stack(gate_proj, (n, d), "gate_proj"),
+                            stack(up_weights, (n, d), "up_weights")], dim=1)
+        else:
+            w1 = stack(up_weights, (n, d), "up_weights")
+        self.w1.copy_(w1)
+        self.w2.copy_(stack(down_weights, (d, n), "down_weights"))
+        return self
+
+    @classmethod
+    def from_mixtral(cls, block, **kw):
+        """From a Hugging Face MixtralSparseMoeBlock-like module: block.gate (Linear d -> E),
+        block.experts[e].w1 (gate), .w3 (up), .w2 (down), block.top_k; softmax -> top-K ->
+        renormalised weights, SwiGLU."""
+        E, d = block.gate.weight.shape
+        n = block.experts[0].w1.weight.shape[0]
+        top_k = getattr(block, "top_k", None) or getattr(block, "num_experts_per_tok")
+        m = cls(d, n, E, top_k, activation="swiglu", router="softmax_topk", renormalize=True,
+                device=block.gate.weight.device, dtype=block.gate.weight.dtype, **kw)
+        return m.load_experts(block.gate.weight, gate_proj=[x.w1.weight for x in block.experts],
+                              up_weights=[x.w3.weight for x in block.experts],
+                              down_weights=[x.w2.weight for x in block.experts])
+
+    @classmethod
+    def from_qwen_moe(cls, block, **kw):
+        """From a Hugging Face Qwen2/Qwen3-MoE sparse block: block.gate (Linear d -> E),
+        block.experts[e].gate_proj / up_proj / down_proj, block.top_k, block.norm_topk_prob.
+        Qwen2-MoE's shared expert (block.shared_expert, shared_expert_gate) is not an MoE layer:
+        keep it as a torch module and add its output (QwenSharedExpertMoE does)."""
+        E, d = block.gate.weight.shape
+        n = block.experts[0].gate_proj.weight.shape[0]
+        top_k = getattr(block, "top_k", None) or getattr(block, "num_experts_per_tok")
+        m = cls(d, n, E, top_k, activation="swiglu", router="softmax_topk",
+                renormalize=bool(getattr(block, "norm_topk_prob", False)),
+                device=block.gate.weight.device, dtype=block.gate.weight.dtype, **kw)
+        return m.load_experts(block.gate.weight,
+                              gate_proj=[x.gate_proj.weight for x in block.experts],
+                              up_weights=[x.up_proj.weight for x in block.experts],
+                              down_weights=[x.down_proj.weight for x in block.experts])
+
+
+class TorchMoE(MoE):
+    """The same layer (same parameters, same router semantics) in pure PyTorch: torch router,
+    sort-and-gather experts (reference.torch_experts). For comparisons; token rounding and
+    recompute are moeblaze features and are rejected here."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        if self.token_rounding is not None or self.recompute:
+            raise ValueError("moeblaze: TorchMoE has no token rounding and no recompute mode")
+
+    def forward(self, x):
+        shape = x.shape
+        x2 = x.reshape(-1, self.hidden_size)
+        logits = F.linear(x2.float(), self.gate.weight.float())
+        ids, w = torch_router(logits, self.top_k, self.router, self.renormalize, self.expert_bias)
+        out = torch_experts(x2, self.w1, self.w2, ids, w, self.activation)
+        losses = router_losses(logits, ids, self.num_experts, self.router, self.aux_loss_coef,
+                               self.z_loss_coef)
+        return out.reshape(shape), losses

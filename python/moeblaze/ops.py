@@ -1,0 +1,400 @@
+"""moeblaze's operators as torch.library custom ops (schemas, fake kernels for torch.compile,
+autograd), each a thin call into the C ABI.
+
+Everything an op keeps for backward (H, the routing, the routing plan) is a tensor it returns,
+allocated by PyTorch's allocator; workspaces are PyTorch tensors too on CUDA (the CPU backend
+allocates its own, counted by moeblaze.memory_stats("cpu")). CUDA ops run on PyTorch's current
+stream and never synchronise with the host, except token_round (its pair count sizes its
+outputs). Device-side input checks raise a `flags` tensor (4 int32) instead of an error; see
+check_flags.
+
+Ops (namespace moeblaze):
+  route(logits, bias, kind, top_k, renormalize) -> (pair_offsets, pair_experts, pair_weights, flags)
+  router_backward(logits, bias, pair_offsets, pair_experts, pair_weights, d_pair_weights, kind,
+                  top_k, renormalize) -> d_logits
+  token_round(logits, bias, pair_offsets, pair_experts, pair_weights, kind, top_k, renormalize,
+              m_tile, mode, seed) -> (pair_offsets, pair_experts, pair_weights)   [host sync]
+  build_plan(pair_offsets, pair_experts, pair_weights, num_experts)
+      -> (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
+          token_expert_indices, token_index_map, flags)
+  experts_forward(x, w1, w2, pair_weights, *plan, activation, recompute, num_threads) -> (out, h)
+  experts_backward(d_out, x, w1, w2, h, *plan, activation, recompute, num_threads)
+      -> (dx, dw1, dw2, d_pair_weights)
+route, token_round and experts_forward have autograd formulas (router_backward /
+experts_backward); pair_weights is an input of experts_forward only so that its gradient
+(d_pair_weights) reaches the router: the kernels read the plan's slot_weights, built from it.
+"""
+import ctypes
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _lib
+from ._lib import check, device_code, lib, ptr, stream_of
+
+_I32 = torch.int32
+
+
+def _device_guard(t):
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else _Null()
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _float_code(t, name):
+    if t.dtype not in _lib.DTYPES:
+        raise ValueError(f"moeblaze: {name} has dtype {t.dtype}; expected torch.float32 or "
+                         "torch.bfloat16")
+    return _lib.DTYPES[t.dtype]
+
+
+def _require(cond, msg):
+    if not cond:
+        raise ValueError("moeblaze: " + msg)
+
+
+def _same_device(name, t, ref):
+    _require(t.device == ref.device, f"{name} is on {t.device} but {ref.device} was expected")
+
+
+def _routing_struct(T, E, offsets, experts, weights):
+    return _lib.Routing(T, E, experts.numel(), ptr(offsets), ptr(experts), ptr(weights))
+
+
+def _plan_struct(T, E, plan):
+    eto, eti, sw, tpo, tei, tim = plan
+    return _lib.Plan(T, E, eti.numel(), ptr(eto), ptr(eti), ptr(sw), ptr(tpo), ptr(tei), ptr(tim))
+
+
+def _check_router_inputs(logits, bias):
+    _require(logits.dim() == 2, f"logits must be (T, E), got shape {tuple(logits.shape)}")
+    _float_code(logits, "logits")
+    if bias is not None:
+        _require(bias.dtype == torch.float32, f"bias must be float32, got {bias.dtype}")
+        _same_device("bias", bias, logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# router
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("moeblaze::route", mutates_args=())
+def route(logits: Tensor, bias: Optional[Tensor], kind: int, top_k: int,
+          renormalize: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_router_inputs(logits, bias)
+    logits = logits.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    T, E = logits.shape
+    dev = logits.device
+    P = T * top_k if top_k >= 1 else 0
+    offsets = torch.empty(T + 1, dtype=_I32, device=dev)
+    experts = torch.empty(P, dtype=_I32, device=dev)
+    weights = torch.empty(P, dtype=torch.float32, device=dev)
+    flags = torch.zeros(4, dtype=_I32, device=dev)
+    cfg = _lib.RouterCfg(kind, top_k, int(renormalize))
+    out = _routing_struct(T, E, offsets, experts, weights)
+    with _device_guard(logits):
+        check(lib().moeblaze_route(ctypes.byref(cfg), ptr(logits), _lib.DTYPES[logits.dtype], T, E,
+                                   ptr(bias), device_code(logits), stream_of(logits),
+                                   ctypes.byref(out), flags.data_ptr()))
+    return offsets, experts, weights, flags
+
+
+@route.register_fake
+def _(logits, bias, kind, top_k, renormalize):
+    T = logits.shape[0]
+    P = T * top_k
+    return (logits.new_empty(T + 1, dtype=_I32), logits.new_empty(P, dtype=_I32),
+            logits.new_empty(P, dtype=torch.float32), logits.new_empty(4, dtype=_I32))
+
+
+@torch.library.custom_op("moeblaze::router_backward", mutates_args=())
+def router_backward(logits: Tensor, bias: Optional[Tensor], pair_offsets: Tensor,
+                    pair_experts: Tensor, pair_weights: Tensor, d_pair_weights: Tensor, kind: int,
+                    top_k: int, renormalize: bool) -> Tensor:
+    _check_router_inputs(logits, bias)
+    logits = logits.contiguous()
+    T, E = logits.shape
+    d_pair_weights = d_pair_weights.to(torch.float32).contiguous()
+    _require(d_pair_weights.numel() == pair_experts.numel(),
+             f"d_pair_weights has {d_pair_weights.numel()} entries, the routing "
+             f"{pair_experts.numel()} pairs")
+    d_logits = torch.empty(T, E, dtype=torch.float32, device=logits.device)
+    flags = torch.zeros(4, dtype=_I32, device=logits.device)
+    cfg = _lib.RouterCfg(kind, top_k, int(renormalize))
+    r = _routing_struct(T, E, pair_offsets, pair_experts, pair_weights)
+    with _device_guard(logits):
+        check(lib().moeblaze_router_backward(
+            ctypes.byref(cfg), ptr(logits), _lib.DTYPES[logits.dtype], T, E, ptr(bias),
+            device_code(logits), stream_of(logits), ctypes.byref(r), ptr(d_pair_weights),
+            ptr(d_logits), flags.data_ptr()))
+    return d_logits
+
+
+@router_backward.register_fake
+def _(logits, bias, pair_offsets, pair_experts, pair_weights, d_pair_weights, kind, top_k,
+      renormalize):
+    return logits.new_empty(logits.shape, dtype=torch.float32)
+
+
+def _route_setup(ctx, inputs, output):
+    logits, bias, kind, top_k, renormalize = inputs
+    offsets, experts, weights, _ = output
+    ctx.save_for_backward(logits, bias, offsets, experts, weights)
+    ctx.cfg = (kind, top_k, renormalize)
+
+
+def _route_backward(ctx, g_offsets, g_experts, g_weights, g_flags):
+    logits, bias, offsets, experts, weights = ctx.saved_tensors
+    if g_weights is None:
+        return None, None, None, None, None
+    d_logits = router_backward(logits, bias, offsets, experts, weights, g_weights, *ctx.cfg)
+    return d_logits.to(logits.dtype), None, None, None, None
+
+
+route.register_autograd(_route_backward, setup_context=_route_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# token rounding (SonicMoE): the rounded pair count is data-dependent
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("moeblaze::token_round", mutates_args=())
+def token_round(logits: Tensor, bias: Optional[Tensor], pair_offsets: Tensor, pair_experts: Tensor,
+                pair_weights: Tensor, kind: int, top_k: int, renormalize: bool, m_tile: int,
+                mode: int, seed: int) -> Tuple[Tensor, Tensor, Tensor]:
+    _check_router_inputs(logits, bias)
+    logits = logits.contiguous()
+    T, E = logits.shape
+    dev = logits.device
+    cfg = _lib.RouterCfg(kind, top_k, int(renormalize))
+    topk = _routing_struct(T, E, pair_offsets, pair_experts, pair_weights)
+    handle, P = ctypes.c_void_p(), ctypes.c_int64()
+    with _device_guard(logits):
+        check(lib().moeblaze_token_round(ctypes.byref(cfg), m_tile, mode, seed, ptr(logits),
+                                         _lib.DTYPES[logits.dtype], T, E, ptr(bias),
+                                         device_code(logits), stream_of(logits),
+                                         ctypes.byref(topk), ctypes.byref(handle),
+                                         ctypes.byref(P)))
+        offsets = torch.empty(T + 1, dtype=_I32, device=dev)
+        experts = torch.empty(P.value, dtype=_I32, device=dev)
+        weights = torch.empty(P.value, dtype=torch.float32, device=dev)
+        out = _routing_struct(T, E, offsets, experts, weights)
+        check(lib().moeblaze_routing_take(handle, ctypes.byref(out), stream_of(logits)))
+    return offsets, experts, weights
+
+
+@token_round.register_fake
+def _(logits, bias, pair_offsets, pair_experts, pair_weights, kind, top_k, renormalize, m_tile,
+      mode, seed):
+    P = torch.library.get_ctx().new_dynamic_size()
+    T = logits.shape[0]
+    return (logits.new_empty(T + 1, dtype=_I32), logits.new_empty(P, dtype=_I32),
+            logits.new_empty(P, dtype=torch.float32))
+
+
+def _round_setup(ctx, inputs, output):
+    logits, bias = inputs[0], inputs[1]
+    ctx.save_for_backward(logits, bias, *output)
+    ctx.cfg = (inputs[5], inputs[6], inputs[7])
+
+
+def _round_backward(ctx, g_offsets, g_experts, g_weights):
+    logits, bias, offsets, experts, weights = ctx.saved_tensors
+    if g_weights is None:
+        return (None,) * 11
+    d_logits = router_backward(logits, bias, offsets, experts, weights, g_weights, *ctx.cfg)
+    # The top-K routing only selected the pairs; every weight is recomputed from the logits.
+    return (d_logits.to(logits.dtype),) + (None,) * 10
+
+
+token_round.register_autograd(_round_backward, setup_context=_round_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# routing plan
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("moeblaze::build_plan", mutates_args=())
+def build_plan(pair_offsets: Tensor, pair_experts: Tensor, pair_weights: Tensor,
+               num_experts: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _require(pair_offsets.dtype == _I32 and pair_experts.dtype == _I32,
+             f"pair_offsets / pair_experts must be int32, got {pair_offsets.dtype} / "
+             f"{pair_experts.dtype}")
+    _require(pair_weights.dtype == torch.float32,
+             f"pair_weights must be float32, got {pair_weights.dtype}")
+    _require(pair_offsets.dim() == 1 and pair_offsets.numel() >= 1,
+             "pair_offsets must be (T+1,) with T >= 0")
+    _require(pair_weights.numel() == pair_experts.numel(),
+             f"pair_weights has {pair_weights.numel()} entries, pair_experts "
+             f"{pair_experts.numel()}")
+    for name, t in (("pair_experts", pair_experts), ("pair_weights", pair_weights)):
+        _same_device(name, t, pair_offsets)
+    pair_offsets, pair_experts, pair_weights = (t.contiguous() for t in
+                                                (pair_offsets, pair_experts, pair_weights))
+    T, S, E = pair_offsets.numel() - 1, pair_experts.numel(), num_experts
+    dev = pair_offsets.device
+    eto = torch.empty(max(E, 0) + 1, dtype=_I32, device=dev)
+    eti = torch.empty(S, dtype=_I32, device=dev)
+    sw = torch.empty(S, dtype=torch.float32, device=dev)
+    tpo = torch.empty(T + 1, dtype=_I32, device=dev)
+    tei = torch.empty(S, dtype=_I32, device=dev)
+    tim = torch.empty(S, dtype=_I32, device=dev)
+    flags = torch.zeros(4, dtype=_I32, device=dev)
+    dcode = device_code(pair_offsets)
+    ws_bytes = ctypes.c_uint64()
+    check(lib().moeblaze_plan_workspace_bytes(T, E, S, dcode, ctypes.byref(ws_bytes)))
+    ws = torch.empty(ws_bytes.value, dtype=torch.uint8, device=dev) if ws_bytes.value else None
+    r = _routing_struct(T, E, pair_offsets, pair_experts, pair_weights)
+    plan = _plan_struct(T, E, (eto, eti, sw, tpo, tei, tim))
+    with _device_guard(pair_offsets):
+        check(lib().moeblaze_build_plan(ctypes.byref(r), dcode, stream_of(pair_offsets),
+                                        ctypes.byref(plan), ptr(ws), ws_bytes.value,
+                                        flags.data_ptr()))
+    return eto, eti, sw, tpo, tei, tim, flags
+
+
+@build_plan.register_fake
+def _(pair_offsets, pair_experts, pair_weights, num_experts):
+    T, S = pair_offsets.shape[0] - 1, pair_experts.shape[0]
+    e = pair_offsets.new_empty
+    return (e(num_experts + 1, dtype=_I32), e(S, dtype=_I32), e(S, dtype=torch.float32),
+            e(T + 1, dtype=_I32), e(S, dtype=_I32), e(S, dtype=_I32), e(4, dtype=_I32))
+
+
+# ---------------------------------------------------------------------------------------------
+# the experts (DESIGN's eight steps)
+# ---------------------------------------------------------------------------------------------
+def _layer_cfg(x, w1, w2, S, activation, recompute, num_threads):
+    _require(x.dim() == 2, f"x must be (T, d), got shape {tuple(x.shape)}")
+    _require(w1.dim() == 3 and w2.dim() == 3,
+             f"w1 must be (E, w1_rows, d) and w2 (E, d, n), got {tuple(w1.shape)} and "
+             f"{tuple(w2.shape)}")
+    T, d = x.shape
+    E, n = w2.shape[0], w2.shape[2]
+    dt = _float_code(x, "x")
+    for name, t in (("w1", w1), ("w2", w2)):
+        _require(t.dtype == x.dtype, f"{name} has dtype {t.dtype} but x has {x.dtype}")
+        _same_device(name, t, x)
+    # K only enters the C++ config's checks (1 <= K <= E): token rounding varies it per token.
+    K = min(max(S // T if T > 0 else 1, 1), max(E, 1))
+    return _lib.LayerCfg(T, d, n, E, K, activation, dt, 1 if recompute else 0, num_threads)
+
+
+def _workspace(cfg, S, t):
+    """PyTorch-allocated workspace on CUDA; on the CPU the library allocates its own."""
+    if t.device.type != "cuda":
+        return None, 0
+    nbytes = ctypes.c_uint64()
+    check(lib().moeblaze_layer_workspace_bytes(ctypes.byref(cfg), S, 1, ctypes.byref(nbytes)))
+    if nbytes.value == 0:
+        return None, 0
+    return torch.empty(nbytes.value, dtype=torch.uint8, device=t.device), nbytes.value
+
+
+def _w1_rows(activation, n):
+    return 2 * n if activation in (0, 1) else n
+
+
+@torch.library.custom_op("moeblaze::experts_forward", mutates_args=())
+def experts_forward(x: Tensor, w1: Tensor, w2: Tensor, pair_weights: Tensor,
+                    expert_token_offsets: Tensor, expert_token_indices: Tensor,
+                    slot_weights: Tensor, token_pair_offsets: Tensor, token_expert_indices: Tensor,
+                    token_index_map: Tensor, activation: int, recompute: bool,
+                    num_threads: int) -> Tuple[Tensor, Tensor]:
+    x, w1, w2 = x.contiguous(), w1.contiguous(), w2.contiguous()
+    plan = (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
+            token_expert_indices, token_index_map)
+    S = expert_token_indices.numel()
+    cfg = _layer_cfg(x, w1, w2, S, activation, recompute, num_threads)
+    out = torch.empty_like(x)
+    rows = _w1_rows(activation, cfg.n)
+    h = x.new_empty((0, rows) if recompute else (S, rows))
+    ws, ws_bytes = _workspace(cfg, S, x)
+    p = _plan_struct(cfg.T, cfg.E, plan)
+    with _device_guard(x):
+        check(lib().moeblaze_layer_forward(ctypes.byref(cfg), ctypes.byref(p), device_code(x),
+                                           stream_of(x), ptr(x), ptr(w1), ptr(w2), ptr(out),
+                                           ptr(h), ptr(ws), ws_bytes))
+    return out, h
+
+
+@experts_forward.register_fake
+def _(x, w1, w2, pair_weights, eto, eti, sw, tpo, tei, tim, activation, recompute, num_threads):
+    S = eti.shape[0]
+    rows = _w1_rows(activation, w2.shape[2])
+    return torch.empty_like(x), x.new_empty((0, rows) if recompute else (S, rows))
+
+
+@torch.library.custom_op("moeblaze::experts_backward", mutates_args=())
+def experts_backward(d_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor,
+                     expert_token_offsets: Tensor, expert_token_indices: Tensor,
+                     slot_weights: Tensor, token_pair_offsets: Tensor,
+                     token_expert_indices: Tensor, token_index_map: Tensor, activation: int,
+                     recompute: bool, num_threads: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    x, w1, w2 = x.contiguous(), w1.contiguous(), w2.contiguous()
+    d_out = d_out.to(x.dtype).contiguous()
+    plan = (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
+            token_expert_indices, token_index_map)
+    S = expert_token_indices.numel()
+    cfg = _layer_cfg(x, w1, w2, S, activation, recompute, num_threads)
+    dx, dw1, dw2 = torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
+    dpw = torch.empty(S, dtype=torch.float32, device=x.device)
+    ws, ws_bytes = _workspace(cfg, S, x)
+    p = _plan_struct(cfg.T, cfg.E, plan)
+    with _device_guard(x):
+        check(lib().moeblaze_layer_backward(ctypes.byref(cfg), ctypes.byref(p), device_code(x),
+                                            stream_of(x), ptr(x), ptr(w1), ptr(w2), ptr(d_out),
+                                            None if recompute else ptr(h), ptr(dx), ptr(dw1),
+                                            ptr(dw2), ptr(dpw), ptr(ws), ws_bytes))
+    return dx, dw1, dw2, dpw
+
+
+@experts_backward.register_fake
+def _(d_out, x, w1, w2, h, eto, eti, sw, tpo, tei, tim, activation, recompute, num_threads):
+    return (torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2),
+            x.new_empty(eti.shape[0], dtype=torch.float32))
+
+
+def _experts_setup(ctx, inputs, output):
+    x, w1, w2, _pw = inputs[:4]
+    plan = inputs[4:10]
+    ctx.save_for_backward(x, w1, w2, output[1], *plan)
+    ctx.cfg = inputs[10:13]
+
+
+def _experts_backward(ctx, g_out, g_h):
+    x, w1, w2, h, *plan = ctx.saved_tensors
+    if g_out is None:
+        return (None,) * 13
+    dx, dw1, dw2, dpw = experts_backward(g_out, x, w1, w2, h, *plan, *ctx.cfg)
+    return (dx, dw1, dw2, dpw) + (None,) * 9
+
+
+experts_forward.register_autograd(_experts_backward, setup_context=_experts_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# device-side checks
+# ---------------------------------------------------------------------------------------------
+def check_flags(flags: Tensor, routing: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
+                num_experts: int = 0):
+    """Raises ValueError when a CUDA op raised its device-side flags: with the validator's message
+    naming the first bad entry when `routing` (pair_offsets, pair_experts, pair_weights) is given,
+    else saying that the router saw a NaN/Inf logit. Reads the flags back (a host sync): call it
+    outside CUDA graphs, e.g. once in a while in a training loop, or in tests."""
+    host = flags.detach().to("cpu", torch.int32).contiguous()
+    if not bool(host.any()):
+        return
+    r = None
+    dev = 0
+    if routing is not None:
+        offsets, experts, weights = routing
+        r = _routing_struct(offsets.numel() - 1, num_experts, offsets, experts, weights)
+        dev = device_code(offsets)
+    check(lib().moeblaze_routing_flags_error(host.data_ptr(),
+                                             ctypes.byref(r) if r is not None else None, dev))
