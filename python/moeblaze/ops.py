@@ -65,11 +65,25 @@ def _same_device(name, t, ref):
 
 
 def _routing_struct(T, E, offsets, experts, weights):
+    _require(offsets.numel() == T + 1 and offsets.dtype == _I32,
+             f"pair_offsets must be (T+1,) = ({T + 1},) int32, got {tuple(offsets.shape)} "
+             f"{offsets.dtype}")
+    _require(experts.dtype == _I32 and weights.dtype == torch.float32 and
+             weights.numel() == experts.numel(),
+             f"pair_experts (P,) int32 and pair_weights (P,) float32 must match, got "
+             f"{tuple(experts.shape)} {experts.dtype} and {tuple(weights.shape)} {weights.dtype}")
     return _lib.Routing(T, E, experts.numel(), ptr(offsets), ptr(experts), ptr(weights))
 
 
 def _plan_struct(T, E, plan):
     eto, eti, sw, tpo, tei, tim = plan
+    S = eti.numel()
+    _require(eto.numel() == E + 1 and tpo.numel() == T + 1,
+             f"plan arrays: expert_token_offsets has {eto.numel()} entries (E+1 = {E + 1}), "
+             f"token_pair_offsets {tpo.numel()} (T+1 = {T + 1})")
+    _require(sw.numel() == S and tei.numel() == S and tim.numel() == S,
+             "plan arrays: slot_weights, token_expert_indices and token_index_map must have S = "
+             f"{S} entries")
     return _lib.Plan(T, E, eti.numel(), ptr(eto), ptr(eti), ptr(sw), ptr(tpo), ptr(tei), ptr(tim))
 
 
@@ -280,6 +294,13 @@ def _layer_cfg(x, w1, w2, S, activation, recompute, num_threads):
     for name, t in (("w1", w1), ("w2", w2)):
         _require(t.dtype == x.dtype, f"{name} has dtype {t.dtype} but x has {x.dtype}")
         _same_device(name, t, x)
+    # The C ABI takes raw pointers: every shape is checked here, where the shapes are known.
+    rows = _w1_rows(activation, n)
+    _require(tuple(w1.shape) == (E, rows, d),
+             f"w1 must be (E, w1_rows, d) = ({E}, {rows}, {d}) for activation code {activation} "
+             f"(E and n from w2 {tuple(w2.shape)}, d from x), got {tuple(w1.shape)}")
+    _require(w2.shape[1] == d, f"w2 must be (E, d, n) with d = {d} (from x), got "
+             f"{tuple(w2.shape)}")
     # K only enters the C++ config's checks (1 <= K <= E): token rounding varies it per token.
     K = min(max(S // T if T > 0 else 1, 1), max(E, 1))
     return _lib.LayerCfg(T, d, n, E, K, activation, dt, 1 if recompute else 0, num_threads)
@@ -338,10 +359,17 @@ def experts_backward(d_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor
                      recompute: bool, num_threads: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     x, w1, w2 = x.contiguous(), w1.contiguous(), w2.contiguous()
     d_out = d_out.to(x.dtype).contiguous()
+    _require(d_out.shape == x.shape, f"d_out must have x's shape {tuple(x.shape)}, got "
+             f"{tuple(d_out.shape)}")
     plan = (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
             token_expert_indices, token_index_map)
     S = expert_token_indices.numel()
     cfg = _layer_cfg(x, w1, w2, S, activation, recompute, num_threads)
+    if not recompute:
+        _require(tuple(h.shape) == (S, _w1_rows(activation, cfg.n)) and h.dtype == x.dtype,
+                 f"h must be (S, w1_rows) = ({S}, {_w1_rows(activation, cfg.n)}) {x.dtype}, got "
+                 f"{tuple(h.shape)} {h.dtype}")
+        h = h.contiguous()
     dx, dw1, dw2 = torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
     dpw = torch.empty(S, dtype=torch.float32, device=x.device)
     ws, ws_bytes = _workspace(cfg, S, x)

@@ -262,7 +262,7 @@ int moeblaze_router_backward(const moeblaze_router_cfg* cfg, const void* logits,
     const RoutingView rv = routing_view(routing, dev, "routing");
     MOEBLAZE_REQUIRE(rv.T == T && rv.E == E, "routing has (T, E) = (", rv.T, ", ", rv.E,
                      "), logits are (", T, ", ", E, ")");
-    require_ptr(d_logits, "d_logits");
+    MOEBLAZE_REQUIRE(T * E == 0 || d_logits != nullptr, "d_logits is NULL");
     MOEBLAZE_REQUIRE(rv.P == 0 || d_pair_weights != nullptr, "d_pair_weights is NULL");
     const TensorView dpw(const_cast<float*>(d_pair_weights), DType::f32, dev, {rv.P});
     const TensorView dl(d_logits, DType::f32, dev, {T, E});
