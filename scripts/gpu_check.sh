@@ -10,6 +10,12 @@
 #       routing        moeblaze bench routing                   → OUT/routing.jsonl, routing.md
 #       layer          moeblaze bench layer (appended by the layer engineers)
 #       gemm           moeblaze bench gemm: the six grouped GEMMs alone → OUT/gemm.jsonl, gemm.md
+#       python         the PyTorch package: pip install (no network) with libmoeblaze_capi.so from
+#                      BUILD_DIR, its pytest suite (GPU tests included), the training proofs
+#                      (examples/prove_training.py, ~4 min) → OUT/python.log, training.json,
+#                      training.md, loss_curves.png, nrf_curves.png. PROVE_ARGS adds flags
+#                      (e.g. "--quick" or "--parts a"); PYTEST_ARGS likewise (e.g. "-k gpu").
+#                      PYTHON_ALLOW_CPU=1 accepts a CPU-only library (to try the part without a GPU).
 #   scripts/gpu_check.sh --pack-deps
 #     copies GoogleTest and CLI11 (headers, static libs) from this machine into
 #     third_party/gpudeps, for a GPU machine that has a CUDA toolkit but no such packages; the
@@ -30,6 +36,9 @@ if [ "${1:-}" = "--pack-deps" ]; then
   cp -r /usr/include/gtest /usr/include/CLI "$dst/include/"
   [ -d /usr/include/gmock ] && cp -r /usr/include/gmock "$dst/include/"
   cp /usr/lib/x86_64-linux-gnu/libgtest.a /usr/lib/x86_64-linux-gnu/libgtest_main.a "$dst/lib/"
+  # pytest (pure-Python wheels) for the python part, where the GPU machine's Python lacks it.
+  python3 -m pip download -q -d "$dst/wheels" pytest >/dev/null 2>&1 ||
+    echo "gpu_check: could not download the pytest wheels (the python part needs pytest there)"
   echo "gpu_check: packed $(du -sh "$dst" | cut -f1) into $dst"
   exit 0
 fi
@@ -74,13 +83,16 @@ if [ -z "${PREBUILT:-}" ]; then
   targets=(moeblaze_cli)
   if want tests; then targets+=(moeblaze_tests moeblaze_gpu_tests); fi
   if want routing-tests; then targets+=(moeblaze_gpu_tests); fi
+  if want python; then targets+=(moeblaze_capi); fi
   cmake --build "$BUILD" -j "$JOBS" --target "${targets[@]}" >"$OUT/build.log" 2>&1 || {
     grep -E "error|Error" "$OUT/build.log" | head -40; echo "gpu_check: build FAILED"; exit 1; }
   summary+=("build: ok in $(( $(date +%s) - start )) s (${targets[*]})")
 else
-  for b in moeblaze moeblaze_tests moeblaze_gpu_tests; do
-    [ -x "$BUILD/$b" ] || { echo "gpu_check: PREBUILT set but $BUILD/$b is missing"; exit 1; }
-  done
+  if [ "${parts[*]}" != python ]; then
+    for b in moeblaze moeblaze_tests moeblaze_gpu_tests; do
+      [ -x "$BUILD/$b" ] || { echo "gpu_check: PREBUILT set but $BUILD/$b is missing"; exit 1; }
+    done
+  fi
   summary+=("build: prebuilt binaries in $BUILD")
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
@@ -181,6 +193,57 @@ if want gemm; then
   fi
 fi
 
+# ---- python: the PyTorch front end (python/moeblaze) installed without network from the
+# libmoeblaze_capi.so of BUILD_DIR, its pytest suite, then the training proofs ----
+if want python; then
+  t0=$(date +%s)
+  repo=$(pwd)
+  capi="$repo/$BUILD/libmoeblaze_capi.so"
+  [[ "$BUILD" = /* ]] && capi="$BUILD/libmoeblaze_capi.so"
+  pip_rc=0
+  {
+    echo "== python: $(python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1)"
+    if ! python3 -c "import pytest" 2>/dev/null && [ -d third_party/gpudeps/wheels ]; then
+      echo "== pytest from third_party/gpudeps/wheels"
+      python3 -m pip install -q --no-index --find-links third_party/gpudeps/wheels pytest
+    fi
+    echo "== pip install (MOEBLAZE_PREBUILT_LIB=$capi)"
+    [ -f "$capi" ] || echo "gpu_check: $capi is missing"
+    MOEBLAZE_PREBUILT_LIB="$capi" python3 -m pip install --no-build-isolation --no-deps \
+      --force-reinstall ./python
+  } >"$OUT/python.log" 2>&1 || pip_rc=$?
+  if [ $pip_rc -ne 0 ] || ! (cd /tmp && python3 -c "import os, moeblaze; assert moeblaze.has_cuda() or os.environ.get('PYTHON_ALLOW_CPU'), 'built without CUDA'") >>"$OUT/python.log" 2>&1; then
+    status=1
+    tail -20 "$OUT/python.log"
+    summary+=("python: pip install FAILED (see python.log)")
+  else
+    summary+=("python: pip install ok [$(( $(date +%s) - t0 )) s]")
+    t0=$(date +%s)
+    echo "== pytest" >>"$OUT/python.log"
+    # Run from outside the repository so that the installed package is the one imported.
+    # shellcheck disable=SC2086
+    if (cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider "$repo/python/tests" ${PYTEST_ARGS:-}) \
+        >>"$OUT/python.log" 2>&1; then
+      summary+=("pytest: $(grep -E '[0-9]+ passed' "$OUT/python.log" | tail -1) [$(( $(date +%s) - t0 )) s]")
+    else
+      status=1
+      grep -E "^FAILED|^ERROR|Error" "$OUT/python.log" | head -20 || true
+      summary+=("pytest: FAILED: $(grep -E '[0-9]+ (passed|failed)' "$OUT/python.log" | tail -1)")
+    fi
+    t0=$(date +%s)
+    echo "== prove_training" >>"$OUT/python.log"
+    # shellcheck disable=SC2086
+    if PYTHONUNBUFFERED=1 python3 examples/prove_training.py --out "$OUT" ${PROVE_ARGS:-} \
+        >>"$OUT/python.log" 2>&1; then
+      summary+=("training proofs: PASS [$(( $(date +%s) - t0 )) s] (training.md)")
+    else
+      status=1
+      tail -15 "$OUT/python.log"
+      summary+=("training proofs: FAILED or a criterion failed (see python.log, training.md)")
+    fi
+  fi
+fi
+
 # ---- short table last ----
 echo
 echo "== gpu_check summary ($(head -2 "$OUT/gpu.txt" 2>/dev/null | tail -1)) =="
@@ -250,5 +313,8 @@ for c in dict.fromkeys(r["config"] for r in rows):
           r["tflops"] / r["dense_same_flop_tflops"] if r.get("dense_same_flop_tflops") else float("nan"))
           for r in rows if r["config"] == c))
 EOF
+fi
+if want python && [ -s "$OUT/training.md" ]; then
+  cat "$OUT/training.md"
 fi
 exit $status
