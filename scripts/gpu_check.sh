@@ -15,6 +15,8 @@
 #                      (examples/prove_training.py, ~4 min) → OUT/python.log, training.json,
 #                      training.md, loss_curves.png, nrf_curves.png. PROVE_ARGS adds flags
 #                      (e.g. "--quick" or "--parts a"); PYTEST_ARGS likewise (e.g. "-k gpu").
+#                      pytest comes from BUILD_DIR/wheels or third_party/gpudeps/wheels when
+#                      the machine's Python lacks it (pip download pytest -d DIR/wheels).
 #                      PYTHON_ALLOW_CPU=1 accepts a CPU-only library (to try the part without a GPU).
 #   scripts/gpu_check.sh --pack-deps
 #     copies GoogleTest and CLI11 (headers, static libs) from this machine into
@@ -203,10 +205,12 @@ if want python; then
   pip_rc=0
   {
     echo "== python: $(python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1)"
-    if ! python3 -c "import pytest" 2>/dev/null && [ -d third_party/gpudeps/wheels ]; then
-      echo "== pytest from third_party/gpudeps/wheels"
-      python3 -m pip install -q --no-index --find-links third_party/gpudeps/wheels pytest
-    fi
+    for wheels in "$BUILD/wheels" third_party/gpudeps/wheels; do
+      if ! python3 -c "import pytest" 2>/dev/null && [ -d "$wheels" ]; then
+        echo "== pytest from $wheels"
+        python3 -m pip install -q --no-index --find-links "$wheels" pytest
+      fi
+    done
     echo "== pip install (MOEBLAZE_PREBUILT_LIB=$capi)"
     [ -f "$capi" ] || echo "gpu_check: $capi is missing"
     MOEBLAZE_PREBUILT_LIB="$capi" python3 -m pip install --no-build-isolation --no-deps \

@@ -11,3 +11,6 @@ if [ "${gpu_tests:-0}" != "0" ] && ! nvidia-smi -L >/dev/null 2>&1; then
   echo "moeblaze: no GPU on this machine: the ${gpu_tests} GPU tests (label gpu) report: skipped: no GPU"
 fi
 ctest --output-on-failure -j "$(nproc)" "$@"
+cd ..
+# The PyTorch front end (python/): installs torch if needed, then its pytest suite.
+bash scripts/test_python.sh
