@@ -12,6 +12,9 @@ namespace moeblaze::cuda::gemm {
 namespace sm90 {
 
 struct DhEpilogue {
+  // Loads two tiles ahead (waits for each step's WGMMAs): 6-27 % faster than one tile ahead on
+  // the H200 (bench/NOTES.md, "look-ahead").
+  static constexpr int kMmaInFlight = 0;
   struct Params {
     const __nv_bfloat16* h;    // (S, w1_rows)
     const float* slot_weights;  // (S,)

@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) varlen_k_kernel(const Va
   lq.init(tid, a.q, a.N, a.q_gather, k_begin, k_end, n_tile * kBN, a.N);
   auto acc = cute::partition_fragment_C(typename Cfg::TiledMma{},
                                         cute::Shape<cute::Int<kBM>, cute::Int<kBN>>{});
-  mainloop<Cfg>(smem, lp, lq, (k_end - k_begin + kBK - 1) / kBK, acc);
+  mainloop<Cfg, 1>(smem, lp, lq, (k_end - k_begin + kBK - 1) / kBK, acc);
 
   __nv_bfloat16* out = a.out + int64_t(expert) * a.M * a.N;
   const int m0 = m_tile * kBM, n0 = n_tile * kBN;

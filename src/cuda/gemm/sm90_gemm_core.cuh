@@ -31,7 +31,7 @@ constexpr int kBM = 128;  // rows of the output tile (slots for varlen-M)
 constexpr int kBN = 128;  // columns of the output tile
 constexpr int kBK = 64;   // reduction step: one 128-byte swizzle row of bf16
 constexpr int kThreads = 256;  // two warpgroups, each 64 x kBN of the output
-// Shared-memory stages (32 KiB each). Loads run kStages - 2 tiles ahead of the MMA (see mainloop).
+// Shared-memory stages (32 KiB each). Loads run 1 or 2 tiles ahead of the MMA (see mainloop).
 // Measured on the H200 (bench/NOTES.md): 3 stages with 2 CTAs per SM beat 5 or 7 stages with one
 // CTA per SM on 17 of 18 (config, GEMM) pairs (+3..+29%; gemm-big's down-proj equal): the second
 // CTA's mainloop covers this one's prologue (index loads, pipeline fill) and epilogue, which a
@@ -51,6 +51,19 @@ constexpr int kStages = MOEBLAZE_GEMM_STAGES;
 #endif
 constexpr int kMinBlocks = MOEBLAZE_GEMM_MIN_BLOCKS;
 static_assert(kStages >= 3, "the pipeline needs at least 3 stages");
+// kMmaInFlight (a template argument of mainloop, chosen per kernel): the WGMMA batches a
+// warpgroup leaves in flight when it moves to the next K step. 1 overlaps each step's WGMMAs with
+// the next step's loads and issue, but can then refill only the stage read two steps ago, so the
+// loads run kStages - 2 = 1 tile ahead; 0 waits for the step's WGMMAs, which frees the stage just
+// read, so the loads run kStages - 1 = 2 tiles ahead while the other resident CTA keeps the
+// tensor cores busy. Measured on the H200 in one A/B run (bench/NOTES.md, "look-ahead"): 0 makes
+// dH 6-27 % faster on all four configs timed and costs dW1 1-6 %; the other GEMMs move within
+// -4.5 .. +6 % either way, so only dH uses 0.
+template <int kMmaInFlight>
+constexpr int lookahead() {
+  static_assert(kMmaInFlight == 0 || kMmaInFlight == 1, "kMmaInFlight is 0 or 1");
+  return kStages - 1 - kMmaInFlight;  // tiles loaded ahead of the MMA
+}
 
 template <GMajor M>
 using SmemAtom = std::conditional_t<M == GMajor::K, ct::GMMA::Layout_K_SW128_Atom<Elem>,
@@ -209,13 +222,14 @@ __device__ __forceinline__ void loader_load(L& l, int kt, uint32_t stage_addr) {
 // ---- the mainloop -----------------------------------------------------------------------------
 // acc (this thread's fragment of the 128 x 128 fp32 tile) = sum over num_k_tiles K steps of A·Bᵀ.
 // Stage reuse without producer/consumer barriers: at step kt every thread has passed
-// warpgroup_wait<1>() of step kt-1 (so the MMAs of step kt-2 are done in both warpgroups) before
-// the __syncthreads() of step kt, after which the stage of step kt-2 is refilled with tile
-// kt + kStages - 2. One WGMMA batch stays in flight while the next is issued.
-template <class Cfg, class LoaderA, class LoaderB, class Acc>
+// warpgroup_wait<kMmaInFlight>() of step kt-1 (so the MMAs of step kt-1-kMmaInFlight are done in
+// both warpgroups) before the __syncthreads() of step kt, after which that step's stage is
+// refilled with tile kt + kLookahead.
+template <class Cfg, int kMmaInFlight, class LoaderA, class LoaderB, class Acc>
 __device__ __forceinline__ void mainloop(char* smem, LoaderA& la, LoaderB& lb, int num_k_tiles,
                                          Acc& acc) {
   using namespace cute;
+  constexpr int kLookahead = lookahead<kMmaInFlight>();
   typename Cfg::TiledMma mma;
   Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem)),
                           typename Cfg::SmemLayoutA{});  // (BM, BK, stages)
@@ -230,7 +244,7 @@ __device__ __forceinline__ void mainloop(char* smem, LoaderA& la, LoaderB& lb, i
 
   clear(acc);
 #pragma unroll
-  for (int s = 0; s < kStages - 2; ++s) {
+  for (int s = 0; s < kLookahead; ++s) {
     if (s < num_k_tiles) {
       loader_load(la, s, a_base + s * Cfg::kStageBytesA);
       loader_load(lb, s, b_base + s * Cfg::kStageBytesB);
@@ -239,12 +253,12 @@ __device__ __forceinline__ void mainloop(char* smem, LoaderA& la, LoaderB& lb, i
   }
 
   int read_stage = 0;
-  int write_stage = kStages - 2;
+  int write_stage = kLookahead;
   for (int kt = 0; kt < num_k_tiles; ++kt) {
-    cp_async_wait<kStages - 3>();  // this thread's copies of tile kt have landed
+    cp_async_wait<kLookahead - 1>();  // this thread's copies of tile kt have landed
     fence_proxy_async_smem();
-    __syncthreads();  // ... and everybody's; the MMAs of tile kt-2 are done everywhere
-    const int kn = kt + kStages - 2;
+    __syncthreads();  // ... and everybody's; the MMAs that read the stage refilled below are done
+    const int kn = kt + kLookahead;
     if (kn < num_k_tiles) {
       loader_load(la, kn, a_base + write_stage * Cfg::kStageBytesA);
       loader_load(lb, kn, b_base + write_stage * Cfg::kStageBytesB);
@@ -256,7 +270,7 @@ __device__ __forceinline__ void mainloop(char* smem, LoaderA& la, LoaderB& lb, i
     warpgroup_arrive();
     cute::gemm(mma, tCrA(_, _, _, read_stage), tCrB(_, _, _, read_stage), acc);
     warpgroup_commit_batch();
-    warpgroup_wait<1>();
+    warpgroup_wait<kMmaInFlight>();
     warpgroup_fence_operand(acc);
     read_stage = read_stage + 1 == kStages ? 0 : read_stage + 1;
   }

@@ -83,21 +83,23 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       }
       return b_e + int64_t(row) * p.ldb;
     });
-    mainloop<Cfg>(smem, la, lb, p.K / kBK, acc);
+    mainloop<Cfg, Epi::kMmaInFlight>(smem, la, lb, p.K / kBK, acc);
   } else {
     MNMajorLoader lb;
     lb.init(tid, b_e, p.ldb, nullptr, 0, p.K, n_tile * kBN, p.N);
-    mainloop<Cfg>(smem, la, lb, p.K / kBK, acc);
+    mainloop<Cfg, Epi::kMmaInFlight>(smem, la, lb, p.K / kBK, acc);
   }
   Epi::apply(ep, acc, pre, m_begin, m_end, n_tile);
 }
 
 // Epilogue policies provide Params, Prefetched (registers filled by prefetch() before the
-// mainloop) and apply(params, acc, prefetched, m_begin, m_end, n_tile).
+// mainloop), apply(params, acc, prefetched, m_begin, m_end, n_tile) and kMmaInFlight, the
+// mainloop variant their kernel runs (sm90_gemm_core.cuh, lookahead()).
 struct NoPrefetch {};
 
 // Plain store of the tile: out[slot, n_tile * 128 + c] (bf16), columns < N.
 struct StoreEpilogue {
+  static constexpr int kMmaInFlight = 1;
   struct Params {
     __nv_bfloat16* out;  // (S, ldo)
     int64_t ldo;

@@ -13,6 +13,7 @@ namespace sm90 {
 
 // h (S, w1_rows) and a (S, n), both bf16, from the fp32 accumulators; either may be null.
 struct ActEpilogue {
+  static constexpr int kMmaInFlight = 1;
   struct Params {
     __nv_bfloat16* h;
     __nv_bfloat16* a;
