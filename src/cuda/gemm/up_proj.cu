@@ -19,21 +19,36 @@ struct ActEpilogue {
     __nv_bfloat16* a;
     int n;
     Activation act;
-    bool gated;
   };
   using Prefetched = NoPrefetch;
   __device__ static void prefetch(const Params&, Prefetched&, int, int, int) {}
   template <class Acc>
-  __device__ static void apply(const Params& p, Acc& acc, const Prefetched&, int m_begin,
+  __device__ static void apply(const Params& p, Acc& acc, const Prefetched& pre, int m_begin,
                                int m_end, int n_tile) {
-    const int64_t w1_rows = p.gated ? 2 * int64_t(p.n) : p.n;
+    // One straight-line body per activation: the switch runs once per tile, not per element
+    // (as in dh_proj.cu).
+    switch (p.act) {
+      case Activation::swiglu: return body<Activation::swiglu>(p, acc, m_begin, m_end, n_tile);
+      case Activation::geglu: return body<Activation::geglu>(p, acc, m_begin, m_end, n_tile);
+      case Activation::relu: return body<Activation::relu>(p, acc, m_begin, m_end, n_tile);
+      case Activation::silu: return body<Activation::silu>(p, acc, m_begin, m_end, n_tile);
+      case Activation::gelu: return body<Activation::gelu>(p, acc, m_begin, m_end, n_tile);
+      case Activation::relu2: return body<Activation::relu2>(p, acc, m_begin, m_end, n_tile);
+    }
+    (void)pre;
+  }
+
+  template <Activation A, class Acc>
+  __device__ static void body(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile) {
+    constexpr bool kGated = A == Activation::swiglu || A == Activation::geglu;
+    const int64_t w1_rows = kGated ? 2 * int64_t(p.n) : p.n;
 #pragma unroll
     for (int v1 = 0; v1 < 2; ++v1) {
       const int slot = m_begin + frag_row(v1);
       if (slot >= m_end) continue;
       __nv_bfloat16* h_row = p.h ? p.h + int64_t(slot) * w1_rows : nullptr;
       __nv_bfloat16* a_row = p.a ? p.a + int64_t(slot) * p.n : nullptr;
-      if (p.gated) {
+      if constexpr (kGated) {
         const int j0 = n_tile * (kBN / 2);
 #pragma unroll
         for (int i = 0; i < kFragColGroups / 2; ++i) {
@@ -45,7 +60,7 @@ struct ActEpilogue {
             store_bf16x2(h_row + j, g0, g1);
             store_bf16x2(h_row + p.n + j, u0, u1);
           }
-          if (a_row) store_bf16x2(a_row + j, dev_act(p.act, g0) * u0, dev_act(p.act, g1) * u1);
+          if (a_row) store_bf16x2(a_row + j, dev_act(A, g0) * u0, dev_act(A, g1) * u1);
         }
       } else {
         const int n0 = n_tile * kBN;
@@ -55,7 +70,7 @@ struct ActEpilogue {
           if (j >= p.n) continue;
           const float h0 = acc(4 * i + 2 * v1), h1 = acc(4 * i + 2 * v1 + 1);
           if (h_row) store_bf16x2(h_row + j, h0, h1);
-          if (a_row) store_bf16x2(a_row + j, dev_act(p.act, h0), dev_act(p.act, h1));
+          if (a_row) store_bf16x2(a_row + j, dev_act(A, h0), dev_act(A, h1));
         }
       }
     }
@@ -90,8 +105,7 @@ void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h
   p.n_tiles = static_cast<int>(gated ? n / (sm90::kBN / 2) : (n + sm90::kBN - 1) / sm90::kBN);
   p.gate_split = gated ? static_cast<int>(n) : 0;
   sm90::ActEpilogue::Params ep{reinterpret_cast<__nv_bfloat16*>(h),
-                               reinterpret_cast<__nv_bfloat16*>(a), static_cast<int>(n), act,
-                               gated};
+                               reinterpret_cast<__nv_bfloat16*>(a), static_cast<int>(n), act};
   sm90::launch_varlen_m<sm90::GMajor::K, sm90::ActEpilogue>(p, ep, plan.S, stream);
 }
 
