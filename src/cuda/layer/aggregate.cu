@@ -2,9 +2,16 @@
 // of token t, in pair order, of w_p * rows[slot_p]. A gather-and-sum, not a scatter: every output
 // row is produced by the threads that own it, so no atomics and a fixed summation order.
 //
-// Layout of the work: one thread per (token, 16-byte column chunk). Consecutive threads take
-// consecutive chunks of one row, so both the row gathers and the output stores are coalesced
-// 16-byte accesses; the index arrays (a few bytes per pair) stay in L1/L2.
+// Layout of the work: a thread owns C 16-byte column chunks of one token, spaced C-th of a row
+// apart (c, c + Q, c + 2Q, ...), so consecutive threads take consecutive chunks (coalesced
+// 16-byte gathers and stores), and loads the rows of B pairs before summing them: C x B = 4
+// independent 16-byte loads in flight per thread behind one walk of the token's index chain
+// (offsets -> pair -> slot -> weight). C = 1, B = 4 when tokens have several pairs (K > 2 on
+// average); C = 4, B = 1 otherwise: with C = 1 a K = 1 token gave each thread a single 16-byte
+// load behind three dependent index loads, and mb-conf1 (K = 1) reached 58 % of copy bandwidth
+// (2026-11-29). The index arrays (a few bytes per pair) stay in L1/L2. Every output element is
+// summed over its pairs in pair order whatever C and B are, so the result does not depend on
+// them.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -17,8 +24,6 @@ namespace moeblaze::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-// Pairs whose rows are loaded before the first is summed: independent 16-byte loads in flight.
-constexpr int kBatch = 4;
 
 template <typename T>
 struct Vec;  // one 16-byte chunk of T, unpacked to floats
@@ -69,8 +74,9 @@ template <>
 __device__ __forceinline__ float from_f<float>(float v) { return v; }
 
 // rows (S, d) T, out (T, d) T; d a multiple of Vec<T>::kElems and both 16-byte aligned.
-template <typename T, bool kWeighted>
-__global__ void __launch_bounds__(kThreads)
+// Thread (t, q) owns chunks q + k * Q (k < C, below `chunks`), Q = ceil(chunks / C).
+template <typename T, bool kWeighted, int C, int kBatch>
+__global__ void __launch_bounds__(kThreads, 3)  // <= 85 registers: 768 threads per SM, no spill
     aggregate_vec_kernel(const int32_t* __restrict__ token_pair_offsets,  // (T+1,)
                          const int32_t* __restrict__ token_index_map,     // (S,) pair → slot
                          const float* __restrict__ slot_weights,          // (S,) by slot
@@ -78,38 +84,57 @@ __global__ void __launch_bounds__(kThreads)
                          int64_t d) {
   constexpr int V = Vec<T>::kElems;
   const int64_t chunks = d / V;
+  const int64_t quarter_chunks = (chunks + C - 1) / C;
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
-  if (i >= num_tokens * chunks) return;
-  const int64_t t = i / chunks;
-  const int64_t c = i - t * chunks;
+  if (i >= num_tokens * quarter_chunks) return;
+  const int64_t t = i / quarter_chunks;
+  const int64_t q = i - t * quarter_chunks;
   const int p0 = token_pair_offsets[t], p1 = token_pair_offsets[t + 1];
 
-  float acc[V];
+  float acc[C][V];
 #pragma unroll
-  for (int j = 0; j < V; ++j) acc[j] = 0.0f;
+  for (int k = 0; k < C; ++k)
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[k][j] = 0.0f;
 
   for (int p = p0; p < p1; p += kBatch) {
-    uint4 raw[kBatch];
+    uint4 raw[kBatch][C];
     float w[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       if (p + b < p1) {
         const int64_t slot = token_index_map[p + b];
         w[b] = kWeighted ? slot_weights[slot] : 1.0f;
-        raw[b] = __ldg(reinterpret_cast<const uint4*>(rows + slot * d) + c);
+        const uint4* row = reinterpret_cast<const uint4*>(rows + slot * d);
+#pragma unroll
+        for (int k = 0; k < C; ++k) {
+          const int64_t c = q + k * quarter_chunks;
+          if (c < chunks) raw[b][k] = __ldg(row + c);
+        }
       }
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       if (p + b < p1) {
-        float f[V];
-        Vec<T>::unpack(raw[b], f);
 #pragma unroll
-        for (int j = 0; j < V; ++j) acc[j] = kWeighted ? fmaf(w[b], f[j], acc[j]) : acc[j] + f[j];
+        for (int k = 0; k < C; ++k) {
+          if (q + k * quarter_chunks < chunks) {
+            float f[V];
+            Vec<T>::unpack(raw[b][k], f);
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+              acc[k][j] = kWeighted ? fmaf(w[b], f[j], acc[k][j]) : acc[k][j] + f[j];
+          }
+        }
       }
     }
   }
-  reinterpret_cast<uint4*>(out + t * d)[c] = Vec<T>::pack(acc);
+  uint4* out_row = reinterpret_cast<uint4*>(out + t * d);
+#pragma unroll
+  for (int k = 0; k < C; ++k) {
+    const int64_t c = q + k * quarter_chunks;
+    if (c < chunks) out_row[c] = Vec<T>::pack(acc[k]);
+  }
 }
 
 // Any d, any alignment: one thread per output element, same order and arithmetic.
@@ -132,21 +157,32 @@ __global__ void __launch_bounds__(kThreads)
   out[i] = from_f<T>(acc);
 }
 
+template <typename T, bool kWeighted, int C, int kBatch>
+void launch_vec(const RoutingPlanView& plan, const void* rows, const float* w, void* out,
+                int64_t d, cudaStream_t stream) {
+  const int64_t work = plan.T * ((d / Vec<T>::kElems + C - 1) / C);
+  const int64_t blocks = (work + kThreads - 1) / kThreads;
+  MOEBLAZE_UNSUPPORTED_IF(blocks > int64_t(INT32_MAX), "aggregate: T*d (", plan.T * d,
+                          ") is too large for one launch");
+  aggregate_vec_kernel<T, kWeighted, C, kBatch><<<unsigned(blocks), kThreads, 0, stream>>>(
+      plan.token_pair_offsets, plan.token_index_map, w, static_cast<const T*>(rows),
+      static_cast<T*>(out), plan.T, d);
+}
+
 template <typename T, bool kWeighted>
 void launch_aggregate(const RoutingPlanView& plan, const void* rows, const float* w, void* out,
                       int64_t d, cudaStream_t stream) {
   constexpr int V = Vec<T>::kElems;
   const bool aligned = (reinterpret_cast<uintptr_t>(rows) % 16 == 0) &&
                        (reinterpret_cast<uintptr_t>(out) % 16 == 0) && d % V == 0;
-  const int64_t work = aligned ? plan.T * (d / V) : plan.T * d;
-  const int64_t blocks = (work + kThreads - 1) / kThreads;
-  MOEBLAZE_UNSUPPORTED_IF(blocks > int64_t(INT32_MAX), "aggregate: T*d (", plan.T * d,
-                          ") is too large for one launch");
-  if (aligned) {
-    aggregate_vec_kernel<T, kWeighted><<<unsigned(blocks), kThreads, 0, stream>>>(
-        plan.token_pair_offsets, plan.token_index_map, w, static_cast<const T*>(rows),
-        static_cast<T*>(out), plan.T, d);
+  if (aligned && plan.S > 2 * plan.T) {
+    launch_vec<T, kWeighted, 1, 4>(plan, rows, w, out, d, stream);
+  } else if (aligned) {
+    launch_vec<T, kWeighted, 4, 1>(plan, rows, w, out, d, stream);
   } else {
+    const int64_t blocks = (plan.T * d + kThreads - 1) / kThreads;
+    MOEBLAZE_UNSUPPORTED_IF(blocks > int64_t(INT32_MAX), "aggregate: T*d (", plan.T * d,
+                            ") is too large for one launch");
     aggregate_scalar_kernel<T, kWeighted><<<unsigned(blocks), kThreads, 0, stream>>>(
         plan.token_pair_offsets, plan.token_index_map, w, static_cast<const T*>(rows),
         static_cast<T*>(out), plan.T, d);
