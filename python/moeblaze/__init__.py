@@ -10,6 +10,8 @@ docs/PYTORCH.md describes the design (C ABI + torch.library custom ops).
 """
 from . import ops
 from ._lib import MoeblazeError, UnsupportedError, has_cuda, library_path, memory_stats, reset_peak
+from .expert_parallel import (ExpertParallelMoE, ep_experts_from_routing, ep_moe_experts,
+                              ep_shard)
 from .layer import (MoE, RouterLosses, TorchMoE, experts_from_routing, moe_experts,
                     router_losses)
 from .reference import dense_reference, torch_experts, torch_router
@@ -19,4 +21,5 @@ __version__ = "0.1.0"
 __all__ = ["MoE", "TorchMoE", "RouterLosses", "moe_experts", "experts_from_routing",
            "router_losses", "ops", "memory_stats", "reset_peak", "has_cuda", "library_path",
            "MoeblazeError", "UnsupportedError", "dense_reference", "torch_experts",
-           "torch_router"]
+           "torch_router", "ExpertParallelMoE", "ep_experts_from_routing", "ep_moe_experts",
+           "ep_shard"]
