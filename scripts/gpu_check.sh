@@ -4,11 +4,11 @@
 # short table last.
 #
 #   scripts/gpu_check.sh OUT [PART ...]
-#     PART: all (default) | tests | routing-tests | routing | layer | gemm
+#     PART: all (default) | tests | routing-tests | routing | layer | gemm | python
 #       tests          ctest, every test (CPU and GPU)          → OUT/ctest.log
 #       routing-tests  only the GPU routing tests (gtest filter) → OUT/routing_tests.log
 #       routing        moeblaze bench routing                   → OUT/routing.jsonl, routing.md
-#       layer          moeblaze bench layer (appended by the layer engineers)
+#       layer          moeblaze bench layer + bench/torch_reference.py → OUT/layer.jsonl
 #       gemm           moeblaze bench gemm: the six grouped GEMMs alone → OUT/gemm.jsonl, gemm.md
 #       python         the PyTorch package: pip install (no network) with libmoeblaze_capi.so from
 #                      BUILD_DIR, its pytest suite (GPU tests included), the training proofs
