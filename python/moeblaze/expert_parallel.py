@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from . import _lib
-from .layer import (MoE, _activation_code, _router_code, experts_from_routing,
+from .layer import (MoE, _activation_code, _init_moe_module, experts_from_routing,
                     router_losses)
 
 try:
@@ -155,7 +155,7 @@ def ep_experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights,
     w1, w2 and pair_weights."""
     rank, W = _group_info(group)
     first_e, E_loc = ep_shard(num_experts, W, rank)
-    act = _activation_code(activation)
+    _activation_code(activation)  # rejects an unknown name (ValueError) before any exchange
     # Local checks; the verdict travels with the counts so that a bad argument on one rank makes
     # every rank raise (none is left waiting in a later collective).
     err = None
@@ -284,27 +284,9 @@ class ExpertParallelMoE(nn.Module):
         self.rank, self.world_size = _group_info(group)
         self.expert_start, self.num_local_experts = ep_shard(num_experts, self.world_size,
                                                              self.rank)
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"moeblaze: top_k ({top_k}) must be in [1, num_experts = "
-                             f"{num_experts}]")
-        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        self.num_experts, self.top_k = num_experts, top_k
-        self.activation, self._act = activation, _activation_code(activation)
-        self.router, self._kind = router.replace("-", "_"), _router_code(router)
-        self.renormalize, self.recompute = bool(renormalize), bool(recompute)
-        self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
-        kw = {"device": device, "dtype": dtype}
-        rows = 2 * intermediate_size if activation in _lib.GATED else intermediate_size
-        El = self.num_local_experts
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False, **kw)
-        self.w1 = nn.Parameter(torch.empty(El, rows, hidden_size, **kw))
-        self.w2 = nn.Parameter(torch.empty(El, hidden_size, intermediate_size, **kw))
-        if self.router == "sigmoid_bias":
-            self.register_buffer("expert_bias", torch.zeros(num_experts, device=device,
-                                                            dtype=torch.float32))
-        else:
-            self.expert_bias = None
-        self.last_flags = None
+        _init_moe_module(self, hidden_size, intermediate_size, num_experts, top_k, activation,
+                         router, renormalize, recompute, aux_loss_coef, z_loss_coef,
+                         self.num_local_experts, device, dtype)
         nn.init.uniform_(self.w1, -1 / math.sqrt(hidden_size), 1 / math.sqrt(hidden_size))
         nn.init.uniform_(self.w2, -1 / math.sqrt(intermediate_size),
                          1 / math.sqrt(intermediate_size))

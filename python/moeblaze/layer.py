@@ -6,7 +6,7 @@ Weights follow DESIGN's stacked nn.Linear layout (out x in):
   w2          (E, d, n)
 forward(x) returns (out, RouterLosses(aux_loss, z_loss)); add losses.total to the training loss.
 """
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import math
 import torch
@@ -106,6 +106,34 @@ def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", reco
                                 validate=validate)
 
 
+def _init_moe_module(m, hidden_size, intermediate_size, num_experts, top_k, activation, router,
+                     renormalize, recompute, aux_loss_coef, z_loss_coef, weight_experts, device,
+                     dtype):
+    """The attributes, router and parameters MoE and ExpertParallelMoE share: gate (E, d) over all
+    num_experts, w1 (weight_experts, rows, d) and w2 (weight_experts, d, n) for the experts the
+    module holds (all of them, or one rank's shard), uninitialised; expert_bias for sigmoid_bias."""
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"moeblaze: top_k ({top_k}) must be in [1, num_experts = "
+                         f"{num_experts}]")
+    m.hidden_size, m.intermediate_size = hidden_size, intermediate_size
+    m.num_experts, m.top_k = num_experts, top_k
+    m.activation, m._act = activation, _activation_code(activation)
+    m.router, m._kind = router.replace("-", "_"), _router_code(router)
+    m.renormalize, m.recompute = bool(renormalize), bool(recompute)
+    m.aux_loss_coef, m.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
+    kw = {"device": device, "dtype": dtype}
+    rows = 2 * intermediate_size if activation in _lib.GATED else intermediate_size
+    m.gate = nn.Linear(hidden_size, num_experts, bias=False, **kw)
+    m.w1 = nn.Parameter(torch.empty(weight_experts, rows, hidden_size, **kw))
+    m.w2 = nn.Parameter(torch.empty(weight_experts, hidden_size, intermediate_size, **kw))
+    if m.router == "sigmoid_bias":
+        m.register_buffer("expert_bias", torch.zeros(num_experts, device=device,
+                                                     dtype=torch.float32))
+    else:
+        m.expert_bias = None
+    m.last_flags = None  # device-side check flags of the last forward (see MoE.check())
+
+
 class MoE(nn.Module):
     """A Mixture-of-Experts layer run by moeblaze (CPU backend or the Hopper GPU backend).
 
@@ -118,33 +146,13 @@ class MoE(nn.Module):
                  router="softmax_topk", renormalize=False, token_rounding=None, m_tile=128,
                  recompute=False, aux_loss_coef=0.0, z_loss_coef=0.0, device=None, dtype=None):
         super().__init__()
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"moeblaze: top_k ({top_k}) must be in [1, num_experts = "
-                             f"{num_experts}]")
-        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        self.num_experts, self.top_k = num_experts, top_k
-        self.activation = activation
-        self._act = _activation_code(activation)
-        self.router = router.replace("-", "_")
-        self._kind = _router_code(router)
-        self.renormalize = bool(renormalize)
+        _init_moe_module(self, hidden_size, intermediate_size, num_experts, top_k, activation,
+                         router, renormalize, recompute, aux_loss_coef, z_loss_coef,
+                         num_experts, device, dtype)
         if token_rounding is not None and token_rounding not in _lib.ROUNDINGS:
             raise ValueError(f"moeblaze: token_rounding {token_rounding!r} is not None, nr-f, "
                              "sr-f, up or down")
         self.token_rounding, self.m_tile, self.rounding_seed = token_rounding, int(m_tile), 0
-        self.recompute = bool(recompute)
-        self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
-        kw = {"device": device, "dtype": dtype}
-        rows = 2 * intermediate_size if activation in _lib.GATED else intermediate_size
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False, **kw)
-        self.w1 = nn.Parameter(torch.empty(num_experts, rows, hidden_size, **kw))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **kw))
-        if self.router == "sigmoid_bias":
-            self.register_buffer("expert_bias", torch.zeros(num_experts, device=device,
-                                                            dtype=torch.float32))
-        else:
-            self.expert_bias = None
-        self.last_flags = None  # device-side check flags of the last forward (see check())
         self.reset_parameters()
 
     def reset_parameters(self):

@@ -25,7 +25,7 @@ experts_backward); pair_weights is an input of experts_forward only so that its 
 (d_pair_weights) reaches the router: the kernels read the plan's slot_weights, built from it.
 """
 import ctypes
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor

@@ -1,7 +1,6 @@
 """Float64 references and dtype-derived tolerances shared by the tests."""
 import torch
 
-import moeblaze
 from moeblaze.reference import dense_reference
 
 # Relative Frobenius error allowed against the float64 reference: fp32 storage and accumulation
