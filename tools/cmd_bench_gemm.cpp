@@ -205,6 +205,8 @@ void run(const Flags& f) {
       int64_t dense_m, dense_n, dense_k;
     };
     namespace gg = cuda::gemm;
+    Dev scratch_buf(gg::tma_gemm_scratch_bytes(E));
+    const gg::GemmScratch tma_scratch{scratch_buf.as<char>(), gg::tma_gemm_scratch_bytes(E)};
     const std::vector<Kernel> kernels = {
         {"up", 2.0 * S * R * d,
          [&] { gg::up_proj(plan, B(x), B(w1), M(h), M(a), d, n, act, stream); }, S, R, d},
@@ -220,6 +222,12 @@ void run(const Flags& f) {
          d, n, S},
         {"dX", 2.0 * S * R * d,
          [&] { gg::dx_proj(plan, B(dh), B(w1), M(dx), d, n, act, stream); }, S, d, R},
+        // The TMA path of the two contiguous-A GEMMs (CUTLASS pointer-array), same outputs.
+        {"down-tma", 2.0 * S * d * n,
+         [&] { gg::down_proj(plan, B(a), B(w2), M(y), d, n, stream, tma_scratch); }, S, d, n},
+        {"dX-tma", 2.0 * S * R * d,
+         [&] { gg::dx_proj(plan, B(dh), B(w1), M(dx), d, n, act, stream, tma_scratch); }, S, d,
+         R},
         {"dW1", 2.0 * S * R * d,
          [&] { gg::dw1_proj(plan, B(dh), B(x), M(dw1), d, n, act, stream); }, R, d, S},
     };

@@ -171,7 +171,7 @@ void materialized_forward(const LayerConfig& cfg, const RoutingPlan& plan, const
       activation_kernel<<<blocks_for(S * n), kThreads, 0, stream>>>(
           next.h.as<bf>(), next.act_g.as<bf>(), next.a.as<bf>(), S, n, cfg.activation);
       check_launch();
-      g.down_proj(iv, next.a.as<bf16>(), w2.as<bf16>(), next.y.as<bf16>(), d, n, stream);
+      g.down_proj(iv, next.a.as<bf16>(), w2.as<bf16>(), next.y.as<bf16>(), d, n, stream, {});
     }
     aggregate_rows(plan.view(), next.y.data(), plan.view().slot_weights, out.data, d,
                    DType::bf16, stream);
@@ -213,14 +213,14 @@ void materialized_backward(const LayerConfig& cfg, const RoutingPlan& plan, cons
   check_launch();
   // dA = dY W2_e: the dX̃ GEMM (contiguous A, N-major B) with W2 (E, d, n) in W1's place, i.e.
   // a plain activation whose "w1_rows" is d and whose "d" is n.
-  g.dx_proj(iv, w.dy, w2.as<bf16>(), w.da, n, d, Activation::relu, stream);
+  g.dx_proj(iv, w.dy, w2.as<bf16>(), w.da, n, d, Activation::relu, stream, {});
   activation_backward_kernel<<<blocks_for(S * n), kThreads, 0, stream>>>(
       saved.h.as<bf>(), saved.act_g.as<bf>(), reinterpret_cast<const bf*>(w.da),
       reinterpret_cast<bf*>(w.dh), S, n, cfg.activation);
   check_launch();
   g.dw2_proj(iv, w.dy, saved.a.as<bf16>(), grads.dw2.as<bf16>(), d, n, stream);
   bf16* dxs = w.dy;  // (S, d) dXs over dY's bytes
-  g.dx_proj(iv, w.dh, w1.as<bf16>(), dxs, d, n, cfg.activation, stream);
+  g.dx_proj(iv, w.dh, w1.as<bf16>(), dxs, d, n, cfg.activation, stream, {});
   aggregate_rows(pv, dxs, nullptr, grads.dx.data, d, DType::bf16, stream);
   g.dw1_proj(iv, w.dh, saved.xs.as<bf16>(), grads.dw1.as<bf16>(), d, n, cfg.activation, stream);
   gather_pair_grads(pv, w.ds, grads.d_pair_weights.as<float>(), stream);

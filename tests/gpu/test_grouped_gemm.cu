@@ -163,6 +163,13 @@ void run_twice(const std::vector<const DevBuf*>& outs, F launch) {
     EXPECT_TRUE(bytes_equal(*outs[i], first[i])) << "output " << i << " differs between two runs";
 }
 
+// Device scratch for the TMA path of down_proj / dx_proj (tma_gemm_scratch_bytes(E) bytes).
+struct TmaScratch {
+  DevBuf buf;
+  explicit TmaScratch(int64_t E) : buf(gg::tma_gemm_scratch_bytes(E)) {}
+  gg::GemmScratch get() const { return {buf.ptr, buf.bytes}; }
+};
+
 template <typename A>
 double check_rel(const char* what, const std::vector<A>& got, const std::vector<double>& ref,
                  double tol) {
@@ -302,7 +309,12 @@ TEST_P(GroupedGemm, DownProjContiguous) {
   DevBuf y(size_t(S * d) * 2);
   run_twice({&y}, [&] { gg::down_proj(dp.view, cb(a), cb(w2), mb(y), d, n, nullptr); });
   const double ey = check_rel("y", download<bf16>(y), y_ref, rel_tolerance(DType::bf16));
-  std::printf("[down %s] S=%lld err y %.2e\n", case_name(c).c_str(), (long long)S, ey);
+  // The TMA path (CUTLASS pointer-array grouped GEMM), same contract and reference.
+  const TmaScratch ts(c.E);
+  run_twice({&y}, [&] { gg::down_proj(dp.view, cb(a), cb(w2), mb(y), d, n, nullptr, ts.get()); });
+  const double ey_tma = check_rel("y (TMA path)", download<bf16>(y), y_ref, rel_tolerance(DType::bf16));
+  std::printf("[down %s] S=%lld err y %.2e, TMA path %.2e\n", case_name(c).c_str(), (long long)S,
+              ey, ey_tma);
 }
 
 // ---- (4) dH with the dActivation / ds / A' epilogue, + reduce_ds ---------------------------
@@ -468,7 +480,14 @@ TEST_P(GroupedGemm, DxProjWeightNMajor) {
   DevBuf dx(size_t(S * d) * 2);
   run_twice({&dx}, [&] { gg::dx_proj(dp.view, cb(dh), cb(w1), mb(dx), d, c.n, c.act, nullptr); });
   const double ex = check_rel("dx_slots", download<bf16>(dx), dx_ref, rel_tolerance(DType::bf16));
-  std::printf("[dX  %s] S=%lld err dx %.2e\n", case_name(c).c_str(), (long long)S, ex);
+  const TmaScratch ts(c.E);
+  run_twice({&dx}, [&] {
+    gg::dx_proj(dp.view, cb(dh), cb(w1), mb(dx), d, c.n, c.act, nullptr, ts.get());
+  });
+  const double ex_tma =
+      check_rel("dx_slots (TMA path)", download<bf16>(dx), dx_ref, rel_tolerance(DType::bf16));
+  std::printf("[dX  %s] S=%lld err dx %.2e, TMA path %.2e\n", case_name(c).c_str(), (long long)S,
+              ex, ex_tma);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, GroupedGemm, ::testing::ValuesIn(all_cases()),
@@ -499,6 +518,9 @@ TEST(GroupedGemmEdge, EmptyPlan) {
               Activation::swiglu, nullptr);
   gg::reduce_ds(nullptr, guard.as<float>(), 0, n, nullptr);
   gg::dx_proj(dp.view, nullptr, cb(w1), mb(guard), d, n, Activation::swiglu, nullptr);
+  const TmaScratch ts(E);  // the TMA path: nothing to do either
+  gg::down_proj(dp.view, nullptr, cb(w2), mb(guard), d, n, nullptr, ts.get());
+  gg::dx_proj(dp.view, nullptr, cb(w1), mb(guard), d, n, Activation::swiglu, nullptr, ts.get());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_TRUE(bytes_equal(guard, before));
 

@@ -1,19 +1,25 @@
 // (2) down-projection: y[r, :] = W2_e a[r, :] — varlen-M, A contiguous, B = w2 K-major, plain
-// bf16 store. One instantiation: varlen_m_kernel<K-major B, StoreEpilogue>.
+// bf16 store. One instantiation: varlen_m_kernel<K-major B, StoreEpilogue>; with a scratch the
+// TMA path of down_proj_tma.cu runs instead.
 #include "cuda/gemm/gemm_checks.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/gemm/sm90_varlen_m.cuh"
+#include "cuda/gemm/tma_paths.hpp"
 
 namespace moeblaze::cuda::gemm {
 
 void down_proj(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16* y, int64_t d,
-               int64_t n, cudaStream_t stream) {
+               int64_t n, cudaStream_t stream, GemmScratch scratch) {
   constexpr const char* fn = "down_proj";
   detail::check_plan(fn, plan, /*gathers=*/false, /*weights=*/false);
   detail::check_dims(fn, d, n);
   detail::check_ptr(fn, a, "a", plan.S > 0);
   detail::check_ptr(fn, w2, "w2", plan.S > 0);
   detail::check_ptr(fn, y, "y", plan.S > 0);
+  if (scratch.data) {  // TMA path (tma_paths.hpp)
+    detail::down_proj_tma(plan, a, w2, y, d, n, scratch, stream);
+    return;
+  }
 
   sm90::VarlenMArgs p{};
   p.a = reinterpret_cast<const __nv_bfloat16*>(a);  // (S, n)

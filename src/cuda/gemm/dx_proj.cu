@@ -1,14 +1,16 @@
 // (6) dX̃: dx_slots[r, :] = W1_eᵀ dh[r, :] — varlen-M, A = dh contiguous, B = w1 read N-major
 // (the reduction runs over w1's rows), plain bf16 store. One instantiation:
-// varlen_m_kernel<N-major B, StoreEpilogue>.
+// varlen_m_kernel<N-major B, StoreEpilogue>; with a scratch the TMA path of dx_proj_tma.cu runs
+// instead.
 #include "cuda/gemm/gemm_checks.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/gemm/sm90_varlen_m.cuh"
+#include "cuda/gemm/tma_paths.hpp"
 
 namespace moeblaze::cuda::gemm {
 
 void dx_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* dx_slots,
-             int64_t d, int64_t n, Activation act, cudaStream_t stream) {
+             int64_t d, int64_t n, Activation act, cudaStream_t stream, GemmScratch scratch) {
   constexpr const char* fn = "dx_proj";
   detail::check_plan(fn, plan, /*gathers=*/false, /*weights=*/false);
   detail::check_dims(fn, d, n);
@@ -16,6 +18,10 @@ void dx_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* 
   detail::check_ptr(fn, w1, "w1", plan.S > 0);
   detail::check_ptr(fn, dx_slots, "dx_slots", plan.S > 0);
   const int64_t w1_rows = is_gated(act) ? 2 * n : n;
+  if (scratch.data) {  // TMA path (tma_paths.hpp)
+    detail::dx_proj_tma(plan, dh, w1, dx_slots, d, w1_rows, scratch, stream);
+    return;
+  }
 
   sm90::VarlenMArgs p{};
   p.a = reinterpret_cast<const __nv_bfloat16*>(dh);  // (S, w1_rows)

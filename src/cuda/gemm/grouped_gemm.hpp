@@ -22,11 +22,13 @@
 //
 // Stability: this header is coded against by the layer (src/cuda/layer/). Changes are additive
 // only and listed here:
-//   (none yet)
+//   * down_proj / dx_proj take an optional GemmScratch (default: none, the cp.async kernel);
+//     use_tma_gemm, tma_gemm_scratch_bytes and layer_gemm_scratch_bytes size it.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "moeblaze/config.hpp"
@@ -43,6 +45,28 @@ void check_gemm_shape(int64_t d, int64_t n);
 // Columns of the dH kernel's ds partials buffer: one per 128-wide tile of n (ceil(n / 128)).
 int64_t ds_partials_cols(int64_t n);
 
+// ---- the TMA path of the contiguous-A GEMMs (down_proj, dx_proj) ----------------------------
+// Their A operand is contiguous per expert, so both operands can come by TMA: CUTLASS's Hopper
+// pointer-array grouped GEMM (sm90_tma_grouped.cuh: warp-specialised, 128 x 256 tiles, clusters
+// of 2, persistent). It needs a little device scratch for its per-expert argument arrays and TMA
+// descriptors, which the caller provides (the layer carves it from its workspace).
+struct GemmScratch {
+  void* data = nullptr;  // 256-byte aligned; nullptr: run the cp.async kernel instead
+  size_t bytes = 0;
+};
+// Whether the layer runs down_proj / dx_proj on the TMA path for S slots over E experts: when
+// the experts average at least kTmaMinRowsPerExpert rows (S >= E * that), below which its
+// 128 x 256 tiles and persistent schedule are mostly tails. MOEBLAZE_GEMM_TMA=0 or 1 in the
+// environment (read once) forces the choice, for A/B measurements.
+constexpr int64_t kTmaMinRowsPerExpert = 1024;
+bool use_tma_gemm(int64_t S, int64_t E);
+// Scratch bytes the TMA path needs for E experts on the current device (the argument arrays,
+// ≈ 100 B per expert, and CUTLASS's per-SM TMA descriptors).
+size_t tma_gemm_scratch_bytes(int64_t E);
+// What the layer reserves for down_proj / dx_proj: tma_gemm_scratch_bytes(E) when
+// use_tma_gemm(S, E), else 0 (and it passes no scratch: the cp.async kernels run).
+size_t layer_gemm_scratch_bytes(int64_t S, int64_t E);
+
 // ---- forward -------------------------------------------------------------------------------
 
 // (1) up-projection, A operand gathered: for each slot r of expert e, token t = indices[r],
@@ -56,9 +80,10 @@ void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h
              int64_t d, int64_t n, Activation act, cudaStream_t stream);
 
 // (2) down-projection, A operand contiguous: y[r, :] = W2_e a[r, :].
-// a (S, n); w2 (E, d, n); y (S, d).
+// a (S, n); w2 (E, d, n); y (S, d). A non-empty scratch (tma_gemm_scratch_bytes(E)) selects the
+// TMA path; it is in use until the GEMM has run on `stream`.
 void down_proj(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16* y, int64_t d,
-               int64_t n, cudaStream_t stream);
+               int64_t n, cudaStream_t stream, GemmScratch scratch = {});
 
 // ---- backward ------------------------------------------------------------------------------
 
@@ -88,8 +113,9 @@ void dw2_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scal
 
 // (6) dX̃, A operand contiguous, W1_e read N-major: dx_slots[r, :] = W1_eᵀ dh[r, :]   (d,)
 // dh (S, w1_rows); w1 (E, w1_rows, d); dx_slots (S, d). Summed per token by aggregate_rows.
+// scratch as for down_proj.
 void dx_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* dx_slots,
-             int64_t d, int64_t n, Activation act, cudaStream_t stream);
+             int64_t d, int64_t n, Activation act, cudaStream_t stream, GemmScratch scratch = {});
 
 // (8) dW1, varlen-K: dw1[e] = sum over slots r of e of dh[r, :]ᵀ ⊗ x[token(r), :]  (w1_rows, d)
 // dh (S, w1_rows); x (T, d) gathered; dw1 (E, w1_rows, d). An expert with no slot gets zeros.

@@ -30,12 +30,30 @@
 namespace moeblaze::cuda {
 namespace {
 
-const GemmOps kSm90Ops = {gemm::up_proj,  gemm::down_proj, gemm::dh_proj,
-                          gemm::reduce_ds, gemm::dw2_proj, gemm::dx_proj,
-                          gemm::dw1_proj, gemm::ds_partials_cols, "sm90"};
-const GemmOps kNaiveOps = {naive::up_proj,  naive::down_proj, naive::dh_proj,
-                           naive::reduce_ds, naive::dw2_proj, naive::dx_proj,
-                           naive::dw1_proj, naive::ds_partials_cols, "naive"};
+const GemmOps kSm90Ops = {gemm::up_proj,          gemm::down_proj, gemm::dh_proj,
+                          gemm::reduce_ds,        gemm::dw2_proj,  gemm::dx_proj,
+                          gemm::dw1_proj,         gemm::ds_partials_cols,
+                          gemm::layer_gemm_scratch_bytes, "sm90"};
+// The naive oracle takes no scratch: thin adapters to the table's signatures.
+void naive_down_proj(const RoutingPlanView& p, const bf16* a, const bf16* w2, bf16* y, int64_t d,
+                     int64_t n, cudaStream_t s, gemm::GemmScratch) {
+  naive::down_proj(p, a, w2, y, d, n, s);
+}
+void naive_dx_proj(const RoutingPlanView& p, const bf16* dh, const bf16* w1, bf16* dx, int64_t d,
+                   int64_t n, Activation act, cudaStream_t s, gemm::GemmScratch) {
+  naive::dx_proj(p, dh, w1, dx, d, n, act, s);
+}
+size_t no_scratch(int64_t, int64_t) { return 0; }
+const GemmOps kNaiveOps = {naive::up_proj,  naive_down_proj, naive::dh_proj,
+                           naive::reduce_ds, naive::dw2_proj, naive_dx_proj,
+                           naive::dw1_proj, naive::ds_partials_cols, no_scratch, "naive"};
+
+// A Carver piece of gemm_ops().scratch_bytes(S, E) bytes; empty when that is 0.
+gemm::GemmScratch take_scratch(Carver& c, int64_t S, int64_t E) {
+  const size_t bytes = gemm_ops().scratch_bytes(S, E);
+  if (bytes == 0) return {};
+  return {c.take<char>(static_cast<int64_t>(bytes)), bytes};
+}
 
 // -1: not decided yet (read MOEBLAZE_GEMM at first use).
 std::atomic<int> g_gemm_impl{-1};
@@ -61,6 +79,7 @@ ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, void* base
   ForwardWorkspace w;
   w.a = c.take<bf16>(S * cfg.n);
   w.y = c.take<bf16>(S * cfg.d);
+  w.scratch = take_scratch(c, S, cfg.E);
   w.bytes = c.high_water();
   return w;
 }
@@ -72,6 +91,7 @@ BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMod
   w.dh = c.take<bf16>(S * w1_rows(cfg));
   w.ds_partials = c.take<float>(S * ds_cols);
   w.ds = c.take<float>(S);
+  w.scratch = take_scratch(c, S, cfg.E);
   // H (recompute) and A' die before dX̃ is written: dX̃ takes their bytes.
   const size_t shared = c.mark();
   if (mode == LayerMode::recompute) w.h = c.take<bf16>(S * w1_rows(cfg));
@@ -140,7 +160,7 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
     if (S > 0) {
       g.up_proj(pv, x.as<bf16>(), w1.as<bf16>(), next.h.as<bf16>(), w.a, cfg.d, cfg.n,
                 cfg.activation, stream);
-      g.down_proj(pv, w.a, w2.as<bf16>(), w.y, cfg.d, cfg.n, stream);
+      g.down_proj(pv, w.a, w2.as<bf16>(), w.y, cfg.d, cfg.n, stream, w.scratch);
     }
     aggregate_rows(pv, w.y, pv.slot_weights, out.data, cfg.d, DType::bf16, stream);
     // The workspace is freed when `ws` goes out of scope, in stream order after the kernels
@@ -198,7 +218,8 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
             cfg.n, cfg.activation, stream);
   g.reduce_ds(w.ds_partials, w.ds, S, cfg.n, stream);
   g.dw2_proj(pv, d_out.as<bf16>(), w.a_scaled, grads.dw2.as<bf16>(), cfg.d, cfg.n, stream);
-  g.dx_proj(pv, w.dh, w1.as<bf16>(), w.dx_slots, cfg.d, cfg.n, cfg.activation, stream);
+  g.dx_proj(pv, w.dh, w1.as<bf16>(), w.dx_slots, cfg.d, cfg.n, cfg.activation, stream,
+            w.scratch);
   aggregate_rows(pv, w.dx_slots, nullptr, grads.dx.data, cfg.d, DType::bf16, stream);
   g.dw1_proj(pv, w.dh, x.as<bf16>(), grads.dw1.as<bf16>(), cfg.d, cfg.n, cfg.activation, stream);
   gather_pair_grads(pv, w.ds, grads.d_pair_weights.as<float>(), stream);

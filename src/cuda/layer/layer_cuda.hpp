@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/gemm/grouped_gemm.hpp"
 #include "moeblaze/config.hpp"
 #include "moeblaze/layer.hpp"
 #include "moeblaze/memory.hpp"
@@ -21,17 +22,19 @@ struct GemmOps {
   void (*up_proj)(const RoutingPlanView&, const bf16*, const bf16*, bf16*, bf16*, int64_t,
                   int64_t, Activation, cudaStream_t);
   void (*down_proj)(const RoutingPlanView&, const bf16*, const bf16*, bf16*, int64_t, int64_t,
-                    cudaStream_t);
+                    cudaStream_t, gemm::GemmScratch);
   void (*dh_proj)(const RoutingPlanView&, const bf16*, const bf16*, const bf16*, float*, bf16*,
                   bf16*, int64_t, int64_t, Activation, cudaStream_t);
   void (*reduce_ds)(const float*, float*, int64_t, int64_t, cudaStream_t);
   void (*dw2_proj)(const RoutingPlanView&, const bf16*, const bf16*, bf16*, int64_t, int64_t,
                    cudaStream_t);
   void (*dx_proj)(const RoutingPlanView&, const bf16*, const bf16*, bf16*, int64_t, int64_t,
-                  Activation, cudaStream_t);
+                  Activation, cudaStream_t, gemm::GemmScratch);
   void (*dw1_proj)(const RoutingPlanView&, const bf16*, const bf16*, bf16*, int64_t, int64_t,
                    Activation, cudaStream_t);
   int64_t (*ds_partials_cols)(int64_t);
+  // Scratch of down_proj / dx_proj for S slots over E experts (0: they need none).
+  size_t (*scratch_bytes)(int64_t S, int64_t E);
   const char* name;
 };
 
@@ -71,6 +74,7 @@ class Carver {
 struct ForwardWorkspace {
   bf16* a = nullptr;  // (S, n)  activation output, input of the down-projection
   bf16* y = nullptr;  // (S, d)  expert outputs, aggregated into out
+  gemm::GemmScratch scratch;  // down_proj's (GemmOps::scratch_bytes; empty: none)
   size_t bytes = 0;
 };
 struct BackwardWorkspace {
@@ -80,6 +84,7 @@ struct BackwardWorkspace {
   bf16* dx_slots = nullptr;     // (S, d)        dX̃; reuses the bytes of A' (and H): both dead
   float* ds_partials = nullptr;  // (S, ds_partials_cols(n)) per-N-tile partial sums of ds
   float* ds = nullptr;          // (S,) fp32 gate gradient by slot, gathered to pair order last
+  gemm::GemmScratch scratch;    // dx_proj's (GemmOps::scratch_bytes; empty: none)
   size_t bytes = 0;
 };
 ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, void* base);

@@ -1,0 +1,199 @@
+// Varlen-M grouped GEMM with a CONTIGUOUS A operand, built from CUTLASS's Hopper pointer-array
+// kernel (TMA loads of both operands, a producer warp and two cooperative consumer warpgroups,
+// persistent group tile scheduler, TMA store epilogue; CUTLASS example 57):
+//   for every expert e: D[off[e] + i, :] = A[off[e] + i, :] · B_e      i < count_e
+// Used by down_proj (A = act, B_e = w2_eᵀ) and dx_proj (A = dH, B_e = w1_e) when the experts'
+// row ranges are long enough for its 128 x 256 tiles (use_tma_gemm). Up-proj, dH and the weight
+// gradients gather an operand row by row, which a TMA descriptor cannot express (affine strides
+// only), so they stay on the cp.async kernels of sm90_varlen_m.cuh / dw_proj.cu.
+//
+// No host sync: the per-expert problem sizes and operand pointers are written ON THE DEVICE by
+// build_group_args from expert_token_offsets into the caller's scratch, and CUTLASS is given no
+// host problem shapes (its scheduler then launches one persistent CTA per SM and reads the sizes
+// on the device). Experts with no rows have zero tiles and are skipped by the scheduler.
+// Included by exactly one .cu file per B layout (down_proj_tma.cu, dx_proj_tma.cu): each
+// instantiation costs ~80 s of nvcc on one core.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+#include "cuda/cuda_backend.hpp"
+#include "moeblaze/error.hpp"
+
+namespace moeblaze::cuda::gemm::tma {
+
+using ElemT = cutlass::bfloat16_t;  // bf16 bits, as moeblaze::bf16 / __nv_bfloat16
+using LayoutD = cutlass::layout::RowMajor;  // D (M, N), N contiguous
+constexpr int kAlign = 8;                   // elements per 16 bytes (TMA's alignment)
+// 128 x 256 output tile, 64-deep K steps, cooperative (both consumer warpgroups on one tile),
+// clusters of 2 CTAs along M so the weight tile B is multicast to both.
+using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+// LayoutB: ColumnMajor = B_e stored (N, K), K contiguous (w2_e (d, n) for the down-projection);
+//          RowMajor    = B_e stored (K, N), N contiguous (w1_e (w1_rows, d) for dX̃).
+// Tile and Cluster are template parameters (defaulted) so that both builders are dependent types:
+// with non-dependent builders inside a class template nvcc's host pass fails to compile them.
+template <class LayoutB, class Tile = TileShape, class Cluster = ClusterShape>
+struct GroupedGemm {
+  using ElemT = tma::ElemT;
+  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K)
+  using LayoutA = cutlass::layout::RowMajor;  // (M, K), K contiguous
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, LayoutD*, kAlign,  // no C operand: D = A·B
+      ElemT, LayoutD*, kAlign, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<ElemT, float>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElemT, LayoutA*, kAlign, ElemT,
+      LayoutB*, kAlign, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+
+  // The per-expert argument arrays, carved from the front of the scratch (256-byte pieces).
+  struct GroupArrays {
+    Shape3* shapes;        // (E,) (M_e, N, K)
+    const ElemT** ptr_a;   // (E,) first row of expert e in A
+    const ElemT** ptr_b;   // (E,) B_e
+    ElemT** ptr_d;         // (E,) first row of expert e in D
+    StrideA* stride_a;     // (E,) all equal; CUTLASS's pointer-array API takes one per group
+    StrideB* stride_b;
+    StrideD* stride_d;
+    size_t bytes;          // total, 256-byte aligned
+  };
+  static GroupArrays carve(void* base, int E) {
+    char* p = static_cast<char*>(base);
+    size_t off = 0;
+    auto take = [&](size_t bytes) {
+      char* at = p ? p + off : nullptr;
+      off += (bytes + 255) / 256 * 256;
+      return at;
+    };
+    GroupArrays g;
+    g.shapes = reinterpret_cast<Shape3*>(take(sizeof(Shape3) * E));
+    g.ptr_a = reinterpret_cast<const ElemT**>(take(sizeof(void*) * E));
+    g.ptr_b = reinterpret_cast<const ElemT**>(take(sizeof(void*) * E));
+    g.ptr_d = reinterpret_cast<ElemT**>(take(sizeof(void*) * E));
+    g.stride_a = reinterpret_cast<StrideA*>(take(sizeof(StrideA) * E));
+    g.stride_b = reinterpret_cast<StrideB*>(take(sizeof(StrideB) * E));
+    g.stride_d = reinterpret_cast<StrideD*>(take(sizeof(StrideD) * E));
+    g.bytes = off;
+    return g;
+  }
+
+  static cutlass::KernelHardwareInfo hw_info() {
+    cutlass::KernelHardwareInfo hw;
+    MOEBLAZE_CUDA_CHECK(cudaGetDevice(&hw.device_id));
+    MOEBLAZE_CUDA_CHECK(
+        cudaDeviceGetAttribute(&hw.sm_count, cudaDevAttrMultiProcessorCount, hw.device_id));
+    return hw;
+  }
+
+  static typename Gemm::Arguments arguments(const GroupArrays& g, int E,
+                                            const cutlass::KernelHardwareInfo& hw) {
+    typename Gemm::Arguments args;
+    args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+    args.problem_shape = {E, g.shapes, nullptr};  // sizes on the device only
+    args.mainloop = {g.ptr_a, g.stride_a, g.ptr_b, g.stride_b};
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = 0.0f;
+    args.epilogue.ptr_C = nullptr;
+    args.epilogue.dC = nullptr;
+    args.epilogue.ptr_D = g.ptr_d;
+    args.epilogue.dD = g.stride_d;
+    args.hw_info = hw;
+    return args;
+  }
+
+  // Scratch bytes for E experts on the current device: the argument arrays + CUTLASS's workspace
+  // (per-SM TMA descriptors, which the kernel rewrites for each group it visits).
+  static size_t scratch_bytes(int E) {
+    const GroupArrays g = carve(nullptr, E);
+    return g.bytes + (Gemm::get_workspace_size(arguments(g, E, hw_info())) + 255) / 256 * 256;
+  }
+};
+
+// Strides of a row-major (rows, ld) matrix in the stride type CUTLASS uses for this operand:
+// (ld, 1, 0) when the second mode is the contiguous one, (1, ld, 0) when the first is.
+template <class Stride>
+__host__ __device__ Stride packed_stride(int64_t ld) {
+  Stride s{};
+  if constexpr (cute::is_static_v<cute::remove_cvref_t<decltype(cute::get<1>(s))>>) {
+    cute::get<0>(s) = ld;
+  } else {
+    cute::get<1>(s) = ld;
+  }
+  return s;
+}
+
+// One thread per expert: sizes, operand pointers and strides of group e.
+//   offsets (E+1,) int32 expert_token_offsets; a (S, lda); b (E, ...) with b_stride elements per
+//   expert and leading dimension ldb; d (S, ldd).
+template <class G>
+__global__ void build_group_args(typename G::GroupArrays g, const int32_t* __restrict__ offsets,
+                                 int E, const typename G::ElemT* a, int64_t lda,
+                                 const typename G::ElemT* b, int64_t b_stride, int64_t ldb,
+                                 typename G::ElemT* d, int64_t ldd, int N, int K) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= E) return;
+  const int begin = offsets[e];
+  g.shapes[e] = typename G::Shape3{offsets[e + 1] - begin, N, K};
+  g.ptr_a[e] = a + int64_t(begin) * lda;
+  g.ptr_b[e] = b + int64_t(e) * b_stride;
+  g.ptr_d[e] = d + int64_t(begin) * ldd;
+  g.stride_a[e] = packed_stride<typename G::StrideA>(lda);
+  g.stride_b[e] = packed_stride<typename G::StrideB>(ldb);
+  g.stride_d[e] = packed_stride<typename G::StrideD>(ldd);
+}
+
+// Enqueues the argument build and the GEMM on `stream`. scratch: scratch_bytes(E) bytes, 256-byte
+// aligned, not used by anything else until the GEMM has run (stream order).
+template <class G>
+void run(const char* fn, const int32_t* offsets, int E, const void* a, int64_t lda, const void* b,
+         int64_t b_stride, int64_t ldb, void* d, int64_t ldd, int N, int K, void* scratch,
+         size_t scratch_bytes, cudaStream_t stream) {
+  const typename G::GroupArrays g = G::carve(scratch, E);
+  const cutlass::KernelHardwareInfo hw = G::hw_info();
+  const typename G::Gemm::Arguments args = G::arguments(g, E, hw);
+  const size_t ws_bytes = G::Gemm::get_workspace_size(args);
+  MOEBLAZE_REQUIRE(scratch_bytes >= g.bytes + ws_bytes, fn, ": scratch of ", scratch_bytes,
+                   " bytes is smaller than the ", g.bytes + ws_bytes,
+                   " the TMA grouped GEMM needs (tma_gemm_scratch_bytes)");
+  using Elem = typename G::ElemT;
+  build_group_args<G><<<(E + 127) / 128, 128, 0, stream>>>(
+      g, offsets, E, static_cast<const Elem*>(a), lda, static_cast<const Elem*>(b), b_stride, ldb,
+      static_cast<Elem*>(d), ldd, N, K);
+  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+  typename G::Gemm gemm;
+  MOEBLAZE_UNSUPPORTED_IF(gemm.can_implement(args) != cutlass::Status::kSuccess, fn,
+                          ": CUTLASS's grouped GEMM rejects N = ", N, ", K = ", K);
+  void* workspace = static_cast<char*>(scratch) + g.bytes;
+  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess)
+    throw DeviceError(std::string(fn) + ": CUTLASS grouped GEMM initialisation failed");
+  const cutlass::Status st = gemm.run(stream);
+  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+  if (st != cutlass::Status::kSuccess)
+    throw DeviceError(std::string(fn) + ": CUTLASS grouped GEMM launch failed");
+}
+
+}  // namespace moeblaze::cuda::gemm::tma

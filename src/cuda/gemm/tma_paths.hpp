@@ -1,0 +1,26 @@
+// The TMA path of the contiguous-A grouped GEMMs (down_proj, dx_proj): one CUTLASS instantiation
+// per .cu file (down_proj_tma.cu, dx_proj_tma.cu) so the two heavy builds run in parallel.
+// Called by down_proj / dx_proj after their argument checks when given a scratch. Host-only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/gemm/grouped_gemm.hpp"
+
+namespace moeblaze::cuda::gemm::detail {
+
+// Scratch bytes each instantiation needs for E experts on the current device.
+size_t down_proj_tma_scratch_bytes(int E);
+size_t dx_proj_tma_scratch_bytes(int E);
+
+// y (S, d) = per expert a (S, n) · w2_eᵀ, w2 (E, d, n).
+void down_proj_tma(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16* y,
+                   int64_t d, int64_t n, GemmScratch scratch, cudaStream_t stream);
+// dx_slots (S, d) = per expert dh (S, w1_rows) · w1_e, w1 (E, w1_rows, d).
+void dx_proj_tma(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* dx_slots,
+                 int64_t d, int64_t w1_rows, GemmScratch scratch, cudaStream_t stream);
+
+}  // namespace moeblaze::cuda::gemm::detail
