@@ -55,6 +55,7 @@ struct Flags {
   int warmup = 3;
   uint64_t seed = 20261129;
   bool no_dense = false;
+  std::string only;  // comma list of kernel names to time (all when empty)
   std::string out;  // append JSON lines here
   std::string md;   // write the table as Markdown here
 };
@@ -304,8 +305,11 @@ void run(const Flags& f) {
         throw DeviceError("bench gemm: a grouped GEMM's sampled error " + std::to_string(e) +
                           " exceeds 2e-2; not timing a broken kernel");
 
+    const auto only = split_commas(f.only);
     for (size_t i = 0; i < kernels.size(); ++i) {
       const auto& k = kernels[i];
+      if (!only.empty() && std::find(only.begin(), only.end(), std::string(k.name)) == only.end())
+        continue;
       Row row{sh.name, k.name, T, S, E, K, d, n, 0, 0, NAN, NAN, errs[i]};
       row.ms = timer.median_ms(f.warmup, f.reps, k.launch);
       row.tflops = k.flops / (row.ms * 1e-3) / 1e12;
@@ -377,6 +381,9 @@ void add_bench_gemm_command(CLI::App& bench) {
   sub->add_option("--warmup", flags->warmup, "untimed repetitions first");
   sub->add_option("--seed", flags->seed, "input seed");
   sub->add_flag("--no-dense", flags->no_dense, "skip the cuBLAS same-FLOP comparison");
+  sub->add_option("--only", flags->only,
+                  "time only these kernels (comma list of up, down, dH, dW2, dX, down-tma, "
+                  "dX-tma, dW1); all of them still run once for the correctness check");
   sub->add_option("--out", flags->out, "append JSON lines to this file");
   sub->add_option("--md", flags->md, "write the table as Markdown to this file");
   sub->callback([flags] { run(*flags); });

@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include <cute/tensor.hpp>
@@ -41,6 +42,26 @@ constexpr int kAlign = 8;                   // elements per 16 bytes (TMA's alig
 // clusters of 2 CTAs along M so the weight tile B is multicast to both.
 using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
 using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+// The persistent scheduler's tile order inside each expert's (M, N) grid. CUTLASS's default for
+// grouped problems walks M first (AlongM) with no swizzle. MOEBLAZE_TMA_RASTER=m|n and
+// MOEBLAZE_TMA_SWIZZLE=1|2|4|8 (read once) override it, for measurements.
+struct SchedulerChoice {
+  bool along_n = false;
+  int swizzle = 1;
+};
+inline SchedulerChoice scheduler_choice() {
+  static const SchedulerChoice choice = [] {
+    SchedulerChoice c;
+    if (const char* r = std::getenv("MOEBLAZE_TMA_RASTER")) c.along_n = r[0] == 'n';
+    if (const char* z = std::getenv("MOEBLAZE_TMA_SWIZZLE")) {
+      const int v = std::atoi(z);
+      if (v == 1 || v == 2 || v == 4 || v == 8) c.swizzle = v;
+    }
+    return c;
+  }();
+  return choice;
+}
+
 // LayoutB: ColumnMajor = B_e stored (N, K), K contiguous (w2_e (d, n) for the down-projection);
 //          RowMajor    = B_e stored (K, N), N contiguous (w1_e (w1_rows, d) for dX̃).
 // Tile and Cluster are template parameters (defaulted) so that both builders are dependent types:
@@ -69,6 +90,7 @@ struct GroupedGemm {
   using StrideB = typename Kernel::InternalStrideB;
   using StrideD = typename Kernel::InternalStrideD;
   using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+  using RasterOptions = typename Kernel::TileScheduler::RasterOrderOptions;
 
   // The per-expert argument arrays, carved from the front of the scratch (256-byte pieces).
   struct GroupArrays {
@@ -122,6 +144,9 @@ struct GroupedGemm {
     args.epilogue.ptr_D = g.ptr_d;
     args.epilogue.dD = g.stride_d;
     args.hw_info = hw;
+    const SchedulerChoice sc = scheduler_choice();
+    args.scheduler.raster_order = sc.along_n ? RasterOptions::AlongN : RasterOptions::AlongM;
+    args.scheduler.max_swizzle_size = sc.swizzle;
     return args;
   }
 
