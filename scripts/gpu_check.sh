@@ -4,12 +4,17 @@
 # short table last.
 #
 #   scripts/gpu_check.sh OUT [PART ...]
-#     PART: all (default) | tests | routing-tests | routing | layer | gemm | python
+#     PART: all (default) | tests | routing-tests | routing | layer | gemm | ep | python
 #       tests          ctest, every test (CPU and GPU)          → OUT/ctest.log
 #       routing-tests  only the GPU routing tests (gtest filter) → OUT/routing_tests.log
 #       routing        moeblaze bench routing                   → OUT/routing.jsonl, routing.md
 #       layer          moeblaze bench layer + bench/torch_reference.py → OUT/layer.jsonl
 #       gemm           moeblaze bench gemm: the six grouped GEMMs alone → OUT/gemm.jsonl, gemm.md
+#       ep             expert parallelism over NCCL: the EpNccl GPU tests → OUT/ep_tests.log, and
+#                      moeblaze bench ep (tokens/s and exchange share at 1, 2, 4, 8 GPUs, weak and
+#                      strong scaling) → OUT/ep.jsonl, ep.md; EP_BENCH_ARGS adds flags (e.g.
+#                      "--config olmoe --gpus 1,2"). Each under a timeout (300 s, 400 s): a rank
+#                      blocked in NCCL must not hold the check.
 #       python         the PyTorch package: pip install (no network) with libmoeblaze_capi.so from
 #                      BUILD_DIR, its pytest suite (GPU tests included), the training proofs
 #                      (examples/prove_training.py, ~4 min) → OUT/python.log, training.json,
@@ -85,6 +90,7 @@ if [ -z "${PREBUILT:-}" ]; then
   targets=(moeblaze_cli)
   if want tests; then targets+=(moeblaze_tests moeblaze_gpu_tests); fi
   if want routing-tests; then targets+=(moeblaze_gpu_tests); fi
+  if want ep; then targets+=(moeblaze_gpu_tests); fi
   if want python; then targets+=(moeblaze_capi); fi
   cmake --build "$BUILD" -j "$JOBS" --target "${targets[@]}" >"$OUT/build.log" 2>&1 || {
     grep -E "error|Error" "$OUT/build.log" | head -40; echo "gpu_check: build FAILED"; exit 1; }
@@ -192,6 +198,34 @@ if want gemm; then
     status=1
     tail -20 "$OUT/gemm_bench.log"
     summary+=("bench gemm: FAILED (see gemm_bench.log)")
+  fi
+fi
+
+# ---- ep: expert parallelism over NCCL, one process and one thread per GPU: the EpNccl tests
+# (2, 4, 8 of the visible GPUs; they skip below 2) and moeblaze bench ep (against one GPU) ----
+if want ep; then
+  t0=$(date +%s)
+  if timeout 300 "$BUILD/moeblaze_gpu_tests" --gtest_filter='EpNccl*' >"$OUT/ep_tests.log" 2>&1; then
+    summary+=("ep tests: $(grep -E '^\[  PASSED  \]|^\[  SKIPPED \] [0-9]+ test' "$OUT/ep_tests.log" | tr '\n' ' ')[$(( $(date +%s) - t0 )) s]")
+  else
+    rc=$?
+    status=1
+    grep -E "Failure|FAILED|error|what\(\)" "$OUT/ep_tests.log" | head -30 || true
+    if [ $rc -eq 124 ]; then summary+=("ep tests: TIMED OUT after 300 s (see ep_tests.log)")
+    else summary+=("ep tests: FAILED (see ep_tests.log)"); fi
+  fi
+  t0=$(date +%s)
+  rm -f "$OUT/ep.jsonl"
+  # shellcheck disable=SC2086
+  if timeout 400 "$BUILD/moeblaze" bench ep --json --md "$OUT/ep.md" ${EP_BENCH_ARGS:-} \
+      >"$OUT/ep.jsonl" 2>"$OUT/ep_bench.log"; then
+    summary+=("bench ep: $(grep -c '"bench": "ep"' "$OUT/ep.jsonl") rows [$(( $(date +%s) - t0 )) s]")
+  else
+    rc=$?
+    status=1
+    tail -20 "$OUT/ep_bench.log"
+    if [ $rc -eq 124 ]; then summary+=("bench ep: TIMED OUT after 400 s (see ep_bench.log)")
+    else summary+=("bench ep: FAILED (see ep_bench.log)"); fi
   fi
 fi
 
@@ -316,6 +350,20 @@ for c in dict.fromkeys(r["config"] for r in rows):
     print("  %-12s " % c + "  ".join("%s %.0f (%.2f)" % (r["gemm"], r["tflops"],
           r["tflops"] / r["dense_same_flop_tflops"] if r.get("dense_same_flop_tflops") else float("nan"))
           for r in rows if r["config"] == c))
+EOF
+fi
+if want ep && [ -s "$OUT/ep.jsonl" ] && command -v python3 >/dev/null; then
+  python3 - "$OUT/ep.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print("expert parallelism, forward+backward (step = max over ranks; speed-up = tokens/s vs W=1):")
+print("%-12s %-7s %2s %9s %9s %9s %8s %9s" % ("config", "scaling", "W", "tokens", "step ms",
+      "tokens/s", "speed-up", "exchange"))
+for r in rows:
+    sp, ex = r.get("speedup"), r.get("exchange_share")
+    print("%-12s %-7s %2d %9d %9.2f %8.2fM %8s %9s" % (r["config"], r["scaling"], r["W"],
+          r["T_global"], r["step_ms"], r["tokens_per_s"] / 1e6,
+          "-" if sp is None else "%.2fx" % sp, "-" if ex is None else "%.1f %%" % (100 * ex)))
 EOF
 fi
 if want python && [ -s "$OUT/training.md" ]; then

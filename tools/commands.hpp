@@ -29,6 +29,9 @@ void add_bench_routing_command(CLI::App& bench);
 void add_bench_layer_command(CLI::App& bench);
 // `moeblaze bench gemm`: the grouped GEMM kernels alone (tools/cmd_bench_gemm.cpp).
 void add_bench_gemm_command(CLI::App& bench);
+// `moeblaze bench ep`: expert parallelism over NCCL at W GPUs against the single-GPU layer
+// (tools/cmd_bench_ep.cpp).
+void add_bench_ep_command(CLI::App& bench);
 #endif
 
 }  // namespace moeblaze::tools
