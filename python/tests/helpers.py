@@ -1,4 +1,10 @@
-"""Float64 references and dtype-derived tolerances shared by the tests."""
+"""Float64 references and dtype-derived tolerances shared by the tests, and the process-group
+harness of the expert-parallel tests (run_ranks)."""
+import os
+import tempfile
+import time
+import traceback
+
 import torch
 
 from moeblaze.reference import dense_reference
@@ -64,3 +70,74 @@ def check_against_reference(moe, x, dtype, extra_tol=1.0):
     bad = {n: e for n, e in errs.items() if not e <= tol}
     assert not bad, f"relative errors above {tol:g}: {bad} (all: {errs})"
     return errs
+
+
+def run_ranks(world, fn, seed, backend="gloo", timeout_s=120, args=(), fail_grace_s=None):
+    """Spawns `world` processes running fn(rank, world, seed, *args) in a torch.distributed group
+    of `backend` over a FileStore in a fresh temporary folder (no port to collide on). gloo: one
+    CPU thread per rank. nccl: rank r on cuda:r (set before init) with NCCL_NVLS_ENABLE=0 (NVLink
+    multicast stays off on shared hosts). Fails with each failed rank's traceback; kills the ranks
+    still running after timeout_s, or fail_grace_s after a rank failed (when given: a rank left in
+    a collective by a failed peer would otherwise wait for the whole timeout)."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory(prefix="moeblaze-ep-") as tmp:
+        ctx = mp.get_context("spawn")
+        errq = ctx.SimpleQueue()
+        procs = [ctx.Process(target=_rank_entry,
+                             args=(r, world, fn, seed, tuple(args), backend, tmp, errq),
+                             daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        failed_at = None
+        while any(p.is_alive() for p in procs):
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if fail_grace_s is not None and failed_at is None and (
+                    not errq.empty() or any(p.exitcode not in (None, 0) for p in procs)):
+                failed_at = now
+            if failed_at is not None and now >= failed_at + fail_grace_s:
+                break
+            next(p for p in procs if p.is_alive()).join(0.2)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:
+            procs[r].kill()
+            procs[r].join(5)
+        errors = []
+        while not errq.empty():
+            errors.append(errq.get())
+        errors.sort()
+        msg = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in errors)
+        why = (f"after {timeout_s} s" if failed_at is None else
+               f"{fail_grace_s} s after the first failure (killed: blocked in a collective?)")
+        assert not hung, f"ranks {hung} still running {why} (seed {seed}){msg}"
+        codes = [p.exitcode for p in procs]
+        assert not errors and all(c == 0 for c in codes), \
+            f"world {world}, seed {seed} (replay: MOEBLAZE_TEST_SEED={seed}), exit codes " \
+            f"{codes}:{msg}"
+
+
+def _rank_entry(rank, world, fn, seed, args, backend, tmp, errq):
+    try:
+        import torch.distributed as dist
+        kw = {}
+        if backend == "nccl":
+            from datetime import timedelta
+            os.environ["NCCL_NVLS_ENABLE"] = "0"  # before NCCL initialises: never NVLink multicast
+            torch.cuda.set_device(rank)
+            # A collective that waits longer than this is reported by NCCL's watchdog (the group
+            # is killed by run_ranks at its own timeout anyway).
+            kw["timeout"] = timedelta(seconds=60)
+        else:
+            torch.set_num_threads(1)
+        store = dist.FileStore(os.path.join(tmp, "store"), world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
+        try:
+            fn(rank, world, seed, *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        errq.put((rank, traceback.format_exc()))
+        raise SystemExit(1)

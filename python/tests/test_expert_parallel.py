@@ -2,19 +2,14 @@
 E/W experts and its own tokens, against (a) a float64 reference of the whole problem on one
 process, (b) the single-process moeblaze.MoE, and (c) a second EP run (bitwise: determinism).
 Fresh random inputs every run (seed printed on failure; MOEBLAZE_TEST_SEED replays one)."""
-import os
-import tempfile
-import time
-import traceback
-
 import pytest
 import torch
 
 import moeblaze
+from helpers import run_ranks
 
 try:
     import torch.distributed as dist
-    import torch.multiprocessing as mp
     _HAVE_GLOO = dist.is_available() and dist.is_gloo_available()
 except ImportError:  # pragma: no cover
     _HAVE_GLOO = False
@@ -23,50 +18,6 @@ pytestmark = pytest.mark.skipif(not _HAVE_GLOO, reason="skipped: torch.distribut
                                 "gloo backend is not available in this torch build")
 
 JOIN_TIMEOUT_S = 120
-
-
-def _run_ranks(world, fn, seed):
-    """Spawns `world` processes running fn(rank, world, seed), a gloo group over a FileStore in a
-    fresh temporary folder (no port to collide on). Fails with each failed rank's traceback;
-    kills stragglers after JOIN_TIMEOUT_S."""
-    with tempfile.TemporaryDirectory(prefix="moeblaze-ep-") as tmp:
-        ctx = mp.get_context("spawn")
-        errq = ctx.SimpleQueue()
-        procs = [ctx.Process(target=_entry, args=(r, world, fn, seed, tmp, errq), daemon=True)
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        for p in procs:
-            p.join(max(deadline - time.monotonic(), 0))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for r in hung:
-            procs[r].kill()
-            procs[r].join(5)
-        errors = []
-        while not errq.empty():
-            errors.append(errq.get())
-        errors.sort()
-        msg = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in errors)
-        assert not hung, f"ranks {hung} still running after {JOIN_TIMEOUT_S} s (seed {seed}){msg}"
-        codes = [p.exitcode for p in procs]
-        assert not errors and all(c == 0 for c in codes), \
-            f"world {world}, seed {seed} (replay: MOEBLAZE_TEST_SEED={seed}), exit codes " \
-            f"{codes}:{msg}"
-
-
-def _entry(rank, world, fn, seed, tmp, errq):
-    try:
-        torch.set_num_threads(1)
-        store = dist.FileStore(os.path.join(tmp, "store"), world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        try:
-            fn(rank, world, seed)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        errq.put((rank, traceback.format_exc()))
-        raise SystemExit(1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,6 +138,22 @@ def _check_errors(rank, world, seed):
     # The group still works afterwards.
     out = moeblaze.ep_experts_from_routing(x, ep.w1, ep.w2, off, exp, wts, 4)
     assert out.shape == x.shape
+    # The module: a failure before the exchange (here x's width on rank 1, found before routing)
+    # is agreed too, instead of leaving the other ranks in the count exchange.
+    xm = torch.randn(3, 7 if rank == 1 else 8)
+    if rank == 1:
+        with pytest.raises(ValueError, match=r"x has last dimension 7, expected hidden_size 8"):
+            ep(xm)
+    else:
+        with pytest.raises(ValueError, match=r"failed on rank\(s\) \[1\]"):
+            ep(xm)
+    # A dtype that differs between ranks is caught by the agreement, on every rank.
+    xd = torch.randn(3, 8, dtype=torch.float64 if rank == 2 else torch.float32)
+    wd = (ep.w1, ep.w2) if rank != 2 else (ep.w1.double(), ep.w2.double())
+    with pytest.raises(ValueError, match=r"dtype|must agree|failed on rank"):
+        moeblaze.ep_experts_from_routing(xd, *wd, off, exp, wts, 4)
+    out = ep(torch.randn(3, 8))[0]
+    assert out.shape == (3, 8)
 
 
 def _two_and_four_ranks(rank, world, seed):
@@ -207,4 +174,4 @@ def test_ep_shard_rejects_indivisible():
 
 
 def test_expert_parallel_gloo_2_and_4_ranks(seed):
-    _run_ranks(4, _two_and_four_ranks, seed)
+    run_ranks(4, _two_and_four_ranks, seed, "gloo", JOIN_TIMEOUT_S)
