@@ -146,20 +146,28 @@ class _PairExchange(torch.autograd.Function):
         return _a2a(gw.float(), p.pair_send, p.pair_recv, p.group), None, None
 
 
+_DTYPE_CODE = {torch.bfloat16: 1, torch.float32: 2, torch.float16: 3}
+
+
 def ep_experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, num_experts,
-                            group=None, activation="swiglu", recompute=False, num_threads=0):
+                            group=None, activation="swiglu", recompute=False, num_threads=0,
+                            _local_error=None):
     """Expert-parallel experts over this rank's routing (moeblaze's CSR form with GLOBAL expert
     ids: pair_offsets (T+1,) int32, pair_experts (P,) int32, pair_weights (P,) float32,
     differentiable). x (T, d) this rank's tokens; w1 (E/W, rows, d), w2 (E/W, d, n) this rank's
     experts. Collective: every rank of `group` calls it. Returns out (T, d); autograd reaches x,
-    w1, w2 and pair_weights."""
+    w1, w2 and pair_weights. _local_error (internal): an exception this rank met before the call
+    (ExpertParallelMoE.forward's routing); it is agreed like a bad argument, then raised."""
     rank, W = _group_info(group)
     first_e, E_loc = ep_shard(num_experts, W, rank)
-    _activation_code(activation)  # rejects an unknown name (ValueError) before any exchange
+    act_code = _activation_code(activation)  # an unknown name raises on every rank alike
     # Local checks; the verdict travels with the counts so that a bad argument on one rank makes
-    # every rank raise (none is left waiting in a later collective).
+    # every rank raise (none is left waiting in a later collective). Any exception here counts:
+    # a rank that raised alone would leave the others blocked in the count exchange.
     err = None
     try:
+        if _local_error is not None:
+            raise _local_error
         if x.dim() != 2:
             raise ValueError(f"moeblaze: x must be (T, d), got {tuple(x.shape)}")
         T, d = x.shape
@@ -174,14 +182,22 @@ def ep_experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights,
             raise ValueError(f"moeblaze: pair_offsets must be (T+1,) = ({T + 1},) and pair_weights "
                              f"match pair_experts, got {tuple(pair_offsets.shape)}, "
                              f"{tuple(pair_experts.shape)}, {tuple(pair_weights.shape)}")
+        for name, t in (("w1", w1), ("w2", w2)):
+            if t.dtype != x.dtype or t.device != x.device:
+                raise ValueError(f"moeblaze: {name} is {t.dtype} on {t.device}, x is {x.dtype} "
+                                 f"on {x.device} (rank {rank}): they must match")
+        if x.dtype not in _DTYPE_CODE:
+            raise ValueError(f"moeblaze: x dtype {x.dtype} is not bf16, fp16 or fp32")
         if x.device.type == "cpu" and pair_experts.numel() > 0:  # a free check on the CPU only
             lo, hi = int(pair_experts.min()), int(pair_experts.max())
             if lo < 0 or hi >= num_experts:
                 raise ValueError(f"moeblaze: pair_experts has expert id {lo if lo < 0 else hi} "
                                  f"outside [0, num_experts = {num_experts})")
-    except ValueError as e:
+    except Exception as e:  # noqa: BLE001 - agreed with the other ranks, re-raised below
         err, T, d, n = e, 0, 0, 0
-    dev = x.device
+    # The exchange runs on the rank's own device: w1's (the module's) when x was the problem.
+    dev = x.device if err is None else w1.device
+    dtype_code = _DTYPE_CODE.get(x.dtype, 0)
     P = pair_experts.numel() if err is None else 0
 
     # ---- dispatch lists (on the device, no sync) -----------------------------------------
@@ -202,7 +218,7 @@ def ep_experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights,
     else:
         tokens_to = pairs_to = torch.zeros(W, dtype=torch.int64, device=dev)
     meta = torch.stack([tokens_to, pairs_to] + [torch.full_like(tokens_to, v) for v in
-                        (0 if err is None else 1, d, n, E_loc)], 1)
+                        (0 if err is None else 1, d, n, E_loc, dtype_code, act_code)], 1)
 
     # ---- the count exchange and THE host sync of the forward ---------------------------------
     meta_recv = torch.empty_like(meta)
@@ -215,10 +231,12 @@ def ep_experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights,
     if failed:
         raise ValueError(f"moeblaze: expert-parallel call failed on rank(s) {failed} (see their "
                          "error); nothing was exchanged")
+    mine = [d, n, E_loc, dtype_code, act_code]
     for q in range(W):
-        if got[q][3:] != [d, n, E_loc]:
-            raise ValueError(f"moeblaze: rank {q} has (d, n, E/W) = {tuple(got[q][3:])} but rank "
-                             f"{rank} has {(d, n, E_loc)}: the ranks must agree")
+        if got[q][3:] != mine:
+            raise ValueError(f"moeblaze: rank {q} has (d, n, E/W, dtype, activation) = "
+                             f"{tuple(got[q][3:])} but rank {rank} has {tuple(mine)}: the ranks "
+                             "must agree")
     tok_send = [r[0] for r in sent]
     plan_pairs_send = [r[1] for r in sent]
     tok_recv = [r[0] for r in got]
@@ -320,11 +338,16 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x):
         shape = x.shape
-        if shape[-1] != self.hidden_size:
-            raise ValueError(f"moeblaze: x has last dimension {shape[-1]}, expected hidden_size "
-                             f"{self.hidden_size}")
-        x2 = x.reshape(-1, self.hidden_size)
-        logits, offsets, experts, weights = self.route(x2)
+        try:  # a failure here is agreed with the other ranks (none is left waiting)
+            if shape[-1] != self.hidden_size:
+                raise ValueError(f"moeblaze: x has last dimension {shape[-1]}, expected "
+                                 f"hidden_size {self.hidden_size}")
+            x2 = x.reshape(-1, self.hidden_size)
+            logits, offsets, experts, weights = self.route(x2)
+        except Exception as e:  # noqa: BLE001 - re-raised by ep_experts_from_routing
+            ep_experts_from_routing(x, self.w1, self.w2, None, None, None, self.num_experts,
+                                    self.group, self.activation, self.recompute, _local_error=e)
+            raise  # not reached: the call above raises e on this rank
         out = ep_experts_from_routing(x2, self.w1, self.w2, offsets, experts, weights,
                                       self.num_experts, self.group, self.activation,
                                       self.recompute)
