@@ -68,17 +68,22 @@ size_t PeakScope::peak_above_start() const {
 namespace {
 // The default pool frees memory back to the driver at every synchronisation unless told to keep
 // it; keeping it makes a per-call workspace cost an address lookup, not a cudaMalloc (measured:
-// about 1 ms per layer call on sm-7B-n256 with cudaMalloc/cudaFree). Set once per device.
+// about 1 ms per layer call on sm-7B-n256 with cudaMalloc/cudaFree). Set once per DEVICE: a
+// process driving several GPUs (expert parallelism, one thread per GPU) needs it on each; a
+// once-per-process flag left every GPU but the first re-allocating at each call (the suspected
+// cause of the EP benchmark's slow local layers on 2 H200s; bench/NOTES.md, "Expert parallelism").
 void keep_pool_cached() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    int dev = 0;
-    cudaMemPool_t pool;
-    if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetDefaultMemPool(&pool, dev) == cudaSuccess) {
-      uint64_t keep = UINT64_MAX;
-      cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
-    }
-  });
+  constexpr int kMaxDevices = 64;
+  static std::atomic<bool> done[kMaxDevices];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return;
+  if (dev >= 0 && dev < kMaxDevices && done[dev].load(std::memory_order_acquire)) return;
+  cudaMemPool_t pool;
+  if (cudaDeviceGetDefaultMemPool(&pool, dev) == cudaSuccess) {
+    uint64_t keep = UINT64_MAX;
+    cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);  // idempotent
+  }
+  if (dev >= 0 && dev < kMaxDevices) done[dev].store(true, std::memory_order_release);
 }
 }  // namespace
 #endif

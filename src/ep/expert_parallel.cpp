@@ -213,23 +213,6 @@ void build_local_routing(const int32_t* meta, const std::vector<int64_t>& rn,
   }
 }
 
-// Copies a host plan to the data device (the layer wants the plan where the tensors are).
-void place_plan(RoutingPlan& host, Device dev, void* stream, RoutingPlan& out) {
-  if (dev == Device::cpu) {
-    out = std::move(host);
-    return;
-  }
-  out = RoutingPlan(dev, host.T(), host.E(), host.S());
-  const size_t E1 = static_cast<size_t>(host.E() + 1), T1 = static_cast<size_t>(host.T() + 1),
-               S = static_cast<size_t>(host.S());
-  ep::copy_to_device(dev, out.expert_token_offsets(), host.expert_token_offsets(), 4 * E1, stream);
-  ep::copy_to_device(dev, out.expert_token_indices(), host.expert_token_indices(), 4 * S, stream);
-  ep::copy_to_device(dev, out.slot_weights(), host.slot_weights(), 4 * S, stream);
-  ep::copy_to_device(dev, out.token_pair_offsets(), host.token_pair_offsets(), 4 * T1, stream);
-  ep::copy_to_device(dev, out.token_expert_indices(), host.token_expert_indices(), 4 * S, stream);
-  ep::copy_to_device(dev, out.token_index_map(), host.token_index_map(), 4 * S, stream);
-}
-
 // A host int32 array on the data device (a view of the same memory on the CPU).
 const int32_t* on_device(Device dev, const Buffer& host, Buffer& dev_copy, void* stream) {
   if (dev == Device::cpu) return host.as<int32_t>();
@@ -410,9 +393,22 @@ void ep_forward(Transport& tr, const LayerConfig& cfg, const RoutingView& routin
     }
     Routing local;
     build_local_routing(recv_meta.as<int32_t>(), rn, rm, shard.count, local);
-    RoutingPlan host_plan;
-    build_routing_plan(local.view(), PlanBuilder::atomic_free, host_plan);
-    place_plan(host_plan, dev, stream, saved.plan_);
+    if (dev == Device::cpu) {
+      build_routing_plan(local.view(), PlanBuilder::atomic_free, saved.plan_);
+    } else {
+      // The plan is built where the layer runs: the routing's three arrays go to the device
+      // (R + 1 + 2 P words) and the GPU builder makes the same bits as the CPU one (tested) in
+      // a fraction of the host time, instead of a host build and six plan arrays copied over.
+      Routing dev_local(dev, local.T(), local.E(), local.P());
+      ep::copy_to_device(dev, dev_local.pair_offsets(), local.pair_offsets(),
+                         4 * static_cast<size_t>(local.T() + 1), stream);
+      ep::copy_to_device(dev, dev_local.pair_experts(), local.pair_experts(),
+                         4 * static_cast<size_t>(local.P()), stream);
+      ep::copy_to_device(dev, dev_local.pair_weights(), local.pair_weights(),
+                         4 * static_cast<size_t>(local.P()), stream);
+      ep::synchronize(dev, stream);  // the builder runs on the default stream
+      build_routing_plan(dev_local.view(), PlanBuilder::atomic_free, saved.plan_);
+    }
   }
   saved.local_cfg_ = cfg;
   saved.local_cfg_.T = R;
