@@ -43,11 +43,14 @@ constexpr int kAlign = 8;                   // elements per 16 bytes (TMA's alig
 using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
 using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
 // The persistent scheduler's tile order inside each expert's (M, N) grid. CUTLASS's default for
-// grouped problems walks M first (AlongM) with no swizzle. MOEBLAZE_TMA_RASTER=m|n and
-// MOEBLAZE_TMA_SWIZZLE=1|2|4|8 (read once) override it, for measurements.
+// grouped problems walks M first (AlongM) with no swizzle. Measured on the H200 (bench/NOTES.md,
+// "TMA path"): walking N first with swizzle 2 (consecutive CTAs share A row panels, pairs of
+// N-tiles) made dX̃ 5-6 % faster at mb-conf4 / mb-conf7 and down-proj 0-6 %; sm-default moved
+// within the noise. MOEBLAZE_TMA_RASTER=m|n and MOEBLAZE_TMA_SWIZZLE=1|2|4|8 (read once) override
+// it, for measurements.
 struct SchedulerChoice {
-  bool along_n = false;
-  int swizzle = 1;
+  bool along_n = true;
+  int swizzle = 2;
 };
 inline SchedulerChoice scheduler_choice() {
   static const SchedulerChoice choice = [] {
