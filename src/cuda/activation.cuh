@@ -6,9 +6,26 @@
 
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "moeblaze/config.hpp"
 
 namespace moeblaze::cuda {
+
+// Calls f(std::integral_constant<Activation, A>{}) with A = act: the fused epilogues compile one
+// straight-line body per activation and branch once per tile instead of once per element.
+template <class F>
+__device__ __forceinline__ void dispatch_activation(Activation act, F&& f) {
+  using A = Activation;
+  switch (act) {
+    case A::swiglu: return f(std::integral_constant<A, A::swiglu>{});
+    case A::geglu: return f(std::integral_constant<A, A::geglu>{});
+    case A::relu: return f(std::integral_constant<A, A::relu>{});
+    case A::silu: return f(std::integral_constant<A, A::silu>{});
+    case A::gelu: return f(std::integral_constant<A, A::gelu>{});
+    case A::relu2: return f(std::integral_constant<A, A::relu2>{});
+  }
+}
 
 __host__ __device__ __forceinline__ bool dev_is_gated(Activation a) {
   return a == Activation::swiglu || a == Activation::geglu;

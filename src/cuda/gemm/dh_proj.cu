@@ -77,14 +77,9 @@ struct DhEpilogue {
   template <class Acc>
   __device__ static void dispatch(const Params& p, Acc& acc, const Prefetched& pre, int m_begin,
                                   int m_end, int n_tile) {
-    switch (p.act) {
-      case Activation::swiglu: return body<Activation::swiglu>(p, acc, pre, m_begin, m_end, n_tile);
-      case Activation::geglu: return body<Activation::geglu>(p, acc, pre, m_begin, m_end, n_tile);
-      case Activation::relu: return body<Activation::relu>(p, acc, pre, m_begin, m_end, n_tile);
-      case Activation::silu: return body<Activation::silu>(p, acc, pre, m_begin, m_end, n_tile);
-      case Activation::gelu: return body<Activation::gelu>(p, acc, pre, m_begin, m_end, n_tile);
-      case Activation::relu2: return body<Activation::relu2>(p, acc, pre, m_begin, m_end, n_tile);
-    }
+    dispatch_activation(p.act, [&](auto a) {
+      body<decltype(a)::value>(p, acc, pre, m_begin, m_end, n_tile);
+    });
   }
 
   template <Activation A, class Acc>

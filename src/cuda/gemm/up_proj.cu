@@ -25,17 +25,8 @@ struct ActEpilogue {
   template <class Acc>
   __device__ static void apply(const Params& p, Acc& acc, const Prefetched& pre, int m_begin,
                                int m_end, int n_tile) {
-    // One straight-line body per activation: the switch runs once per tile, not per element
-    // (as in dh_proj.cu).
-    switch (p.act) {
-      case Activation::swiglu: return body<Activation::swiglu>(p, acc, m_begin, m_end, n_tile);
-      case Activation::geglu: return body<Activation::geglu>(p, acc, m_begin, m_end, n_tile);
-      case Activation::relu: return body<Activation::relu>(p, acc, m_begin, m_end, n_tile);
-      case Activation::silu: return body<Activation::silu>(p, acc, m_begin, m_end, n_tile);
-      case Activation::gelu: return body<Activation::gelu>(p, acc, m_begin, m_end, n_tile);
-      case Activation::relu2: return body<Activation::relu2>(p, acc, m_begin, m_end, n_tile);
-    }
     (void)pre;
+    dispatch_activation(p.act, [&](auto a) { body<decltype(a)::value>(p, acc, m_begin, m_end, n_tile); });
   }
 
   template <Activation A, class Acc>
