@@ -16,7 +16,9 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
 
 #include "cuda/activation.cuh"  // dev_act, dev_act_grad: the epilogues' activations
 #include "moeblaze/config.hpp"
@@ -213,10 +215,58 @@ struct MNMajorLoader {
   __device__ __forceinline__ void advance(int kt) { prefetch(kt + 1); }
 };
 
+// K-major operand loaded by TMA (the weights of the up-projection): the (128 x 64) tile is two
+// 64-row halves, each one TMA box of 64 rows x 64 K elements with 128-byte swizzle, which is
+// exactly the GMMA K-SW128 layout of rows [0, 64) resp. [64, 128) of a stage (8 KiB apart). The
+// rows are rows of the 2D view (E * rows_per_expert, K) of the stacked weights, so a half can
+// start at any multiple of 64 rows (gate rows j0.., up rows n + j0..). One thread issues both
+// boxes and arms the stage's mbarrier with their byte count; every thread waits on it before
+// the stage's MMA (TmaKMajorLoader::wait). Stage reuse is ordered by the mainloop's
+// __syncthreads, as for the cp.async loaders.
+struct TmaKMajorLoader {
+  const void* desc;  // CUtensorMap in kernel-parameter space (the kernel's __grid_constant__ arg)
+  uint64_t* mbar;    // (kStages,) in shared memory, initialised by init_barriers
+  int row[2];        // first row of each 64-row half in the 2D view
+  static constexpr uint32_t kBoxBytes = 64 * kBK * 2;
+
+  // Thread 0 initialises the barriers; the caller's next __syncthreads publishes them.
+  __device__ __forceinline__ void init_barriers() {
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) cutlass::arch::ClusterTransactionBarrier::init(&mbar[s], 1);
+      cutlass::arch::fence_barrier_init();
+    }
+  }
+  __device__ __forceinline__ void load(int kt, int stage, uint32_t stage_addr) {
+    if (threadIdx.x != 0) return;
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&mbar[stage], 2 * kBoxBytes);
+    char* dst = reinterpret_cast<char*>(__cvta_shared_to_generic(stage_addr));
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      cute::SM90_TMA_LOAD_2D::copy(desc, &mbar[stage],
+                                   static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL),
+                                   dst + h * kBoxBytes, kt * kBK, row[h]);
+  }
+  // Tile kt (in stage kt % kStages, that stage's (kt / kStages)-th use) has landed.
+  __device__ __forceinline__ void wait(int kt, int stage) const {
+    cutlass::arch::ClusterTransactionBarrier::wait(&mbar[stage], (kt / kStages) & 1);
+  }
+};
+
 template <class L>
-__device__ __forceinline__ void loader_load(L& l, int kt, uint32_t stage_addr) {
-  l.load(kt, stage_addr);
-  if constexpr (std::is_same_v<L, MNMajorLoader>) l.advance(kt);
+__device__ __forceinline__ void loader_load(L& l, int kt, int stage, uint32_t stage_addr) {
+  if constexpr (std::is_same_v<L, TmaKMajorLoader>) {
+    l.load(kt, stage, stage_addr);
+  } else {
+    l.load(kt, stage_addr);
+    if constexpr (std::is_same_v<L, MNMajorLoader>) l.advance(kt);
+  }
+}
+// Before the MMA of tile kt: the TMA loader's data has arrived (cp.async ones are covered by
+// cp.async.wait_group + __syncthreads).
+template <class L>
+__device__ __forceinline__ void loader_wait(const L& l, int kt, int stage) {
+  if constexpr (std::is_same_v<L, TmaKMajorLoader>) l.wait(kt, stage);
 }
 
 // ---- the mainloop -----------------------------------------------------------------------------
@@ -246,8 +296,8 @@ __device__ __forceinline__ void mainloop(char* smem, LoaderA& la, LoaderB& lb, i
 #pragma unroll
   for (int s = 0; s < kLookahead; ++s) {
     if (s < num_k_tiles) {
-      loader_load(la, s, a_base + s * Cfg::kStageBytesA);
-      loader_load(lb, s, b_base + s * Cfg::kStageBytesB);
+      loader_load(la, s, s, a_base + s * Cfg::kStageBytesA);
+      loader_load(lb, s, s, b_base + s * Cfg::kStageBytesB);
     }
     cp_async_commit();  // empty groups keep the wait count below uniform
   }
@@ -260,12 +310,14 @@ __device__ __forceinline__ void mainloop(char* smem, LoaderA& la, LoaderB& lb, i
     __syncthreads();  // ... and everybody's; the MMAs that read the stage refilled below are done
     const int kn = kt + kLookahead;
     if (kn < num_k_tiles) {
-      loader_load(la, kn, a_base + write_stage * Cfg::kStageBytesA);
-      loader_load(lb, kn, b_base + write_stage * Cfg::kStageBytesB);
+      loader_load(la, kn, write_stage, a_base + write_stage * Cfg::kStageBytesA);
+      loader_load(lb, kn, write_stage, b_base + write_stage * Cfg::kStageBytesB);
     }
     cp_async_commit();
     write_stage = write_stage + 1 == kStages ? 0 : write_stage + 1;
 
+    loader_wait(la, kt, read_stage);
+    loader_wait(lb, kt, read_stage);
     warpgroup_fence_operand(acc);
     warpgroup_arrive();
     cute::gemm(mma, tCrA(_, _, _, read_stage), tCrB(_, _, _, read_stage), acc);

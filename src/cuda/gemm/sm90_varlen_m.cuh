@@ -7,7 +7,11 @@
 // Instantiated once per (B major, epilogue) pair in its own .cu file.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap
+
 #include <climits>
+
+#include <cutlass/cuda_host_adapter.hpp>  // cuTensorMapEncodeTiled through the runtime
 
 #include "cuda/cuda_backend.hpp"
 #include "cuda/gemm/raster.hpp"
@@ -36,11 +40,35 @@ struct VarlenMArgs {
   // height of raster_tile (1..m_tiles).
   int m_tiles;
   int raster_group;
+  // TMA descriptor of B as a 2D (E * rows per expert, K) bf16 tensor, 64 x 64 boxes, 128-byte
+  // swizzle (make_tma_kmajor); used by the kernels instantiated with kTmaB (K-major B only).
+  CUtensorMap tma_b;
 };
 
-template <GMajor kMajorB, class Epi>
+// The TMA descriptor of a K-major weight stack b (rows, K) bf16, row stride K: boxes of 64 rows
+// x 64 K elements (one 128-byte swizzle row each), the layout TmaKMajorLoader expects.
+inline CUtensorMap make_tma_kmajor(const void* b, int64_t rows, int64_t K) {
+  CUtensorMap m{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K) * 2};  // bytes between rows
+  const cuuint32_t box[2] = {kBK, 64};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = cutlass::call_cuTensorMapEncodeTiled(
+      &m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(b), dims, strides, box,
+      elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw DeviceError(::moeblaze::detail::concat("cuTensorMapEncodeTiled failed (", int(r), ") for a (",
+                                     rows, ", ", K, ") bf16 weight operand"));
+  return m;
+}
+
+// kTmaB: B (K-major only) comes by TMA (TmaKMajorLoader) instead of cp.async. The arguments are a
+// __grid_constant__ parameter so that the TMA descriptor inside stays in parameter space.
+template <GMajor kMajorB, class Epi, bool kTmaB = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
-    varlen_m_kernel(const VarlenMArgs p, const typename Epi::Params ep) {
+    varlen_m_kernel(const __grid_constant__ VarlenMArgs p, const typename Epi::Params ep) {
+  static_assert(!kTmaB || kMajorB == GMajor::K, "TMA B loads are implemented for K-major B");
   using Cfg = TileConfig<GMajor::K, kMajorB>;
   extern __shared__ char smem_raw[];
   char* smem = align_smem_1k(smem_raw);
@@ -70,7 +98,25 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   Epi::prefetch(ep, pre, m_begin, m_end, n_tile);
   auto acc = cute::partition_fragment_C(typename Cfg::TiledMma{},
                                         cute::Shape<cute::Int<kBM>, cute::Int<kBN>>{});
-  if constexpr (kMajorB == GMajor::K) {
+  if constexpr (kTmaB) {
+    __shared__ alignas(8) uint64_t mbar[kStages];
+    TmaKMajorLoader lb;
+    lb.desc = &p.tma_b;
+    lb.mbar = mbar;
+    const int base = expert * static_cast<int>(p.b_expert_stride / p.ldb);  // rows per expert
+    if (p.gate_split > 0) {  // gate rows j0.., up rows gate_split + j0..
+      const int j0 = n_tile * (kBN / 2);
+      lb.row[0] = base + j0;
+      lb.row[1] = base + p.gate_split + j0;
+    } else {  // rows n0.. n0 + 127; rows >= N (next expert's, or zeros past the end) feed only
+              // accumulator columns the epilogue does not store
+      lb.row[0] = base + n_tile * kBN;
+      lb.row[1] = lb.row[0] + kBN / 2;
+    }
+    lb.init_barriers();
+    __syncthreads();
+    mainloop<Cfg, Epi::kMmaInFlight>(smem, la, lb, p.K / kBK, acc);
+  } else if constexpr (kMajorB == GMajor::K) {
     KMajorLoader lb;
     lb.init(tid, b_e, [&](int i) -> const __nv_bfloat16* {
       int row;
@@ -127,7 +173,7 @@ struct StoreEpilogue {
 
 // Launches varlen_m_kernel<MB, Epi> over ceil(S / 128) + E m-tiles (the host-known bound) times
 // n_tiles, walked in raster_tile's order; CTAs past the last real tile exit in the scheduler.
-template <GMajor kMajorB, class Epi>
+template <GMajor kMajorB, class Epi, bool kTmaB = false>
 void launch_varlen_m(const VarlenMArgs& p, const typename Epi::Params& ep, int64_t S,
                      cudaStream_t stream) {
   if (S == 0) return;
@@ -139,7 +185,8 @@ void launch_varlen_m(const VarlenMArgs& p, const typename Epi::Params& ep, int64
   VarlenMArgs q = p;
   q.m_tiles = static_cast<int>(m_tiles);
   q.raster_group = raster_group_for(m_tiles);
-  auto kernel = &varlen_m_kernel<kMajorB, Epi>;
+  if constexpr (kTmaB) q.tma_b = make_tma_kmajor(p.b, p.E * (p.b_expert_stride / p.ldb), p.K);
+  auto kernel = &varlen_m_kernel<kMajorB, Epi, kTmaB>;
   MOEBLAZE_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
   kernel<<<static_cast<unsigned>(blocks), kThreads, Cfg::kSmemBytes, stream>>>(q, ep);

@@ -4,6 +4,8 @@
 // accumulators hold g and u of the same column j in the same thread: columns c and c + 64 of the
 // WGMMA fragment (frag_col(i) and frag_col(i + 8)). One instantiation:
 // varlen_m_kernel<K-major B, ActEpilogue>.
+#include <cstdlib>
+
 #include "cuda/gemm/gemm_checks.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/gemm/sm90_varlen_m.cuh"
@@ -70,6 +72,17 @@ struct ActEpilogue {
 
 }  // namespace sm90
 
+namespace {
+// w1 by TMA (TmaKMajorLoader) unless MOEBLAZE_GEMM_TMA_B=0 (read once; for A/B measurements).
+bool tma_weights() {
+  static const bool on = [] {
+    const char* e = std::getenv("MOEBLAZE_GEMM_TMA_B");
+    return !(e && e[0] == '0');
+  }();
+  return on;
+}
+}  // namespace
+
 void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
              int64_t d, int64_t n, Activation act, cudaStream_t stream) {
   constexpr const char* fn = "up_proj";
@@ -97,7 +110,10 @@ void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h
   p.gate_split = gated ? static_cast<int>(n) : 0;
   sm90::ActEpilogue::Params ep{reinterpret_cast<__nv_bfloat16*>(h),
                                reinterpret_cast<__nv_bfloat16*>(a), static_cast<int>(n), act};
-  sm90::launch_varlen_m<sm90::GMajor::K, sm90::ActEpilogue>(p, ep, plan.S, stream);
+  if (tma_weights())
+    sm90::launch_varlen_m<sm90::GMajor::K, sm90::ActEpilogue, true>(p, ep, plan.S, stream);
+  else
+    sm90::launch_varlen_m<sm90::GMajor::K, sm90::ActEpilogue, false>(p, ep, plan.S, stream);
 }
 
 }  // namespace moeblaze::cuda::gemm
