@@ -168,19 +168,6 @@ Plan parse_flags(const Flags& f) {
 
 // ---- device memory the command owns (the caller's tensors), on the current device ------------
 
-struct DevBuf {
-  void* p = nullptr;
-  size_t bytes = 0;
-  explicit DevBuf(size_t b) : bytes(b) {
-    if (b) MOEBLAZE_CUDA_CHECK(cudaMalloc(&p, b));
-  }
-  ~DevBuf() {
-    if (p) cudaFree(p);
-  }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-};
-
 struct Stream {
   cudaStream_t s = nullptr;
   Stream() { MOEBLAZE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
@@ -305,31 +292,11 @@ Result run_single_gpu(const Flags& f, const LayerConfig& c, const HostRouting& r
     build_routing_plan(dr.view(), PlanBuilder::atomic_free, plan);
     const int64_t S = plan.S();
 
-    DevBuf x(c.T * c.d * 2);           // (T, d) bf16
-    DevBuf w1(c.E * R * c.d * 2);      // (E, 2n, d) bf16
-    DevBuf w2(c.E * c.d * c.n * 2);    // (E, d, n) bf16
-    DevBuf dout(c.T * c.d * 2);        // (T, d) bf16
-    DevBuf out(c.T * c.d * 2);         // (T, d) bf16
-    DevBuf dx(c.T * c.d * 2);          // (T, d) bf16
-    DevBuf dw1(c.E * R * c.d * 2);     // like w1
-    DevBuf dw2(c.E * c.d * c.n * 2);   // like w2
-    DevBuf dpw(S * 4);                 // (S,) fp32
+    const LayerTensors lt(c, c.E, S, f.seed, stream);  // the caller's tensors, E experts
+    const TensorView &xv = lt.xv, &w1v = lt.w1v, &w2v = lt.w2v, &outv = lt.outv,
+                     &doutv = lt.doutv;
+    const LayerGrads& g = lt.grads;
     DevBuf flush(kL2FlushBytes);
-    cuda::fill_normal(x.p, DType::bf16, c.T * c.d, f.seed + 1, 1.0f, stream);
-    cuda::fill_normal(w1.p, DType::bf16, c.E * R * c.d, f.seed + 2, 1.0f / std::sqrt(float(c.d)), stream);
-    cuda::fill_normal(w2.p, DType::bf16, c.E * c.d * c.n, f.seed + 3, 1.0f / std::sqrt(float(c.n)), stream);
-    cuda::fill_normal(dout.p, DType::bf16, c.T * c.d, f.seed + 4, 1.0f, stream);
-    MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
-    const TensorView xv(x.p, DType::bf16, Device::cuda, {c.T, c.d});
-    const TensorView w1v(w1.p, DType::bf16, Device::cuda, {c.E, R, c.d});
-    const TensorView w2v(w2.p, DType::bf16, Device::cuda, {c.E, c.d, c.n});
-    const TensorView outv(out.p, DType::bf16, Device::cuda, {c.T, c.d});
-    const TensorView doutv(dout.p, DType::bf16, Device::cuda, {c.T, c.d});
-    LayerGrads g;
-    g.dx = TensorView(dx.p, DType::bf16, Device::cuda, {c.T, c.d});
-    g.dw1 = TensorView(dw1.p, DType::bf16, Device::cuda, {c.E, R, c.d});
-    g.dw2 = TensorView(dw2.p, DType::bf16, Device::cuda, {c.E, c.d, c.n});
-    g.d_pair_weights = TensorView(dpw.p, DType::f32, Device::cuda, {S});
     LayerOptions opts;
     opts.mode = mode;
     opts.stream = stream;
@@ -598,31 +565,17 @@ void rank_main(int r, const Flags& f, const LayerConfig& global_cfg, const HostR
     c.T = rt.T;  // this rank's tokens; E stays global
     const int64_t El = c.E / g.W, R = c.w1_rows(), T = c.T;
     const uint64_t seed = f.seed + 1000 * uint64_t(r + 1);
-    DevBuf x(T * c.d * 2);           // (T_r, d) bf16: this rank's tokens
-    DevBuf dout(T * c.d * 2);        // (T_r, d) bf16
-    DevBuf w1(El * R * c.d * 2);     // (E/W, 2n, d) bf16: experts [r*E/W, (r+1)*E/W)
-    DevBuf w2(El * c.d * c.n * 2);   // (E/W, d, n) bf16
-    DevBuf out_(T * c.d * 2);        // (T_r, d) bf16
-    DevBuf dx(T * c.d * 2);          // (T_r, d) bf16
-    DevBuf dw1(El * R * c.d * 2);    // like w1 (complete: every token of a local expert came here)
-    DevBuf dw2(El * c.d * c.n * 2);  // like w2
-    DevBuf dpw(rt.P() * 4);          // (P_r,) fp32, this rank's pair order
+    // This rank's tokens (T_r, d) and experts [r*E/W, (r+1)*E/W) (E/W, ...); grads like them,
+    // d_pair_weights (P_r,) fp32 in this rank's pair order.
+    const LayerTensors lt(c, El, rt.P(), seed, st.s);
     DevBuf flush(kL2FlushBytes);
-    cuda::fill_normal(x.p, DType::bf16, T * c.d, seed + 1, 1.0f, st.s);
-    cuda::fill_normal(w1.p, DType::bf16, El * R * c.d, seed + 2, 1.0f / std::sqrt(float(c.d)), st.s);
-    cuda::fill_normal(w2.p, DType::bf16, El * c.d * c.n, seed + 3, 1.0f / std::sqrt(float(c.n)), st.s);
-    cuda::fill_normal(dout.p, DType::bf16, T * c.d, seed + 4, 1.0f, st.s);
-    MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(st.s));
-    const TensorView xv(x.p, DType::bf16, Device::cuda, {T, c.d});
-    const TensorView w1v(w1.p, DType::bf16, Device::cuda, {El, R, c.d});
-    const TensorView w2v(w2.p, DType::bf16, Device::cuda, {El, c.d, c.n});
-    const TensorView outv(out_.p, DType::bf16, Device::cuda, {T, c.d});
-    const TensorView doutv(dout.p, DType::bf16, Device::cuda, {T, c.d});
+    const TensorView &xv = lt.xv, &w1v = lt.w1v, &w2v = lt.w2v, &outv = lt.outv,
+                     &doutv = lt.doutv;
     EpGrads grads;
-    grads.dx = TensorView(dx.p, DType::bf16, Device::cuda, {T, c.d});
-    grads.dw1 = TensorView(dw1.p, DType::bf16, Device::cuda, {El, R, c.d});
-    grads.dw2 = TensorView(dw2.p, DType::bf16, Device::cuda, {El, c.d, c.n});
-    grads.d_pair_weights = TensorView(dpw.p, DType::f32, Device::cuda, {rt.P()});
+    grads.dx = lt.grads.dx;
+    grads.dw1 = lt.grads.dw1;
+    grads.dw2 = lt.grads.dw2;
+    grads.d_pair_weights = lt.grads.d_pair_weights;
     std::unique_ptr<Transport> nccl = make_nccl_transport(comms[r], st.s);
     GuardedTransport tr(*nccl, g.stopping);
     EpOptions o;

@@ -56,23 +56,6 @@ struct BenchFlags {
   bool breakdown = false;
 };
 
-// ---- device memory the command owns (caller memory: not counted as "above the inputs") --------
-
-struct DevBuf {
-  void* p = nullptr;
-  size_t bytes = 0;
-  explicit DevBuf(size_t b) : bytes(b) {
-    if (b) MOEBLAZE_CUDA_CHECK(cudaMalloc(&p, b));
-  }
-  ~DevBuf() {
-    if (p) cudaFree(p);
-  }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  template <typename T>
-  T* as() const { return static_cast<T*>(p); }
-};
-
 // ---- float64 reference on sampled tokens --------------------------------------------------------
 
 template <typename T>
@@ -269,24 +252,12 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
   up(plan.token_index_map(), host_plan.token_index_map(), 4 * S);
 
   // Inputs and outputs (the caller's memory).
-  DevBuf x(c.T * c.d * 2), w1(c.E * R * c.d * 2), w2(c.E * c.d * c.n * 2), dout(c.T * c.d * 2);
-  DevBuf out(c.T * c.d * 2), dx(c.T * c.d * 2), dw1(c.E * R * c.d * 2), dw2(c.E * c.d * c.n * 2),
-      dpw(S * 4);
-  cuda::fill_normal(x.p, DType::bf16, c.T * c.d, f.seed + 1, 1.0f, stream);
-  cuda::fill_normal(w1.p, DType::bf16, c.E * R * c.d, f.seed + 2, 1.0f / std::sqrt(float(c.d)), stream);
-  cuda::fill_normal(w2.p, DType::bf16, c.E * c.d * c.n, f.seed + 3, 1.0f / std::sqrt(float(c.n)), stream);
-  cuda::fill_normal(dout.p, DType::bf16, c.T * c.d, f.seed + 4, 1.0f, stream);
-  MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
-  const TensorView xv(x.p, DType::bf16, Device::cuda, {c.T, c.d});
-  const TensorView w1v(w1.p, DType::bf16, Device::cuda, {c.E, R, c.d});
-  const TensorView w2v(w2.p, DType::bf16, Device::cuda, {c.E, c.d, c.n});
-  const TensorView outv(out.p, DType::bf16, Device::cuda, {c.T, c.d});
-  const TensorView doutv(dout.p, DType::bf16, Device::cuda, {c.T, c.d});
-  LayerGrads g;
-  g.dx = TensorView(dx.p, DType::bf16, Device::cuda, {c.T, c.d});
-  g.dw1 = TensorView(dw1.p, DType::bf16, Device::cuda, {c.E, R, c.d});
-  g.dw2 = TensorView(dw2.p, DType::bf16, Device::cuda, {c.E, c.d, c.n});
-  g.d_pair_weights = TensorView(dpw.p, DType::f32, Device::cuda, {S});
+  const LayerTensors lt(c, c.E, S, f.seed, stream);
+  const DevBuf &x = lt.x, &w1 = lt.w1, &w2 = lt.w2, &dout = lt.dout, &out = lt.out, &dx = lt.dx,
+               &dw1 = lt.dw1, &dw2 = lt.dw2, &dpw = lt.dpw;
+  const TensorView &xv = lt.xv, &w1v = lt.w1v, &w2v = lt.w2v, &outv = lt.outv,
+                   &doutv = lt.doutv;
+  const LayerGrads& g = lt.grads;
 
   const SampleRef ref = reference_on_sample(c, host_plan, x.as<bf16>(), w1.as<bf16>(),
                                             w2.as<bf16>(), dout.as<bf16>(), f.sample_tokens, f.seed);

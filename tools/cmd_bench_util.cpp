@@ -1,6 +1,9 @@
 #include "cmd_bench_util.hpp"
 
+#include "cuda/layer/layer_cuda.hpp"
+
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 
 namespace moeblaze::tools {
@@ -41,6 +44,40 @@ GpuTimer::~GpuTimer() {
 void GpuTimer::flush(int rep) {
   // A different byte each time, so the writes cannot be elided or compressed away.
   MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(flush_, (rep * 37 + 1) & 0xff, kL2FlushBytes, stream_));
+}
+
+}  // namespace moeblaze::tools
+
+namespace moeblaze::tools {
+
+LayerTensors::LayerTensors(const LayerConfig& c, int64_t experts, int64_t S, uint64_t seed,
+                           cudaStream_t stream)
+    : x(c.T * c.d * 2),
+      w1(experts * c.w1_rows() * c.d * 2),
+      w2(experts * c.d * c.n * 2),
+      dout(c.T * c.d * 2),
+      out(c.T * c.d * 2),
+      dx(c.T * c.d * 2),
+      dw1(experts * c.w1_rows() * c.d * 2),
+      dw2(experts * c.d * c.n * 2),
+      dpw(S * 4) {
+  const int64_t R = c.w1_rows();
+  cuda::fill_normal(x.p, DType::bf16, c.T * c.d, seed + 1, 1.0f, stream);
+  cuda::fill_normal(w1.p, DType::bf16, experts * R * c.d, seed + 2, 1.0f / std::sqrt(float(c.d)),
+                    stream);
+  cuda::fill_normal(w2.p, DType::bf16, experts * c.d * c.n, seed + 3,
+                    1.0f / std::sqrt(float(c.n)), stream);
+  cuda::fill_normal(dout.p, DType::bf16, c.T * c.d, seed + 4, 1.0f, stream);
+  MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  xv = TensorView(x.p, DType::bf16, Device::cuda, {c.T, c.d});                  // (T, d)
+  w1v = TensorView(w1.p, DType::bf16, Device::cuda, {experts, R, c.d});        // (E, w1_rows, d)
+  w2v = TensorView(w2.p, DType::bf16, Device::cuda, {experts, c.d, c.n});      // (E, d, n)
+  outv = TensorView(out.p, DType::bf16, Device::cuda, {c.T, c.d});             // (T, d)
+  doutv = TensorView(dout.p, DType::bf16, Device::cuda, {c.T, c.d});           // (T, d)
+  grads.dx = TensorView(dx.p, DType::bf16, Device::cuda, {c.T, c.d});          // (T, d)
+  grads.dw1 = TensorView(dw1.p, DType::bf16, Device::cuda, {experts, R, c.d});  // like w1
+  grads.dw2 = TensorView(dw2.p, DType::bf16, Device::cuda, {experts, c.d, c.n});  // like w2
+  grads.d_pair_weights = TensorView(dpw.p, DType::f32, Device::cuda, {S});     // (S,) fp32
 }
 
 }  // namespace moeblaze::tools

@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "cuda/cuda_backend.hpp"
+#include "moeblaze/layer.hpp"
+#include "moeblaze/tensor.hpp"
 
 namespace moeblaze::tools {
 
@@ -59,6 +61,35 @@ class GpuTimer {
   cudaStream_t stream_;
   void* flush_;
   cudaEvent_t start_, stop_;
+};
+
+// Device memory the command owns (the caller's tensors), on the current device; never counted by
+// moeblaze's allocator statistics.
+struct DevBuf {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit DevBuf(size_t b) : bytes(b) {
+    if (b) MOEBLAZE_CUDA_CHECK(cudaMalloc(&p, b));
+  }
+  ~DevBuf() {
+    if (p) cudaFree(p);
+  }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  template <typename T>
+  T* as() const { return static_cast<T*>(p); }
+};
+
+// The inputs and outputs of one layer call in bf16 (the CUDA layer's dtype), allocated on the
+// current device and filled from `seed` (x, d_out ~ N(0, 1), w1 ~ N(0, 1/d), w2 ~ N(0, 1/n)):
+// T tokens and `experts` experts (E, or E / W on an expert-parallel rank), S slots for the pair
+// gradient. The views are what layer_forward / layer_backward (and ep_*) take.
+struct LayerTensors {
+  DevBuf x, w1, w2, dout, out, dx, dw1, dw2, dpw;  // shapes as the views below
+  TensorView xv, w1v, w2v, outv, doutv;
+  LayerGrads grads;
+  LayerTensors(const LayerConfig& c, int64_t experts, int64_t S, uint64_t seed,
+               cudaStream_t stream);
 };
 
 }  // namespace moeblaze::tools
