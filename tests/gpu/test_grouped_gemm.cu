@@ -613,6 +613,13 @@ TEST(GroupedGemmChecks, InvalidArgumentsLeaveOutputsUntouched) {
              "n (160) must be a multiple of 64", true);
   expect_msg([&] { gg::reduce_ds(nullptr, reinterpret_cast<float*>(mb(a)), 5, n, nullptr); },
              "reduce_ds: ds_partials must not be null", false);
+  // The TMA path with a scratch smaller than tma_gemm_scratch_bytes(E): refused before launch.
+  DevBuf small(256);
+  const gg::GemmScratch too_small{small.ptr, small.bytes};
+  expect_msg([&] { gg::down_proj(dp.view, cb(a), cb(w2), mb(h), d, n, nullptr, too_small); },
+             "down_proj: scratch of 256 bytes is smaller than", false);
+  expect_msg([&] { gg::dx_proj(dp.view, cb(h), cb(w1), mb(a), d, n, act, nullptr, too_small); },
+             "dx_proj: scratch of 256 bytes is smaller than", false);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_TRUE(bytes_equal(h, h0));
   EXPECT_TRUE(bytes_equal(a, a0));

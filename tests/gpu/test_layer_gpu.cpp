@@ -478,6 +478,27 @@ INSTANTIATE_TEST_SUITE_P(
 
 // ---- determinism, materialized baseline, naive GEMM cross-check -------------------------------
 
+// The stream-ordered pool keeps freed memory cached on EVERY visible device: with a flag once per
+// process, every GPU but the first paid a cudaMalloc per layer call (found by bench ep on 2 H200s).
+TEST(LayerGpu, MemoryPoolKeptCachedOnEveryDevice) {
+  MOEBLAZE_REQUIRE_GPU();
+  int count = 0, current = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+  for (int dev = 0; dev < count; ++dev) {
+    ASSERT_EQ(cudaSetDevice(dev), cudaSuccess);
+    { Buffer b(Device::cuda, 1024, nullptr); }  // the first moeblaze allocation on `dev`
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    cudaMemPool_t pool;
+    ASSERT_EQ(cudaDeviceGetDefaultMemPool(&pool, dev), cudaSuccess);
+    uint64_t threshold = 0;
+    ASSERT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold),
+              cudaSuccess);
+    EXPECT_EQ(threshold, UINT64_MAX) << "device " << dev << " of " << count;
+  }
+  ASSERT_EQ(cudaSetDevice(current), cudaSuccess);
+}
+
 TEST(LayerGpu, BitwiseDeterministicAcrossRuns) {
   MOEBLAZE_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
