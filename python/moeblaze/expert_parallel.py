@@ -198,6 +198,12 @@ def ep_experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights,
     # The exchange runs on the rank's own device: w1's (the module's) when x was the problem.
     dev = x.device if err is None else w1.device
     dtype_code = _DTYPE_CODE.get(x.dtype, 0)
+    # Which gradients autograd will ask for decides which exchanges backward runs: the ranks must
+    # agree on it, or one would wait in a backward collective the others never enter.
+    grad_code = 0
+    if err is None and torch.is_grad_enabled():
+        grad_code = (int(x.requires_grad) | 2 * int(w1.requires_grad or w2.requires_grad)
+                     | 4 * int(pair_weights.requires_grad))
     P = pair_experts.numel() if err is None else 0
 
     # ---- dispatch lists (on the device, no sync) -----------------------------------------
@@ -218,7 +224,8 @@ def ep_experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights,
     else:
         tokens_to = pairs_to = torch.zeros(W, dtype=torch.int64, device=dev)
     meta = torch.stack([tokens_to, pairs_to] + [torch.full_like(tokens_to, v) for v in
-                        (0 if err is None else 1, d, n, E_loc, dtype_code, act_code)], 1)
+                        (0 if err is None else 1, d, n, E_loc, dtype_code, act_code,
+                         grad_code)], 1)
 
     # ---- the count exchange and THE host sync of the forward ---------------------------------
     meta_recv = torch.empty_like(meta)
@@ -231,10 +238,11 @@ def ep_experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights,
     if failed:
         raise ValueError(f"moeblaze: expert-parallel call failed on rank(s) {failed} (see their "
                          "error); nothing was exchanged")
-    mine = [d, n, E_loc, dtype_code, act_code]
+    mine = [d, n, E_loc, dtype_code, act_code, grad_code]
     for q in range(W):
         if got[q][3:] != mine:
-            raise ValueError(f"moeblaze: rank {q} has (d, n, E/W, dtype, activation) = "
+            raise ValueError(f"moeblaze: rank {q} has (d, n, E/W, dtype, activation, "
+                             f"requires_grad bits) = "
                              f"{tuple(got[q][3:])} but rank {rank} has {tuple(mine)}: the ranks "
                              "must agree")
     tok_send = [r[0] for r in sent]

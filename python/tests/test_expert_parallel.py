@@ -152,6 +152,11 @@ def _check_errors(rank, world, seed):
     wd = (ep.w1, ep.w2) if rank != 2 else (ep.w1.double(), ep.w2.double())
     with pytest.raises(ValueError, match=r"dtype|must agree|failed on rank"):
         moeblaze.ep_experts_from_routing(xd, *wd, off, exp, wts, 4)
+    # Ranks that differ in which gradients they need would run different backward exchanges:
+    # refused on every rank before anything moves.
+    xg = torch.randn(3, 8, requires_grad=(rank == 3))
+    with pytest.raises(ValueError, match=r"must agree"):
+        moeblaze.ep_experts_from_routing(xg, ep.w1, ep.w2, off, exp, wts.detach(), 4)
     out = ep(torch.randn(3, 8))[0]
     assert out.shape == (3, 8)
 
