@@ -27,8 +27,9 @@
 // Exchange share: EpTimings of both calls, exchange_s / total_s, mean over ranks. It is host wall
 // time inside the blocking collectives, so waiting for a slower peer counts as exchange: load
 // imbalance shows up there, not in the local-layer time. The EP step also builds the dispatch
-// lists and the local plan on the host each call (the baseline's plan is prebuilt): "other ms"
-// is that remainder (total - exchange - local layer, with the row gathers and combines).
+// lists (on the host) and the local plan (on the GPU, from the received routing) each call (the
+// baseline's plan is prebuilt): "other ms" is that remainder (total - exchange - local layer,
+// with the row gathers, combines and host<->device staging).
 //
 // Failures: a rank that fails while setting up releases the others at the barrier before any NCCL
 // call. Bad arguments and local-layer failures inside the EP calls are agreed by the library (every
