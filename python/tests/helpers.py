@@ -72,6 +72,65 @@ def check_against_reference(moe, x, dtype, extra_tol=1.0):
     return errs
 
 
+# Expert parallelism against the single-process moeblaze layer on the whole problem: fp32 differs
+# only in summation grouping (per-rank partials), bf16 also in the rounding of each partial.
+TOL_SINGLE = {torch.float32: 1e-6, torch.bfloat16: 8e-3}
+EP_NAMES = ("out", "dx", "dw1", "dw2", "d_gate")
+
+
+def ep_step(ep, x_r, d_out_r):
+    """One EP forward+backward on this rank's tokens: out, dx, dw1, dw2 and gate.weight's grad."""
+    ep.zero_grad(set_to_none=True)
+    x = x_r.detach().clone().requires_grad_()
+    out, _ = ep(x)
+    out.backward(d_out_r)
+    return [t.detach().clone() for t in (out, x.grad, ep.w1.grad, ep.w2.grad,
+                                          ep.gate.weight.grad)]
+
+
+def check_ep_rank(moe, ep, x, d_out, lo, hi, dtype, what, group=None):
+    """Collective: checks this rank's EP results (tokens [lo, hi) of x, experts of ep's shard of
+    moe) against a second EP run (bitwise), a float64 reference of the whole problem (TOL) and the
+    single-process moe (TOL_SINGLE). Returns (errors vs float64, vs single-process, the results
+    bitwise equal to the single-process ones)."""
+    import torch.distributed as dist
+    s, c = ep.expert_start, ep.num_local_experts
+    got = ep_step(ep, x[lo:hi], d_out[lo:hi])
+    again = ep_step(ep, x[lo:hi], d_out[lo:hi])
+    for nm, a, b in zip(EP_NAMES, got, again):
+        assert a.device == x.device, f"{what}: {nm} is on {a.device}"
+        assert torch.equal(a, b), f"{what}: {nm} differs between two identical EP runs"
+    assert all(t.dtype == dtype for t in got[:3]), f"{what}: out/dx/dw1 not in {dtype}"
+    # The replicated router's gradient over all tokens (all-reduced in fp32: one rounding).
+    g_gate = got[4].float()
+    dist.all_reduce(g_gate, group=group)
+
+    # The selection EP used (this rank's route) must be the global one (ties: vanishingly rare).
+    ids_all = routing_ids(moe, x)
+    assert torch.equal(routing_ids(ep, x[lo:hi]), ids_all[lo:hi]), \
+        f"{what}: routing differs from the single-process routing (a near-tie?)"
+
+    mine = (got[0], got[1], got[2], got[3], g_gate)
+    ref = reference_moe(moe, x, d_out)  # float64 on x's device, over moe.route's selection
+    refs = (ref[0][lo:hi], ref[1][lo:hi], ref[2][s:s + c], ref[3][s:s + c], ref[4])
+    errs = {nm: rel_err(a, r) for nm, a, r in zip(EP_NAMES, mine, refs) if r.numel()}
+    bad = {nm: e for nm, e in errs.items() if not e <= TOL[dtype]}
+    assert not bad, f"{what}: relative errors vs float64 above {TOL[dtype]}: {bad} ({errs})"
+
+    xs = x.detach().clone().requires_grad_()
+    out1, _ = moe(xs)
+    out1.backward(d_out)
+    single = (out1[lo:hi], xs.grad[lo:hi], moe.w1.grad[s:s + c], moe.w2.grad[s:s + c],
+              moe.gate.weight.grad)
+    errs1 = {nm: rel_err(a, r) for nm, a, r in zip(EP_NAMES, mine, single) if r.numel()}
+    tol1 = TOL_SINGLE[dtype]
+    bad1 = {nm: e for nm, e in errs1.items() if not e <= tol1}
+    assert not bad1, f"{what}: relative differences vs single-process MoE above {tol1}: " \
+                     f"{bad1} ({errs1})"
+    bitwise = [nm for nm, a, r in zip(EP_NAMES[:4], mine, single) if torch.equal(a, r)]
+    return errs, errs1, bitwise
+
+
 def run_ranks(world, fn, seed, backend="gloo", timeout_s=120, args=(), fail_grace_s=None):
     """Spawns `world` processes running fn(rank, world, seed, *args) in a torch.distributed group
     of `backend` over a FileStore in a fresh temporary folder (no port to collide on). gloo: one

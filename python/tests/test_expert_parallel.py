@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import moeblaze
-from helpers import run_ranks
+from helpers import check_ep_rank, run_ranks
 
 try:
     import torch.distributed as dist
@@ -23,40 +23,6 @@ JOIN_TIMEOUT_S = 120
 # ---------------------------------------------------------------------------------------------
 # per-rank bodies (module level: picklable for spawn)
 # ---------------------------------------------------------------------------------------------
-def _rel(a, ref):
-    a, ref = a.detach().double(), ref.detach().double()
-    return float(torch.linalg.norm(a - ref)) / max(float(torch.linalg.norm(ref)), 1e-30)
-
-
-def _float64_reference(moe, x, ids, d_out):
-    """Float64 out and gradients (x, w1, w2, gate) of the whole problem over a fixed selection."""
-    from moeblaze.reference import dense_reference
-    logits_ids = ids
-    xd = x.detach().double().requires_grad_()
-    w1 = moe.w1.detach().double().requires_grad_()
-    w2 = moe.w2.detach().double().requires_grad_()
-    g = moe.gate.weight.detach().double().requires_grad_()
-    logits = xd @ g.t()
-    if moe.router == "softmax_topk":
-        w = torch.gather(torch.softmax(logits, -1), 1, logits_ids)
-        if moe.renormalize:
-            w = w / w.sum(-1, keepdim=True)
-    else:  # topk_softmax
-        w = torch.softmax(torch.gather(logits, 1, logits_ids), -1)
-    out = dense_reference(xd, w1, w2, logits_ids, w, moe.activation)
-    out.backward(d_out.double())
-    return out, xd.grad, w1.grad, w2.grad, g.grad
-
-
-def _ep_step(ep, x_r, d_out_r):
-    ep.zero_grad(set_to_none=True)
-    x = x_r.detach().clone().requires_grad_()
-    out, _ = ep(x)
-    out.backward(d_out_r)
-    return [t.detach().clone() for t in (out, x.grad, ep.w1.grad, ep.w2.grad,
-                                          ep.gate.weight.grad)]
-
-
 CONFIGS = {
     # world: list of (dtype, activation, router, renormalize, recompute, E, K, d, n, tokens per rank)
     2: [(torch.float32, "swiglu", "softmax_topk", False, False, 4, 3, 16, 12, [9, 5]),
@@ -65,7 +31,6 @@ CONFIGS = {
     4: [(torch.float32, "swiglu", "softmax_topk", True, False, 8, 3, 16, 12, [6, 0, 5, 3]),
         (torch.float32, "geglu", "topk_softmax", False, False, 4, 4, 8, 8, [3, 4, 1, 5])],
 }
-TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 def _check_configs(world, seed, group=None):
@@ -82,41 +47,7 @@ def _check_configs(world, seed, group=None):
         s, c = ep.expert_start, ep.num_local_experts
         assert (s, c) == (rank * E // world, E // world)
         what = f"config {ci} ({dtype}, {act}, {router}, E={E}, K={K}, W={world}) on rank {rank}"
-
-        got = _ep_step(ep, x[lo:hi], d_out[lo:hi])
-        again = _ep_step(ep, x[lo:hi], d_out[lo:hi])
-        names = ("out", "dx", "dw1", "dw2", "d_gate (this rank's tokens)")
-        for nm, a, b in zip(names, got, again):
-            assert torch.equal(a, b), f"{what}: {nm} differs between two identical EP runs"
-        g_gate = got[4].clone()
-        dist.all_reduce(g_gate, group=group)  # the replicated router's gradient over all tokens
-
-        # The selection EP used (this rank's route) must be the global one (ties: vanishingly rare).
-        with torch.no_grad():
-            _, _, ids_all, _ = moe.route(x)
-            _, _, ids_r, _ = ep.route(x[lo:hi])
-        ids_all = ids_all.long().reshape(T, K)
-        assert torch.equal(ids_r.long().reshape(-1, K), ids_all[lo:hi]), \
-            f"{what}: routing differs from the single-process routing (a near-tie?)"
-
-        ref = _float64_reference(moe, x, ids_all, d_out)
-        mine = (got[0], got[1], got[2], got[3], g_gate)
-        refs = (ref[0][lo:hi], ref[1][lo:hi], ref[2][s:s + c], ref[3][s:s + c], ref[4])
-        errs = {nm: _rel(a, r) for nm, a, r in zip(names, mine, refs) if r.numel()}
-        bad = {nm: e for nm, e in errs.items() if not e <= TOL[dtype]}
-        assert not bad, f"{what}: relative errors vs float64 above {TOL[dtype]}: {bad} ({errs})"
-
-        # The single-process moeblaze layer on the whole problem.
-        xs = x.detach().clone().requires_grad_()
-        out1, _ = moe(xs)
-        out1.backward(d_out)
-        single = (out1[lo:hi], xs.grad[lo:hi], moe.w1.grad[s:s + c], moe.w2.grad[s:s + c],
-                  moe.gate.weight.grad)
-        tol1 = 1e-6 if dtype == torch.float32 else 8e-3
-        errs1 = {nm: _rel(a, r) for nm, a, r in zip(names, mine, single) if r.numel()}
-        bad1 = {nm: e for nm, e in errs1.items() if not e <= tol1}
-        assert not bad1, f"{what}: relative differences vs single-process MoE above {tol1}: " \
-                         f"{bad1} ({errs1})"
+        check_ep_rank(moe, ep, x, d_out, lo, hi, dtype, what, group)
 
 
 def _check_errors(rank, world, seed):

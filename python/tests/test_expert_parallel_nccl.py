@@ -17,8 +17,7 @@ import pytest
 import torch
 
 import moeblaze
-from helpers import TOL, reference_moe, rel_err, routing_ids, run_ranks
-from test_expert_parallel import _ep_step
+from helpers import check_ep_rank, run_ranks
 
 try:
     import torch.distributed as dist
@@ -68,7 +67,6 @@ CONFIGS = {
          [100, 37, 0, 64, 1, 50, 128, 9]),
         ("relu", "topk_softmax", True, True, 16, 2, 256, 128, [9, 0, 33, 64, 100, 2, 17, 40])],
 }
-TOL_SINGLE = {FP32: 1e-6, BF16: 8e-3}  # vs the single-process layer (as the gloo test)
 
 
 def _check_configs(rank, world, seed, dtype):
@@ -91,42 +89,7 @@ def _check_configs(rank, world, seed, dtype):
         what = f"config {ci} ({dtype}, {act}, {router}, recompute={recompute}, E={E}, K={K}, " \
                f"d={d}, n={n}, tokens {tpr}, W={world}) on rank {rank}"
 
-        got = _ep_step(ep, x[lo:hi], d_out[lo:hi])
-        again = _ep_step(ep, x[lo:hi], d_out[lo:hi])
-        names = ("out", "dx", "dw1", "dw2", "d_gate")
-        for nm, a, b in zip(names, got, again):
-            assert a.device == dev, f"{what}: {nm} is on {a.device}"
-            assert torch.equal(a, b), f"{what}: {nm} differs between two identical EP runs"
-        assert got[0].dtype == dtype and got[1].dtype == dtype and got[2].dtype == dtype
-        # The replicated router's gradient over all tokens (all-reduced in fp32: one rounding).
-        g_gate = got[4].float()
-        dist.all_reduce(g_gate)
-
-        # The selection EP used (this rank's route) must be the global one (ties: vanishingly rare).
-        ids_all = routing_ids(moe, x)
-        ids_r = routing_ids(ep, x[lo:hi])
-        assert torch.equal(ids_r, ids_all[lo:hi]), \
-            f"{what}: routing differs from the single-process routing (a near-tie?)"
-
-        mine = (got[0], got[1], got[2], got[3], g_gate)
-        ref = reference_moe(moe, x, d_out)  # float64 on this GPU, over moe.route's selection
-        refs = (ref[0][lo:hi], ref[1][lo:hi], ref[2][s:s + c], ref[3][s:s + c], ref[4])
-        errs = {nm: rel_err(a, r) for nm, a, r in zip(names, mine, refs) if r.numel()}
-        bad = {nm: e for nm, e in errs.items() if not e <= TOL[dtype]}
-        assert not bad, f"{what}: relative errors vs float64 above {TOL[dtype]}: {bad} ({errs})"
-
-        # The single-process moeblaze layer on the whole problem (this GPU).
-        xs = x.detach().clone().requires_grad_()
-        out1, _ = moe(xs)
-        out1.backward(d_out)
-        single = (out1[lo:hi], xs.grad[lo:hi], moe.w1.grad[s:s + c], moe.w2.grad[s:s + c],
-                  moe.gate.weight.grad)
-        errs1 = {nm: rel_err(a, r) for nm, a, r in zip(names, mine, single) if r.numel()}
-        tol1 = TOL_SINGLE[dtype]
-        bad1 = {nm: e for nm, e in errs1.items() if not e <= tol1}
-        assert not bad1, f"{what}: relative differences vs single-process MoE above {tol1}: " \
-                         f"{bad1} ({errs1})"
-        bitwise = [nm for nm, a, r in zip(names[:4], mine, single) if torch.equal(a, r)]
+        errs, errs1, bitwise = check_ep_rank(moe, ep, x, d_out, lo, hi, dtype, what)
         if rank == 0:
             fmt = lambda es: ", ".join(f"{k} {v:.1e}" for k, v in es.items())  # noqa: E731
             print(f"\nnccl W={world} config {ci} (rank 0): vs float64: {fmt(errs)}; vs "
