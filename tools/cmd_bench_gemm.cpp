@@ -210,13 +210,30 @@ void run(const Flags& f) {
     const gg::GemmScratch tma_scratch{scratch_buf.as<char>(), gg::tma_gemm_scratch_bytes(E)};
     const std::vector<Kernel> kernels = {
         {"up", 2.0 * S * R * d,
-         [&] { gg::up_proj(plan, B(x), B(w1), M(h), M(a), d, n, act, stream); }, S, R, d},
+         [&] {
+           gg::up_proj(plan, B(x), B(w1), M(h), M(a), d, n, act, stream,
+                       gg::GatherKernel::two_cta);
+         },
+         S, R, d},
+        // The warp-specialised persistent kernel of the gathered GEMMs, same outputs.
+        {"up-ws", 2.0 * S * R * d,
+         [&] {
+           gg::up_proj(plan, B(x), B(w1), M(h), M(a), d, n, act, stream,
+                       gg::GatherKernel::warp_specialized);
+         },
+         S, R, d},
         {"down", 2.0 * S * d * n,
          [&] { gg::down_proj(plan, B(a), B(w2), M(y), d, n, stream); }, S, d, n},
         {"dH", 2.0 * S * d * n,
          [&] {
            gg::dh_proj(plan, B(dO), B(w2), B(h), parts.as<float>(), M(dh), M(as), d, n, act,
-                       stream);
+                       stream, gg::GatherKernel::two_cta);
+         },
+         S, n, d},
+        {"dH-ws", 2.0 * S * d * n,
+         [&] {
+           gg::dh_proj(plan, B(dO), B(w2), B(h), parts.as<float>(), M(dh), M(as), d, n, act,
+                       stream, gg::GatherKernel::warp_specialized);
          },
          S, n, d},
         {"dW2", 2.0 * S * d * n, [&] { gg::dw2_proj(plan, B(dO), B(as), M(dw2), d, n, stream); },
@@ -382,7 +399,7 @@ void add_bench_gemm_command(CLI::App& bench) {
   sub->add_option("--seed", flags->seed, "input seed");
   sub->add_flag("--no-dense", flags->no_dense, "skip the cuBLAS same-FLOP comparison");
   sub->add_option("--only", flags->only,
-                  "time only these kernels (comma list of up, down, dH, dW2, dX, down-tma, "
+                  "time only these kernels (comma list of up, up-ws, down, dH, dH-ws, dW2, dX, down-tma, "
                   "dX-tma, dW1); all of them still run once for the correctness check");
   sub->add_option("--out", flags->out, "append JSON lines to this file");
   sub->add_option("--md", flags->md, "write the table as Markdown to this file");

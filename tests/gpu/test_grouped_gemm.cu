@@ -259,24 +259,30 @@ TEST_P(GroupedGemm, UpProjGatheredWithActivationEpilogue) {
   upload(x, in.x);
   upload(w1, in.w1);
   DevBuf h(size_t(S * R) * 2), a(size_t(S * n) * 2);
-  run_twice({&h, &a}, [&] {
-    gg::up_proj(dp.view, cb(x), cb(w1), mb(h), mb(a), d, n, c.act, nullptr);
-  });
-  const double eh = check_rel("h", download<bf16>(h), h_ref, rel_tolerance(DType::bf16));
-  const double ea = check_rel("a", download<bf16>(a), a_ref, rel_tolerance(DType::bf16));
-  std::printf("[up  %s] S=%lld err h %.2e a %.2e\n", case_name(c).c_str(), (long long)S, eh, ea);
+  // Both kernels of the gathered GEMMs, each against the reference (their roundings differ).
+  for (gg::GatherKernel k : {gg::GatherKernel::two_cta, gg::GatherKernel::warp_specialized}) {
+    const char* kname = k == gg::GatherKernel::two_cta ? "2-CTA" : "warp-specialised";
+    SCOPED_TRACE(kname);
+    run_twice({&h, &a}, [&] {
+      gg::up_proj(dp.view, cb(x), cb(w1), mb(h), mb(a), d, n, c.act, nullptr, k);
+    });
+    const double eh = check_rel("h", download<bf16>(h), h_ref, rel_tolerance(DType::bf16));
+    const double ea = check_rel("a", download<bf16>(a), a_ref, rel_tolerance(DType::bf16));
+    std::printf("[up  %s %s] S=%lld err h %.2e a %.2e\n", case_name(c).c_str(), kname,
+                (long long)S, eh, ea);
 
-  // Either store can be skipped; the other output must be bitwise the same as before.
-  const auto h_full = download<uint8_t>(h);
-  const auto a_full = download<uint8_t>(a);
-  h.poison();
-  a.poison();
-  gg::up_proj(dp.view, cb(x), cb(w1), mb(h), nullptr, d, n, c.act, nullptr);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_TRUE(bytes_equal(h, h_full)) << "h differs when a is not stored";
-  gg::up_proj(dp.view, cb(x), cb(w1), nullptr, mb(a), d, n, c.act, nullptr);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_TRUE(bytes_equal(a, a_full)) << "a differs when h is not stored";
+    // Either store can be skipped; the other output must be bitwise the same as before.
+    const auto h_full = download<uint8_t>(h);
+    const auto a_full = download<uint8_t>(a);
+    h.poison();
+    a.poison();
+    gg::up_proj(dp.view, cb(x), cb(w1), mb(h), nullptr, d, n, c.act, nullptr, k);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(bytes_equal(h, h_full)) << "h differs when a is not stored";
+    gg::up_proj(dp.view, cb(x), cb(w1), nullptr, mb(a), d, n, c.act, nullptr, k);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(bytes_equal(a, a_full)) << "a differs when h is not stored";
+  }
 }
 
 // ---- (2) down-projection --------------------------------------------------------------------
@@ -367,24 +373,29 @@ TEST_P(GroupedGemm, DhProjGatheredWithBackwardEpilogue) {
   upload(h, h_in);
   DevBuf partials(size_t(S * cols) * 4), ds(size_t(S) * 4), dh(size_t(S * R) * 2),
       as(size_t(S * n) * 2);
-  run_twice({&partials, &ds, &dh, &as}, [&] {
-    gg::dh_proj(dp.view, cb(dO), cb(w2), cb(h), partials.as<float>(), mb(dh), mb(as), d, n,
-                c.act, nullptr);
-    gg::reduce_ds(partials.as<float>(), ds.as<float>(), S, n, nullptr);
-  });
-  const double edh = check_rel("dh", download<bf16>(dh), dh_ref, rel_tolerance(DType::bf16));
-  const double eas = check_rel("a_scaled", download<bf16>(as), as_ref, rel_tolerance(DType::bf16));
-  const double eds = check_rel("ds", download<float>(ds), ds_ref, 1e-4);
-  // The reduction is the plain in-order sum of the partials.
-  const auto part = download<float>(partials);
-  const auto dsv = download<float>(ds);
-  for (int64_t r = 0; r < S; ++r) {
-    float acc = 0.0f;
-    for (int64_t j = 0; j < cols; ++j) acc += part[size_t(r * cols + j)];
-    ASSERT_EQ(acc, dsv[r]) << "ds[" << r << "] is not the in-order sum of its partials";
+  for (gg::GatherKernel k : {gg::GatherKernel::two_cta, gg::GatherKernel::warp_specialized}) {
+    const char* kname = k == gg::GatherKernel::two_cta ? "2-CTA" : "warp-specialised";
+    SCOPED_TRACE(kname);
+    run_twice({&partials, &ds, &dh, &as}, [&] {
+      gg::dh_proj(dp.view, cb(dO), cb(w2), cb(h), partials.as<float>(), mb(dh), mb(as), d, n,
+                  c.act, nullptr, k);
+      gg::reduce_ds(partials.as<float>(), ds.as<float>(), S, n, nullptr);
+    });
+    const double edh = check_rel("dh", download<bf16>(dh), dh_ref, rel_tolerance(DType::bf16));
+    const double eas =
+        check_rel("a_scaled", download<bf16>(as), as_ref, rel_tolerance(DType::bf16));
+    const double eds = check_rel("ds", download<float>(ds), ds_ref, 1e-4);
+    // The reduction is the plain in-order sum of the partials.
+    const auto part = download<float>(partials);
+    const auto dsv = download<float>(ds);
+    for (int64_t r = 0; r < S; ++r) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < cols; ++j) acc += part[size_t(r * cols + j)];
+      ASSERT_EQ(acc, dsv[r]) << "ds[" << r << "] is not the in-order sum of its partials";
+    }
+    std::printf("[dH  %s %s] S=%lld err dh %.2e a' %.2e ds %.2e\n", case_name(c).c_str(), kname,
+                (long long)S, edh, eas, eds);
   }
-  std::printf("[dH  %s] S=%lld err dh %.2e a' %.2e ds %.2e\n", case_name(c).c_str(),
-              (long long)S, edh, eas, eds);
 }
 
 // ---- (5) dW2 and (8) dW1: varlen-K -----------------------------------------------------------
@@ -512,10 +523,13 @@ TEST(GroupedGemmEdge, EmptyPlan) {
   guard.poison();
   const auto before = download<uint8_t>(guard);
   // Empty operands may be null when S = 0; `guard` stands in for outputs that must stay as is.
-  gg::up_proj(dp.view, nullptr, cb(w1), mb(guard), mb(guard), d, n, Activation::swiglu, nullptr);
+  for (auto k : {gg::GatherKernel::two_cta, gg::GatherKernel::warp_specialized})
+    gg::up_proj(dp.view, nullptr, cb(w1), mb(guard), mb(guard), d, n, Activation::swiglu, nullptr,
+                k);
   gg::down_proj(dp.view, nullptr, cb(w2), mb(guard), d, n, nullptr);
-  gg::dh_proj(dp.view, nullptr, cb(w2), nullptr, guard.as<float>(), mb(guard), mb(guard), d, n,
-              Activation::swiglu, nullptr);
+  for (auto k : {gg::GatherKernel::two_cta, gg::GatherKernel::warp_specialized})
+    gg::dh_proj(dp.view, nullptr, cb(w2), nullptr, guard.as<float>(), mb(guard), mb(guard), d, n,
+                Activation::swiglu, nullptr, k);
   gg::reduce_ds(nullptr, guard.as<float>(), 0, n, nullptr);
   gg::dx_proj(dp.view, nullptr, cb(w1), mb(guard), d, n, Activation::swiglu, nullptr);
   const TmaScratch ts(E);  // the TMA path: nothing to do either
@@ -599,6 +613,16 @@ TEST(GroupedGemmChecks, InvalidArgumentsLeaveOutputsUntouched) {
   cpu.device = Device::cpu;
   expect_msg([&] { gg::up_proj(cpu, cb(x), cb(w1), mb(h), mb(a), d, n, act, nullptr); },
              "up_proj: plan must be on cuda (got cpu)", false);
+  RoutingPlanView many_e = dp.view;  // only E is read before the refusal
+  many_e.E = 4097;
+  expect_msg([&] {
+    gg::up_proj(many_e, cb(x), cb(w1), mb(h), mb(a), d, n, act, nullptr,
+                gg::GatherKernel::warp_specialized);
+  }, "up_proj: the warp-specialised kernel takes E <= 4096 experts (got 4097)", true);
+  expect_msg([&] {
+    gg::dh_proj(many_e, cb(x), cb(w2), cb(h), reinterpret_cast<float*>(mb(a)), mb(h), mb(a), d,
+                n, act, nullptr, gg::GatherKernel::warp_specialized);
+  }, "dh_proj: the warp-specialised kernel takes E <= 4096 experts (got 4097)", true);
   RoutingPlanView no_w = dp.view;
   no_w.slot_weights = nullptr;
   expect_msg([&] {

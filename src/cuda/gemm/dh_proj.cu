@@ -7,6 +7,7 @@
 #include "cuda/gemm/gemm_checks.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/gemm/sm90_varlen_m.cuh"
+#include "cuda/gemm/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm {
 namespace sm90 {
@@ -149,7 +150,7 @@ __global__ void reduce_ds_kernel(const float* __restrict__ partials, float* __re
 
 void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,
              float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n, Activation act,
-             cudaStream_t stream) {
+             cudaStream_t stream, GatherKernel kernel) {
   constexpr const char* fn = "dh_proj";
   detail::check_plan(fn, plan, /*gathers=*/true, /*weights=*/true);
   detail::check_dims(fn, d, n);
@@ -160,6 +161,15 @@ void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, con
   detail::check_ptr(fn, ds_partials, "ds_partials", need);
   detail::check_ptr(fn, dh, "dh", need);
   detail::check_ptr(fn, a_scaled, "a_scaled", need);
+  MOEBLAZE_UNSUPPORTED_IF(kernel == GatherKernel::warp_specialized &&
+                              !detail::ws_gather_supports(plan.E),
+                          fn, ": the warp-specialised kernel takes E <= 4096 experts (got ",
+                          plan.E, ")");
+  if (kernel == GatherKernel::warp_specialized ||
+      (kernel == GatherKernel::automatic && use_ws_gather(plan.E) && d >= kWsDhMinD)) {
+    detail::dh_proj_ws(plan, d_out, w2, h, ds_partials, dh, a_scaled, d, n, act, stream);
+    return;
+  }
 
   sm90::VarlenMArgs p{};
   p.a = reinterpret_cast<const __nv_bfloat16*>(d_out);  // (T, d), rows gathered per slot

@@ -24,6 +24,7 @@
 // only and listed here:
 //   * down_proj / dx_proj take an optional GemmScratch (default: none, the cp.async kernel);
 //     use_tma_gemm, tma_gemm_scratch_bytes and layer_gemm_scratch_bytes size it.
+//   * up_proj and dh_proj take an optional GatherKernel (default: automatic).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -69,6 +70,21 @@ size_t tma_gemm_scratch_bytes(int64_t E);
 // use_tma_gemm(S, E), else 0 (and it passes no scratch: the cp.async kernels run).
 size_t layer_gemm_scratch_bytes(int64_t S, int64_t E);
 
+// ---- the kernels of the gathered GEMMs ------------------------------------------------------
+// Two implementations compute the same contract (bitwise different: different tile shapes):
+//   two_cta: sm90_varlen_m.cuh, 128 x 128 tiles, every thread loads and multiplies, two CTAs
+//            per SM (one CTA's loads and epilogue overlap the other's MMAs);
+//   warp_specialized: sm90_ws_gather.cuh, persistent, 128 x 256 tiles, a producer warpgroup
+//            (cp.async gather + TMA weights) feeding two consumer warpgroups through mbarriers;
+//            takes E <= 4096.
+// automatic picks warp_specialized when it takes E (for dh_proj also only when d >= 2048: its
+// epilogue, which reads H, is not overlapped with MMAs in that kernel, so it needs a long
+// reduction to win; measured on the H200, bench/NOTES.md), unless MOEBLAZE_GEMM_WS=0 in the
+// environment (read once; for A/B measurements).
+enum class GatherKernel { automatic, two_cta, warp_specialized };
+constexpr int64_t kWsDhMinD = 2048;
+bool use_ws_gather(int64_t E);
+
 // ---- forward -------------------------------------------------------------------------------
 
 // (1) up-projection, A operand gathered: for each slot r of expert e, token t = indices[r],
@@ -77,9 +93,10 @@ size_t layer_gemm_scratch_bytes(int64_t S, int64_t E);
 //   accumulators (not from the bf16-rounded h).
 // x (T, d); w1 (E, w1_rows, d); h (S, w1_rows); a (S, n).
 // Either h or a may be nullptr (not both) to skip that store: recompute mode's backward needs h
-// only, inference needs a only.
+// only, inference needs a only. kernel = warp_specialized with E > 4096 throws Unsupported.
 void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
-             int64_t d, int64_t n, Activation act, cudaStream_t stream);
+             int64_t d, int64_t n, Activation act, cudaStream_t stream,
+             GatherKernel kernel = GatherKernel::automatic);
 
 // (2) down-projection, A operand contiguous: y[r, :] = W2_e a[r, :].
 // a (S, n); w2 (E, d, n); y (S, d). A non-empty scratch (tma_gemm_scratch_bytes(E)) selects the
@@ -99,9 +116,10 @@ void down_proj(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16*
 // d_out (T, d); w2 (E, d, n); h (S, w1_rows); ds_partials (S, ds_partials_cols(n)) fp32;
 // dh (S, w1_rows); a_scaled (S, n) (A' of DESIGN, the second operand of dW2).
 // The per-slot gate gradient is ds[r] = sum_j ds_partials[r, j]: call reduce_ds next.
+// kernel as for up_proj.
 void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,
              float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n, Activation act,
-             cudaStream_t stream);
+             cudaStream_t stream, GatherKernel kernel = GatherKernel::automatic);
 
 // ds[r] = sum over j = 0, 1, ... in order of ds_partials[r, j] (fixed order, fp32).
 // ds_partials (S, ds_partials_cols(n)) fp32; ds (S,) fp32 grouped by expert (slot order).

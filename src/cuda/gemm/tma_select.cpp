@@ -1,4 +1,5 @@
-// When the layer uses the TMA path of down_proj / dx_proj, and how much scratch it needs.
+// Which kernel the layer's GEMMs run: the TMA path of down_proj / dx_proj (and how much scratch it
+// needs) and the warp-specialised path of the gathered GEMMs.
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -6,6 +7,7 @@
 
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/gemm/tma_paths.hpp"
+#include "cuda/gemm/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm {
 namespace {
@@ -28,6 +30,14 @@ bool use_tma_gemm(int64_t S, int64_t E) {
   const int f = forced();
   if (f >= 0) return f == 1;
   return S >= E * kTmaMinRowsPerExpert;
+}
+
+bool use_ws_gather(int64_t E) {
+  static const bool off = [] {
+    const char* env = std::getenv("MOEBLAZE_GEMM_WS");
+    return env && std::strcmp(env, "0") == 0;
+  }();
+  return !off && detail::ws_gather_supports(E);
 }
 
 size_t tma_gemm_scratch_bytes(int64_t E) {

@@ -9,6 +9,7 @@
 #include "cuda/gemm/gemm_checks.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/gemm/sm90_varlen_m.cuh"
+#include "cuda/gemm/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm {
 namespace sm90 {
@@ -84,7 +85,7 @@ bool tma_weights() {
 }  // namespace
 
 void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
-             int64_t d, int64_t n, Activation act, cudaStream_t stream) {
+             int64_t d, int64_t n, Activation act, cudaStream_t stream, GatherKernel kernel) {
   constexpr const char* fn = "up_proj";
   detail::check_plan(fn, plan, /*gathers=*/true, /*weights=*/false);
   detail::check_dims(fn, d, n);
@@ -92,6 +93,15 @@ void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h
   detail::check_ptr(fn, w1, "w1", plan.S > 0);
   MOEBLAZE_REQUIRE(plan.S == 0 || h != nullptr || a != nullptr, fn,
                    ": h and a must not both be null");
+  MOEBLAZE_UNSUPPORTED_IF(kernel == GatherKernel::warp_specialized &&
+                              !detail::ws_gather_supports(plan.E),
+                          fn, ": the warp-specialised kernel takes E <= 4096 experts (got ",
+                          plan.E, ")");
+  if (kernel == GatherKernel::warp_specialized ||
+      (kernel == GatherKernel::automatic && use_ws_gather(plan.E))) {
+    detail::up_proj_ws(plan, x, w1, h, a, d, n, act, stream);
+    return;
+  }
   const bool gated = is_gated(act);
   const int64_t w1_rows = gated ? 2 * n : n;
 

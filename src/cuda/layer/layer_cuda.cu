@@ -30,7 +30,17 @@
 namespace moeblaze::cuda {
 namespace {
 
-const GemmOps kSm90Ops = {gemm::up_proj,          gemm::down_proj, gemm::dh_proj,
+// The sm90 GEMMs with their kernel choice left automatic (grouped_gemm.hpp, GatherKernel).
+void sm90_up_proj(const RoutingPlanView& p, const bf16* x, const bf16* w1, bf16* h, bf16* a,
+                  int64_t d, int64_t n, Activation act, cudaStream_t s) {
+  gemm::up_proj(p, x, w1, h, a, d, n, act, s);
+}
+void sm90_dh_proj(const RoutingPlanView& p, const bf16* d_out, const bf16* w2, const bf16* h,
+                  float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n,
+                  Activation act, cudaStream_t s) {
+  gemm::dh_proj(p, d_out, w2, h, ds_partials, dh, a_scaled, d, n, act, s);
+}
+const GemmOps kSm90Ops = {sm90_up_proj,           gemm::down_proj, sm90_dh_proj,
                           gemm::reduce_ds,        gemm::dw2_proj,  gemm::dx_proj,
                           gemm::dw1_proj,         gemm::ds_partials_cols,
                           gemm::layer_gemm_scratch_bytes, "sm90"};

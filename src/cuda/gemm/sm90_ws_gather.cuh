@@ -1,0 +1,326 @@
+// Warp-specialised, persistent varlen-M grouped GEMM with a gathered A operand (sm_90a):
+//   C[slot, :] = A[gather[slot], :] · B_eᵀ        for every slot of expert e
+// the design of DESIGN.md's GEMM section for the gathered GEMMs, which the 2-CTA kernels of
+// sm90_varlen_m.cuh approximate without warp specialisation:
+//   * one CTA per SM (persistent), 384 threads: warpgroup 0 is the producer, warpgroups 1 and 2
+//     the consumers, which compute one 128 x 256 output tile together (cooperative: each owns
+//     64 rows x 256 columns, 128 fp32 accumulators per thread);
+//   * the producer warpgroup copies A's 128 gathered rows per K step with cp.async (a TMA box can
+//     only describe affine strides; the row ids of a tile are read once per tile, not per K step)
+//     and one of its threads loads B (the weights, K-major) by TMA, four 64 x 64 boxes per stage;
+//   * a kStages-deep shared-memory ring with two mbarriers per stage: full[s] completes when the
+//     128 producer threads' cp.async (cp.async.mbarrier.arrive.noinc) and B's TMA bytes have
+//     landed, empty[s] when all 256 consumer threads' WGMMAs that read it have retired;
+//   * the tile loop walks (expert, m-tile, n-tile) in raster_tile's order from a per-CTA table of
+//     each expert's first m-tile, built once from expert_token_offsets (no host sync), so the
+//     producer runs into the next tile's loads while the consumers are in this tile's epilogue.
+// The epilogue policy consumes the accumulators straight from registers (Epi::apply, with the
+// fragment mapping of ws_frag_row / ws_frag_col); Epi::at_tile_start runs in the consumers before
+// a tile's mainloop (e.g. to prefetch the epilogue's inputs into L2). Each output element is computed by one thread
+// in a fixed order, so the result is bitwise independent of the tile order and of gridDim.
+// Included by the .cu file of each GEMM that uses it (one instantiation per file).
+#pragma once
+
+#include <cuda.h>  // CUtensorMap
+
+#include <cub/block/block_scan.cuh>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "cuda/cuda_backend.hpp"
+#include "cuda/gemm/raster.hpp"
+#include "cuda/gemm/sm90_gemm_core.cuh"
+#include "cuda/gemm/sm90_varlen_m.cuh"  // make_tma_kmajor
+#include "moeblaze/error.hpp"
+
+namespace moeblaze::cuda::gemm::sm90::ws {
+
+constexpr int kBM = 128;  // output tile rows (slots)
+constexpr int kBN = 256;  // output tile columns
+constexpr int kBK = 64;   // K step: one 128-byte swizzle row of bf16
+// 48 KiB per stage (A 16 KiB + B 32 KiB); 4 stages = 192 KiB of the 227 KiB an SM offers, the
+// rest holds the barriers and the expert tile table.
+constexpr int kStages = 4;
+constexpr int kProducerThreads = 128;
+constexpr int kConsumerThreads = 256;
+constexpr int kThreads = kProducerThreads + kConsumerThreads;
+// Registers after setmaxnreg: 128 x 40 + 256 x 232 = 64512 of the SM's 65536 (ptxas allocates
+// each role's code within its count). The consumers need 128 accumulators plus the epilogue's
+// temporaries (the dH epilogue spilled at 224, ptxas -v); the producer keeps its rows as 32-bit
+// element offsets so that it fits in 40.
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+// Largest E the per-CTA table (E + 1 ints of shared memory) is sized for; larger E runs the
+// 2-CTA kernels (the caller checks supports()).
+constexpr int kMaxExperts = 4096;
+
+// The shared-memory layouts and tiled MMA for B of major kMajorB (A is always K-major). An
+// MN-major B stage is ordered K-blocks first (Step<_2,_1,_3>), so the 8 KiB that hold MN columns
+// [64 h, 64 h + 64) for all 64 k of the stage are contiguous: one TMA box of a 2D (K rows, N
+// columns) tensor with 128-byte swizzle, like the K-major case's 64-row boxes.
+template <GMajor kMajorB>
+struct Layouts {
+  using TiledMma = decltype(ct::make_tiled_mma(
+      ct::SM90_64x256x16_F32BF16BF16_SS<GMajor::K, kMajorB>{},
+      ct::Layout<ct::Shape<ct::_2, ct::_1, ct::_1>>{}));  // 2 consumer warpgroups along M
+  using SmemLayoutA = decltype(ct::tile_to_shape(
+      ct::GMMA::Layout_K_SW128_Atom<Elem>{},
+      ct::Shape<ct::Int<kBM>, ct::Int<kBK>, ct::Int<kStages>>{}));  // (BM, BK, stages)
+  using SmemLayoutB = std::conditional_t<
+      kMajorB == GMajor::K,
+      decltype(ct::tile_to_shape(ct::GMMA::Layout_K_SW128_Atom<Elem>{},
+                                 ct::Shape<ct::Int<kBN>, ct::Int<kBK>, ct::Int<kStages>>{})),
+      decltype(ct::tile_to_shape(ct::GMMA::Layout_MN_SW128_Atom<Elem>{},
+                                 ct::Shape<ct::Int<kBN>, ct::Int<kBK>, ct::Int<kStages>>{},
+                                 ct::Step<ct::_2, ct::_1, ct::_3>{}))>;  // (BN, BK, stages)
+};
+constexpr int kStageBytesA = kBM * kBK * 2;
+constexpr int kStageBytesB = kBN * kBK * 2;
+constexpr int kBox = 64;  // a TMA box of B is 64 x 64 elements (make_tma_kmajor)
+constexpr uint32_t kBoxBytes = kBox * kBox * 2;
+
+// Shared-memory bytes for E experts: 1 KiB alignment slack, the ring, 2 x kStages mbarriers and
+// the (E + 1)-entry tile table.
+inline size_t smem_bytes(int E) {
+  return 1024 + size_t(kStages) * (kStageBytesA + kStageBytesB) + 2 * kStages * 8 +
+         4 * (size_t(E) + 1);
+}
+
+struct Args {
+  const __nv_bfloat16* a;   // (rows, lda) bf16, rows gathered per slot
+  int64_t lda;
+  const int32_t* gather;    // (S,) slot -> A row
+  const int32_t* offsets;   // (E+1,) expert_token_offsets
+  int E;
+  int K;                    // reduction length, a multiple of kBK
+  int n_tiles;              // output tiles along N
+  // B is the expert-stacked weights seen as one row-major 2D tensor of E * b_rows_per_expert rows,
+  //   K-major B: rows are N indices, b_cols = K;   MN-major B: rows are K indices, b_cols = N.
+  int b_rows_per_expert;
+  int b_cols;
+  // K-major B: rows of B_e feeding tile n_tile, four 64-row boxes starting at
+  //   gated (gate_split > 0): j0, j0 + 64, gate_split + j0, gate_split + j0 + 64, j0 = 128 n_tile
+  //   plain:                  256 n_tile + 64 h, h = 0..3
+  // Rows past B_e's end read the next expert's rows (or TMA's zero fill past the tensor) and
+  // feed only accumulator columns the epilogue does not store. MN-major B: columns
+  // 256 n_tile + 64 h of rows e K + 64 kt; columns past N are TMA's zero fill.
+  int gate_split;
+  int raster_group;         // band height of raster_tile
+  CUtensorMap tma_b;        // that 2D tensor, 64 x 64 boxes (set by launch_gather_gemm)
+};
+
+// Where a consumer thread's accumulators sit in the 128 x 256 tile: element acc(v0 + 2 v1 + 4 i)
+// is row ws_frag_row(v1), column ws_frag_col(i) + v0 (SM90 WGMMA C fragment of a 64 x 256
+// atom, one atom per consumer warpgroup). i = 0..31.
+__device__ __forceinline__ int ws_frag_row(int v1) {
+  const int t = threadIdx.x - kProducerThreads;
+  return 64 * (t >> 7) + 16 * ((t >> 5) & 3) + ((t & 31) >> 2) + 8 * v1;
+}
+__device__ __forceinline__ int ws_frag_col(int i) { return 8 * i + 2 * (threadIdx.x & 3); }
+constexpr int kFragColGroups = kBN / 8;  // 32
+
+// The tile a CTA works on: expert, its slot range [m_begin, m_end) and the n-tile.
+struct Tile {
+  int expert, m_begin, m_end, n_tile;
+};
+
+// Linear tile t -> Tile, from the table tile_start[e] = first m-tile of expert e (tile_start[E]
+// = all m-tiles): the expert is the last e with tile_start[e] <= m (empty experts share their
+// successor's start and are skipped by taking the last).
+__device__ __forceinline__ Tile decode_tile(const Args& p, const int* tile_start, int m_total,
+                                            int t) {
+  int m_linear, n_tile;
+  raster_tile(t, m_total, p.n_tiles, p.raster_group, m_linear, n_tile);
+  int lo = 0, hi = p.E - 1;  // answer in [lo, hi]
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (tile_start[mid] <= m_linear) lo = mid; else hi = mid - 1;
+  }
+  Tile tl;
+  tl.expert = lo;
+  tl.m_begin = p.offsets[lo] + (m_linear - tile_start[lo]) * kBM;
+  tl.m_end = p.offsets[lo + 1];
+  tl.n_tile = n_tile;
+  return tl;
+}
+
+// tile_start[e] for e in [0, E], by all threads (block-wide scan of ceil(count_e / kBM)).
+__device__ __forceinline__ void build_tile_table(const Args& p, int* tile_start) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  int running = 0;
+  for (int base = 0; base < p.E; base += kThreads) {
+    const int e = base + static_cast<int>(threadIdx.x);
+    const int cnt = e < p.E ? (p.offsets[e + 1] - p.offsets[e] + kBM - 1) / kBM : 0;
+    int excl, total;
+    Scan(scan_tmp).ExclusiveSum(cnt, excl, total);
+    if (e < p.E) tile_start[e] = running + excl;
+    running += total;
+    __syncthreads();  // scan_tmp is reused next round
+  }
+  if (threadIdx.x == 0) tile_start[p.E] = running;
+}
+
+template <GMajor kMajorB, class Epi>
+__global__ void __launch_bounds__(kThreads, 1)
+    gather_gemm_kernel(const __grid_constant__ Args p, const typename Epi::Params ep) {
+  using namespace cute;
+  using L = Layouts<kMajorB>;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  extern __shared__ char smem_raw[];
+  char* smem = align_smem_1k(smem_raw);
+  char* smem_a = smem;                              // (kStages, BM, BK) swizzled
+  char* smem_b = smem + kStages * kStageBytesA;     // (kStages, BN, BK) swizzled
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem_b + kStages * kStageBytesB);  // (kStages,)
+  uint64_t* empty = full + kStages;                                                 // (kStages,)
+  int* tile_start = reinterpret_cast<int*>(empty + kStages);                        // (E + 1,)
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&full[s], kProducerThreads + 1);  // cp.async arrivals + the TMA thread's
+      Barrier::init(&empty[s], kConsumerThreads);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  build_tile_table(p, tile_start);
+  __syncthreads();
+  const int m_total = tile_start[p.E];
+  const int num_tiles = m_total * p.n_tiles;
+  const int k_tiles = p.K / kBK;
+
+  if (threadIdx.x < kProducerThreads) {
+    // ---------------- producer ----------------
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    const int tid = threadIdx.x;
+    const int chunk = tid & 7;  // 16-byte chunk of the 128-byte K-step row
+    // Thread tid copies chunk `chunk` of tile rows tid / 8 + 16 j, j = 0..7.
+    // Byte offset of row tid / 8 + 16 j's chunk in a stage: row * 128 + (chunk ^ (row % 8)) * 16,
+    // and row % 8 does not depend on j.
+    const uint32_t soff0 = swizzled_offset<GMajor::K>(tid >> 3, chunk * 8);
+    const uint32_t a_base = smem_u32(smem_a);
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      const Tile tl = decode_tile(p, tile_start, m_total, t);
+      // This thread's source row of each j (an A row id), or -1 past the expert's end.
+      int src[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int slot = tl.m_begin + (tid >> 3) + 16 * j;
+        src[j] = slot < tl.m_end ? __ldg(p.gather + slot) : -1;
+      }
+      // TMA box h of a stage: column b_x[h] (+ 64 kt for K-major), row b_y[h] (+ 64 kt for
+      // MN-major) of the 2D view.
+      int b_x[4], b_y[4];
+      const int b_base_row = tl.expert * p.b_rows_per_expert;
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        if constexpr (kMajorB == GMajor::K) {
+          const int j0 = tl.n_tile * (kBN / 2);
+          b_x[h] = 0;
+          b_y[h] = p.gate_split > 0
+                       ? b_base_row + (h < 2 ? 0 : p.gate_split) + j0 + (h & 1) * kBox
+                       : b_base_row + tl.n_tile * kBN + h * kBox;
+        } else {
+          b_x[h] = tl.n_tile * kBN + h * kBox;
+          b_y[h] = b_base_row;
+        }
+      }
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        Barrier::wait(&empty[stage], phase ^ 1);  // the consumers have released this stage
+        if (tid == 0) {
+          Barrier::arrive_and_expect_tx(&full[stage], 4 * kBoxBytes);
+          char* dst = smem_b + stage * kStageBytesB;
+#pragma unroll
+          for (int h = 0; h < 4; ++h)
+            SM90_TMA_LOAD_2D::copy(&p.tma_b, &full[stage],
+                                   static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
+                                   dst + h * kBoxBytes,
+                                   kMajorB == GMajor::K ? kt * kBK : b_x[h],
+                                   kMajorB == GMajor::K ? b_y[h] : b_y[h] + kt * kBK);
+        }
+        const uint32_t a_stage = a_base + stage * kStageBytesA;
+        const __nv_bfloat16* a_k = p.a + kt * kBK + chunk * 8;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          cp_async_16(a_stage + soff0 + j * 16 * 128,
+                      src[j] >= 0 ? a_k + int64_t(src[j]) * p.lda : p.a, src[j] >= 0);
+        cutlass::arch::cpasync_barrier_arrive_noinc(&full[stage]);
+        if (++stage == kStages) { stage = 0; phase ^= 1; }
+      }
+    }
+  } else {
+    // ---------------- consumers ----------------
+    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+    const int ctid = threadIdx.x - kProducerThreads;
+    typename L::TiledMma mma;
+    Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem_a)),
+                            typename L::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem_b)),
+                            typename L::SmemLayoutB{});
+    auto thr = mma.get_slice(ctid);
+    Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // GMMA descriptors
+    Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+    auto acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      const Tile tl = decode_tile(p, tile_start, m_total, t);
+      Epi::at_tile_start(ep, tl.m_begin, tl.m_end, tl.n_tile);
+      int release = stage;  // the stage whose MMAs retire next
+      mma.accumulate_ = GMMA::ScaleOut::Zero;
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        Barrier::wait(&full[stage], phase);
+        fence_proxy_async_smem();  // cp.async wrote through the generic proxy; WGMMA reads async
+        warpgroup_fence_operand(acc);
+        warpgroup_arrive();
+#pragma unroll
+        for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+          cute::gemm(mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), acc);
+          mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();  // the previous step's MMAs are done: release its stage
+        warpgroup_fence_operand(acc);
+        if (kt > 0) {
+          Barrier::arrive(&empty[release]);
+          if (++release == kStages) release = 0;
+        }
+        if (++stage == kStages) { stage = 0; phase ^= 1; }
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc);
+      Barrier::arrive(&empty[release]);
+      Epi::apply(ep, acc, tl.m_begin, tl.m_end, tl.n_tile);
+    }
+  }
+}
+
+// The grid: one CTA per SM, or fewer when there are fewer tiles than SMs (the host bound
+// (ceil(S / kBM) + E) * n_tiles).
+// b: the stacked weights (E * b_rows_per_expert, b_cols) behind Args::tma_b.
+template <GMajor kMajorB, class Epi>
+void launch_gather_gemm(const Args& p, const void* b, const typename Epi::Params& ep, int64_t S,
+                        cudaStream_t stream) {
+  if (S == 0) return;
+  int dev = 0, sms = 0;
+  MOEBLAZE_CUDA_CHECK(cudaGetDevice(&dev));
+  MOEBLAZE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int64_t tile_bound = ((S + kBM - 1) / kBM + p.E) * p.n_tiles;
+  const int grid = static_cast<int>(tile_bound < sms ? tile_bound : sms);
+  Args q = p;
+  q.raster_group = raster_group_for((S + kBM - 1) / kBM + p.E);
+  const int64_t b_rows = int64_t(p.E) * p.b_rows_per_expert;
+  MOEBLAZE_UNSUPPORTED_IF(b_rows > INT32_MAX, "the weight stack's ", b_rows,
+                          " rows exceed the TMA coordinate range (2^31 - 1)");
+  q.tma_b = make_tma_kmajor(b, b_rows, p.b_cols);  // a (b_rows, b_cols) row-major tensor
+  auto kernel = &gather_gemm_kernel<kMajorB, Epi>;
+  const size_t smem = smem_bytes(p.E);
+  MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem)));
+  kernel<<<grid, kThreads, smem, stream>>>(q, ep);
+  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace moeblaze::cuda::gemm::sm90::ws

@@ -1,0 +1,27 @@
+// The warp-specialised persistent path of the gathered grouped GEMMs (sm90_ws_gather.cuh): one
+// instantiation per .cu file. Called by the public entry points (grouped_gemm.hpp) after their
+// argument checks. Host-only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/gemm/grouped_gemm.hpp"
+
+namespace moeblaze::cuda::gemm::detail {
+
+// Whether the warp-specialised kernels take E experts (their per-CTA expert table lives in
+// shared memory: E <= 4096).
+bool ws_gather_supports(int64_t E);
+
+// up_proj on the warp-specialised path; same contract as up_proj.
+void up_proj_ws(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
+                int64_t d, int64_t n, Activation act, cudaStream_t stream);
+
+// dh_proj on the warp-specialised path; same contract as dh_proj.
+void dh_proj_ws(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,
+                float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n,
+                Activation act, cudaStream_t stream);
+
+}  // namespace moeblaze::cuda::gemm::detail
