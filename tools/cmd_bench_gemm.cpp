@@ -238,7 +238,14 @@ void run(const Flags& f) {
          },
          S, n, d},
         {"dW2", "dw2", 2.0 * S * d * n,
-         [&] { gg::dw2_proj(plan, B(dO), B(as), M(dw2), d, n, stream); }, d, n, S},
+         [&] { gg::dw2_proj(plan, B(dO), B(as), M(dw2), d, n, stream, gg::GatherKernel::two_cta); },
+         d, n, S},
+        {"dW2-ws", "dw2", 2.0 * S * d * n,
+         [&] {
+           gg::dw2_proj(plan, B(dO), B(as), M(dw2), d, n, stream,
+                        gg::GatherKernel::warp_specialized);
+         },
+         d, n, S},
         {"dX", "dx", 2.0 * S * R * d,
          [&] { gg::dx_proj(plan, B(dh), B(w1), M(dx), d, n, act, stream); }, S, d, R},
         // The TMA path of the two contiguous-A GEMMs (CUTLASS pointer-array), same outputs.
@@ -248,7 +255,16 @@ void run(const Flags& f) {
          [&] { gg::dx_proj(plan, B(dh), B(w1), M(dx), d, n, act, stream, tma_scratch); }, S, d,
          R},
         {"dW1", "dw1", 2.0 * S * R * d,
-         [&] { gg::dw1_proj(plan, B(dh), B(x), M(dw1), d, n, act, stream); }, R, d, S},
+         [&] {
+           gg::dw1_proj(plan, B(dh), B(x), M(dw1), d, n, act, stream, gg::GatherKernel::two_cta);
+         },
+         R, d, S},
+        {"dW1-ws", "dw1", 2.0 * S * R * d,
+         [&] {
+           gg::dw1_proj(plan, B(dh), B(x), M(dw1), d, n, act, stream,
+                        gg::GatherKernel::warp_specialized);
+         },
+         R, d, S},
     };
 
     // Dense same-FLOP operands: (max(M,N) x K) random bf16 for both sides.
@@ -412,8 +428,8 @@ void add_bench_gemm_command(CLI::App& bench) {
   sub->add_option("--seed", flags->seed, "input seed");
   sub->add_flag("--no-dense", flags->no_dense, "skip the cuBLAS same-FLOP comparison");
   sub->add_option("--only", flags->only,
-                  "time only these kernels (comma list of up, up-ws, down, dH, dH-ws, dW2, dX, down-tma, "
-                  "dX-tma, dW1); all of them still run once for the correctness check");
+                  "time only these kernels (comma list of up, up-ws, down, dH, dH-ws, dW2, dW2-ws, dX, "
+                  "down-tma, dX-tma, dW1, dW1-ws); all of them still run once for the correctness check");
   sub->add_option("--out", flags->out, "append JSON lines to this file");
   sub->add_option("--md", flags->md, "write the table as Markdown to this file");
   sub->callback([flags] { run(*flags); });

@@ -441,24 +441,28 @@ TEST_P(GroupedGemm, WeightGradsVarlenK) {
   upload(dh, dh_in);
   upload(x, in.x);
   DevBuf dw2(size_t(E * d * n) * 2), dw1(size_t(E * R * d) * 2);
-  run_twice({&dw2, &dw1}, [&] {
-    gg::dw2_proj(dp.view, cb(dO), cb(as), mb(dw2), d, n, nullptr);
-    gg::dw1_proj(dp.view, cb(dh), cb(x), mb(dw1), d, n, c.act, nullptr);
-  });
-  const auto g2 = download<bf16>(dw2);
-  const auto g1 = download<bf16>(dw1);
-  const double e2 = check_rel("dw2", g2, dw2_ref, rel_tolerance(DType::bf16));
-  const double e1 = check_rel("dw1", g1, dw1_ref, rel_tolerance(DType::bf16));
-  // Experts without slots get exact zeros (not left unwritten).
-  for (int64_t e = 0; e < E; ++e) {
-    if (P.offsets[e + 1] != P.offsets[e]) continue;
-    for (int64_t i = 0; i < d * n; ++i)
-      ASSERT_EQ(g2[size_t(e * d * n + i)].bits, 0) << "dw2 of empty expert " << e;
-    for (int64_t i = 0; i < R * d; ++i)
-      ASSERT_EQ(g1[size_t(e * R * d + i)].bits, 0) << "dw1 of empty expert " << e;
+  for (gg::GatherKernel k : {gg::GatherKernel::two_cta, gg::GatherKernel::warp_specialized}) {
+    const char* kname = k == gg::GatherKernel::two_cta ? "2-CTA" : "warp-specialised";
+    SCOPED_TRACE(kname);
+    run_twice({&dw2, &dw1}, [&] {
+      gg::dw2_proj(dp.view, cb(dO), cb(as), mb(dw2), d, n, nullptr, k);
+      gg::dw1_proj(dp.view, cb(dh), cb(x), mb(dw1), d, n, c.act, nullptr, k);
+    });
+    const auto g2 = download<bf16>(dw2);
+    const auto g1 = download<bf16>(dw1);
+    const double e2 = check_rel("dw2", g2, dw2_ref, rel_tolerance(DType::bf16));
+    const double e1 = check_rel("dw1", g1, dw1_ref, rel_tolerance(DType::bf16));
+    // Experts without slots get exact zeros (not left unwritten).
+    for (int64_t e = 0; e < E; ++e) {
+      if (P.offsets[e + 1] != P.offsets[e]) continue;
+      for (int64_t i = 0; i < d * n; ++i)
+        ASSERT_EQ(g2[size_t(e * d * n + i)].bits, 0) << "dw2 of empty expert " << e;
+      for (int64_t i = 0; i < R * d; ++i)
+        ASSERT_EQ(g1[size_t(e * R * d + i)].bits, 0) << "dw1 of empty expert " << e;
+    }
+    std::printf("[dW  %s %s] S=%lld err dw2 %.2e dw1 %.2e\n", case_name(c).c_str(), kname,
+                (long long)S, e2, e1);
   }
-  std::printf("[dW  %s] S=%lld err dw2 %.2e dw1 %.2e\n", case_name(c).c_str(), (long long)S, e2,
-              e1);
 }
 
 // ---- (6) dX̃ ----------------------------------------------------------------------------------
@@ -539,13 +543,15 @@ TEST(GroupedGemmEdge, EmptyPlan) {
   EXPECT_TRUE(bytes_equal(guard, before));
 
   DevBuf dw2(size_t(E * d * n) * 2), dw1(size_t(E * 2 * n * d) * 2);
-  dw2.poison();
-  dw1.poison();
-  gg::dw2_proj(dp.view, nullptr, nullptr, mb(dw2), d, n, nullptr);
-  gg::dw1_proj(dp.view, nullptr, nullptr, mb(dw1), d, n, Activation::swiglu, nullptr);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  for (auto v : download<uint16_t>(dw2)) ASSERT_EQ(v, 0);
-  for (auto v : download<uint16_t>(dw1)) ASSERT_EQ(v, 0);
+  for (auto k : {gg::GatherKernel::two_cta, gg::GatherKernel::warp_specialized}) {
+    dw2.poison();
+    dw1.poison();
+    gg::dw2_proj(dp.view, nullptr, nullptr, mb(dw2), d, n, nullptr, k);
+    gg::dw1_proj(dp.view, nullptr, nullptr, mb(dw1), d, n, Activation::swiglu, nullptr, k);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (auto v : download<uint16_t>(dw2)) ASSERT_EQ(v, 0);
+    for (auto v : download<uint16_t>(dw1)) ASSERT_EQ(v, 0);
+  }
 }
 
 // The shape rule needs no GPU.

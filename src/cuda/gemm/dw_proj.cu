@@ -6,7 +6,9 @@
 // expert's unaligned K range cost nothing extra (rows beyond the range are zero-filled).
 // Grid (M/128 * N/128, E): every CTA owns one output tile of one expert (tiles walked in
 // raster_tile's order within the expert); an expert with no slot stores zeros. One
-// instantiation: varlen_k_kernel (both GEMMs differ only in their arguments).
+// instantiation: varlen_k_kernel (both GEMMs differ only in their arguments). This is the 2-CTA
+// kernel (GatherKernel::two_cta); the warp-specialised one, the default, is in dw2_proj_ws.cu /
+// dw1_proj_ws.cu (sm90_ws_varlen_k.cuh).
 #include <climits>
 
 #include "cuda/cuda_backend.hpp"
@@ -14,6 +16,7 @@
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/gemm/raster.hpp"
 #include "cuda/gemm/sm90_gemm_core.cuh"
+#include "cuda/gemm/ws_paths.hpp"
 #include "moeblaze/error.hpp"
 
 namespace moeblaze::cuda::gemm {
@@ -86,13 +89,18 @@ void launch_varlen_k(const VarlenKArgs& a, int64_t E, cudaStream_t stream) {
 }  // namespace sm90
 
 void dw2_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled, bf16* dw2,
-              int64_t d, int64_t n, cudaStream_t stream) {
+              int64_t d, int64_t n, cudaStream_t stream, GatherKernel kernel) {
   constexpr const char* fn = "dw2_proj";
   detail::check_plan(fn, plan, /*gathers=*/true, /*weights=*/false);
   detail::check_dims(fn, d, n);
   detail::check_ptr(fn, d_out, "d_out", plan.S > 0);
   detail::check_ptr(fn, a_scaled, "a_scaled", plan.S > 0);
   detail::check_ptr(fn, dw2, "dw2");
+  if (kernel != GatherKernel::two_cta && (kernel == GatherKernel::warp_specialized ||
+                                          use_ws_gather(plan.E))) {
+    detail::dw2_proj_ws(plan, d_out, a_scaled, dw2, d, n, stream);
+    return;
+  }
   sm90::VarlenKArgs a{};
   a.p = reinterpret_cast<const __nv_bfloat16*>(d_out);  // (T, d): M = d, rows gathered
   a.p_gather = plan.expert_token_indices;
@@ -107,7 +115,7 @@ void dw2_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scal
 }
 
 void dw1_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1, int64_t d,
-              int64_t n, Activation act, cudaStream_t stream) {
+              int64_t n, Activation act, cudaStream_t stream, GatherKernel kernel) {
   constexpr const char* fn = "dw1_proj";
   detail::check_plan(fn, plan, /*gathers=*/true, /*weights=*/false);
   detail::check_dims(fn, d, n);
@@ -115,6 +123,11 @@ void dw1_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* 
   detail::check_ptr(fn, x, "x", plan.S > 0);
   detail::check_ptr(fn, dw1, "dw1");
   const int64_t w1_rows = is_gated(act) ? 2 * n : n;
+  if (kernel != GatherKernel::two_cta && (kernel == GatherKernel::warp_specialized ||
+                                          use_ws_gather(plan.E))) {
+    detail::dw1_proj_ws(plan, dh, x, dw1, d, w1_rows, stream);
+    return;
+  }
   sm90::VarlenKArgs a{};
   a.p = reinterpret_cast<const __nv_bfloat16*>(dh);  // (S, w1_rows): M = w1_rows
   a.p_gather = nullptr;

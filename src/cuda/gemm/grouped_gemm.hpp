@@ -24,7 +24,7 @@
 // only and listed here:
 //   * down_proj / dx_proj take an optional GemmScratch (default: none, the cp.async kernel);
 //     use_tma_gemm, tma_gemm_scratch_bytes and layer_gemm_scratch_bytes size it.
-//   * up_proj and dh_proj take an optional GatherKernel (default: automatic).
+//   * up_proj, dh_proj, dw2_proj and dw1_proj take an optional GatherKernel (default: automatic).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -72,13 +72,14 @@ size_t layer_gemm_scratch_bytes(int64_t S, int64_t E);
 
 // ---- the kernels of the gathered GEMMs ------------------------------------------------------
 // Two implementations compute the same contract (bitwise different: different tile shapes):
-//   two_cta: sm90_varlen_m.cuh, 128 x 128 tiles, every thread loads and multiplies, two CTAs
-//            per SM (one CTA's loads and epilogue overlap the other's MMAs);
-//   warp_specialized: sm90_ws_gather.cuh, persistent, 128 x 256 tiles, a producer warpgroup
-//            (cp.async gather + TMA weights) feeding two consumer warpgroups through mbarriers;
-//            takes E <= 4096.
-// automatic picks warp_specialized when it takes E (for dh_proj also only when d >= 2048: its
-// epilogue, which reads H, is not overlapped with MMAs in that kernel, so it needs a long
+//   two_cta: sm90_varlen_m.cuh / dw_proj.cu, 128 x 128 tiles, every thread loads and
+//            multiplies, two CTAs per SM (one CTA's loads and epilogue overlap the other's MMAs);
+//   warp_specialized: persistent, 128 x 256 tiles, a producer warpgroup feeding two consumer
+//            warpgroups through mbarriers: sm90_ws_gather.cuh for up_proj / dh_proj (cp.async
+//            gather + TMA weights; takes E <= 4096), sm90_ws_varlen_k.cuh for dw2_proj /
+//            dw1_proj (cp.async gather + TMA for the slot-ordered operand; any E).
+// automatic picks warp_specialized when use_ws_gather(E) (for dh_proj also only when d >= 2048:
+// its epilogue, which reads H, is not overlapped with MMAs in that kernel, so it needs a long
 // reduction to win; measured on the H200, bench/NOTES.md), unless MOEBLAZE_GEMM_WS=0 in the
 // environment (read once; for A/B measurements).
 enum class GatherKernel { automatic, two_cta, warp_specialized };
@@ -128,8 +129,10 @@ void reduce_ds(const float* ds_partials, float* ds, int64_t S, int64_t n, cudaSt
 // (5) dW2, varlen-K (the reduction runs over the expert's slots):
 //   dw2[e] = sum over slots r of e of d_out[token(r), :]ᵀ ⊗ a_scaled[r, :]    (d, n)
 // d_out (T, d) gathered; a_scaled (S, n); dw2 (E, d, n). An expert with no slot gets zeros.
+// kernel: see GatherKernel above.
 void dw2_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled, bf16* dw2,
-              int64_t d, int64_t n, cudaStream_t stream);
+              int64_t d, int64_t n, cudaStream_t stream,
+              GatherKernel kernel = GatherKernel::automatic);
 
 // (6) dX̃, A operand contiguous, W1_e read N-major: dx_slots[r, :] = W1_eᵀ dh[r, :]   (d,)
 // dh (S, w1_rows); w1 (E, w1_rows, d); dx_slots (S, d). Summed per token by aggregate_rows.
@@ -139,7 +142,9 @@ void dx_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* 
 
 // (8) dW1, varlen-K: dw1[e] = sum over slots r of e of dh[r, :]ᵀ ⊗ x[token(r), :]  (w1_rows, d)
 // dh (S, w1_rows); x (T, d) gathered; dw1 (E, w1_rows, d). An expert with no slot gets zeros.
+// kernel as for dw2_proj.
 void dw1_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1, int64_t d,
-              int64_t n, Activation act, cudaStream_t stream);
+              int64_t n, Activation act, cudaStream_t stream,
+              GatherKernel kernel = GatherKernel::automatic);
 
 }  // namespace moeblaze::cuda::gemm

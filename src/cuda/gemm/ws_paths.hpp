@@ -24,4 +24,11 @@ void dh_proj_ws(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, 
                 float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n,
                 Activation act, cudaStream_t stream);
 
+// dw2_proj / dw1_proj on the warp-specialised varlen-K kernel; same contracts (w1_rows = 2n for
+// gated activations, else n).
+void dw2_proj_ws(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled, bf16* dw2,
+                 int64_t d, int64_t n, cudaStream_t stream);
+void dw1_proj_ws(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
+                 int64_t d, int64_t w1_rows, cudaStream_t stream);
+
 }  // namespace moeblaze::cuda::gemm::detail

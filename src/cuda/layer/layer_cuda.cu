@@ -40,9 +40,17 @@ void sm90_dh_proj(const RoutingPlanView& p, const bf16* d_out, const bf16* w2, c
                   Activation act, cudaStream_t s) {
   gemm::dh_proj(p, d_out, w2, h, ds_partials, dh, a_scaled, d, n, act, s);
 }
+void sm90_dw2_proj(const RoutingPlanView& p, const bf16* d_out, const bf16* a_scaled, bf16* dw2,
+                   int64_t d, int64_t n, cudaStream_t s) {
+  gemm::dw2_proj(p, d_out, a_scaled, dw2, d, n, s);
+}
+void sm90_dw1_proj(const RoutingPlanView& p, const bf16* dh, const bf16* x, bf16* dw1, int64_t d,
+                   int64_t n, Activation act, cudaStream_t s) {
+  gemm::dw1_proj(p, dh, x, dw1, d, n, act, s);
+}
 const GemmOps kSm90Ops = {sm90_up_proj,           gemm::down_proj, sm90_dh_proj,
-                          gemm::reduce_ds,        gemm::dw2_proj,  gemm::dx_proj,
-                          gemm::dw1_proj,         gemm::ds_partials_cols,
+                          gemm::reduce_ds,        sm90_dw2_proj,   gemm::dx_proj,
+                          sm90_dw1_proj,          gemm::ds_partials_cols,
                           gemm::layer_gemm_scratch_bytes, "sm90"};
 // The naive oracle takes no scratch: thin adapters to the table's signatures.
 void naive_down_proj(const RoutingPlanView& p, const bf16* a, const bf16* w2, bf16* y, int64_t d,

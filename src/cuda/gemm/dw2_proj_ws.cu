@@ -1,0 +1,23 @@
+// (5) dW2 on the warp-specialised persistent varlen-K kernel (sm90_ws_varlen_k.cuh): P = d_out
+// gathered through expert_token_indices (M = d), Q = a_scaled contiguous by TMA (N = n).
+// One instantiation: varlen_k_ws_kernel<false>.
+#include "cuda/gemm/sm90_ws_varlen_k.cuh"
+#include "cuda/gemm/ws_paths.hpp"
+
+namespace moeblaze::cuda::gemm::detail {
+
+void dw2_proj_ws(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled, bf16* dw2,
+                 int64_t d, int64_t n, cudaStream_t stream) {
+  sm90::ws::VarlenKArgs a{};
+  a.p = reinterpret_cast<const __nv_bfloat16*>(d_out);     // (T, d): M = d, rows gathered
+  a.q = reinterpret_cast<const __nv_bfloat16*>(a_scaled);  // (S, n): N = n, rows = slots
+  a.gather = plan.expert_token_indices;
+  a.offsets = plan.expert_token_offsets;
+  a.E = static_cast<int>(plan.E);
+  a.M = static_cast<int>(d);
+  a.N = static_cast<int>(n);
+  a.out = reinterpret_cast<__nv_bfloat16*>(dw2);  // (E, d, n)
+  sm90::ws::launch_varlen_k_ws<false>(a, plan.S, stream);
+}
+
+}  // namespace moeblaze::cuda::gemm::detail

@@ -1,0 +1,264 @@
+// Warp-specialised, persistent varlen-K grouped GEMM (sm_90a), the weight gradients:
+//   out[e] (M x N) = sum over slots r of expert e of P[token(r), :]ᵀ ⊗ Q[r, :]
+// P is gathered (its row = the slot's token, through expert_token_indices), Q is contiguous (its
+// row = the slot). (dW1's gathered operand is its wide one, so dW1 is computed transposed:
+// kTransposed.) The reduction runs over the expert's slots
+// [off[e], off[e+1]), read on the device. The machinery of the gathered varlen-M kernel
+// (sm90_ws_gather.cuh: one CTA per SM, a producer warpgroup, two cooperative consumer
+// warpgroups on a 128 x 256 tile, a 4-stage mbarrier ring), with both operands MN-major (one
+// slot is one K row of 128 (P) or 256 (Q) contiguous elements):
+//   * P, 128 columns per tile, is copied by the producer warpgroup's cp.async, its row ids loaded
+//     one stage ahead (so their latency hides behind the copies of the stage before), rows past
+//     the expert's slots zero-filled;
+//   * Q, 256 columns per tile, comes by TMA (64-column x 64-slot boxes of the 2D (S, N) view),
+//     except in an expert's last, partial K step: there its rows past the expert's end would be
+//     the next expert's, so the producer copies that step with cp.async and zero fill instead
+//     (a zero row times a finite row is an exact zero, but 0 x Inf is not: no reliance on it).
+// Both operands' stages are ordered K-blocks first (Step<_2,_1,_3>): MN columns [64 h, 64 h + 64)
+// of a stage are 8 KiB holding each of the 64 k as one 128-byte line, 16-byte chunks swizzled by
+// k % 8 — the layout of one TMA box with 128-byte swizzle, which the cp.async copies reproduce
+// (kfirst_offset). Tiles are (expert, m-tile, n-tile), expert by expert, raster_tile's order
+// within an expert; an expert with no slot gets zeros.
+#pragma once
+
+#include "cuda/gemm/sm90_ws_gather.cuh"
+
+namespace moeblaze::cuda::gemm::sm90::ws {
+
+struct VarlenKArgs {
+  const __nv_bfloat16* p;   // (rows, M) gathered operand
+  const __nv_bfloat16* q;   // (S, N) contiguous operand
+  const int32_t* gather;    // (S,) slot -> row of p
+  const int32_t* offsets;   // (E+1,)
+  int E, M, N;
+  int m_tiles, n_tiles;     // ceil(M / kBM), ceil(N / kBN)
+  int raster_group;         // band height of raster_tile within an expert
+  __nv_bfloat16* out;       // (E, M, N), or (E, N, M) for the kernel's kTransposed
+  CUtensorMap tma;          // q as a 2D (S, N) tensor, 64 x 64 boxes
+};
+
+// Byte offset of element (mn, k) in a K-blocks-first MN-major SW128 stage (see above).
+__device__ __forceinline__ uint32_t kfirst_offset(int mn, int k) {
+  return (mn >> 6) * 8192 + k * 128 + ((((mn & 63) >> 3) ^ (k & 7)) << 4) + (mn & 7) * 2;
+}
+
+struct VarlenKLayouts {
+  using TiledMma = decltype(ct::make_tiled_mma(
+      ct::SM90_64x256x16_F32BF16BF16_SS<GMajor::MN, GMajor::MN>{},
+      ct::Layout<ct::Shape<ct::_2, ct::_1, ct::_1>>{}));
+  using Order = ct::Step<ct::_2, ct::_1, ct::_3>;
+  using SmemLayoutA = decltype(ct::tile_to_shape(
+      ct::GMMA::Layout_MN_SW128_Atom<Elem>{},
+      ct::Shape<ct::Int<kBM>, ct::Int<kBK>, ct::Int<kStages>>{}, Order{}));  // (BM, BK, stages)
+  using SmemLayoutB = decltype(ct::tile_to_shape(
+      ct::GMMA::Layout_MN_SW128_Atom<Elem>{},
+      ct::Shape<ct::Int<kBN>, ct::Int<kBK>, ct::Int<kStages>>{}, Order{}));  // (BN, BK, stages)
+};
+
+// Registers after setmaxnreg: 128 x 88 + 256 x 208 = 64512. The producer holds 8 row ids
+// of the next stage besides the current ones; the consumers' epilogue is a plain store.
+constexpr int kVkProducerRegs = 88;
+constexpr int kVkConsumerRegs = 208;
+
+// Copies one stage's share of an MN-major operand of kCols columns (128 or 256) by cp.async:
+// thread t copies chunk t % (kCols / 8) of k-rows t / (kCols / 8) + j * (1024 / kCols) ... i.e.
+// kRows = kCols / 16 rows per thread; row[j] is the source row (-1: zero fill).
+template <int kCols>
+struct MnCopy {
+  static constexpr int kChunks = kCols / 8;             // 16-byte chunks per k-row
+  static constexpr int kStep = kProducerThreads / kChunks;  // k-rows covered per pass
+  static constexpr int kRows = kBK / kStep;                 // rows per thread
+  __device__ static int first_row() { return threadIdx.x / kChunks; }
+  __device__ static int chunk() { return threadIdx.x % kChunks; }
+  __device__ static void copy(uint32_t stage, const __nv_bfloat16* src, int64_t ld, int col0,
+                              const int (&row)[kRows]) {
+    const int c = chunk(), r0 = first_row();
+#pragma unroll
+    for (int j = 0; j < kRows; ++j)
+      cp_async_16(stage + kfirst_offset(c * 8, r0 + kStep * j),
+                  row[j] >= 0 ? src + int64_t(row[j]) * ld + col0 + c * 8 : src, row[j] >= 0);
+  }
+};
+
+// kTransposed: out[e] is stored as (N, M) instead of (M, N), so a GEMM whose gathered operand is
+// the wide one can be computed transposed with the gathered operand as the 128-wide P (dW1).
+template <bool kTransposed>
+__global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_constant__
+                                                                  VarlenKArgs p) {
+  using namespace cute;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  using L = VarlenKLayouts;
+  using CopyG = MnCopy<kBM>;  // P, gathered
+  using CopyC = MnCopy<kBN>;  // Q, contiguous (an expert's partial last K step only)
+  constexpr int kBoxesC = kBN / kBox;
+  extern __shared__ char smem_raw[];
+  char* smem = align_smem_1k(smem_raw);
+  char* smem_a = smem;                           // (kStages, BM, BK) P
+  char* smem_b = smem + kStages * kStageBytesA;  // (kStages, BN, BK) Q
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem_b + kStages * kStageBytesB);  // (kStages,)
+  uint64_t* empty = full + kStages;                                                 // (kStages,)
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&full[s], kProducerThreads + 1);  // cp.async arrivals + the TMA thread's
+      Barrier::init(&empty[s], kConsumerThreads);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+  const int tiles_per_expert = p.m_tiles * p.n_tiles;
+  const int num_tiles = p.E * tiles_per_expert;
+  auto decode = [&](int t, int& expert, int& m_tile, int& n_tile) {
+    expert = t / tiles_per_expert;
+    raster_tile(t - expert * tiles_per_expert, p.m_tiles, p.n_tiles, p.raster_group, m_tile,
+                n_tile);
+  };
+
+  if (threadIdx.x < kProducerThreads) {
+    cutlass::arch::warpgroup_reg_dealloc<kVkProducerRegs>();
+    const uint32_t a_base = smem_u32(smem_a), b_base = smem_u32(smem_b);
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      int expert, m_tile, n_tile;
+      decode(t, expert, m_tile, n_tile);
+      const int k_begin = p.offsets[expert], k_end = p.offsets[expert + 1];
+      const int k_tiles = (k_end - k_begin + kBK - 1) / kBK;
+      const int g_col0 = m_tile * kBM, c_col0 = n_tile * kBN;
+      const bool g_col_ok = g_col0 + CopyG::chunk() * 8 < p.M;
+      const bool c_col_ok = c_col0 + CopyC::chunk() * 8 < p.N;
+      int grow[CopyG::kRows];  // gathered rows of the stage about to be copied (-1: zero fill)
+      auto fetch = [&](int kt) {
+        const int k0 = k_begin + kt * kBK;
+#pragma unroll
+        for (int j = 0; j < CopyG::kRows; ++j) {
+          const int k = k0 + CopyG::first_row() + CopyG::kStep * j;
+          grow[j] = (g_col_ok && k < k_end) ? __ldg(p.gather + k) : -1;
+        }
+      };
+      if (k_tiles > 0) fetch(0);
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        Barrier::wait(&empty[stage], phase ^ 1);
+        const uint32_t sa = a_base + stage * kStageBytesA, sb = b_base + stage * kStageBytesB;
+        const int k0 = k_begin + kt * kBK;
+        if (k0 + kBK <= k_end) {  // a whole K step: the contiguous operand by TMA
+          if (threadIdx.x == 0) {
+            Barrier::arrive_and_expect_tx(&full[stage], kBoxesC * kBoxBytes);
+            char* dst = smem_b + stage * kStageBytesB;
+#pragma unroll
+            for (int h = 0; h < kBoxesC; ++h)
+              SM90_TMA_LOAD_2D::copy(&p.tma, &full[stage],
+                                     static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
+                                     dst + h * kBoxBytes, c_col0 + h * kBox, k0);
+          }
+        } else {  // the expert's partial last step: cp.async with zero fill past k_end
+          int crow[CopyC::kRows];
+#pragma unroll
+          for (int j = 0; j < CopyC::kRows; ++j) {
+            const int k = k0 + CopyC::first_row() + CopyC::kStep * j;
+            crow[j] = (c_col_ok && k < k_end) ? k : -1;
+          }
+          CopyC::copy(sb, p.q, p.N, c_col0, crow);
+          if (threadIdx.x == 0) Barrier::arrive(&full[stage]);
+        }
+        CopyG::copy(sa, p.p, p.M, g_col0, grow);
+        cutlass::arch::cpasync_barrier_arrive_noinc(&full[stage]);
+        if (kt + 1 < k_tiles) fetch(kt + 1);
+        if (++stage == kStages) { stage = 0; phase ^= 1; }
+      }
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<kVkConsumerRegs>();
+    const int ctid = threadIdx.x - kProducerThreads;
+    typename L::TiledMma mma;
+    Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem_a)),
+                            typename L::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem_b)),
+                            typename L::SmemLayoutB{});
+    auto thr = mma.get_slice(ctid);
+    Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
+    Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+    auto acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      int expert, m_tile, n_tile;
+      decode(t, expert, m_tile, n_tile);
+      const int k_tiles = (p.offsets[expert + 1] - p.offsets[expert] + kBK - 1) / kBK;
+      clear(acc);  // an expert without slots stores zeros
+      int release = stage;
+      mma.accumulate_ = GMMA::ScaleOut::Zero;
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        Barrier::wait(&full[stage], phase);
+        fence_proxy_async_smem();  // cp.async wrote through the generic proxy; WGMMA reads async
+        warpgroup_fence_operand(acc);
+        warpgroup_arrive();
+#pragma unroll
+        for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+          cute::gemm(mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), acc);
+          mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(acc);
+        if (kt > 0) {
+          Barrier::arrive(&empty[release]);
+          if (++release == kStages) release = 0;
+        }
+        if (++stage == kStages) { stage = 0; phase ^= 1; }
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc);
+      if (k_tiles > 0) Barrier::arrive(&empty[release]);
+
+      __nv_bfloat16* out = p.out + int64_t(expert) * p.M * p.N;
+      const int m0 = m_tile * kBM, n0 = n_tile * kBN;
+#pragma unroll
+      for (int v1 = 0; v1 < 2; ++v1) {
+        const int m = m0 + ws_frag_row(v1);
+        if (m >= p.M) continue;
+#pragma unroll
+        for (int i = 0; i < kFragColGroups; ++i) {
+          const int n = n0 + ws_frag_col(i);  // n and n + 1 (N is a multiple of 64)
+          if (n >= p.N) continue;
+          const float x0 = acc(4 * i + 2 * v1), x1 = acc(4 * i + 2 * v1 + 1);
+          if constexpr (kTransposed) {
+            // Lanes 4 apart hold 8 consecutive m of the same n: 16 contiguous bytes per row n.
+            out[int64_t(n) * p.M + m] = __float2bfloat16_rn(x0);
+            out[int64_t(n + 1) * p.M + m] = __float2bfloat16_rn(x1);
+          } else {
+            store_bf16x2(out + int64_t(m) * p.N + n, x0, x1);
+          }
+        }
+      }
+    }
+  }
+}
+
+// S: rows of q (the plan's slots).
+template <bool kTransposed>
+void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, cudaStream_t stream) {
+  int dev = 0, sms = 0;
+  MOEBLAZE_CUDA_CHECK(cudaGetDevice(&dev));
+  MOEBLAZE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  VarlenKArgs q = a;
+  q.m_tiles = (a.M + kBM - 1) / kBM;
+  q.n_tiles = (a.N + kBN - 1) / kBN;
+  const int64_t tiles = int64_t(a.E) * q.m_tiles * q.n_tiles;
+  MOEBLAZE_UNSUPPORTED_IF(tiles > int64_t(INT32_MAX), "weight-gradient GEMM of ", tiles,
+                          " tiles exceeds 2^31 - 1");
+  q.raster_group = raster_group_for(q.m_tiles);
+  // q: rows = slots. With S = 0 every expert is empty and nothing is read
+  // (its operands may be null), but a descriptor needs a valid address: the output's first
+  // 64 x 64 elements stand in.
+  q.tma = S > 0 ? make_tma_kmajor(a.q, S, a.N) : make_tma_kmajor(a.out, 1, 64);
+  const int grid = static_cast<int>(tiles < sms ? tiles : sms);
+  const size_t smem = 1024 + size_t(kStages) * (kStageBytesA + kStageBytesB) + 2 * kStages * 8;
+  auto kernel = &varlen_k_ws_kernel<kTransposed>;
+  MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem)));
+  kernel<<<grid, kThreads, smem, stream>>>(q);
+  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace moeblaze::cuda::gemm::sm90::ws
