@@ -54,7 +54,18 @@ struct BenchFlags {
   bool json = false;
   bool no_aggregate = false;
   bool breakdown = false;
+  // Routing of the plan timed: "topk" (softmax top-K, DESIGN's benchmark routing) or a token
+  // rounding mode ("nr-f", "sr-f", "up", "down") applied to that top-K with tile m_tile.
+  std::string routing = "topk";
+  int m_tile = 128;
+  std::string shape;  // "T,d,n,E,K": one unnamed shape instead of --config
 };
+
+// The routing field of the rows: "softmax-topk" or, e.g., "softmax-topk+nr-f/128".
+std::string routing_label(const BenchFlags& f) {
+  return f.routing == "topk" ? std::string("softmax-topk")
+                             : "softmax-topk+" + f.routing + "/" + std::to_string(f.m_tile);
+}
 
 // ---- float64 reference on sampled tokens --------------------------------------------------------
 
@@ -200,7 +211,7 @@ void emit(const BenchFlags& f, const Meta& m, const NamedConfig& nc, const Layer
   JsonLine j;
   j.add("bench", "layer").add("config", nc.name).add("impl", r.impl);
   j.add("T", c.T).add("d", c.d).add("n", c.n).add("E", c.E).add("K", c.K).add("S", S);
-  j.add("activation", activation_name(c.activation)).add("routing", "softmax-topk");
+  j.add("activation", activation_name(c.activation)).add("routing", routing_label(f));
   j.add("fwd_ms", r.fwd).add("bwd_ms", r.bwd).add("total_ms", r.total);
   j.add("fwd_tflops", ff / r.fwd / 1e9).add("bwd_tflops", fb / r.bwd / 1e9);
   j.add("total_tflops", (ff + fb) / r.total / 1e9);
@@ -211,7 +222,7 @@ void emit(const BenchFlags& f, const Meta& m, const NamedConfig& nc, const Layer
   const std::string line = j.str();
   if (f.json) std::cout << line << "\n" << std::flush;
   if (out) *out << line << "\n" << std::flush;
-  table.add_row({nc.name, r.impl, fixed(r.fwd, 3), fixed(r.bwd, 3), fixed(r.total, 3),
+  table.add_row({f.routing == "topk" ? std::string(nc.name) : nc.name + (" " + f.routing), r.impl, fixed(r.fwd, 3), fixed(r.bwd, 3), fixed(r.total, 3),
                  fixed(ff / r.fwd / 1e9, 1), fixed(fb / r.bwd / 1e9, 1),
                  fixed((ff + fb) / r.total / 1e9, 1), human_bytes(r.kept), human_bytes(r.peak),
                  std::isnan(r.err) ? "-" : scientific(r.err, 2)});
@@ -237,6 +248,16 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
   rc.top_k = int(c.K);
   Routing routing;
   route(rc, host_view(logits.data(), {c.T, c.E}), TensorView(), routing);
+  if (f.routing != "topk") {  // token rounding of that top-K (SonicMoE §5)
+    TokenRoundingConfig trc;
+    trc.m_tile = f.m_tile;
+    trc.mode = parse_rounding(f.routing);
+    trc.seed = f.seed;
+    Routing rounded;
+    token_round(rc, trc, host_view(logits.data(), {c.T, c.E}), TensorView(), routing.view(),
+                rounded);
+    routing = std::move(rounded);
+  }
   RoutingPlan host_plan;
   build_routing_plan(routing.view(), PlanBuilder::atomic_free, host_plan);
   const int64_t S = host_plan.S();
@@ -398,9 +419,27 @@ void run_bench(const BenchFlags& f) {
   MOEBLAZE_REQUIRE(f.reps >= 20, "reps (", f.reps, ") must be >= 20 (DESIGN's protocol)");
   MOEBLAZE_REQUIRE(f.warmup >= 1, "warmup (", f.warmup, ") must be >= 1");
   MOEBLAZE_REQUIRE(f.sample_tokens >= 1, "sample-tokens (", f.sample_tokens, ") must be >= 1");
+  MOEBLAZE_REQUIRE(f.m_tile >= 1, "m-tile (", f.m_tile, ") must be >= 1");
+  if (f.routing != "topk") parse_rounding(f.routing);  // throws naming the valid modes
   parse_activation(f.activation);
   std::vector<const NamedConfig*> configs;
-  if (f.config == "all") {
+  // --shape: one unnamed config, named after its shape in the rows.
+  static std::string shape_name;
+  static NamedConfig shape_config{};
+  if (!f.shape.empty()) {
+    const std::vector<std::string> v = split_commas(f.shape);
+    MOEBLAZE_REQUIRE(v.size() == 5, "shape '", f.shape, "' must be T,d,n,E,K (5 integers)");
+    int64_t x[5];
+    for (int i = 0; i < 5; ++i) {
+      char* end = nullptr;
+      x[i] = std::strtoll(v[i].c_str(), &end, 10);
+      MOEBLAZE_REQUIRE(end && *end == '\0' && x[i] > 0, "shape '", f.shape, "': '", v[i],
+                       "' is not a positive integer");
+    }
+    shape_name = "T" + v[0] + "-d" + v[1] + "-n" + v[2] + "-E" + v[3] + "-K" + v[4];
+    shape_config = NamedConfig{shape_name.c_str(), x[0], x[1], x[2], x[3], x[4], "--shape"};
+    configs.push_back(&shape_config);
+  } else if (f.config == "all") {
     for (const NamedConfig& c : named_configs()) configs.push_back(&c);
   } else {
     for (const std::string& name : split_commas(f.config)) configs.push_back(&require_config(name));
@@ -478,6 +517,11 @@ void add_bench_layer_command(CLI::App& bench) {
   sub->add_option("--out", flags->out, "append the JSON lines to this file");
   sub->add_flag("--json", flags->json, "JSON lines on stdout (the table goes to stderr)");
   sub->add_flag("--no-aggregate", flags->no_aggregate, "skip the aggregation-kernel rows");
+  sub->add_option("--routing", flags->routing,
+                  "topk, or a token rounding of it: nr-f, sr-f, up, down")->capture_default_str();
+  sub->add_option("--m-tile", flags->m_tile, "token rounding's tile (the GEMMs' M tile: 128)")
+      ->capture_default_str();
+  sub->add_option("--shape", flags->shape, "T,d,n,E,K: time this shape instead of --config");
   sub->add_flag("--breakdown", flags->breakdown,
                 "also time each of the eight steps alone (keep_h, preallocated buffers)");
   sub->callback([flags] { run_bench(*flags); });
