@@ -4,6 +4,7 @@
 // the H tile of the same rows and columns, recomputes a, and writes dh, s·a and one ds partial
 // per (slot, 128-column tile). Also the fixed-order reduction of those partials. One GEMM
 // instantiation: varlen_m_kernel<N-major B, DhEpilogue>.
+#include "cuda/gemm/dh_epilogue.cuh"
 #include "cuda/gemm/gemm_checks.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/gemm/sm90_varlen_m.cuh"
@@ -16,17 +17,7 @@ struct DhEpilogue {
   // Loads two tiles ahead (waits for each step's WGMMAs): 6-27 % faster than one tile ahead on
   // the H200 (bench/NOTES.md, "look-ahead").
   static constexpr int kMmaInFlight = 0;
-  struct Params {
-    const __nv_bfloat16* h;    // (S, w1_rows)
-    const float* slot_weights;  // (S,)
-    float* ds_partials;        // (S, ds_cols)
-    int ds_cols;
-    __nv_bfloat16* dh;        // (S, w1_rows)
-    __nv_bfloat16* a_scaled;  // (S, n)
-    int n;
-    Activation act;
-    bool gated;
-  };
+  using Params = DhParams;
   // This thread's H values (gate g, up u; plain: h in g) and slot weights. With kPrefetch they
   // are loaded before the mainloop (64 registers live across it; the load latency hides behind
   // the MMAs); without, row by row in the epilogue, each row's 32 loads issued back to back
@@ -105,25 +96,8 @@ struct DhEpilogue {
         for (int i = 0; i < kFragColGroups; ++i) {
           const int j = n0 + frag_col(i);
           if (j >= p.n) continue;
-          const float dap0 = acc(4 * i + 2 * v1), dap1 = acc(4 * i + 2 * v1 + 1);
-          const float da0 = s * dap0, da1 = s * dap1;
-          const float2 g = __bfloat1622float2(rh.g[i]);
-          if constexpr (kGated) {
-            const float2 u = __bfloat1622float2(rh.u[i]);
-            const float f0 = dev_act(A, g.x), f1 = dev_act(A, g.y);
-            const float a0 = f0 * u.x, a1 = f1 * u.y;
-            part += dap0 * a0;
-            part += dap1 * a1;
-            store_bf16x2(dh_row + j, da0 * u.x * dev_act_grad(A, g.x), da1 * u.y * dev_act_grad(A, g.y));
-            store_bf16x2(dh_row + p.n + j, da0 * f0, da1 * f1);
-            store_bf16x2(as_row + j, s * a0, s * a1);
-          } else {
-            const float a0 = dev_act(A, g.x), a1 = dev_act(A, g.y);
-            part += dap0 * a0;
-            part += dap1 * a1;
-            store_bf16x2(dh_row + j, da0 * dev_act_grad(A, g.x), da1 * dev_act_grad(A, g.y));
-            store_bf16x2(as_row + j, s * a0, s * a1);
-          }
+          dh_pair<A>(p, acc(4 * i + 2 * v1), acc(4 * i + 2 * v1 + 1), s, rh.g[i], rh.u[i], dh_row,
+                     as_row, j, part);
         }
       }
       // The 4 lanes sharing a row hold its 128 columns; a fixed butterfly keeps the order fixed.
@@ -184,15 +158,7 @@ void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, con
   p.N = static_cast<int>(n);
   p.n_tiles = static_cast<int>(ds_partials_cols(n));
   p.gate_split = 0;
-  sm90::DhEpilogue::Params ep{reinterpret_cast<const __nv_bfloat16*>(h),
-                              plan.slot_weights,
-                              ds_partials,
-                              p.n_tiles,
-                              reinterpret_cast<__nv_bfloat16*>(dh),
-                              reinterpret_cast<__nv_bfloat16*>(a_scaled),
-                              static_cast<int>(n),
-                              act,
-                              is_gated(act)};
+  const sm90::DhParams ep = sm90::make_dh_params(plan, h, ds_partials, dh, a_scaled, n, act);
   sm90::launch_varlen_m<sm90::GMajor::MN, sm90::DhEpilogue>(p, ep, plan.S, stream);
 }
 

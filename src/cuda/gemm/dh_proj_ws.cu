@@ -6,6 +6,7 @@
 // and two ds partials per (slot, tile), one per 128 columns, the same columns the 2-CTA kernel
 // gives each partial (so reduce_ds and ds_partials_cols are shared). One instantiation:
 // gather_gemm_kernel<N-major B, WsDhEpilogue>.
+#include "cuda/gemm/dh_epilogue.cuh"
 #include "cuda/gemm/sm90_ws_gather.cuh"
 #include "cuda/gemm/ws_paths.hpp"
 
@@ -13,17 +14,7 @@ namespace moeblaze::cuda::gemm {
 namespace sm90::ws {
 
 struct WsDhEpilogue {
-  struct Params {
-    const __nv_bfloat16* h;     // (S, w1_rows)
-    const float* slot_weights;  // (S,)
-    float* ds_partials;         // (S, ds_cols), ds_cols = ceil(n / 128)
-    int ds_cols;
-    __nv_bfloat16* dh;          // (S, w1_rows)
-    __nv_bfloat16* a_scaled;    // (S, n)
-    int n;
-    Activation act;
-    bool gated;
-  };
+  using Params = DhParams;
   // The H lines this tile's epilogue reads, into L2 while the mainloop runs: row r of the tile
   // needs 512 bytes of g (and of u) = four 128-byte lines; the 4 lanes that share a row take
   // one line each.
@@ -88,26 +79,8 @@ struct WsDhEpilogue {
             const int i = c0 + q;
             const int j = n0 + ws_frag_col(i);
             if (!row_ok || j >= p.n) continue;
-            const float dap0 = acc(4 * i + 2 * v1), dap1 = acc(4 * i + 2 * v1 + 1);
-            const float da0 = s * dap0, da1 = s * dap1;
-            const float2 gf = __bfloat1622float2(g[q]);
-            if constexpr (kGated) {
-              const float2 uf = __bfloat1622float2(u[q]);
-              const float f0 = dev_act(A, gf.x), f1 = dev_act(A, gf.y);
-              const float a0 = f0 * uf.x, a1 = f1 * uf.y;
-              part += dap0 * a0;
-              part += dap1 * a1;
-              store_bf16x2(dh_row + j, da0 * uf.x * dev_act_grad(A, gf.x),
-                           da1 * uf.y * dev_act_grad(A, gf.y));
-              store_bf16x2(dh_row + p.n + j, da0 * f0, da1 * f1);
-              store_bf16x2(as_row + j, s * a0, s * a1);
-            } else {
-              const float a0 = dev_act(A, gf.x), a1 = dev_act(A, gf.y);
-              part += dap0 * a0;
-              part += dap1 * a1;
-              store_bf16x2(dh_row + j, da0 * dev_act_grad(A, gf.x), da1 * dev_act_grad(A, gf.y));
-              store_bf16x2(as_row + j, s * a0, s * a1);
-            }
+            dh_pair<A>(p, acc(4 * i + 2 * v1), acc(4 * i + 2 * v1 + 1), s, g[q], u[q], dh_row,
+                       as_row, j, part);
           }
         }
         // The 4 lanes sharing a row hold the half's 128 columns; a fixed butterfly keeps the
@@ -130,26 +103,12 @@ void dh_proj_ws(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, 
                 float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n,
                 Activation act, cudaStream_t stream) {
   namespace ws = sm90::ws;
-  ws::Args p{};
-  p.a = reinterpret_cast<const __nv_bfloat16*>(d_out);  // (T, d), rows gathered per slot
-  p.lda = d;
-  p.gather = plan.expert_token_indices;
-  p.offsets = plan.expert_token_offsets;
-  p.E = static_cast<int>(plan.E);
-  p.K = static_cast<int>(d);
+  ws::Args p = ws::gather_args(plan, d_out, d);  // d_out (T, d), rows gathered per slot
   p.n_tiles = static_cast<int>((n + ws::kBN - 1) / ws::kBN);
   p.b_rows_per_expert = static_cast<int>(d);  // w2 (E, d, n): K = d rows of N = n columns
   p.b_cols = static_cast<int>(n);
   p.gate_split = 0;
-  ws::WsDhEpilogue::Params ep{reinterpret_cast<const __nv_bfloat16*>(h),
-                              plan.slot_weights,
-                              ds_partials,
-                              static_cast<int>(ds_partials_cols(n)),
-                              reinterpret_cast<__nv_bfloat16*>(dh),
-                              reinterpret_cast<__nv_bfloat16*>(a_scaled),
-                              static_cast<int>(n),
-                              act,
-                              is_gated(act)};
+  const sm90::DhParams ep = sm90::make_dh_params(plan, h, ds_partials, dh, a_scaled, n, act);
   ws::launch_gather_gemm<sm90::GMajor::MN, ws::WsDhEpilogue>(p, w2, ep, plan.S, stream);
 }
 

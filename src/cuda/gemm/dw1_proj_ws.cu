@@ -12,16 +12,9 @@ namespace moeblaze::cuda::gemm::detail {
 
 void dw1_proj_ws(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
                  int64_t d, int64_t w1_rows, cudaStream_t stream) {
-  sm90::ws::VarlenKArgs a{};
-  a.p = reinterpret_cast<const __nv_bfloat16*>(x);   // (T, d): M = d, rows gathered
-  a.q = reinterpret_cast<const __nv_bfloat16*>(dh);  // (S, w1_rows): N = w1_rows, rows = slots
-  a.gather = plan.expert_token_indices;
-  a.offsets = plan.expert_token_offsets;
-  a.E = static_cast<int>(plan.E);
-  a.M = static_cast<int>(d);
-  a.N = static_cast<int>(w1_rows);
-  a.out = reinterpret_cast<__nv_bfloat16*>(dw1);  // (E, w1_rows, d) = (E, N, M)
-  sm90::ws::launch_varlen_k_ws<true>(a, plan.S, stream);
+  // x (T, d) gathered: M = d; dh (S, w1_rows): N = w1_rows; dw1 (E, w1_rows, d) = (E, N, M).
+  sm90::ws::launch_varlen_k_ws<true>(sm90::ws::varlen_k_args(plan, x, dh, d, w1_rows, dw1),
+                                     plan.S, stream);
 }
 
 }  // namespace moeblaze::cuda::gemm::detail

@@ -8,16 +8,9 @@ namespace moeblaze::cuda::gemm::detail {
 
 void dw2_proj_ws(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled, bf16* dw2,
                  int64_t d, int64_t n, cudaStream_t stream) {
-  sm90::ws::VarlenKArgs a{};
-  a.p = reinterpret_cast<const __nv_bfloat16*>(d_out);     // (T, d): M = d, rows gathered
-  a.q = reinterpret_cast<const __nv_bfloat16*>(a_scaled);  // (S, n): N = n, rows = slots
-  a.gather = plan.expert_token_indices;
-  a.offsets = plan.expert_token_offsets;
-  a.E = static_cast<int>(plan.E);
-  a.M = static_cast<int>(d);
-  a.N = static_cast<int>(n);
-  a.out = reinterpret_cast<__nv_bfloat16*>(dw2);  // (E, d, n)
-  sm90::ws::launch_varlen_k_ws<false>(a, plan.S, stream);
+  // d_out (T, d) gathered: M = d; a_scaled (S, n): N = n; dw2 (E, d, n).
+  sm90::ws::launch_varlen_k_ws<false>(
+      sm90::ws::varlen_k_args(plan, d_out, a_scaled, d, n, dw2), plan.S, stream);
 }
 
 }  // namespace moeblaze::cuda::gemm::detail

@@ -340,6 +340,13 @@ __device__ __forceinline__ int frag_row(int v1) {
 }
 __device__ __forceinline__ int frag_col(int i) { return 8 * i + 2 * (threadIdx.x & 3); }
 constexpr int kFragColGroups = kBN / 8;  // i = 0..15
+// The same as a fragment policy (act_epilogue.cuh).
+struct TwoCtaFrag {
+  static constexpr int kTileN = kBN;
+  static constexpr int kGroups = kFragColGroups;
+  __device__ static int row(int v1) { return frag_row(v1); }
+  __device__ static int col(int i) { return frag_col(i); }
+};
 
 __device__ __forceinline__ void store_bf16x2(__nv_bfloat16* p, float x, float y) {
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);

@@ -32,6 +32,7 @@
 #include "cuda/gemm/sm90_gemm_core.cuh"
 #include "cuda/gemm/sm90_varlen_m.cuh"  // make_tma_kmajor
 #include "moeblaze/error.hpp"
+#include "moeblaze/routing_plan.hpp"
 
 namespace moeblaze::cuda::gemm::sm90::ws {
 
@@ -81,10 +82,7 @@ constexpr uint32_t kBoxBytes = kBox * kBox * 2;
 
 // Shared-memory bytes for E experts: 1 KiB alignment slack, the ring, 2 x kStages mbarriers and
 // the (E + 1)-entry tile table.
-inline size_t smem_bytes(int E) {
-  return 1024 + size_t(kStages) * (kStageBytesA + kStageBytesB) + 2 * kStages * 8 +
-         4 * (size_t(E) + 1);
-}
+inline size_t smem_bytes(int E);  // defined after Ring
 
 struct Args {
   const __nv_bfloat16* a;   // (rows, lda) bf16, rows gathered per slot
@@ -109,6 +107,19 @@ struct Args {
   CUtensorMap tma_b;        // that 2D tensor, 64 x 64 boxes (set by launch_gather_gemm)
 };
 
+// The Args fields every gathered GEMM sets alike: A (rows, K) bf16 gathered per slot through the
+// plan, the plan's offsets and E, the reduction length K.
+inline Args gather_args(const RoutingPlanView& plan, const void* a, int64_t K) {
+  Args p{};
+  p.a = static_cast<const __nv_bfloat16*>(a);
+  p.lda = K;
+  p.gather = plan.expert_token_indices;
+  p.offsets = plan.expert_token_offsets;
+  p.E = static_cast<int>(plan.E);
+  p.K = static_cast<int>(K);
+  return p;
+}
+
 // Where a consumer thread's accumulators sit in the 128 x 256 tile: element acc(v0 + 2 v1 + 4 i)
 // is row ws_frag_row(v1), column ws_frag_col(i) + v0 (SM90 WGMMA C fragment of a 64 x 256
 // atom, one atom per consumer warpgroup). i = 0..31.
@@ -118,6 +129,13 @@ __device__ __forceinline__ int ws_frag_row(int v1) {
 }
 __device__ __forceinline__ int ws_frag_col(int i) { return 8 * i + 2 * (threadIdx.x & 3); }
 constexpr int kFragColGroups = kBN / 8;  // 32
+// The same as a fragment policy (act_epilogue.cuh).
+struct WsFrag {
+  static constexpr int kTileN = kBN;
+  static constexpr int kGroups = kFragColGroups;
+  __device__ static int row(int v1) { return ws_frag_row(v1); }
+  __device__ static int col(int i) { return ws_frag_col(i); }
+};
 
 // The tile a CTA works on: expert, its slot range [m_begin, m_end) and the n-tile.
 struct Tile {
@@ -161,6 +179,116 @@ __device__ __forceinline__ void build_tile_table(const Args& p, int* tile_start)
   if (threadIdx.x == 0) tile_start[p.E] = running;
 }
 
+
+// ---- pieces shared by the warp-specialised kernels (this file and sm90_ws_varlen_k.cuh) ----
+
+// The shared-memory ring: kStages stages of A (BM x BK) and of B (BN x BK), 1 KiB aligned (the
+// swizzle is a function of the address), then the full / empty mbarriers of each stage.
+struct Ring {
+  char* a;          // (kStages, BM, BK) swizzled
+  char* b;          // (kStages, BN, BK) swizzled
+  uint64_t* full;   // (kStages,): the stage's data has landed
+  uint64_t* empty;  // (kStages,): the consumers' MMAs that read the stage have retired
+  // Bytes of dynamic shared memory the ring takes, alignment slack included.
+  static constexpr size_t kBytes =
+      1024 + size_t(kStages) * (kStageBytesA + kStageBytesB) + 2 * kStages * 8;
+
+  __device__ static Ring carve(char* smem_raw) {
+    Ring r;
+    r.a = align_smem_1k(smem_raw);
+    r.b = r.a + kStages * kStageBytesA;
+    r.full = reinterpret_cast<uint64_t*>(r.b + kStages * kStageBytesB);
+    r.empty = r.full + kStages;
+    return r;
+  }
+  // Thread 0 initialises the barriers: full[s] completes after the 128 producer threads'
+  // cp.async arrivals (cp.async.mbarrier.arrive.noinc) and one more arrival by the thread that
+  // issues the stage's TMA (with its byte count); empty[s] after every consumer thread's arrival.
+  // The caller's next __syncthreads publishes them.
+  __device__ void init_barriers() const {
+    if (threadIdx.x != 0) return;
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      cutlass::arch::ClusterTransactionBarrier::init(&full[s], kProducerThreads + 1);
+      cutlass::arch::ClusterTransactionBarrier::init(&empty[s], kConsumerThreads);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+};
+
+// Position in the ring, the same sequence on the producer and the consumer side.
+struct RingPos {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// The consumer warpgroups of a warp-specialised kernel: for each of this CTA's tiles t (t =
+// blockIdx.x, + gridDim.x, ... < num_tiles), k_tiles = begin(t) (also the place for per-tile work
+// before the mainloop), the mainloop over the ring — one WGMMA batch in flight, each stage
+// released once the batch after it is issued and it has retired — then end(t, acc), the epilogue
+// on this thread's fp32 accumulators (zeros when k_tiles = 0). L gives TiledMma (two warpgroups
+// along M) and the stage layouts.
+template <class L, int kRegs, class Begin, class End>
+__device__ __forceinline__ void consumer_loop(const Ring& r, int num_tiles, Begin begin, End end) {
+  using namespace cute;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  cutlass::arch::warpgroup_reg_alloc<kRegs>();
+  typename L::TiledMma mma;
+  Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(r.a)), typename L::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(r.b)), typename L::SmemLayoutB{});
+  auto thr = mma.get_slice(threadIdx.x - kProducerThreads);
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // GMMA descriptors
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  auto acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});
+  RingPos pos;
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    const int k_tiles = begin(t);
+    if (k_tiles == 0) clear(acc);
+    int release = pos.stage;  // the stage whose MMAs retire next
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      Barrier::wait(&r.full[pos.stage], pos.phase);
+      fence_proxy_async_smem();  // cp.async wrote through the generic proxy; WGMMA reads async
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+#pragma unroll
+      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+        cute::gemm(mma, tCrA(_, _, kb, pos.stage), tCrB(_, _, kb, pos.stage), acc);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();  // the previous step's MMAs are done: release its stage
+      warpgroup_fence_operand(acc);
+      if (kt > 0) {
+        Barrier::arrive(&r.empty[release]);
+        if (++release == kStages) release = 0;
+      }
+      pos.advance();
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    if (k_tiles > 0) Barrier::arrive(&r.empty[release]);
+    end(t, acc);
+  }
+}
+
+inline size_t smem_bytes(int E) { return Ring::kBytes + 4 * (size_t(E) + 1); }
+
+// One persistent CTA per SM, or one per tile when there are fewer tiles (tile_bound, a host-known
+// bound on the tile count).
+inline int persistent_grid(int64_t tile_bound) {
+  int dev = 0, sms = 0;
+  MOEBLAZE_CUDA_CHECK(cudaGetDevice(&dev));
+  MOEBLAZE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return static_cast<int>(tile_bound < sms ? tile_bound : sms);
+}
+
 template <GMajor kMajorB, class Epi>
 __global__ void __launch_bounds__(kThreads, 1)
     gather_gemm_kernel(const __grid_constant__ Args p, const typename Epi::Params ep) {
@@ -168,21 +296,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   using L = Layouts<kMajorB>;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   extern __shared__ char smem_raw[];
-  char* smem = align_smem_1k(smem_raw);
-  char* smem_a = smem;                              // (kStages, BM, BK) swizzled
-  char* smem_b = smem + kStages * kStageBytesA;     // (kStages, BN, BK) swizzled
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem_b + kStages * kStageBytesB);  // (kStages,)
-  uint64_t* empty = full + kStages;                                                 // (kStages,)
-  int* tile_start = reinterpret_cast<int*>(empty + kStages);                        // (E + 1,)
-
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      Barrier::init(&full[s], kProducerThreads + 1);  // cp.async arrivals + the TMA thread's
-      Barrier::init(&empty[s], kConsumerThreads);
-    }
-    cutlass::arch::fence_barrier_init();
-  }
+  const Ring ring = Ring::carve(smem_raw);
+  int* tile_start = reinterpret_cast<int*>(ring.empty + kStages);  // (E + 1,)
+  ring.init_barriers();
   build_tile_table(p, tile_start);
   __syncthreads();
   const int m_total = tile_start[p.E];
@@ -198,9 +314,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Byte offset of row tid / 8 + 16 j's chunk in a stage: row * 128 + (chunk ^ (row % 8)) * 16,
     // and row % 8 does not depend on j.
     const uint32_t soff0 = swizzled_offset<GMajor::K>(tid >> 3, chunk * 8);
-    const uint32_t a_base = smem_u32(smem_a);
-    int stage = 0;
-    uint32_t phase = 0;
+    const uint32_t a_base = smem_u32(ring.a);
+    RingPos pos;
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const Tile tl = decode_tile(p, tile_start, m_total, t);
       // This thread's source row of each j (an A row id), or -1 past the expert's end.
@@ -228,13 +343,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       for (int kt = 0; kt < k_tiles; ++kt) {
-        Barrier::wait(&empty[stage], phase ^ 1);  // the consumers have released this stage
+        const int stage = pos.stage;
+        Barrier::wait(&ring.empty[stage], pos.phase ^ 1);  // the consumers released this stage
         if (tid == 0) {
-          Barrier::arrive_and_expect_tx(&full[stage], 4 * kBoxBytes);
-          char* dst = smem_b + stage * kStageBytesB;
+          Barrier::arrive_and_expect_tx(&ring.full[stage], 4 * kBoxBytes);
+          char* dst = ring.b + stage * kStageBytesB;
 #pragma unroll
           for (int h = 0; h < 4; ++h)
-            SM90_TMA_LOAD_2D::copy(&p.tma_b, &full[stage],
+            SM90_TMA_LOAD_2D::copy(&p.tma_b, &ring.full[stage],
                                    static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
                                    dst + h * kBoxBytes,
                                    kMajorB == GMajor::K ? kt * kBK : b_x[h],
@@ -246,54 +362,21 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int j = 0; j < 8; ++j)
           cp_async_16(a_stage + soff0 + j * 16 * 128,
                       src[j] >= 0 ? a_k + int64_t(src[j]) * p.lda : p.a, src[j] >= 0);
-        cutlass::arch::cpasync_barrier_arrive_noinc(&full[stage]);
-        if (++stage == kStages) { stage = 0; phase ^= 1; }
+        cutlass::arch::cpasync_barrier_arrive_noinc(&ring.full[stage]);
+        pos.advance();
       }
     }
   } else {
     // ---------------- consumers ----------------
-    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-    const int ctid = threadIdx.x - kProducerThreads;
-    typename L::TiledMma mma;
-    Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem_a)),
-                            typename L::SmemLayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem_b)),
-                            typename L::SmemLayoutB{});
-    auto thr = mma.get_slice(ctid);
-    Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // GMMA descriptors
-    Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
-    auto acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      const Tile tl = decode_tile(p, tile_start, m_total, t);
-      Epi::at_tile_start(ep, tl.m_begin, tl.m_end, tl.n_tile);
-      int release = stage;  // the stage whose MMAs retire next
-      mma.accumulate_ = GMMA::ScaleOut::Zero;
-      for (int kt = 0; kt < k_tiles; ++kt) {
-        Barrier::wait(&full[stage], phase);
-        fence_proxy_async_smem();  // cp.async wrote through the generic proxy; WGMMA reads async
-        warpgroup_fence_operand(acc);
-        warpgroup_arrive();
-#pragma unroll
-        for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-          cute::gemm(mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), acc);
-          mma.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-        warpgroup_wait<1>();  // the previous step's MMAs are done: release its stage
-        warpgroup_fence_operand(acc);
-        if (kt > 0) {
-          Barrier::arrive(&empty[release]);
-          if (++release == kStages) release = 0;
-        }
-        if (++stage == kStages) { stage = 0; phase ^= 1; }
-      }
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc);
-      Barrier::arrive(&empty[release]);
-      Epi::apply(ep, acc, tl.m_begin, tl.m_end, tl.n_tile);
-    }
+    Tile tl;
+    consumer_loop<L, kConsumerRegs>(
+        ring, num_tiles,
+        [&](int t) {
+          tl = decode_tile(p, tile_start, m_total, t);
+          Epi::at_tile_start(ep, tl.m_begin, tl.m_end, tl.n_tile);
+          return k_tiles;
+        },
+        [&](int, auto& acc) { Epi::apply(ep, acc, tl.m_begin, tl.m_end, tl.n_tile); });
   }
 }
 
@@ -304,11 +387,7 @@ template <GMajor kMajorB, class Epi>
 void launch_gather_gemm(const Args& p, const void* b, const typename Epi::Params& ep, int64_t S,
                         cudaStream_t stream) {
   if (S == 0) return;
-  int dev = 0, sms = 0;
-  MOEBLAZE_CUDA_CHECK(cudaGetDevice(&dev));
-  MOEBLAZE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const int64_t tile_bound = ((S + kBM - 1) / kBM + p.E) * p.n_tiles;
-  const int grid = static_cast<int>(tile_bound < sms ? tile_bound : sms);
+  const int grid = persistent_grid(((S + kBM - 1) / kBM + p.E) * p.n_tiles);
   Args q = p;
   q.raster_group = raster_group_for((S + kBM - 1) / kBM + p.E);
   const int64_t b_rows = int64_t(p.E) * p.b_rows_per_expert;

@@ -37,6 +37,21 @@ struct VarlenKArgs {
   CUtensorMap tma;          // q as a 2D (S, N) tensor, 64 x 64 boxes
 };
 
+// Args for out (E, M, N) = per expert P[token]ᵀ ⊗ Q[slot] over the plan (M, N from the caller).
+inline VarlenKArgs varlen_k_args(const RoutingPlanView& plan, const void* p_gathered,
+                                 const void* q_slots, int64_t M, int64_t N, void* out) {
+  VarlenKArgs a{};
+  a.p = static_cast<const __nv_bfloat16*>(p_gathered);
+  a.q = static_cast<const __nv_bfloat16*>(q_slots);
+  a.gather = plan.expert_token_indices;
+  a.offsets = plan.expert_token_offsets;
+  a.E = static_cast<int>(plan.E);
+  a.M = static_cast<int>(M);
+  a.N = static_cast<int>(N);
+  a.out = static_cast<__nv_bfloat16*>(out);
+  return a;
+}
+
 // Byte offset of element (mn, k) in a K-blocks-first MN-major SW128 stage (see above).
 __device__ __forceinline__ uint32_t kfirst_offset(int mn, int k) {
   return (mn >> 6) * 8192 + k * 128 + ((((mn & 63) >> 3) ^ (k & 7)) << 4) + (mn & 7) * 2;
@@ -92,19 +107,8 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
   using CopyC = MnCopy<kBN>;  // Q, contiguous (an expert's partial last K step only)
   constexpr int kBoxesC = kBN / kBox;
   extern __shared__ char smem_raw[];
-  char* smem = align_smem_1k(smem_raw);
-  char* smem_a = smem;                           // (kStages, BM, BK) P
-  char* smem_b = smem + kStages * kStageBytesA;  // (kStages, BN, BK) Q
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem_b + kStages * kStageBytesB);  // (kStages,)
-  uint64_t* empty = full + kStages;                                                 // (kStages,)
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      Barrier::init(&full[s], kProducerThreads + 1);  // cp.async arrivals + the TMA thread's
-      Barrier::init(&empty[s], kConsumerThreads);
-    }
-    cutlass::arch::fence_barrier_init();
-  }
+  const Ring ring = Ring::carve(smem_raw);
+  ring.init_barriers();
   __syncthreads();
   const int tiles_per_expert = p.m_tiles * p.n_tiles;
   const int num_tiles = p.E * tiles_per_expert;
@@ -116,9 +120,8 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
 
   if (threadIdx.x < kProducerThreads) {
     cutlass::arch::warpgroup_reg_dealloc<kVkProducerRegs>();
-    const uint32_t a_base = smem_u32(smem_a), b_base = smem_u32(smem_b);
-    int stage = 0;
-    uint32_t phase = 0;
+    const uint32_t a_base = smem_u32(ring.a), b_base = smem_u32(ring.b);
+    RingPos pos;
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       int expert, m_tile, n_tile;
       decode(t, expert, m_tile, n_tile);
@@ -138,16 +141,17 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
       };
       if (k_tiles > 0) fetch(0);
       for (int kt = 0; kt < k_tiles; ++kt) {
-        Barrier::wait(&empty[stage], phase ^ 1);
+        const int stage = pos.stage;
+        Barrier::wait(&ring.empty[stage], pos.phase ^ 1);
         const uint32_t sa = a_base + stage * kStageBytesA, sb = b_base + stage * kStageBytesB;
         const int k0 = k_begin + kt * kBK;
         if (k0 + kBK <= k_end) {  // a whole K step: the contiguous operand by TMA
           if (threadIdx.x == 0) {
-            Barrier::arrive_and_expect_tx(&full[stage], kBoxesC * kBoxBytes);
-            char* dst = smem_b + stage * kStageBytesB;
+            Barrier::arrive_and_expect_tx(&ring.full[stage], kBoxesC * kBoxBytes);
+            char* dst = ring.b + stage * kStageBytesB;
 #pragma unroll
             for (int h = 0; h < kBoxesC; ++h)
-              SM90_TMA_LOAD_2D::copy(&p.tma, &full[stage],
+              SM90_TMA_LOAD_2D::copy(&p.tma, &ring.full[stage],
                                      static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
                                      dst + h * kBoxBytes, c_col0 + h * kBox, k0);
           }
@@ -159,88 +163,50 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
             crow[j] = (c_col_ok && k < k_end) ? k : -1;
           }
           CopyC::copy(sb, p.q, p.N, c_col0, crow);
-          if (threadIdx.x == 0) Barrier::arrive(&full[stage]);
+          if (threadIdx.x == 0) Barrier::arrive(&ring.full[stage]);
         }
         CopyG::copy(sa, p.p, p.M, g_col0, grow);
-        cutlass::arch::cpasync_barrier_arrive_noinc(&full[stage]);
+        cutlass::arch::cpasync_barrier_arrive_noinc(&ring.full[stage]);
         if (kt + 1 < k_tiles) fetch(kt + 1);
-        if (++stage == kStages) { stage = 0; phase ^= 1; }
+        pos.advance();
       }
     }
   } else {
-    cutlass::arch::warpgroup_reg_alloc<kVkConsumerRegs>();
-    const int ctid = threadIdx.x - kProducerThreads;
-    typename L::TiledMma mma;
-    Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem_a)),
-                            typename L::SmemLayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem_b)),
-                            typename L::SmemLayoutB{});
-    auto thr = mma.get_slice(ctid);
-    Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
-    Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
-    auto acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      int expert, m_tile, n_tile;
-      decode(t, expert, m_tile, n_tile);
-      const int k_tiles = (p.offsets[expert + 1] - p.offsets[expert] + kBK - 1) / kBK;
-      clear(acc);  // an expert without slots stores zeros
-      int release = stage;
-      mma.accumulate_ = GMMA::ScaleOut::Zero;
-      for (int kt = 0; kt < k_tiles; ++kt) {
-        Barrier::wait(&full[stage], phase);
-        fence_proxy_async_smem();  // cp.async wrote through the generic proxy; WGMMA reads async
-        warpgroup_fence_operand(acc);
-        warpgroup_arrive();
+    int expert, m_tile, n_tile;
+    consumer_loop<L, kVkConsumerRegs>(
+        ring, num_tiles,
+        [&](int t) {
+          decode(t, expert, m_tile, n_tile);
+          return (p.offsets[expert + 1] - p.offsets[expert] + kBK - 1) / kBK;
+        },
+        [&](int, auto& acc) {
+          __nv_bfloat16* out = p.out + int64_t(expert) * p.M * p.N;
+          const int m0 = m_tile * kBM, n0 = n_tile * kBN;
 #pragma unroll
-        for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-          cute::gemm(mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), acc);
-          mma.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(acc);
-        if (kt > 0) {
-          Barrier::arrive(&empty[release]);
-          if (++release == kStages) release = 0;
-        }
-        if (++stage == kStages) { stage = 0; phase ^= 1; }
-      }
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc);
-      if (k_tiles > 0) Barrier::arrive(&empty[release]);
-
-      __nv_bfloat16* out = p.out + int64_t(expert) * p.M * p.N;
-      const int m0 = m_tile * kBM, n0 = n_tile * kBN;
+          for (int v1 = 0; v1 < 2; ++v1) {
+            const int m = m0 + ws_frag_row(v1);
+            if (m >= p.M) continue;
 #pragma unroll
-      for (int v1 = 0; v1 < 2; ++v1) {
-        const int m = m0 + ws_frag_row(v1);
-        if (m >= p.M) continue;
-#pragma unroll
-        for (int i = 0; i < kFragColGroups; ++i) {
-          const int n = n0 + ws_frag_col(i);  // n and n + 1 (N is a multiple of 64)
-          if (n >= p.N) continue;
-          const float x0 = acc(4 * i + 2 * v1), x1 = acc(4 * i + 2 * v1 + 1);
-          if constexpr (kTransposed) {
-            // Lanes 4 apart hold 8 consecutive m of the same n: 16 contiguous bytes per row n.
-            out[int64_t(n) * p.M + m] = __float2bfloat16_rn(x0);
-            out[int64_t(n + 1) * p.M + m] = __float2bfloat16_rn(x1);
-          } else {
-            store_bf16x2(out + int64_t(m) * p.N + n, x0, x1);
+            for (int i = 0; i < kFragColGroups; ++i) {
+              const int n = n0 + ws_frag_col(i);  // n and n + 1 (N is a multiple of 64)
+              if (n >= p.N) continue;
+              const float x0 = acc(4 * i + 2 * v1), x1 = acc(4 * i + 2 * v1 + 1);
+              if constexpr (kTransposed) {
+                // Lanes 4 apart hold 8 consecutive m of the same n: 16 contiguous bytes per row.
+                out[int64_t(n) * p.M + m] = __float2bfloat16_rn(x0);
+                out[int64_t(n + 1) * p.M + m] = __float2bfloat16_rn(x1);
+              } else {
+                store_bf16x2(out + int64_t(m) * p.N + n, x0, x1);
+              }
+            }
           }
-        }
-      }
-    }
+        });
   }
 }
 
 // S: rows of q (the plan's slots).
 template <bool kTransposed>
 void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, cudaStream_t stream) {
-  int dev = 0, sms = 0;
-  MOEBLAZE_CUDA_CHECK(cudaGetDevice(&dev));
-  MOEBLAZE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   VarlenKArgs q = a;
   q.m_tiles = (a.M + kBM - 1) / kBM;
   q.n_tiles = (a.N + kBN - 1) / kBN;
@@ -252,8 +218,8 @@ void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, cudaStream_t stream) {
   // (its operands may be null), but a descriptor needs a valid address: the output's first
   // 64 x 64 elements stand in.
   q.tma = S > 0 ? make_tma_kmajor(a.q, S, a.N) : make_tma_kmajor(a.out, 1, 64);
-  const int grid = static_cast<int>(tiles < sms ? tiles : sms);
-  const size_t smem = 1024 + size_t(kStages) * (kStageBytesA + kStageBytesB) + 2 * kStages * 8;
+  const int grid = persistent_grid(tiles);
+  const size_t smem = Ring::kBytes;
   auto kernel = &varlen_k_ws_kernel<kTransposed>;
   MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)));

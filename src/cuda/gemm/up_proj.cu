@@ -6,6 +6,7 @@
 // varlen_m_kernel<K-major B, ActEpilogue>.
 #include <cstdlib>
 
+#include "cuda/gemm/act_epilogue.cuh"
 #include "cuda/gemm/gemm_checks.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/gemm/sm90_varlen_m.cuh"
@@ -14,60 +15,16 @@
 namespace moeblaze::cuda::gemm {
 namespace sm90 {
 
-// h (S, w1_rows) and a (S, n), both bf16, from the fp32 accumulators; either may be null.
+// The 2-CTA kernel's side of the shared epilogue (act_epilogue.cuh).
 struct ActEpilogue {
   static constexpr int kMmaInFlight = 1;
-  struct Params {
-    __nv_bfloat16* h;
-    __nv_bfloat16* a;
-    int n;
-    Activation act;
-  };
+  using Params = ActParams;
   using Prefetched = NoPrefetch;
   __device__ static void prefetch(const Params&, Prefetched&, int, int, int) {}
   template <class Acc>
-  __device__ static void apply(const Params& p, Acc& acc, const Prefetched& pre, int m_begin,
+  __device__ static void apply(const Params& p, Acc& acc, const Prefetched&, int m_begin,
                                int m_end, int n_tile) {
-    (void)pre;
-    dispatch_activation(p.act, [&](auto a) { body<decltype(a)::value>(p, acc, m_begin, m_end, n_tile); });
-  }
-
-  template <Activation A, class Acc>
-  __device__ static void body(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile) {
-    constexpr bool kGated = A == Activation::swiglu || A == Activation::geglu;
-    const int64_t w1_rows = kGated ? 2 * int64_t(p.n) : p.n;
-#pragma unroll
-    for (int v1 = 0; v1 < 2; ++v1) {
-      const int slot = m_begin + frag_row(v1);
-      if (slot >= m_end) continue;
-      __nv_bfloat16* h_row = p.h ? p.h + int64_t(slot) * w1_rows : nullptr;
-      __nv_bfloat16* a_row = p.a ? p.a + int64_t(slot) * p.n : nullptr;
-      if constexpr (kGated) {
-        const int j0 = n_tile * (kBN / 2);
-#pragma unroll
-        for (int i = 0; i < kFragColGroups / 2; ++i) {
-          const int j = j0 + frag_col(i);
-          const float g0 = acc(4 * i + 2 * v1), g1 = acc(4 * i + 2 * v1 + 1);
-          const float u0 = acc(4 * (i + kFragColGroups / 2) + 2 * v1);
-          const float u1 = acc(4 * (i + kFragColGroups / 2) + 2 * v1 + 1);
-          if (h_row) {
-            store_bf16x2(h_row + j, g0, g1);
-            store_bf16x2(h_row + p.n + j, u0, u1);
-          }
-          if (a_row) store_bf16x2(a_row + j, dev_act(A, g0) * u0, dev_act(A, g1) * u1);
-        }
-      } else {
-        const int n0 = n_tile * kBN;
-#pragma unroll
-        for (int i = 0; i < kFragColGroups; ++i) {
-          const int j = n0 + frag_col(i);
-          if (j >= p.n) continue;
-          const float h0 = acc(4 * i + 2 * v1), h1 = acc(4 * i + 2 * v1 + 1);
-          if (h_row) store_bf16x2(h_row + j, h0, h1);
-          if (a_row) store_bf16x2(a_row + j, dev_act(A, h0), dev_act(A, h1));
-        }
-      }
-    }
+    act_epilogue<TwoCtaFrag>(p, acc, m_begin, m_end, n_tile);
   }
 };
 
@@ -118,8 +75,8 @@ void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h
   p.N = static_cast<int>(n);
   p.n_tiles = static_cast<int>(gated ? n / (sm90::kBN / 2) : (n + sm90::kBN - 1) / sm90::kBN);
   p.gate_split = gated ? static_cast<int>(n) : 0;
-  sm90::ActEpilogue::Params ep{reinterpret_cast<__nv_bfloat16*>(h),
-                               reinterpret_cast<__nv_bfloat16*>(a), static_cast<int>(n), act};
+  sm90::ActParams ep{reinterpret_cast<__nv_bfloat16*>(h),
+                     reinterpret_cast<__nv_bfloat16*>(a), static_cast<int>(n), act};
   if (tma_weights())
     sm90::launch_varlen_m<sm90::GMajor::K, sm90::ActEpilogue, true>(p, ep, plan.S, stream);
   else

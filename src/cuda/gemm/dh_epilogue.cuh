@@ -1,0 +1,71 @@
+// The dH epilogue's arithmetic, shared by its two kernels (dh_proj.cu: 2-CTA; dh_proj_ws.cu:
+// warp-specialised). They differ in how a thread reaches its accumulators and H values and in
+// how many ds partials a tile writes, not in what one column pair computes.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "cuda/activation.cuh"
+#include "cuda/gemm/grouped_gemm.hpp"  // ds_partials_cols
+#include "cuda/gemm/sm90_gemm_core.cuh"  // store_bf16x2
+
+namespace moeblaze::cuda::gemm::sm90 {
+
+struct DhParams {
+  const __nv_bfloat16* h;     // (S, w1_rows)
+  const float* slot_weights;  // (S,)
+  float* ds_partials;         // (S, ds_cols), ds_cols = ceil(n / 128)
+  int ds_cols;
+  __nv_bfloat16* dh;          // (S, w1_rows)
+  __nv_bfloat16* a_scaled;    // (S, n)
+  int n;
+  Activation act;
+  bool gated;
+};
+
+// dh_proj's arguments as the epilogue reads them.
+inline DhParams make_dh_params(const RoutingPlanView& plan, const bf16* h, float* ds_partials,
+                               bf16* dh, bf16* a_scaled, int64_t n, Activation act) {
+  return DhParams{reinterpret_cast<const __nv_bfloat16*>(h),
+                  plan.slot_weights,
+                  ds_partials,
+                  static_cast<int>(ds_partials_cols(n)),
+                  reinterpret_cast<__nv_bfloat16*>(dh),
+                  reinterpret_cast<__nv_bfloat16*>(a_scaled),
+                  static_cast<int>(n),
+                  act,
+                  is_gated(act)};
+}
+
+// Columns j, j + 1 of one slot's row: da' = (dap0, dap1) from the accumulators, H = g (and u for
+// gated activations) as stored, s the slot weight. Writes dh[j, j+1] (and dh[n + j, n + j + 1])
+// and a_scaled[j, j+1]; adds da'_j a_j then da'_{j+1} a_{j+1} to part (this order, so that the
+// ds partials are the same sums in both kernels).
+template <Activation A>
+__device__ __forceinline__ void dh_pair(const DhParams& p, float dap0, float dap1, float s,
+                                        __nv_bfloat162 g2, __nv_bfloat162 u2,
+                                        __nv_bfloat16* dh_row, __nv_bfloat16* as_row, int j,
+                                        float& part) {
+  constexpr bool kGated = A == Activation::swiglu || A == Activation::geglu;
+  const float da0 = s * dap0, da1 = s * dap1;
+  const float2 g = __bfloat1622float2(g2);
+  if constexpr (kGated) {
+    const float2 u = __bfloat1622float2(u2);
+    const float f0 = dev_act(A, g.x), f1 = dev_act(A, g.y);
+    const float a0 = f0 * u.x, a1 = f1 * u.y;
+    part += dap0 * a0;
+    part += dap1 * a1;
+    store_bf16x2(dh_row + j, da0 * u.x * dev_act_grad(A, g.x), da1 * u.y * dev_act_grad(A, g.y));
+    store_bf16x2(dh_row + p.n + j, da0 * f0, da1 * f1);
+    store_bf16x2(as_row + j, s * a0, s * a1);
+  } else {
+    (void)u2;
+    const float a0 = dev_act(A, g.x), a1 = dev_act(A, g.y);
+    part += dap0 * a0;
+    part += dap1 * a1;
+    store_bf16x2(dh_row + j, da0 * dev_act_grad(A, g.x), da1 * dev_act_grad(A, g.y));
+    store_bf16x2(as_row + j, s * a0, s * a1);
+  }
+}
+
+}  // namespace moeblaze::cuda::gemm::sm90
