@@ -29,6 +29,8 @@ void add_bench_routing_command(CLI::App& bench);
 void add_bench_layer_command(CLI::App& bench);
 // `moeblaze bench gemm`: the grouped GEMM kernels alone (tools/cmd_bench_gemm.cpp).
 void add_bench_gemm_command(CLI::App& bench);
+// `moeblaze bench kernels`: the kernel each grouped GEMM runs per config (no GPU needed).
+void add_bench_kernels_command(CLI::App& bench);
 // `moeblaze bench ep`: expert parallelism over NCCL at W GPUs against the single-GPU layer
 // (tools/cmd_bench_ep.cpp).
 void add_bench_ep_command(CLI::App& bench);

@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
   add_bench_routing_command(*bench);
   add_bench_layer_command(*bench);
   add_bench_gemm_command(*bench);
+  add_bench_kernels_command(*bench);
   add_bench_ep_command(*bench);
 #endif
 

@@ -140,7 +140,7 @@ void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, con
                           fn, ": the warp-specialised kernel takes E <= 4096 experts (got ",
                           plan.E, ")");
   if (kernel == GatherKernel::warp_specialized ||
-      (kernel == GatherKernel::automatic && use_ws_gather(plan.E) && d >= kWsDhMinD)) {
+      (kernel == GatherKernel::automatic && use_ws_dh(plan.E, d))) {
     detail::dh_proj_ws(plan, d_out, w2, h, ds_partials, dh, a_scaled, d, n, act, stream);
     return;
   }

@@ -25,12 +25,15 @@
 //   * down_proj / dx_proj take an optional GemmScratch (default: none, the cp.async kernel);
 //     use_tma_gemm, tma_gemm_scratch_bytes and layer_gemm_scratch_bytes size it.
 //   * up_proj, dh_proj, dw2_proj and dw1_proj take an optional GatherKernel (default: automatic).
+//   * use_ws_dh and describe_kernels.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "moeblaze/config.hpp"
 #include "moeblaze/dtype.hpp"
@@ -85,6 +88,16 @@ size_t layer_gemm_scratch_bytes(int64_t S, int64_t E);
 enum class GatherKernel { automatic, two_cta, warp_specialized };
 constexpr int64_t kWsDhMinD = 2048;
 bool use_ws_gather(int64_t E);
+bool use_ws_dh(int64_t E, int64_t d);  // dh_proj's automatic choice
+
+// The kernel each grouped GEMM of the layer runs for S slots over E experts and sizes d, n, as the
+// automatic choices above make it (environment overrides included), in pipeline order: the tile
+// configuration printed on request (`moeblaze bench kernels`). Host-only, needs no GPU.
+struct KernelChoice {
+  const char* gemm;    // "up_proj", "down_proj", ...
+  std::string kernel;  // the kernel, its tiles and pipeline, and [the rule that chose it]
+};
+std::vector<KernelChoice> describe_kernels(int64_t S, int64_t E, int64_t d, int64_t n);
 
 // ---- forward -------------------------------------------------------------------------------
 

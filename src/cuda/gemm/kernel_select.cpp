@@ -1,0 +1,85 @@
+// Which kernel the layer's GEMMs run: the TMA path of down_proj / dx_proj (and how much scratch it
+// needs) and the warp-specialised path of the gathered GEMMs; describe_kernels prints the choice.
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/gemm/tma_paths.hpp"
+#include "cuda/gemm/ws_paths.hpp"
+
+namespace moeblaze::cuda::gemm {
+namespace {
+// -2: not read yet; -1: automatic; 0 / 1: forced by MOEBLAZE_GEMM_TMA.
+std::atomic<int> g_forced{-2};
+
+int forced() {
+  int f = g_forced.load();
+  if (f == -2) {
+    const char* env = std::getenv("MOEBLAZE_GEMM_TMA");
+    f = !env ? -1 : std::strcmp(env, "1") == 0 ? 1 : std::strcmp(env, "0") == 0 ? 0 : -1;
+    g_forced.store(f);
+  }
+  return f;
+}
+}  // namespace
+
+bool use_tma_gemm(int64_t S, int64_t E) {
+  if (S <= 0 || E <= 0) return false;
+  const int f = forced();
+  if (f >= 0) return f == 1;
+  return S >= E * kTmaMinRowsPerExpert;
+}
+
+bool use_ws_gather(int64_t E) {
+  static const bool off = [] {
+    const char* env = std::getenv("MOEBLAZE_GEMM_WS");
+    return env && std::strcmp(env, "0") == 0;
+  }();
+  return !off && detail::ws_gather_supports(E);
+}
+
+bool use_ws_dh(int64_t E, int64_t d) { return use_ws_gather(E) && d >= kWsDhMinD; }
+
+std::vector<KernelChoice> describe_kernels(int64_t S, int64_t E, int64_t d, int64_t n) {
+  (void)n;  // no choice depends on n today; part of the signature for the shape it describes
+  const bool ws = use_ws_gather(E), ws_dh = use_ws_dh(E, d), tma = use_tma_gemm(S, E);
+  const std::string ws_m =
+      "warp-specialised gather (sm90_ws_gather.cuh): persistent, 128x256x64 tiles, 4 stages, "
+      "A rows by cp.async, weights by TMA";
+  const std::string two_cta =
+      "2-CTA (sm90_varlen_m.cuh): 128x128x64 tiles, 3 stages, cp.async by all threads";
+  const std::string tma_path =
+      "CUTLASS TMA pointer-array (sm90_tma_grouped.cuh): persistent, 128x256x64 tiles, "
+      "cluster 2x1";
+  const std::string ws_k =
+      "warp-specialised varlen-K (sm90_ws_varlen_k.cuh): persistent, 128x256x64 tiles, 4 "
+      "stages, gathered rows by cp.async, slot rows by TMA";
+  const std::string two_cta_k = "2-CTA varlen-K (dw_proj.cu): 128x128x64 tiles, 3 stages";
+  const std::string why_ws = ws ? "" : (detail::ws_gather_supports(E) ? " [MOEBLAZE_GEMM_WS=0]"
+                                                                      : " [E > 4096]");
+  const std::string why_tma = tma ? " [S >= 512 E]" : " [S < 512 E, or MOEBLAZE_GEMM_TMA=0]";
+  return {
+      {"up_proj", (ws ? ws_m : two_cta + ", w1 by TMA") + why_ws},
+      {"down_proj", (tma ? tma_path : two_cta) + why_tma},
+      {"dh_proj", ws_dh ? ws_m + " [d >= 2048]"
+                        : two_cta + (ws ? " [d < 2048: its epilogue is not amortised]" : why_ws)},
+      {"dw2_proj", (ws ? ws_k : two_cta_k) + why_ws},
+      {"dx_proj", (tma ? tma_path : two_cta) + why_tma},
+      {"dw1_proj", (ws ? ws_k + ", computed transposed" : two_cta_k) + why_ws},
+  };
+}
+
+size_t tma_gemm_scratch_bytes(int64_t E) {
+  const int e = static_cast<int>(E);
+  return std::max(detail::down_proj_tma_scratch_bytes(e), detail::dx_proj_tma_scratch_bytes(e));
+}
+
+size_t layer_gemm_scratch_bytes(int64_t S, int64_t E) {
+  return use_tma_gemm(S, E) ? tma_gemm_scratch_bytes(E) : 0;
+}
+
+}  // namespace moeblaze::cuda::gemm
