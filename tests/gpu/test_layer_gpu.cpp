@@ -590,13 +590,15 @@ TEST(LayerGpu, AggregateRowsMatchesHostInFixedOrder) {
   MOEBLAZE_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
+  // K = 1, 4, 8: the three vector layouts (S <= 2T, 2T < S <= 6T, S > 6T; aggregate.cu).
+  for (int64_t K : {int64_t(1), int64_t(4), int64_t(8)})
   for (DType dt : {DType::bf16, DType::f32}) {
     for (int64_t d : {int64_t(512), int64_t(100), int64_t(37)}) {  // vector and scalar paths
       for (bool weighted : {true, false}) {
-        SCOPED_TRACE(std::string(dtype_name(dt)) + " d=" + std::to_string(d) +
-                     (weighted ? " weighted" : " unweighted"));
+        SCOPED_TRACE(std::string(dtype_name(dt)) + " d=" + std::to_string(d) + " K=" +
+                     std::to_string(K) + (weighted ? " weighted" : " unweighted"));
         Inputs in;
-        in.routing = make_routing(300, 16, 4, RouteKind::rounded, seed);
+        in.routing = make_routing(300, 16, K, RouteKind::rounded, seed);
         make_plans(in.routing, in.plans);
         const int64_t S = in.plans.host.S(), T = 300;
         const std::vector<float> rows = random_normal(S * d, seed + 7);

@@ -6,10 +6,11 @@
 // apart (c, c + Q, c + 2Q, ...), so consecutive threads take consecutive chunks (coalesced
 // 16-byte gathers and stores), and loads the rows of B pairs before summing them: C x B = 4
 // independent 16-byte loads in flight per thread behind one walk of the token's index chain
-// (offsets -> pair -> slot -> weight). C = 1, B = 4 when tokens have several pairs (K > 2 on
-// average); C = 4, B = 1 otherwise: with C = 1 a K = 1 token gave each thread a single 16-byte
-// load behind three dependent index loads, and mb-conf1 (K = 1) reached 58 % of copy bandwidth
-// (2026-11-29). The index arrays (a few bytes per pair) stay in L1/L2. Every output element is
+// (offsets -> pair -> slot -> weight). C = 1, B = 4 when tokens have many pairs (K > 6 on
+// average); C = 2, B = 4 for 2 < K <= 6 (8 loads in flight, the index walk shared by 2 chunks:
+// with C = 1 the K = 4 configs reached 75-81 % of copy, bench/NOTES.md); C = 4, B = 1 otherwise:
+// with C = 1 a K = 1 token gave each thread a single 16-byte load behind three dependent index
+// loads, and mb-conf1 (K = 1) reached 58 % of copy bandwidth (2026-11-29). The index arrays (a few bytes per pair) stay in L1/L2. Every output element is
 // summed over its pairs in pair order whatever C and B are, so the result does not depend on
 // them.
 #include <cuda_bf16.h>
@@ -175,8 +176,10 @@ void launch_aggregate(const RoutingPlanView& plan, const void* rows, const float
   constexpr int V = Vec<T>::kElems;
   const bool aligned = (reinterpret_cast<uintptr_t>(rows) % 16 == 0) &&
                        (reinterpret_cast<uintptr_t>(out) % 16 == 0) && d % V == 0;
-  if (aligned && plan.S > 2 * plan.T) {
+  if (aligned && plan.S > 6 * plan.T) {
     launch_vec<T, kWeighted, 1, 4>(plan, rows, w, out, d, stream);
+  } else if (aligned && plan.S > 2 * plan.T) {
+    launch_vec<T, kWeighted, 2, 4>(plan, rows, w, out, d, stream);
   } else if (aligned) {
     launch_vec<T, kWeighted, 4, 1>(plan, rows, w, out, d, stream);
   } else {
