@@ -23,12 +23,7 @@ struct KernelsFlags {
 };
 
 void run_kernels(const KernelsFlags& f) {
-  std::vector<const NamedConfig*> configs;
-  if (f.config == "all") {
-    for (const NamedConfig& c : named_configs()) configs.push_back(&c);
-  } else {
-    for (const std::string& name : split_commas(f.config)) configs.push_back(&require_config(name));
-  }
+  const std::vector<const NamedConfig*> configs = select_configs(f.config);
   Table table({{"config", Align::left}, {"S"}, {"GEMM", Align::left}, {"kernel", Align::left}});
   for (const NamedConfig* c : configs) {
     const int64_t S = c->T * c->K;  // softmax top-K, DESIGN's benchmark routing

@@ -439,10 +439,8 @@ void run_bench(const BenchFlags& f) {
     shape_name = "T" + v[0] + "-d" + v[1] + "-n" + v[2] + "-E" + v[3] + "-K" + v[4];
     shape_config = NamedConfig{shape_name.c_str(), x[0], x[1], x[2], x[3], x[4], "--shape"};
     configs.push_back(&shape_config);
-  } else if (f.config == "all") {
-    for (const NamedConfig& c : named_configs()) configs.push_back(&c);
   } else {
-    for (const std::string& name : split_commas(f.config)) configs.push_back(&require_config(name));
+    configs = select_configs(f.config);
   }
   const std::vector<std::string> impls = split_commas(f.impl);
   MOEBLAZE_REQUIRE(!impls.empty(), "impl list '", f.impl, "' is empty");

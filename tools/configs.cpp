@@ -32,6 +32,16 @@ const NamedConfig* find_config(const std::string& name) {
   return nullptr;
 }
 
+std::vector<const NamedConfig*> select_configs(const std::string& spec) {
+  std::vector<const NamedConfig*> configs;
+  if (spec == "all") {
+    for (const NamedConfig& c : named_configs()) configs.push_back(&c);
+  } else {
+    for (const std::string& name : split_commas(spec)) configs.push_back(&require_config(name));
+  }
+  return configs;
+}
+
 const NamedConfig& require_config(const std::string& name) {
   const NamedConfig* c = find_config(name);
   MOEBLAZE_REQUIRE(c != nullptr, "config '", name, "' is not one of: ", config_names(),

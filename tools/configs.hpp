@@ -29,6 +29,10 @@ const NamedConfig* find_config(const std::string& name);
 // Throws InvalidArgument listing the valid names when `name` is unknown.
 const NamedConfig& require_config(const std::string& name);
 
+// The configs a --config flag names: "all" (every named config, in DESIGN's order) or a comma list
+// of names (InvalidArgument listing the valid names for an unknown one).
+std::vector<const NamedConfig*> select_configs(const std::string& spec);
+
 // "mb-conf1, mb-conf3, ..., cpu-default"
 std::string config_names();
 
