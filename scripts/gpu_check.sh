@@ -29,7 +29,9 @@
 #     check uses them when the machine lacks its own. Carry third_party/ to the GPU machine.
 #
 # Environment: ROUTING_BENCH_ARGS (extra flags for bench routing, e.g. "--quick"),
-# MOEBLAZE_COMMIT (commit recorded in result rows when the tree has no .git), BUILD_DIR
+# MOEBLAZE_COMMIT (commit recorded in result rows; set it when the tree was copied with a .git
+# that is not the tree's own — the device tool's copy keeps the session's first HEAD — else
+# `git describe --dirty` marks such a tree "<stale HEAD>-dirty"), BUILD_DIR
 # (default build-gpu), JOBS (default nproc), PREBUILT=1 (use the binaries already in BUILD_DIR,
 # e.g. built on a CPU machine with nvcc and carried over: skips configure and build, and runs
 # the test binaries directly instead of through ctest, whose files hold the build machine's
@@ -71,7 +73,7 @@ export LD_LIBRARY_PATH="/usr/local/cuda/lib:/usr/local/cuda/lib64${nccl_dir:+:$n
 export NCCL_NVLS_ENABLE=0
 BUILD=${BUILD_DIR:-build-gpu}
 JOBS=${JOBS:-$(nproc)}
-export MOEBLAZE_COMMIT=${MOEBLAZE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export MOEBLAZE_COMMIT=${MOEBLAZE_COMMIT:-$(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)}
 summary=()
 
 # ---- configure (packed deps only where the machine has none of its own) ----
