@@ -246,7 +246,7 @@ HostRouting softmax_topk_routing(int64_t T, int64_t E, int64_t K, uint64_t seed)
 }
 
 // Tokens [t0, t0 + T) of a routing, offsets rebased to 0.
-[[maybe_unused]] HostRouting slice_tokens(const HostRouting& g, int64_t t0, int64_t T) {
+HostRouting slice_tokens(const HostRouting& g, int64_t t0, int64_t T) {
   HostRouting h;
   h.T = T;
   h.E = g.E;

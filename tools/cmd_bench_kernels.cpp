@@ -27,7 +27,7 @@ void run_kernels(const KernelsFlags& f) {
   Table table({{"config", Align::left}, {"S"}, {"GEMM", Align::left}, {"kernel", Align::left}});
   for (const NamedConfig* c : configs) {
     const int64_t S = c->T * c->K;  // softmax top-K, DESIGN's benchmark routing
-    for (const auto& k : cuda::gemm::describe_kernels(S, c->E, c->d, c->n))
+    for (const auto& k : cuda::gemm::describe_kernels(S, c->E, c->d))
       table.add_row({c->name, std::to_string(S), k.gemm, k.kernel});
   }
   table.print(std::cout);

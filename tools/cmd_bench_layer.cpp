@@ -423,9 +423,10 @@ void run_bench(const BenchFlags& f) {
   if (f.routing != "topk") parse_rounding(f.routing);  // throws naming the valid modes
   parse_activation(f.activation);
   std::vector<const NamedConfig*> configs;
-  // --shape: one unnamed config, named after its shape in the rows.
-  static std::string shape_name;
-  static NamedConfig shape_config{};
+  // --shape: one unnamed config, named after its shape in the rows (both live until the end of
+  // this function, as long as `configs` points at them).
+  std::string shape_name;
+  NamedConfig shape_config{};
   if (!f.shape.empty()) {
     const std::vector<std::string> v = split_commas(f.shape);
     MOEBLAZE_REQUIRE(v.size() == 5, "shape '", f.shape, "' must be T,d,n,E,K (5 integers)");

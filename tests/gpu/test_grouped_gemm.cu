@@ -580,8 +580,8 @@ TEST(GroupedGemmChecks, ShapeRule) {
 // The automatic kernel choices follow the rules measured on the H200 (grouped_gemm.hpp) and are
 // printed as they are made. Host-only: runs without a GPU.
 TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
-  auto kernel_of = [](int64_t S, int64_t E, int64_t d, int64_t n, const char* gemm) {
-    for (const auto& k : gg::describe_kernels(S, E, d, n))
+  auto kernel_of = [](int64_t S, int64_t E, int64_t d, const char* gemm) {
+    for (const auto& k : gg::describe_kernels(S, E, d))
       if (std::string(k.gemm) == gemm) return k.kernel;
     ADD_FAILURE() << gemm << " missing from describe_kernels";
     return std::string();
@@ -590,17 +590,17 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
     return s.find(what) != std::string::npos;
   };
   // sm-default: every gathered GEMM warp-specialised, dH too (d = 4096), the TMA path for down/dX.
-  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, 1024, "up_proj"), "warp-specialised gather"));
-  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, 1024, "dh_proj"), "[d >= 2048]"));
-  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, 1024, "dw1_proj"), "computed transposed"));
-  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, 1024, "down_proj"), "CUTLASS TMA"));
+  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "up_proj"), "warp-specialised gather"));
+  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "dh_proj"), "[d >= 2048]"));
+  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "dw1_proj"), "computed transposed"));
+  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "down_proj"), "CUTLASS TMA"));
   EXPECT_EQ(gg::use_ws_dh(128, 4096), true);
   // sm-7B-n256 (d = 1536): dH stays on the 2-CTA kernel.
-  EXPECT_TRUE(has(kernel_of(196608, 128, 1536, 256, "dh_proj"), "2-CTA"));
+  EXPECT_TRUE(has(kernel_of(196608, 128, 1536, "dh_proj"), "2-CTA"));
   EXPECT_EQ(gg::use_ws_dh(128, 1536), false);
   // E beyond the gather kernel's expert table; few rows per expert for the TMA path.
-  EXPECT_TRUE(has(kernel_of(1 << 20, 5000, 4096, 1024, "up_proj"), "[E > 4096]"));
-  EXPECT_TRUE(has(kernel_of(1000, 8, 512, 512, "dx_proj"), "2-CTA"));
+  EXPECT_TRUE(has(kernel_of(1 << 20, 5000, 4096, "up_proj"), "[E > 4096]"));
+  EXPECT_TRUE(has(kernel_of(1000, 8, 512, "dx_proj"), "2-CTA"));
 }
 
 // Invalid arguments throw before anything runs and leave the outputs untouched.

@@ -90,14 +90,15 @@ constexpr int64_t kWsDhMinD = 2048;
 bool use_ws_gather(int64_t E);
 bool use_ws_dh(int64_t E, int64_t d);  // dh_proj's automatic choice
 
-// The kernel each grouped GEMM of the layer runs for S slots over E experts and sizes d, n, as the
+// The kernel each grouped GEMM of the layer runs for S slots over E experts and hidden size d (no
+// choice depends on n), as the
 // automatic choices above make it (environment overrides included), in pipeline order: the tile
 // configuration printed on request (`moeblaze bench kernels`). Host-only, needs no GPU.
 struct KernelChoice {
   const char* gemm;    // "up_proj", "down_proj", ...
   std::string kernel;  // the kernel, its tiles and pipeline, and [the rule that chose it]
 };
-std::vector<KernelChoice> describe_kernels(int64_t S, int64_t E, int64_t d, int64_t n);
+std::vector<KernelChoice> describe_kernels(int64_t S, int64_t E, int64_t d);
 
 // ---- forward -------------------------------------------------------------------------------
 

@@ -44,8 +44,7 @@ bool use_ws_gather(int64_t E) {
 
 bool use_ws_dh(int64_t E, int64_t d) { return use_ws_gather(E) && d >= kWsDhMinD; }
 
-std::vector<KernelChoice> describe_kernels(int64_t S, int64_t E, int64_t d, int64_t n) {
-  (void)n;  // no choice depends on n today; part of the signature for the shape it describes
+std::vector<KernelChoice> describe_kernels(int64_t S, int64_t E, int64_t d) {
   const bool ws = use_ws_gather(E), ws_dh = use_ws_dh(E, d), tma = use_tma_gemm(S, E);
   const std::string ws_m =
       "warp-specialised gather (sm90_ws_gather.cuh): persistent, 128x256x64 tiles, 4 stages, "
@@ -63,7 +62,7 @@ std::vector<KernelChoice> describe_kernels(int64_t S, int64_t E, int64_t d, int6
                                                                       : " [E > 4096]");
   const std::string why_tma = tma ? " [S >= 512 E]" : " [S < 512 E, or MOEBLAZE_GEMM_TMA=0]";
   return {
-      {"up_proj", (ws ? ws_m : two_cta + ", w1 by TMA") + why_ws},
+      {"up_proj", (ws ? ws_m : two_cta + ", w1 by TMA unless MOEBLAZE_GEMM_TMA_B=0") + why_ws},
       {"down_proj", (tma ? tma_path : two_cta) + why_tma},
       {"dh_proj", ws_dh ? ws_m + " [d >= 2048]"
                         : two_cta + (ws ? " [d < 2048: its epilogue is not amortised]" : why_ws)},

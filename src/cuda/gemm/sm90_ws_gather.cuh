@@ -80,10 +80,6 @@ constexpr int kStageBytesB = kBN * kBK * 2;
 constexpr int kBox = 64;  // a TMA box of B is 64 x 64 elements (make_tma_kmajor)
 constexpr uint32_t kBoxBytes = kBox * kBox * 2;
 
-// Shared-memory bytes for E experts: 1 KiB alignment slack, the ring, 2 x kStages mbarriers and
-// the (E + 1)-entry tile table.
-inline size_t smem_bytes(int E);  // defined after Ring
-
 struct Args {
   const __nv_bfloat16* a;   // (rows, lda) bf16, rows gathered per slot
   int64_t lda;
@@ -278,6 +274,8 @@ __device__ __forceinline__ void consumer_loop(const Ring& r, int num_tiles, Begi
   }
 }
 
+// Shared-memory bytes of the gather kernel for E experts: the ring (1 KiB alignment slack, the
+// stages, 2 x kStages mbarriers) and the (E + 1)-entry tile table.
 inline size_t smem_bytes(int E) { return Ring::kBytes + 4 * (size_t(E) + 1); }
 
 // One persistent CTA per SM, or one per tile when there are fewer tiles (tile_bound, a host-known
