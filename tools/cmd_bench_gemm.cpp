@@ -223,6 +223,12 @@ void run(const Flags& f) {
                        gg::GatherKernel::warp_specialized);
          },
          S, R, d},
+        {"up-pp", "h", 2.0 * S * R * d,
+         [&] {
+           gg::up_proj(plan, B(x), B(w1), M(h), M(a), d, n, act, stream,
+                       gg::GatherKernel::ping_pong);
+         },
+         S, R, d},
         {"down", "y", 2.0 * S * d * n,
          [&] { gg::down_proj(plan, B(a), B(w2), M(y), d, n, stream); }, S, d, n},
         {"dH", "dh", 2.0 * S * d * n,
@@ -235,6 +241,12 @@ void run(const Flags& f) {
          [&] {
            gg::dh_proj(plan, B(dO), B(w2), B(h), parts.as<float>(), M(dh), M(as), d, n, act,
                        stream, gg::GatherKernel::warp_specialized);
+         },
+         S, n, d},
+        {"dH-pp", "dh", 2.0 * S * d * n,
+         [&] {
+           gg::dh_proj(plan, B(dO), B(w2), B(h), parts.as<float>(), M(dh), M(as), d, n, act,
+                       stream, gg::GatherKernel::ping_pong);
          },
          S, n, d},
         {"dW2", "dw2", 2.0 * S * d * n,
@@ -428,7 +440,7 @@ void add_bench_gemm_command(CLI::App& bench) {
   sub->add_option("--seed", flags->seed, "input seed");
   sub->add_flag("--no-dense", flags->no_dense, "skip the cuBLAS same-FLOP comparison");
   sub->add_option("--only", flags->only,
-                  "time only these kernels (comma list of up, up-ws, down, dH, dH-ws, dW2, dW2-ws, dX, "
+                  "time only these kernels (comma list of up, up-ws, up-pp, down, dH, dH-ws, dH-pp, dW2, dW2-ws, dX, "
                   "down-tma, dX-tma, dW1, dW1-ws); all of them still run once for the correctness check");
   sub->add_option("--out", flags->out, "append JSON lines to this file");
   sub->add_option("--md", flags->md, "write the table as Markdown to this file");

@@ -32,6 +32,16 @@ namespace {
 
 namespace gg = moeblaze::cuda::gemm;
 
+const char* gather_kernel_name(gg::GatherKernel k) {
+  switch (k) {
+    case gg::GatherKernel::two_cta: return "2-CTA";
+    case gg::GatherKernel::warp_specialized: return "warp-specialised";
+    case gg::GatherKernel::ping_pong: return "ping-pong";
+    case gg::GatherKernel::automatic: break;
+  }
+  return "automatic";
+}
+
 // ---- host-side helpers ------------------------------------------------------------------------
 
 enum class Pattern { random, one_expert };
@@ -260,8 +270,9 @@ TEST_P(GroupedGemm, UpProjGatheredWithActivationEpilogue) {
   upload(w1, in.w1);
   DevBuf h(size_t(S * R) * 2), a(size_t(S * n) * 2);
   // Both kernels of the gathered GEMMs, each against the reference (their roundings differ).
-  for (gg::GatherKernel k : {gg::GatherKernel::two_cta, gg::GatherKernel::warp_specialized}) {
-    const char* kname = k == gg::GatherKernel::two_cta ? "2-CTA" : "warp-specialised";
+  for (gg::GatherKernel k : {gg::GatherKernel::two_cta, gg::GatherKernel::warp_specialized,
+                             gg::GatherKernel::ping_pong}) {
+    const char* kname = gather_kernel_name(k);
     SCOPED_TRACE(kname);
     run_twice({&h, &a}, [&] {
       gg::up_proj(dp.view, cb(x), cb(w1), mb(h), mb(a), d, n, c.act, nullptr, k);
@@ -373,8 +384,9 @@ TEST_P(GroupedGemm, DhProjGatheredWithBackwardEpilogue) {
   upload(h, h_in);
   DevBuf partials(size_t(S * cols) * 4), ds(size_t(S) * 4), dh(size_t(S * R) * 2),
       as(size_t(S * n) * 2);
-  for (gg::GatherKernel k : {gg::GatherKernel::two_cta, gg::GatherKernel::warp_specialized}) {
-    const char* kname = k == gg::GatherKernel::two_cta ? "2-CTA" : "warp-specialised";
+  for (gg::GatherKernel k : {gg::GatherKernel::two_cta, gg::GatherKernel::warp_specialized,
+                             gg::GatherKernel::ping_pong}) {
+    const char* kname = gather_kernel_name(k);
     SCOPED_TRACE(kname);
     run_twice({&partials, &ds, &dh, &as}, [&] {
       gg::dh_proj(dp.view, cb(dO), cb(w2), cb(h), partials.as<float>(), mb(dh), mb(as), d, n,
@@ -442,7 +454,7 @@ TEST_P(GroupedGemm, WeightGradsVarlenK) {
   upload(x, in.x);
   DevBuf dw2(size_t(E * d * n) * 2), dw1(size_t(E * R * d) * 2);
   for (gg::GatherKernel k : {gg::GatherKernel::two_cta, gg::GatherKernel::warp_specialized}) {
-    const char* kname = k == gg::GatherKernel::two_cta ? "2-CTA" : "warp-specialised";
+    const char* kname = gather_kernel_name(k);
     SCOPED_TRACE(kname);
     run_twice({&dw2, &dw1}, [&] {
       gg::dw2_proj(dp.view, cb(dO), cb(as), mb(dw2), d, n, nullptr, k);
@@ -527,11 +539,13 @@ TEST(GroupedGemmEdge, EmptyPlan) {
   guard.poison();
   const auto before = download<uint8_t>(guard);
   // Empty operands may be null when S = 0; `guard` stands in for outputs that must stay as is.
-  for (auto k : {gg::GatherKernel::two_cta, gg::GatherKernel::warp_specialized})
+  for (auto k : {gg::GatherKernel::two_cta, gg::GatherKernel::warp_specialized,
+                 gg::GatherKernel::ping_pong})
     gg::up_proj(dp.view, nullptr, cb(w1), mb(guard), mb(guard), d, n, Activation::swiglu, nullptr,
                 k);
   gg::down_proj(dp.view, nullptr, cb(w2), mb(guard), d, n, nullptr);
-  for (auto k : {gg::GatherKernel::two_cta, gg::GatherKernel::warp_specialized})
+  for (auto k : {gg::GatherKernel::two_cta, gg::GatherKernel::warp_specialized,
+                 gg::GatherKernel::ping_pong})
     gg::dh_proj(dp.view, nullptr, cb(w2), nullptr, guard.as<float>(), mb(guard), mb(guard), d, n,
                 Activation::swiglu, nullptr, k);
   gg::reduce_ds(nullptr, guard.as<float>(), 0, n, nullptr);
@@ -655,6 +669,15 @@ TEST(GroupedGemmChecks, InvalidArgumentsLeaveOutputsUntouched) {
     gg::dh_proj(many_e, cb(x), cb(w2), cb(h), reinterpret_cast<float*>(mb(a)), mb(h), mb(a), d,
                 n, act, nullptr, gg::GatherKernel::warp_specialized);
   }, "dh_proj: the warp-specialised kernel takes E <= 4096 experts (got 4097)", true);
+  expect_msg([&] {
+    gg::dh_proj(many_e, cb(x), cb(w2), cb(h), reinterpret_cast<float*>(mb(a)), mb(h), mb(a), d,
+                n, act, nullptr, gg::GatherKernel::ping_pong);
+  }, "dh_proj: the warp-specialised kernel takes E <= 4096 experts (got 4097)", true);
+  expect_msg([&] { gg::dw2_proj(dp.view, cb(x), cb(a), mb(h), d, n, nullptr, gg::GatherKernel::ping_pong); },
+             "dw2_proj: GatherKernel::ping_pong is implemented for up_proj and dh_proj only", true);
+  expect_msg([&] {
+    gg::dw1_proj(dp.view, cb(h), cb(x), mb(w1), d, n, act, nullptr, gg::GatherKernel::ping_pong);
+  }, "dw1_proj: GatherKernel::ping_pong is implemented for up_proj and dh_proj only", true);
   RoutingPlanView no_w = dp.view;
   no_w.slot_weights = nullptr;
   expect_msg([&] {

@@ -135,15 +135,14 @@ void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, con
   detail::check_ptr(fn, ds_partials, "ds_partials", need);
   detail::check_ptr(fn, dh, "dh", need);
   detail::check_ptr(fn, a_scaled, "a_scaled", need);
-  MOEBLAZE_UNSUPPORTED_IF(kernel == GatherKernel::warp_specialized &&
-                              !detail::ws_gather_supports(plan.E),
-                          fn, ": the warp-specialised kernel takes E <= 4096 experts (got ",
-                          plan.E, ")");
-  if (kernel == GatherKernel::warp_specialized ||
-      (kernel == GatherKernel::automatic && use_ws_dh(plan.E, d))) {
-    detail::dh_proj_ws(plan, d_out, w2, h, ds_partials, dh, a_scaled, d, n, act, stream);
-    return;
-  }
+  using detail::GatherPath;
+  const GatherPath path = detail::resolve_gather_path(
+      fn, kernel, plan.E, use_ws_dh(plan.E, d) ? GatherPath::cooperative : GatherPath::two_cta,
+      /*has_ping_pong=*/true);
+  if (path == GatherPath::cooperative)
+    return detail::dh_proj_ws(plan, d_out, w2, h, ds_partials, dh, a_scaled, d, n, act, stream);
+  if (path == GatherPath::ping_pong)
+    return detail::dh_proj_pp(plan, d_out, w2, h, ds_partials, dh, a_scaled, d, n, act, stream);
 
   sm90::VarlenMArgs p{};
   p.a = reinterpret_cast<const __nv_bfloat16*>(d_out);  // (T, d), rows gathered per slot

@@ -96,8 +96,11 @@ void dw2_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scal
   detail::check_ptr(fn, d_out, "d_out", plan.S > 0);
   detail::check_ptr(fn, a_scaled, "a_scaled", plan.S > 0);
   detail::check_ptr(fn, dw2, "dw2");
-  if (kernel != GatherKernel::two_cta && (kernel == GatherKernel::warp_specialized ||
-                                          use_ws_gather(plan.E))) {
+  // Any E: this kernel has no per-CTA expert table.
+  if (kernel == GatherKernel::ping_pong || kernel == GatherKernel::warp_specialized ||
+      (kernel == GatherKernel::automatic && use_ws_gather(plan.E))) {
+    MOEBLAZE_UNSUPPORTED_IF(kernel == GatherKernel::ping_pong, fn,
+                            ": GatherKernel::ping_pong is implemented for up_proj and dh_proj only");
     detail::dw2_proj_ws(plan, d_out, a_scaled, dw2, d, n, stream);
     return;
   }
@@ -123,8 +126,11 @@ void dw1_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* 
   detail::check_ptr(fn, x, "x", plan.S > 0);
   detail::check_ptr(fn, dw1, "dw1");
   const int64_t w1_rows = is_gated(act) ? 2 * n : n;
-  if (kernel != GatherKernel::two_cta && (kernel == GatherKernel::warp_specialized ||
-                                          use_ws_gather(plan.E))) {
+  // Any E: this kernel has no per-CTA expert table.
+  if (kernel == GatherKernel::ping_pong || kernel == GatherKernel::warp_specialized ||
+      (kernel == GatherKernel::automatic && use_ws_gather(plan.E))) {
+    MOEBLAZE_UNSUPPORTED_IF(kernel == GatherKernel::ping_pong, fn,
+                            ": GatherKernel::ping_pong is implemented for up_proj and dh_proj only");
     detail::dw1_proj_ws(plan, dh, x, dw1, d, w1_rows, stream);
     return;
   }

@@ -81,11 +81,14 @@ size_t layer_gemm_scratch_bytes(int64_t S, int64_t E);
 //            warpgroups through mbarriers: sm90_ws_gather.cuh for up_proj / dh_proj (cp.async
 //            gather + TMA weights; takes E <= 4096), sm90_ws_varlen_k.cuh for dw2_proj /
 //            dw1_proj (cp.async gather + TMA for the slot-ordered operand; any E).
+//   ping_pong: up_proj / dh_proj only: the same warp-specialised kernel with 128 x 128 tiles,
+//            one per consumer warpgroup, so one warpgroup's epilogue runs under the other's
+//            mainloop (E <= 4096); dw2_proj / dw1_proj refuse it (Unsupported).
 // automatic picks warp_specialized when use_ws_gather(E) (for dh_proj also only when d >= 2048:
 // its epilogue, which reads H, is not overlapped with MMAs in that kernel, so it needs a long
 // reduction to win; measured on the H200, bench/NOTES.md), unless MOEBLAZE_GEMM_WS=0 in the
 // environment (read once; for A/B measurements).
-enum class GatherKernel { automatic, two_cta, warp_specialized };
+enum class GatherKernel { automatic, two_cta, warp_specialized, ping_pong };
 constexpr int64_t kWsDhMinD = 2048;
 bool use_ws_gather(int64_t E);
 bool use_ws_dh(int64_t E, int64_t d);  // dh_proj's automatic choice

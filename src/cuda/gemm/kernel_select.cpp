@@ -10,6 +10,7 @@
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/gemm/tma_paths.hpp"
 #include "cuda/gemm/ws_paths.hpp"
+#include "moeblaze/error.hpp"
 
 namespace moeblaze::cuda::gemm {
 namespace {
@@ -43,6 +44,25 @@ bool use_ws_gather(int64_t E) {
 }
 
 bool use_ws_dh(int64_t E, int64_t d) { return use_ws_gather(E) && d >= kWsDhMinD; }
+
+namespace detail {
+GatherPath resolve_gather_path(const char* fn, GatherKernel kernel, int64_t E,
+                               GatherPath automatic_path, bool has_ping_pong) {
+  MOEBLAZE_UNSUPPORTED_IF(kernel == GatherKernel::ping_pong && !has_ping_pong, fn,
+                          ": GatherKernel::ping_pong is implemented for up_proj and dh_proj only");
+  MOEBLAZE_UNSUPPORTED_IF(
+      (kernel == GatherKernel::warp_specialized || kernel == GatherKernel::ping_pong) &&
+          !ws_gather_supports(E),
+      fn, ": the warp-specialised kernel takes E <= 4096 experts (got ", E, ")");
+  switch (kernel) {
+    case GatherKernel::two_cta: return GatherPath::two_cta;
+    case GatherKernel::warp_specialized: return GatherPath::cooperative;
+    case GatherKernel::ping_pong: return GatherPath::ping_pong;
+    case GatherKernel::automatic: break;
+  }
+  return automatic_path;
+}
+}  // namespace detail
 
 std::vector<KernelChoice> describe_kernels(int64_t S, int64_t E, int64_t d) {
   const bool ws = use_ws_gather(E), ws_dh = use_ws_dh(E, d), tma = use_tma_gemm(S, E);

@@ -344,8 +344,10 @@ constexpr int kFragColGroups = kBN / 8;  // i = 0..15
 struct TwoCtaFrag {
   static constexpr int kTileN = kBN;
   static constexpr int kGroups = kFragColGroups;
-  __device__ static int row(int v1) { return frag_row(v1); }
+  static constexpr int kRows = 2;
+  __device__ static int row(int r) { return frag_row(r); }
   __device__ static int col(int i) { return frag_col(i); }
+  __device__ static constexpr int acc_index(int r, int i) { return 4 * i + 2 * r; }
 };
 
 __device__ __forceinline__ void store_bf16x2(__nv_bfloat16* p, float x, float y) {

@@ -18,6 +18,15 @@
 // fragment mapping of ws_frag_row / ws_frag_col); Epi::at_tile_start runs in the consumers before
 // a tile's mainloop (e.g. to prefetch the epilogue's inputs into L2). Each output element is computed by one thread
 // in a fixed order, so the result is bitwise independent of the tile order and of gridDim.
+// Two schedules (the Sched template argument):
+//   * Cooperative: as above, both consumer warpgroups on one 128 x 256 tile; the tensor cores idle
+//     while the consumers run a tile's epilogue.
+//   * PingPong: each consumer warpgroup computes whole 128 x 128 tiles (two 64 x 128 WGMMA atoms
+//     along M, again 128 fp32 accumulators per thread), the CTA's tiles alternating between the
+//     two; an order barrier pair lets one warpgroup start a tile's mainloop only after the other
+//     has issued its last MMA, so one warpgroup's epilogue runs under the other's mainloop. The
+//     price: B is loaded once per 128 rows of output instead of once per 128 x 256, and A once per
+//     128 columns. For the epilogue-heavy gathered GEMMs (dH, up-projection at short d).
 // Included by the .cu file of each GEMM that uses it (one instantiation per file).
 #pragma once
 
@@ -55,24 +64,25 @@ constexpr int kConsumerRegs = 232;
 // 2-CTA kernels (the caller checks supports()).
 constexpr int kMaxExperts = 4096;
 
-// The shared-memory layouts and tiled MMA for B of major kMajorB (A is always K-major). An
-// MN-major B stage is ordered K-blocks first (Step<_2,_1,_3>), so the 8 KiB that hold MN columns
-// [64 h, 64 h + 64) for all 64 k of the stage are contiguous: one TMA box of a 2D (K rows, N
-// columns) tensor with 128-byte swizzle, like the K-major case's 64-row boxes.
-template <GMajor kMajorB>
+// The shared-memory layouts and tiled MMA of a schedule (below) for B of major kMajorB (A is
+// always K-major). An MN-major B stage is ordered K-blocks first (Step<_2,_1,_3>), so the 8 KiB
+// that hold MN columns [64 h, 64 h + 64) for all 64 k of the stage are contiguous: one TMA box of
+// a 2D (K rows, N columns) tensor with 128-byte swizzle, like the K-major case's 64-row boxes.
+template <GMajor kMajorB, class Sched>
 struct Layouts {
-  using TiledMma = decltype(ct::make_tiled_mma(
-      ct::SM90_64x256x16_F32BF16BF16_SS<GMajor::K, kMajorB>{},
-      ct::Layout<ct::Shape<ct::_2, ct::_1, ct::_1>>{}));  // 2 consumer warpgroups along M
+  static constexpr int kTileN = Sched::kTileN;
+  static constexpr int kStagesN = Sched::kStages;
+  using TiledMma = decltype(ct::make_tiled_mma(typename Sched::template Atom<kMajorB>{},
+                                               typename Sched::AtomLayout{}));
   using SmemLayoutA = decltype(ct::tile_to_shape(
       ct::GMMA::Layout_K_SW128_Atom<Elem>{},
-      ct::Shape<ct::Int<kBM>, ct::Int<kBK>, ct::Int<kStages>>{}));  // (BM, BK, stages)
+      ct::Shape<ct::Int<kBM>, ct::Int<kBK>, ct::Int<kStagesN>>{}));  // (BM, BK, stages)
   using SmemLayoutB = std::conditional_t<
       kMajorB == GMajor::K,
       decltype(ct::tile_to_shape(ct::GMMA::Layout_K_SW128_Atom<Elem>{},
-                                 ct::Shape<ct::Int<kBN>, ct::Int<kBK>, ct::Int<kStages>>{})),
+                                 ct::Shape<ct::Int<kTileN>, ct::Int<kBK>, ct::Int<kStagesN>>{})),
       decltype(ct::tile_to_shape(ct::GMMA::Layout_MN_SW128_Atom<Elem>{},
-                                 ct::Shape<ct::Int<kBN>, ct::Int<kBK>, ct::Int<kStages>>{},
+                                 ct::Shape<ct::Int<kTileN>, ct::Int<kBK>, ct::Int<kStagesN>>{},
                                  ct::Step<ct::_2, ct::_1, ct::_3>{}))>;  // (BN, BK, stages)
 };
 constexpr int kStageBytesA = kBM * kBK * 2;
@@ -129,8 +139,50 @@ constexpr int kFragColGroups = kBN / 8;  // 32
 struct WsFrag {
   static constexpr int kTileN = kBN;
   static constexpr int kGroups = kFragColGroups;
-  __device__ static int row(int v1) { return ws_frag_row(v1); }
+  static constexpr int kRows = 2;
+  __device__ static int row(int r) { return ws_frag_row(r); }
   __device__ static int col(int i) { return ws_frag_col(i); }
+  __device__ static constexpr int acc_index(int r, int i) { return 4 * i + 2 * r; }
+};
+
+// The ping-pong schedule's fragment: one warpgroup owns a 128 x 128 tile as two 64 x 128 atoms
+// along M, so a thread holds 4 rows (r = v1 + 2 mi: row 64 mi + 16 warp + lane / 4 + 8 v1) and
+// 16 column groups; element (v0, v1, i, mi) sits at acc(v0 + 2 v1 + 4 i + 64 mi).
+struct PingFrag {
+  static constexpr int kTileN = 128;
+  static constexpr int kGroups = kTileN / 8;  // 16
+  static constexpr int kRows = 4;
+  __device__ static int row(int r) {
+    const int t = (threadIdx.x - kProducerThreads) & 127;  // thread of its warpgroup
+    return 64 * (r >> 1) + 16 * (t >> 5) + ((t & 31) >> 2) + 8 * (r & 1);
+  }
+  __device__ static int col(int i) { return 8 * i + 2 * (threadIdx.x & 3); }
+  __device__ static constexpr int acc_index(int r, int i) {
+    return 64 * (r >> 1) + 4 * i + 2 * (r & 1);
+  }
+};
+
+// The schedules (see the top of the file): output tile width, ring depth (stages fill the same
+// ~192 KiB), consumer threads that release each stage, fragment policy and WGMMA atom.
+struct Cooperative {
+  static constexpr bool kPingPong = false;
+  static constexpr int kTileN = kBN;  // 128 x 256 per CTA, shared by both warpgroups
+  static constexpr int kStages = 4;   // 48 KiB each
+  static constexpr int kStageConsumers = kConsumerThreads;
+  using Frag = WsFrag;
+  template <GMajor kMajorB>
+  using Atom = ct::SM90_64x256x16_F32BF16BF16_SS<GMajor::K, kMajorB>;
+  using AtomLayout = ct::Layout<ct::Shape<ct::_2, ct::_1, ct::_1>>;  // 2 warpgroups along M
+};
+struct PingPong {
+  static constexpr bool kPingPong = true;
+  static constexpr int kTileN = 128;  // 128 x 128 per warpgroup
+  static constexpr int kStages = 6;   // 32 KiB each
+  static constexpr int kStageConsumers = kConsumerThreads / 2;
+  using Frag = PingFrag;
+  template <GMajor kMajorB>
+  using Atom = ct::SM90_64x128x16_F32BF16BF16_SS<GMajor::K, kMajorB>;
+  using AtomLayout = ct::Layout<ct::Shape<ct::_1, ct::_1, ct::_1>>;  // one warpgroup per tile
 };
 
 // The tile a CTA works on: expert, its slot range [m_begin, m_end) and the n-tile.
@@ -178,62 +230,117 @@ __device__ __forceinline__ void build_tile_table(const Args& p, int* tile_start)
 
 // ---- pieces shared by the warp-specialised kernels (this file and sm90_ws_varlen_k.cuh) ----
 
-// The shared-memory ring: kStages stages of A (BM x BK) and of B (BN x BK), 1 KiB aligned (the
-// swizzle is a function of the address), then the full / empty mbarriers of each stage.
-struct Ring {
-  char* a;          // (kStages, BM, BK) swizzled
-  char* b;          // (kStages, BN, BK) swizzled
-  uint64_t* full;   // (kStages,): the stage's data has landed
-  uint64_t* empty;  // (kStages,): the consumers' MMAs that read the stage have retired
+// The shared-memory ring: kStagesN stages of A (BM x BK) and of B (kTileNB x BK), 1 KiB
+// aligned (the swizzle is a function of the address), then the full / empty mbarriers of each
+// stage and the ping-pong order barrier pair.
+template <int kTileNB, int kStagesN, int kStageConsumers>
+struct RingT {
+  static constexpr int kStageCount = kStagesN;
+  static constexpr int kStageBytesB = kTileNB * kBK * 2;
+  char* a;          // (kStagesN, BM, BK) swizzled
+  char* b;          // (kStagesN, kTileNB, BK) swizzled
+  uint64_t* full;   // (kStagesN,): the stage's data has landed
+  uint64_t* empty;  // (kStagesN,): the consumers' MMAs that read the stage have retired
+  uint64_t* order;  // (2,): order[w] completes when the other consumer warpgroup has issued its
+                    // tile's last MMA (ping-pong only)
   // Bytes of dynamic shared memory the ring takes, alignment slack included.
   static constexpr size_t kBytes =
-      1024 + size_t(kStages) * (kStageBytesA + kStageBytesB) + 2 * kStages * 8;
+      1024 + size_t(kStagesN) * (kStageBytesA + kStageBytesB) + (2 * kStagesN + 2) * 8;
 
-  __device__ static Ring carve(char* smem_raw) {
-    Ring r;
+  __device__ static RingT carve(char* smem_raw) {
+    RingT r;
     r.a = align_smem_1k(smem_raw);
-    r.b = r.a + kStages * kStageBytesA;
-    r.full = reinterpret_cast<uint64_t*>(r.b + kStages * kStageBytesB);
-    r.empty = r.full + kStages;
+    r.b = r.a + kStagesN * kStageBytesA;
+    r.full = reinterpret_cast<uint64_t*>(r.b + kStagesN * kStageBytesB);
+    r.empty = r.full + kStagesN;
+    r.order = r.empty + kStagesN;
     return r;
   }
+  // The first byte after the ring's barriers (the gather kernel's tile table).
+  __device__ char* end() const { return reinterpret_cast<char*>(order + 2); }
   // Thread 0 initialises the barriers: full[s] completes after the 128 producer threads'
   // cp.async arrivals (cp.async.mbarrier.arrive.noinc) and one more arrival by the thread that
-  // issues the stage's TMA (with its byte count); empty[s] after every consumer thread's arrival.
-  // The caller's next __syncthreads publishes them.
+  // issues the stage's TMA (with its byte count); empty[s] after every arrival of the consumer
+  // threads that read the stage; order[w] after one warpgroup's 128 arrivals. The caller's next
+  // __syncthreads publishes them.
   __device__ void init_barriers() const {
     if (threadIdx.x != 0) return;
 #pragma unroll
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < kStagesN; ++s) {
       cutlass::arch::ClusterTransactionBarrier::init(&full[s], kProducerThreads + 1);
-      cutlass::arch::ClusterTransactionBarrier::init(&empty[s], kConsumerThreads);
+      cutlass::arch::ClusterTransactionBarrier::init(&empty[s], kStageConsumers);
     }
+    cutlass::arch::ClusterBarrier::init(&order[0], kConsumerThreads / 2);
+    cutlass::arch::ClusterBarrier::init(&order[1], kConsumerThreads / 2);
     cutlass::arch::fence_barrier_init();
   }
 };
+// The cooperative ring (also the varlen-K kernel's).
+using Ring = RingT<kBN, kStages, kConsumerThreads>;
+template <class Sched>
+using RingOf = RingT<Sched::kTileN, Sched::kStages, Sched::kStageConsumers>;
 
 // Position in the ring, the same sequence on the producer and the consumer side.
-struct RingPos {
+template <int kStagesN = kStages>
+struct RingPosT {
   int stage = 0;
   uint32_t phase = 0;
   __device__ void advance() {
-    if (++stage == kStages) {
+    if (++stage == kStagesN) {
       stage = 0;
       phase ^= 1;
     }
   }
+  __device__ void skip(int n) {  // the positions another consumer warpgroup reads
+    for (int i = 0; i < n; ++i) advance();
+  }
 };
+using RingPos = RingPosT<>;
 
-// The consumer warpgroups of a warp-specialised kernel: for each of this CTA's tiles t (t =
-// blockIdx.x, + gridDim.x, ... < num_tiles), k_tiles = begin(t) (also the place for per-tile work
-// before the mainloop), the mainloop over the ring — one WGMMA batch in flight, each stage
-// released once the batch after it is issued and it has retired — then end(t, acc), the epilogue
-// on this thread's fp32 accumulators (zeros when k_tiles = 0). L gives TiledMma (two warpgroups
-// along M) and the stage layouts.
-template <class L, int kRegs, class Begin, class End>
-__device__ __forceinline__ void consumer_loop(const Ring& r, int num_tiles, Begin begin, End end) {
+// One tile's mainloop on a consumer warpgroup: k_tiles ring stages, one WGMMA batch in flight,
+// each stage released once the batch after it is issued and it has retired. issued() runs after
+// the last batch is issued, before waiting for it (the ping-pong hand-over).
+template <class R, class Mma, class FragA, class FragB, class Acc, class Issued>
+__device__ __forceinline__ void mma_mainloop(const R& r, RingPosT<R::kStageCount>& pos, Mma& mma,
+                                             FragA& tCrA, FragB& tCrB, Acc& acc, int k_tiles,
+                                             Issued issued) {
   using namespace cute;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  int release = pos.stage;  // the stage whose MMAs retire next
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    Barrier::wait(&r.full[pos.stage], pos.phase);
+    fence_proxy_async_smem();  // cp.async wrote through the generic proxy; WGMMA reads async
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+#pragma unroll
+    for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+      cute::gemm(mma, tCrA(_, _, kb, pos.stage), tCrB(_, _, kb, pos.stage), acc);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();  // the previous step's MMAs are done: release its stage
+    warpgroup_fence_operand(acc);
+    if (kt > 0) {
+      Barrier::arrive(&r.empty[release]);
+      if (++release == R::kStageCount) release = 0;
+    }
+    pos.advance();
+  }
+  issued();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  if (k_tiles > 0) Barrier::arrive(&r.empty[release]);
+}
+
+// The consumer warpgroups of a warp-specialised kernel, cooperative: for each of this CTA's
+// tiles t (t = blockIdx.x, + gridDim.x, ... < num_tiles), k_tiles = begin(t) (also the place for
+// per-tile work before the mainloop), the mainloop (mma_mainloop), then end(t, acc), the epilogue
+// on this thread's fp32 accumulators (zeros when k_tiles = 0). L gives TiledMma (two warpgroups
+// along M), the stage layouts and kTileN.
+template <class L, int kRegs, class R, class Begin, class End>
+__device__ __forceinline__ void consumer_loop(const R& r, int num_tiles, Begin begin, End end) {
+  using namespace cute;
   cutlass::arch::warpgroup_reg_alloc<kRegs>();
   typename L::TiledMma mma;
   Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(r.a)), typename L::SmemLayoutA{});
@@ -241,42 +348,61 @@ __device__ __forceinline__ void consumer_loop(const Ring& r, int num_tiles, Begi
   auto thr = mma.get_slice(threadIdx.x - kProducerThreads);
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // GMMA descriptors
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
-  auto acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});
-  RingPos pos;
+  auto acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<L::kTileN>>{});
+  RingPosT<R::kStageCount> pos;
   for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const int k_tiles = begin(t);
     if (k_tiles == 0) clear(acc);
-    int release = pos.stage;  // the stage whose MMAs retire next
-    mma.accumulate_ = GMMA::ScaleOut::Zero;
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      Barrier::wait(&r.full[pos.stage], pos.phase);
-      fence_proxy_async_smem();  // cp.async wrote through the generic proxy; WGMMA reads async
-      warpgroup_fence_operand(acc);
-      warpgroup_arrive();
-#pragma unroll
-      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-        cute::gemm(mma, tCrA(_, _, kb, pos.stage), tCrB(_, _, kb, pos.stage), acc);
-        mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      warpgroup_wait<1>();  // the previous step's MMAs are done: release its stage
-      warpgroup_fence_operand(acc);
-      if (kt > 0) {
-        Barrier::arrive(&r.empty[release]);
-        if (++release == kStages) release = 0;
-      }
-      pos.advance();
-    }
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc);
-    if (k_tiles > 0) Barrier::arrive(&r.empty[release]);
+    mma_mainloop(r, pos, mma, tCrA, tCrB, acc, k_tiles, [] {});
     end(t, acc);
   }
 }
 
+// The consumer warpgroups, ping-pong: warpgroup w takes this CTA's tiles number w, w + 2, ...
+// (t = blockIdx.x + (w + 2 i) gridDim.x), each alone, k_tiles ring stages per tile (the same for
+// every tile: the gather kernel's K is fixed), so it skips the other warpgroup's k_tiles
+// positions after each of its own. Order: warpgroup 0's first mainloop starts at once; every
+// later mainloop waits for order[w], which the other warpgroup completes after issuing its
+// tile's last MMA. Besides putting one warpgroup's epilogue under the other's mainloop, this
+// keeps each warpgroup's full[s] waits within one phase of the barrier's: an mbarrier wait tells
+// phases apart only by parity, and without it a warpgroup could wait on a stage two phases ahead
+// of the ring (its own stages start where the other warpgroup's end, and the other has passed
+// all of those waits before this one starts).
+template <class L, int kRegs, class R, class Begin, class End>
+__device__ __forceinline__ void pingpong_consumer_loop(const R& r, int num_tiles, int k_tiles,
+                                                       Begin begin, End end) {
+  using namespace cute;
+  using OrderBarrier = cutlass::arch::ClusterBarrier;
+  cutlass::arch::warpgroup_reg_alloc<kRegs>();
+  const int wg = (threadIdx.x - kProducerThreads) >> 7;
+  typename L::TiledMma mma;
+  Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(r.a)), typename L::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(r.b)), typename L::SmemLayoutB{});
+  auto thr = mma.get_slice((threadIdx.x - kProducerThreads) & 127);
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // GMMA descriptors
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  auto acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<L::kTileN>>{});
+  RingPosT<R::kStageCount> pos;
+  if (wg == 1) pos.skip(k_tiles);  // tile 0's stages belong to warpgroup 0
+  uint32_t order_phase = 0;
+  int j = 0;  // tiles this warpgroup has done
+  for (int t = blockIdx.x + wg * gridDim.x; t < num_tiles; t += 2 * gridDim.x, ++j) {
+    begin(t);
+    if (wg == 1 || j > 0) {
+      OrderBarrier::wait(&r.order[wg], order_phase);
+      order_phase ^= 1;
+    }
+    mma_mainloop(r, pos, mma, tCrA, tCrB, acc, k_tiles,
+                 [&] { OrderBarrier::arrive(&r.order[wg ^ 1]); });
+    end(t, acc);
+    pos.skip(k_tiles);  // the other warpgroup's next tile
+  }
+}
+
 // Shared-memory bytes of the gather kernel for E experts: the ring (1 KiB alignment slack, the
-// stages, 2 x kStages mbarriers) and the (E + 1)-entry tile table.
-inline size_t smem_bytes(int E) { return Ring::kBytes + 4 * (size_t(E) + 1); }
+// stages, the mbarriers) and the (E + 1)-entry tile table.
+template <class Sched>
+inline size_t smem_bytes(int E) { return RingOf<Sched>::kBytes + 4 * (size_t(E) + 1); }
 
 // One persistent CTA per SM, or one per tile when there are fewer tiles (tile_bound, a host-known
 // bound on the tile count).
@@ -287,15 +413,18 @@ inline int persistent_grid(int64_t tile_bound) {
   return static_cast<int>(tile_bound < sms ? tile_bound : sms);
 }
 
-template <GMajor kMajorB, class Epi>
+template <GMajor kMajorB, class Epi, class Sched>
 __global__ void __launch_bounds__(kThreads, 1)
     gather_gemm_kernel(const __grid_constant__ Args p, const typename Epi::Params ep) {
   using namespace cute;
-  using L = Layouts<kMajorB>;
+  using L = Layouts<kMajorB, Sched>;
+  using R = RingOf<Sched>;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  constexpr int kTileN = Sched::kTileN;
+  constexpr int kBoxes = kTileN / kBox;  // TMA boxes of B per stage
   extern __shared__ char smem_raw[];
-  const Ring ring = Ring::carve(smem_raw);
-  int* tile_start = reinterpret_cast<int*>(ring.empty + kStages);  // (E + 1,)
+  const R ring = R::carve(smem_raw);
+  int* tile_start = reinterpret_cast<int*>(ring.end());  // (E + 1,)
   ring.init_barriers();
   build_tile_table(p, tile_start);
   __syncthreads();
@@ -313,7 +442,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // and row % 8 does not depend on j.
     const uint32_t soff0 = swizzled_offset<GMajor::K>(tid >> 3, chunk * 8);
     const uint32_t a_base = smem_u32(ring.a);
-    RingPos pos;
+    RingPosT<Sched::kStages> pos;
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const Tile tl = decode_tile(p, tile_start, m_total, t);
       // This thread's source row of each j (an A row id), or -1 past the expert's end.
@@ -325,18 +454,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       // TMA box h of a stage: column b_x[h] (+ 64 kt for K-major), row b_y[h] (+ 64 kt for
       // MN-major) of the 2D view.
-      int b_x[4], b_y[4];
+      int b_x[kBoxes], b_y[kBoxes];
       const int b_base_row = tl.expert * p.b_rows_per_expert;
 #pragma unroll
-      for (int h = 0; h < 4; ++h) {
+      for (int h = 0; h < kBoxes; ++h) {
         if constexpr (kMajorB == GMajor::K) {
-          const int j0 = tl.n_tile * (kBN / 2);
+          constexpr int kHalf = kBoxes / 2;  // gated: boxes [0, kHalf) gate rows, then up rows
+          const int j0 = tl.n_tile * (kTileN / 2);
           b_x[h] = 0;
           b_y[h] = p.gate_split > 0
-                       ? b_base_row + (h < 2 ? 0 : p.gate_split) + j0 + (h & 1) * kBox
-                       : b_base_row + tl.n_tile * kBN + h * kBox;
+                       ? b_base_row + (h < kHalf ? 0 : p.gate_split) + j0 + (h % kHalf) * kBox
+                       : b_base_row + tl.n_tile * kTileN + h * kBox;
         } else {
-          b_x[h] = tl.n_tile * kBN + h * kBox;
+          b_x[h] = tl.n_tile * kTileN + h * kBox;
           b_y[h] = b_base_row;
         }
       }
@@ -344,10 +474,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int stage = pos.stage;
         Barrier::wait(&ring.empty[stage], pos.phase ^ 1);  // the consumers released this stage
         if (tid == 0) {
-          Barrier::arrive_and_expect_tx(&ring.full[stage], 4 * kBoxBytes);
-          char* dst = ring.b + stage * kStageBytesB;
+          Barrier::arrive_and_expect_tx(&ring.full[stage], kBoxes * kBoxBytes);
+          char* dst = ring.b + stage * R::kStageBytesB;
 #pragma unroll
-          for (int h = 0; h < 4; ++h)
+          for (int h = 0; h < kBoxes; ++h)
             SM90_TMA_LOAD_2D::copy(&p.tma_b, &ring.full[stage],
                                    static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
                                    dst + h * kBoxBytes,
@@ -367,21 +497,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     // ---------------- consumers ----------------
     Tile tl;
-    consumer_loop<L, kConsumerRegs>(
-        ring, num_tiles,
-        [&](int t) {
-          tl = decode_tile(p, tile_start, m_total, t);
-          Epi::at_tile_start(ep, tl.m_begin, tl.m_end, tl.n_tile);
-          return k_tiles;
-        },
-        [&](int, auto& acc) { Epi::apply(ep, acc, tl.m_begin, tl.m_end, tl.n_tile); });
+    auto begin = [&](int t) {
+      tl = decode_tile(p, tile_start, m_total, t);
+      Epi::at_tile_start(ep, tl.m_begin, tl.m_end, tl.n_tile);
+      return k_tiles;
+    };
+    auto end = [&](int, auto& acc) { Epi::apply(ep, acc, tl.m_begin, tl.m_end, tl.n_tile); };
+    if constexpr (Sched::kPingPong)
+      pingpong_consumer_loop<L, kConsumerRegs>(ring, num_tiles, k_tiles, begin, end);
+    else
+      consumer_loop<L, kConsumerRegs>(ring, num_tiles, begin, end);
   }
 }
 
 // The grid: one CTA per SM, or fewer when there are fewer tiles than SMs (the host bound
 // (ceil(S / kBM) + E) * n_tiles).
 // b: the stacked weights (E * b_rows_per_expert, b_cols) behind Args::tma_b.
-template <GMajor kMajorB, class Epi>
+template <GMajor kMajorB, class Epi, class Sched>
 void launch_gather_gemm(const Args& p, const void* b, const typename Epi::Params& ep, int64_t S,
                         cudaStream_t stream) {
   if (S == 0) return;
@@ -392,8 +524,8 @@ void launch_gather_gemm(const Args& p, const void* b, const typename Epi::Params
   MOEBLAZE_UNSUPPORTED_IF(b_rows > INT32_MAX, "the weight stack's ", b_rows,
                           " rows exceed the TMA coordinate range (2^31 - 1)");
   q.tma_b = make_tma_kmajor(b, b_rows, p.b_cols);  // a (b_rows, b_cols) row-major tensor
-  auto kernel = &gather_gemm_kernel<kMajorB, Epi>;
-  const size_t smem = smem_bytes(p.E);
+  auto kernel = &gather_gemm_kernel<kMajorB, Epi, Sched>;
+  const size_t smem = smem_bytes<Sched>(p.E);
   MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)));
   kernel<<<grid, kThreads, smem, stream>>>(q, ep);

@@ -58,6 +58,7 @@ __device__ __forceinline__ uint32_t kfirst_offset(int mn, int k) {
 }
 
 struct VarlenKLayouts {
+  static constexpr int kTileN = kBN;
   using TiledMma = decltype(ct::make_tiled_mma(
       ct::SM90_64x256x16_F32BF16BF16_SS<GMajor::MN, GMajor::MN>{},
       ct::Layout<ct::Shape<ct::_2, ct::_1, ct::_1>>{}));

@@ -50,15 +50,12 @@ void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h
   detail::check_ptr(fn, w1, "w1", plan.S > 0);
   MOEBLAZE_REQUIRE(plan.S == 0 || h != nullptr || a != nullptr, fn,
                    ": h and a must not both be null");
-  MOEBLAZE_UNSUPPORTED_IF(kernel == GatherKernel::warp_specialized &&
-                              !detail::ws_gather_supports(plan.E),
-                          fn, ": the warp-specialised kernel takes E <= 4096 experts (got ",
-                          plan.E, ")");
-  if (kernel == GatherKernel::warp_specialized ||
-      (kernel == GatherKernel::automatic && use_ws_gather(plan.E))) {
-    detail::up_proj_ws(plan, x, w1, h, a, d, n, act, stream);
-    return;
-  }
+  using detail::GatherPath;
+  const GatherPath path = detail::resolve_gather_path(
+      fn, kernel, plan.E, use_ws_gather(plan.E) ? GatherPath::cooperative : GatherPath::two_cta,
+      /*has_ping_pong=*/true);
+  if (path == GatherPath::cooperative) return detail::up_proj_ws(plan, x, w1, h, a, d, n, act, stream);
+  if (path == GatherPath::ping_pong) return detail::up_proj_pp(plan, x, w1, h, a, d, n, act, stream);
   const bool gated = is_gated(act);
   const int64_t w1_rows = gated ? 2 * n : n;
 

@@ -15,11 +15,27 @@ namespace moeblaze::cuda::gemm::detail {
 // shared memory: E <= 4096).
 bool ws_gather_supports(int64_t E);
 
-// up_proj on the warp-specialised path; same contract as up_proj.
+// The kernel a gathered GEMM runs: the caller's GatherKernel with `automatic` resolved to
+// `automatic_path`. Unsupported (naming fn and the rule) when a warp-specialised kernel is asked
+// for with E > 4096, or ping_pong where the GEMM has no such schedule (has_ping_pong false).
+enum class GatherPath { two_cta, cooperative, ping_pong };
+GatherPath resolve_gather_path(const char* fn, GatherKernel kernel, int64_t E,
+                               GatherPath automatic_path, bool has_ping_pong);
+
+// up_proj on the warp-specialised path (cooperative); same contract as up_proj.
 void up_proj_ws(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
                 int64_t d, int64_t n, Activation act, cudaStream_t stream);
 
-// dh_proj on the warp-specialised path; same contract as dh_proj.
+// up_proj on the warp-specialised kernel's ping-pong schedule; same contract as up_proj.
+void up_proj_pp(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
+                int64_t d, int64_t n, Activation act, cudaStream_t stream);
+
+// dh_proj on the ping-pong schedule; same contract as dh_proj.
+void dh_proj_pp(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,
+                float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n,
+                Activation act, cudaStream_t stream);
+
+// dh_proj on the warp-specialised path (cooperative); same contract as dh_proj.
 void dh_proj_ws(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,
                 float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n,
                 Activation act, cudaStream_t stream);

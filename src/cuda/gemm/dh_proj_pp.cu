@@ -1,0 +1,16 @@
+// (4) dH on the warp-specialised kernel, ping-pong schedule (128 x 128 tiles, one per consumer
+// warpgroup: one warpgroup's epilogue — H in, dh and s·a out — under the other's mainloop).
+// One instantiation: gather_gemm_kernel<N-major B, GatherDhEpilogue<PingFrag>, PingPong>.
+#include "cuda/gemm/ws_gather_gemms.cuh"
+#include "cuda/gemm/ws_paths.hpp"
+
+namespace moeblaze::cuda::gemm::detail {
+
+void dh_proj_pp(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,
+                float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n,
+                Activation act, cudaStream_t stream) {
+  sm90::ws::dh_proj_gather<sm90::ws::PingPong>(plan, d_out, w2, h, ds_partials, dh, a_scaled, d,
+                                               n, act, stream);
+}
+
+}  // namespace moeblaze::cuda::gemm::detail
