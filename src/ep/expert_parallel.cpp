@@ -318,11 +318,69 @@ class DrainOnUnwind {
   bool armed_ = true;
 };
 
-// Host wall time of the chunk pipeline's calls (EpTimings).
-struct PipeTimes {
-  double* exchange_s;
-  double* layer_s;
-};
+// The chunk pipeline, issued in this order on every rank (one exchange queue):
+//   out0 out1 | L0 back0 out2 | L1 back1 out3 | ... | L(C-1) back(C-1)
+// so chunk c+1's rows travel while chunk c's layer runs, and chunk c's results return while
+// chunk c+1's layer runs; each layer waits only for its own rows. A stream-ordered transport
+// queues each exchange behind the kernels that produced its send buffer (events) and the host
+// never waits per chunk; a blocking one moves the data at once, after the layer's stream was
+// synchronised. Every rank takes part in every exchange even when its local layer failed, so
+// none is left waiting: the failure (the first; later chunks skip the layer) is returned, for
+// the caller to agree on before it touches any output.
+//   send_out(c) -> ticket      starts chunk c's rows out (their send buffer is ready on stream)
+//   layer(c)                   queues chunk c's local layer on stream, after its rows arrived
+//   send_back(c, tickets)      starts chunk c's results back, appending their tickets
+// On return every exchange has completed and the stream is synchronised.
+template <typename Out, typename Layer, typename Back>
+std::exception_ptr run_chunk_pipeline(Transport& tr, Device dev, void* stream, int C,
+                                      EpTimings& tm, Out&& send_out, Layer&& layer,
+                                      Back&& send_back) {
+  const bool ordered = tr.stream_ordered();
+  auto producer_done = [&] {
+    if (!ordered) ep::synchronize(dev, stream);
+  };
+  DrainOnUnwind drain(tr, dev, stream);
+  std::vector<uint64_t> out_ticket(static_cast<size_t>(C)), back_ticket;
+  auto start_out = [&](int c) {
+    ScopedTime st(&tm.exchange_s);
+    out_ticket[c] = send_out(c);
+  };
+  producer_done();  // the caller gathered every chunk's rows
+  start_out(0);
+  if (C > 1) start_out(1);
+  std::exception_ptr err;
+  for (int c = 0; c < C; ++c) {
+    {
+      ScopedTime st(&tm.exchange_s);
+      tr.all_to_all_v_wait(out_ticket[c], stream);
+    }
+    if (!err) {
+      try {
+        ScopedTime st(&tm.layer_s);
+        layer(c);
+      } catch (...) {
+        err = std::current_exception();
+      }
+    }
+    producer_done();
+    {
+      ScopedTime st(&tm.exchange_s);
+      send_back(c, back_ticket);
+    }
+    if (c + 2 < C) start_out(c + 2);
+  }
+  {
+    ScopedTime st(&tm.exchange_s);
+    for (uint64_t t : back_ticket) tr.all_to_all_v_wait(t, stream);
+  }
+  {
+    ScopedTime st(&tm.pipeline_s);
+    ep::synchronize(dev, stream);
+    tr.synchronize_exchanges();
+  }
+  drain.disarm();
+  return err;
+}
 
 }  // namespace
 
@@ -593,20 +651,8 @@ void ep_forward(Transport& tr, const LayerConfig& cfg, const RoutingView& routin
     ep::combine_rows(dev, ret.data(), coff, crow, cfg.T, cfg.d, cfg.dtype, out.data, stream);
     ep::synchronize(dev, stream);
   } else {
-    // ---- 4-6 as a pipeline over the chunks ----
-    // Issue order, one exchange queue (tok = token rows out, part = partials back):
-    //   tok0 tok1 | L0 part0 tok2 | L1 part1 tok3 | ... | L(C-1) part(C-1)
-    // so chunk c+1's tokens travel while chunk c's layer runs, and chunk c's partials return
-    // while chunk c+1's layer runs; each layer waits only for its own tokens. A stream-ordered
-    // transport queues each exchange behind the kernels that produced its send buffer (events)
-    // and the host never waits per chunk; a blocking one moves the data at once, after the
-    // layer's stream was synchronised. A local layer failure is agreed once, after the last
-    // exchange and before the combine, so no rank is left waiting in a chunk's exchange and
-    // out stays untouched.
-    const bool ordered = tr.stream_ordered();
-    auto producer_done = [&] {
-      if (!ordered) ep::synchronize(dev, stream);
-    };
+    // ---- 4-6 as a pipeline over the chunks (run_chunk_pipeline): token rows out, the local
+    // layer, partials back; the combine once over every chunk's returned rows ----
     Buffer send_rows(dev, static_cast<size_t>(N) * row_bytes, stream);  // (N, d) as send_tokens
     Buffer ret(dev, static_cast<size_t>(N) * row_bytes, stream);  // (N, d) partials, as send_rows
     std::vector<Buffer> out_recv(static_cast<size_t>(C));  // (R_c, d) chunk c's partials
@@ -615,58 +661,32 @@ void ep_forward(Transport& tr, const LayerConfig& cfg, const RoutingView& routin
       ch.x_recv = Buffer(dev, static_cast<size_t>(ch.local_cfg.T) * row_bytes, stream);  // (R_c, d)
       out_recv[c] = Buffer(dev, static_cast<size_t>(ch.local_cfg.T) * row_bytes, stream);
     }
-    DrainOnUnwind drain(tr, dev, stream);
     ep::gather_rows(dev, x.data, send_tokens, N, row_bytes, send_rows.data(), stream);
-    producer_done();
-    std::vector<uint64_t> tok_ticket(static_cast<size_t>(C)), part_ticket(static_cast<size_t>(C));
-    std::vector<int64_t> sc, so, rc, ro;
-    auto start_tokens = [&](int c) {
+    std::vector<int64_t> sc, so, rc, ro;  // (W,) bytes of chunk c: absolute in send_rows / ret,
+                                          // relative in the chunk's own buffers
+    auto chunk_bytes = [&](int c) {
       chunk_row_bytes(tok_off, W, c, row_bytes, false, sc, so);
       chunk_row_bytes(rtok_off, W, c, row_bytes, true, rc, ro);
-      ScopedTime st(&tm.exchange_s);
-      tok_ticket[c] = tr.all_to_all_v_start(send_rows.data(), sc.data(), so.data(),
-                                            saved.chunks_[c].x_recv.data(), rc.data(), ro.data(),
-                                            stream);
     };
-    std::exception_ptr layer_err;
-    start_tokens(0);
-    start_tokens(1);
-    for (int c = 0; c < C; ++c) {
-      EpChunkSaved& ch = saved.chunks_[c];
-      const int64_t R = ch.local_cfg.T;
-      {
-        ScopedTime st(&tm.exchange_s);
-        tr.all_to_all_v_wait(tok_ticket[c], stream);
-      }
-      if (!layer_err) {
-        try {
-          ScopedTime st(&tm.layer_s);
+    const std::exception_ptr layer_err = run_chunk_pipeline(
+        tr, dev, stream, C, tm,
+        [&](int c) {
+          chunk_bytes(c);
+          return tr.all_to_all_v_start(send_rows.data(), sc.data(), so.data(),
+                                       saved.chunks_[c].x_recv.data(), rc.data(), ro.data(),
+                                       stream);
+        },
+        [&](int c) {
+          EpChunkSaved& ch = saved.chunks_[c];
+          const int64_t R = ch.local_cfg.T;
           layer_forward(ch.local_cfg, ch.plan, ch.x_recv.view(cfg.dtype, {R, cfg.d}), w1, w2,
                         out_recv[c].view(cfg.dtype, {R, cfg.d}), ch.layer, opts.layer);
-        } catch (...) {  // agreed after the last exchange; the later chunks skip the layer
-          layer_err = std::current_exception();
-        }
-      }
-      producer_done();
-      chunk_row_bytes(tok_off, W, c, row_bytes, false, sc, so);
-      chunk_row_bytes(rtok_off, W, c, row_bytes, true, rc, ro);
-      {
-        ScopedTime st(&tm.exchange_s);
-        part_ticket[c] = tr.all_to_all_v_start(out_recv[c].data(), rc.data(), ro.data(),
-                                               ret.data(), sc.data(), so.data(), stream);
-      }
-      if (c + 2 < C) start_tokens(c + 2);
-    }
-    {
-      ScopedTime st(&tm.exchange_s);
-      for (int c = 0; c < C; ++c) tr.all_to_all_v_wait(part_ticket[c], stream);
-    }
-    {
-      ScopedTime st(&tm.pipeline_s);
-      ep::synchronize(dev, stream);
-      tr.synchronize_exchanges();
-    }
-    drain.disarm();
+        },
+        [&](int c, std::vector<uint64_t>& tickets) {
+          chunk_bytes(c);
+          tickets.push_back(tr.all_to_all_v_start(out_recv[c].data(), rc.data(), ro.data(),
+                                                  ret.data(), sc.data(), so.data(), stream));
+        });
     {
       ScopedTime st(&tm.exchange_s);
       agree(tr, layer_err, {}, "ep_forward (local layer)");
@@ -816,16 +836,12 @@ void ep_backward(Transport& tr, const LayerConfig& cfg, const TensorView& w1,
     }
     combine_and_scatter(ret, dpw_ret);
   } else {
-    // ---- the chunk pipeline, forward's schedule with d_out rows out and dx partials and pair
-    // gradients back: dout0 dout1 | L0 back0 dout2 | L1 back1 dout3 | ... ----
+    // ---- the chunk pipeline (run_chunk_pipeline): d_out rows out, layer_backward, dx
+    // partials and pair gradients back; combine and scatter once at the end ----
     // dw1/dw2: chunk c's layer_backward gives the gradient over chunk c's tokens only; the
     // chunks are summed in chunk order in fp32 and stored once in the dtype (fp32: chunk 0
     // writes dw directly and the later chunks are added to it in place, the same sums; bf16: an
     // fp32 accumulator). Deterministic, no atomics; not the single-device summation order.
-    const bool ordered = tr.stream_ordered();
-    auto producer_done = [&] {
-      if (!ordered) ep::synchronize(dev, stream);
-    };
     const bool f32 = cfg.dtype == DType::f32;
     const int64_t n1 = shard.count * cfg.w1_rows() * cfg.d, n2 = shard.count * cfg.d * cfg.n;
     const size_t es = dtype_size(cfg.dtype);
@@ -850,39 +866,30 @@ void ep_backward(Transport& tr, const LayerConfig& cfg, const TensorView& w1,
       dx_recv[c] = Buffer(dev, R * row_bytes, stream);
       dpw_recv[c] = Buffer(dev, sizeof(float) * static_cast<size_t>(recv_pairs(c)), stream);
     }
-    DrainOnUnwind drain(tr, dev, stream);
     ep::gather_rows(dev, d_out.data, send_tokens, N, row_bytes, send_rows.data(), stream);
-    producer_done();
-    std::vector<uint64_t> tok_ticket(static_cast<size_t>(C)), dx_ticket(static_cast<size_t>(C)),
-        dpw_ticket(static_cast<size_t>(C));
-    std::vector<int64_t> sc, so, rc, ro;
-    auto start_rows = [&](int c) {
+    std::vector<int64_t> sc, so, rc, ro;  // (W,) bytes of chunk c's rows, as in forward
+    std::vector<int64_t> psc, pso, prc, pro;  // (W,) bytes of chunk c's pair gradients
+    auto chunk_bytes = [&](int c) {
       chunk_row_bytes(tok_off, W, c, row_bytes, false, sc, so);
       chunk_row_bytes(rtok_off, W, c, row_bytes, true, rc, ro);
-      ScopedTime st(&tm.exchange_s);
-      tok_ticket[c] = tr.all_to_all_v_start(send_rows.data(), sc.data(), so.data(),
-                                            dout_recv[c].data(), rc.data(), ro.data(), stream);
     };
-    std::exception_ptr layer_err;
-    start_rows(0);
-    start_rows(1);
-    for (int c = 0; c < C; ++c) {
-      const EpChunkSaved& ch = saved.chunks_[c];
-      const int64_t R = ch.local_cfg.T, Pr = recv_pairs(c);
-      {
-        ScopedTime st(&tm.exchange_s);
-        tr.all_to_all_v_wait(tok_ticket[c], stream);
-      }
-      if (!layer_err) {
-        try {
-          ScopedTime st(&tm.layer_s);
+    const std::exception_ptr layer_err = run_chunk_pipeline(
+        tr, dev, stream, C, tm,
+        [&](int c) {
+          chunk_bytes(c);
+          return tr.all_to_all_v_start(send_rows.data(), sc.data(), so.data(),
+                                       dout_recv[c].data(), rc.data(), ro.data(), stream);
+        },
+        [&](int c) {
+          const EpChunkSaved& ch = saved.chunks_[c];
+          const int64_t R = ch.local_cfg.T;
           // fp32: chunk 0's weight gradients are the sum's first term, written in place.
           const bool direct = f32 && c == 0;
           LayerGrads g;
           g.dx = dx_recv[c].view(cfg.dtype, {R, cfg.d});
           g.dw1 = direct ? grads.dw1 : dw1_c.view(cfg.dtype, {shard.count, cfg.w1_rows(), cfg.d});
           g.dw2 = direct ? grads.dw2 : dw2_c.view(cfg.dtype, {shard.count, cfg.d, cfg.n});
-          g.d_pair_weights = dpw_recv[c].view(DType::f32, {Pr});
+          g.d_pair_weights = dpw_recv[c].view(DType::f32, {recv_pairs(c)});
           layer_backward(ch.local_cfg, ch.plan, ch.x_recv.view(cfg.dtype, {R, cfg.d}), w1, w2,
                          dout_recv[c].view(cfg.dtype, {R, cfg.d}), ch.layer, g, opts.layer);
           // On the layer's stream, so the next chunk's layer_backward finds dw*_c free again.
@@ -890,45 +897,24 @@ void ep_backward(Transport& tr, const LayerConfig& cfg, const TensorView& w1,
             ep::accumulate_f32(dev, dw1_c.data(), cfg.dtype, a1, n1, c == 0, stream);
             ep::accumulate_f32(dev, dw2_c.data(), cfg.dtype, a2, n2, c == 0, stream);
           }
-        } catch (...) {  // agreed after the last exchange; the later chunks skip the layer
-          layer_err = std::current_exception();
-        }
-      }
-      producer_done();
-      {
-        chunk_row_bytes(tok_off, W, c, row_bytes, false, sc, so);
-        chunk_row_bytes(rtok_off, W, c, row_bytes, true, rc, ro);
-        std::vector<int64_t> psc, pso, prc, pro;
-        chunk_row_bytes(pair_off, W, c, sizeof(float), false, psc, pso);
-        chunk_row_bytes(rpair_off, W, c, sizeof(float), true, prc, pro);
-        ScopedTime st(&tm.exchange_s);
-        dx_ticket[c] = tr.all_to_all_v_start(dx_recv[c].data(), rc.data(), ro.data(), ret.data(),
-                                             sc.data(), so.data(), stream);
-        dpw_ticket[c] = tr.all_to_all_v_start(dpw_recv[c].data(), prc.data(), pro.data(),
-                                              dpw_ret.data(), psc.data(), pso.data(), stream);
-      }
-      if (c + 2 < C) start_rows(c + 2);
-    }
-    if (!layer_err && !f32) {
-      ep::store_from_f32(dev, a1, cfg.dtype, grads.dw1.data, n1, stream);
-      ep::store_from_f32(dev, a2, cfg.dtype, grads.dw2.data, n2, stream);
-    }
-    {
-      ScopedTime st(&tm.exchange_s);
-      for (int c = 0; c < C; ++c) {
-        tr.all_to_all_v_wait(dx_ticket[c], stream);
-        tr.all_to_all_v_wait(dpw_ticket[c], stream);
-      }
-    }
-    {
-      ScopedTime st(&tm.pipeline_s);
-      ep::synchronize(dev, stream);
-      tr.synchronize_exchanges();
-    }
-    drain.disarm();
+        },
+        [&](int c, std::vector<uint64_t>& tickets) {
+          chunk_bytes(c);
+          chunk_row_bytes(pair_off, W, c, sizeof(float), false, psc, pso);
+          chunk_row_bytes(rpair_off, W, c, sizeof(float), true, prc, pro);
+          tickets.push_back(tr.all_to_all_v_start(dx_recv[c].data(), rc.data(), ro.data(),
+                                                  ret.data(), sc.data(), so.data(), stream));
+          tickets.push_back(tr.all_to_all_v_start(dpw_recv[c].data(), prc.data(), pro.data(),
+                                                  dpw_ret.data(), psc.data(), pso.data(),
+                                                  stream));
+        });
     {
       ScopedTime st(&tm.exchange_s);
       agree(tr, layer_err, {}, "ep_backward (local layer)");
+    }
+    if (!f32) {  // every chunk was added: the one rounding to bf16
+      ep::store_from_f32(dev, a1, cfg.dtype, grads.dw1.data, n1, stream);
+      ep::store_from_f32(dev, a2, cfg.dtype, grads.dw2.data, n2, stream);
     }
     combine_and_scatter(ret, dpw_ret);
   }
