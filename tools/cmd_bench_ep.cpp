@@ -31,6 +31,15 @@
 // baseline's plan is prebuilt): "other ms" is that remainder (total - exchange - local layer,
 // with the row gathers, combines and host<->device staging).
 //
+// Chunks (--chunks LIST, default 1): every W >= 2 row is run once per entry with
+// EpOptions::chunks = C. With C > 1 each rank's tokens travel in C exchanges pipelined with the
+// local layer (NCCL on the transport's own stream, CUDA events between), so exchange and layer
+// time overlap on the device and the host cannot split them: "pipeline ms" is the host's wait
+// for that overlapped work at the end of each call (EpTimings::pipeline_s), the exchange share
+// keeps only the host time inside exchange calls (agreements, metadata, queueing), and the
+// local-layer column only the host time of queueing the layers. The step time is what tells
+// whether the overlap paid: compare a config's rows across chunk counts.
+//
 // Failures: a rank that fails while setting up releases the others at the barrier before any NCCL
 // call. Bad arguments and local-layer failures inside the EP calls are agreed by the library (every
 // rank throws). Anything else can leave ranks blocked inside NCCL: the supervising main thread then
@@ -92,6 +101,7 @@ struct Flags {
   std::string gpus;  // empty: 1 and every power of two <= the visible GPUs
   std::string scaling = "both";
   std::string mode = "keep_h";
+  std::string chunks = "1";  // EpOptions::chunks of the W >= 2 rows, a comma list
   int reps = 20;
   int warmup = 2;
   uint64_t seed = 1234;
@@ -105,6 +115,7 @@ struct Plan {
   std::vector<const NamedConfig*> configs;
   std::vector<int> gpus;                // ascending, distinct
   std::vector<std::string> scalings;    // "weak", "strong"
+  std::vector<int> chunks;              // ascending, distinct: one W >= 2 row each
   LayerMode mode = LayerMode::keep_h;
 };
 
@@ -156,6 +167,18 @@ Plan parse_flags(const Flags& f) {
     }
     std::sort(p.gpus.begin(), p.gpus.end());
   }
+  for (const std::string& tok : split_commas(f.chunks)) {
+    const bool digits = !tok.empty() && tok.size() <= 4 &&
+                        tok.find_first_not_of("0123456789") == std::string::npos;
+    MOEBLAZE_REQUIRE(digits && std::stoi(tok) >= 1 && std::stoi(tok) <= kEpMaxChunks,
+                     "--chunks entry '", tok, "' is not a chunk count (an integer from 1 to ",
+                     kEpMaxChunks, ")");
+    const int C = std::stoi(tok);
+    MOEBLAZE_REQUIRE(std::find(p.chunks.begin(), p.chunks.end(), C) == p.chunks.end(),
+                     "--chunks lists ", C, " twice");
+    p.chunks.push_back(C);
+  }
+  std::sort(p.chunks.begin(), p.chunks.end());
   if (!f.out.empty()) {
     std::ofstream os(f.out, std::ios::app);
     MOEBLAZE_REQUIRE(os.good(), "--out '", f.out, "' cannot be opened for appending");
@@ -264,7 +287,10 @@ struct Result {
   double exchange_share = NAN;  // mean over ranks of exchange / total, fwd + bwd (median)
   double exchange_ms = NAN;     // mean over ranks (median)
   double layer_ms = NAN;        // local layer_forward + layer_backward, max over ranks (median)
-  double other_ms = NAN;        // total - exchange - layer, mean over ranks (median)
+  double pipeline_ms = NAN;     // chunks > 1: EpTimings::pipeline_s, fwd + bwd, mean over ranks
+                                // (median): host wait for the overlapped layers and exchanges
+  double other_ms = NAN;        // total - exchange - layer - pipeline, mean over ranks (median)
+  int chunks = 0;               // EpOptions::chunks (0: the single-GPU row)
   int64_t pairs = 0;            // routing pairs of all ranks
   int64_t rows_sent = -1;       // deduplicated token rows sent, all ranks (-1: no exchange)
   int64_t max_recv_rows = -1;   // the most token rows one rank received
@@ -391,6 +417,20 @@ class GuardedTransport final : public Transport {
     if (stopping_.load()) throw GroupAborted();
     inner_.all_gather(send, count, recv);
   }
+  // The stream-ordered exchanges of the chunk pipeline pass through, so that it overlaps here
+  // as it would on the bare transport.
+  bool stream_ordered() const override { return inner_.stream_ordered(); }
+  uint64_t all_to_all_v_start(const void* send, const int64_t* send_counts,
+                              const int64_t* send_offsets, void* recv, const int64_t* recv_counts,
+                              const int64_t* recv_offsets, void* producer_stream) override {
+    if (stopping_.load()) throw GroupAborted();
+    return inner_.all_to_all_v_start(send, send_counts, send_offsets, recv, recv_counts,
+                                     recv_offsets, producer_stream);
+  }
+  void all_to_all_v_wait(uint64_t ticket, void* consumer_stream) override {
+    inner_.all_to_all_v_wait(ticket, consumer_stream);
+  }
+  void synchronize_exchanges() override { inner_.synchronize_exchanges(); }
 
  private:
   Transport& inner_;
@@ -558,7 +598,8 @@ void run_reps(const Flags& f, Group& g, const LayerConfig& c, const RoutingView&
 // Rank r of the group: its tokens (routing rt), experts [r*E/W, (r+1)*E/W), warm-up and timed
 // repetitions, each started at the barrier.
 void rank_main(int r, const Flags& f, const LayerConfig& global_cfg, const HostRouting& rt,
-               LayerMode mode, int host_threads, Group& g, Comms& comms, RankReps& out) {
+               LayerMode mode, int chunks, int host_threads, Group& g, Comms& comms,
+               RankReps& out) {
   MOEBLAZE_CUDA_CHECK(cudaSetDevice(r));
   {
     Stream st;
@@ -583,6 +624,7 @@ void rank_main(int r, const Flags& f, const LayerConfig& global_cfg, const HostR
     o.layer.mode = mode;
     o.layer.stream = st.s;
     o.layer.num_threads = host_threads;
+    o.chunks = chunks;
     const RoutingView rv = rt.view();
     out.pairs = rt.P();
 
@@ -602,7 +644,7 @@ void rank_main(int r, const Flags& f, const LayerConfig& global_cfg, const HostR
 
 // One row at W >= 2: the rank threads, supervised; the first failure is rethrown here.
 Result run_ep(const Flags& f, const LayerConfig& c, const std::vector<HostRouting>& rt,
-              LayerMode mode, std::map<int, std::unique_ptr<Comms>>& comm_cache) {
+              LayerMode mode, int chunks, std::map<int, std::unique_ptr<Comms>>& comm_cache) {
   const int W = int(rt.size());
   std::unique_ptr<Comms>& comms = comm_cache[W];
   if (!comms) comms.reset(new Comms(W));
@@ -615,7 +657,8 @@ Result run_ep(const Flags& f, const LayerConfig& c, const std::vector<HostRoutin
   for (int r = 0; r < W; ++r)
     threads.emplace_back([&, r] {
       try {
-        rank_main(r, f, c, rt[size_t(r)], mode, host_threads, g, *comms, reps[size_t(r)]);
+        rank_main(r, f, c, rt[size_t(r)], mode, chunks, host_threads, g, *comms,
+                  reps[size_t(r)]);
       } catch (const GroupAborted&) {
       } catch (...) {  // a failure while setting up (no NCCL call made yet)
         g.fail(r, std::current_exception());
@@ -634,9 +677,9 @@ Result run_ep(const Flags& f, const LayerConfig& c, const std::vector<HostRoutin
 
   // Per repetition: max over ranks for times, mean over ranks for the exchange.
   Result res;
-  std::vector<double> fwd, bwd, step, share, exch, layer, other;
+  std::vector<double> fwd, bwd, step, share, exch, layer, pipe, other;
   for (int i = 0; i < f.reps; ++i) {
-    double mf = 0, mb = 0, ms = 0, ml = 0, sh = 0, ex = 0, ot = 0;
+    double mf = 0, mb = 0, ms = 0, ml = 0, sh = 0, ex = 0, pp = 0, ot = 0;
     for (const RankReps& rr : reps) {
       const EpTimings& a = rr.fwd_t[size_t(i)];
       const EpTimings& b = rr.bwd_t[size_t(i)];
@@ -647,7 +690,9 @@ Result run_ep(const Flags& f, const LayerConfig& c, const std::vector<HostRoutin
       const double total = a.total_s + b.total_s;
       sh += (a.exchange_s + b.exchange_s) / std::max(total, 1e-12);
       ex += a.exchange_s + b.exchange_s;
-      ot += total - a.exchange_s - b.exchange_s - a.layer_s - b.layer_s;
+      pp += a.pipeline_s + b.pipeline_s;
+      ot += total - a.exchange_s - b.exchange_s - a.layer_s - b.layer_s - a.pipeline_s -
+            b.pipeline_s;
     }
     fwd.push_back(1e3 * mf);
     bwd.push_back(1e3 * mb);
@@ -655,6 +700,7 @@ Result run_ep(const Flags& f, const LayerConfig& c, const std::vector<HostRoutin
     layer.push_back(1e3 * ml);
     share.push_back(sh / W);
     exch.push_back(1e3 * ex / W);
+    pipe.push_back(1e3 * pp / W);
     other.push_back(1e3 * ot / W);
   }
   res.fwd_ms = median(fwd);
@@ -663,7 +709,9 @@ Result run_ep(const Flags& f, const LayerConfig& c, const std::vector<HostRoutin
   res.layer_ms = median(layer);
   res.exchange_share = median(share);
   res.exchange_ms = median(exch);
+  res.pipeline_ms = median(pipe);
   res.other_ms = median(other);
+  res.chunks = chunks;
   res.rows_sent = res.max_recv_rows = 0;
   for (const RankReps& rr : reps) {
     res.pairs += rr.pairs;
@@ -709,6 +757,7 @@ class Report {
     JsonLine j;
     j.add("bench", "ep").add("config", nc.name).add("scaling", scaling);
     j.add("impl", W == 1 ? "single-gpu" : "ep-nccl").add("W", W);
+    if (r.chunks > 0) j.add("chunks", r.chunks); else j.add_null("chunks");
     j.add("T_rank", t_rank).add("T_global", t_global).add("d", c.d).add("n", c.n).add("E", c.E);
     j.add("E_local", c.E / W).add("K", c.K).add("S", r.pairs);
     j.add("activation", activation_name(c.activation)).add("routing", "softmax-topk");
@@ -718,7 +767,7 @@ class Report {
     j.add("total_tflops", flops / r.step_ms / 1e9);  // all W GPUs together
     j.add("tflops_per_gpu", flops / r.step_ms / 1e9 / W);
     j.add("exchange_share", r.exchange_share).add("exchange_ms", r.exchange_ms);
-    j.add("layer_ms", r.layer_ms).add("other_ms", r.other_ms);
+    j.add("layer_ms", r.layer_ms).add("pipeline_ms", r.pipeline_ms).add("other_ms", r.other_ms);
     if (r.rows_sent >= 0) {
       j.add("rows_sent", r.rows_sent).add("pairs", r.pairs);
       j.add("rows_per_pair", double(r.rows_sent) / double(std::max<int64_t>(r.pairs, 1)));
@@ -733,22 +782,28 @@ class Report {
     const std::string line = j.str();
     if (f_.json) std::cout << line << "\n" << std::flush;
     if (!f_.out.empty()) std::ofstream(f_.out, std::ios::app) << line << "\n";
-    add({nc.name, scaling, std::to_string(W), std::to_string(t_rank), std::to_string(t_global),
+    add({nc.name, scaling, std::to_string(W), r.chunks > 0 ? std::to_string(r.chunks) : "-",
+         std::to_string(t_rank), std::to_string(t_global),
          fixed(r.fwd_ms, 2), fixed(r.bwd_ms, 2), fixed(r.step_ms, 2), rate(tps),
          std::isfinite(speedup) ? fixed(speedup, 2) + "x" : "-",
          std::isfinite(r.exchange_share) ? fixed(100.0 * r.exchange_share, 1) + " %" : "-",
-         fixed(r.layer_ms, 2), fixed(r.other_ms, 2),
+         fixed(r.layer_ms, 2), std::isfinite(r.pipeline_ms) ? fixed(r.pipeline_ms, 2) : "-",
+         fixed(r.other_ms, 2),
          r.rows_sent >= 0 ? fixed(double(r.rows_sent) / double(std::max<int64_t>(r.pairs, 1)), 3)
                           : "-",
          ""});
   }
 
   // A row that did not run: a line on stderr, and the reason in the table's note column.
-  void skipped(const NamedConfig& nc, const std::string& scaling, int W, int64_t t_rank,
-               int64_t t_global, const std::string& why) {
-    std::cerr << "bench ep: " << nc.name << " " << scaling << " W=" << W << ": " << why << "\n";
-    add({nc.name, scaling, std::to_string(W), std::to_string(t_rank), std::to_string(t_global),
-         "-", "-", "-", "-", "-", "-", "-", "-", "-", why});
+  // chunks: EpOptions::chunks of the row, 0 for the single-GPU row.
+  void skipped(const NamedConfig& nc, const std::string& scaling, int W, int chunks,
+               int64_t t_rank, int64_t t_global, const std::string& why) {
+    std::cerr << "bench ep: " << nc.name << " " << scaling << " W=" << W;
+    if (chunks > 0) std::cerr << " chunks=" << chunks;
+    std::cerr << ": " << why << "\n";
+    add({nc.name, scaling, std::to_string(W), chunks > 0 ? std::to_string(chunks) : "-",
+         std::to_string(t_rank), std::to_string(t_global), "-", "-", "-", "-", "-", "-", "-",
+         "-", "-", "-", why});
   }
 
   void print(std::ostream& os) const { table().print(os); }
@@ -763,8 +818,11 @@ class Report {
        << " reps after " << f_.warmup
        << " warm-up, L2 flushed, step = max over ranks. W = 1 is the single-GPU layer; "
           "speed-up = tokens/s over W = 1's; exchange = share of the EP calls' wall time in "
-          "the exchanges (mean over ranks); other = the rest of the EP calls (host dispatch "
-          "lists and local plan, row gathers and combines).\n\n";
+          "the exchanges as far as the host waited in them (mean over ranks); chunks = "
+          "EpOptions::chunks; pipeline = with chunks > 1, the host's wait at the end of each "
+          "call for the overlapped local layers and exchanges (not split between them); other = "
+          "the rest of the EP calls (host dispatch lists and local plan, row gathers and "
+          "combines).\n\n";
     md << "|";
     for (const Column& col : columns()) md << " " << col.header << " |";
     md << "\n|";
@@ -779,10 +837,10 @@ class Report {
 
  private:
   static std::vector<Column> columns() {
-    return {{"config", Align::left}, {"scaling", Align::left}, {"W"}, {"tokens/rank"},
-            {"global tokens"}, {"fwd ms"}, {"bwd ms"}, {"step ms"}, {"tokens/s"},
-            {"speed-up"}, {"exchange"}, {"local layer ms"}, {"other ms"}, {"rows sent / pairs"},
-            {"note", Align::left}};
+    return {{"config", Align::left}, {"scaling", Align::left}, {"W"}, {"chunks"},
+            {"tokens/rank"}, {"global tokens"}, {"fwd ms"}, {"bwd ms"}, {"step ms"},
+            {"tokens/s"}, {"speed-up"}, {"exchange"}, {"local layer ms"}, {"pipeline ms"},
+            {"other ms"}, {"rows sent / pairs"}, {"note", Align::left}};
   }
   Table table() const {
     Table t(columns());
@@ -827,7 +885,9 @@ bool bench_config(const Flags& f, const Plan& p, const Meta& meta, const NamedCo
     cuda::gemm::check_gemm_shape(c.d, c.n);  // Unsupported names the dimension
   } catch (const Unsupported& e) {
     for (const std::string& s : p.scalings)
-      for (int W : p.gpus) rep.skipped(nc, s, W, c.T, c.T, std::string("skipped: ") + e.what());
+      for (int W : p.gpus)
+        for (int C : W == 1 ? std::vector<int>{0} : p.chunks)
+          rep.skipped(nc, s, W, C, c.T, c.T, std::string("skipped: ") + e.what());
     return false;
   }
   std::cerr << "bench ep: " << nc.name << ": T=" << c.T << " d=" << c.d << " n=" << c.n
@@ -861,12 +921,12 @@ bool bench_config(const Flags& f, const Plan& p, const Meta& meta, const NamedCo
       const int64_t t_global = weak ? c.T * W : c.T;
       if (W == 1) {
         if (base_skip.empty()) rep.row(nc, c, scaling, 1, c.T, c.T, base, base.step_ms);
-        else rep.skipped(nc, scaling, 1, c.T, c.T, base_skip);
+        else rep.skipped(nc, scaling, 1, 0, c.T, c.T, base_skip);
         continue;
       }
       const std::string why = skip_reason(c, W, meta.visible);
       if (!why.empty()) {
-        rep.skipped(nc, scaling, W, t_rank, t_global, why);
+        for (int C : p.chunks) rep.skipped(nc, scaling, W, C, t_rank, t_global, why);
         continue;
       }
 #ifdef MOEBLAZE_WITH_NCCL
@@ -884,16 +944,19 @@ bool bench_config(const Flags& f, const Plan& p, const Meta& meta, const NamedCo
           t0 += Tr;
         }
       }
-      try {
-        const Result res = run_ep(f, c, rt, p.mode, comm_cache);
-        const double base_ms = base_skip.empty() && want_base ? base.step_ms : NAN;
-        rep.row(nc, c, scaling, W, t_rank, t_global, res, base_ms);
-        std::cerr << "bench ep: " << nc.name << " " << scaling << " W=" << W << ": step "
-                  << fixed(res.step_ms, 2) << " ms, exchange " << fixed(100 * res.exchange_share, 1)
-                  << " %\n";
-      } catch (const std::exception& e) {
-        (void)cudaGetLastError();
-        rep.skipped(nc, scaling, W, t_rank, t_global, failure_note(e, &failed));
+      for (int C : p.chunks) {  // one row per chunk count, same routing and tensors
+        try {
+          const Result res = run_ep(f, c, rt, p.mode, C, comm_cache);
+          const double base_ms = base_skip.empty() && want_base ? base.step_ms : NAN;
+          rep.row(nc, c, scaling, W, t_rank, t_global, res, base_ms);
+          std::cerr << "bench ep: " << nc.name << " " << scaling << " W=" << W << " chunks=" << C
+                    << ": step " << fixed(res.step_ms, 2) << " ms, exchange "
+                    << fixed(100 * res.exchange_share, 1) << " %, pipeline "
+                    << fixed(res.pipeline_ms, 2) << " ms\n";
+        } catch (const std::exception& e) {
+          (void)cudaGetLastError();
+          rep.skipped(nc, scaling, W, C, t_rank, t_global, failure_note(e, &failed));
+        }
       }
 #endif
     }
@@ -971,6 +1034,10 @@ void add_bench_ep_command(CLI::App& bench) {
   sub->add_option("--scaling", flags->scaling, "weak, strong or both")->capture_default_str();
   sub->add_option("--mode", flags->mode, "the local layer's mode: keep_h or recompute")
       ->capture_default_str();
+  sub->add_option("--chunks", flags->chunks,
+                  "comma list of EpOptions::chunks for the W >= 2 rows (one row each; > 1 "
+                  "pipelines the exchanges with the local layer)")
+      ->capture_default_str();
   sub->add_option("--reps", flags->reps, "timed repetitions (median; >= 20)")->capture_default_str();
   sub->add_option("--warmup", flags->warmup, "untimed repetitions first")->capture_default_str();
   sub->add_option("--seed", flags->seed, "seed of inputs and routing")->capture_default_str();
@@ -985,6 +1052,8 @@ void add_bench_ep_command(CLI::App& bench) {
       "                    experts per rank, host routing with global expert ids\n"
       "  weak              T tokens per rank (the config's T), W*T in all\n"
       "  strong            the config's T tokens in all, T/W per rank (the baseline's routing)\n"
+      "  chunks            W >= 2: one row per --chunks entry (EpOptions::chunks: each rank's\n"
+      "                    tokens cut into that many exchanges, pipelined with the local layer)\n"
       "Columns:\n"
       "  fwd/bwd/step ms   median over --reps of the max over ranks; host wall clock after a\n"
       "                    stream sync, L2 flushed and ranks lined up at a barrier before each\n"
@@ -992,8 +1061,14 @@ void add_bench_ep_command(CLI::App& bench) {
       "  speed-up          tokens/s over the W = 1 row's: strong step_1/step_W, weak\n"
       "                    W*step_1/step_W\n"
       "  exchange          EpTimings exchange_s / total_s of both calls, mean over ranks (host\n"
-      "                    wall time in the blocking collectives, waiting for peers included)\n"
+      "                    wall time in the collectives, waiting for peers included; with\n"
+      "                    chunks > 1 the row exchanges are queued on NCCL's own stream and only\n"
+      "                    the queueing and the agreements count here)\n"
       "  local layer ms    layer_forward + layer_backward inside the EP calls, max over ranks\n"
+      "                    (chunks > 1: the host time of queueing them, not their device time)\n"
+      "  pipeline ms       chunks > 1: EpTimings pipeline_s, mean over ranks: the host's wait at\n"
+      "                    the end of each call for the overlapped local layers and row\n"
+      "                    exchanges, which the host cannot split; '-' for W = 1, 0 for chunks 1\n"
       "  other ms          the rest of the EP calls, mean over ranks: dispatch lists and local\n"
       "                    plan built on the host, row gathers and combines\n"
       "  rows sent / pairs token rows sent to expert ranks (a token once per rank it uses) over\n"

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "core/parallel.hpp"
 #include "moeblaze/error.hpp"
@@ -89,6 +90,62 @@ void combine_rows(Device dev, const void* rows, const int32_t* off, const int32_
     combine_cpu(static_cast<const bf16*>(rows), off, idx, T, d, static_cast<bf16*>(out));
   else
     combine_cpu(static_cast<const float*>(rows), off, idx, T, d, static_cast<float*>(out));
+}
+
+void accumulate_f32(Device dev, const void* src, DType dtype, float* acc, int64_t count,
+                    bool first, void* stream) {
+  if (count <= 0) return;
+  MOEBLAZE_REQUIRE(dtype == DType::bf16 || dtype == DType::f32, "accumulate_f32: dtype ",
+                   dtype_name(dtype), " must be bf16 or fp32");
+  if (dev == Device::cuda) {
+#ifdef MOEBLAZE_WITH_CUDA
+    cuda::ep::accumulate_f32(src, dtype, acc, count, first, as_stream(stream));
+    return;
+#else
+    no_cuda();
+#endif
+  }
+  (void)stream;
+  constexpr int64_t kElemsPerTask = 1 << 14;
+  auto run = [&](auto* s) {
+    parallel_for(0, (count + kElemsPerTask - 1) / kElemsPerTask, 1, [&](int64_t b) {
+      const int64_t i1 = std::min(count, (b + 1) * kElemsPerTask);
+      for (int64_t i = b * kElemsPerTask; i < i1; ++i)
+        acc[i] = first ? static_cast<float>(s[i]) : acc[i] + static_cast<float>(s[i]);
+    });
+  };
+  if (dtype == DType::bf16)
+    run(static_cast<const bf16*>(src));
+  else
+    run(static_cast<const float*>(src));
+}
+
+void store_from_f32(Device dev, const float* acc, DType dtype, void* dst, int64_t count,
+                    void* stream) {
+  if (count <= 0) return;
+  MOEBLAZE_REQUIRE(dtype == DType::bf16 || dtype == DType::f32, "store_from_f32: dtype ",
+                   dtype_name(dtype), " must be bf16 or fp32");
+  if (dev == Device::cuda) {
+#ifdef MOEBLAZE_WITH_CUDA
+    cuda::ep::store_from_f32(acc, dtype, dst, count, as_stream(stream));
+    return;
+#else
+    no_cuda();
+#endif
+  }
+  (void)stream;
+  constexpr int64_t kElemsPerTask = 1 << 14;
+  auto run = [&](auto* d) {
+    using S = std::remove_pointer_t<decltype(d)>;
+    parallel_for(0, (count + kElemsPerTask - 1) / kElemsPerTask, 1, [&](int64_t b) {
+      const int64_t i1 = std::min(count, (b + 1) * kElemsPerTask);
+      for (int64_t i = b * kElemsPerTask; i < i1; ++i) d[i] = S(acc[i]);
+    });
+  };
+  if (dtype == DType::bf16)
+    run(static_cast<bf16*>(dst));
+  else
+    run(static_cast<float*>(dst));
 }
 
 void copy_to_device(Device dev, void* dst, const void* host_src, size_t bytes, void* stream) {

@@ -23,6 +23,16 @@ void gather_rows(Device dev, const void* src, const int32_t* idx, int64_t count,
 void combine_rows(Device dev, const void* rows, const int32_t* off, const int32_t* idx, int64_t T,
                   int64_t d, DType dtype, void* out, void* stream);
 
+// Sums of weight gradients over chunks (EpOptions::chunks > 1), in chunk order, no atomics:
+//   accumulate_f32: acc[i] = float(src[i]) when `first`, else acc[i] += float(src[i])
+//   store_from_f32: dst[i] = dtype(acc[i]) (bf16 round-to-nearest-even, as every other store)
+//   src, dst (count,) dtype; acc (count,) fp32. Elementwise, so the result does not depend on
+//   the thread count or the launch shape.
+void accumulate_f32(Device dev, const void* src, DType dtype, float* acc, int64_t count,
+                    bool first, void* stream);
+void store_from_f32(Device dev, const float* acc, DType dtype, void* dst, int64_t count,
+                    void* stream);
+
 // Host -> dev (host memory may be reused on return) and dev -> host (complete on return).
 // For Device::cpu both are memcpy.
 void copy_to_device(Device dev, void* dst, const void* host_src, size_t bytes, void* stream);

@@ -13,6 +13,11 @@
 //   6. partials all_to_all back; out_t = sum of t's partials in rank order (fp32, fixed order)
 // backward mirrors 4-6 with d_out rows, and sends back dx partials and d_pair_weights.
 //
+// With EpOptions::chunks = C > 1 the tokens are cut into C fixed contiguous ranges; steps 1-3
+// stay one pass each (the per-chunk counts travel in the metadata), and 4-6 run per chunk as a
+// pipeline on the transport's stream-ordered exchanges (see the schedule in ep_forward), the
+// combine once at the end over every chunk's returned rows.
+//
 // Everything that decides an order (dispatch lists, received layout, combine order) is a
 // function of the routings only, never of timing: results are bitwise reproducible.
 #include <chrono>
@@ -77,15 +82,24 @@ void check_layer_options(const LayerOptions& o) {
 }
 
 // Fields every rank must agree on, in the order they are gathered and reported.
-constexpr int kCfgFields = 5;
+// Fields every rank must agree on, in the order they are gathered and reported. opts.chunks is
+// one of them: it decides the message layout and how many exchanges follow.
+constexpr int kCfgFields = 6;
 const char* const kCfgNames[kCfgFields] = {"cfg.d", "cfg.n", "cfg.E", "cfg.activation",
-                                           "cfg.dtype"};
-void cfg_fields(const LayerConfig& c, int64_t* f) {
+                                           "cfg.dtype", "opts.chunks"};
+void cfg_fields(const LayerConfig& c, int chunks, int64_t* f) {
   f[0] = c.d;
   f[1] = c.n;
   f[2] = c.E;
   f[3] = static_cast<int64_t>(c.activation);
   f[4] = static_cast<int64_t>(c.dtype);
+  f[5] = chunks;
+}
+
+void check_chunks(int chunks) {
+  MOEBLAZE_REQUIRE(chunks >= 1 && chunks <= kEpMaxChunks, "EpOptions::chunks (", chunks,
+                   ") must be in [1, ", kEpMaxChunks,
+                   "]: the number of pipelined exchanges of this rank's tokens");
 }
 
 // The collective verdict. Every rank sends [ok, payload...] (the same length everywhere) and gets
@@ -111,82 +125,115 @@ std::vector<int64_t> agree(Transport& tr, const std::exception_ptr& local_error,
   return table;
 }
 
-// Dispatch lists of one rank (host), see EpSaved.
+// First token of chunk c of C over T tokens: chunk c is [chunk_begin(c), chunk_begin(c+1)), a
+// function of T and C only (sizes differ by at most one; some are empty when T < C).
+int64_t chunk_begin(int64_t T, int C, int c) { return T * c / C; }
+
+// Words of the per-chunk count header at the start of each metadata block (C > 1 only, so that
+// one exchange keeps the layout it always had).
+int64_t meta_header_words(int C) { return C > 1 ? 2 * static_cast<int64_t>(C) : 0; }
+
+// Dispatch lists of one rank (host), see EpSaved. Entry k = c*W + r is (chunk c, destination r).
 struct Dispatch {
-  std::vector<int64_t> tok_count, pair_count;  // (W,) per destination
+  std::vector<int64_t> tok_count, pair_count;  // (C*W,) per (chunk, destination)
+  std::vector<int64_t> tok_total, pair_total;  // (W,) per destination, all chunks
   Buffer tok_off, tokens, pair_off, pairs;     // as EpSaved's send_*
-  Buffer meta;         // (N + 2M,) int32 words, per destination: pair count per token |
-                       // local expert per pair | weight bits per pair
-  std::vector<int64_t> meta_off;  // (W,) byte offsets of the blocks
+  // int32 words, one block per destination r, in rank order: with C > 1 a header of 2C words
+  // (tokens, pairs of chunk c for r), then per chunk: pair count per token | local expert per
+  // pair | weight bits per pair.
+  Buffer meta;
+  std::vector<int64_t> meta_off, meta_bytes;  // (W,) byte offset and size of each block
 };
 
-Dispatch build_dispatch(const RoutingView& rt, int64_t E_local, int W) {
+Dispatch build_dispatch(const RoutingView& rt, int64_t E_local, int W, int C) {
   Dispatch D;
   const int32_t* off = rt.pair_offsets;  // (T+1,)
   const int32_t* ex = rt.pair_experts;   // (P,) global expert ids
   const float* wt = rt.pair_weights;     // (P,)
-  D.tok_count.assign(static_cast<size_t>(W), 0);
-  D.pair_count.assign(static_cast<size_t>(W), 0);
+  const size_t CW = static_cast<size_t>(C) * static_cast<size_t>(W);
+  D.tok_count.assign(CW, 0);
+  D.pair_count.assign(CW, 0);
   // last[r]: the last token counted for r, so a token goes to a rank once however many of the
-  // rank's experts it chose.
+  // rank's experts it chose (token ids are distinct across chunks: no reset between them).
   std::vector<int64_t> last(static_cast<size_t>(W), -1);
-  for (int64_t t = 0; t < rt.T; ++t)
-    for (int32_t p = off[t]; p < off[t + 1]; ++p) {
-      const size_t r = static_cast<size_t>(ex[p] / E_local);
-      ++D.pair_count[r];
-      if (last[r] != t) {
-        last[r] = t;
-        ++D.tok_count[r];
+  for (int c = 0; c < C; ++c)
+    for (int64_t t = chunk_begin(rt.T, C, c); t < chunk_begin(rt.T, C, c + 1); ++t)
+      for (int32_t p = off[t]; p < off[t + 1]; ++p) {
+        const int64_t r = ex[p] / E_local;
+        const size_t k = static_cast<size_t>(c) * W + static_cast<size_t>(r);
+        ++D.pair_count[k];
+        if (last[r] != t) {
+          last[r] = t;
+          ++D.tok_count[k];
+        }
       }
-    }
-  int64_t* tok_off = host_array<int64_t>(D.tok_off, W + 1);    // (W+1,)
-  int64_t* pair_off = host_array<int64_t>(D.pair_off, W + 1);  // (W+1,)
+  int64_t* tok_off = host_array<int64_t>(D.tok_off, static_cast<int64_t>(CW) + 1);    // (CW+1,)
+  int64_t* pair_off = host_array<int64_t>(D.pair_off, static_cast<int64_t>(CW) + 1);  // (CW+1,)
   tok_off[0] = pair_off[0] = 0;
-  for (int r = 0; r < W; ++r) {
-    tok_off[r + 1] = tok_off[r] + D.tok_count[r];
-    pair_off[r + 1] = pair_off[r] + D.pair_count[r];
+  for (size_t k = 0; k < CW; ++k) {
+    tok_off[k + 1] = tok_off[k] + D.tok_count[k];
+    pair_off[k + 1] = pair_off[k] + D.pair_count[k];
   }
-  const int64_t N = tok_off[W], M = pair_off[W];
-  int32_t* tokens = host_array<int32_t>(D.tokens, N);  // (N,) grouped by destination
-  int32_t* pairs = host_array<int32_t>(D.pairs, M);    // (M,) grouped by destination
-  int32_t* meta = host_array<int32_t>(D.meta, N + 2 * M);
+  D.tok_total.assign(static_cast<size_t>(W), 0);
+  D.pair_total.assign(static_cast<size_t>(W), 0);
+  for (size_t k = 0; k < CW; ++k) {
+    D.tok_total[k % W] += D.tok_count[k];
+    D.pair_total[k % W] += D.pair_count[k];
+  }
+  const int64_t N = tok_off[CW], M = pair_off[CW], H = meta_header_words(C);
+  int32_t* tokens = host_array<int32_t>(D.tokens, N);  // (N,) by chunk, then destination
+  int32_t* pairs = host_array<int32_t>(D.pairs, M);    // (M,) by chunk, then destination
+  int32_t* meta = host_array<int32_t>(D.meta, W * H + N + 2 * M);
   D.meta_off.assign(static_cast<size_t>(W), 0);
-  // Word offset of each destination's block and of its three parts.
-  std::vector<int64_t> mc(static_cast<size_t>(W)), me(static_cast<size_t>(W)),
-      mw(static_cast<size_t>(W)), tc(static_cast<size_t>(W)), pc(static_cast<size_t>(W));
+  D.meta_bytes.assign(static_cast<size_t>(W), 0);
+  // Word offset of the three parts of each (chunk, destination) sub-block, and write cursors.
+  std::vector<int64_t> mc(CW), me(CW), mw(CW), tc(CW), pc(CW);
   int64_t words = 0;
   for (int r = 0; r < W; ++r) {
     D.meta_off[r] = words * 4;
-    mc[r] = words;
-    me[r] = mc[r] + D.tok_count[r];
-    mw[r] = me[r] + D.pair_count[r];
-    words = mw[r] + D.pair_count[r];
-    tc[r] = tok_off[r];
-    pc[r] = pair_off[r];
+    for (int c = 0; c < C && H > 0; ++c) {
+      meta[words + 2 * c] = static_cast<int32_t>(D.tok_count[static_cast<size_t>(c) * W + r]);
+      meta[words + 2 * c + 1] = static_cast<int32_t>(D.pair_count[static_cast<size_t>(c) * W + r]);
+    }
+    words += H;
+    for (int c = 0; c < C; ++c) {
+      const size_t k = static_cast<size_t>(c) * W + static_cast<size_t>(r);
+      mc[k] = words;
+      me[k] = mc[k] + D.tok_count[k];
+      mw[k] = me[k] + D.pair_count[k];
+      words = mw[k] + D.pair_count[k];
+      tc[k] = tok_off[k];
+      pc[k] = pair_off[k];
+    }
+    D.meta_bytes[r] = words * 4 - D.meta_off[r];
   }
   std::fill(last.begin(), last.end(), -1);
-  for (int64_t t = 0; t < rt.T; ++t)
-    for (int32_t p = off[t]; p < off[t + 1]; ++p) {
-      const int64_t r = ex[p] / E_local;
-      if (last[r] != t) {
-        last[r] = t;
-        tokens[tc[r]++] = static_cast<int32_t>(t);
-        meta[mc[r]++] = 0;
+  for (int c = 0; c < C; ++c)
+    for (int64_t t = chunk_begin(rt.T, C, c); t < chunk_begin(rt.T, C, c + 1); ++t)
+      for (int32_t p = off[t]; p < off[t + 1]; ++p) {
+        const int64_t r = ex[p] / E_local;
+        const size_t k = static_cast<size_t>(c) * W + static_cast<size_t>(r);
+        if (last[r] != t) {
+          last[r] = t;
+          tokens[tc[k]++] = static_cast<int32_t>(t);
+          meta[mc[k]++] = 0;
+        }
+        ++meta[mc[k] - 1];  // pairs of this token for r
+        pairs[pc[k]++] = p;
+        meta[me[k]++] = static_cast<int32_t>(ex[p] - r * E_local);
+        int32_t bits;
+        std::memcpy(&bits, &wt[p], 4);
+        meta[mw[k]++] = bits;
       }
-      ++meta[mc[r] - 1];  // pairs of this token for r
-      pairs[pc[r]++] = p;
-      meta[me[r]++] = static_cast<int32_t>(ex[p] - r * E_local);
-      int32_t bits;
-      std::memcpy(&bits, &wt[p], 4);
-      meta[mw[r]++] = bits;
-    }
   return D;
 }
 
-// Local routing over the received tokens from the gathered metadata: sources in rank order,
-// each source's tokens and pairs in the order it sent them.
-void build_local_routing(const int32_t* meta, const std::vector<int64_t>& rn,
-                         const std::vector<int64_t>& rm, int64_t E_local, Routing& out) {
+// Local routing over one chunk's received tokens from the gathered metadata: sources in rank
+// order, each source's tokens and pairs in the order it sent them. blocks[s] is source s's
+// sub-block of this chunk: pair counts (rn[s],) | local experts (rm[s],) | weight bits (rm[s],).
+void build_local_routing(const std::vector<const int32_t*>& blocks,
+                         const std::vector<int64_t>& rn, const std::vector<int64_t>& rm,
+                         int64_t E_local, Routing& out) {
   const size_t W = rn.size();
   int64_t R = 0, P = 0;
   for (size_t s = 0; s < W; ++s) {
@@ -199,9 +246,8 @@ void build_local_routing(const int32_t* meta, const std::vector<int64_t>& rn,
   float* wt = out.pair_weights();     // (P,)
   int64_t row = 0, pair = 0;
   off[0] = 0;
-  const int32_t* block = meta;
   for (size_t s = 0; s < W; ++s) {
-    const int32_t* counts = block;             // (rn[s],)
+    const int32_t* counts = blocks[s];         // (rn[s],)
     const int32_t* experts = counts + rn[s];   // (rm[s],)
     const int32_t* weights = experts + rm[s];  // (rm[s],) float bits
     for (int64_t i = 0; i < rn[s]; ++i, ++row) off[row + 1] = off[row] + counts[i];
@@ -209,7 +255,6 @@ void build_local_routing(const int32_t* meta, const std::vector<int64_t>& rn,
       ex[pair] = experts[i];
       std::memcpy(&wt[pair], &weights[i], 4);
     }
-    block = weights + rm[s];
   }
 }
 
@@ -221,14 +266,18 @@ const int32_t* on_device(Device dev, const Buffer& host, Buffer& dev_copy, void*
   return dev_copy.as<int32_t>();
 }
 
-// Byte counts/offsets of row blocks: count[r] rows of row_bytes each.
-void row_bytes_of(const int64_t* row_off, int W, size_t row_bytes, std::vector<int64_t>& counts,
-                  std::vector<int64_t>& offsets) {
+// Byte counts/offsets of chunk c's row blocks: rank r's rows are [off[c*W+r], off[c*W+r+1]) of
+// an array holding every chunk; the offsets count from row off[c*W] when `relative` (a buffer
+// of this chunk only), else from row 0.
+void chunk_row_bytes(const int64_t* off, int W, int c, size_t row_bytes, bool relative,
+                     std::vector<int64_t>& counts, std::vector<int64_t>& offsets) {
   counts.resize(static_cast<size_t>(W));
   offsets.resize(static_cast<size_t>(W));
+  const int64_t* o = off + static_cast<int64_t>(c) * W;
+  const int64_t base = relative ? o[0] : 0;
   for (int r = 0; r < W; ++r) {
-    offsets[r] = row_off[r] * static_cast<int64_t>(row_bytes);
-    counts[r] = (row_off[r + 1] - row_off[r]) * static_cast<int64_t>(row_bytes);
+    offsets[r] = (o[r] - base) * static_cast<int64_t>(row_bytes);
+    counts[r] = (o[r + 1] - o[r]) * static_cast<int64_t>(row_bytes);
   }
 }
 
@@ -245,6 +294,94 @@ void run_agreed(Transport& tr, const char* what, double* exchange_s, Fn&& fn) {
   agree(tr, err, {}, what);
 }
 
+// The pipeline's exchanges may still be running when an exception leaves it (a transport
+// error): this waits for them, and for the layer's stream, before the buffers they use are
+// freed. Declared after those buffers, so it runs first. Disarmed on the normal path, which
+// waits explicitly.
+class DrainOnUnwind {
+ public:
+  DrainOnUnwind(Transport& tr, Device dev, void* stream) : tr_(tr), dev_(dev), stream_(stream) {}
+  ~DrainOnUnwind() {
+    if (!armed_) return;
+    try {
+      tr_.synchronize_exchanges();
+      ep::synchronize(dev_, stream_);
+    } catch (...) {  // already unwinding from the first error; this one adds nothing
+    }
+  }
+  void disarm() { armed_ = false; }
+
+ private:
+  Transport& tr_;
+  Device dev_;
+  void* stream_;
+  bool armed_ = true;
+};
+
+// The chunk pipeline, issued in this order on every rank (one exchange queue):
+//   out0 out1 | L0 back0 out2 | L1 back1 out3 | ... | L(C-1) back(C-1)
+// so chunk c+1's rows travel while chunk c's layer runs, and chunk c's results return while
+// chunk c+1's layer runs; each layer waits only for its own rows. A stream-ordered transport
+// queues each exchange behind the kernels that produced its send buffer (events) and the host
+// never waits per chunk; a blocking one moves the data at once, after the layer's stream was
+// synchronised. Every rank takes part in every exchange even when its local layer failed, so
+// none is left waiting: the failure (the first; later chunks skip the layer) is returned, for
+// the caller to agree on before it touches any output.
+//   send_out(c) -> ticket      starts chunk c's rows out (their send buffer is ready on stream)
+//   layer(c)                   queues chunk c's local layer on stream, after its rows arrived
+//   send_back(c, tickets)      starts chunk c's results back, appending their tickets
+// On return every exchange has completed and the stream is synchronised.
+template <typename Out, typename Layer, typename Back>
+std::exception_ptr run_chunk_pipeline(Transport& tr, Device dev, void* stream, int C,
+                                      EpTimings& tm, Out&& send_out, Layer&& layer,
+                                      Back&& send_back) {
+  const bool ordered = tr.stream_ordered();
+  auto producer_done = [&] {
+    if (!ordered) ep::synchronize(dev, stream);
+  };
+  DrainOnUnwind drain(tr, dev, stream);
+  std::vector<uint64_t> out_ticket(static_cast<size_t>(C)), back_ticket;
+  auto start_out = [&](int c) {
+    ScopedTime st(&tm.exchange_s);
+    out_ticket[c] = send_out(c);
+  };
+  producer_done();  // the caller gathered every chunk's rows
+  start_out(0);
+  if (C > 1) start_out(1);
+  std::exception_ptr err;
+  for (int c = 0; c < C; ++c) {
+    {
+      ScopedTime st(&tm.exchange_s);
+      tr.all_to_all_v_wait(out_ticket[c], stream);
+    }
+    if (!err) {
+      try {
+        ScopedTime st(&tm.layer_s);
+        layer(c);
+      } catch (...) {
+        err = std::current_exception();
+      }
+    }
+    producer_done();
+    {
+      ScopedTime st(&tm.exchange_s);
+      send_back(c, back_ticket);
+    }
+    if (c + 2 < C) start_out(c + 2);
+  }
+  {
+    ScopedTime st(&tm.exchange_s);
+    for (uint64_t t : back_ticket) tr.all_to_all_v_wait(t, stream);
+  }
+  {
+    ScopedTime st(&tm.pipeline_s);
+    ep::synchronize(dev, stream);
+    tr.synchronize_exchanges();
+  }
+  drain.disarm();
+  return err;
+}
+
 }  // namespace
 
 EpShard ep_shard(int64_t num_experts, int world_size, int rank) {
@@ -259,15 +396,28 @@ EpShard ep_shard(int64_t num_experts, int world_size, int rank) {
   return {rank * count, count};
 }
 
+int64_t EpSaved::received_tokens() const {
+  int64_t R = 0;
+  for (const EpChunkSaved& c : chunks_) R += c.local_cfg.T;
+  return R;
+}
+
+int64_t EpSaved::received_pairs() const {
+  int64_t S = 0;
+  for (const EpChunkSaved& c : chunks_) S += c.plan.S();
+  return S;
+}
+
 int64_t EpSaved::sent_tokens() const {
-  return send_tok_off.data() ? send_tok_off.as<int64_t>()[world_] : 0;
+  return send_tok_off.data() ? send_tok_off.as<int64_t>()[chunks() * world_] : 0;
 }
 
 size_t EpSaved::bytes() const {
-  return plan_.bytes() + layer_.bytes() + x_recv.bytes() + send_tok_off.bytes() +
-         send_tokens.bytes() + send_pair_off.bytes() + send_pairs.bytes() + recv_tok_off.bytes() +
-         recv_pair_off.bytes() + comb_off.bytes() + comb_rows.bytes() + d_send_tokens.bytes() +
-         d_comb_off.bytes() + d_comb_rows.bytes();
+  size_t b = 0;
+  for (const EpChunkSaved& c : chunks_) b += c.plan.bytes() + c.layer.bytes() + c.x_recv.bytes();
+  return b + send_tok_off.bytes() + send_tokens.bytes() + send_pair_off.bytes() +
+         send_pairs.bytes() + recv_tok_off.bytes() + recv_pair_off.bytes() + comb_off.bytes() +
+         comb_rows.bytes() + d_send_tokens.bytes() + d_comb_off.bytes() + d_comb_rows.bytes();
 }
 
 void ep_forward(Transport& tr, const LayerConfig& cfg, const RoutingView& routing,
@@ -279,6 +429,7 @@ void ep_forward(Transport& tr, const LayerConfig& cfg, const RoutingView& routin
   const int W = tr.world_size(), q = tr.rank();
   const Device dev = tr.device();
   void* stream = opts.layer.stream;
+  const int C = opts.chunks;
 
   // ---- 1. local checks and dispatch lists; 2. agreement ----
   std::exception_ptr err;
@@ -287,6 +438,7 @@ void ep_forward(Transport& tr, const LayerConfig& cfg, const RoutingView& routin
   try {
     cfg.validate();
     check_layer_options(opts.layer);
+    check_chunks(C);
     shard = ep_shard(cfg.E, W, q);
     MOEBLAZE_REQUIRE(routing.device == Device::cpu, "routing is on ",
                      device_name(routing.device),
@@ -300,16 +452,18 @@ void ep_forward(Transport& tr, const LayerConfig& cfg, const RoutingView& routin
     check_tensor(w1, "w1", {shard.count, cfg.w1_rows(), cfg.d}, cfg.dtype, dev);
     check_tensor(w2, "w2", {shard.count, cfg.d, cfg.n}, cfg.dtype, dev);
     check_tensor(out, "out", {cfg.T, cfg.d}, cfg.dtype, dev);
-    D = build_dispatch(routing, shard.count, W);
+    D = build_dispatch(routing, shard.count, W, C);
   } catch (const Error&) {
     err = std::current_exception();
   }
+  // Totals per destination only, so that the payload has the same length on every rank even
+  // when the ranks disagree on chunks; the per-chunk counts travel with the metadata.
   std::vector<int64_t> payload(static_cast<size_t>(kCfgFields + 2 * W), 0);
   if (!err) {
-    cfg_fields(cfg, payload.data());
+    cfg_fields(cfg, C, payload.data());
     for (int r = 0; r < W; ++r) {
-      payload[kCfgFields + 2 * r] = D.tok_count[r];
-      payload[kCfgFields + 2 * r + 1] = D.pair_count[r];
+      payload[kCfgFields + 2 * r] = D.tok_total[r];
+      payload[kCfgFields + 2 * r + 1] = D.pair_total[r];
     }
   }
   std::vector<int64_t> table;
@@ -325,7 +479,7 @@ void ep_forward(Transport& tr, const LayerConfig& cfg, const RoutingView& routin
                        " differs from ", kCfgNames[f], " (", v0, ") on rank 0");
     }
 
-  // Every rank goes on from here. What this rank receives from each source s:
+  // Every rank goes on from here. What this rank receives from each source s, all chunks:
   std::vector<int64_t> rn(static_cast<size_t>(W)), rm(static_cast<size_t>(W));
   for (int s = 0; s < W; ++s) {
     rn[s] = table[s * stride + 1 + kCfgFields + 2 * q];
@@ -338,22 +492,19 @@ void ep_forward(Transport& tr, const LayerConfig& cfg, const RoutingView& routin
   saved.mode_ = opts.layer.mode;
   saved.cfg_ = cfg;
   saved.P_ = routing.P;
+  saved.chunks_.resize(static_cast<size_t>(C));
   saved.send_tok_off = std::move(D.tok_off);
   saved.send_tokens = std::move(D.tokens);
   saved.send_pair_off = std::move(D.pair_off);
   saved.send_pairs = std::move(D.pairs);
-  const int64_t* tok_off = saved.send_tok_off.as<int64_t>();  // (W+1,)
-  int64_t* rtok_off = host_array<int64_t>(saved.recv_tok_off, W + 1);    // (W+1,)
-  int64_t* rpair_off = host_array<int64_t>(saved.recv_pair_off, W + 1);  // (W+1,)
-  rtok_off[0] = rpair_off[0] = 0;
-  for (int s = 0; s < W; ++s) {
-    rtok_off[s + 1] = rtok_off[s] + rn[s];
-    rpair_off[s + 1] = rpair_off[s] + rm[s];
-  }
-  const int64_t N = tok_off[W], R = rtok_off[W];
+  const int64_t CW = static_cast<int64_t>(C) * W;
+  const int64_t* tok_off = saved.send_tok_off.as<int64_t>();            // (CW+1,)
+  int64_t* rtok_off = host_array<int64_t>(saved.recv_tok_off, CW + 1);    // (CW+1,)
+  int64_t* rpair_off = host_array<int64_t>(saved.recv_pair_off, CW + 1);  // (CW+1,)
+  const int64_t N = tok_off[CW];
 
-  // Combine lists: returned row i belongs to send_tokens[i]; a token's rows in ascending i are
-  // in ascending rank order (the blocks return in rank order).
+  // Combine lists: returned row i belongs to send_tokens[i]; a token lies in one chunk, and its
+  // rows in ascending i are in ascending rank order (each chunk's blocks return in rank order).
   {
     const int32_t* tokens = saved.send_tokens.as<int32_t>();
     int32_t* coff = host_array<int32_t>(saved.comb_off, cfg.T + 1);  // (T+1,)
@@ -366,18 +517,20 @@ void ep_forward(Transport& tr, const LayerConfig& cfg, const RoutingView& routin
   }
   ThreadCountScope threads(opts.layer.num_threads);
 
-  // ---- 3. metadata → local routing → local plan ----
+  // ---- 3. metadata (all chunks in one exchange) → local routings → local plans ----
   {
+    const int64_t H = meta_header_words(C);
     std::vector<int64_t> sc(W), so(W), rc(W), ro(W);
     int64_t recv_words = 0;
     for (int r = 0; r < W; ++r) {
       so[r] = D.meta_off[r];
-      sc[r] = 4 * (D.tok_count[r] + 2 * D.pair_count[r]);
+      sc[r] = D.meta_bytes[r];
       ro[r] = recv_words * 4;
-      rc[r] = 4 * (rn[r] + 2 * rm[r]);
-      recv_words += rn[r] + 2 * rm[r];
+      rc[r] = 4 * (H + rn[r] + 2 * rm[r]);
+      recv_words += H + rn[r] + 2 * rm[r];
     }
-    Buffer recv_meta(Device::cpu, 4 * static_cast<size_t>(recv_words));  // (R + 2 P_recv,) int32
+    // (W*H + R + 2 P_recv,) int32: per source its header, then per chunk its sub-block
+    Buffer recv_meta(Device::cpu, 4 * static_cast<size_t>(recv_words));
     {
       ScopedTime st(&tm.exchange_s);
       if (dev == Device::cpu) {
@@ -391,64 +544,153 @@ void ep_forward(Transport& tr, const LayerConfig& cfg, const RoutingView& routin
         ep::copy_to_host(dev, recv_meta.data(), drecv.data(), recv_meta.bytes(), stream);
       }
     }
-    Routing local;
-    build_local_routing(recv_meta.as<int32_t>(), rn, rm, shard.count, local);
+    // Per source s and chunk c: where its sub-block starts, and its token and pair counts.
+    const int32_t* words = recv_meta.as<int32_t>();
+    std::vector<std::vector<const int32_t*>> blocks(static_cast<size_t>(C),
+                                                    std::vector<const int32_t*>(W));
+    std::vector<std::vector<int64_t>> crn(static_cast<size_t>(C), std::vector<int64_t>(W)),
+        crm(static_cast<size_t>(C), std::vector<int64_t>(W));
+    for (int s = 0; s < W; ++s) {
+      const int32_t* b = words + ro[s] / 4;
+      const int32_t* p = b + H;
+      int64_t tn = 0, tp = 0;
+      for (int c = 0; c < C; ++c) {
+        crn[c][s] = H > 0 ? b[2 * c] : rn[s];
+        crm[c][s] = H > 0 ? b[2 * c + 1] : rm[s];
+        blocks[c][s] = p;
+        p += crn[c][s] + 2 * crm[c][s];
+        tn += crn[c][s];
+        tp += crm[c][s];
+      }
+      // The header must add up to the agreed totals, else the blocks above are misread.
+      if (tn != rn[s] || tp != rm[s])
+        throw Error(detail::concat("ep_forward: rank ", s, "'s per-chunk counts (", tn,
+                                   " tokens, ", tp, " pairs) differ from its totals (", rn[s],
+                                   ", ", rm[s], ")"));
+    }
+    rtok_off[0] = rpair_off[0] = 0;
+    for (int c = 0; c < C; ++c)
+      for (int s = 0; s < W; ++s) {
+        const int64_t k = static_cast<int64_t>(c) * W + s;
+        rtok_off[k + 1] = rtok_off[k] + crn[c][s];
+        rpair_off[k + 1] = rpair_off[k] + crm[c][s];
+      }
+    std::vector<Routing> local(static_cast<size_t>(C));
+    for (int c = 0; c < C; ++c) build_local_routing(blocks[c], crn[c], crm[c], shard.count, local[c]);
     if (dev == Device::cpu) {
-      build_routing_plan(local.view(), PlanBuilder::atomic_free, saved.plan_);
+      for (int c = 0; c < C; ++c)
+        build_routing_plan(local[c].view(), PlanBuilder::atomic_free, saved.chunks_[c].plan);
     } else {
-      // The plan is built where the layer runs: the routing's three arrays go to the device
-      // (R + 1 + 2 P words) and the GPU builder makes the same bits as the CPU one (tested) in
-      // a fraction of the host time, instead of a host build and six plan arrays copied over.
-      Routing dev_local(dev, local.T(), local.E(), local.P());
-      ep::copy_to_device(dev, dev_local.pair_offsets(), local.pair_offsets(),
-                         4 * static_cast<size_t>(local.T() + 1), stream);
-      ep::copy_to_device(dev, dev_local.pair_experts(), local.pair_experts(),
-                         4 * static_cast<size_t>(local.P()), stream);
-      ep::copy_to_device(dev, dev_local.pair_weights(), local.pair_weights(),
-                         4 * static_cast<size_t>(local.P()), stream);
+      // The plans are built where the layer runs: each routing's three arrays go to the device
+      // (R_c + 1 + 2 P_c words) and the GPU builder makes the same bits as the CPU one (tested)
+      // in a fraction of the host time, instead of a host build and six plan arrays copied
+      // over. All of them before the pipeline starts: a build may wait for the device.
+      std::vector<Routing> dev_local;
+      for (int c = 0; c < C; ++c) {
+        const Routing& l = local[c];
+        dev_local.emplace_back(dev, l.T(), l.E(), l.P());
+        ep::copy_to_device(dev, dev_local[c].pair_offsets(), l.pair_offsets(),
+                           4 * static_cast<size_t>(l.T() + 1), stream);
+        ep::copy_to_device(dev, dev_local[c].pair_experts(), l.pair_experts(),
+                           4 * static_cast<size_t>(l.P()), stream);
+        ep::copy_to_device(dev, dev_local[c].pair_weights(), l.pair_weights(),
+                           4 * static_cast<size_t>(l.P()), stream);
+      }
       ep::synchronize(dev, stream);  // the builder runs on the default stream
-      build_routing_plan(dev_local.view(), PlanBuilder::atomic_free, saved.plan_);
+      for (int c = 0; c < C; ++c)
+        build_routing_plan(dev_local[c].view(), PlanBuilder::atomic_free, saved.chunks_[c].plan);
     }
   }
-  saved.local_cfg_ = cfg;
-  saved.local_cfg_.T = R;
-  saved.local_cfg_.E = shard.count;
-  saved.local_cfg_.K = std::min<int64_t>(cfg.K, shard.count);  // K only bounds the layer's checks
-
-  // ---- 4. token rows to their experts' ranks ----
-  const size_t row_bytes = static_cast<size_t>(cfg.d) * dtype_size(cfg.dtype);
-  const int32_t* send_tokens = on_device(dev, saved.send_tokens, saved.d_send_tokens, stream);
-  std::vector<int64_t> sc, so, rc, ro;
-  row_bytes_of(tok_off, W, row_bytes, sc, so);
-  row_bytes_of(rtok_off, W, row_bytes, rc, ro);
-  saved.x_recv = Buffer(dev, static_cast<size_t>(R) * row_bytes);  // (R, d) cfg.dtype
-  {
-    Buffer send_rows(dev, static_cast<size_t>(N) * row_bytes);  // (N, d) cfg.dtype
-    ep::gather_rows(dev, x.data, send_tokens, N, row_bytes, send_rows.data(), stream);
-    ep::synchronize(dev, stream);
-    ScopedTime st(&tm.exchange_s);
-    tr.all_to_all_v(send_rows.data(), sc.data(), so.data(), saved.x_recv.data(), rc.data(),
-                    ro.data());
+  for (int c = 0; c < C; ++c) {
+    LayerConfig& lc = saved.chunks_[c].local_cfg;
+    lc = cfg;
+    lc.T = rtok_off[static_cast<int64_t>(c + 1) * W] - rtok_off[static_cast<int64_t>(c) * W];
+    lc.E = shard.count;
+    lc.K = std::min<int64_t>(cfg.K, shard.count);  // K only bounds the layer's checks
   }
 
-  // ---- 5. the local layer ----
-  Buffer out_recv(dev, static_cast<size_t>(R) * row_bytes);  // (R, d) partial sums per (token, q)
-  run_agreed(tr, "ep_forward (local layer)", &tm.exchange_s, [&] {
-    ScopedTime st(&tm.layer_s);
-    layer_forward(saved.local_cfg_, saved.plan_, saved.x_recv.view(cfg.dtype, {R, cfg.d}), w1, w2,
-                  out_recv.view(cfg.dtype, {R, cfg.d}), saved.layer_, opts.layer);
-    ep::synchronize(dev, stream);
-  });
+  const size_t row_bytes = static_cast<size_t>(cfg.d) * dtype_size(cfg.dtype);
+  const int32_t* send_tokens = on_device(dev, saved.send_tokens, saved.d_send_tokens, stream);
+  const int32_t* coff = on_device(dev, saved.comb_off, saved.d_comb_off, stream);
+  const int32_t* crow = on_device(dev, saved.comb_rows, saved.d_comb_rows, stream);
 
-  // ---- 6. partials back, combined in rank order ----
-  {
+  if (C == 1) {
+    // One exchange each way, every step blocking (the path of a single chunk).
+    EpChunkSaved& ch = saved.chunks_[0];
+    const int64_t R = ch.local_cfg.T;
+    std::vector<int64_t> sc, so, rc, ro;
+    chunk_row_bytes(tok_off, W, 0, row_bytes, false, sc, so);
+    chunk_row_bytes(rtok_off, W, 0, row_bytes, true, rc, ro);
+
+    // ---- 4. token rows to their experts' ranks ----
+    ch.x_recv = Buffer(dev, static_cast<size_t>(R) * row_bytes);  // (R, d) cfg.dtype
+    {
+      Buffer send_rows(dev, static_cast<size_t>(N) * row_bytes);  // (N, d) cfg.dtype
+      ep::gather_rows(dev, x.data, send_tokens, N, row_bytes, send_rows.data(), stream);
+      ep::synchronize(dev, stream);
+      ScopedTime st(&tm.exchange_s);
+      tr.all_to_all_v(send_rows.data(), sc.data(), so.data(), ch.x_recv.data(), rc.data(),
+                      ro.data());
+    }
+
+    // ---- 5. the local layer ----
+    Buffer out_recv(dev, static_cast<size_t>(R) * row_bytes);  // (R, d) partial per (token, q)
+    run_agreed(tr, "ep_forward (local layer)", &tm.exchange_s, [&] {
+      ScopedTime st(&tm.layer_s);
+      layer_forward(ch.local_cfg, ch.plan, ch.x_recv.view(cfg.dtype, {R, cfg.d}), w1, w2,
+                    out_recv.view(cfg.dtype, {R, cfg.d}), ch.layer, opts.layer);
+      ep::synchronize(dev, stream);
+    });
+
+    // ---- 6. partials back, combined in rank order ----
     Buffer ret(dev, static_cast<size_t>(N) * row_bytes);  // (N, d) cfg.dtype, as send_tokens
     {
       ScopedTime st(&tm.exchange_s);
       tr.all_to_all_v(out_recv.data(), rc.data(), ro.data(), ret.data(), sc.data(), so.data());
     }
-    const int32_t* coff = on_device(dev, saved.comb_off, saved.d_comb_off, stream);
-    const int32_t* crow = on_device(dev, saved.comb_rows, saved.d_comb_rows, stream);
+    ep::combine_rows(dev, ret.data(), coff, crow, cfg.T, cfg.d, cfg.dtype, out.data, stream);
+    ep::synchronize(dev, stream);
+  } else {
+    // ---- 4-6 as a pipeline over the chunks (run_chunk_pipeline): token rows out, the local
+    // layer, partials back; the combine once over every chunk's returned rows ----
+    Buffer send_rows(dev, static_cast<size_t>(N) * row_bytes, stream);  // (N, d) as send_tokens
+    Buffer ret(dev, static_cast<size_t>(N) * row_bytes, stream);  // (N, d) partials, as send_rows
+    std::vector<Buffer> out_recv(static_cast<size_t>(C));  // (R_c, d) chunk c's partials
+    for (int c = 0; c < C; ++c) {
+      EpChunkSaved& ch = saved.chunks_[c];
+      ch.x_recv = Buffer(dev, static_cast<size_t>(ch.local_cfg.T) * row_bytes, stream);  // (R_c, d)
+      out_recv[c] = Buffer(dev, static_cast<size_t>(ch.local_cfg.T) * row_bytes, stream);
+    }
+    ep::gather_rows(dev, x.data, send_tokens, N, row_bytes, send_rows.data(), stream);
+    std::vector<int64_t> sc, so, rc, ro;  // (W,) bytes of chunk c: absolute in send_rows / ret,
+                                          // relative in the chunk's own buffers
+    auto chunk_bytes = [&](int c) {
+      chunk_row_bytes(tok_off, W, c, row_bytes, false, sc, so);
+      chunk_row_bytes(rtok_off, W, c, row_bytes, true, rc, ro);
+    };
+    const std::exception_ptr layer_err = run_chunk_pipeline(
+        tr, dev, stream, C, tm,
+        [&](int c) {
+          chunk_bytes(c);
+          return tr.all_to_all_v_start(send_rows.data(), sc.data(), so.data(),
+                                       saved.chunks_[c].x_recv.data(), rc.data(), ro.data(),
+                                       stream);
+        },
+        [&](int c) {
+          EpChunkSaved& ch = saved.chunks_[c];
+          const int64_t R = ch.local_cfg.T;
+          layer_forward(ch.local_cfg, ch.plan, ch.x_recv.view(cfg.dtype, {R, cfg.d}), w1, w2,
+                        out_recv[c].view(cfg.dtype, {R, cfg.d}), ch.layer, opts.layer);
+        },
+        [&](int c, std::vector<uint64_t>& tickets) {
+          chunk_bytes(c);
+          tickets.push_back(tr.all_to_all_v_start(out_recv[c].data(), rc.data(), ro.data(),
+                                                  ret.data(), sc.data(), so.data(), stream));
+        });
+    {
+      ScopedTime st(&tm.exchange_s);
+      agree(tr, layer_err, {}, "ep_forward (local layer)");
+    }
     ep::combine_rows(dev, ret.data(), coff, crow, cfg.T, cfg.d, cfg.dtype, out.data, stream);
     ep::synchronize(dev, stream);
   }
@@ -468,15 +710,20 @@ void ep_backward(Transport& tr, const LayerConfig& cfg, const TensorView& w1,
   void* stream = opts.layer.stream;
 
   std::exception_ptr err;
+  EpShard shard;
   try {
     cfg.validate();
     check_layer_options(opts.layer);
-    const EpShard shard = ep_shard(cfg.E, W, q);
+    check_chunks(opts.chunks);
+    shard = ep_shard(cfg.E, W, q);
     MOEBLAZE_REQUIRE(saved.valid(), "saved is not valid: run ep_forward first");
     MOEBLAZE_REQUIRE(saved.rank_ == q && saved.world_ == W, "saved comes from rank ", saved.rank_,
                      " of ", saved.world_, ", but the transport is rank ", q, " of ", W);
     MOEBLAZE_REQUIRE(saved.device_ == dev, "saved is on ", device_name(saved.device_),
                      ", but the transport moves ", device_name(dev), " memory");
+    MOEBLAZE_REQUIRE(opts.chunks == saved.chunks(), "EpOptions::chunks (", opts.chunks,
+                     ") differs from the chunks ep_forward ran with (", saved.chunks(),
+                     "): backward runs forward's exchanges in reverse");
     const LayerConfig& c0 = saved.cfg_;
     MOEBLAZE_REQUIRE(c0.T == cfg.T && c0.d == cfg.d && c0.n == cfg.n && c0.E == cfg.E &&
                          c0.activation == cfg.activation && c0.dtype == cfg.dtype,
@@ -501,61 +748,28 @@ void ep_backward(Transport& tr, const LayerConfig& cfg, const TensorView& w1,
   }
   ThreadCountScope threads(opts.layer.num_threads);
 
-  const int64_t* tok_off = saved.send_tok_off.as<int64_t>();    // (W+1,)
-  const int64_t* rtok_off = saved.recv_tok_off.as<int64_t>();   // (W+1,)
-  const int64_t* pair_off = saved.send_pair_off.as<int64_t>();  // (W+1,)
-  const int64_t* rpair_off = saved.recv_pair_off.as<int64_t>(); // (W+1,)
-  const int64_t N = tok_off[W], R = rtok_off[W], M = pair_off[W], Pr = rpair_off[W];
+  const int C = saved.chunks();
+  const int64_t CW = static_cast<int64_t>(C) * W;
+  const int64_t* tok_off = saved.send_tok_off.as<int64_t>();     // (CW+1,)
+  const int64_t* rtok_off = saved.recv_tok_off.as<int64_t>();    // (CW+1,)
+  const int64_t* pair_off = saved.send_pair_off.as<int64_t>();   // (CW+1,)
+  const int64_t* rpair_off = saved.recv_pair_off.as<int64_t>();  // (CW+1,)
+  const int64_t N = tok_off[CW], M = pair_off[CW];
   const size_t row_bytes = static_cast<size_t>(cfg.d) * dtype_size(cfg.dtype);
-  std::vector<int64_t> sc, so, rc, ro;
-  row_bytes_of(tok_off, W, row_bytes, sc, so);
-  row_bytes_of(rtok_off, W, row_bytes, rc, ro);
   const int32_t* send_tokens =
       dev == Device::cpu ? saved.send_tokens.as<int32_t>() : saved.d_send_tokens.as<int32_t>();
   const int32_t* coff =
       dev == Device::cpu ? saved.comb_off.as<int32_t>() : saved.d_comb_off.as<int32_t>();
   const int32_t* crow =
       dev == Device::cpu ? saved.comb_rows.as<int32_t>() : saved.d_comb_rows.as<int32_t>();
+  // Received pairs of chunk c: the local layer's d_pair_weights has this many entries.
+  auto recv_pairs = [&](int c) {
+    return rpair_off[static_cast<int64_t>(c + 1) * W] - rpair_off[static_cast<int64_t>(c) * W];
+  };
 
-  // ---- d_out rows to the ranks the tokens used ----
-  Buffer dout_recv(dev, static_cast<size_t>(R) * row_bytes);  // (R, d) as x_recv
-  {
-    Buffer send_rows(dev, static_cast<size_t>(N) * row_bytes);  // (N, d) as send_tokens
-    ep::gather_rows(dev, d_out.data, send_tokens, N, row_bytes, send_rows.data(), stream);
-    ep::synchronize(dev, stream);
-    ScopedTime st(&tm.exchange_s);
-    tr.all_to_all_v(send_rows.data(), sc.data(), so.data(), dout_recv.data(), rc.data(),
-                    ro.data());
-  }
-
-  // ---- local layer: dx partials, complete dw1/dw2 of the local experts, d pair weights ----
-  Buffer dx_recv(dev, static_cast<size_t>(R) * row_bytes);  // (R, d) partial per (token, q)
-  Buffer dpw_recv(dev, sizeof(float) * static_cast<size_t>(Pr));  // (P_recv,) local pair order
-  run_agreed(tr, "ep_backward (local layer)", &tm.exchange_s, [&] {
-    ScopedTime st(&tm.layer_s);
-    LayerGrads g;
-    g.dx = dx_recv.view(cfg.dtype, {R, cfg.d});
-    g.dw1 = grads.dw1;
-    g.dw2 = grads.dw2;
-    g.d_pair_weights = dpw_recv.view(DType::f32, {Pr});
-    layer_backward(saved.local_cfg_, saved.plan_, saved.x_recv.view(cfg.dtype, {R, cfg.d}), w1,
-                   w2, dout_recv.view(cfg.dtype, {R, cfg.d}), saved.layer_, g, opts.layer);
-    ep::synchronize(dev, stream);
-  });
-
-  // ---- dx partials back, combined in rank order; pair gradients back to their pairs ----
-  {
-    Buffer ret(dev, static_cast<size_t>(N) * row_bytes);  // (N, d) as send_tokens
-    std::vector<int64_t> psc, pso, prc, pro;
-    row_bytes_of(pair_off, W, sizeof(float), psc, pso);
-    row_bytes_of(rpair_off, W, sizeof(float), prc, pro);
-    Buffer dpw_ret(dev, sizeof(float) * static_cast<size_t>(M));  // (M,) as send_pairs
-    {
-      ScopedTime st(&tm.exchange_s);
-      tr.all_to_all_v(dx_recv.data(), rc.data(), ro.data(), ret.data(), sc.data(), so.data());
-      tr.all_to_all_v(dpw_recv.data(), prc.data(), pro.data(), dpw_ret.data(), psc.data(),
-                      pso.data());
-    }
+  // dx partials combined in rank order; pair gradients scattered to their pairs. ret (N, d) and
+  // dpw_ret (M,) are laid out as send_tokens and send_pairs (chunk-major).
+  auto combine_and_scatter = [&](const Buffer& ret, const Buffer& dpw_ret) {
     ep::combine_rows(dev, ret.data(), coff, crow, cfg.T, cfg.d, cfg.dtype, grads.dx.data, stream);
     // Every pair went to exactly one rank, so this scatter writes each entry once.
     const int32_t* pairs = saved.send_pairs.as<int32_t>();  // (M,) local pair ids
@@ -572,6 +786,137 @@ void ep_backward(Transport& tr, const LayerConfig& cfg, const TensorView& w1,
       ep::copy_to_device(dev, grads.d_pair_weights.data, host_dpw.data(), host_dpw.bytes(),
                          stream);
     ep::synchronize(dev, stream);
+  };
+
+  if (C == 1) {
+    // One exchange each way, every step blocking (the path of a single chunk).
+    const EpChunkSaved& ch = saved.chunks_[0];
+    const int64_t R = ch.local_cfg.T, Pr = recv_pairs(0);
+    std::vector<int64_t> sc, so, rc, ro;
+    chunk_row_bytes(tok_off, W, 0, row_bytes, false, sc, so);
+    chunk_row_bytes(rtok_off, W, 0, row_bytes, true, rc, ro);
+
+    // ---- d_out rows to the ranks the tokens used ----
+    Buffer dout_recv(dev, static_cast<size_t>(R) * row_bytes);  // (R, d) as x_recv
+    {
+      Buffer send_rows(dev, static_cast<size_t>(N) * row_bytes);  // (N, d) as send_tokens
+      ep::gather_rows(dev, d_out.data, send_tokens, N, row_bytes, send_rows.data(), stream);
+      ep::synchronize(dev, stream);
+      ScopedTime st(&tm.exchange_s);
+      tr.all_to_all_v(send_rows.data(), sc.data(), so.data(), dout_recv.data(), rc.data(),
+                      ro.data());
+    }
+
+    // ---- local layer: dx partials, complete dw1/dw2 of the local experts, d pair weights ----
+    Buffer dx_recv(dev, static_cast<size_t>(R) * row_bytes);  // (R, d) partial per (token, q)
+    Buffer dpw_recv(dev, sizeof(float) * static_cast<size_t>(Pr));  // (P_recv,) local pair order
+    run_agreed(tr, "ep_backward (local layer)", &tm.exchange_s, [&] {
+      ScopedTime st(&tm.layer_s);
+      LayerGrads g;
+      g.dx = dx_recv.view(cfg.dtype, {R, cfg.d});
+      g.dw1 = grads.dw1;
+      g.dw2 = grads.dw2;
+      g.d_pair_weights = dpw_recv.view(DType::f32, {Pr});
+      layer_backward(ch.local_cfg, ch.plan, ch.x_recv.view(cfg.dtype, {R, cfg.d}), w1, w2,
+                     dout_recv.view(cfg.dtype, {R, cfg.d}), ch.layer, g, opts.layer);
+      ep::synchronize(dev, stream);
+    });
+
+    // ---- dx partials back, combined in rank order; pair gradients back to their pairs ----
+    Buffer ret(dev, static_cast<size_t>(N) * row_bytes);  // (N, d) as send_tokens
+    std::vector<int64_t> psc, pso, prc, pro;
+    chunk_row_bytes(pair_off, W, 0, sizeof(float), false, psc, pso);
+    chunk_row_bytes(rpair_off, W, 0, sizeof(float), true, prc, pro);
+    Buffer dpw_ret(dev, sizeof(float) * static_cast<size_t>(M));  // (M,) as send_pairs
+    {
+      ScopedTime st(&tm.exchange_s);
+      tr.all_to_all_v(dx_recv.data(), rc.data(), ro.data(), ret.data(), sc.data(), so.data());
+      tr.all_to_all_v(dpw_recv.data(), prc.data(), pro.data(), dpw_ret.data(), psc.data(),
+                      pso.data());
+    }
+    combine_and_scatter(ret, dpw_ret);
+  } else {
+    // ---- the chunk pipeline (run_chunk_pipeline): d_out rows out, layer_backward, dx
+    // partials and pair gradients back; combine and scatter once at the end ----
+    // dw1/dw2: chunk c's layer_backward gives the gradient over chunk c's tokens only; the
+    // chunks are summed in chunk order in fp32 and stored once in the dtype (fp32: chunk 0
+    // writes dw directly and the later chunks are added to it in place, the same sums; bf16: an
+    // fp32 accumulator). Deterministic, no atomics; not the single-device summation order.
+    const bool f32 = cfg.dtype == DType::f32;
+    const int64_t n1 = shard.count * cfg.w1_rows() * cfg.d, n2 = shard.count * cfg.d * cfg.n;
+    const size_t es = dtype_size(cfg.dtype);
+    Buffer send_rows(dev, static_cast<size_t>(N) * row_bytes, stream);  // (N, d) as send_tokens
+    Buffer ret(dev, static_cast<size_t>(N) * row_bytes, stream);   // (N, d) dx partials, alike
+    Buffer dpw_ret(dev, sizeof(float) * static_cast<size_t>(M), stream);  // (M,) as send_pairs
+    Buffer dw1_c(dev, es * static_cast<size_t>(n1), stream);  // (E_local, w1_rows, d) one chunk's
+    Buffer dw2_c(dev, es * static_cast<size_t>(n2), stream);  // (E_local, d, n) one chunk's
+    Buffer acc1, acc2;  // bf16 only: (n1,), (n2,) fp32 sums of the chunks so far
+    if (!f32) {
+      acc1 = Buffer(dev, sizeof(float) * static_cast<size_t>(n1), stream);
+      acc2 = Buffer(dev, sizeof(float) * static_cast<size_t>(n2), stream);
+    }
+    float* a1 = f32 ? grads.dw1.as<float>() : acc1.as<float>();
+    float* a2 = f32 ? grads.dw2.as<float>() : acc2.as<float>();
+    // Per chunk: (R_c, d) d_out rows received, (R_c, d) dx partials, (P_c,) pair gradients.
+    std::vector<Buffer> dout_recv(static_cast<size_t>(C)), dx_recv(static_cast<size_t>(C)),
+        dpw_recv(static_cast<size_t>(C));
+    for (int c = 0; c < C; ++c) {
+      const size_t R = static_cast<size_t>(saved.chunks_[c].local_cfg.T);
+      dout_recv[c] = Buffer(dev, R * row_bytes, stream);
+      dx_recv[c] = Buffer(dev, R * row_bytes, stream);
+      dpw_recv[c] = Buffer(dev, sizeof(float) * static_cast<size_t>(recv_pairs(c)), stream);
+    }
+    ep::gather_rows(dev, d_out.data, send_tokens, N, row_bytes, send_rows.data(), stream);
+    std::vector<int64_t> sc, so, rc, ro;  // (W,) bytes of chunk c's rows, as in forward
+    std::vector<int64_t> psc, pso, prc, pro;  // (W,) bytes of chunk c's pair gradients
+    auto chunk_bytes = [&](int c) {
+      chunk_row_bytes(tok_off, W, c, row_bytes, false, sc, so);
+      chunk_row_bytes(rtok_off, W, c, row_bytes, true, rc, ro);
+    };
+    const std::exception_ptr layer_err = run_chunk_pipeline(
+        tr, dev, stream, C, tm,
+        [&](int c) {
+          chunk_bytes(c);
+          return tr.all_to_all_v_start(send_rows.data(), sc.data(), so.data(),
+                                       dout_recv[c].data(), rc.data(), ro.data(), stream);
+        },
+        [&](int c) {
+          const EpChunkSaved& ch = saved.chunks_[c];
+          const int64_t R = ch.local_cfg.T;
+          // fp32: chunk 0's weight gradients are the sum's first term, written in place.
+          const bool direct = f32 && c == 0;
+          LayerGrads g;
+          g.dx = dx_recv[c].view(cfg.dtype, {R, cfg.d});
+          g.dw1 = direct ? grads.dw1 : dw1_c.view(cfg.dtype, {shard.count, cfg.w1_rows(), cfg.d});
+          g.dw2 = direct ? grads.dw2 : dw2_c.view(cfg.dtype, {shard.count, cfg.d, cfg.n});
+          g.d_pair_weights = dpw_recv[c].view(DType::f32, {recv_pairs(c)});
+          layer_backward(ch.local_cfg, ch.plan, ch.x_recv.view(cfg.dtype, {R, cfg.d}), w1, w2,
+                         dout_recv[c].view(cfg.dtype, {R, cfg.d}), ch.layer, g, opts.layer);
+          // On the layer's stream, so the next chunk's layer_backward finds dw*_c free again.
+          if (!direct) {
+            ep::accumulate_f32(dev, dw1_c.data(), cfg.dtype, a1, n1, c == 0, stream);
+            ep::accumulate_f32(dev, dw2_c.data(), cfg.dtype, a2, n2, c == 0, stream);
+          }
+        },
+        [&](int c, std::vector<uint64_t>& tickets) {
+          chunk_bytes(c);
+          chunk_row_bytes(pair_off, W, c, sizeof(float), false, psc, pso);
+          chunk_row_bytes(rpair_off, W, c, sizeof(float), true, prc, pro);
+          tickets.push_back(tr.all_to_all_v_start(dx_recv[c].data(), rc.data(), ro.data(),
+                                                  ret.data(), sc.data(), so.data(), stream));
+          tickets.push_back(tr.all_to_all_v_start(dpw_recv[c].data(), prc.data(), pro.data(),
+                                                  dpw_ret.data(), psc.data(), pso.data(),
+                                                  stream));
+        });
+    {
+      ScopedTime st(&tm.exchange_s);
+      agree(tr, layer_err, {}, "ep_backward (local layer)");
+    }
+    if (!f32) {  // every chunk was added: the one rounding to bf16
+      ep::store_from_f32(dev, a1, cfg.dtype, grads.dw1.data, n1, stream);
+      ep::store_from_f32(dev, a2, cfg.dtype, grads.dw2.data, n2, stream);
+    }
+    combine_and_scatter(ret, dpw_ret);
   }
   tm.total_s = seconds_since(t_start);
   if (opts.timings) *opts.timings = tm;

@@ -191,12 +191,13 @@ void run_single_device(Problem& p) {
   test::run_layer(p.cfg, test::make_plan(p.global), *p.ref, o);
 }
 
-void run_ep(Problem& p, int num_threads = 1) {
+void run_ep(Problem& p, int num_threads = 1, int chunks = 1) {
   run_in_process(p.spec.W, [&](Transport& tr) {
     RankData& rd = p.ranks[tr.rank()];
     EpOptions o;
     o.layer.mode = p.spec.mode;
     o.layer.num_threads = num_threads;
+    o.chunks = chunks;
     o.timings = &rd.fwd_t;
     ep_forward(tr, rd.cfg, rd.routing.view(), rd.x.view(), rd.w1.view(), rd.w2.view(),
                rd.out.view(), rd.saved, o);
@@ -634,6 +635,216 @@ TEST(ExpertParallel, BackwardChecksItsArguments) {
                         "moeblaze-recompute"),
             std::string::npos)
       << msg[1];
+  for (const RankData& rd : p.ranks) {
+    HostTensor pattern(rd.dx.dtype, rd.dx.shape);
+    pattern.fill_pattern();
+    EXPECT_TRUE(test::bitwise_equal(rd.dx, pattern));
+  }
+}
+
+// ---- chunks: the pipelined exchange (EpOptions::chunks > 1) ----
+//
+// What holds against chunks = 1, and why (docs/EXPERT_PARALLEL.md, "Numerics"):
+//  - out, dx, d_pair_weights: bitwise equal. A token lies in one chunk and travels to the same
+//    ranks; on each, its partial is computed from its own row only (the CPU GEMMs compute each
+//    output row from that row and the weights, independently of the other rows, and a token's
+//    slots are summed in its pair order), and the combine adds its partials in rank order.
+//  - dw1, dw2: the sum over an expert's slots is split into per-chunk sums (each stored in the
+//    dtype by the local layer), added in chunk order in fp32 and stored once: another grouping,
+//    bounded below.
+
+// Relative Frobenius bound of the chunked dw1/dw2 against the single-device layer.
+// fp32: the slot sum regrouped into C partial sums, each a few rounding units of 2^-24 off;
+// 2^-20 leaves room for cancellation (measured: <= 1.6e-7 for C in {2, 3, 5}).
+// bf16: each chunk's sum is rounded to bf16 (a relative 2^-8 at most, mostly far less and of
+// random sign) before the fp32 sum, plus one final rounding: (C + 1) units of 2^-8 in the worst
+// case; the Frobenius norm of independent roundings grows like sqrt(C + 1), so (C + 1) * 2^-9
+// bounds it with room (measured: <= 3.7e-3 for C in {2, 3, 5}; the bound is 5.9e-3 at C = 2).
+double chunk_sum_tol(DType dt, int C) {
+  return dt == DType::bf16 ? (C + 1) * 0x1p-9 : 0x1p-20;
+}
+
+// Chunked EP against the same problem with chunks = 1 (out, dx, d_pair_weights bitwise, the same
+// rows sent and received) and against the single-device layer (dw1, dw2 within the bound).
+void expect_chunked_matches(const Problem& one, const Problem& chunked, int C) {
+  const int64_t El = one.spec.E / one.spec.W;
+  for (int r = 0; r < one.spec.W; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r) + " of " + std::to_string(one.spec.W) +
+                 ", T = " + std::to_string(one.spec.T[r]) + ", chunks " + std::to_string(C));
+    const RankData &a = one.ranks[r], &b = chunked.ranks[r];
+    EXPECT_TRUE(test::bitwise_equal(b.out, a.out)) << "out rel err " << rel_frobenius(b.out, a.out);
+    EXPECT_TRUE(test::bitwise_equal(b.dx, a.dx)) << "dx rel err " << rel_frobenius(b.dx, a.dx);
+    EXPECT_TRUE(test::bitwise_equal(b.dpw, a.dpw))
+        << "d_pair_weights rel err " << rel_frobenius(b.dpw, a.dpw);
+    EXPECT_EQ(b.sent, a.sent);
+    EXPECT_EQ(b.received, a.received);
+    EXPECT_EQ(b.saved.chunks(), C);
+    const HostTensor dw1 = slice_rows(chunked.ref->dw1, r * El, El);
+    const HostTensor dw2 = slice_rows(chunked.ref->dw2, r * El, El);
+    const double tol = chunk_sum_tol(one.spec.dtype, C);
+    EXPECT_LE(rel_frobenius(b.dw1, dw1), tol);
+    EXPECT_LE(rel_frobenius(b.dw2, dw2), tol);
+  }
+}
+
+TEST(ExpertParallelChunks, OutDxPairGradsBitwiseEqualToOneChunkWeightsWithinBound) {
+  // Uneven token counts; with W >= 2 one rank has fewer tokens than chunks (empty chunks) and
+  // one has none. Spread routing (tokens on several ranks), some tokens without pairs.
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (int W : {1, 2, 4})
+    for (DType dt : {DType::f32, DType::bf16})
+      for (int C : {2, 3, 5}) {
+        SCOPED_TRACE(std::string("W ") + std::to_string(W) + " " + dname(dt));
+        Spec s;
+        s.W = W;
+        s.E = 8;
+        s.K = 3;
+        s.T = random_tokens(W, 20, 80, rng);
+        if (W >= 2) s.T[1] = std::uniform_int_distribution<int64_t>(1, C - 1)(rng);  // T < C
+        if (W >= 4) s.T[2] = 0;
+        s.no_pairs = 0.05;
+        s.dtype = dt;
+        const uint64_t pseed = rng();
+        Problem one = make_problem(s, pseed), chunked = make_problem(s, pseed);
+        run_single_device(chunked);
+        run_ep(one, 1, 1);
+        run_ep(chunked, 1, C);
+        expect_chunked_matches(one, chunked, C);
+      }
+}
+
+TEST(ExpertParallelChunks, MoreChunksThanTokensEverywhereAndEveryMode) {
+  // T < C on every rank (most chunks empty on every rank), and T = 0 everywhere; the layer
+  // modes keep their own saved state per chunk.
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (LayerMode mode : {LayerMode::keep_h, LayerMode::recompute, LayerMode::materialized})
+    for (const std::vector<int64_t>& T : {std::vector<int64_t>{3, 1}, std::vector<int64_t>{0, 0}}) {
+      SCOPED_TRACE(std::string(layer_mode_name(mode)) + " T0 = " + std::to_string(T[0]));
+      Spec s;
+      s.W = 2;
+      s.E = 4;
+      s.K = 2;
+      s.T = T;
+      s.mode = mode;
+      s.dtype = (rng() & 1) ? DType::bf16 : DType::f32;
+      const uint64_t pseed = rng();
+      Problem one = make_problem(s, pseed), chunked = make_problem(s, pseed);
+      run_single_device(chunked);
+      run_ep(one, 1, 1);
+      run_ep(chunked, 1, 5);
+      expect_chunked_matches(one, chunked, 5);
+    }
+}
+
+TEST(ExpertParallelChunks, ReproducibleAcrossRunsAndThreadCounts) {
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (DType dt : {DType::f32, DType::bf16}) {
+    Spec s;
+    s.W = 4;
+    s.E = 8;
+    s.K = 3;
+    s.T = random_tokens(4, 20, 60, rng);
+    s.dtype = dt;
+    const uint64_t pseed = rng();
+    Problem a = make_problem(s, pseed), b = make_problem(s, pseed);
+    run_ep(a, 1, 3);
+    run_ep(b, 2, 3);
+    for (int r = 0; r < s.W; ++r) {
+      SCOPED_TRACE(std::string(dname(dt)) + " rank " + std::to_string(r));
+      const RankData &x = a.ranks[r], &y = b.ranks[r];
+      EXPECT_TRUE(test::bitwise_equal(x.out, y.out));
+      EXPECT_TRUE(test::bitwise_equal(x.dx, y.dx));
+      EXPECT_TRUE(test::bitwise_equal(x.dw1, y.dw1));
+      EXPECT_TRUE(test::bitwise_equal(x.dw2, y.dw2));
+      EXPECT_TRUE(test::bitwise_equal(x.dpw, y.dpw));
+      // The in-process transport blocks: all exchange time is exchange_s, none is pipeline_s
+      // beyond the final (no-op) CPU synchronisation.
+      EXPECT_GT(x.fwd_t.exchange_s, 0.0);
+      EXPECT_GE(x.fwd_t.total_s, x.fwd_t.layer_s + x.fwd_t.exchange_s);
+      EXPECT_GE(x.bwd_t.total_s, x.bwd_t.layer_s + x.bwd_t.exchange_s);
+    }
+  }
+}
+
+// ep_forward on every rank with its own chunks; each rank's outcome.
+std::vector<Outcome> forward_with_chunks(Problem& p, const std::vector<int>& chunks) {
+  std::vector<Outcome> res(static_cast<size_t>(p.spec.W));
+  run_in_process(p.spec.W, [&](Transport& tr) {
+    RankData& rd = p.ranks[tr.rank()];
+    EpOptions o;
+    o.chunks = chunks[tr.rank()];
+    Outcome& out = res[tr.rank()];
+    try {
+      ep_forward(tr, rd.cfg, rd.routing.view(), rd.x.view(), rd.w1.view(), rd.w2.view(),
+                 rd.out.view(), rd.saved, o);
+    } catch (const RemoteRankError& e) {
+      out.message = e.what();
+      out.remote = true;
+    } catch (const InvalidArgument& e) {
+      out.message = e.what();
+    }
+  });
+  return res;
+}
+
+TEST(ExpertParallelChunks, ABadChunkCountFailsEveryRankWithoutTouchingOutputs) {
+  for (int bad : {0, -3, kEpMaxChunks + 1}) {
+    SCOPED_TRACE("chunks " + std::to_string(bad));
+    Problem p = make_problem(small_spec(), test::fresh_seed());
+    const std::vector<Outcome> res = forward_with_chunks(p, {2, bad});
+    const std::string want = "EpOptions::chunks (" + std::to_string(bad) + ") must be in [1, " +
+                             std::to_string(kEpMaxChunks) + "]";
+    EXPECT_FALSE(res[1].remote);
+    EXPECT_NE(res[1].message.find(want), std::string::npos) << res[1].message;
+    EXPECT_TRUE(res[0].remote);
+    EXPECT_NE(res[0].message.find("ep_forward: rank(s) 1 rejected their arguments"),
+              std::string::npos)
+        << res[0].message;
+    expect_outputs_untouched(p);
+  }
+}
+
+TEST(ExpertParallelChunks, RanksMustAgreeOnChunks) {
+  Spec s = small_spec();
+  s.W = 4;
+  s.T = {12, 9, 0, 5};
+  Problem p = make_problem(s, test::fresh_seed());
+  const std::vector<Outcome> res = forward_with_chunks(p, {2, 2, 3, 2});
+  for (const Outcome& o : res)
+    EXPECT_NE(o.message.find("ep_forward: opts.chunks (3) on rank 2 differs from opts.chunks (2) "
+                             "on rank 0"),
+              std::string::npos)
+        << o.message;
+  expect_outputs_untouched(p);
+}
+
+TEST(ExpertParallelChunks, BackwardRunsForwardsChunks) {
+  Problem p = make_problem(small_spec(), test::fresh_seed());
+  run_ep(p, 1, 3);
+  std::vector<std::string> msg(2);
+  for (RankData& rd : p.ranks) rd.dx.fill_pattern();
+  run_in_process(2, [&](Transport& tr) {
+    RankData& rd = p.ranks[tr.rank()];
+    EpGrads g{rd.dx.view(), rd.dw1.view(), rd.dw2.view(), rd.dpw.view()};
+    EpOptions o;
+    o.chunks = tr.rank() == 0 ? 3 : 2;
+    try {
+      ep_backward(tr, rd.cfg, rd.w1.view(), rd.w2.view(), rd.d_out.view(), rd.saved, g, o);
+    } catch (const InvalidArgument& e) {
+      msg[tr.rank()] = e.what();
+    }
+  });
+  EXPECT_NE(msg[1].find("EpOptions::chunks (2) differs from the chunks ep_forward ran with (3)"),
+            std::string::npos)
+      << msg[1];
+  EXPECT_NE(msg[0].find("ep_backward: rank(s) 1 rejected their arguments"), std::string::npos)
+      << msg[0];
   for (const RankData& rd : p.ranks) {
     HostTensor pattern(rd.dx.dtype, rd.dx.shape);
     pattern.fill_pattern();

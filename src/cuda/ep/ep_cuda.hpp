@@ -20,4 +20,10 @@ void gather_rows(const void* src, const int32_t* idx, int64_t count, size_t row_
 void combine_rows(const void* rows, const int32_t* off, const int32_t* idx, int64_t T, int64_t d,
                   DType dtype, void* out, cudaStream_t stream);
 
+// src/cuda/ep/accumulate_f32.cu: acc[i] = (first ? 0 : acc[i]) + float(src[i]) and
+// dst[i] = dtype(acc[i]); src, dst (count,) dtype, acc (count,) fp32. Elementwise, no atomics.
+void accumulate_f32(const void* src, DType dtype, float* acc, int64_t count, bool first,
+                    cudaStream_t stream);
+void store_from_f32(const float* acc, DType dtype, void* dst, int64_t count, cudaStream_t stream);
+
 }  // namespace moeblaze::cuda::ep
