@@ -61,78 +61,57 @@ struct GatherDhEpilogue {
                         [&](auto a) { body<decltype(a)::value>(p, acc, m_begin, m_end, n_tile); });
   }
 
-  // Column groups are processed in chunks of kChunk, and a chunk's H loads for all of the
-  // thread's rows are issued together before any is used: the epilogue is bound by the latency
-  // of those loads (the tile's lines were asked into L2 at the tile's start), so each round trip
-  // carries as many loads as the registers allow: kRows x kChunk x 2 = 32 bf16x2 values (64
-  // spilled under the ping-pong consumers' 232 registers).
-  // (A software-pipelined variant, the next chunk's loads in flight while this one is stored,
-  // measured 25-35 % slower on the H200 in the cooperative kernel: bench/NOTES.md.)
-  static constexpr int kChunk = 16 / Frag::kRows;
+  // Column groups are processed in chunks of 8 (64 columns): the H loads of a chunk are issued
+  // together. (A software-pipelined variant, the next chunk's loads in flight while this one is
+  // stored, measured 25-35 % slower on the H200: bench/NOTES.md.)
+  static constexpr int kChunk = 8;
 
   template <Activation A, class Acc>
   __device__ static void body(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile) {
     constexpr bool kGated = A == Activation::swiglu || A == Activation::geglu;
-    constexpr int kRows = Frag::kRows;
     const int64_t w1_rows = kGated ? 2 * int64_t(p.n) : p.n;
     const int n0 = n_tile * Frag::kTileN;
     const __nv_bfloat162 zero = __floats2bfloat162_rn(0.0f, 0.0f);
-    int slot[kRows];
-    float s[kRows];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      slot[r] = m_begin + Frag::row(r);
-      s[r] = slot[r] < m_end ? __ldg(p.slot_weights + slot[r]) : 0.0f;
-    }
+    for (int r = 0; r < Frag::kRows; ++r) {
+      const int slot = m_begin + Frag::row(r);
+      const bool row_ok = slot < m_end;
+      const float s = row_ok ? __ldg(p.slot_weights + slot) : 0.0f;
+      const int64_t row = row_ok ? slot : 0;
+      const __nv_bfloat16* h_row = p.h + row * w1_rows;
+      __nv_bfloat16* dh_row = p.dh + row * w1_rows;
+      __nv_bfloat16* as_row = p.a_scaled + row * p.n;
 #pragma unroll
-    for (int half = 0; half < kPartials; ++half) {
-      float part[kRows];  // this thread's share of sum_j da'_j a_j over the partial's columns
+      for (int half = 0; half < kPartials; ++half) {
+        float part = 0.0f;  // this thread's share of sum_j da'_j a_j over the partial's columns
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) part[r] = 0.0f;
-#pragma unroll
-      for (int c0 = half * kPartialGroups; c0 < (half + 1) * kPartialGroups; c0 += kChunk) {
-        __nv_bfloat162 g[kRows][kChunk], u[kRows][kChunk];
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          const __nv_bfloat16* h_row = p.h + int64_t(slot[r] < m_end ? slot[r] : 0) * w1_rows;
+        for (int c0 = half * kPartialGroups; c0 < (half + 1) * kPartialGroups; c0 += kChunk) {
+          __nv_bfloat162 g[kChunk], u[kChunk];
 #pragma unroll
           for (int q = 0; q < kChunk; ++q) {
             const int j = n0 + Frag::col(c0 + q);
-            // n is a multiple of 64: pairs never straddle it
-            const bool ok = slot[r] < m_end && j < p.n;
-            g[r][q] = ok ? __ldg(reinterpret_cast<const __nv_bfloat162*>(h_row + j)) : zero;
-            u[r][q] = ok && kGated
-                          ? __ldg(reinterpret_cast<const __nv_bfloat162*>(h_row + p.n + j))
-                          : zero;
+            const bool ok = row_ok && j < p.n;  // n is a multiple of 64: pairs never straddle it
+            g[q] = ok ? __ldg(reinterpret_cast<const __nv_bfloat162*>(h_row + j)) : zero;
+            u[q] = ok && kGated
+                       ? __ldg(reinterpret_cast<const __nv_bfloat162*>(h_row + p.n + j))
+                       : zero;
           }
-        }
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          if (slot[r] >= m_end) continue;
-          __nv_bfloat16* dh_row = p.dh + int64_t(slot[r]) * w1_rows;
-          __nv_bfloat16* as_row = p.a_scaled + int64_t(slot[r]) * p.n;
 #pragma unroll
           for (int q = 0; q < kChunk; ++q) {
             const int i = c0 + q;
             const int j = n0 + Frag::col(i);
-            if (j >= p.n) continue;
+            if (!row_ok || j >= p.n) continue;
             const int k = Frag::acc_index(r, i);
-            dh_pair<A>(p, acc(k), acc(k + 1), s[r], g[r][q], u[r][q], dh_row, as_row, j,
-                       part[r]);
+            dh_pair<A>(p, acc(k), acc(k + 1), s, g[q], u[q], dh_row, as_row, j, part);
           }
         }
-      }
-      // The 4 lanes sharing a row hold the partial's 128 columns; a fixed butterfly keeps the
-      // order fixed (the same sum, in the same order, as DhEpilogue's for these columns: each
-      // row's columns are added in ascending chunk order as before).
-      const int col = kPartials * n_tile + half;
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        float v = part[r];
-        v += __shfl_xor_sync(0xffffffffu, v, 1);
-        v += __shfl_xor_sync(0xffffffffu, v, 2);
-        if (slot[r] < m_end && col < p.ds_cols && (threadIdx.x & 3) == 0)
-          p.ds_partials[int64_t(slot[r]) * p.ds_cols + col] = v;
+        // The 4 lanes sharing a row hold the partial's 128 columns; a fixed butterfly keeps the
+        // order fixed (the same sum, in the same order, as DhEpilogue's for these columns).
+        part += __shfl_xor_sync(0xffffffffu, part, 1);
+        part += __shfl_xor_sync(0xffffffffu, part, 2);
+        const int col = kPartials * n_tile + half;
+        if (row_ok && col < p.ds_cols && (threadIdx.x & 3) == 0)
+          p.ds_partials[int64_t(slot) * p.ds_cols + col] = part;
       }
     }
   }
