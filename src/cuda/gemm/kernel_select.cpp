@@ -45,6 +45,16 @@ bool use_ws_gather(int64_t E) {
 
 bool use_ws_dh(int64_t E, int64_t d) { return use_ws_gather(E) && d >= kWsDhMinD; }
 
+namespace {
+bool ping_pong_on() {
+  static const bool off = [] {
+    const char* env = std::getenv("MOEBLAZE_GEMM_PP");
+    return env && std::strcmp(env, "0") == 0;
+  }();
+  return !off;
+}
+}  // namespace
+
 namespace detail {
 GatherPath resolve_gather_path(const char* fn, GatherKernel kernel, int64_t E,
                                GatherPath automatic_path, bool has_ping_pong) {
@@ -62,13 +72,29 @@ GatherPath resolve_gather_path(const char* fn, GatherKernel kernel, int64_t E,
   }
   return automatic_path;
 }
+
+GatherPath up_proj_auto_path(int64_t E, int64_t d) {
+  if (!use_ws_gather(E)) return GatherPath::two_cta;
+  return ping_pong_on() && d < kPpUpMaxD ? GatherPath::ping_pong : GatherPath::cooperative;
+}
+
+GatherPath dh_proj_auto_path(int64_t E, int64_t d) {
+  if (!use_ws_dh(E, d)) return GatherPath::two_cta;
+  return ping_pong_on() && d < kPpDhMaxD ? GatherPath::ping_pong : GatherPath::cooperative;
+}
 }  // namespace detail
 
 std::vector<KernelChoice> describe_kernels(int64_t S, int64_t E, int64_t d) {
-  const bool ws = use_ws_gather(E), ws_dh = use_ws_dh(E, d), tma = use_tma_gemm(S, E);
+  using detail::GatherPath;
+  const bool ws = use_ws_gather(E), tma = use_tma_gemm(S, E);
+  const GatherPath up = detail::up_proj_auto_path(E, d), dh = detail::dh_proj_auto_path(E, d);
   const std::string ws_m =
-      "warp-specialised gather (sm90_ws_gather.cuh): persistent, 128x256x64 tiles, 4 stages, "
-      "A rows by cp.async, weights by TMA";
+      "warp-specialised gather (sm90_ws_gather.cuh): persistent, 128x256x64 tiles shared by two "
+      "consumer warpgroups (cooperative), 4 stages, A rows by cp.async, weights by TMA";
+  const std::string pp_m =
+      "warp-specialised gather (sm90_ws_gather.cuh), ping-pong: persistent, 128x128x64 tiles, "
+      "one per consumer warpgroup (epilogue under the other's mainloop), 6 stages, A rows by "
+      "cp.async, weights by TMA";
   const std::string two_cta =
       "2-CTA (sm90_varlen_m.cuh): 128x128x64 tiles, 3 stages, cp.async by all threads";
   const std::string tma_path =
@@ -81,11 +107,24 @@ std::vector<KernelChoice> describe_kernels(int64_t S, int64_t E, int64_t d) {
   const std::string why_ws = ws ? "" : (detail::ws_gather_supports(E) ? " [MOEBLAZE_GEMM_WS=0]"
                                                                       : " [E > 4096]");
   const std::string why_tma = tma ? " [S >= 512 E]" : " [S < 512 E, or MOEBLAZE_GEMM_TMA=0]";
+  const std::string pp_off = ping_pong_on() ? "" : ", MOEBLAZE_GEMM_PP=0";
+  std::string up_s, dh_s;
+  if (up == GatherPath::two_cta)
+    up_s = two_cta + ", w1 by TMA unless MOEBLAZE_GEMM_TMA_B=0" + why_ws;
+  else if (up == GatherPath::ping_pong)
+    up_s = pp_m + " [d < 2048]";
+  else
+    up_s = ws_m + " [d >= 2048" + pp_off + "]";
+  if (dh == GatherPath::two_cta)
+    dh_s = two_cta + (ws ? " [d < 2048: the gather kernels' epilogue is not amortised]" : why_ws);
+  else if (dh == GatherPath::ping_pong)
+    dh_s = pp_m + " [2048 <= d < 4096]";
+  else
+    dh_s = ws_m + " [d >= 4096" + pp_off + "]";
   return {
-      {"up_proj", (ws ? ws_m : two_cta + ", w1 by TMA unless MOEBLAZE_GEMM_TMA_B=0") + why_ws},
+      {"up_proj", up_s},
       {"down_proj", (tma ? tma_path : two_cta) + why_tma},
-      {"dh_proj", ws_dh ? ws_m + " [d >= 2048]"
-                        : two_cta + (ws ? " [d < 2048: its epilogue is not amortised]" : why_ws)},
+      {"dh_proj", dh_s},
       {"dw2_proj", (ws ? ws_k : two_cta_k) + why_ws},
       {"dx_proj", (tma ? tma_path : two_cta) + why_tma},
       {"dw1_proj", (ws ? ws_k + ", computed transposed" : two_cta_k) + why_ws},

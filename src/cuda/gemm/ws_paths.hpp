@@ -22,6 +22,10 @@ enum class GatherPath { two_cta, cooperative, ping_pong };
 GatherPath resolve_gather_path(const char* fn, GatherKernel kernel, int64_t E,
                                GatherPath automatic_path, bool has_ping_pong);
 
+// The automatic choices of up_proj and dh_proj (grouped_gemm.hpp's rule).
+GatherPath up_proj_auto_path(int64_t E, int64_t d);
+GatherPath dh_proj_auto_path(int64_t E, int64_t d);
+
 // up_proj on the warp-specialised path (cooperative); same contract as up_proj.
 void up_proj_ws(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
                 int64_t d, int64_t n, Activation act, cudaStream_t stream);
