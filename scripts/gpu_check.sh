@@ -98,11 +98,14 @@ if [ -z "${PREBUILT:-}" ]; then
     grep -E "error|Error" "$OUT/build.log" | head -40; echo "gpu_check: build FAILED"; exit 1; }
   summary+=("build: ok in $(( $(date +%s) - start )) s (${targets[*]})")
 else
-  if [ "${parts[*]}" != python ]; then
-    for b in moeblaze moeblaze_tests moeblaze_gpu_tests; do
-      [ -x "$BUILD/$b" ] || { echo "gpu_check: PREBUILT set but $BUILD/$b is missing"; exit 1; }
-    done
-  fi
+  # Only the binaries the requested parts run (a carried build folder stays small).
+  need=()
+  if want tests; then need+=(moeblaze_tests moeblaze_gpu_tests); fi
+  if want routing-tests || want ep; then need+=(moeblaze_gpu_tests); fi
+  if want routing || want layer || want gemm || want ep; then need+=(moeblaze); fi
+  for b in "${need[@]}"; do
+    [ -x "$BUILD/$b" ] || { echo "gpu_check: PREBUILT set but $BUILD/$b is missing"; exit 1; }
+  done
   summary+=("build: prebuilt binaries in $BUILD")
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
