@@ -14,8 +14,11 @@
 
 #include <cuda_bf16.h>
 
+#include <cstdint>
+
 #include "cuda/activation.cuh"
-#include "cuda/gemm/sm90_gemm_core.cuh"  // store_bf16x2
+#include "cuda/gemm/quad_transpose.cuh"
+#include "cuda/gemm/sm90_gemm_core.cuh"
 
 namespace moeblaze::cuda::gemm::sm90 {
 
@@ -27,43 +30,81 @@ struct ActParams {
   Activation act;
 };
 
+// Column groups go in quads: the quad's lanes compute their fragment's words of four groups,
+// a quad transpose (quad_transpose.cuh) gives each lane one whole group (16 bytes), stored with
+// one vector store per lane and array: two full 32-byte sectors per row and quad instead of four
+// half-written ones. Rows past the expert's end and columns past n store nothing (the shuffles
+// need every lane, so nothing is skipped before them).
 template <Activation A, class Frag, class Acc>
 __device__ __forceinline__ void act_epilogue_body(const ActParams& p, Acc& acc, int m_begin,
                                                   int m_end, int n_tile) {
   constexpr bool kGated = A == Activation::swiglu || A == Activation::geglu;
+  static_assert(Frag::kGroups % (kGated ? 8 : 4) == 0, "column groups come in quads");
   const int64_t w1_rows = kGated ? 2 * int64_t(p.n) : p.n;
+  const int q = threadIdx.x & 3;
+  auto pack = [](float x, float y) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  };
 #pragma unroll
   for (int r = 0; r < Frag::kRows; ++r) {
     const int slot = m_begin + Frag::row(r);
-    if (slot >= m_end) continue;
-    __nv_bfloat16* h_row = p.h ? p.h + int64_t(slot) * w1_rows : nullptr;
-    __nv_bfloat16* a_row = p.a ? p.a + int64_t(slot) * p.n : nullptr;
+    const bool row_ok = slot < m_end;
+    const int64_t row = row_ok ? slot : 0;
+    __nv_bfloat16* h_row = p.h ? p.h + row * w1_rows : nullptr;
+    __nv_bfloat16* a_row = p.a ? p.a + row * p.n : nullptr;
     if constexpr (kGated) {
       constexpr int kHalf = Frag::kGroups / 2;
       const int j0 = n_tile * (Frag::kTileN / 2);
 #pragma unroll
-      for (int i = 0; i < kHalf; ++i) {
-        const int j = j0 + Frag::col(i);
-        if (j >= p.n) continue;  // the last tile when n is not a multiple of kTileN / 2
-        const int gi = Frag::acc_index(r, i), ui = Frag::acc_index(r, i + kHalf);
-        const float g0 = acc(gi), g1 = acc(gi + 1);
-        const float u0 = acc(ui), u1 = acc(ui + 1);
-        if (h_row) {
-          store_bf16x2(h_row + j, g0, g1);
-          store_bf16x2(h_row + p.n + j, u0, u1);
+      for (int i0 = 0; i0 < kHalf; i0 += 4) {
+        uint32_t hg[4], hu[4], av[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int gi = Frag::acc_index(r, i0 + k), ui = Frag::acc_index(r, i0 + k + kHalf);
+          const float g0 = acc(gi), g1 = acc(gi + 1);
+          const float u0 = acc(ui), u1 = acc(ui + 1);
+          hg[k] = pack(g0, g1);
+          hu[k] = pack(u0, u1);
+          av[k] = pack(dev_act(A, g0) * u0, dev_act(A, g1) * u1);
         }
-        if (a_row) store_bf16x2(a_row + j, dev_act(A, g0) * u0, dev_act(A, g1) * u1);
+        const int jv = j0 + 8 * (i0 + q);  // this lane's group after the transpose
+        const bool ok = row_ok && jv < p.n;  // n is a multiple of 64: groups never straddle it
+        if (h_row) {
+          quad_transpose(hg);
+          quad_transpose(hu);
+          if (ok) {
+            *reinterpret_cast<uint4*>(h_row + jv) = make_uint4(hg[0], hg[1], hg[2], hg[3]);
+            *reinterpret_cast<uint4*>(h_row + p.n + jv) = make_uint4(hu[0], hu[1], hu[2], hu[3]);
+          }
+        }
+        if (a_row) {
+          quad_transpose(av);
+          if (ok) *reinterpret_cast<uint4*>(a_row + jv) = make_uint4(av[0], av[1], av[2], av[3]);
+        }
       }
     } else {
       const int n0 = n_tile * Frag::kTileN;
 #pragma unroll
-      for (int i = 0; i < Frag::kGroups; ++i) {
-        const int j = n0 + Frag::col(i);
-        if (j >= p.n) continue;
-        const int hi = Frag::acc_index(r, i);
-        const float h0 = acc(hi), h1 = acc(hi + 1);
-        if (h_row) store_bf16x2(h_row + j, h0, h1);
-        if (a_row) store_bf16x2(a_row + j, dev_act(A, h0), dev_act(A, h1));
+      for (int i0 = 0; i0 < Frag::kGroups; i0 += 4) {
+        uint32_t hv[4], av[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int hi = Frag::acc_index(r, i0 + k);
+          const float h0 = acc(hi), h1 = acc(hi + 1);
+          hv[k] = pack(h0, h1);
+          av[k] = pack(dev_act(A, h0), dev_act(A, h1));
+        }
+        const int jv = n0 + 8 * (i0 + q);
+        const bool ok = row_ok && jv < p.n;
+        if (h_row) {
+          quad_transpose(hv);
+          if (ok) *reinterpret_cast<uint4*>(h_row + jv) = make_uint4(hv[0], hv[1], hv[2], hv[3]);
+        }
+        if (a_row) {
+          quad_transpose(av);
+          if (ok) *reinterpret_cast<uint4*>(a_row + jv) = make_uint4(av[0], av[1], av[2], av[3]);
+        }
       }
     }
   }

@@ -5,6 +5,8 @@
 
 #include <cuda_bf16.h>
 
+#include <cstdint>
+
 #include "cuda/activation.cuh"
 #include "cuda/gemm/grouped_gemm.hpp"  // ds_partials_cols
 #include "cuda/gemm/sm90_gemm_core.cuh"  // store_bf16x2
@@ -37,15 +39,21 @@ inline DhParams make_dh_params(const RoutingPlanView& plan, const bf16* h, float
                   is_gated(act)};
 }
 
+// bf16x2 packed as the 32-bit word a vector store writes.
+__device__ __forceinline__ uint32_t pack_bf16x2(float x, float y) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 // Columns j, j + 1 of one slot's row: da' = (dap0, dap1) from the accumulators, H = g (and u for
-// gated activations) as stored, s the slot weight. Writes dh[j, j+1] (and dh[n + j, n + j + 1])
-// and a_scaled[j, j+1]; adds da'_j a_j then da'_{j+1} a_{j+1} to part (this order, so that the
-// ds partials are the same sums in both kernels).
+// gated activations) as stored, s the slot weight. Gives the words of dh[j, j+1] (dg), of
+// dh[n + j, n + j + 1] (du, gated only) and of a_scaled[j, j+1] (as); adds da'_j a_j then
+// da'_{j+1} a_{j+1} to part (this order, so that the ds partials are the same sums in every
+// kernel).
 template <Activation A>
-__device__ __forceinline__ void dh_pair(const DhParams& p, float dap0, float dap1, float s,
-                                        __nv_bfloat162 g2, __nv_bfloat162 u2,
-                                        __nv_bfloat16* dh_row, __nv_bfloat16* as_row, int j,
-                                        float& part) {
+__device__ __forceinline__ void dh_pair_words(float dap0, float dap1, float s, __nv_bfloat162 g2,
+                                              __nv_bfloat162 u2, uint32_t& dg, uint32_t& du,
+                                              uint32_t& as, float& part) {
   constexpr bool kGated = A == Activation::swiglu || A == Activation::geglu;
   const float da0 = s * dap0, da1 = s * dap1;
   const float2 g = __bfloat1622float2(g2);
@@ -55,17 +63,32 @@ __device__ __forceinline__ void dh_pair(const DhParams& p, float dap0, float dap
     const float a0 = f0 * u.x, a1 = f1 * u.y;
     part += dap0 * a0;
     part += dap1 * a1;
-    store_bf16x2(dh_row + j, da0 * u.x * dev_act_grad(A, g.x), da1 * u.y * dev_act_grad(A, g.y));
-    store_bf16x2(dh_row + p.n + j, da0 * f0, da1 * f1);
-    store_bf16x2(as_row + j, s * a0, s * a1);
+    dg = pack_bf16x2(da0 * u.x * dev_act_grad(A, g.x), da1 * u.y * dev_act_grad(A, g.y));
+    du = pack_bf16x2(da0 * f0, da1 * f1);
+    as = pack_bf16x2(s * a0, s * a1);
   } else {
     (void)u2;
     const float a0 = dev_act(A, g.x), a1 = dev_act(A, g.y);
     part += dap0 * a0;
     part += dap1 * a1;
-    store_bf16x2(dh_row + j, da0 * dev_act_grad(A, g.x), da1 * dev_act_grad(A, g.y));
-    store_bf16x2(as_row + j, s * a0, s * a1);
+    dg = pack_bf16x2(da0 * dev_act_grad(A, g.x), da1 * dev_act_grad(A, g.y));
+    du = 0;
+    as = pack_bf16x2(s * a0, s * a1);
   }
+}
+
+// The same, stored: dh[j, j+1] (and dh[n + j, n + j + 1]) and a_scaled[j, j+1] of the row.
+template <Activation A>
+__device__ __forceinline__ void dh_pair(const DhParams& p, float dap0, float dap1, float s,
+                                        __nv_bfloat162 g2, __nv_bfloat162 u2,
+                                        __nv_bfloat16* dh_row, __nv_bfloat16* as_row, int j,
+                                        float& part) {
+  constexpr bool kGated = A == Activation::swiglu || A == Activation::geglu;
+  uint32_t dg, du, as;
+  dh_pair_words<A>(dap0, dap1, s, g2, u2, dg, du, as, part);
+  *reinterpret_cast<uint32_t*>(dh_row + j) = dg;
+  if constexpr (kGated) *reinterpret_cast<uint32_t*>(dh_row + p.n + j) = du;
+  *reinterpret_cast<uint32_t*>(as_row + j) = as;
 }
 
 }  // namespace moeblaze::cuda::gemm::sm90

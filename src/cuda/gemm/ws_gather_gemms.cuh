@@ -16,6 +16,7 @@
 
 #include "cuda/gemm/act_epilogue.cuh"
 #include "cuda/gemm/dh_epilogue.cuh"
+#include "cuda/gemm/quad_transpose.cuh"
 #include "cuda/gemm/sm90_ws_gather.cuh"
 
 namespace moeblaze::cuda::gemm::sm90::ws {
@@ -61,17 +62,20 @@ struct GatherDhEpilogue {
                         [&](auto a) { body<decltype(a)::value>(p, acc, m_begin, m_end, n_tile); });
   }
 
-  // Column groups are processed in chunks of 8 (64 columns): the H loads of a chunk are issued
-  // together. (A software-pipelined variant, the next chunk's loads in flight while this one is
-  // stored, measured 25-35 % slower on the H200: bench/NOTES.md.)
-  static constexpr int kChunk = 8;
-
+  // Column groups go in quads (32 columns): each lane loads the 16 bytes of one group of g (and
+  // of u) with one vector load, a quad transpose (quad_transpose.cuh) hands every lane its
+  // fragment's words, and the outputs go back the same way, one 16-byte store per lane and
+  // array. A row's 64 bytes per quad thus cost two 32-byte sector requests per array instead of
+  // four half-used ones (4-byte accesses of 16 bytes per row and instruction). Rows past the
+  // expert's end and columns past n compute on zeros and store nothing: the shuffles need every
+  // lane. The quads of a row run in ascending order, so each ds partial adds its columns in the
+  // same order as before (and as DhEpilogue).
   template <Activation A, class Acc>
   __device__ static void body(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile) {
     constexpr bool kGated = A == Activation::swiglu || A == Activation::geglu;
     const int64_t w1_rows = kGated ? 2 * int64_t(p.n) : p.n;
     const int n0 = n_tile * Frag::kTileN;
-    const __nv_bfloat162 zero = __floats2bfloat162_rn(0.0f, 0.0f);
+    const int q = threadIdx.x & 3;
 #pragma unroll
     for (int r = 0; r < Frag::kRows; ++r) {
       const int slot = m_begin + Frag::row(r);
@@ -85,24 +89,42 @@ struct GatherDhEpilogue {
       for (int half = 0; half < kPartials; ++half) {
         float part = 0.0f;  // this thread's share of sum_j da'_j a_j over the partial's columns
 #pragma unroll
-        for (int c0 = half * kPartialGroups; c0 < (half + 1) * kPartialGroups; c0 += kChunk) {
-          __nv_bfloat162 g[kChunk], u[kChunk];
-#pragma unroll
-          for (int q = 0; q < kChunk; ++q) {
-            const int j = n0 + Frag::col(c0 + q);
-            const bool ok = row_ok && j < p.n;  // n is a multiple of 64: pairs never straddle it
-            g[q] = ok ? __ldg(reinterpret_cast<const __nv_bfloat162*>(h_row + j)) : zero;
-            u[q] = ok && kGated
-                       ? __ldg(reinterpret_cast<const __nv_bfloat162*>(h_row + p.n + j))
-                       : zero;
+        for (int i0 = half * kPartialGroups; i0 < (half + 1) * kPartialGroups; i0 += 4) {
+          // This lane's vector: group i0 + q, columns [jv, jv + 8) (n is a multiple of 64, so a
+          // group is wholly inside or outside).
+          const int jv = n0 + 8 * (i0 + q);
+          const bool v_ok = row_ok && jv < p.n;
+          uint32_t g[4] = {0, 0, 0, 0}, u[4] = {0, 0, 0, 0};
+          if (v_ok) {
+            const uint4 gv = __ldg(reinterpret_cast<const uint4*>(h_row + jv));
+            g[0] = gv.x; g[1] = gv.y; g[2] = gv.z; g[3] = gv.w;
+            if constexpr (kGated) {
+              const uint4 uv = __ldg(reinterpret_cast<const uint4*>(h_row + p.n + jv));
+              u[0] = uv.x; u[1] = uv.y; u[2] = uv.z; u[3] = uv.w;
+            }
           }
+          quad_transpose(g);  // g[k]: this lane's columns of group i0 + k
+          if constexpr (kGated) quad_transpose(u);
+          uint32_t dg[4], du[4], as[4];
 #pragma unroll
-          for (int q = 0; q < kChunk; ++q) {
-            const int i = c0 + q;
-            const int j = n0 + Frag::col(i);
-            if (!row_ok || j >= p.n) continue;
-            const int k = Frag::acc_index(r, i);
-            dh_pair<A>(p, acc(k), acc(k + 1), s, g[q], u[q], dh_row, as_row, j, part);
+          for (int k = 0; k < 4; ++k) {
+            const int i = i0 + k;
+            const int idx = Frag::acc_index(r, i);
+            // The ds partial takes only columns < n of real rows, in column order (as the
+            // scalar epilogue did): add into a copy, keep it when the column counts.
+            float pk = part;
+            dh_pair_words<A>(acc(idx), acc(idx + 1), s, *reinterpret_cast<__nv_bfloat162*>(&g[k]),
+                             *reinterpret_cast<__nv_bfloat162*>(&u[k]), dg[k], du[k], as[k], pk);
+            if (row_ok && n0 + Frag::col(i) < p.n) part = pk;
+          }
+          quad_transpose(dg);  // dg[k]: word k of group i0 + q
+          quad_transpose(as);
+          if constexpr (kGated) quad_transpose(du);
+          if (v_ok) {
+            *reinterpret_cast<uint4*>(dh_row + jv) = make_uint4(dg[0], dg[1], dg[2], dg[3]);
+            if constexpr (kGated)
+              *reinterpret_cast<uint4*>(dh_row + p.n + jv) = make_uint4(du[0], du[1], du[2], du[3]);
+            *reinterpret_cast<uint4*>(as_row + jv) = make_uint4(as[0], as[1], as[2], as[3]);
           }
         }
         // The 4 lanes sharing a row hold the partial's 128 columns; a fixed butterfly keeps the
@@ -110,7 +132,7 @@ struct GatherDhEpilogue {
         part += __shfl_xor_sync(0xffffffffu, part, 1);
         part += __shfl_xor_sync(0xffffffffu, part, 2);
         const int col = kPartials * n_tile + half;
-        if (row_ok && col < p.ds_cols && (threadIdx.x & 3) == 0)
+        if (row_ok && col < p.ds_cols && q == 0)
           p.ds_partials[int64_t(slot) * p.ds_cols + col] = part;
       }
     }
