@@ -607,11 +607,10 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "up_proj"), "warp-specialised gather"));
   EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "dh_proj"), "[d >= 4096]"));
   EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "up_proj"), "cooperative"));
-  // olmoe (d = 2048): dH on the ping-pong schedule, up-proj cooperative; sm-7B (d = 1536):
-  // up-proj on ping-pong.
+  // olmoe (d = 2048): dH on the ping-pong schedule, up-proj cooperative (at every d).
   EXPECT_TRUE(has(kernel_of(131072, 64, 2048, "dh_proj"), "ping-pong"));
   EXPECT_TRUE(has(kernel_of(131072, 64, 2048, "up_proj"), "cooperative"));
-  EXPECT_TRUE(has(kernel_of(196608, 128, 1536, "up_proj"), "ping-pong"));
+  EXPECT_TRUE(has(kernel_of(65536, 4, 512, "up_proj"), "cooperative"));
   EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "dw1_proj"), "computed transposed"));
   EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "down_proj"), "CUTLASS TMA"));
   EXPECT_EQ(gg::use_ws_dh(128, 4096), true);

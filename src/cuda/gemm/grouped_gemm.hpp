@@ -26,7 +26,7 @@
 //     use_tma_gemm, tma_gemm_scratch_bytes and layer_gemm_scratch_bytes size it.
 //   * up_proj, dh_proj, dw2_proj and dw1_proj take an optional GatherKernel (default: automatic).
 //   * use_ws_dh and describe_kernels.
-//   * GatherKernel::ping_pong; automatic takes it by the rule below (kPpUpMaxD, kPpDhMaxD).
+//   * GatherKernel::ping_pong; automatic takes it by the rule below (kPpDhMaxD).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -86,15 +86,15 @@ size_t layer_gemm_scratch_bytes(int64_t S, int64_t E);
 //            one per consumer warpgroup, so one warpgroup's epilogue runs under the other's
 //            mainloop (E <= 4096); dw2_proj / dw1_proj refuse it (Unsupported).
 // automatic picks (all measured on the H200, bench/NOTES.md), when use_ws_gather(E):
-//   up_proj: ping_pong for d < kPpUpMaxD, warp_specialized (cooperative) above;
+//   up_proj: warp_specialized (cooperative; with 16-byte epilogue stores it is ahead of or
+//            within 2 % of ping_pong at every d measured);
 //   dh_proj: two_cta for d < kWsDhMinD (the gather kernels' dH epilogue, which reads H, does not
 //            pay on short reductions), ping_pong for d < kPpDhMaxD, cooperative above;
 //   dw2_proj / dw1_proj: warp_specialized;
 // else two_cta. MOEBLAZE_GEMM_WS=0 in the environment turns the warp-specialised kernels off,
-// MOEBLAZE_GEMM_PP=0 only their ping-pong schedule (each read once; for A/B measurements).
+// MOEBLAZE_GEMM_PP=0 only the ping-pong schedule of dh_proj (each read once; for A/B measurements).
 enum class GatherKernel { automatic, two_cta, warp_specialized, ping_pong };
 constexpr int64_t kWsDhMinD = 2048;
-constexpr int64_t kPpUpMaxD = 2048;
 constexpr int64_t kPpDhMaxD = 4096;
 bool use_ws_gather(int64_t E);
 bool use_ws_dh(int64_t E, int64_t d);  // dh_proj's automatic choice is a gather kernel

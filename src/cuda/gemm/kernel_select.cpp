@@ -74,8 +74,8 @@ GatherPath resolve_gather_path(const char* fn, GatherKernel kernel, int64_t E,
 }
 
 GatherPath up_proj_auto_path(int64_t E, int64_t d) {
-  if (!use_ws_gather(E)) return GatherPath::two_cta;
-  return ping_pong_on() && d < kPpUpMaxD ? GatherPath::ping_pong : GatherPath::cooperative;
+  (void)d;  // cooperative at every d measured (bench/NOTES.md)
+  return use_ws_gather(E) ? GatherPath::cooperative : GatherPath::two_cta;
 }
 
 GatherPath dh_proj_auto_path(int64_t E, int64_t d) {
@@ -111,10 +111,8 @@ std::vector<KernelChoice> describe_kernels(int64_t S, int64_t E, int64_t d) {
   std::string up_s, dh_s;
   if (up == GatherPath::two_cta)
     up_s = two_cta + ", w1 by TMA unless MOEBLAZE_GEMM_TMA_B=0" + why_ws;
-  else if (up == GatherPath::ping_pong)
-    up_s = pp_m + " [d < 2048]";
   else
-    up_s = ws_m + " [d >= 2048" + pp_off + "]";
+    up_s = ws_m;
   if (dh == GatherPath::two_cta)
     dh_s = two_cta + (ws ? " [d < 2048: the gather kernels' epilogue is not amortised]" : why_ws);
   else if (dh == GatherPath::ping_pong)

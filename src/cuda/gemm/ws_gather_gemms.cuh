@@ -88,21 +88,27 @@ struct GatherDhEpilogue {
 #pragma unroll
       for (int half = 0; half < kPartials; ++half) {
         float part = 0.0f;  // this thread's share of sum_j da'_j a_j over the partial's columns
+        // All of the partial's H vectors first (kQuads loads of g and of u in flight per lane):
+        // the epilogue waits on these loads, so one round trip per row and partial.
+        constexpr int kQuads = kPartialGroups / 4;
+        uint4 gvs[kQuads], uvs[kQuads];
 #pragma unroll
-        for (int i0 = half * kPartialGroups; i0 < (half + 1) * kPartialGroups; i0 += 4) {
+        for (int t = 0; t < kQuads; ++t) {
+          const int jv = n0 + 8 * (half * kPartialGroups + 4 * t + q);
+          const bool v_ok = row_ok && jv < p.n;
+          gvs[t] = v_ok ? __ldg(reinterpret_cast<const uint4*>(h_row + jv)) : make_uint4(0, 0, 0, 0);
+          uvs[t] = v_ok && kGated ? __ldg(reinterpret_cast<const uint4*>(h_row + p.n + jv))
+                                  : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int t = 0; t < kQuads; ++t) {
+          const int i0 = half * kPartialGroups + 4 * t;
           // This lane's vector: group i0 + q, columns [jv, jv + 8) (n is a multiple of 64, so a
           // group is wholly inside or outside).
           const int jv = n0 + 8 * (i0 + q);
           const bool v_ok = row_ok && jv < p.n;
-          uint32_t g[4] = {0, 0, 0, 0}, u[4] = {0, 0, 0, 0};
-          if (v_ok) {
-            const uint4 gv = __ldg(reinterpret_cast<const uint4*>(h_row + jv));
-            g[0] = gv.x; g[1] = gv.y; g[2] = gv.z; g[3] = gv.w;
-            if constexpr (kGated) {
-              const uint4 uv = __ldg(reinterpret_cast<const uint4*>(h_row + p.n + jv));
-              u[0] = uv.x; u[1] = uv.y; u[2] = uv.z; u[3] = uv.w;
-            }
-          }
+          uint32_t g[4] = {gvs[t].x, gvs[t].y, gvs[t].z, gvs[t].w};
+          uint32_t u[4] = {uvs[t].x, uvs[t].y, uvs[t].z, uvs[t].w};
           quad_transpose(g);  // g[k]: this lane's columns of group i0 + k
           if constexpr (kGated) quad_transpose(u);
           uint32_t dg[4], du[4], as[4];
