@@ -6,6 +6,7 @@
 // instantiation: varlen_m_kernel<N-major B, DhEpilogue>.
 #include "cuda/gemm/dh_epilogue.cuh"
 #include "cuda/gemm/gemm_checks.hpp"
+#include "cuda/gemm/quad_transpose.cuh"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/gemm/sm90_varlen_m.cuh"
 #include "cuda/gemm/ws_paths.hpp"
@@ -32,22 +33,39 @@ struct DhEpilogue {
   struct Prefetched {
     RowH row[2];
   };
+  // Row v1's H: one 16-byte load per lane, quad and array (the quad's four lanes read a row's 64
+  // contiguous bytes), then a quad transpose (quad_transpose.cuh) hands each lane its fragment's
+  // words. Every lane of the warp runs it (the shuffles); rows past the expert's end and columns
+  // past n read zeros.
   __device__ static void load_row(const Params& p, RowH& r, int v1, int m_begin, int m_end,
                                   int n_tile) {
     const int64_t w1_rows = p.gated ? 2 * int64_t(p.n) : p.n;
     const int n0 = n_tile * kBN;
-    const __nv_bfloat162 zero = __floats2bfloat162_rn(0.0f, 0.0f);
+    const int q = threadIdx.x & 3;
     const int slot = m_begin + frag_row(v1);
     const bool row_ok = slot < m_end;
     r.s = row_ok ? __ldg(p.slot_weights + slot) : 0.0f;
     const __nv_bfloat16* h_row = p.h + int64_t(row_ok ? slot : 0) * w1_rows;
+    uint4 gv[kFragColGroups / 4], uv[kFragColGroups / 4];
 #pragma unroll
-    for (int i = 0; i < kFragColGroups; ++i) {
-      const int j = n0 + frag_col(i);
-      const bool ok = row_ok && j < p.n;  // n is a multiple of 64: pairs never straddle the end
-      r.g[i] = ok ? __ldg(reinterpret_cast<const __nv_bfloat162*>(h_row + j)) : zero;
-      r.u[i] = ok && p.gated ? __ldg(reinterpret_cast<const __nv_bfloat162*>(h_row + p.n + j))
-                             : zero;
+    for (int t = 0; t < kFragColGroups / 4; ++t) {
+      const int jv = n0 + 8 * (4 * t + q);  // n is a multiple of 64: groups never straddle it
+      const bool ok = row_ok && jv < p.n;
+      gv[t] = ok ? __ldg(reinterpret_cast<const uint4*>(h_row + jv)) : make_uint4(0, 0, 0, 0);
+      uv[t] = ok && p.gated ? __ldg(reinterpret_cast<const uint4*>(h_row + p.n + jv))
+                            : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int t = 0; t < kFragColGroups / 4; ++t) {
+      uint32_t g[4] = {gv[t].x, gv[t].y, gv[t].z, gv[t].w};
+      uint32_t u[4] = {uv[t].x, uv[t].y, uv[t].z, uv[t].w};
+      quad_transpose(g);
+      quad_transpose(u);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        r.g[4 * t + k] = *reinterpret_cast<const __nv_bfloat162*>(&g[k]);
+        r.u[4 * t + k] = *reinterpret_cast<const __nv_bfloat162*>(&u[k]);
+      }
     }
   }
   __device__ static void prefetch(const Params& p, Prefetched& pre, int m_begin, int m_end,
@@ -74,12 +92,15 @@ struct DhEpilogue {
     });
   }
 
+  // Outputs go back the way H came: per quad of column groups the lanes' words are transposed
+  // so that each lane stores one 16-byte group of dh (and of dh's up half) and of s·a.
   template <Activation A, class Acc>
   __device__ static void body(const Params& p, Acc& acc, const Prefetched& pre, int m_begin,
                               int m_end, int n_tile) {
     constexpr bool kGated = A == Activation::swiglu || A == Activation::geglu;
     const int64_t w1_rows = kGated ? 2 * int64_t(p.n) : p.n;
     const int n0 = n_tile * kBN;
+    const int q = threadIdx.x & 3;
 #pragma unroll
     for (int v1 = 0; v1 < 2; ++v1) {
       const int slot = m_begin + frag_row(v1);
@@ -88,23 +109,37 @@ struct DhEpilogue {
       RowH loaded;
       if constexpr (!kPrefetch) load_row(p, loaded, v1, m_begin, m_end, n_tile);
       const RowH& rh = kPrefetch ? pre.row[v1] : loaded;
-      if (row_ok) {
-        const float s = rh.s;
-        __nv_bfloat16* dh_row = p.dh + int64_t(slot) * w1_rows;
-        __nv_bfloat16* as_row = p.a_scaled + int64_t(slot) * p.n;
+      const float s = rh.s;
+      const int64_t row = row_ok ? slot : 0;
+      __nv_bfloat16* dh_row = p.dh + row * w1_rows;
+      __nv_bfloat16* as_row = p.a_scaled + row * p.n;
 #pragma unroll
-        for (int i = 0; i < kFragColGroups; ++i) {
-          const int j = n0 + frag_col(i);
-          if (j >= p.n) continue;
-          dh_pair<A>(p, acc(4 * i + 2 * v1), acc(4 * i + 2 * v1 + 1), s, rh.g[i], rh.u[i], dh_row,
-                     as_row, j, part);
+      for (int t = 0; t < kFragColGroups / 4; ++t) {
+        uint32_t dg[4], du[4], as[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int i = 4 * t + k;
+          // The partial takes columns < n of real rows, in column order: add into a copy.
+          float pk = part;
+          dh_pair_words<A>(acc(4 * i + 2 * v1), acc(4 * i + 2 * v1 + 1), s, rh.g[i], rh.u[i],
+                           dg[k], du[k], as[k], pk);
+          if (row_ok && n0 + frag_col(i) < p.n) part = pk;
+        }
+        quad_transpose(dg);
+        quad_transpose(as);
+        if constexpr (kGated) quad_transpose(du);
+        const int jv = n0 + 8 * (4 * t + q);
+        if (row_ok && jv < p.n) {
+          *reinterpret_cast<uint4*>(dh_row + jv) = make_uint4(dg[0], dg[1], dg[2], dg[3]);
+          if constexpr (kGated)
+            *reinterpret_cast<uint4*>(dh_row + p.n + jv) = make_uint4(du[0], du[1], du[2], du[3]);
+          *reinterpret_cast<uint4*>(as_row + jv) = make_uint4(as[0], as[1], as[2], as[3]);
         }
       }
       // The 4 lanes sharing a row hold its 128 columns; a fixed butterfly keeps the order fixed.
       part += __shfl_xor_sync(0xffffffffu, part, 1);
       part += __shfl_xor_sync(0xffffffffu, part, 2);
-      if (row_ok && (threadIdx.x & 3) == 0)
-        p.ds_partials[int64_t(slot) * p.ds_cols + n_tile] = part;
+      if (row_ok && q == 0) p.ds_partials[int64_t(slot) * p.ds_cols + n_tile] = part;
     }
   }
 };
