@@ -11,17 +11,13 @@
 
 #include "cuda/cuda_backend.hpp"
 #include "cuda/ep/ep_cuda.hpp"
+#include "cuda/ep/elem_io.cuh"
 #include "moeblaze/error.hpp"
 
 namespace moeblaze::cuda::ep {
 namespace {
 
 constexpr int kThreads = 256;
-
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-__device__ __forceinline__ void store(float* p, float v) { *p = v; }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
