@@ -620,7 +620,11 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_EQ(gg::use_ws_dh(128, 1536), false);
   // E beyond the gather kernel's expert table; few rows per expert for the TMA path.
   EXPECT_TRUE(has(kernel_of(1 << 20, 5000, 4096, "up_proj"), "[E > 4096]"));
-  EXPECT_TRUE(has(kernel_of(1000, 8, 512, "dx_proj"), "2-CTA"));
+  EXPECT_TRUE(has(kernel_of(1000, 8, 512, "dx_proj"), "2-CTA"));  // 125 rows per expert
+  // A token-rounded plan a little under 512 rows per expert stays on the TMA path (it fell off
+  // it at the old 512 threshold and ran 12 % slower).
+  EXPECT_TRUE(has(kernel_of(130944, 256, 4096, "down_proj"), "CUTLASS TMA"));
+  EXPECT_TRUE(has(kernel_of(32768, 256, 2048, "dx_proj"), "CUTLASS TMA"));  // 128 per expert
 }
 
 // Invalid arguments throw before anything runs and leave the outputs untouched.

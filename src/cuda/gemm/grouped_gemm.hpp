@@ -61,11 +61,12 @@ struct GemmScratch {
 };
 // Whether the layer runs down_proj / dx_proj on the TMA path for S slots over E experts: when
 // the experts average at least kTmaMinRowsPerExpert rows (S >= E * that). Measured on the H200:
-// the TMA path was faster on every config timed, down to cpu-default's 512 rows per expert
-// (0.221 -> 0.214 ms per layer step); below that its 128 x 256 tiles are mostly tails and it is
-// untimed, so the cp.async kernels keep those shapes. MOEBLAZE_GEMM_TMA=0 or 1 in the
-// environment (read once) forces the choice, for A/B measurements.
-constexpr int64_t kTmaMinRowsPerExpert = 512;
+// the TMA path was faster on every shape timed, down to 128 rows per expert (layer step
+// T = 4096, d = 2048, n = 1024, E = 256, K = 8: 6.70 -> 6.32 ms; at 256 rows per expert -8..-9 %;
+// a token-rounded plan at 511.5 rows per expert 25.3 -> 22.6 ms); below 128 its 128 x 256 tiles
+// are mostly tails and it is untimed, so the cp.async kernels keep those shapes.
+// MOEBLAZE_GEMM_TMA=0 or 1 in the environment (read once) forces the choice, for A/B.
+constexpr int64_t kTmaMinRowsPerExpert = 128;
 bool use_tma_gemm(int64_t S, int64_t E);
 // Scratch bytes the TMA path needs for E experts on the current device (the argument arrays,
 // ≈ 100 B per expert, and CUTLASS's per-SM TMA descriptors).

@@ -106,7 +106,9 @@ std::vector<KernelChoice> describe_kernels(int64_t S, int64_t E, int64_t d) {
   const std::string two_cta_k = "2-CTA varlen-K (dw_proj.cu): 128x128x64 tiles, 3 stages";
   const std::string why_ws = ws ? "" : (detail::ws_gather_supports(E) ? " [MOEBLAZE_GEMM_WS=0]"
                                                                       : " [E > 4096]");
-  const std::string why_tma = tma ? " [S >= 512 E]" : " [S < 512 E, or MOEBLAZE_GEMM_TMA=0]";
+  const std::string min_rows = std::to_string(kTmaMinRowsPerExpert);
+  const std::string why_tma = tma ? " [S >= " + min_rows + " E]"
+                                  : " [S < " + min_rows + " E, or MOEBLAZE_GEMM_TMA=0]";
   const std::string pp_off = ping_pong_on() ? "" : ", MOEBLAZE_GEMM_PP=0";
   std::string up_s, dh_s;
   if (up == GatherPath::two_cta)
