@@ -42,10 +42,6 @@ __device__ __forceinline__ void act_epilogue_body(const ActParams& p, Acc& acc, 
   static_assert(Frag::kGroups % (kGated ? 8 : 4) == 0, "column groups come in quads");
   const int64_t w1_rows = kGated ? 2 * int64_t(p.n) : p.n;
   const int q = threadIdx.x & 3;
-  auto pack = [](float x, float y) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  };
 #pragma unroll
   for (int r = 0; r < Frag::kRows; ++r) {
     const int slot = m_begin + Frag::row(r);
@@ -64,9 +60,9 @@ __device__ __forceinline__ void act_epilogue_body(const ActParams& p, Acc& acc, 
           const int gi = Frag::acc_index(r, i0 + k), ui = Frag::acc_index(r, i0 + k + kHalf);
           const float g0 = acc(gi), g1 = acc(gi + 1);
           const float u0 = acc(ui), u1 = acc(ui + 1);
-          hg[k] = pack(g0, g1);
-          hu[k] = pack(u0, u1);
-          av[k] = pack(dev_act(A, g0) * u0, dev_act(A, g1) * u1);
+          hg[k] = pack_bf16x2(g0, g1);
+          hu[k] = pack_bf16x2(u0, u1);
+          av[k] = pack_bf16x2(dev_act(A, g0) * u0, dev_act(A, g1) * u1);
         }
         const int jv = j0 + 8 * (i0 + q);  // this lane's group after the transpose
         const bool ok = row_ok && jv < p.n;  // n is a multiple of 64: groups never straddle it
@@ -92,8 +88,8 @@ __device__ __forceinline__ void act_epilogue_body(const ActParams& p, Acc& acc, 
         for (int k = 0; k < 4; ++k) {
           const int hi = Frag::acc_index(r, i0 + k);
           const float h0 = acc(hi), h1 = acc(hi + 1);
-          hv[k] = pack(h0, h1);
-          av[k] = pack(dev_act(A, h0), dev_act(A, h1));
+          hv[k] = pack_bf16x2(h0, h1);
+          av[k] = pack_bf16x2(dev_act(A, h0), dev_act(A, h1));
         }
         const int jv = n0 + 8 * (i0 + q);
         const bool ok = row_ok && jv < p.n;

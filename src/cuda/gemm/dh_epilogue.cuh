@@ -1,6 +1,6 @@
-// The dH epilogue's arithmetic, shared by its two kernels (dh_proj.cu: 2-CTA; dh_proj_ws.cu:
-// warp-specialised). They differ in how a thread reaches its accumulators and H values and in
-// how many ds partials a tile writes, not in what one column pair computes.
+// The dH epilogue's arithmetic, shared by its kernels (dh_proj.cu: 2-CTA; ws_gather_gemms.cuh:
+// warp-specialised, both schedules). They differ in how a thread reaches its accumulators and H
+// values and in how many ds partials a tile writes, not in what one column pair computes.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -9,7 +9,7 @@
 
 #include "cuda/activation.cuh"
 #include "cuda/gemm/grouped_gemm.hpp"  // ds_partials_cols
-#include "cuda/gemm/sm90_gemm_core.cuh"  // store_bf16x2
+#include "cuda/gemm/sm90_gemm_core.cuh"  // pack_bf16x2
 
 namespace moeblaze::cuda::gemm::sm90 {
 
@@ -37,12 +37,6 @@ inline DhParams make_dh_params(const RoutingPlanView& plan, const bf16* h, float
                   static_cast<int>(n),
                   act,
                   is_gated(act)};
-}
-
-// bf16x2 packed as the 32-bit word a vector store writes.
-__device__ __forceinline__ uint32_t pack_bf16x2(float x, float y) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 // Columns j, j + 1 of one slot's row: da' = (dap0, dap1) from the accumulators, H = g (and u for
@@ -75,20 +69,6 @@ __device__ __forceinline__ void dh_pair_words(float dap0, float dap1, float s, _
     du = 0;
     as = pack_bf16x2(s * a0, s * a1);
   }
-}
-
-// The same, stored: dh[j, j+1] (and dh[n + j, n + j + 1]) and a_scaled[j, j+1] of the row.
-template <Activation A>
-__device__ __forceinline__ void dh_pair(const DhParams& p, float dap0, float dap1, float s,
-                                        __nv_bfloat162 g2, __nv_bfloat162 u2,
-                                        __nv_bfloat16* dh_row, __nv_bfloat16* as_row, int j,
-                                        float& part) {
-  constexpr bool kGated = A == Activation::swiglu || A == Activation::geglu;
-  uint32_t dg, du, as;
-  dh_pair_words<A>(dap0, dap1, s, g2, u2, dg, du, as, part);
-  *reinterpret_cast<uint32_t*>(dh_row + j) = dg;
-  if constexpr (kGated) *reinterpret_cast<uint32_t*>(dh_row + p.n + j) = du;
-  *reinterpret_cast<uint32_t*>(as_row + j) = as;
 }
 
 }  // namespace moeblaze::cuda::gemm::sm90

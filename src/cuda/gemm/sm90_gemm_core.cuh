@@ -350,6 +350,11 @@ struct TwoCtaFrag {
   __device__ static constexpr int acc_index(int r, int i) { return 4 * i + 2 * r; }
 };
 
+// bf16x2 (x rounded into the low half) packed as the 32-bit word a vector access moves.
+__device__ __forceinline__ uint32_t pack_bf16x2(float x, float y) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
 __device__ __forceinline__ void store_bf16x2(__nv_bfloat16* p, float x, float y) {
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
 }

@@ -32,7 +32,7 @@ struct GatherActEpilogue {
   }
 };
 
-// The dH epilogue (dh_epilogue.cuh's dh_pair per column pair) on fragment policy Frag.
+// The dH epilogue (dh_epilogue.cuh's dh_pair_words per column pair) on fragment policy Frag.
 template <class Frag>
 struct GatherDhEpilogue {
   using Params = DhParams;
