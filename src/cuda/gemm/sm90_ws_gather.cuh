@@ -166,8 +166,8 @@ struct PingFrag {
 // ~192 KiB), consumer threads that release each stage, fragment policy and WGMMA atom.
 struct Cooperative {
   static constexpr bool kPingPong = false;
-  static constexpr int kTileN = kBN;  // 128 x 256 per CTA, shared by both warpgroups
-  static constexpr int kStages = 4;   // 48 KiB each
+  static constexpr int kTileN = kBN;        // 128 x 256 per CTA, shared by both warpgroups
+  static constexpr int kStages = ws::kStages;  // 48 KiB each
   static constexpr int kStageConsumers = kConsumerThreads;
   using Frag = WsFrag;
   template <GMajor kMajorB>
@@ -275,10 +275,10 @@ struct RingT {
     cutlass::arch::fence_barrier_init();
   }
 };
-// The cooperative ring (also the varlen-K kernel's).
-using Ring = RingT<kBN, kStages, kConsumerThreads>;
 template <class Sched>
 using RingOf = RingT<Sched::kTileN, Sched::kStages, Sched::kStageConsumers>;
+// The cooperative ring (also the varlen-K kernel's).
+using Ring = RingOf<Cooperative>;
 
 // Position in the ring, the same sequence on the producer and the consumer side.
 template <int kStagesN = kStages>
