@@ -26,6 +26,12 @@ int forced() {
   }
   return f;
 }
+
+// Whether the environment variable `name` is "0" (the A/B switches that turn a kernel off).
+bool env_is_zero(const char* name) {
+  const char* env = std::getenv(name);
+  return env && std::strcmp(env, "0") == 0;
+}
 }  // namespace
 
 bool use_tma_gemm(int64_t S, int64_t E) {
@@ -36,10 +42,7 @@ bool use_tma_gemm(int64_t S, int64_t E) {
 }
 
 bool use_ws_gather(int64_t E) {
-  static const bool off = [] {
-    const char* env = std::getenv("MOEBLAZE_GEMM_WS");
-    return env && std::strcmp(env, "0") == 0;
-  }();
+  static const bool off = env_is_zero("MOEBLAZE_GEMM_WS");
   return !off && detail::ws_gather_supports(E);
 }
 
@@ -47,10 +50,7 @@ bool use_ws_dh(int64_t E, int64_t d) { return use_ws_gather(E) && d >= kWsDhMinD
 
 namespace {
 bool ping_pong_on() {
-  static const bool off = [] {
-    const char* env = std::getenv("MOEBLAZE_GEMM_PP");
-    return env && std::strcmp(env, "0") == 0;
-  }();
+  static const bool off = env_is_zero("MOEBLAZE_GEMM_PP");
   return !off;
 }
 }  // namespace
@@ -73,8 +73,8 @@ GatherPath resolve_gather_path(const char* fn, GatherKernel kernel, int64_t E,
   return automatic_path;
 }
 
-GatherPath up_proj_auto_path(int64_t E, int64_t d) {
-  (void)d;  // cooperative at every d measured (bench/NOTES.md)
+GatherPath up_proj_auto_path(int64_t E) {
+  // Cooperative at every d measured (bench/NOTES.md).
   return use_ws_gather(E) ? GatherPath::cooperative : GatherPath::two_cta;
 }
 
@@ -87,7 +87,7 @@ GatherPath dh_proj_auto_path(int64_t E, int64_t d) {
 std::vector<KernelChoice> describe_kernels(int64_t S, int64_t E, int64_t d) {
   using detail::GatherPath;
   const bool ws = use_ws_gather(E), tma = use_tma_gemm(S, E);
-  const GatherPath up = detail::up_proj_auto_path(E, d), dh = detail::dh_proj_auto_path(E, d);
+  const GatherPath up = detail::up_proj_auto_path(E), dh = detail::dh_proj_auto_path(E, d);
   const std::string ws_m =
       "warp-specialised gather (sm90_ws_gather.cuh): persistent, 128x256x64 tiles shared by two "
       "consumer warpgroups (cooperative), 4 stages, A rows by cp.async, weights by TMA";

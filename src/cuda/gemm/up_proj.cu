@@ -52,7 +52,7 @@ void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h
                    ": h and a must not both be null");
   using detail::GatherPath;
   const GatherPath path = detail::resolve_gather_path(
-      fn, kernel, plan.E, detail::up_proj_auto_path(plan.E, d),
+      fn, kernel, plan.E, detail::up_proj_auto_path(plan.E),
       /*has_ping_pong=*/true);
   if (path == GatherPath::cooperative) return detail::up_proj_ws(plan, x, w1, h, a, d, n, act, stream);
   if (path == GatherPath::ping_pong) return detail::up_proj_pp(plan, x, w1, h, a, d, n, act, stream);

@@ -23,7 +23,7 @@ GatherPath resolve_gather_path(const char* fn, GatherKernel kernel, int64_t E,
                                GatherPath automatic_path, bool has_ping_pong);
 
 // The automatic choices of up_proj and dh_proj (grouped_gemm.hpp's rule).
-GatherPath up_proj_auto_path(int64_t E, int64_t d);
+GatherPath up_proj_auto_path(int64_t E);
 GatherPath dh_proj_auto_path(int64_t E, int64_t d);
 
 // up_proj on the warp-specialised path (cooperative); same contract as up_proj.
