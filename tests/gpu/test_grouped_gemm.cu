@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>  // setenv
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -453,15 +454,41 @@ TEST_P(GroupedGemm, WeightGradsVarlenK) {
   upload(dh, dh_in);
   upload(x, in.x);
   DevBuf dw2(size_t(E * d * n) * 2), dw1(size_t(E * R * d) * 2);
-  for (gg::GatherKernel k : {gg::GatherKernel::two_cta, gg::GatherKernel::warp_specialized}) {
-    const char* kname = gather_kernel_name(k);
+  // The warp-specialised kernel twice: its default 2-CTA clusters sharing the slot-row operand
+  // (odd m-tile counts, d = 128 and 320, leave a cluster's second CTA without a tile), and one
+  // CTA per tile (MOEBLAZE_GEMM_MC=0, read at every launch).
+  struct Variant {
+    gg::GatherKernel kernel;
+    bool clusters;
+  };
+  std::vector<uint8_t> ws_dw2, ws_dw1;  // the clusters' outputs
+  for (const Variant v : {Variant{gg::GatherKernel::two_cta, false},
+                          Variant{gg::GatherKernel::warp_specialized, true},
+                          Variant{gg::GatherKernel::warp_specialized, false}}) {
+    const gg::GatherKernel k = v.kernel;
+    const std::string kname = std::string(gather_kernel_name(k)) +
+                              (k == gg::GatherKernel::warp_specialized
+                                   ? (v.clusters ? "/clusters" : "/MOEBLAZE_GEMM_MC=0")
+                                   : "");
     SCOPED_TRACE(kname);
+    if (v.clusters) unsetenv("MOEBLAZE_GEMM_MC"); else setenv("MOEBLAZE_GEMM_MC", "0", 1);
     run_twice({&dw2, &dw1}, [&] {
       gg::dw2_proj(dp.view, cb(dO), cb(as), mb(dw2), d, n, nullptr, k);
       gg::dw1_proj(dp.view, cb(dh), cb(x), mb(dw1), d, n, c.act, nullptr, k);
     });
     const auto g2 = download<bf16>(dw2);
     const auto g1 = download<bf16>(dw1);
+    // Clusters change who loads the operands, not the order of any element's sums: the two
+    // warp-specialised variants agree bit for bit.
+    if (k == gg::GatherKernel::warp_specialized) {
+      if (v.clusters) {
+        ws_dw2 = download<uint8_t>(dw2);
+        ws_dw1 = download<uint8_t>(dw1);
+      } else {
+        EXPECT_TRUE(bytes_equal(dw2, ws_dw2)) << "dw2: clusters and MOEBLAZE_GEMM_MC=0 differ";
+        EXPECT_TRUE(bytes_equal(dw1, ws_dw1)) << "dw1: clusters and MOEBLAZE_GEMM_MC=0 differ";
+      }
+    }
     const double e2 = check_rel("dw2", g2, dw2_ref, rel_tolerance(DType::bf16));
     const double e1 = check_rel("dw1", g1, dw1_ref, rel_tolerance(DType::bf16));
     // Experts without slots get exact zeros (not left unwritten).
@@ -472,9 +499,10 @@ TEST_P(GroupedGemm, WeightGradsVarlenK) {
       for (int64_t i = 0; i < R * d; ++i)
         ASSERT_EQ(g1[size_t(e * R * d + i)].bits, 0) << "dw1 of empty expert " << e;
     }
-    std::printf("[dW  %s %s] S=%lld err dw2 %.2e dw1 %.2e\n", case_name(c).c_str(), kname,
-                (long long)S, e2, e1);
+    std::printf("[dW  %s %s] S=%lld err dw2 %.2e dw1 %.2e\n", case_name(c).c_str(),
+                kname.c_str(), (long long)S, e2, e1);
   }
+  unsetenv("MOEBLAZE_GEMM_MC");
 }
 
 // ---- (6) dX̃ ----------------------------------------------------------------------------------
@@ -613,6 +641,8 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_TRUE(has(kernel_of(131072, 64, 2048, "up_proj"), "cooperative"));
   EXPECT_TRUE(has(kernel_of(65536, 4, 512, "up_proj"), "cooperative"));
   EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "dw1_proj"), "computed transposed"));
+  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "dw1_proj"), "2-CTA clusters"));
+  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "dw2_proj"), "2-CTA clusters"));
   EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "down_proj"), "CUTLASS TMA"));
   EXPECT_EQ(gg::use_ws_dh(128, 4096), true);
   // sm-7B-n256 (d = 1536): dH stays on the 2-CTA kernel.

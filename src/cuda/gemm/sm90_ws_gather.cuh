@@ -233,9 +233,15 @@ __device__ __forceinline__ void build_tile_table(const Args& p, int* tile_start)
 // The shared-memory ring: kStagesN stages of A (BM x BK) and of B (kTileNB x BK), 1 KiB
 // aligned (the swizzle is a function of the address), then the full / empty mbarriers of each
 // stage and the ping-pong order barrier pair.
-template <int kTileNB, int kStagesN, int kStageConsumers>
+// kCluster > 1 (the varlen-K kernel's multicast variant): the CTAs of a cluster share B, each
+// loading a part of every stage by TMA multicast into all of them, so a stage may only be
+// refilled when the consumers of every CTA of the cluster have released it: empty[s] then counts
+// one arrival per consumer warp of each CTA (release() below, lane c of every warp arriving on
+// CTA c's barrier).
+template <int kTileNB, int kStagesN, int kStageConsumers, int kCluster = 1>
 struct RingT {
   static constexpr int kStageCount = kStagesN;
+  static constexpr int kClusterSize = kCluster;
   static constexpr int kStageBytesB = kTileNB * kBK * 2;
   char* a;          // (kStagesN, BM, BK) swizzled
   char* b;          // (kStagesN, kTileNB, BK) swizzled
@@ -268,11 +274,23 @@ struct RingT {
 #pragma unroll
     for (int s = 0; s < kStagesN; ++s) {
       cutlass::arch::ClusterTransactionBarrier::init(&full[s], kProducerThreads + 1);
-      cutlass::arch::ClusterTransactionBarrier::init(&empty[s], kStageConsumers);
+      cutlass::arch::ClusterTransactionBarrier::init(
+          &empty[s], kCluster == 1 ? kStageConsumers : kStageConsumers / 32 * kCluster);
     }
     cutlass::arch::ClusterBarrier::init(&order[0], kConsumerThreads / 2);
     cutlass::arch::ClusterBarrier::init(&order[1], kConsumerThreads / 2);
     cutlass::arch::fence_barrier_init();
+  }
+  // A consumer thread's release of stage s once the MMAs that read it have retired. In a
+  // cluster, one lane per warp and CTA arrives (wgmma.wait_group is warp-aligned: when lane c
+  // gets here, every lane of its warp is done with the stage).
+  __device__ void release(int s) const {
+    if constexpr (kCluster == 1) {
+      cutlass::arch::ClusterTransactionBarrier::arrive(&empty[s]);
+    } else {
+      const uint32_t lane = threadIdx.x & 31;
+      cutlass::arch::ClusterBarrier::arrive(&empty[s], lane, lane < kCluster);
+    }
   }
 };
 template <class Sched>
@@ -322,7 +340,7 @@ __device__ __forceinline__ void mma_mainloop(const R& r, RingPosT<R::kStageCount
     warpgroup_wait<1>();  // the previous step's MMAs are done: release its stage
     warpgroup_fence_operand(acc);
     if (kt > 0) {
-      Barrier::arrive(&r.empty[release]);
+      r.release(release);
       if (++release == R::kStageCount) release = 0;
     }
     pos.advance();
@@ -330,7 +348,7 @@ __device__ __forceinline__ void mma_mainloop(const R& r, RingPosT<R::kStageCount
   issued();
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
-  if (k_tiles > 0) Barrier::arrive(&r.empty[release]);
+  if (k_tiles > 0) r.release(release);
 }
 
 // The consumer warpgroups of a warp-specialised kernel, cooperative: for each of this CTA's
@@ -338,8 +356,11 @@ __device__ __forceinline__ void mma_mainloop(const R& r, RingPosT<R::kStageCount
 // per-tile work before the mainloop), the mainloop (mma_mainloop), then end(t, acc), the epilogue
 // on this thread's fp32 accumulators (zeros when k_tiles = 0). L gives TiledMma (two warpgroups
 // along M), the stage layouts and kTileN.
+// The CTA's tiles are first, first + stride, ... (blockIdx.x, gridDim.x; a cluster's index and
+// count in a kernel whose clusters share their tiles).
 template <class L, int kRegs, class R, class Begin, class End>
-__device__ __forceinline__ void consumer_loop(const R& r, int num_tiles, Begin begin, End end) {
+__device__ __forceinline__ void consumer_loop(const R& r, int first, int stride, int num_tiles,
+                                              Begin begin, End end) {
   using namespace cute;
   cutlass::arch::warpgroup_reg_alloc<kRegs>();
   typename L::TiledMma mma;
@@ -350,7 +371,7 @@ __device__ __forceinline__ void consumer_loop(const R& r, int num_tiles, Begin b
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
   auto acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<L::kTileN>>{});
   RingPosT<R::kStageCount> pos;
-  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+  for (int t = first; t < num_tiles; t += stride) {
     const int k_tiles = begin(t);
     if (k_tiles == 0) clear(acc);
     mma_mainloop(r, pos, mma, tCrA, tCrB, acc, k_tiles, [] {});
@@ -506,7 +527,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (Sched::kPingPong)
       pingpong_consumer_loop<L, kConsumerRegs>(ring, num_tiles, k_tiles, begin, end);
     else
-      consumer_loop<L, kConsumerRegs>(ring, num_tiles, begin, end);
+      consumer_loop<L, kConsumerRegs>(ring, blockIdx.x, gridDim.x, num_tiles, begin, end);
   }
 }
 

@@ -21,7 +21,9 @@
 // within an expert; an expert with no slot gets zeros.
 #pragma once
 
+#include "cuda/gemm/quad_transpose.cuh"
 #include "cuda/gemm/sm90_ws_gather.cuh"
+#include "cuda/gemm/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm::sm90::ws {
 
@@ -33,6 +35,7 @@ struct VarlenKArgs {
   int E, M, N;
   int m_tiles, n_tiles;     // ceil(M / kBM), ceil(N / kBN)
   int raster_group;         // band height of raster_tile within an expert
+  int wide_epilogue;        // 16-byte stores (varlen_k_store)
   __nv_bfloat16* out;       // (E, M, N), or (E, N, M) for the kernel's kTransposed
   CUtensorMap tma;          // q as a 2D (S, N) tensor, 64 x 64 boxes
 };
@@ -71,6 +74,10 @@ struct VarlenKLayouts {
       ct::Shape<ct::Int<kBN>, ct::Int<kBK>, ct::Int<kStages>>{}, Order{}));  // (BN, BK, stages)
 };
 
+// The varlen-K kernel's ring: the cooperative one, its stages shared by kCluster CTAs.
+template <int kCluster>
+using VarlenKRing = RingT<kBN, kStages, kConsumerThreads, kCluster>;
+
 // Registers after setmaxnreg: 128 x 88 + 256 x 208 = 64512. The producer holds 8 row ids
 // of the next stage besides the current ones; the consumers' epilogue is a plain store.
 constexpr int kVkProducerRegs = 88;
@@ -96,34 +103,129 @@ struct MnCopy {
   }
 };
 
+// movmatrix: the 8 x 8 bf16 matrix a warp holds in the MMA fragment layout (lane l: row l / 4,
+// columns 2 (l % 4), + 1, one 32-bit word) transposed, in the same layout.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t a) {
+  uint32_t d;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
+  return d;
+}
+
+// The epilogue: a consumer thread's fp32 accumulators (WsFrag: rows ws_frag_row(v1), column
+// pairs ws_frag_col(i)) stored as bf16 into out[e] with 16-byte stores (wide) or, for the A/B
+// switch MOEBLAZE_GEMM_DW_WIDE=0, the plain fragment stores (4 bytes per lane, 2 transposed).
+//   row-major (M, N): quads of column groups, a quad transpose (quad_transpose.cuh) gives each
+//     lane one whole 8-column group of its row: 16 bytes.
+//   transposed (N, M): per column group i and row half v1 the warp holds an 8 x 8 block (rows m,
+//     columns n); movmatrix transposes it, so lane (r8, q) holds out row n = col(i) - 2q + r8,
+//     m pair 2q; the four blocks (i0, i0 + 1) x (v1 = 0, 1) then quad-transposed give lane q
+//     16 contiguous bytes: out row n0 + 8 (i0 + q / 2) + r8, m = the warp's 16 rows' half q % 2.
+//     A warp's store covers 16 rows n of 32 contiguous bytes each: full sectors.
+// M and N are multiples of 64; nothing past them is stored.
+template <bool kTransposed, class Acc>
+__device__ __forceinline__ void varlen_k_store(const VarlenKArgs& p, Acc& acc, int expert,
+                                               int m_tile, int n_tile) {
+  __nv_bfloat16* out = p.out + int64_t(expert) * p.M * p.N;
+  const int m0 = m_tile * kBM, n0 = n_tile * kBN;
+  if (!p.wide_epilogue) {
+#pragma unroll
+    for (int v1 = 0; v1 < 2; ++v1) {
+      const int m = m0 + ws_frag_row(v1);
+      if (m >= p.M) continue;
+#pragma unroll
+      for (int i = 0; i < kFragColGroups; ++i) {
+        const int n = n0 + ws_frag_col(i);  // n and n + 1 (N is a multiple of 64)
+        if (n >= p.N) continue;
+        const float x0 = acc(4 * i + 2 * v1), x1 = acc(4 * i + 2 * v1 + 1);
+        if constexpr (kTransposed) {
+          out[int64_t(n) * p.M + m] = __float2bfloat16_rn(x0);
+          out[int64_t(n + 1) * p.M + m] = __float2bfloat16_rn(x1);
+        } else {
+          store_bf16x2(out + int64_t(m) * p.N + n, x0, x1);
+        }
+      }
+    }
+    return;
+  }
+  const int lane = threadIdx.x & 31, q = lane & 3;
+  if constexpr (kTransposed) {
+    // The warp's 16 rows m start at ws_frag_row(0) - lane / 4.
+    const int m = m0 + ws_frag_row(0) - (lane >> 2) + 8 * (q & 1);
+    const bool m_ok = m < p.M;
+#pragma unroll
+    for (int i0 = 0; i0 < kFragColGroups; i0 += 2) {
+      uint32_t w[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {  // block (i0 + k / 2, v1 = k % 2)
+        const int e = 4 * (i0 + (k >> 1)) + 2 * (k & 1);
+        w[k] = movmatrix_trans(pack_bf16x2(acc(e), acc(e + 1)));
+      }
+      quad_transpose(w);
+      const int n = n0 + 8 * (i0 + (q >> 1)) + (lane >> 2);
+      if (m_ok && n < p.N)
+        *reinterpret_cast<uint4*>(out + int64_t(n) * p.M + m) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  } else {
+#pragma unroll
+    for (int v1 = 0; v1 < 2; ++v1) {
+      const int m = m0 + ws_frag_row(v1);
+#pragma unroll
+      for (int i0 = 0; i0 < kFragColGroups; i0 += 4) {
+        uint32_t w[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          w[k] = pack_bf16x2(acc(4 * (i0 + k) + 2 * v1), acc(4 * (i0 + k) + 2 * v1 + 1));
+        quad_transpose(w);
+        const int n = n0 + 8 * (i0 + q);
+        if (m < p.M && n < p.N)
+          *reinterpret_cast<uint4*>(out + int64_t(m) * p.N + n) = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    }
+  }
+}
+
 // kTransposed: out[e] is stored as (N, M) instead of (M, N), so a GEMM whose gathered operand is
 // the wide one can be computed transposed with the gathered operand as the 128-wide P (dW1).
-template <bool kTransposed>
+// kCluster: CTAs per cluster (1 or 2). With 2, a cluster computes the two m-tiles 2 g, 2 g + 1
+// of one (expert, n-tile): Q's stage is the same for both, and each CTA loads half of its TMA
+// boxes multicast into both CTAs, halving Q's reads from L2 (P, gathered by cp.async, stays per
+// CTA). When m_tiles is odd the last cluster's second CTA has no m-tile: it reads zero rows of P,
+// takes part in the loads and barriers, and stores nothing. An expert's partial last K step is
+// copied by each CTA for itself (cp.async), as without a cluster.
+template <bool kTransposed, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_constant__
                                                                   VarlenKArgs p) {
   using namespace cute;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   using L = VarlenKLayouts;
+  using R = VarlenKRing<kCluster>;
   using CopyG = MnCopy<kBM>;  // P, gathered
   using CopyC = MnCopy<kBN>;  // Q, contiguous (an expert's partial last K step only)
-  constexpr int kBoxesC = kBN / kBox;
+  constexpr int kBoxesC = kBN / kBox;          // TMA boxes of a Q stage
+  constexpr int kBoxesOwn = kBoxesC / kCluster;  // of which this CTA loads
   extern __shared__ char smem_raw[];
-  const Ring ring = Ring::carve(smem_raw);
+  const R ring = R::carve(smem_raw);
   ring.init_barriers();
-  __syncthreads();
-  const int tiles_per_expert = p.m_tiles * p.n_tiles;
-  const int num_tiles = p.E * tiles_per_expert;
+  // The cluster's barriers are initialised before any CTA multicasts into, or arrives on, them.
+  if constexpr (kCluster > 1) cute::cluster_sync(); else __syncthreads();
+  const int rank = kCluster > 1 ? static_cast<int>(cute::block_rank_in_cluster()) : 0;
+  const int first = blockIdx.x / kCluster, stride = gridDim.x / kCluster;
+  const int m_groups = (p.m_tiles + kCluster - 1) / kCluster;  // m-tiles of a cluster: kCluster
+  const int tiles_per_expert = m_groups * p.n_tiles;
+  const int num_tiles = p.E * tiles_per_expert;  // cluster tiles
   auto decode = [&](int t, int& expert, int& m_tile, int& n_tile) {
     expert = t / tiles_per_expert;
-    raster_tile(t - expert * tiles_per_expert, p.m_tiles, p.n_tiles, p.raster_group, m_tile,
+    int m_group;
+    raster_tile(t - expert * tiles_per_expert, m_groups, p.n_tiles, p.raster_group, m_group,
                 n_tile);
+    m_tile = m_group * kCluster + rank;
   };
 
   if (threadIdx.x < kProducerThreads) {
     cutlass::arch::warpgroup_reg_dealloc<kVkProducerRegs>();
     const uint32_t a_base = smem_u32(ring.a), b_base = smem_u32(ring.b);
     RingPos pos;
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    for (int t = first; t < num_tiles; t += stride) {
       int expert, m_tile, n_tile;
       decode(t, expert, m_tile, n_tile);
       const int k_begin = p.offsets[expert], k_end = p.offsets[expert + 1];
@@ -148,13 +250,22 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
         const int k0 = k_begin + kt * kBK;
         if (k0 + kBK <= k_end) {  // a whole K step: the contiguous operand by TMA
           if (threadIdx.x == 0) {
+            // The whole stage lands here: this CTA's boxes and, multicast, the other CTAs'.
             Barrier::arrive_and_expect_tx(&ring.full[stage], kBoxesC * kBoxBytes);
             char* dst = ring.b + stage * kStageBytesB;
 #pragma unroll
-            for (int h = 0; h < kBoxesC; ++h)
-              SM90_TMA_LOAD_2D::copy(&p.tma, &ring.full[stage],
-                                     static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
-                                     dst + h * kBoxBytes, c_col0 + h * kBox, k0);
+            for (int j = 0; j < kBoxesOwn; ++j) {
+              const int h = rank * kBoxesOwn + j;
+              if constexpr (kCluster == 1)
+                SM90_TMA_LOAD_2D::copy(&p.tma, &ring.full[stage],
+                                       static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
+                                       dst + h * kBoxBytes, c_col0 + h * kBox, k0);
+              else
+                SM90_TMA_LOAD_MULTICAST_2D::copy(
+                    &p.tma, &ring.full[stage], static_cast<uint16_t>((1u << kCluster) - 1),
+                    static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL), dst + h * kBoxBytes,
+                    c_col0 + h * kBox, k0);
+            }
           }
         } else {  // the expert's partial last step: cp.async with zero fill past k_end
           int crow[CopyC::kRows];
@@ -175,56 +286,67 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
   } else {
     int expert, m_tile, n_tile;
     consumer_loop<L, kVkConsumerRegs>(
-        ring, num_tiles,
+        ring, first, stride, num_tiles,
         [&](int t) {
           decode(t, expert, m_tile, n_tile);
           return (p.offsets[expert + 1] - p.offsets[expert] + kBK - 1) / kBK;
         },
-        [&](int, auto& acc) {
-          __nv_bfloat16* out = p.out + int64_t(expert) * p.M * p.N;
-          const int m0 = m_tile * kBM, n0 = n_tile * kBN;
-#pragma unroll
-          for (int v1 = 0; v1 < 2; ++v1) {
-            const int m = m0 + ws_frag_row(v1);
-            if (m >= p.M) continue;
-#pragma unroll
-            for (int i = 0; i < kFragColGroups; ++i) {
-              const int n = n0 + ws_frag_col(i);  // n and n + 1 (N is a multiple of 64)
-              if (n >= p.N) continue;
-              const float x0 = acc(4 * i + 2 * v1), x1 = acc(4 * i + 2 * v1 + 1);
-              if constexpr (kTransposed) {
-                // Lanes 4 apart hold 8 consecutive m of the same n: 16 contiguous bytes per row.
-                out[int64_t(n) * p.M + m] = __float2bfloat16_rn(x0);
-                out[int64_t(n + 1) * p.M + m] = __float2bfloat16_rn(x1);
-              } else {
-                store_bf16x2(out + int64_t(m) * p.N + n, x0, x1);
-              }
-            }
-          }
-        });
+        [&](int, auto& acc) { varlen_k_store<kTransposed>(p, acc, expert, m_tile, n_tile); });
   }
+  // No CTA leaves while another may still multicast into it or arrive on its barriers.
+  if constexpr (kCluster > 1) cute::cluster_sync();
 }
 
 // S: rows of q (the plan's slots).
-template <bool kTransposed>
+template <bool kTransposed, int kCluster>
 void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, cudaStream_t stream) {
   VarlenKArgs q = a;
   q.m_tiles = (a.M + kBM - 1) / kBM;
   q.n_tiles = (a.N + kBN - 1) / kBN;
-  const int64_t tiles = int64_t(a.E) * q.m_tiles * q.n_tiles;
+  const int64_t m_groups = (q.m_tiles + kCluster - 1) / kCluster;
+  const int64_t tiles = int64_t(a.E) * m_groups * q.n_tiles;
   MOEBLAZE_UNSUPPORTED_IF(tiles > int64_t(INT32_MAX), "weight-gradient GEMM of ", tiles,
                           " tiles exceeds 2^31 - 1");
-  q.raster_group = raster_group_for(q.m_tiles);
+  q.raster_group = raster_group_for(m_groups);
+  q.wide_epilogue = detail::varlen_k_wide_epilogue_on() ? 1 : 0;
   // q: rows = slots. With S = 0 every expert is empty and nothing is read
   // (its operands may be null), but a descriptor needs a valid address: the output's first
   // 64 x 64 elements stand in.
   q.tma = S > 0 ? make_tma_kmajor(a.q, S, a.N) : make_tma_kmajor(a.out, 1, 64);
-  const int grid = persistent_grid(tiles);
-  const size_t smem = Ring::kBytes;
-  auto kernel = &varlen_k_ws_kernel<kTransposed>;
+  const size_t smem = VarlenKRing<kCluster>::kBytes;
+  auto kernel = &varlen_k_ws_kernel<kTransposed, kCluster>;
   MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)));
-  kernel<<<grid, kThreads, smem, stream>>>(q);
+  if constexpr (kCluster == 1) {
+    const int grid = persistent_grid(tiles);
+    kernel<<<grid, kThreads, smem, stream>>>(q);
+  } else {
+    cudaLaunchConfig_t cfg{};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kCluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    // Persistent: as many clusters as can be resident at once (the GPCs decide, not SMs / 2),
+    // or one per cluster tile when there are fewer.
+    static const int resident = [&] {  // per instantiation; a process's devices are alike
+      cudaLaunchConfig_t probe = cfg;
+      probe.gridDim = dim3(kCluster * 64);
+      int n = 0;
+      MOEBLAZE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &probe));
+      return n;
+    }();
+    MOEBLAZE_UNSUPPORTED_IF(resident <= 0, "weight-gradient GEMM: no ", kCluster,
+                            "-CTA cluster of its kernel fits on this device");
+    const int64_t clusters = tiles < resident ? tiles : resident;
+    cfg.gridDim = dim3(static_cast<unsigned>(kCluster * (clusters > 0 ? clusters : 1)));
+    MOEBLAZE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, q));
+  }
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -45,10 +45,21 @@ void dh_proj_ws(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, 
                 Activation act, cudaStream_t stream);
 
 // dw2_proj / dw1_proj on the warp-specialised varlen-K kernel; same contracts (w1_rows = 2n for
-// gated activations, else n).
+// gated activations, else n). They run the 2-CTA-cluster variant (the _cluster functions, one
+// instantiation each in its own file) unless varlen_k_multicast_on() is false.
 void dw2_proj_ws(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled, bf16* dw2,
                  int64_t d, int64_t n, cudaStream_t stream);
 void dw1_proj_ws(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
                  int64_t d, int64_t w1_rows, cudaStream_t stream);
+void dw2_proj_ws_cluster(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled,
+                         bf16* dw2, int64_t d, int64_t n, cudaStream_t stream);
+void dw1_proj_ws_cluster(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
+                         int64_t d, int64_t w1_rows, cudaStream_t stream);
+
+// The varlen-K kernel's A/B switches: 2-CTA clusters sharing the contiguous operand by TMA
+// multicast (MOEBLAZE_GEMM_MC=0 turns them off) and the 16-byte epilogue stores
+// (MOEBLAZE_GEMM_DW_WIDE=0). Read at every launch.
+bool varlen_k_multicast_on();
+bool varlen_k_wide_epilogue_on();
 
 }  // namespace moeblaze::cuda::gemm::detail

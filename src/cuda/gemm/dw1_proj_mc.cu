@@ -1,0 +1,17 @@
+// (8) dW1 on the varlen-K kernel's 2-CTA cluster variant (sm90_ws_varlen_k.cuh, kCluster = 2):
+// the two CTAs of a cluster compute m-tiles 2g, 2g + 1 of dW1[e]ᵀ for one n-tile and share dh's
+// stage by TMA multicast. Orientation and operands as in dw1_proj_ws.cu.
+// One instantiation: varlen_k_ws_kernel<true, 2>.
+#include "cuda/gemm/sm90_ws_varlen_k.cuh"
+#include "cuda/gemm/ws_paths.hpp"
+
+namespace moeblaze::cuda::gemm::detail {
+
+void dw1_proj_ws_cluster(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
+                         int64_t d, int64_t w1_rows, cudaStream_t stream) {
+  // x (T, d) gathered: M = d; dh (S, w1_rows): N = w1_rows; dw1 (E, w1_rows, d) = (E, N, M).
+  sm90::ws::launch_varlen_k_ws<true, 2>(sm90::ws::varlen_k_args(plan, x, dh, d, w1_rows, dw1),
+                                        plan.S, stream);
+}
+
+}  // namespace moeblaze::cuda::gemm::detail
