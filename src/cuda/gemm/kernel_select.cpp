@@ -85,8 +85,6 @@ GatherPath dh_proj_auto_path(int64_t E, int64_t d) {
 
 // Read at every launch (a getenv), so that a test can run both variants in one process.
 bool varlen_k_multicast_on() { return !env_is_zero("MOEBLAZE_GEMM_MC"); }
-
-bool varlen_k_wide_epilogue_on() { return !env_is_zero("MOEBLAZE_GEMM_DW_WIDE"); }
 }  // namespace detail
 
 std::vector<KernelChoice> describe_kernels(int64_t S, int64_t E, int64_t d) {
@@ -110,8 +108,7 @@ std::vector<KernelChoice> describe_kernels(int64_t S, int64_t E, int64_t d) {
       "stages, gathered rows by cp.async, slot rows by TMA" +
       std::string(detail::varlen_k_multicast_on()
                       ? ", 2-CTA clusters sharing the slot rows by multicast"
-                      : " [MOEBLAZE_GEMM_MC=0: no clusters]") +
-      (detail::varlen_k_wide_epilogue_on() ? "" : " [MOEBLAZE_GEMM_DW_WIDE=0]");
+                      : " [MOEBLAZE_GEMM_MC=0: no clusters]");
   const std::string two_cta_k = "2-CTA varlen-K (dw_proj.cu): 128x128x64 tiles, 3 stages";
   const std::string why_ws = ws ? "" : (detail::ws_gather_supports(E) ? " [MOEBLAZE_GEMM_WS=0]"
                                                                       : " [E > 4096]");

@@ -35,7 +35,6 @@ struct VarlenKArgs {
   int E, M, N;
   int m_tiles, n_tiles;     // ceil(M / kBM), ceil(N / kBN)
   int raster_group;         // band height of raster_tile within an expert
-  int wide_epilogue;        // 16-byte stores (varlen_k_store)
   __nv_bfloat16* out;       // (E, M, N), or (E, N, M) for the kernel's kTransposed
   CUtensorMap tma;          // q as a 2D (S, N) tensor, 64 x 64 boxes
 };
@@ -112,8 +111,9 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t a) {
 }
 
 // The epilogue: a consumer thread's fp32 accumulators (WsFrag: rows ws_frag_row(v1), column
-// pairs ws_frag_col(i)) stored as bf16 into out[e] with 16-byte stores (wide) or, for the A/B
-// switch MOEBLAZE_GEMM_DW_WIDE=0, the plain fragment stores (4 bytes per lane, 2 transposed).
+// pairs ws_frag_col(i)) stored as bf16 into out[e], 16 bytes per lane and store (the plain
+// fragment stores, 4 bytes per lane and 2 for the transposed tile, half-fill each 32-byte sector
+// they touch; measured 7-15 % slower on the whole GEMM, bench/NOTES.md):
 //   row-major (M, N): quads of column groups, a quad transpose (quad_transpose.cuh) gives each
 //     lane one whole 8-column group of its row: 16 bytes.
 //   transposed (N, M): per column group i and row half v1 the warp holds an 8 x 8 block (rows m,
@@ -127,26 +127,6 @@ __device__ __forceinline__ void varlen_k_store(const VarlenKArgs& p, Acc& acc, i
                                                int m_tile, int n_tile) {
   __nv_bfloat16* out = p.out + int64_t(expert) * p.M * p.N;
   const int m0 = m_tile * kBM, n0 = n_tile * kBN;
-  if (!p.wide_epilogue) {
-#pragma unroll
-    for (int v1 = 0; v1 < 2; ++v1) {
-      const int m = m0 + ws_frag_row(v1);
-      if (m >= p.M) continue;
-#pragma unroll
-      for (int i = 0; i < kFragColGroups; ++i) {
-        const int n = n0 + ws_frag_col(i);  // n and n + 1 (N is a multiple of 64)
-        if (n >= p.N) continue;
-        const float x0 = acc(4 * i + 2 * v1), x1 = acc(4 * i + 2 * v1 + 1);
-        if constexpr (kTransposed) {
-          out[int64_t(n) * p.M + m] = __float2bfloat16_rn(x0);
-          out[int64_t(n + 1) * p.M + m] = __float2bfloat16_rn(x1);
-        } else {
-          store_bf16x2(out + int64_t(m) * p.N + n, x0, x1);
-        }
-      }
-    }
-    return;
-  }
   const int lane = threadIdx.x & 31, q = lane & 3;
   if constexpr (kTransposed) {
     // The warp's 16 rows m start at ws_frag_row(0) - lane / 4.
@@ -308,7 +288,6 @@ void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, cudaStream_t stream) {
   MOEBLAZE_UNSUPPORTED_IF(tiles > int64_t(INT32_MAX), "weight-gradient GEMM of ", tiles,
                           " tiles exceeds 2^31 - 1");
   q.raster_group = raster_group_for(m_groups);
-  q.wide_epilogue = detail::varlen_k_wide_epilogue_on() ? 1 : 0;
   // q: rows = slots. With S = 0 every expert is empty and nothing is read
   // (its operands may be null), but a descriptor needs a valid address: the output's first
   // 64 x 64 elements stand in.

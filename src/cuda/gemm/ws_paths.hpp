@@ -56,10 +56,8 @@ void dw2_proj_ws_cluster(const RoutingPlanView& plan, const bf16* d_out, const b
 void dw1_proj_ws_cluster(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
                          int64_t d, int64_t w1_rows, cudaStream_t stream);
 
-// The varlen-K kernel's A/B switches: 2-CTA clusters sharing the contiguous operand by TMA
-// multicast (MOEBLAZE_GEMM_MC=0 turns them off) and the 16-byte epilogue stores
-// (MOEBLAZE_GEMM_DW_WIDE=0). Read at every launch.
+// The varlen-K kernel's A/B switch: 2-CTA clusters sharing the contiguous operand by TMA
+// multicast (MOEBLAZE_GEMM_MC=0 turns them off). Read at every launch.
 bool varlen_k_multicast_on();
-bool varlen_k_wide_epilogue_on();
 
 }  // namespace moeblaze::cuda::gemm::detail
