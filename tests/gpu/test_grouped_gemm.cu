@@ -454,24 +454,27 @@ TEST_P(GroupedGemm, WeightGradsVarlenK) {
   upload(dh, dh_in);
   upload(x, in.x);
   DevBuf dw2(size_t(E * d * n) * 2), dw1(size_t(E * R * d) * 2);
-  // The warp-specialised kernel twice: its default 2-CTA clusters sharing the slot-row operand
-  // (odd m-tile counts, d = 128 and 320, leave a cluster's second CTA without a tile), and one
-  // CTA per tile (MOEBLAZE_GEMM_MC=0, read at every launch).
+  // The warp-specialised kernel twice: dW1 with 2-CTA clusters sharing dh (MOEBLAZE_GEMM_MC=1;
+  // odd m-tile counts, d = 128 and 320, leave a cluster's second CTA without a tile), and one
+  // CTA per tile (MOEBLAZE_GEMM_MC=0). The switch is read at every launch.
   struct Variant {
     gg::GatherKernel kernel;
     bool clusters;
   };
   std::vector<uint8_t> ws_dw2, ws_dw1;  // the clusters' outputs
+  struct UnsetOnExit {  // also when an assertion leaves the test early
+    ~UnsetOnExit() { unsetenv("MOEBLAZE_GEMM_MC"); }
+  } unset_on_exit;
   for (const Variant v : {Variant{gg::GatherKernel::two_cta, false},
                           Variant{gg::GatherKernel::warp_specialized, true},
                           Variant{gg::GatherKernel::warp_specialized, false}}) {
     const gg::GatherKernel k = v.kernel;
     const std::string kname = std::string(gather_kernel_name(k)) +
                               (k == gg::GatherKernel::warp_specialized
-                                   ? (v.clusters ? "/clusters" : "/MOEBLAZE_GEMM_MC=0")
+                                   ? (v.clusters ? "/MOEBLAZE_GEMM_MC=1" : "/MOEBLAZE_GEMM_MC=0")
                                    : "");
     SCOPED_TRACE(kname);
-    if (v.clusters) unsetenv("MOEBLAZE_GEMM_MC"); else setenv("MOEBLAZE_GEMM_MC", "0", 1);
+    setenv("MOEBLAZE_GEMM_MC", v.clusters ? "1" : "0", 1);
     run_twice({&dw2, &dw1}, [&] {
       gg::dw2_proj(dp.view, cb(dO), cb(as), mb(dw2), d, n, nullptr, k);
       gg::dw1_proj(dp.view, cb(dh), cb(x), mb(dw1), d, n, c.act, nullptr, k);
@@ -502,7 +505,6 @@ TEST_P(GroupedGemm, WeightGradsVarlenK) {
     std::printf("[dW  %s %s] S=%lld err dw2 %.2e dw1 %.2e\n", case_name(c).c_str(),
                 kname.c_str(), (long long)S, e2, e1);
   }
-  unsetenv("MOEBLAZE_GEMM_MC");
 }
 
 // ---- (6) dX̃ ----------------------------------------------------------------------------------
@@ -641,8 +643,9 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_TRUE(has(kernel_of(131072, 64, 2048, "up_proj"), "cooperative"));
   EXPECT_TRUE(has(kernel_of(65536, 4, 512, "up_proj"), "cooperative"));
   EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "dw1_proj"), "computed transposed"));
-  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "dw1_proj"), "2-CTA clusters"));
-  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "dw2_proj"), "2-CTA clusters"));
+  // dW1's clusters where experts have >= 4096 rows on average: mb-conf3 yes, sm-default no.
+  EXPECT_TRUE(has(kernel_of(262144, 16, 1024, "dw1_proj"), "2-CTA clusters"));
+  EXPECT_FALSE(has(kernel_of(262144, 128, 4096, "dw1_proj"), "2-CTA clusters"));
   EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "down_proj"), "CUTLASS TMA"));
   EXPECT_EQ(gg::use_ws_dh(128, 4096), true);
   // sm-7B-n256 (d = 1536): dH stays on the 2-CTA kernel.

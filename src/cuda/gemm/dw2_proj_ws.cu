@@ -1,7 +1,7 @@
 // (5) dW2 on the warp-specialised persistent varlen-K kernel (sm90_ws_varlen_k.cuh): P = d_out
 // gathered through expert_token_indices (M = d), Q = a_scaled contiguous by TMA (N = n).
-// This file: one CTA per tile, varlen_k_ws_kernel<false, 1>; the default 2-CTA cluster variant
-// is in dw2_proj_mc.cu.
+// One instantiation: varlen_k_ws_kernel<false, 1> (one CTA per tile: 2-CTA clusters sharing
+// a_scaled measured -2..+5 %, no gain; bench/NOTES.md).
 #include "cuda/gemm/sm90_ws_varlen_k.cuh"
 #include "cuda/gemm/ws_paths.hpp"
 
@@ -9,10 +9,6 @@ namespace moeblaze::cuda::gemm::detail {
 
 void dw2_proj_ws(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled, bf16* dw2,
                  int64_t d, int64_t n, cudaStream_t stream) {
-  if (varlen_k_multicast_on()) {
-    dw2_proj_ws_cluster(plan, d_out, a_scaled, dw2, d, n, stream);
-    return;
-  }
   // d_out (T, d) gathered: M = d; a_scaled (S, n): N = n; dw2 (E, d, n).
   sm90::ws::launch_varlen_k_ws<false, 1>(
       sm90::ws::varlen_k_args(plan, d_out, a_scaled, d, n, dw2), plan.S, stream);

@@ -83,8 +83,12 @@ GatherPath dh_proj_auto_path(int64_t E, int64_t d) {
   return ping_pong_on() ? GatherPath::ping_pong : GatherPath::cooperative;
 }
 
-// Read at every launch (a getenv), so that a test can run both variants in one process.
-bool varlen_k_multicast_on() { return !env_is_zero("MOEBLAZE_GEMM_MC"); }
+bool dw1_uses_clusters(int64_t S, int64_t E) {
+  const char* env = std::getenv("MOEBLAZE_GEMM_MC");  // at every launch (the tests flip it)
+  if (env && std::strcmp(env, "0") == 0) return false;
+  if (env && std::strcmp(env, "1") == 0) return true;
+  return E > 0 && S >= E * kDw1ClusterMinRowsPerExpert;
+}
 }  // namespace detail
 
 std::vector<KernelChoice> describe_kernels(int64_t S, int64_t E, int64_t d) {
@@ -105,10 +109,12 @@ std::vector<KernelChoice> describe_kernels(int64_t S, int64_t E, int64_t d) {
       "cluster 2x1";
   const std::string ws_k =
       "warp-specialised varlen-K (sm90_ws_varlen_k.cuh): persistent, 128x256x64 tiles, 4 "
-      "stages, gathered rows by cp.async, slot rows by TMA" +
-      std::string(detail::varlen_k_multicast_on()
-                      ? ", 2-CTA clusters sharing the slot rows by multicast"
-                      : " [MOEBLAZE_GEMM_MC=0: no clusters]");
+      "stages, gathered rows by cp.async, slot rows by TMA";
+  const std::string dw1_clusters =
+      detail::dw1_uses_clusters(S, E)
+          ? ", 2-CTA clusters sharing dh by TMA multicast [S >= " +
+                std::to_string(detail::kDw1ClusterMinRowsPerExpert) + " E, or MOEBLAZE_GEMM_MC=1]"
+          : "";
   const std::string two_cta_k = "2-CTA varlen-K (dw_proj.cu): 128x128x64 tiles, 3 stages";
   const std::string why_ws = ws ? "" : (detail::ws_gather_supports(E) ? " [MOEBLAZE_GEMM_WS=0]"
                                                                       : " [E > 4096]");
@@ -133,7 +139,7 @@ std::vector<KernelChoice> describe_kernels(int64_t S, int64_t E, int64_t d) {
       {"dh_proj", dh_s},
       {"dw2_proj", (ws ? ws_k : two_cta_k) + why_ws},
       {"dx_proj", (tma ? tma_path : two_cta) + why_tma},
-      {"dw1_proj", (ws ? ws_k + ", computed transposed" : two_cta_k) + why_ws},
+      {"dw1_proj", (ws ? ws_k + ", computed transposed" + dw1_clusters : two_cta_k) + why_ws},
   };
 }
 

@@ -18,7 +18,9 @@
 // of a stage are 8 KiB holding each of the 64 k as one 128-byte line, 16-byte chunks swizzled by
 // k % 8 — the layout of one TMA box with 128-byte swizzle, which the cp.async copies reproduce
 // (kfirst_offset). Tiles are (expert, m-tile, n-tile), expert by expert, raster_tile's order
-// within an expert; an expert with no slot gets zeros.
+// within an expert; an expert with no slot gets zeros. The epilogue stores 16 bytes per lane
+// (varlen_k_store). A 2-CTA cluster variant (kCluster = 2, dW1 where experts have many rows)
+// shares Q's stages between two m-tiles by TMA multicast.
 #pragma once
 
 #include "cuda/gemm/quad_transpose.cuh"

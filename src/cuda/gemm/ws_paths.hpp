@@ -45,19 +45,20 @@ void dh_proj_ws(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, 
                 Activation act, cudaStream_t stream);
 
 // dw2_proj / dw1_proj on the warp-specialised varlen-K kernel; same contracts (w1_rows = 2n for
-// gated activations, else n). They run the 2-CTA-cluster variant (the _cluster functions, one
-// instantiation each in its own file) unless varlen_k_multicast_on() is false.
+// gated activations, else n). dw1_proj_ws runs the 2-CTA-cluster variant (dw1_proj_ws_cluster,
+// its own file) where dw1_uses_clusters says so.
 void dw2_proj_ws(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled, bf16* dw2,
                  int64_t d, int64_t n, cudaStream_t stream);
 void dw1_proj_ws(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
                  int64_t d, int64_t w1_rows, cudaStream_t stream);
-void dw2_proj_ws_cluster(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled,
-                         bf16* dw2, int64_t d, int64_t n, cudaStream_t stream);
 void dw1_proj_ws_cluster(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
                          int64_t d, int64_t w1_rows, cudaStream_t stream);
 
-// The varlen-K kernel's A/B switch: 2-CTA clusters sharing the contiguous operand by TMA
-// multicast (MOEBLAZE_GEMM_MC=0 turns them off). Read at every launch.
-bool varlen_k_multicast_on();
+// Whether dW1 runs with 2-CTA clusters sharing dh's stages by TMA multicast: where experts have
+// at least kDw1ClusterMinRowsPerExpert rows on average (measured: -1..-6 % there, +1 % on the
+// fine-grained configs; bench/NOTES.md). MOEBLAZE_GEMM_MC=1 / 0 forces it on / off (read at
+// every launch, so a test can run both in one process).
+constexpr int64_t kDw1ClusterMinRowsPerExpert = 4096;
+bool dw1_uses_clusters(int64_t S, int64_t E);
 
 }  // namespace moeblaze::cuda::gemm::detail
