@@ -92,9 +92,11 @@ size_t layer_gemm_scratch_bytes(int64_t S, int64_t E);
 //   dh_proj: two_cta for d < kWsDhMinD (the gather kernels' dH epilogue, which reads H, does not
 //            pay on short reductions), ping_pong from there on (ahead of cooperative by 5-42 %
 //            at d = 2048 and 4096);
-//   dw2_proj / dw1_proj: warp_specialized;
+//   dw2_proj / dw1_proj: warp_specialized (dw1_proj on 2-CTA clusters sharing dh by TMA
+//            multicast where S >= 4096 E; ws_paths.hpp's dw1_uses_clusters);
 // else two_cta. MOEBLAZE_GEMM_WS=0 in the environment turns the warp-specialised kernels off,
-// MOEBLAZE_GEMM_PP=0 only the ping-pong schedule of dh_proj (each read once; for A/B measurements).
+// MOEBLAZE_GEMM_PP=0 only the ping-pong schedule of dh_proj (each read once), MOEBLAZE_GEMM_MC=0
+// / 1 dW1's clusters off / on (read at every launch); for A/B measurements.
 enum class GatherKernel { automatic, two_cta, warp_specialized, ping_pong };
 constexpr int64_t kWsDhMinD = 2048;
 bool use_ws_gather(int64_t E);
