@@ -62,7 +62,7 @@ __device__ __forceinline__ void act_epilogue_body(const ActParams& p, Acc& acc, 
           const float u0 = acc(ui), u1 = acc(ui + 1);
           hg[k] = pack_bf16x2(g0, g1);
           hu[k] = pack_bf16x2(u0, u1);
-          av[k] = pack_bf16x2(dev_act(A, g0) * u0, dev_act(A, g1) * u1);
+          av[k] = pack_bf16x2(dev_act_fast(A, g0) * u0, dev_act_fast(A, g1) * u1);
         }
         const int jv = j0 + 8 * (i0 + q);  // this lane's group after the transpose
         const bool ok = row_ok && jv < p.n;  // n is a multiple of 64: groups never straddle it
@@ -89,7 +89,7 @@ __device__ __forceinline__ void act_epilogue_body(const ActParams& p, Acc& acc, 
           const int hi = Frag::acc_index(r, i0 + k);
           const float h0 = acc(hi), h1 = acc(hi + 1);
           hv[k] = pack_bf16x2(h0, h1);
-          av[k] = pack_bf16x2(dev_act(A, h0), dev_act(A, h1));
+          av[k] = pack_bf16x2(dev_act_fast(A, h0), dev_act_fast(A, h1));
         }
         const int jv = n0 + 8 * (i0 + q);
         const bool ok = row_ok && jv < p.n;
