@@ -633,10 +633,11 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   auto has = [](const std::string& s, const char* what) {
     return s.find(what) != std::string::npos;
   };
-  // sm-default: every gathered GEMM warp-specialised, dH too (d = 4096, ping-pong), the TMA path
+  // sm-default: every gathered GEMM warp-specialised, dH too (d = 4096, cooperative), the TMA path
   // for down/dX.
   EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "up_proj"), "warp-specialised gather"));
-  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "dh_proj"), "ping-pong"));
+  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "dh_proj"), "cooperative"));
+  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "dh_proj"), "[d >= 4096]"));
   EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "up_proj"), "cooperative"));
   // olmoe (d = 2048): dH on the ping-pong schedule, up-proj cooperative (at every d).
   EXPECT_TRUE(has(kernel_of(131072, 64, 2048, "dh_proj"), "ping-pong"));

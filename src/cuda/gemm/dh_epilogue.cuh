@@ -42,8 +42,7 @@ inline DhParams make_dh_params(const RoutingPlanView& plan, const bf16* h, float
 // Columns j, j + 1 of one slot's row: da' = (dap0, dap1) from the accumulators, H = g (and u for
 // gated activations) as stored, s the slot weight. Gives the words of dh[j, j+1] (dg), of
 // dh[n + j, n + j + 1] (du, gated only) and of a_scaled[j, j+1] (as); adds da'_j a_j then
-// da'_{j+1} a_{j+1} to part (this order, so that the ds partials are the same sums in every
-// kernel).
+// da'_{j+1} a_{j+1} to part (a fixed order; each kernel fixes the order of the pairs).
 template <Activation A>
 __device__ __forceinline__ void dh_pair_words(float dap0, float dap1, float s, __nv_bfloat162 g2,
                                               __nv_bfloat162 u2, uint32_t& dg, uint32_t& du,

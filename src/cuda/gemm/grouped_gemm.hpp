@@ -90,8 +90,10 @@ size_t layer_gemm_scratch_bytes(int64_t S, int64_t E);
 //   up_proj: warp_specialized (cooperative; with 16-byte epilogue stores it is ahead of or
 //            within 2 % of ping_pong at every d measured);
 //   dh_proj: two_cta for d < kWsDhMinD (the gather kernels' dH epilogue, which reads H, does not
-//            pay on short reductions), ping_pong from there on (ahead of cooperative by 5-42 %
-//            at d = 2048 and 4096);
+//            pay on short reductions), ping_pong for kWsDhMinD <= d < kWsDhCoopMinD (d = 2048:
+//            ahead of or level with cooperative), warp_specialized (cooperative) from
+//            kWsDhCoopMinD on (d = 4096: 13-20 % ahead of ping_pong since the dH epilogue runs
+//            in group order, bench/NOTES.md);
 //   dw2_proj / dw1_proj: warp_specialized (dw1_proj on 2-CTA clusters sharing dh by TMA
 //            multicast where S >= 4096 E; ws_paths.hpp's dw1_uses_clusters);
 // else two_cta. MOEBLAZE_GEMM_WS=0 in the environment turns the warp-specialised kernels off,
@@ -99,6 +101,7 @@ size_t layer_gemm_scratch_bytes(int64_t S, int64_t E);
 // / 1 dW1's clusters off / on (read at every launch); for A/B measurements.
 enum class GatherKernel { automatic, two_cta, warp_specialized, ping_pong };
 constexpr int64_t kWsDhMinD = 2048;
+constexpr int64_t kWsDhCoopMinD = 4096;
 bool use_ws_gather(int64_t E);
 bool use_ws_dh(int64_t E, int64_t d);  // dh_proj's automatic choice is a gather kernel
 

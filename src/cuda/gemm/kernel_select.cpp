@@ -80,7 +80,7 @@ GatherPath up_proj_auto_path(int64_t E) {
 
 GatherPath dh_proj_auto_path(int64_t E, int64_t d) {
   if (!use_ws_dh(E, d)) return GatherPath::two_cta;
-  return ping_pong_on() ? GatherPath::ping_pong : GatherPath::cooperative;
+  return ping_pong_on() && d < kWsDhCoopMinD ? GatherPath::ping_pong : GatherPath::cooperative;
 }
 
 bool dw1_uses_clusters(int64_t S, int64_t E) {
@@ -130,9 +130,9 @@ std::vector<KernelChoice> describe_kernels(int64_t S, int64_t E, int64_t d) {
   if (dh == GatherPath::two_cta)
     dh_s = two_cta + (ws ? " [d < 2048: the gather kernels' epilogue is not amortised]" : why_ws);
   else if (dh == GatherPath::ping_pong)
-    dh_s = pp_m + " [d >= 2048]";
+    dh_s = pp_m + " [2048 <= d < 4096]";
   else
-    dh_s = ws_m + " [d >= 2048" + pp_off + "]";
+    dh_s = ws_m + (d >= kWsDhCoopMinD ? " [d >= 4096]" : " [d >= 2048" + pp_off + "]");
   return {
       {"up_proj", up_s},
       {"down_proj", (tma ? tma_path : two_cta) + why_tma},

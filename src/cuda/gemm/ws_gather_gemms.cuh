@@ -62,14 +62,19 @@ struct GatherDhEpilogue {
                         [&](auto a) { body<decltype(a)::value>(p, acc, m_begin, m_end, n_tile); });
   }
 
-  // Column groups go in quads (32 columns): each lane loads the 16 bytes of one group of g (and
-  // of u) with one vector load, a quad transpose (quad_transpose.cuh) hands every lane its
-  // fragment's words, and the outputs go back the same way, one 16-byte store per lane and
-  // array. A row's 64 bytes per quad thus cost two 32-byte sector requests per array instead of
-  // four half-used ones (4-byte accesses of 16 bytes per row and instruction). Rows past the
-  // expert's end and columns past n compute on zeros and store nothing: the shuffles need every
-  // lane. The quads of a row run in ascending order, so each ds partial adds its columns in the
-  // same order as before (and as DhEpilogue).
+  // Column groups go in quads (32 columns) and the arithmetic runs in group order: each lane
+  // loads the 16 bytes of one group of g (and of u) with one vector load, and gets that group's
+  // 8 accumulators (da') from the quad's four lanes by two quad transposes (quad_transpose.cuh)
+  // of the fragment's words (the low and the high column of each pair), so that dh (g and u)
+  // and a_scaled come out as whole groups, one 16-byte store per lane and array, with no
+  // transpose back. (Transposing H in and the three outputs back instead took five transposes per quad
+  // and row: the epilogue measured instruction-bound, bench/NOTES.md.) A row's 64 bytes per quad
+  // thus cost two 32-byte sector requests per array. Rows past the expert's end and columns
+  // past n compute on zeros and store nothing: the shuffles need every lane. Each lane adds its
+  // groups' columns to its ds partial in column order, quads in ascending order, and the quad's
+  // four lane sums are added by a fixed butterfly: a fixed order, so the result is
+  // deterministic (it is not the 2-CTA kernel's order, so the partials may differ from that
+  // kernel's in the last bits).
   template <Activation A, class Acc>
   __device__ static void body(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile) {
     constexpr bool kGated = A == Activation::swiglu || A == Activation::geglu;
@@ -87,7 +92,7 @@ struct GatherDhEpilogue {
       __nv_bfloat16* as_row = p.a_scaled + row * p.n;
 #pragma unroll
       for (int half = 0; half < kPartials; ++half) {
-        float part = 0.0f;  // this thread's share of sum_j da'_j a_j over the partial's columns
+        float part = 0.0f;  // this lane's share of sum_j da'_j a_j over the partial's columns
         // All of the partial's H vectors first (kQuads loads of g and of u in flight per lane):
         // the epilogue waits on these loads, so one round trip per row and partial.
         constexpr int kQuads = kPartialGroups / 4;
@@ -103,30 +108,33 @@ struct GatherDhEpilogue {
 #pragma unroll
         for (int t = 0; t < kQuads; ++t) {
           const int i0 = half * kPartialGroups + 4 * t;
-          // This lane's vector: group i0 + q, columns [jv, jv + 8) (n is a multiple of 64, so a
-          // group is wholly inside or outside).
+          // This lane's group: i0 + q, columns [jv, jv + 8) (n is a multiple of 64, so a group
+          // is wholly inside or outside).
           const int jv = n0 + 8 * (i0 + q);
           const bool v_ok = row_ok && jv < p.n;
-          uint32_t g[4] = {gvs[t].x, gvs[t].y, gvs[t].z, gvs[t].w};
-          uint32_t u[4] = {uvs[t].x, uvs[t].y, uvs[t].z, uvs[t].w};
-          quad_transpose(g);  // g[k]: this lane's columns of group i0 + k
-          if constexpr (kGated) quad_transpose(u);
-          uint32_t dg[4], du[4], as[4];
+          // lo[k] / hi[k]: columns 2k and 2k + 1 of this lane's group, after the transposes.
+          uint32_t lo[4], hi[4];
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
-            const int i = i0 + k;
-            const int idx = Frag::acc_index(r, i);
-            // The ds partial takes only columns < n of real rows, in column order (as the
-            // scalar epilogue did): add into a copy, keep it when the column counts.
-            float pk = part;
-            dh_pair_words<A>(acc(idx), acc(idx + 1), s, *reinterpret_cast<__nv_bfloat162*>(&g[k]),
-                             *reinterpret_cast<__nv_bfloat162*>(&u[k]), dg[k], du[k], as[k], pk);
-            if (row_ok && n0 + Frag::col(i) < p.n) part = pk;
+            const int idx = Frag::acc_index(r, i0 + k);
+            lo[k] = __float_as_uint(acc(idx));
+            hi[k] = __float_as_uint(acc(idx + 1));
           }
-          quad_transpose(dg);  // dg[k]: word k of group i0 + q
-          quad_transpose(as);
-          if constexpr (kGated) quad_transpose(du);
+          quad_transpose(lo);
+          quad_transpose(hi);
+          const uint32_t g[4] = {gvs[t].x, gvs[t].y, gvs[t].z, gvs[t].w};
+          const uint32_t u[4] = {uvs[t].x, uvs[t].y, uvs[t].z, uvs[t].w};
+          uint32_t dg[4], du[4], as[4];
+          float pk = part;
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            dh_pair_words<A>(__uint_as_float(lo[k]), __uint_as_float(hi[k]), s,
+                             *reinterpret_cast<const __nv_bfloat162*>(&g[k]),
+                             *reinterpret_cast<const __nv_bfloat162*>(&u[k]), dg[k], du[k], as[k],
+                             pk);
+          // The ds partial takes only columns < n of real rows.
           if (v_ok) {
+            part = pk;
             *reinterpret_cast<uint4*>(dh_row + jv) = make_uint4(dg[0], dg[1], dg[2], dg[3]);
             if constexpr (kGated)
               *reinterpret_cast<uint4*>(dh_row + p.n + jv) = make_uint4(du[0], du[1], du[2], du[3]);
@@ -134,7 +142,7 @@ struct GatherDhEpilogue {
           }
         }
         // The 4 lanes sharing a row hold the partial's 128 columns; a fixed butterfly keeps the
-        // order fixed (the same sum, in the same order, as DhEpilogue's for these columns).
+        // order fixed.
         part += __shfl_xor_sync(0xffffffffu, part, 1);
         part += __shfl_xor_sync(0xffffffffu, part, 2);
         const int col = kPartials * n_tile + half;
