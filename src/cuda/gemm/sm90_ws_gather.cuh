@@ -241,7 +241,6 @@ __device__ __forceinline__ void build_tile_table(const Args& p, int* tile_start)
 template <int kTileNB, int kStagesN, int kStageConsumers, int kCluster = 1>
 struct RingT {
   static constexpr int kStageCount = kStagesN;
-  static constexpr int kClusterSize = kCluster;
   static constexpr int kStageBytesB = kTileNB * kBK * 2;
   char* a;          // (kStagesN, BM, BK) swizzled
   char* b;          // (kStagesN, kTileNB, BK) swizzled

@@ -160,7 +160,8 @@ __device__ __forceinline__ void varlen_k_store(const VarlenKArgs& p, Acc& acc, i
         quad_transpose(w);
         const int n = n0 + 8 * (i0 + q);
         if (m < p.M && n < p.N)
-          *reinterpret_cast<uint4*>(out + int64_t(m) * p.N + n) = make_uint4(w[0], w[1], w[2], w[3]);
+          *reinterpret_cast<uint4*>(out + int64_t(m) * p.N + n) =
+              make_uint4(w[0], w[1], w[2], w[3]);
       }
     }
   }
