@@ -17,11 +17,17 @@ namespace {
 // -2: not read yet; -1: automatic; 0 / 1: forced by MOEBLAZE_GEMM_TMA.
 std::atomic<int> g_forced{-2};
 
+// An A/B switch that forces a kernel choice: 1 / 0 when the environment variable `name` is "1" /
+// "0", -1 (automatic) otherwise.
+int env_forced(const char* name) {
+  const char* env = std::getenv(name);
+  return !env ? -1 : std::strcmp(env, "1") == 0 ? 1 : std::strcmp(env, "0") == 0 ? 0 : -1;
+}
+
 int forced() {
   int f = g_forced.load();
   if (f == -2) {
-    const char* env = std::getenv("MOEBLAZE_GEMM_TMA");
-    f = !env ? -1 : std::strcmp(env, "1") == 0 ? 1 : std::strcmp(env, "0") == 0 ? 0 : -1;
+    f = env_forced("MOEBLAZE_GEMM_TMA");
     g_forced.store(f);
   }
   return f;
@@ -84,9 +90,8 @@ GatherPath dh_proj_auto_path(int64_t E, int64_t d) {
 }
 
 bool dw1_uses_clusters(int64_t S, int64_t E) {
-  const char* env = std::getenv("MOEBLAZE_GEMM_MC");  // at every launch (the tests flip it)
-  if (env && std::strcmp(env, "0") == 0) return false;
-  if (env && std::strcmp(env, "1") == 0) return true;
+  const int f = env_forced("MOEBLAZE_GEMM_MC");  // at every launch (the tests flip it)
+  if (f >= 0) return f == 1;
   return E > 0 && S >= E * kDw1ClusterMinRowsPerExpert;
 }
 }  // namespace detail
