@@ -4,7 +4,7 @@
 # short table last.
 #
 #   scripts/gpu_check.sh OUT [PART ...]
-#     PART: all (default) | tests | routing-tests | routing | layer | gemm | ep | python
+#     PART: all (default) | tests | routing-tests | routing | layer | gemm | ep | python | peers
 #       tests          ctest, every test (CPU and GPU)          → OUT/ctest.log
 #       routing-tests  only the GPU routing tests (gtest filter) → OUT/routing_tests.log
 #       routing        moeblaze bench routing                   → OUT/routing.jsonl, routing.md
@@ -23,6 +23,8 @@
 #                      pytest comes from BUILD_DIR/wheels or third_party/gpudeps/wheels when
 #                      the machine's Python lacks it (pip download pytest -d DIR/wheels).
 #                      PYTHON_ALLOW_CPU=1 accepts a CPU-only library (to try the part without a GPU).
+#       peers          bench/peers.py: moeblaze through PyTorch, SonicMoE (SONICMOE_CARRY), torch, and
+#                      the C++ path, same inputs → OUT/peers.jsonl, peers.md; PEERS_ARGS adds flags
 #   scripts/gpu_check.sh --pack-deps
 #     copies GoogleTest and CLI11 (headers, static libs) from this machine into
 #     third_party/gpudeps, for a GPU machine that has a CUDA toolkit but no such packages; the
@@ -93,7 +95,7 @@ if [ -z "${PREBUILT:-}" ]; then
   if want tests; then targets+=(moeblaze_tests moeblaze_gpu_tests); fi
   if want routing-tests; then targets+=(moeblaze_gpu_tests); fi
   if want ep; then targets+=(moeblaze_gpu_tests); fi
-  if want python; then targets+=(moeblaze_capi); fi
+  if want python || want peers; then targets+=(moeblaze_capi); fi
   cmake --build "$BUILD" -j "$JOBS" --target "${targets[@]}" >"$OUT/build.log" 2>&1 || {
     grep -E "error|Error" "$OUT/build.log" | head -40; echo "gpu_check: build FAILED"; exit 1; }
   summary+=("build: ok in $(( $(date +%s) - start )) s (${targets[*]})")
@@ -234,14 +236,16 @@ if want ep; then
   fi
 fi
 
-# ---- python: the PyTorch front end (python/moeblaze) installed without network from the
-# libmoeblaze_capi.so of BUILD_DIR, its pytest suite, then the training proofs ----
-if want python; then
+# ---- the PyTorch front end installed without network from the libmoeblaze_capi.so of BUILD_DIR
+# (parts python and peers); once per run ----
+python_installed=""
+install_python() {
+  [ -n "$python_installed" ] && return "$python_installed"
+  local t0 repo capi pip_rc=0
   t0=$(date +%s)
   repo=$(pwd)
   capi="$repo/$BUILD/libmoeblaze_capi.so"
   [[ "$BUILD" = /* ]] && capi="$BUILD/libmoeblaze_capi.so"
-  pip_rc=0
   {
     echo "== python: $(python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1)"
     for wheels in "$BUILD/wheels" third_party/gpudeps/wheels; do
@@ -254,36 +258,65 @@ if want python; then
     [ -f "$capi" ] || echo "gpu_check: $capi is missing"
     MOEBLAZE_PREBUILT_LIB="$capi" python3 -m pip install --no-build-isolation --no-deps \
       --force-reinstall ./python
-  } >"$OUT/python.log" 2>&1 || pip_rc=$?
+  } >>"$OUT/python.log" 2>&1 || pip_rc=$?
   if [ $pip_rc -ne 0 ] || ! (cd /tmp && python3 -c "import os, moeblaze; assert moeblaze.has_cuda() or os.environ.get('PYTHON_ALLOW_CPU'), 'built without CUDA'") >>"$OUT/python.log" 2>&1; then
     status=1
     tail -20 "$OUT/python.log"
     summary+=("python: pip install FAILED (see python.log)")
+    python_installed=1
   else
     summary+=("python: pip install ok [$(( $(date +%s) - t0 )) s]")
-    t0=$(date +%s)
-    echo "== pytest" >>"$OUT/python.log"
-    # Run from outside the repository so that the installed package is the one imported.
-    # shellcheck disable=SC2086
-    if (cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider "$repo/python/tests" ${PYTEST_ARGS:-}) \
-        >>"$OUT/python.log" 2>&1; then
-      summary+=("pytest: $(grep -E '[0-9]+ passed' "$OUT/python.log" | tail -1) [$(( $(date +%s) - t0 )) s]")
-    else
-      status=1
-      grep -E "^FAILED|^ERROR|Error" "$OUT/python.log" | head -20 || true
-      summary+=("pytest: FAILED: $(grep -E '[0-9]+ (passed|failed)' "$OUT/python.log" | tail -1)")
-    fi
-    t0=$(date +%s)
-    echo "== prove_training" >>"$OUT/python.log"
-    # shellcheck disable=SC2086
-    if PYTHONUNBUFFERED=1 python3 examples/prove_training.py --out "$OUT" ${PROVE_ARGS:-} \
-        >>"$OUT/python.log" 2>&1; then
-      summary+=("training proofs: PASS [$(( $(date +%s) - t0 )) s] (training.md)")
-    else
-      status=1
-      tail -15 "$OUT/python.log"
-      summary+=("training proofs: FAILED or a criterion failed (see python.log, training.md)")
-    fi
+    python_installed=0
+  fi
+  return "$python_installed"
+}
+
+# ---- python: the package's pytest suite, then the training proofs ----
+if want python && install_python; then
+  repo=$(pwd)
+  t0=$(date +%s)
+  echo "== pytest" >>"$OUT/python.log"
+  # Run from outside the repository so that the installed package is the one imported.
+  # shellcheck disable=SC2086
+  if (cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider "$repo/python/tests" ${PYTEST_ARGS:-}) \
+      >>"$OUT/python.log" 2>&1; then
+    summary+=("pytest: $(grep -E '[0-9]+ passed' "$OUT/python.log" | tail -1) [$(( $(date +%s) - t0 )) s]")
+  else
+    status=1
+    grep -E "^FAILED|^ERROR|Error" "$OUT/python.log" | head -20 || true
+    summary+=("pytest: FAILED: $(grep -E '[0-9]+ (passed|failed)' "$OUT/python.log" | tail -1)")
+  fi
+  t0=$(date +%s)
+  echo "== prove_training" >>"$OUT/python.log"
+  # shellcheck disable=SC2086
+  if PYTHONUNBUFFERED=1 python3 examples/prove_training.py --out "$OUT" ${PROVE_ARGS:-} \
+      >>"$OUT/python.log" 2>&1; then
+    summary+=("training proofs: PASS [$(( $(date +%s) - t0 )) s] (training.md)")
+  else
+    status=1
+    tail -15 "$OUT/python.log"
+    summary+=("training proofs: FAILED or a criterion failed (see python.log, training.md)")
+  fi
+fi
+
+# ---- peers: bench/peers.py, moeblaze through PyTorch side by side with SonicMoE (when
+# SONICMOE_CARRY names the folder ../shared/peers/sonicmoe-carry.sh packed), ScatterMoE and
+# torch, plus the C++ path's rows; PEERS_ARGS adds flags (e.g. "--config olmoe --profile DIR") ----
+if want peers && install_python; then
+  t0=$(date +%s)
+  if [ -n "${SONICMOE_CARRY:-}" ]; then
+    # shellcheck disable=SC1091
+    source "$SONICMOE_CARRY/install.sh" >>"$OUT/peers.log" 2>&1 || echo "gpu_check: SonicMoE install failed" >>"$OUT/peers.log"
+  fi
+  cli="$BUILD/moeblaze"
+  # shellcheck disable=SC2086
+  if PYTHONUNBUFFERED=1 python3 bench/peers.py --cli "$cli" --out "$OUT/peers.jsonl" \
+      --md "$OUT/peers.md" ${PEERS_ARGS:-} >>"$OUT/peers.log" 2>&1; then
+    summary+=("bench peers: $(grep -c '"bench": "peers"' "$OUT/peers.jsonl") rows [$(( $(date +%s) - t0 )) s]")
+  else
+    status=1
+    tail -20 "$OUT/peers.log"
+    summary+=("bench peers: FAILED (see peers.log)")
   fi
 fi
 
@@ -373,5 +406,8 @@ EOF
 fi
 if want python && [ -s "$OUT/training.md" ]; then
   cat "$OUT/training.md"
+fi
+if want peers && [ -s "$OUT/peers.md" ]; then
+  cat "$OUT/peers.md"
 fi
 exit $status

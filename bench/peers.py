@@ -1,0 +1,425 @@
+#!/usr/bin/env python3
+"""The side-by-side MoE layer benchmark (DESIGN's "peer rows"): moeblaze through PyTorch, the
+public peers (SonicMoE, ScatterMoE) and the torch `_grouped_mm` reference, every one handed the
+same bf16 inputs, weights and top-K routing, forward + backward of the expert layer.
+
+Rows (JSON lines, `bench: "peers"`, the layer-row fields of DESIGN):
+  fwd_ms / bwd_ms / total_ms  CUDA events around the call, L2 flushed before each repetition,
+                              median of --reps after --warmup; bwd = median(total) - median(fwd)
+  peak_bytes                  torch.cuda.max_memory_allocated over one forward+backward minus what
+                              was allocated before it: the output, the gradients of x, w1, w2 and
+                              the router weights, and every temporary count; inputs and weights not
+  kept_bytes                  storages autograd saved for backward (saved_tensors_hooks), inputs
+                              and weights excluded
+  max_rel_err                 largest relative Frobenius error against float64 over out and dx (a
+                              token sample), d weights (same sample) and dw1, dw2 (two experts)
+`moeblaze` / `moeblaze-recompute` rows come from the C++ path (`moeblaze bench layer`, the same
+shape; its plan is built before the timing) when --cli names the binary.
+
+Peers are optional imports: one that is missing or fails is reported as skipped, never an error.
+SonicMoE: `../shared/peers/sonicmoe-carry.sh` packs it for a machine without network; its first
+call at a new shape autotunes for 2-3 minutes.
+
+  python3 bench/peers.py --config sm-7B-n256,olmoe [--impl ...] [--cli build/moeblaze]
+                         [--out rows.jsonl] [--md table.md] [--profile DIR]
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_reference import (CONFIGS, driver_version, git_commit, median,  # noqa: E402
+                             moe_layer, reference_rows, rel_err)
+
+# Shapes off the named configs (issue 15's wide and fine-grained families; DeepSeek-V2's layer).
+EXTRA_SHAPES = {
+    "wide-d7168-E256": (16384, 7168, 2048, 256, 8),
+    "fine-n320-E512": (16384, 2048, 320, 512, 10),
+    "dsv2-d5120": (16384, 5120, 1536, 160, 6),
+}
+DEFAULT_CONFIGS = "sm-7B-n256,sm-30B-n512,sm-default,olmoe"
+ALL_IMPLS = "moeblaze-torch,moeblaze-torch-recompute,sonicmoe,scattermoe,torch"
+
+
+class Skip(Exception):
+    """A peer that cannot run here (not installed, or refuses the shape)."""
+
+
+def shape_of(name):
+    if name in CONFIGS:
+        return CONFIGS[name]
+    if name in EXTRA_SHAPES:
+        return EXTRA_SHAPES[name]
+    try:
+        T, d, n, E, K = (int(v) for v in name.split(","))
+    except ValueError:
+        raise SystemExit(f"peers: unknown config '{name}': a named config "
+                         f"({', '.join(list(CONFIGS) + list(EXTRA_SHAPES))}) or T,d,n,E,K")
+    return T, d, n, E, K
+
+
+class Inputs:
+    """One config's inputs, shared by every implementation: x (T, d), w1 (E, 2n, d), w2 (E, d, n)
+    bf16 leaves; ids (T, K) int64 and weights (T, K) fp32 (a leaf) from softmax of N(0, 1) logits,
+    top-K; dout (T, d) bf16."""
+
+    def __init__(self, T, d, n, E, K, seed, dev):
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        self.T, self.d, self.n, self.E, self.K = T, d, n, E, K
+        bf = torch.bfloat16
+        self.x = torch.randn(T, d, device=dev, generator=gen).to(bf).requires_grad_()
+        self.w1 = (torch.randn(E, 2 * n, d, device=dev, generator=gen) / math.sqrt(d)).to(bf)
+        self.w1.requires_grad_()
+        self.w2 = (torch.randn(E, d, n, device=dev, generator=gen) / math.sqrt(n)).to(bf)
+        self.w2.requires_grad_()
+        logits = torch.randn(T, E, device=dev, generator=gen)
+        w, ids = torch.topk(torch.softmax(logits, dim=-1), K, dim=-1)
+        self.ids = ids  # (T, K) int64
+        self.weights = w.detach().requires_grad_()  # (T, K) fp32
+        self.dout = torch.randn(T, d, device=dev, generator=gen).to(bf)
+        self.leaves = [self.x, self.w1, self.w2, self.weights]
+
+    def clear_grads(self):
+        for t in self.leaves:
+            t.grad = None
+
+
+# ---- the implementations: each returns step(backward) -> out -------------------------------
+def impl_moeblaze_torch(inp, recompute):
+    try:
+        import moeblaze
+    except ImportError as err:
+        raise Skip(f"moeblaze is not importable ({err})")
+    if not moeblaze.has_cuda():
+        raise Skip("moeblaze was built without the CUDA backend")
+
+    def step(backward):
+        out = moeblaze.moe_experts(inp.x, inp.w1, inp.w2, inp.ids, inp.weights, "swiglu",
+                                   recompute=recompute)
+        if backward:
+            out.backward(inp.dout)
+        return out
+    return step
+
+
+def impl_sonicmoe(inp):
+    try:
+        from sonicmoe.enums import ActivationType
+        from sonicmoe.functional import moe_general_routing_inputs
+    except Exception as err:  # ImportError, or a CuTe-DSL / torch version mismatch
+        raise Skip(f"sonicmoe is not importable ({type(err).__name__}: {err})")
+    T, K, E = inp.T, inp.K, inp.E
+    # Its layouts (sonicmoe-carry.sh): w1 (2n, d, E) gate rows first, w2 (d, n, E); pairs in
+    # token order with their token index.
+    token_indices = torch.arange(T, device=inp.x.device, dtype=torch.int32).repeat_interleave(K)
+    expert_indices = inp.ids.reshape(-1).to(torch.int32)
+
+    def step(backward):
+        out, _ = moe_general_routing_inputs(
+            inp.x, inp.weights.reshape(-1), token_indices, expert_indices,
+            inp.w1.permute(1, 2, 0), None, inp.w2.permute(1, 2, 0), None, E,
+            torch.cuda.current_stream().cuda_stream, ActivationType.SWIGLU, False,
+            concat_layout=True)
+        if backward:
+            out.backward(inp.dout)
+        return out
+    return step
+
+
+def impl_scattermoe(inp):
+    try:
+        from scattermoe.mlp import GLUMLP  # noqa: F401
+    except Exception as err:
+        raise Skip(f"scattermoe is not importable ({type(err).__name__}: {err})")
+    raise Skip("scattermoe's GLUMLP owns its weights in another layout; adapter not written")
+
+
+def impl_torch(inp):
+    def step(backward):
+        out = moe_layer(inp.x, inp.w1, inp.w2, inp.ids, inp.weights, inp.n, inp.E, inp.K)
+        if backward:
+            out.backward(inp.dout)
+        return out
+    return step
+
+
+IMPLS = {
+    "moeblaze-torch": lambda inp: impl_moeblaze_torch(inp, False),
+    "moeblaze-torch-recompute": lambda inp: impl_moeblaze_torch(inp, True),
+    "sonicmoe": impl_sonicmoe,
+    "scattermoe": impl_scattermoe,
+    "torch": impl_torch,
+}
+
+
+# ---- measurement ---------------------------------------------------------------------------
+def reference_expert_grads(inp, experts):
+    """float64 dw1[e], dw2[e] of the given experts (only the tokens routed to e enter them)."""
+    out = []
+    n = inp.n
+    for e in experts:
+        tok, k = (inp.ids == e).nonzero(as_tuple=True)
+        xe = inp.x.detach()[tok].double()  # (m, d)
+        s = inp.weights.detach()[tok, k].double().unsqueeze(1)  # (m, 1)
+        W1, W2 = inp.w1.detach()[e].double(), inp.w2.detach()[e].double()
+        h = xe @ W1.t()
+        g, u = h[:, :n], h[:, n:]
+        sg = torch.sigmoid(g)
+        a = g * sg * u
+        dy = inp.dout[tok].double()  # (m, d)
+        dw2 = (s * dy).t() @ a
+        da = s * (dy @ W2)
+        dh = torch.cat([da * u * sg * (1 + g * (1 - sg)), da * g * sg], dim=1)
+        out.append((dh.t() @ xe, dw2))
+    return out
+
+
+def measure_error(inp, step, gen):
+    inp.clear_grads()
+    out = step(True)
+    torch.cuda.synchronize()
+    sample = torch.randperm(inp.T, device=inp.x.device, generator=gen)[: min(inp.T, 16)]
+    ref_o, ref_dx = reference_rows(inp.x.detach(), inp.w1.detach(), inp.w2.detach(), inp.ids,
+                                   inp.weights.detach(), inp.dout, inp.n, sample)
+    errs = {"out": rel_err(out.detach()[sample], ref_o),
+            "dx": rel_err(inp.x.grad[sample], ref_dx)}
+    counts = torch.bincount(inp.ids.reshape(-1), minlength=inp.E)
+    experts = [int(counts.argmax()), int(counts.argmin())]
+    for e, (dw1, dw2) in zip(experts, reference_expert_grads(inp, experts)):
+        errs[f"dw1[{e}]"] = rel_err(inp.w1.grad[e], dw1)
+        errs[f"dw2[{e}]"] = rel_err(inp.w2.grad[e], dw2)
+    # d weights: d s_{t,k} = <dout_t, y_{t,k}>, y from float64 on the same sample.
+    dref = []
+    for t in sample.tolist():
+        row = []
+        for k in range(inp.K):
+            e = int(inp.ids[t, k])
+            h = inp.w1.detach()[e].double() @ inp.x.detach()[t].double()
+            g, u = h[: inp.n], h[inp.n:]
+            y = inp.w2.detach()[e].double() @ (g * torch.sigmoid(g) * u)
+            row.append(float(inp.dout[t].double() @ y))
+        dref.append(row)
+    errs["d_weights"] = rel_err(inp.weights.grad[sample],
+                                torch.tensor(dref, dtype=torch.float64, device=inp.x.device))
+    del out
+    inp.clear_grads()
+    worst = max(errs, key=errs.get)
+    if any(math.isnan(v) for v in errs.values()):
+        worst = next(k for k, v in errs.items() if math.isnan(v))
+        return float("nan"), worst
+    return errs[worst], worst
+
+
+def measure_memory(inp, step):
+    inp.clear_grads()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    leaf_ptrs = {t.untyped_storage().data_ptr() for t in inp.leaves}
+    saved = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in leaf_ptrs:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = step(False)
+    out.backward(inp.dout)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    inp.clear_grads()
+    return sum(saved.values()), peak
+
+
+def time_step(inp, step, backward, warmup, reps, flush):
+    times = []
+    for i in range(warmup + reps):
+        flush.fill_(float(i & 127))  # evicts L2; not timed
+        inp.clear_grads()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = step(backward)
+        stop.record()
+        torch.cuda.synchronize()
+        del out
+        if i >= warmup:
+            times.append(start.elapsed_time(stop))
+    inp.clear_grads()
+    return median(times)
+
+
+def profile_step(name, impl, step, inp, path):
+    """Where the GPU time of one step goes: torch.profiler's kernel table over 3 steps, appended
+    to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            inp.clear_grads()
+            out = step(True)
+            del out
+        torch.cuda.synchronize()
+    inp.clear_grads()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    with open(path, "a") as f:
+        f.write(f"== {name} {impl}: 3 forward+backward steps\n{table}\n")
+    print(f"peers: {name} {impl}: profile of 3 steps appended to {path}", file=sys.stderr)
+
+
+def cpp_rows(cli, name, shape, reps):
+    """moeblaze's C++ path on the same shape (`moeblaze bench layer`), rows as it prints them."""
+    args = [cli, "bench", "layer", "--impl", "moeblaze,moeblaze-recompute", "--json",
+            "--no-aggregate", "--reps", str(reps)]
+    args += ["--config", name] if name in CONFIGS else ["--shape", ",".join(map(str, shape))]
+    try:
+        p = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        print(f"peers: {name}: C++ path skipped ({err})", file=sys.stderr)
+        return []
+    rows = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
+    if p.returncode != 0 or not rows:
+        print(f"peers: {name}: C++ path failed (rc {p.returncode}): {p.stderr[-800:]}",
+              file=sys.stderr)
+    for r in rows:
+        r["config"] = name
+    return rows
+
+
+def emit(row, path):
+    """Prints a row and appends it to `path` at once (a run cut short keeps what it measured)."""
+    line = json.dumps(row)
+    print(line, flush=True)
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+def run_config(name, impls, args, dev, flush, meta):
+    T, d, n, E, K = shape_of(name)
+    S = T * K
+    flops_fwd, flops_bwd = 6.0 * S * n * d, 12.0 * S * n * d
+    rows = []
+    for impl in impls:
+        inp, step = Inputs(T, d, n, E, K, args.seed, dev), None
+        gen = torch.Generator(device=dev).manual_seed(args.seed + 1)
+        try:
+            step = IMPLS[impl](inp)
+            print(f"peers: {name} {impl}: first call (peers may compile or autotune) ...",
+                  file=sys.stderr, flush=True)
+            err, worst = measure_error(inp, step, gen)
+            kept, peak = measure_memory(inp, step)
+            fwd = time_step(inp, step, False, args.warmup, args.reps, flush)
+            total = time_step(inp, step, True, args.warmup, args.reps, flush)
+            if args.profile:
+                profile_step(name, impl, step, inp, args.profile)
+        except Skip as why:
+            print(f"peers: {name} {impl}: skipped: {why}", file=sys.stderr)
+            rows.append({"bench": "peers", "config": name, "impl": impl, "skipped": str(why)})
+            emit(rows[-1], args.out)
+            continue
+        except torch.OutOfMemoryError:
+            print(f"peers: {name} {impl}: skipped: out of memory", file=sys.stderr)
+            rows.append({"bench": "peers", "config": name, "impl": impl,
+                         "skipped": "out of memory"})
+            emit(rows[-1], args.out)
+            continue
+        except Exception as err:  # a peer that breaks at this shape is reported, not fatal
+            print(f"peers: {name} {impl}: failed: {type(err).__name__}: {err}", file=sys.stderr)
+            rows.append({"bench": "peers", "config": name, "impl": impl,
+                         "skipped": f"failed: {type(err).__name__}: {str(err)[:300]}"})
+            emit(rows[-1], args.out)
+            continue
+        finally:
+            del inp, step  # the step's closure holds the inputs
+            torch.cuda.empty_cache()
+        bwd = total - fwd
+        row = {"bench": "peers", "config": name, "impl": impl, "T": T, "d": d, "n": n, "E": E,
+               "K": K, "activation": "swiglu", "routing": "softmax-topk", "fwd_ms": fwd,
+               "bwd_ms": bwd, "total_ms": total, "fwd_tflops": flops_fwd / fwd / 1e9,
+               "bwd_tflops": flops_bwd / bwd / 1e9 if bwd > 0 else None,
+               "total_tflops": (flops_fwd + flops_bwd) / total / 1e9, "kept_bytes": int(kept),
+               "peak_bytes": int(peak), "max_rel_err": err, "max_rel_err_of": worst}
+        row.update(meta)
+        rows.append(row)
+        emit(row, args.out)
+    if args.cli:
+        for r in cpp_rows(args.cli, name, (T, d, n, E, K), args.reps):
+            rows.append(r)
+            emit(r, args.out)
+    return rows
+
+
+def markdown(rows):
+    lines = ["| config | impl | fwd ms | bwd ms | total ms | TFLOPS | peak MiB | kept MiB | "
+             "max rel err | × sonicmoe (total) | bwd × sonicmoe |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    sonic = {r["config"]: r for r in rows if r.get("impl") == "sonicmoe" and "total_ms" in r}
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['config']} | {r['impl']} | skipped: {r['skipped']} |||||||||")
+            continue
+        s = sonic.get(r["config"])
+        ratio = f"{r['total_ms'] / s['total_ms']:.3f}" if s else "—"
+        bratio = f"{r['bwd_ms'] / s['bwd_ms']:.3f}" if s and s["bwd_ms"] > 0 else "—"
+        peak = f"{r['peak_bytes'] / 2**20:.0f}" if r.get("bench") == "peers" else "—"
+        lines.append(
+            f"| {r['config']} | {r['impl']}{' (C++)' if r.get('bench') == 'layer' else ''} | "
+            f"{r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | {r['total_ms']:.3f} | "
+            f"{r['total_tflops']:.0f} | {peak} | {r['kept_bytes'] / 2**20:.1f} | "
+            f"{r['max_rel_err']:.1e} | {ratio} | {bratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=DEFAULT_CONFIGS,
+                    help="comma list of named configs, extra shapes or T,d,n,E,K (';' between "
+                         "custom shapes)")
+    ap.add_argument("--impl", default=ALL_IMPLS, help=f"comma list of {ALL_IMPLS}")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--cli", default="", help="the moeblaze binary: add the C++ path's rows")
+    ap.add_argument("--out", default="", help="append the JSON lines here")
+    ap.add_argument("--md", default="", help="write the Markdown table here")
+    ap.add_argument("--profile", default="", help="append torch.profiler tables of each step here")
+    args = ap.parse_args()
+    if args.reps < 1 or args.warmup < 0:
+        ap.error("--reps must be >= 1 and --warmup >= 0")
+    impls = [i for i in args.impl.split(",") if i]
+    for i in impls:
+        if i not in IMPLS:
+            ap.error(f"unknown impl '{i}'; one of {ALL_IMPLS}")
+    names = [c for c in (args.config.split(";") if ";" in args.config else
+                         args.config.split(",")) if c]
+    for c in names:
+        shape_of(c)
+    if not torch.cuda.is_available():
+        print("peers: skipped: no GPU", file=sys.stderr)
+        return 0
+    dev = torch.device("cuda")
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)  # >= 2x the 60 MB L2
+    meta = {"gpu": torch.cuda.get_device_name(0), "driver": driver_version(),
+            "commit": git_commit(), "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    rows = []
+    for c in names:
+        rows += run_config(c, impls, args, dev, flush, meta)
+    table = markdown(rows)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(table)
+    print(table, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
