@@ -46,7 +46,8 @@ typedef struct {
   int64_t T, d, n, E, K;
   int32_t activation;
   int32_t dtype;
-  int32_t mode;        /* 0 keep_h, 1 recompute */
+  int32_t mode;        /* 0 keep_h, 1 recompute, 2 keep_h whose backward writes dH over h
+                          (CUDA: less workspace; h is garbage afterwards) */
   int32_t num_threads; /* CPU threads, 0 = all */
 } moeblaze_layer_cfg;
 
@@ -132,6 +133,9 @@ int moeblaze_routing_flags_error(const int32_t* host_flags, const moeblaze_routi
  * NULL in recompute mode. */
 int moeblaze_layer_workspace_bytes(const moeblaze_layer_cfg* cfg, int64_t S, int32_t device,
                                    uint64_t* bytes);
+/* One pass's workspace alone: pass 0 forward, 1 backward (mode 2 needs less there). */
+int moeblaze_layer_pass_workspace_bytes(const moeblaze_layer_cfg* cfg, int64_t S, int32_t device,
+                                        int32_t pass, uint64_t* bytes);
 int moeblaze_layer_forward(const moeblaze_layer_cfg* cfg, const moeblaze_plan* plan,
                            int32_t device, void* stream, const void* x, const void* w1,
                            const void* w2, void* out, void* h, void* workspace,

@@ -44,6 +44,12 @@ struct LayerOptions {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   void* h_storage = nullptr;
+
+  // backward, keep_h, CUDA backend: write dH over the saved H (each element of H is read before
+  // its dH is written, by the same thread) instead of into the workspace, so backward needs
+  // S * w1_rows * dtype_size fewer workspace bytes (layer_workspace_bytes with LayerPass). H is
+  // garbage afterwards: `saved` must not serve another backward. The CPU backend ignores it.
+  bool dh_over_h = false;
 };
 
 // What forward keeps for backward. Owns its buffers (accounted); references the plan, which the
@@ -97,9 +103,16 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
                     const LayerOptions& opts = {});
 
 // Bytes of the one workspace Buffer that a layer_forward or layer_backward call allocates for its
-// temporaries on `device`, for a plan of S assignments: the larger of the two calls' needs
-// (forward's is never more). Reported before the call so a caller can budget memory; the
+// temporaries on `device`, for a plan of S assignments: the larger of the two calls' needs.
+// Reported before the call so a caller can budget memory; the
 // kept-for-backward bytes (SavedForBackward::bytes()) are separate.
 size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, Device device);
+
+// What one pass alone needs (a caller that allocates per call, as the PyTorch front end does):
+// forward's, or backward's with LayerOptions::dh_over_h as given. layer_workspace_bytes above is
+// never less than either.
+enum class LayerPass : uint8_t { forward, backward };
+size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, Device device,
+                             LayerPass pass, bool dh_over_h = false);
 
 }  // namespace moeblaze

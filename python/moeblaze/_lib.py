@@ -77,6 +77,8 @@ _SIGNATURES = {
     "moeblaze_routing_flags_error": ([_P, ctypes.POINTER(Routing), _I32], ctypes.c_int),
     "moeblaze_layer_workspace_bytes": ([ctypes.POINTER(LayerCfg), _I64, _I32, ctypes.POINTER(_U64)],
                                        ctypes.c_int),
+    "moeblaze_layer_pass_workspace_bytes": ([ctypes.POINTER(LayerCfg), _I64, _I32, _I32,
+                                             ctypes.POINTER(_U64)], ctypes.c_int),
     "moeblaze_layer_forward": ([ctypes.POINTER(LayerCfg), ctypes.POINTER(Plan), _I32, _P, _P, _P, _P,
                                 _P, _P, _P, _U64], ctypes.c_int),
     "moeblaze_layer_backward": ([ctypes.POINTER(LayerCfg), ctypes.POINTER(Plan), _I32, _P, _P, _P,

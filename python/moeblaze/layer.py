@@ -85,6 +85,27 @@ def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, ac
     return out
 
 
+_OFFSETS_CACHE = {}
+
+
+def _fixed_k_offsets(T, K, device):
+    """pair_offsets (T+1,) int32 of a routing with K pairs per token: 0, K, 2K, ... Cached per
+    (T, K, device) outside tracing, since training calls it with the same shape every step."""
+    def make():
+        if K == 0:
+            return torch.zeros(T + 1, dtype=torch.int32, device=device)
+        return torch.arange(0, T * K + 1, K, dtype=torch.int32, device=device)
+    if torch.compiler.is_compiling() or T * K >= 2**31:
+        return make()
+    key = (T, K, device)
+    t = _OFFSETS_CACHE.get(key)
+    if t is None:
+        if len(_OFFSETS_CACHE) >= 16:
+            _OFFSETS_CACHE.clear()
+        t = _OFFSETS_CACHE[key] = make()
+    return t
+
+
 def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", recompute=False,
                 validate=None):
     """Functional MoE with caller-supplied routing: expert_ids (T, K) integer, expert_weights
@@ -98,8 +119,7 @@ def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", reco
     if x.dim() != 2 or x.shape[0] != T:
         raise ValueError(f"moeblaze: x must be (T, d) with T = {T} (rows of expert_ids), got "
                          f"{tuple(x.shape)}")
-    offsets = torch.arange(0, T * K + 1, K, dtype=torch.int32, device=x.device) if K > 0 else \
-        torch.zeros(T + 1, dtype=torch.int32, device=x.device)
+    offsets = _fixed_k_offsets(T, K, x.device)
     experts = expert_ids.to(torch.int32).reshape(-1)
     weights = expert_weights.to(torch.float32).reshape(-1)
     return experts_from_routing(x, w1, w2, offsets, experts, weights, activation, recompute,

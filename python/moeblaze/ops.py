@@ -20,6 +20,7 @@ Ops (namespace moeblaze):
   experts_forward(x, w1, w2, pair_weights, *plan, activation, recompute, num_threads) -> (out, h)
   experts_backward(d_out, x, w1, w2, h, *plan, activation, recompute, num_threads)
       -> (dx, dw1, dw2, d_pair_weights)
+  experts_backward_dh_over_h(...)  the same; on CUDA keep_h writes dH over h (mutates h)
 route, token_round and experts_forward have autograd formulas (router_backward /
 experts_backward); pair_weights is an input of experts_forward only so that its gradient
 (d_pair_weights) reaches the router: the kernels read the plan's slot_weights, built from it.
@@ -283,6 +284,10 @@ def _(pair_offsets, pair_experts, pair_weights, num_experts):
 # ---------------------------------------------------------------------------------------------
 # the experts (DESIGN's eight steps)
 # ---------------------------------------------------------------------------------------------
+# LayerCfg.mode codes (capi.h): keep_h, recompute, keep_h with dH written over h in backward.
+_MODE_KEEP_H, _MODE_RECOMPUTE, _MODE_DH_OVER_H = 0, 1, 2
+
+
 def _layer_cfg(x, w1, w2, S, activation, recompute, num_threads):
     _require(x.dim() == 2, f"x must be (T, d), got shape {tuple(x.shape)}")
     _require(w1.dim() == 3 and w2.dim() == 3,
@@ -303,15 +308,18 @@ def _layer_cfg(x, w1, w2, S, activation, recompute, num_threads):
              f"{tuple(w2.shape)}")
     # K only enters the C++ config's checks (1 <= K <= E): token rounding varies it per token.
     K = min(max(S // T if T > 0 else 1, 1), max(E, 1))
-    return _lib.LayerCfg(T, d, n, E, K, activation, dt, 1 if recompute else 0, num_threads)
+    mode = _MODE_RECOMPUTE if recompute else _MODE_KEEP_H
+    return _lib.LayerCfg(T, d, n, E, K, activation, dt, mode, num_threads)
 
 
-def _workspace(cfg, S, t):
-    """PyTorch-allocated workspace on CUDA; on the CPU the library allocates its own."""
+def _workspace(cfg, S, t, backward):
+    """PyTorch-allocated workspace of one pass on CUDA; on the CPU the library allocates its own.
+    Sized per pass: backward needs far less than forward when dH goes over h."""
     if t.device.type != "cuda":
         return None, 0
     nbytes = ctypes.c_uint64()
-    check(lib().moeblaze_layer_workspace_bytes(ctypes.byref(cfg), S, 1, ctypes.byref(nbytes)))
+    check(lib().moeblaze_layer_pass_workspace_bytes(ctypes.byref(cfg), S, 1, int(backward),
+                                                    ctypes.byref(nbytes)))
     if nbytes.value == 0:
         return None, 0
     return torch.empty(nbytes.value, dtype=torch.uint8, device=t.device), nbytes.value
@@ -335,7 +343,7 @@ def experts_forward(x: Tensor, w1: Tensor, w2: Tensor, pair_weights: Tensor,
     out = torch.empty_like(x)
     rows = _w1_rows(activation, cfg.n)
     h = x.new_empty((0, rows) if recompute else (S, rows))
-    ws, ws_bytes = _workspace(cfg, S, x)
+    ws, ws_bytes = _workspace(cfg, S, x, backward=False)
     p = _plan_struct(cfg.T, cfg.E, plan)
     with _device_guard(x):
         check(lib().moeblaze_layer_forward(ctypes.byref(cfg), ctypes.byref(p), device_code(x),
@@ -351,28 +359,24 @@ def _(x, w1, w2, pair_weights, eto, eti, sw, tpo, tei, tim, activation, recomput
     return torch.empty_like(x), x.new_empty((0, rows) if recompute else (S, rows))
 
 
-@torch.library.custom_op("moeblaze::experts_backward", mutates_args=())
-def experts_backward(d_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor,
-                     expert_token_offsets: Tensor, expert_token_indices: Tensor,
-                     slot_weights: Tensor, token_pair_offsets: Tensor,
-                     token_expert_indices: Tensor, token_index_map: Tensor, activation: int,
-                     recompute: bool, num_threads: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def _experts_backward_impl(d_out, x, w1, w2, h, plan, activation, recompute, num_threads,
+                           dh_over_h):
     x, w1, w2 = x.contiguous(), w1.contiguous(), w2.contiguous()
     d_out = d_out.to(x.dtype).contiguous()
     _require(d_out.shape == x.shape, f"d_out must have x's shape {tuple(x.shape)}, got "
              f"{tuple(d_out.shape)}")
-    plan = (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
-            token_expert_indices, token_index_map)
-    S = expert_token_indices.numel()
+    S = plan[1].numel()
     cfg = _layer_cfg(x, w1, w2, S, activation, recompute, num_threads)
     if not recompute:
         _require(tuple(h.shape) == (S, _w1_rows(activation, cfg.n)) and h.dtype == x.dtype,
                  f"h must be (S, w1_rows) = ({S}, {_w1_rows(activation, cfg.n)}) {x.dtype}, got "
                  f"{tuple(h.shape)} {h.dtype}")
         h = h.contiguous()
+        if dh_over_h and x.device.type == "cuda":
+            cfg.mode = _MODE_DH_OVER_H
     dx, dw1, dw2 = torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
     dpw = torch.empty(S, dtype=torch.float32, device=x.device)
-    ws, ws_bytes = _workspace(cfg, S, x)
+    ws, ws_bytes = _workspace(cfg, S, x, backward=True)
     p = _plan_struct(cfg.T, cfg.E, plan)
     with _device_guard(x):
         check(lib().moeblaze_layer_backward(ctypes.byref(cfg), ctypes.byref(p), device_code(x),
@@ -382,13 +386,48 @@ def experts_backward(d_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor
     return dx, dw1, dw2, dpw
 
 
+@torch.library.custom_op("moeblaze::experts_backward", mutates_args=())
+def experts_backward(d_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor,
+                     expert_token_offsets: Tensor, expert_token_indices: Tensor,
+                     slot_weights: Tensor, token_pair_offsets: Tensor,
+                     token_expert_indices: Tensor, token_index_map: Tensor, activation: int,
+                     recompute: bool, num_threads: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    plan = (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
+            token_expert_indices, token_index_map)
+    return _experts_backward_impl(d_out, x, w1, w2, h, plan, activation, recompute, num_threads,
+                                  dh_over_h=False)
+
+
+# The same, but on CUDA keep_h writes dH over h (S * w1_rows * 2 bytes less workspace). Declared
+# as mutating h, so a second backward through the same saved h fails autograd's version check
+# instead of reading dH as H. Used in eager mode only (see _experts_backward).
+@torch.library.custom_op("moeblaze::experts_backward_dh_over_h", mutates_args=("h",))
+def experts_backward_dh_over_h(d_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor,
+                               expert_token_offsets: Tensor, expert_token_indices: Tensor,
+                               slot_weights: Tensor, token_pair_offsets: Tensor,
+                               token_expert_indices: Tensor, token_index_map: Tensor,
+                               activation: int, recompute: bool,
+                               num_threads: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    plan = (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
+            token_expert_indices, token_index_map)
+    return _experts_backward_impl(d_out, x, w1, w2, h, plan, activation, recompute, num_threads,
+                                  dh_over_h=True)
+
+
 @experts_backward.register_fake
-def _(d_out, x, w1, w2, h, eto, eti, sw, tpo, tei, tim, activation, recompute, num_threads):
+def _experts_backward_fake(d_out, x, w1, w2, h, eto, eti, sw, tpo, tei, tim, activation,
+                           recompute, num_threads):
     return (torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2),
             x.new_empty(eti.shape[0], dtype=torch.float32))
 
 
+experts_backward_dh_over_h.register_fake(_experts_backward_fake)
+
+
 def _experts_setup(ctx, inputs, output):
+    # h is an output only so that it can be saved; no gradient ever flows into it, and a
+    # materialised zero gradient for it would cost an (S, w1_rows) allocation and fill per step.
+    ctx.set_materialize_grads(False)
     x, w1, w2, _pw = inputs[:4]
     plan = inputs[4:10]
     ctx.save_for_backward(x, w1, w2, output[1], *plan)
@@ -399,7 +438,11 @@ def _experts_backward(ctx, g_out, g_h):
     x, w1, w2, h, *plan = ctx.saved_tensors
     if g_out is None:
         return (None,) * 13
-    dx, dw1, dw2, dpw = experts_backward(g_out, x, w1, w2, h, *plan, *ctx.cfg)
+    # Eager: dH over the saved H (it is dead after this). Traced (torch.compile, export): the
+    # non-mutating op, since a mutated saved activation is not something the partitioner takes.
+    eager = type(h) is torch.Tensor and not torch.compiler.is_compiling()
+    op = experts_backward_dh_over_h if eager else experts_backward
+    dx, dw1, dw2, dpw = op(g_out, x, w1, w2, h, *plan, *ctx.cfg)
     return (dx, dw1, dw2, dpw) + (None,) * 9
 
 

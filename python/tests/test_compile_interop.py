@@ -38,6 +38,12 @@ def test_opcheck_experts(recompute):
     w2 = torch.randn(6, 16, 8, requires_grad=True)
     torch.library.opcheck(moeblaze.ops.experts_forward,
                           (x, w1, w2, w.clone().requires_grad_(), *plan, 0, recompute, 0))
+    # The backward ops directly (the autograd formula picks one of the two).
+    h = moeblaze.ops.experts_forward(x, w1, w2, w, *plan, 0, recompute, 0)[1].detach()
+    d_out = torch.randn(12, 16)
+    for op in (moeblaze.ops.experts_backward, moeblaze.ops.experts_backward_dh_over_h):
+        torch.library.opcheck(op, (d_out, x.detach(), w1.detach(), w2.detach(), h.clone(), *plan,
+                                   0, recompute, 0))
 
 
 def test_torch_compile_traces_the_layer(seed):

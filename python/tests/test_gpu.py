@@ -157,3 +157,39 @@ def test_gpu_torch_compile_inductor(seed):
     assert rel_err(out_c, out) < 1e-2
     (gx,) = torch.autograd.grad(out_c.float().square().sum(), x)
     assert torch.isfinite(gx.float()).all()
+
+
+def _functional_inputs(T=256, d=128, n=64, E=8, K=2):
+    x = torch.randn(T, d, device="cuda", dtype=BF16, requires_grad=True)
+    w1 = (torch.randn(E, 2 * n, d, device="cuda") / d ** 0.5).to(BF16).requires_grad_()
+    w2 = (torch.randn(E, d, n, device="cuda") / n ** 0.5).to(BF16).requires_grad_()
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).cuda()
+    wts = torch.rand(T, K, device="cuda", requires_grad=True)
+    return x, w1, w2, ids, wts
+
+
+def test_gpu_backward_writes_dh_over_h_and_a_second_backward_fails_loudly(seed):
+    # keep_h backward writes dH over the saved H (less memory); the same graph cannot be run
+    # backward twice, and autograd says so instead of reading dH as H.
+    x, w1, w2, ids, wts = _functional_inputs()
+    out = moeblaze.moe_experts(x, w1, w2, ids, wts)
+    g = torch.randn_like(out)
+    first = torch.autograd.grad(out, [x, w1, w2, wts], g, retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        torch.autograd.grad(out, [x, w1, w2, wts], g)
+    # The gradients equal recompute mode's, which never touches a caller's H.
+    again = torch.autograd.grad(moeblaze.moe_experts(x, w1, w2, ids, wts, recompute=True),
+                                [x, w1, w2, wts], g)
+    for name, a, b in zip(("dx", "dw1", "dw2", "d_weights"), first, again):
+        assert torch.equal(a, b), name
+
+
+def test_gpu_no_zero_filled_gradient_for_h(seed):
+    # h is an output only to be saved: backward must not materialise an (S, 2n) zero gradient.
+    x, w1, w2, ids, wts = _functional_inputs(T=2048, d=256, n=512, E=8, K=2)
+    out = moeblaze.moe_experts(x, w1, w2, ids, wts)
+    g = torch.randn_like(out)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out.backward(g)
+    names = [e.name for e in prof.events()]
+    assert "aten::zeros" not in names and "aten::zero_" not in names, sorted(set(names))

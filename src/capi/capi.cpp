@@ -152,8 +152,8 @@ LayerConfig to_layer(const moeblaze_layer_cfg* c) {
   require_ptr(c, "cfg");
   MOEBLAZE_REQUIRE(c->activation >= 0 && c->activation <= 5, "activation (", c->activation,
                    ") must be 0..5 (swiglu, geglu, relu, silu, gelu, relu2)");
-  MOEBLAZE_REQUIRE(c->mode == 0 || c->mode == 1, "mode (", c->mode,
-                   ") must be 0 (keep_h) or 1 (recompute)");
+  MOEBLAZE_REQUIRE(c->mode >= 0 && c->mode <= 2, "mode (", c->mode,
+                   ") must be 0 (keep_h), 1 (recompute) or 2 (keep_h, dH over h)");
   LayerConfig cfg;
   cfg.T = c->T;
   cfg.d = c->d;
@@ -166,10 +166,17 @@ LayerConfig to_layer(const moeblaze_layer_cfg* c) {
   return cfg;
 }
 
+// cfg->mode (checked by to_layer): 0 keep_h, 1 recompute, 2 keep_h whose backward writes dH
+// over h (LayerOptions::dh_over_h).
+LayerMode to_mode(const moeblaze_layer_cfg* c) {
+  return c->mode == 1 ? LayerMode::recompute : LayerMode::keep_h;
+}
+
 LayerOptions to_options(const moeblaze_layer_cfg* c, void* stream, void* workspace,
                         uint64_t workspace_bytes) {
   LayerOptions o;
-  o.mode = c->mode == 0 ? LayerMode::keep_h : LayerMode::recompute;
+  o.mode = to_mode(c);
+  o.dh_over_h = c->mode == 2;
   o.num_threads = c->num_threads;
   o.stream = stream;
   o.workspace = workspace;
@@ -432,8 +439,21 @@ int moeblaze_layer_workspace_bytes(const moeblaze_layer_cfg* cfg, int64_t S, int
     const LayerConfig c = to_layer(cfg);
     require_ptr(bytes, "bytes");
     ThreadCountScope threads(cfg->num_threads);  // the CPU workspace holds per-thread scratch
-    *bytes = layer_workspace_bytes(c, S, cfg->mode == 0 ? LayerMode::keep_h : LayerMode::recompute,
-                                   dev);
+    *bytes = layer_workspace_bytes(c, S, to_mode(cfg), dev);
+  });
+}
+
+int moeblaze_layer_pass_workspace_bytes(const moeblaze_layer_cfg* cfg, int64_t S, int32_t device,
+                                        int32_t pass, uint64_t* bytes) {
+  return guarded([&] {
+    const Device dev = to_device(device);
+    const LayerConfig c = to_layer(cfg);
+    require_ptr(bytes, "bytes");
+    MOEBLAZE_REQUIRE(pass == 0 || pass == 1, "pass (", pass, ") must be 0 (forward) or 1 (backward)");
+    ThreadCountScope threads(cfg->num_threads);
+    *bytes = layer_workspace_bytes(c, S, to_mode(cfg), dev,
+                                   pass == 0 ? LayerPass::forward : LayerPass::backward,
+                                   cfg->mode == 2);
   });
 }
 

@@ -68,7 +68,9 @@ void check_caller_memory(const LayerConfig& cfg, const RoutingPlan& plan, const 
                    "opts.workspace / opts.h_storage: the materialized baseline allocates its own "
                    "memory (caller memory is for keep_h and recompute)");
   if (opts.workspace != nullptr) {
-    const size_t need = layer_workspace_bytes(cfg, plan.S(), opts.mode, plan.device());
+    const size_t need =
+        layer_workspace_bytes(cfg, plan.S(), opts.mode, plan.device(),
+                              forward ? LayerPass::forward : LayerPass::backward, opts.dh_over_h);
     MOEBLAZE_REQUIRE(opts.workspace_bytes >= need, "opts.workspace_bytes (", opts.workspace_bytes,
                      ") is less than layer_workspace_bytes (", need, ") for S = ", plan.S());
     MOEBLAZE_REQUIRE(reinterpret_cast<uintptr_t>(opts.workspace) % 64 == 0,
@@ -160,11 +162,18 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
 }
 
 size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, Device device) {
+  const size_t fwd = layer_workspace_bytes(cfg, S, mode, device, LayerPass::forward);
+  const size_t bwd = layer_workspace_bytes(cfg, S, mode, device, LayerPass::backward);
+  return fwd > bwd ? fwd : bwd;
+}
+
+size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, Device device,
+                             LayerPass pass, bool dh_over_h) {
   cfg.validate();
   MOEBLAZE_REQUIRE(S >= 0, "S (", S, ") must be >= 0");
   if (device == Device::cuda) {
 #ifdef MOEBLAZE_WITH_CUDA
-    return cuda::layer_workspace_bytes(cfg, S, mode);
+    return cuda::layer_workspace_bytes(cfg, S, mode, pass == LayerPass::forward, dh_over_h);
 #else
     MOEBLAZE_UNSUPPORTED_IF(true, "device cuda, but moeblaze was built without CUDA");
 #endif

@@ -38,8 +38,9 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
                     const TensorView& w1, const TensorView& w2, const TensorView& d_out,
                     const SavedForBackward& saved, const LayerGrads& grads,
                     const LayerOptions& opts);
-// The workspace one layer_forward / layer_backward call allocates (max of the two).
-size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode);
+// One pass's workspace (forward, or backward with LayerOptions::dh_over_h as given).
+size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, bool forward,
+                             bool dh_over_h);
 
 // ---- materialized baseline on the GPU (src/baselines/materialized_cuda.cu) ----
 void materialized_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,

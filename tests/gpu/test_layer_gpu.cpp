@@ -286,7 +286,7 @@ struct GpuResult {
   size_t fwd_peak = 0, bwd_peak = 0;
 };
 
-GpuResult run_gpu(const Inputs& in, LayerMode mode) {
+GpuResult run_gpu(const Inputs& in, LayerMode mode, bool dh_over_h = false) {
   const LayerConfig& c = in.cfg;
   const int64_t S = in.plans.dev.S(), R = c.w1_rows();
   DevMem x(in.x.size() * 2), w1(in.w1.size() * 2), w2(in.w2.size() * 2), dout(in.dout.size() * 2);
@@ -313,6 +313,7 @@ GpuResult run_gpu(const Inputs& in, LayerMode mode) {
   g.d_pair_weights = TensorView(dpw.p, DType::f32, Device::cuda, {S});
   LayerOptions opts;
   opts.mode = mode;
+  opts.dh_over_h = dh_over_h;
 
   GpuResult res;
   SavedForBackward saved;
@@ -444,10 +445,9 @@ TEST_P(LayerGpuGrid, MatchesCpuBackendAndFloat64Reference) {
       1.05 * double(h_bytes + size_t(S * cfg.n) * 2 + size_t(S * cfg.d) * 2 + in.plans.dev.bytes()) +
       double(scratch);
   EXPECT_LE(double(gpu.fwd_peak), fwd_bound) << "forward peak";
-  // Backward bound: dH (S, w1_rows) + max(A' (S, n) [+ H in recompute], dX̃ (S, d)) + ds
-  // partials and ds (fp32), each piece rounded up to 256 bytes.
-  const size_t reuse = std::max(size_t(S * cfg.n) * 2 + (c.mode == LayerMode::recompute ? h_bytes : 0),
-                                size_t(S * cfg.d) * 2);
+  // Backward bound: dH (S, w1_rows) (over the recomputed H in recompute mode) + max(A' (S, n),
+  // dX̃ (S, d)) + ds partials and ds (fp32), each piece rounded up to 256 bytes.
+  const size_t reuse = std::max(size_t(S * cfg.n) * 2, size_t(S * cfg.d) * 2);
   const size_t bwd_bound =
       h_bytes + reuse + size_t(S) * 4 * ((cfg.n + 127) / 128 + 1) + 6 * 256 + scratch;
   EXPECT_LE(gpu.bwd_peak, bwd_bound) << "backward peak";
@@ -513,6 +513,37 @@ TEST(LayerGpu, BitwiseDeterministicAcrossRuns) {
     EXPECT_TRUE(bitwise_equal(a.dw1, b.dw1)) << "dw1";
     EXPECT_TRUE(bitwise_equal(a.dw2, b.dw2)) << "dw2";
     EXPECT_TRUE(bitwise_equal(a.dpw, b.dpw)) << "d_pair_weights";
+  }
+}
+
+// dH written over the saved H (LayerOptions::dh_over_h) must give the same bits as dH in the
+// workspace, on each dH kernel (2-CTA below d = 2048, ping-pong at 2048, cooperative at 4096) and
+// on the naive oracle, and backward must need S * w1_rows * 2 fewer bytes.
+TEST(LayerGpu, DhOverSavedHIsBitwiseEqualAndSmaller) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (const int64_t d : {512, 2048, 4096}) {
+    for (const cuda::GemmImpl impl : {cuda::GemmImpl::sm90, cuda::GemmImpl::naive}) {
+      if (impl == cuda::GemmImpl::naive && d > 512) continue;  // the oracle is slow
+      SCOPED_TRACE("d " + std::to_string(d) + (impl == cuda::GemmImpl::naive ? " naive" : " sm90"));
+      const Inputs in = make_inputs({700, d, 192, 8, 2, Activation::swiglu, LayerMode::keep_h,
+                                     RouteKind::skewed}, seed);
+      cuda::set_gemm_impl(impl);
+      const GpuResult a = run_gpu(in, LayerMode::keep_h, false);
+      const GpuResult b = run_gpu(in, LayerMode::keep_h, true);
+      cuda::set_gemm_impl(cuda::GemmImpl::sm90);
+      EXPECT_TRUE(bitwise_equal(a.dx, b.dx)) << "dx";
+      EXPECT_TRUE(bitwise_equal(a.dw1, b.dw1)) << "dw1";
+      EXPECT_TRUE(bitwise_equal(a.dw2, b.dw2)) << "dw2";
+      EXPECT_TRUE(bitwise_equal(a.dpw, b.dpw)) << "d_pair_weights";
+      const size_t h_bytes = size_t(in.plans.dev.S() * in.cfg.w1_rows()) * 2;
+      EXPECT_LE(b.bwd_peak + h_bytes, a.bwd_peak + 256) << "backward peak with dH over H";
+      EXPECT_EQ(layer_workspace_bytes(in.cfg, in.plans.dev.S(), LayerMode::keep_h, Device::cuda,
+                                      LayerPass::backward, true) + h_bytes,
+                layer_workspace_bytes(in.cfg, in.plans.dev.S(), LayerMode::keep_h, Device::cuda,
+                                      LayerPass::backward, false));
+    }
   }
 }
 

@@ -103,16 +103,17 @@ ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, void* base
 }
 
 BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMode mode,
-                                     int64_t ds_cols, void* base) {
+                                     int64_t ds_cols, void* base, bool dh_over_h) {
   Carver c(base);
   BackwardWorkspace w;
-  w.dh = c.take<bf16>(S * w1_rows(cfg));
+  // dH is written over H when H is the workspace's own (recompute) or the caller allows it.
+  if (mode == LayerMode::recompute) w.h = w.dh = c.take<bf16>(S * w1_rows(cfg));
+  else if (!dh_over_h) w.dh = c.take<bf16>(S * w1_rows(cfg));
   w.ds_partials = c.take<float>(S * ds_cols);
   w.ds = c.take<float>(S);
   w.scratch = take_scratch(c, S, cfg.E);
-  // H (recompute) and A' die before dX̃ is written: dX̃ takes their bytes.
+  // A' dies before dX̃ is written: dX̃ takes its bytes.
   const size_t shared = c.mark();
-  if (mode == LayerMode::recompute) w.h = c.take<bf16>(S * w1_rows(cfg));
   w.a_scaled = c.take<bf16>(S * cfg.n);
   c.rewind(shared);
   w.dx_slots = c.take<bf16>(S * cfg.d);
@@ -139,13 +140,13 @@ void check_gpu_layer_args(const LayerConfig& cfg, const RoutingPlan& plan,
   }
 }
 
-size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode) {
+size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, bool forward,
+                             bool dh_over_h) {
   MOEBLAZE_REQUIRE(S >= 0, "S (", S, ") must be >= 0");
   if (mode == LayerMode::materialized) return materialized_workspace_bytes(cfg, S);
-  const size_t fwd = forward_workspace(cfg, S, nullptr).bytes;
-  const size_t bwd =
-      backward_workspace(cfg, S, mode, gemm_ops().ds_partials_cols(cfg.n), nullptr).bytes;
-  return fwd > bwd ? fwd : bwd;
+  if (forward) return forward_workspace(cfg, S, nullptr).bytes;
+  return backward_workspace(cfg, S, mode, gemm_ops().ds_partials_cols(cfg.n), nullptr, dh_over_h)
+      .bytes;
 }
 
 void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
@@ -221,25 +222,29 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   }
 
   const int64_t ds_cols = g.ds_partials_cols(cfg.n);
+  const bool dh_over_h = opts.mode == LayerMode::keep_h && opts.dh_over_h;
   Buffer ws = opts.workspace
                   ? Buffer::borrow(Device::cuda, opts.workspace, opts.workspace_bytes)
-                  : Buffer(Device::cuda, backward_workspace(cfg, S, opts.mode, ds_cols, nullptr).bytes,
+                  : Buffer(Device::cuda,
+                           backward_workspace(cfg, S, opts.mode, ds_cols, nullptr, dh_over_h).bytes,
                            opts.stream);
-  const BackwardWorkspace w = backward_workspace(cfg, S, opts.mode, ds_cols, ws.data());
+  const BackwardWorkspace w = backward_workspace(cfg, S, opts.mode, ds_cols, ws.data(), dh_over_h);
   const bf16* h = saved.h.as<bf16>();
+  // (S, w1_rows): dH, over H where backward_workspace put no room for it.
+  bf16* dh = dh_over_h ? const_cast<bf16*>(h) : w.dh;
   if (opts.mode == LayerMode::recompute) {
     g.up_proj(pv, x.as<bf16>(), w1.as<bf16>(), w.h, nullptr, cfg.d, cfg.n, cfg.activation,
               stream);
     h = w.h;
   }
-  g.dh_proj(pv, d_out.as<bf16>(), w2.as<bf16>(), h, w.ds_partials, w.dh, w.a_scaled, cfg.d,
+  g.dh_proj(pv, d_out.as<bf16>(), w2.as<bf16>(), h, w.ds_partials, dh, w.a_scaled, cfg.d,
             cfg.n, cfg.activation, stream);
   g.reduce_ds(w.ds_partials, w.ds, S, cfg.n, stream);
   g.dw2_proj(pv, d_out.as<bf16>(), w.a_scaled, grads.dw2.as<bf16>(), cfg.d, cfg.n, stream);
-  g.dx_proj(pv, w.dh, w1.as<bf16>(), w.dx_slots, cfg.d, cfg.n, cfg.activation, stream,
+  g.dx_proj(pv, dh, w1.as<bf16>(), w.dx_slots, cfg.d, cfg.n, cfg.activation, stream,
             w.scratch);
   aggregate_rows(pv, w.dx_slots, nullptr, grads.dx.data, cfg.d, DType::bf16, stream);
-  g.dw1_proj(pv, w.dh, x.as<bf16>(), grads.dw1.as<bf16>(), cfg.d, cfg.n, cfg.activation, stream);
+  g.dw1_proj(pv, dh, x.as<bf16>(), grads.dw1.as<bf16>(), cfg.d, cfg.n, cfg.activation, stream);
   gather_pair_grads(pv, w.ds, grads.d_pair_weights.as<float>(), stream);
 }
 

@@ -78,18 +78,21 @@ struct ForwardWorkspace {
   size_t bytes = 0;
 };
 struct BackwardWorkspace {
-  bf16* dh = nullptr;           // (S, w1_rows)  dSwiGLU output, read by dX̃ and dW1
-  bf16* h = nullptr;            // (S, w1_rows)  recompute mode only: H recomputed
+  bf16* dh = nullptr;           // (S, w1_rows)  dSwiGLU output, read by dX̃ and dW1 (null:
+                                //               written over the saved H)
+  bf16* h = nullptr;            // (S, w1_rows)  recompute mode only: H recomputed, then dH over it
   bf16* a_scaled = nullptr;     // (S, n)        A' = s·A, second operand of dW2
-  bf16* dx_slots = nullptr;     // (S, d)        dX̃; reuses the bytes of A' (and H): both dead
+  bf16* dx_slots = nullptr;     // (S, d)        dX̃; reuses the bytes of A' (dead by then)
   float* ds_partials = nullptr;  // (S, ds_partials_cols(n)) per-N-tile partial sums of ds
   float* ds = nullptr;          // (S,) fp32 gate gradient by slot, gathered to pair order last
   gemm::GemmScratch scratch;    // dx_proj's (GemmOps::scratch_bytes; empty: none)
   size_t bytes = 0;
 };
 ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, void* base);
+// dh_over_h (keep_h): no room for dH, which the caller writes over the saved H. In recompute mode
+// dH always goes over the recomputed H.
 BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMode mode,
-                                     int64_t ds_cols, void* base);
+                                     int64_t ds_cols, void* base, bool dh_over_h = false);
 
 // Checks what only the GPU path needs (storage dtype bf16, dims the GEMM kernels take, tensors
 // and plan on the device, 16-byte aligned data) and throws Unsupported / InvalidArgument naming
