@@ -21,7 +21,13 @@ SonicMoE: `../shared/peers/sonicmoe-carry.sh` packs it for a machine without net
 call at a new shape autotunes for 2-3 minutes.
 
   python3 bench/peers.py --config sm-7B-n256,olmoe [--impl ...] [--cli build/moeblaze]
-                         [--out rows.jsonl] [--md table.md] [--profile DIR]
+                         [--out rows.jsonl] [--md table.md] [--profile FILE]
+  python3 bench/peers.py --config sm-default --memory-timeline FILE.png   # bytes live over a step
+  python3 bench/peers.py --config sm-default,dsv2-d5120 --max-tokens      # largest T per impl
+
+--max-tokens writes DESIGN's `bench: "max-tokens"` rows: the largest T (a multiple of 1024, found
+by doubling then bisecting to within 1/16) whose inputs, weights and one forward+backward fit on
+the GPU.
 """
 import argparse
 import datetime
@@ -30,6 +36,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -241,20 +248,25 @@ def measure_memory(inp, step):
 
 
 def time_step(inp, step, backward, warmup, reps, flush):
-    times = []
+    """(median GPU ms between events, median host ms to issue the step): where the second nears
+    the first, the step is bound by the host's issuing, not by the GPU."""
+    times, issue = [], []
     for i in range(warmup + reps):
         flush.fill_(float(i & 127))  # evicts L2; not timed
         inp.clear_grads()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         out = step(backward)
+        t1 = time.perf_counter()
         stop.record()
         torch.cuda.synchronize()
         del out
         if i >= warmup:
             times.append(start.elapsed_time(stop))
+            issue.append((t1 - t0) * 1e3)
     inp.clear_grads()
-    return median(times)
+    return median(times), median(issue)
 
 
 def profile_step(name, impl, step, inp, path):
@@ -316,8 +328,8 @@ def run_config(name, impls, args, dev, flush, meta):
                   file=sys.stderr, flush=True)
             err, worst = measure_error(inp, step, gen)
             kept, peak = measure_memory(inp, step)
-            fwd = time_step(inp, step, False, args.warmup, args.reps, flush)
-            total = time_step(inp, step, True, args.warmup, args.reps, flush)
+            fwd, _ = time_step(inp, step, False, args.warmup, args.reps, flush)
+            total, issue = time_step(inp, step, True, args.warmup, args.reps, flush)
             if args.profile:
                 profile_step(name, impl, step, inp, args.profile)
         except Skip as why:
@@ -346,7 +358,8 @@ def run_config(name, impls, args, dev, flush, meta):
                "bwd_ms": bwd, "total_ms": total, "fwd_tflops": flops_fwd / fwd / 1e9,
                "bwd_tflops": flops_bwd / bwd / 1e9 if bwd > 0 else None,
                "total_tflops": (flops_fwd + flops_bwd) / total / 1e9, "kept_bytes": int(kept),
-               "peak_bytes": int(peak), "max_rel_err": err, "max_rel_err_of": worst}
+               "peak_bytes": int(peak), "max_rel_err": err, "max_rel_err_of": worst,
+               "host_issue_ms": issue}
         row.update(meta)
         rows.append(row)
         emit(row, args.out)
@@ -357,22 +370,144 @@ def run_config(name, impls, args, dev, flush, meta):
     return rows
 
 
+def memory_timeline(names, impls, args, dev, path):
+    """Bytes allocated over one forward+backward per implementation (torch's allocator trace), one
+    panel per config, written as a PNG (matplotlib) and the sampled curves as JSON beside it."""
+    curves = {}
+    for name in names:
+        T, d, n, E, K = shape_of(name)
+        for impl in impls:
+            inp, step = Inputs(T, d, n, E, K, args.seed, dev), None
+            try:
+                step = IMPLS[impl](inp)
+                step(True)  # warm-up (and peers' compilation) outside the trace
+                inp.clear_grads()
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.memory._record_memory_history(max_entries=200000)
+                out = step(True)
+                torch.cuda.synchronize()
+                snap = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                del out
+                live, points = 0, [(0.0, 0)]
+                events = [e for trace in snap["device_traces"] for e in trace]
+                # Event time where the trace records it (torch >= 2.1), else the event's index.
+                when = [e.get("time_us", i * 1e3) for i, e in enumerate(events)]
+                for e, t in zip(events, when):
+                    if e["action"] == "alloc":
+                        live += e["size"]
+                    elif e["action"] == "free_completed":
+                        live -= e["size"]
+                    else:
+                        continue
+                    points.append(((t - when[0]) / 1e3, live))
+                curves[f"{name} {impl}"] = {"base_bytes": base, "ms_bytes": points}
+                print(f"peers: {name} {impl}: timeline of {len(points)} events, peak "
+                      f"{max(b for _, b in points) / 2**20:.0f} MiB above the inputs",
+                      file=sys.stderr)
+            except Skip as why:
+                print(f"peers: {name} {impl}: timeline skipped: {why}", file=sys.stderr)
+            except Exception as err:
+                torch.cuda.memory._record_memory_history(enabled=None)
+                print(f"peers: {name} {impl}: timeline failed: {type(err).__name__}: {err}",
+                      file=sys.stderr)
+            finally:
+                del inp, step
+                torch.cuda.empty_cache()
+    with open(os.path.splitext(path)[0] + ".json", "w") as f:
+        json.dump(curves, f)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"peers: matplotlib is missing: the timeline is in "
+              f"{os.path.splitext(path)[0]}.json only", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, len(names), figsize=(6.5 * len(names), 4.2), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for key, c in curves.items():
+            if key.startswith(name + " "):
+                ms, b = zip(*c["ms_bytes"])
+                ax.step(ms, [v / 2**30 for v in b], where="post", label=key[len(name) + 1:])
+        ax.set_title(f"{name}: one forward + backward")
+        ax.set_xlabel("time in the step (ms, allocator events)")
+        ax.set_ylabel("GiB allocated above inputs and weights")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"peers: memory timeline -> {path}", file=sys.stderr)
+
+
+def fits(name, impl, T, args, dev):
+    """Whether a forward+backward at T tokens (config `name`'s d, n, E, K) runs on the GPU."""
+    _, d, n, E, K = shape_of(name)
+    inp = step = out = None
+    try:
+        inp = Inputs(T, d, n, E, K, args.seed, dev)
+        step = IMPLS[impl](inp)
+        out = step(True)
+        torch.cuda.synchronize()
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    except RuntimeError as err:  # an allocator failure surfaced through a library's own error
+        if "out of memory" in str(err).lower() or "cudaErrorMemoryAllocation" in str(err):
+            return False
+        raise
+    finally:
+        del inp, step, out
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def max_tokens(names, impls, args, dev, meta):
+    rows = []
+    for name in names:
+        T0, d, n, E, K = shape_of(name)
+        for impl in impls:
+            try:
+                lo, hi = 0, max(1024, T0 // 1024 * 1024)
+                while fits(name, impl, hi, args, dev):  # doubling
+                    lo, hi = hi, hi * 2
+                    if hi > (1 << 24):
+                        break
+                while hi - lo > 1024 and hi > lo * 17 // 16:  # bisection, multiples of 1024
+                    mid = (lo + hi) // 2 // 1024 * 1024
+                    if fits(name, impl, mid, args, dev):
+                        lo = mid
+                    else:
+                        hi = mid
+            except Skip as why:
+                print(f"peers: {name} {impl}: max-tokens skipped: {why}", file=sys.stderr)
+                continue
+            row = {"bench": "max-tokens", "config": name, "impl": impl, "d": d, "n": n, "E": E,
+                   "K": K, "max_T": lo}
+            row.update(meta)
+            rows.append(row)
+            emit(row, args.out)
+    return rows
+
+
 def markdown(rows):
-    lines = ["| config | impl | fwd ms | bwd ms | total ms | TFLOPS | peak MiB | kept MiB | "
-             "max rel err | × sonicmoe (total) | bwd × sonicmoe |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| config | impl | fwd ms | bwd ms | total ms | host issue ms | TFLOPS | peak MiB | "
+             "kept MiB | max rel err | × sonicmoe (total) | bwd × sonicmoe |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     sonic = {r["config"]: r for r in rows if r.get("impl") == "sonicmoe" and "total_ms" in r}
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['config']} | {r['impl']} | skipped: {r['skipped']} |||||||||")
+            lines.append(f"| {r['config']} | {r['impl']} | skipped: {r['skipped']} ||||||||||")
             continue
         s = sonic.get(r["config"])
         ratio = f"{r['total_ms'] / s['total_ms']:.3f}" if s else "—"
         bratio = f"{r['bwd_ms'] / s['bwd_ms']:.3f}" if s and s["bwd_ms"] > 0 else "—"
         peak = f"{r['peak_bytes'] / 2**20:.0f}" if r.get("bench") == "peers" else "—"
+        issue = f"{r['host_issue_ms']:.2f}" if "host_issue_ms" in r else "—"
         lines.append(
             f"| {r['config']} | {r['impl']}{' (C++)' if r.get('bench') == 'layer' else ''} | "
-            f"{r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | {r['total_ms']:.3f} | "
+            f"{r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | {r['total_ms']:.3f} | {issue} | "
             f"{r['total_tflops']:.0f} | {peak} | {r['kept_bytes'] / 2**20:.1f} | "
             f"{r['max_rel_err']:.1e} | {ratio} | {bratio} |")
     return "\n".join(lines) + "\n"
@@ -391,6 +526,10 @@ def main():
     ap.add_argument("--out", default="", help="append the JSON lines here")
     ap.add_argument("--md", default="", help="write the Markdown table here")
     ap.add_argument("--profile", default="", help="append torch.profiler tables of each step here")
+    ap.add_argument("--memory-timeline", default="",
+                    help="plot bytes allocated over one step per impl to this PNG (no timing)")
+    ap.add_argument("--max-tokens", action="store_true",
+                    help="find the largest T whose forward+backward fits, per impl (no timing)")
     args = ap.parse_args()
     if args.reps < 1 or args.warmup < 0:
         ap.error("--reps must be >= 1 and --warmup >= 0")
@@ -410,6 +549,15 @@ def main():
     meta = {"gpu": torch.cuda.get_device_name(0), "driver": driver_version(),
             "commit": git_commit(), "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    if args.memory_timeline:
+        memory_timeline(names, impls, args, dev, args.memory_timeline)
+        return 0
+    if args.max_tokens:
+        rows = max_tokens(names, impls, args, dev, meta)
+        print("| config | impl | largest T |\n|---|---|---:|", file=sys.stderr)
+        for r in rows:
+            print(f"| {r['config']} | {r['impl']} | {r['max_T']} |", file=sys.stderr)
+        return 0
     rows = []
     for c in names:
         rows += run_config(c, impls, args, dev, flush, meta)

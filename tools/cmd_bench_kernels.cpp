@@ -1,7 +1,7 @@
-// `moeblaze bench kernels`: which kernel each grouped GEMM of the layer runs for a config, with its
-// tiles, pipeline and the rule that chose it (cuda::gemm::describe_kernels) — the tile
-// configuration printed on request. Needs a CUDA build, not a GPU: the choices are host-side
-// functions of (S, E, d, n) and the MOEBLAZE_GEMM_* environment overrides.
+// `moeblaze bench kernels`: the kernel each grouped GEMM of the layer runs for a config
+// (cuda::gemm::choose_kernels), field by field, with the rule that chose it. Needs a CUDA build,
+// not a GPU: the choice is a host-side function of (S, E, d, n) and the kernel overrides
+// (--kernels, else MOEBLAZE_KERNELS).
 #include <CLI/CLI.hpp>
 
 #include <iostream>
@@ -11,7 +11,7 @@
 
 #include "commands.hpp"
 #include "configs.hpp"
-#include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/gemm/kernel_config.hpp"
 #include "moeblaze/error.hpp"
 #include "table.hpp"
 
@@ -20,15 +20,35 @@ namespace {
 
 struct KernelsFlags {
   std::string config = "all";
+  std::string kernels;
 };
 
 void run_kernels(const KernelsFlags& f) {
+  namespace gg = cuda::gemm;
   const std::vector<const NamedConfig*> configs = select_configs(f.config);
-  Table table({{"config", Align::left}, {"S"}, {"GEMM", Align::left}, {"kernel", Align::left}});
+  const gg::KernelOverrides o =
+      f.kernels.empty() ? gg::kernel_overrides() : gg::parse_kernel_overrides(f.kernels);
+  if (!o.spec.empty()) std::cout << "kernel overrides: " << o.spec << "\n";
+  Table table({{"config", Align::left}, {"S"}, {"GEMM", Align::left}, {"family", Align::left},
+               {"schedule", Align::left}, {"tile", Align::left}, {"stages"}, {"cluster"},
+               {"order", Align::left}, {"rule", Align::left}});
   for (const NamedConfig* c : configs) {
     const int64_t S = c->T * c->K;  // softmax top-K, DESIGN's benchmark routing
-    for (const auto& k : cuda::gemm::describe_kernels(S, c->E, c->d))
-      table.add_row({c->name, std::to_string(S), k.gemm, k.kernel});
+    const gg::LayerKernels k = gg::choose_kernels({S, c->E, c->d, c->n}, o);
+    for (int i = 0; i < gg::LayerKernels::kCount; ++i) {
+      const gg::GemmKernel& g = k.at(i);
+      const bool tma = g.family == gg::KernelFamily::tma_grouped;
+      table.add_row({c->name, std::to_string(S), gg::LayerKernels::name(i),
+                     gg::family_name(g.family), gg::schedule_name(g.schedule),
+                     std::to_string(g.tile_m) + "x" + std::to_string(g.tile_n) + "x" +
+                         std::to_string(g.tile_k),
+                     g.stages ? std::to_string(g.stages) : "auto", std::to_string(g.cluster),
+                     tma ? std::string(g.tma_along_n ? "n" : "m") + " swizzle " +
+                               std::to_string(g.tma_swizzle)
+                         : "raster " + std::to_string(g.raster_group) +
+                               (g.b_by_tma ? ", b by TMA" : ""),
+                     g.rule});
+    }
   }
   table.print(std::cout);
 }
@@ -38,10 +58,13 @@ void run_kernels(const KernelsFlags& f) {
 void add_bench_kernels_command(CLI::App& bench) {
   auto flags = std::make_shared<KernelsFlags>();
   CLI::App* sub = bench.add_subcommand(
-      "kernels", "the kernel each grouped GEMM runs per config (tiles, pipeline, the rule that "
-                 "chose it); needs no GPU");
+      "kernels", "the kernel each grouped GEMM runs per config, field by field, and the rule "
+                 "that chose it; needs no GPU");
   sub->add_option("--config", flags->config, "a named config, a comma list, or 'all'")
       ->capture_default_str();
+  sub->add_option("--kernels", flags->kernels,
+                  "kernel overrides, e.g. dw1.cluster=2,dh.schedule=pingpong (default: "
+                  "MOEBLAZE_KERNELS)");
   sub->callback([flags] { run_kernels(*flags); });
 }
 

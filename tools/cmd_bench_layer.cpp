@@ -59,6 +59,8 @@ struct BenchFlags {
   std::string routing = "topk";
   int m_tile = 128;
   std::string shape;  // "T,d,n,E,K": one unnamed shape instead of --config
+  std::string kernels;  // kernel overrides (kernel_config.hpp); "" = MOEBLAZE_KERNELS or none
+  bool show_kernels = false;
 };
 
 // The routing field of the rows: "softmax-topk" or, e.g., "softmax-topk+nr-f/128".
@@ -261,6 +263,12 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
   RoutingPlan host_plan;
   build_routing_plan(routing.view(), PlanBuilder::atomic_free, host_plan);
   const int64_t S = host_plan.S();
+  if (f.show_kernels) {
+    const cuda::gemm::LayerKernels k = cuda::gemm::choose_kernels({S, c.E, c.d, c.n});
+    for (int i = 0; i < cuda::gemm::LayerKernels::kCount; ++i)
+      std::cerr << "bench layer: " << nc.name << " " << cuda::gemm::LayerKernels::name(i) << ": "
+                << cuda::gemm::describe(k.at(i)) << " [" << k.at(i).rule << "]\n";
+  }
   RoutingPlan plan(Device::cuda, c.T, c.E, S);
   auto up = [](void* dst, const void* src, size_t b) {
     if (b) MOEBLAZE_CUDA_CHECK(cudaMemcpy(dst, src, b, cudaMemcpyHostToDevice));
@@ -303,6 +311,7 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
                     : impl == "moeblaze-recompute" ? LayerMode::recompute
                                                    : LayerMode::materialized;
         opts.stream = stream;
+        opts.dh_over_h = true;  // every step runs backward once from a fresh forward
         SavedForBackward saved;
         {
           // Memory and error on one untimed run (outputs poisoned first: NaN fails the error).
@@ -422,6 +431,7 @@ void run_bench(const BenchFlags& f) {
   MOEBLAZE_REQUIRE(f.m_tile >= 1, "m-tile (", f.m_tile, ") must be >= 1");
   if (f.routing != "topk") parse_rounding(f.routing);  // throws naming the valid modes
   parse_activation(f.activation);
+  if (!f.kernels.empty()) cuda::gemm::set_kernel_overrides(cuda::gemm::parse_kernel_overrides(f.kernels));
   std::vector<const NamedConfig*> configs;
   // --shape: one unnamed config, named after its shape in the rows (both live until the end of
   // this function, as long as `configs` points at them).
@@ -521,6 +531,11 @@ void add_bench_layer_command(CLI::App& bench) {
   sub->add_option("--m-tile", flags->m_tile, "token rounding's tile (the GEMMs' M tile: 128)")
       ->capture_default_str();
   sub->add_option("--shape", flags->shape, "T,d,n,E,K: time this shape instead of --config");
+  sub->add_option("--kernels", flags->kernels,
+                  "kernel overrides, e.g. dw1.cluster=1,dh.family=two_cta (default: "
+                  "MOEBLAZE_KERNELS)");
+  sub->add_flag("--show-kernels", flags->show_kernels,
+                "print each config's kernel choice (as `bench kernels`) before its rows");
   sub->add_flag("--breakdown", flags->breakdown,
                 "also time each of the eight steps alone (keep_h, preallocated buffers)");
   sub->callback([flags] { run_bench(*flags); });

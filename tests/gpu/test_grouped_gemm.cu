@@ -15,7 +15,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>  // setenv
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -454,27 +453,27 @@ TEST_P(GroupedGemm, WeightGradsVarlenK) {
   upload(dh, dh_in);
   upload(x, in.x);
   DevBuf dw2(size_t(E * d * n) * 2), dw1(size_t(E * R * d) * 2);
-  // The warp-specialised kernel twice: dW1 with 2-CTA clusters sharing dh (MOEBLAZE_GEMM_MC=1;
-  // odd m-tile counts, d = 128 and 320, leave a cluster's second CTA without a tile), and one
-  // CTA per tile (MOEBLAZE_GEMM_MC=0). The switch is read at every launch.
+  // The warp-specialised kernel twice: dW1 with 2-CTA clusters sharing dh (dw1.cluster=2; odd
+  // m-tile counts, d = 128 and 320, leave a cluster's second CTA without a tile), and one CTA per
+  // tile (dw1.cluster=1), through the kernel overrides.
   struct Variant {
     gg::GatherKernel kernel;
     bool clusters;
   };
   std::vector<uint8_t> ws_dw2, ws_dw1;  // the clusters' outputs
-  struct UnsetOnExit {  // also when an assertion leaves the test early
-    ~UnsetOnExit() { unsetenv("MOEBLAZE_GEMM_MC"); }
-  } unset_on_exit;
+  struct ClearOnExit {  // also when an assertion leaves the test early
+    ~ClearOnExit() { gg::clear_kernel_overrides(); }
+  } clear_on_exit;
   for (const Variant v : {Variant{gg::GatherKernel::two_cta, false},
                           Variant{gg::GatherKernel::warp_specialized, true},
                           Variant{gg::GatherKernel::warp_specialized, false}}) {
     const gg::GatherKernel k = v.kernel;
     const std::string kname = std::string(gather_kernel_name(k)) +
                               (k == gg::GatherKernel::warp_specialized
-                                   ? (v.clusters ? "/MOEBLAZE_GEMM_MC=1" : "/MOEBLAZE_GEMM_MC=0")
+                                   ? (v.clusters ? "/dw1.cluster=2" : "/dw1.cluster=1")
                                    : "");
     SCOPED_TRACE(kname);
-    setenv("MOEBLAZE_GEMM_MC", v.clusters ? "1" : "0", 1);
+    gg::set_kernel_overrides(gg::parse_kernel_overrides(v.clusters ? "dw1.cluster=2" : "dw1.cluster=1"));
     run_twice({&dw2, &dw1}, [&] {
       gg::dw2_proj(dp.view, cb(dO), cb(as), mb(dw2), d, n, nullptr, k);
       gg::dw1_proj(dp.view, cb(dh), cb(x), mb(dw1), d, n, c.act, nullptr, k);
@@ -488,8 +487,8 @@ TEST_P(GroupedGemm, WeightGradsVarlenK) {
         ws_dw2 = download<uint8_t>(dw2);
         ws_dw1 = download<uint8_t>(dw1);
       } else {
-        EXPECT_TRUE(bytes_equal(dw2, ws_dw2)) << "dw2: clusters and MOEBLAZE_GEMM_MC=0 differ";
-        EXPECT_TRUE(bytes_equal(dw1, ws_dw1)) << "dw1: clusters and MOEBLAZE_GEMM_MC=0 differ";
+        EXPECT_TRUE(bytes_equal(dw2, ws_dw2)) << "dw2: clusters and one CTA per tile differ";
+        EXPECT_TRUE(bytes_equal(dw1, ws_dw1)) << "dw1: clusters and one CTA per tile differ";
       }
     }
     const double e2 = check_rel("dw2", g2, dw2_ref, rel_tolerance(DType::bf16));
@@ -621,44 +620,127 @@ TEST(GroupedGemmChecks, ShapeRule) {
   EXPECT_EQ(gg::ds_partials_cols(192), 2);
 }
 
-// The automatic kernel choices follow the rules measured on the H200 (grouped_gemm.hpp) and are
-// printed as they are made. Host-only: runs without a GPU.
+// The automatic kernel choice follows the rules measured on the H200 (kernel_config.hpp), field
+// by field. Host-only: runs without a GPU.
 TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
-  auto kernel_of = [](int64_t S, int64_t E, int64_t d, const char* gemm) {
-    for (const auto& k : gg::describe_kernels(S, E, d))
-      if (std::string(k.gemm) == gemm) return k.kernel;
-    ADD_FAILURE() << gemm << " missing from describe_kernels";
-    return std::string();
+  using gg::KernelFamily;
+  using gg::KernelSchedule;
+  const gg::KernelOverrides none;
+  auto choose = [&](int64_t S, int64_t E, int64_t d, int64_t n) {
+    return gg::choose_kernels({S, E, d, n}, none);
   };
-  auto has = [](const std::string& s, const char* what) {
-    return s.find(what) != std::string::npos;
-  };
-  // sm-default: every gathered GEMM warp-specialised, dH too (d = 4096, cooperative), the TMA path
-  // for down/dX.
-  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "up_proj"), "warp-specialised gather"));
-  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "dh_proj"), "cooperative"));
-  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "dh_proj"), "[d >= 4096]"));
-  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "up_proj"), "cooperative"));
-  // olmoe (d = 2048): dH on the ping-pong schedule, up-proj cooperative (at every d).
-  EXPECT_TRUE(has(kernel_of(131072, 64, 2048, "dh_proj"), "ping-pong"));
-  EXPECT_TRUE(has(kernel_of(131072, 64, 2048, "up_proj"), "cooperative"));
-  EXPECT_TRUE(has(kernel_of(65536, 4, 512, "up_proj"), "cooperative"));
-  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "dw1_proj"), "computed transposed"));
-  // dW1's clusters where experts have >= 4096 rows on average: mb-conf3 yes, sm-default no.
-  EXPECT_TRUE(has(kernel_of(262144, 16, 1024, "dw1_proj"), "2-CTA clusters"));
-  EXPECT_FALSE(has(kernel_of(262144, 128, 4096, "dw1_proj"), "2-CTA clusters"));
-  EXPECT_TRUE(has(kernel_of(262144, 128, 4096, "down_proj"), "CUTLASS TMA"));
-  EXPECT_EQ(gg::use_ws_dh(128, 4096), true);
+  // sm-default: every gathered GEMM warp-specialised, dH cooperative (d = 4096), TMA down/dX.
+  const gg::LayerKernels sm = choose(262144, 128, 4096, 1024);
+  EXPECT_EQ(sm.up.family, KernelFamily::ws_gather);
+  EXPECT_EQ(sm.up.schedule, KernelSchedule::cooperative);
+  EXPECT_EQ(sm.up.tile_n, 256);
+  EXPECT_EQ(sm.up.stages, gg::kWsCooperativeStages);
+  EXPECT_EQ(sm.dh.family, KernelFamily::ws_gather);
+  EXPECT_EQ(sm.dh.schedule, KernelSchedule::cooperative);
+  EXPECT_EQ(sm.down.family, KernelFamily::tma_grouped);
+  EXPECT_EQ(sm.down.cluster, 2);
+  EXPECT_EQ(sm.dx, sm.down);
+  EXPECT_EQ(sm.dw2.family, KernelFamily::ws_varlen_k);
+  EXPECT_EQ(sm.dw1.family, KernelFamily::ws_varlen_k);
+  EXPECT_EQ(sm.dw1.cluster, 1);  // 2048 rows per expert: no clusters
+  EXPECT_EQ(sm.up.raster_group, gg::kDefaultRasterGroup);
+  // olmoe (d = 2048): dH on the ping-pong schedule (128-wide tiles, 6 stages).
+  const gg::LayerKernels ol = choose(131072, 64, 2048, 1024);
+  EXPECT_EQ(ol.dh.schedule, KernelSchedule::ping_pong);
+  EXPECT_EQ(ol.dh.tile_n, 128);
+  EXPECT_EQ(ol.dh.stages, gg::kWsPingPongStages);
+  EXPECT_EQ(ol.up.schedule, KernelSchedule::cooperative);
   // sm-7B-n256 (d = 1536): dH stays on the 2-CTA kernel.
-  EXPECT_TRUE(has(kernel_of(196608, 128, 1536, "dh_proj"), "2-CTA"));
-  EXPECT_EQ(gg::use_ws_dh(128, 1536), false);
-  // E beyond the gather kernel's expert table; few rows per expert for the TMA path.
-  EXPECT_TRUE(has(kernel_of(1 << 20, 5000, 4096, "up_proj"), "[E > 4096]"));
-  EXPECT_TRUE(has(kernel_of(1000, 8, 512, "dx_proj"), "2-CTA"));  // 125 rows per expert
-  // A token-rounded plan a little under 512 rows per expert stays on the TMA path (it fell off
-  // it at the old 512 threshold and ran 12 % slower).
-  EXPECT_TRUE(has(kernel_of(130944, 256, 4096, "down_proj"), "CUTLASS TMA"));
-  EXPECT_TRUE(has(kernel_of(32768, 256, 2048, "dx_proj"), "CUTLASS TMA"));  // 128 per expert
+  EXPECT_EQ(choose(196608, 128, 1536, 256).dh.family, KernelFamily::two_cta);
+  // dW1's clusters where experts have >= 4096 rows on average (mb-conf3).
+  EXPECT_EQ(choose(262144, 16, 1024, 4096).dw1.cluster, 2);
+  // E beyond the gather kernel's expert table: the 2-CTA kernels (up-proj's w1 by TMA).
+  const gg::LayerKernels big = choose(1 << 20, 5000, 4096, 1024);
+  EXPECT_EQ(big.up.family, KernelFamily::two_cta);
+  EXPECT_TRUE(big.up.b_by_tma);
+  EXPECT_EQ(big.dh.family, KernelFamily::two_cta);
+  EXPECT_EQ(big.dw1.family, KernelFamily::two_cta);
+  // Few rows per expert: down/dX on the 2-CTA kernel; 128 per expert is on the TMA path.
+  EXPECT_EQ(choose(1000, 8, 512, 256).dx.family, KernelFamily::two_cta);
+  EXPECT_EQ(choose(32768, 256, 2048, 1024).dx.family, KernelFamily::tma_grouped);
+  EXPECT_EQ(choose(130944, 256, 4096, 1024).down.family, KernelFamily::tma_grouped);
+  EXPECT_EQ(gg::describe(sm.up), "ws_gather cooperative 128x256x64 stages=4 cluster=1 raster=16");
+}
+
+// The choice is total and deterministic over a grid of shapes (real models' sizes: d up to 8192,
+// n from 64 to 8192 incl. multiples of 64 that are not of 128, E up to 5000, S from 0), and every
+// field is in its kernel's range.
+TEST(GroupedGemmChecks, KernelChoiceIsTotalAndDeterministic) {
+  using gg::KernelFamily;
+  const gg::KernelOverrides none;
+  int shapes = 0;
+  for (const int64_t d : {64, 512, 1536, 2048, 3072, 4096, 5120, 7168, 8192})
+    for (const int64_t n : {64, 192, 256, 320, 704, 1024, 1536, 2048, 8192})
+      for (const int64_t E : {1, 4, 64, 128, 160, 256, 512, 4096, 5000})
+        for (const int64_t S : {int64_t(0), int64_t(1), E * 127, E * 128, E * 4096, E * 8192}) {
+          const gg::KernelShape shape{S, E, d, n};
+          const gg::LayerKernels a = gg::choose_kernels(shape, none);
+          const gg::LayerKernels b = gg::choose_kernels(shape, none);
+          ASSERT_TRUE(a == b) << "d " << d << " n " << n << " E " << E << " S " << S;
+          for (int i = 0; i < gg::LayerKernels::kCount; ++i) {
+            const gg::GemmKernel& k = a.at(i);
+            SCOPED_TRACE(std::string(gg::LayerKernels::name(i)) + " " + gg::describe(k));
+            const bool gathered = i == 0 || i == 2 || i == 3 || i == 5;
+            EXPECT_TRUE(k.tile_m == 128 && (k.tile_n == 128 || k.tile_n == 256) && k.tile_k == 64);
+            EXPECT_TRUE(k.cluster == 1 || k.cluster == 2);
+            EXPECT_TRUE(k.stages >= 0 && k.stages <= 8);
+            EXPECT_FALSE(gathered && k.family == KernelFamily::tma_grouped);
+            EXPECT_FALSE(!gathered && (k.family == KernelFamily::ws_gather ||
+                                       k.family == KernelFamily::ws_varlen_k));
+            EXPECT_FALSE(k.family == KernelFamily::ws_gather && E > gg::kWsMaxExperts);
+            EXPECT_FALSE(k.cluster == 2 && k.family == KernelFamily::two_cta);
+            EXPECT_STRNE(k.rule, "");
+          }
+          ++shapes;
+        }
+  EXPECT_EQ(shapes, 9 * 9 * 9 * 6);
+}
+
+// One override hook: parsed field by field, applied by choose_kernels, refused with a message
+// naming the item where a kernel cannot take it.
+TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
+  using gg::KernelFamily;
+  const gg::KernelShape sm{262144, 128, 4096, 1024};
+  const gg::LayerKernels k = gg::choose_kernels(
+      sm, gg::parse_kernel_overrides("dw1.cluster=2,dh.schedule=pingpong,down.family=two_cta,"
+                                     "up.family=two_cta,raster=8,tma.order=m,tma.swizzle=4"));
+  EXPECT_EQ(k.dw1.cluster, 2);
+  EXPECT_EQ(k.dh.schedule, gg::KernelSchedule::ping_pong);
+  EXPECT_EQ(k.down.family, KernelFamily::two_cta);
+  EXPECT_EQ(k.dx.family, KernelFamily::tma_grouped);
+  EXPECT_FALSE(k.dx.tma_along_n);
+  EXPECT_EQ(k.dx.tma_swizzle, 4);
+  EXPECT_EQ(k.up.family, KernelFamily::two_cta);
+  EXPECT_EQ(k.up.raster_group, 8);
+  EXPECT_TRUE(gg::parse_kernel_overrides("impl=naive").naive);
+  auto refused = [&](const std::string& spec, const char* what) {
+    try {
+      gg::choose_kernels(sm, gg::parse_kernel_overrides(spec));
+      ADD_FAILURE() << spec << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  refused("up.family=tma", "gathered operand cannot come by TMA");
+  refused("dx.family=ws", "has no warp-specialised kernel");
+  refused("dw2.schedule=pingpong", "only the ws_gather family");
+  refused("dh.cluster=2", "only dw1_proj on ws_varlen_k");
+  refused("dw1.cluster=3", "[1, 2]");
+  refused("raster=0", "[1, 65536]");
+  refused("up.colour=red", "unknown field 'colour'");
+  refused("wx.family=ws", "unknown key 'wx.family'");
+  refused("dh", "expected key=value");
+  try {
+    gg::choose_kernels({1 << 20, 5000, 4096, 1024}, gg::parse_kernel_overrides("dh.family=ws"));
+    ADD_FAILURE() << "ws_gather with E = 5000 was accepted";
+  } catch (const Unsupported& e) {
+    EXPECT_NE(std::string(e.what()).find("E <= 4096"), std::string::npos) << e.what();
+  }
 }
 
 // Invalid arguments throw before anything runs and leave the outputs untouched.

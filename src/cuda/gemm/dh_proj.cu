@@ -172,8 +172,7 @@ void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, con
   detail::check_ptr(fn, a_scaled, "a_scaled", need);
   using detail::GatherPath;
   const GatherPath path = detail::resolve_gather_path(
-      fn, kernel, plan.E, detail::dh_proj_auto_path(plan.E, d),
-      /*has_ping_pong=*/true);
+      fn, kernel, plan.E, choose_kernels({plan.S, plan.E, d, n}).dh, /*has_ping_pong=*/true);
   if (path == GatherPath::cooperative)
     return detail::dh_proj_ws(plan, d_out, w2, h, ds_partials, dh, a_scaled, d, n, act, stream);
   if (path == GatherPath::ping_pong)

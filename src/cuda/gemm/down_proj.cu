@@ -16,7 +16,8 @@ void down_proj(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16*
   detail::check_ptr(fn, a, "a", plan.S > 0);
   detail::check_ptr(fn, w2, "w2", plan.S > 0);
   detail::check_ptr(fn, y, "y", plan.S > 0);
-  if (scratch.data) {  // TMA path (tma_paths.hpp)
+  if (scratch.data &&
+      choose_kernels({plan.S, plan.E, d, n}).down.family == KernelFamily::tma_grouped) {
     detail::down_proj_tma(plan, a, w2, y, d, n, scratch, stream);
     return;
   }

@@ -5,15 +5,15 @@
 // dw1 (E, w1_rows, d). (The direct orientation, x as the 256-wide gathered Q, measured 8-11 %
 // faster than the 2-CTA kernel; dW2, whose gathered operand is the 128-wide one, 32-50 %.)
 // This file: one CTA per tile, varlen_k_ws_kernel<true, 1>; the 2-CTA cluster variant, for
-// experts with many rows (dw1_uses_clusters), is in dw1_proj_mc.cu.
+// experts with many rows (the chosen kernel's cluster = 2), is in dw1_proj_mc.cu.
 #include "cuda/gemm/sm90_ws_varlen_k.cuh"
 #include "cuda/gemm/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm::detail {
 
 void dw1_proj_ws(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
-                 int64_t d, int64_t w1_rows, cudaStream_t stream) {
-  if (dw1_uses_clusters(plan.S, plan.E)) {
+                 int64_t d, int64_t w1_rows, int cluster, cudaStream_t stream) {
+  if (cluster == 2) {
     dw1_proj_ws_cluster(plan, dh, x, dw1, d, w1_rows, stream);
     return;
   }

@@ -98,7 +98,8 @@ void dw2_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scal
   detail::check_ptr(fn, dw2, "dw2");
   // Any E: this kernel has no per-CTA expert table.
   if (kernel == GatherKernel::ping_pong || kernel == GatherKernel::warp_specialized ||
-      (kernel == GatherKernel::automatic && use_ws_gather(plan.E))) {
+      (kernel == GatherKernel::automatic &&
+       choose_kernels({plan.S, plan.E, d, n}).dw2.family == KernelFamily::ws_varlen_k)) {
     MOEBLAZE_UNSUPPORTED_IF(kernel == GatherKernel::ping_pong, fn,
                             ": GatherKernel::ping_pong is implemented for up_proj and dh_proj only");
     detail::dw2_proj_ws(plan, d_out, a_scaled, dw2, d, n, stream);
@@ -126,12 +127,15 @@ void dw1_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* 
   detail::check_ptr(fn, x, "x", plan.S > 0);
   detail::check_ptr(fn, dw1, "dw1");
   const int64_t w1_rows = is_gated(act) ? 2 * n : n;
+  const GemmKernel chosen = choose_kernels({plan.S, plan.E, d, n}).dw1;
   // Any E: this kernel has no per-CTA expert table.
   if (kernel == GatherKernel::ping_pong || kernel == GatherKernel::warp_specialized ||
-      (kernel == GatherKernel::automatic && use_ws_gather(plan.E))) {
+      (kernel == GatherKernel::automatic && chosen.family == KernelFamily::ws_varlen_k)) {
     MOEBLAZE_UNSUPPORTED_IF(kernel == GatherKernel::ping_pong, fn,
                             ": GatherKernel::ping_pong is implemented for up_proj and dh_proj only");
-    detail::dw1_proj_ws(plan, dh, x, dw1, d, w1_rows, stream);
+    // An explicit warp_specialized keeps the chosen cluster count (1 where the choice was two_cta).
+    const int cluster = chosen.family == KernelFamily::ws_varlen_k ? chosen.cluster : 1;
+    detail::dw1_proj_ws(plan, dh, x, dw1, d, w1_rows, cluster, stream);
     return;
   }
   sm90::VarlenKArgs a{};

@@ -23,10 +23,11 @@
 // Stability: this header is coded against by the layer (src/cuda/layer/). Changes are additive
 // only and listed here:
 //   * down_proj / dx_proj take an optional GemmScratch (default: none, the cp.async kernel);
-//     use_tma_gemm, tma_gemm_scratch_bytes and layer_gemm_scratch_bytes size it.
+//     tma_gemm_scratch_bytes and layer_gemm_scratch_bytes size it.
 //   * up_proj, dh_proj, dw2_proj and dw1_proj take an optional GatherKernel (default: automatic).
-//   * use_ws_dh and describe_kernels.
-//   * GatherKernel::ping_pong; automatic takes it for dh_proj by the rule below.
+//   * GatherKernel::ping_pong.
+//   * The automatic choice is kernel_config.hpp's choose_kernels (a value; replaces use_tma_gemm,
+//     use_ws_gather, use_ws_dh, describe_kernels and the MOEBLAZE_GEMM_* switches).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -36,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/gemm/kernel_config.hpp"
 #include "moeblaze/config.hpp"
 #include "moeblaze/dtype.hpp"
 #include "moeblaze/routing_plan.hpp"
@@ -59,20 +61,13 @@ struct GemmScratch {
   void* data = nullptr;  // 256-byte aligned; nullptr: run the cp.async kernel instead
   size_t bytes = 0;
 };
-// Whether the layer runs down_proj / dx_proj on the TMA path for S slots over E experts: when
-// the experts average at least kTmaMinRowsPerExpert rows (S >= E * that). Measured on the H200:
-// the TMA path was faster on every shape timed, down to 128 rows per expert (layer step
-// T = 4096, d = 2048, n = 1024, E = 256, K = 8: 6.70 -> 6.32 ms; at 256 rows per expert -8..-9 %;
-// a token-rounded plan at 511.5 rows per expert 25.3 -> 22.6 ms); below 128 its 128 x 256 tiles
-// are mostly tails and it is untimed, so the cp.async kernels keep those shapes.
-// MOEBLAZE_GEMM_TMA=0 or 1 in the environment (read once) forces the choice, for A/B.
-constexpr int64_t kTmaMinRowsPerExpert = 128;
-bool use_tma_gemm(int64_t S, int64_t E);
+// choose_kernels(...).down / .dx say whether they run on the TMA path (for S >= 128 E: measured
+// faster on every shape timed, down to 128 rows per expert).
 // Scratch bytes the TMA path needs for E experts on the current device (the argument arrays,
 // ≈ 100 B per expert, and CUTLASS's per-SM TMA descriptors).
 size_t tma_gemm_scratch_bytes(int64_t E);
-// What the layer reserves for down_proj / dx_proj: tma_gemm_scratch_bytes(E) when
-// use_tma_gemm(S, E), else 0 (and it passes no scratch: the cp.async kernels run).
+// What the layer reserves for down_proj / dx_proj: tma_gemm_scratch_bytes(E) when either runs on
+// the TMA path for S slots over E experts, else 0 (and it passes no scratch).
 size_t layer_gemm_scratch_bytes(int64_t S, int64_t E);
 
 // ---- the kernels of the gathered GEMMs ------------------------------------------------------
@@ -86,34 +81,9 @@ size_t layer_gemm_scratch_bytes(int64_t S, int64_t E);
 //   ping_pong: up_proj / dh_proj only: the same warp-specialised kernel with 128 x 128 tiles,
 //            one per consumer warpgroup, so one warpgroup's epilogue runs under the other's
 //            mainloop (E <= 4096); dw2_proj / dw1_proj refuse it (Unsupported).
-// automatic picks (all measured on the H200, bench/NOTES.md), when use_ws_gather(E):
-//   up_proj: warp_specialized (cooperative; with 16-byte epilogue stores it is ahead of or
-//            within 2 % of ping_pong at every d measured);
-//   dh_proj: two_cta for d < kWsDhMinD (the gather kernels' dH epilogue, which reads H, does not
-//            pay on short reductions), ping_pong for kWsDhMinD <= d < kWsDhCoopMinD (d = 2048:
-//            ahead of or level with cooperative), warp_specialized (cooperative) from
-//            kWsDhCoopMinD on (d = 4096: 13-20 % ahead of ping_pong since the dH epilogue runs
-//            in group order, bench/NOTES.md);
-//   dw2_proj / dw1_proj: warp_specialized (dw1_proj on 2-CTA clusters sharing dh by TMA
-//            multicast where S >= 4096 E; ws_paths.hpp's dw1_uses_clusters);
-// else two_cta. MOEBLAZE_GEMM_WS=0 in the environment turns the warp-specialised kernels off,
-// MOEBLAZE_GEMM_PP=0 only the ping-pong schedule of dh_proj (each read once), MOEBLAZE_GEMM_MC=0
-// / 1 dW1's clusters off / on (read at every launch); for A/B measurements.
+// automatic: the kernel choose_kernels picks for the shape (kernel_config.hpp: the measured rules
+// and the MOEBLAZE_KERNELS / set_kernel_overrides hook); any other value forces that kernel.
 enum class GatherKernel { automatic, two_cta, warp_specialized, ping_pong };
-constexpr int64_t kWsDhMinD = 2048;
-constexpr int64_t kWsDhCoopMinD = 4096;
-bool use_ws_gather(int64_t E);
-bool use_ws_dh(int64_t E, int64_t d);  // dh_proj's automatic choice is a gather kernel
-
-// The kernel each grouped GEMM of the layer runs for S slots over E experts and hidden size d (no
-// choice depends on n), as the
-// automatic choices above make it (environment overrides included), in pipeline order: the tile
-// configuration printed on request (`moeblaze bench kernels`). Host-only, needs no GPU.
-struct KernelChoice {
-  const char* gemm;    // "up_proj", "down_proj", ...
-  std::string kernel;  // the kernel, its tiles and pipeline, and [the rule that chose it]
-};
-std::vector<KernelChoice> describe_kernels(int64_t S, int64_t E, int64_t d);
 
 // ---- forward -------------------------------------------------------------------------------
 

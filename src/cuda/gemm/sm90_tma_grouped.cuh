@@ -3,7 +3,7 @@
 // persistent group tile scheduler, TMA store epilogue; CUTLASS example 57):
 //   for every expert e: D[off[e] + i, :] = A[off[e] + i, :] · B_e      i < count_e
 // Used by down_proj (A = act, B_e = w2_eᵀ) and dx_proj (A = dH, B_e = w1_e) when the experts'
-// row ranges are long enough for its 128 x 256 tiles (use_tma_gemm). Up-proj, dH and the weight
+// row ranges are long enough for its 128 x 256 tiles (choose_kernels). Up-proj, dH and the weight
 // gradients gather an operand row by row, which a TMA descriptor cannot express (affine strides
 // only), so they stay on the cp.async kernels of sm90_varlen_m.cuh / dw_proj.cu.
 //
@@ -19,7 +19,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include <cute/tensor.hpp>
@@ -31,6 +30,7 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include "cuda/cuda_backend.hpp"
+#include "cuda/gemm/kernel_config.hpp"
 #include "moeblaze/error.hpp"
 
 namespace moeblaze::cuda::gemm::tma {
@@ -46,23 +46,15 @@ using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
 // grouped problems walks M first (AlongM) with no swizzle. Measured on the H200 (bench/NOTES.md,
 // "TMA path"): walking N first with swizzle 2 (consecutive CTAs share A row panels, pairs of
 // N-tiles) made dX̃ 5-6 % faster at mb-conf4 / mb-conf7 and down-proj 0-6 %; sm-default moved
-// within the noise. MOEBLAZE_TMA_RASTER=m|n and MOEBLAZE_TMA_SWIZZLE=1|2|4|8 (read once) override
-// it, for measurements.
+// within the noise. The kernel overrides tma.order / tma.swizzle (kernel_config.hpp) change it.
 struct SchedulerChoice {
   bool along_n = true;
   int swizzle = 2;
 };
 inline SchedulerChoice scheduler_choice() {
-  static const SchedulerChoice choice = [] {
-    SchedulerChoice c;
-    if (const char* r = std::getenv("MOEBLAZE_TMA_RASTER")) c.along_n = r[0] == 'n';
-    if (const char* z = std::getenv("MOEBLAZE_TMA_SWIZZLE")) {
-      const int v = std::atoi(z);
-      if (v == 1 || v == 2 || v == 4 || v == 8) c.swizzle = v;
-    }
-    return c;
-  }();
-  return choice;
+  const KernelOverrides o = kernel_overrides();
+  const GemmKernel defaults;
+  return {o.tma_along_n.value_or(defaults.tma_along_n), o.tma_swizzle.value_or(defaults.tma_swizzle)};
 }
 
 // LayoutB: ColumnMajor = B_e stored (N, K), K contiguous (w2_e (d, n) for the down-projection);

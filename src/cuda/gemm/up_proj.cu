@@ -4,8 +4,6 @@
 // accumulators hold g and u of the same column j in the same thread: columns c and c + 64 of the
 // WGMMA fragment (frag_col(i) and frag_col(i + 8)). One instantiation:
 // varlen_m_kernel<K-major B, ActEpilogue>.
-#include <cstdlib>
-
 #include "cuda/gemm/act_epilogue.cuh"
 #include "cuda/gemm/gemm_checks.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
@@ -30,17 +28,6 @@ struct ActEpilogue {
 
 }  // namespace sm90
 
-namespace {
-// w1 by TMA (TmaKMajorLoader) unless MOEBLAZE_GEMM_TMA_B=0 (read once; for A/B measurements).
-bool tma_weights() {
-  static const bool on = [] {
-    const char* e = std::getenv("MOEBLAZE_GEMM_TMA_B");
-    return !(e && e[0] == '0');
-  }();
-  return on;
-}
-}  // namespace
-
 void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
              int64_t d, int64_t n, Activation act, cudaStream_t stream, GatherKernel kernel) {
   constexpr const char* fn = "up_proj";
@@ -51,9 +38,9 @@ void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h
   MOEBLAZE_REQUIRE(plan.S == 0 || h != nullptr || a != nullptr, fn,
                    ": h and a must not both be null");
   using detail::GatherPath;
-  const GatherPath path = detail::resolve_gather_path(
-      fn, kernel, plan.E, detail::up_proj_auto_path(plan.E),
-      /*has_ping_pong=*/true);
+  const GemmKernel chosen = choose_kernels({plan.S, plan.E, d, n}).up;
+  const GatherPath path = detail::resolve_gather_path(fn, kernel, plan.E, chosen,
+                                                      /*has_ping_pong=*/true);
   if (path == GatherPath::cooperative) return detail::up_proj_ws(plan, x, w1, h, a, d, n, act, stream);
   if (path == GatherPath::ping_pong) return detail::up_proj_pp(plan, x, w1, h, a, d, n, act, stream);
   const bool gated = is_gated(act);
@@ -74,7 +61,7 @@ void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h
   p.gate_split = gated ? static_cast<int>(n) : 0;
   sm90::ActParams ep{reinterpret_cast<__nv_bfloat16*>(h),
                      reinterpret_cast<__nv_bfloat16*>(a), static_cast<int>(n), act};
-  if (tma_weights())
+  if (chosen.b_by_tma || chosen.family != KernelFamily::two_cta)
     sm90::launch_varlen_m<sm90::GMajor::K, sm90::ActEpilogue, true>(p, ep, plan.S, stream);
   else
     sm90::launch_varlen_m<sm90::GMajor::K, sm90::ActEpilogue, false>(p, ep, plan.S, stream);

@@ -5,7 +5,11 @@
 
 namespace moeblaze::cuda::gemm::detail {
 
-bool ws_gather_supports(int64_t E) { return E >= 1 && E <= sm90::ws::kMaxExperts; }
+static_assert(sm90::ws::kMaxExperts == kWsMaxExperts, "kernel_config.hpp's constant");
+static_assert(sm90::ws::Cooperative::kStages == kWsCooperativeStages, "kernel_config.hpp");
+static_assert(sm90::ws::PingPong::kStages == kWsPingPongStages, "kernel_config.hpp");
+
+bool ws_gather_supports(int64_t E) { return E >= 1 && E <= kWsMaxExperts; }
 
 void up_proj_ws(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
                 int64_t d, int64_t n, Activation act, cudaStream_t stream) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/gemm/kernel_config.hpp"
 
 namespace moeblaze::cuda::gemm::detail {
 
@@ -15,16 +16,13 @@ namespace moeblaze::cuda::gemm::detail {
 // shared memory: E <= 4096).
 bool ws_gather_supports(int64_t E);
 
-// The kernel a gathered GEMM runs: the caller's GatherKernel with `automatic` resolved to
-// `automatic_path`. Unsupported (naming fn and the rule) when a warp-specialised kernel is asked
-// for with E > 4096, or ping_pong where the GEMM has no such schedule (has_ping_pong false).
+// The kernel a gathered GEMM runs: the caller's GatherKernel with `automatic` resolved to the
+// chosen kernel (choose_kernels). Unsupported (naming fn and the rule) when a warp-specialised
+// kernel is asked for with E > 4096, or ping_pong where the GEMM has no such schedule.
 enum class GatherPath { two_cta, cooperative, ping_pong };
+GatherPath gather_path(const GemmKernel& k);
 GatherPath resolve_gather_path(const char* fn, GatherKernel kernel, int64_t E,
-                               GatherPath automatic_path, bool has_ping_pong);
-
-// The automatic choices of up_proj and dh_proj (grouped_gemm.hpp's rule).
-GatherPath up_proj_auto_path(int64_t E);
-GatherPath dh_proj_auto_path(int64_t E, int64_t d);
+                               const GemmKernel& chosen, bool has_ping_pong);
 
 // up_proj on the warp-specialised path (cooperative); same contract as up_proj.
 void up_proj_ws(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
@@ -46,19 +44,13 @@ void dh_proj_ws(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, 
 
 // dw2_proj / dw1_proj on the warp-specialised varlen-K kernel; same contracts (w1_rows = 2n for
 // gated activations, else n). dw1_proj_ws runs the 2-CTA-cluster variant (dw1_proj_ws_cluster,
-// its own file) where dw1_uses_clusters says so.
+// its own file) for cluster = 2 (the chosen GemmKernel's cluster).
 void dw2_proj_ws(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled, bf16* dw2,
                  int64_t d, int64_t n, cudaStream_t stream);
 void dw1_proj_ws(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
-                 int64_t d, int64_t w1_rows, cudaStream_t stream);
+                 int64_t d, int64_t w1_rows, int cluster, cudaStream_t stream);
 void dw1_proj_ws_cluster(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
                          int64_t d, int64_t w1_rows, cudaStream_t stream);
 
-// Whether dW1 runs with 2-CTA clusters sharing dh's stages by TMA multicast: where experts have
-// at least kDw1ClusterMinRowsPerExpert rows on average (measured: -1..-6 % there, +1 % on the
-// fine-grained configs; bench/NOTES.md). MOEBLAZE_GEMM_MC=1 / 0 forces it on / off (read at
-// every launch, so a test can run both in one process).
-constexpr int64_t kDw1ClusterMinRowsPerExpert = 4096;
-bool dw1_uses_clusters(int64_t S, int64_t E);
 
 }  // namespace moeblaze::cuda::gemm::detail

@@ -19,8 +19,6 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 
 #include "cuda/cuda_backend.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
@@ -73,7 +71,7 @@ gemm::GemmScratch take_scratch(Carver& c, int64_t S, int64_t E) {
   return {c.take<char>(static_cast<int64_t>(bytes)), bytes};
 }
 
-// -1: not decided yet (read MOEBLAZE_GEMM at first use).
+// -1: not set: the `impl` kernel override decides (kernel_config.hpp).
 std::atomic<int> g_gemm_impl{-1};
 
 int64_t w1_rows(const LayerConfig& cfg) { return cfg.w1_rows(); }
@@ -81,12 +79,8 @@ int64_t w1_rows(const LayerConfig& cfg) { return cfg.w1_rows(); }
 }  // namespace
 
 const GemmOps& gemm_ops() {
-  int impl = g_gemm_impl.load();
-  if (impl < 0) {
-    const char* env = std::getenv("MOEBLAZE_GEMM");
-    impl = (env && std::strcmp(env, "naive") == 0) ? int(GemmImpl::naive) : int(GemmImpl::sm90);
-    g_gemm_impl.store(impl);
-  }
+  const int impl = g_gemm_impl.load();
+  if (impl < 0) return gemm::kernel_overrides().naive ? kNaiveOps : kSm90Ops;
   return impl == int(GemmImpl::naive) ? kNaiveOps : kSm90Ops;
 }
 

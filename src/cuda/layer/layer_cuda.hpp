@@ -39,8 +39,8 @@ struct GemmOps {
 };
 
 enum class GemmImpl : uint8_t { sm90, naive };
-// The table in use (process-wide; sm90 unless set, or unless MOEBLAZE_GEMM=naive is in the
-// environment at the first call). Tests switch it to cross-check the two.
+// The table in use (process-wide): set_gemm_impl's choice, else the `impl` kernel override
+// (kernel_config.hpp; sm90 unless it says naive). Tests switch it to cross-check the two.
 const GemmOps& gemm_ops();
 void set_gemm_impl(GemmImpl impl);
 

@@ -1,0 +1,313 @@
+// choose_kernels: the measured rules (bench/NOTES.md) as one function of the shape, then the
+// overrides; and the one place that reads the environment (MOEBLAZE_KERNELS).
+#include "cuda/gemm/kernel_config.hpp"
+
+#include <cerrno>
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "moeblaze/error.hpp"
+
+namespace moeblaze::cuda::gemm {
+namespace {
+
+constexpr const char* kNames[LayerKernels::kCount] = {"up_proj",  "down_proj", "dh_proj",
+                                                      "dw2_proj", "dx_proj",   "dw1_proj"};
+constexpr const char* kShort[LayerKernels::kCount] = {"up", "down", "dh", "dw2", "dx", "dw1"};
+enum Gemm { kUp, kDown, kDh, kDw2, kDx, kDw1 };
+
+GemmKernel two_cta(const char* rule) {
+  GemmKernel k;
+  k.rule = rule;
+  return k;
+}
+GemmKernel ws_gather(KernelSchedule s, const char* rule) {
+  GemmKernel k;
+  k.family = KernelFamily::ws_gather;
+  k.schedule = s;
+  k.tile_n = s == KernelSchedule::cooperative ? 256 : 128;
+  k.stages = s == KernelSchedule::cooperative ? kWsCooperativeStages : kWsPingPongStages;
+  k.rule = rule;
+  return k;
+}
+GemmKernel ws_varlen_k(int cluster, const char* rule) {
+  GemmKernel k;
+  k.family = KernelFamily::ws_varlen_k;
+  k.schedule = KernelSchedule::cooperative;
+  k.tile_n = 256;
+  k.stages = kWsVarlenKStages;
+  k.cluster = cluster;
+  k.rule = rule;
+  return k;
+}
+GemmKernel tma_grouped(const char* rule) {
+  GemmKernel k;
+  k.family = KernelFamily::tma_grouped;
+  k.schedule = KernelSchedule::cooperative;
+  k.tile_n = 256;
+  k.stages = 0;
+  k.cluster = 2;
+  k.raster_group = 0;
+  k.rule = rule;
+  return k;
+}
+
+// The automatic choice (each rule measured on the H200; docs/ARCHITECTURE.md, "Kernel choice").
+LayerKernels automatic(const KernelShape& s) {
+  LayerKernels k;
+  const bool ws = s.E >= 1 && s.E <= kWsMaxExperts;
+  const bool tma = s.E > 0 && s.S >= s.E * kTmaMinRowsPerExpert;
+  k.up = ws ? ws_gather(KernelSchedule::cooperative,
+                        "E <= 4096: cooperative leads or is within 2 % of ping-pong at every d")
+            : two_cta("E > 4096: beyond the gather kernel's expert table");
+  if (!ws) k.up.b_by_tma = true;
+  if (!ws)
+    k.dh = two_cta("E > 4096: beyond the gather kernel's expert table");
+  else if (s.d < kWsDhMinD)
+    k.dh = two_cta("d < 2048: the gather kernels' dH epilogue is not amortised");
+  else if (s.d < kWsDhCoopMinD)
+    k.dh = ws_gather(KernelSchedule::ping_pong, "2048 <= d < 4096: ping-pong ahead");
+  else
+    k.dh = ws_gather(KernelSchedule::cooperative, "d >= 4096: cooperative ahead");
+  k.down = tma ? tma_grouped("S >= 128 E rows: the TMA path wins down to 128 rows per expert")
+               : two_cta("S < 128 E rows: the TMA path's tiles would be mostly tails");
+  k.dx = k.down;
+  if (!ws) {
+    k.dw2 = k.dw1 = two_cta("E > 4096: the 2-CTA varlen-K kernel, as measured");
+  } else {
+    k.dw2 = ws_varlen_k(1, "warp-specialised varlen-K at every shape measured");
+    k.dw1 = s.S >= s.E * kDw1ClusterMinRowsPerExpert
+                ? ws_varlen_k(2, "S >= 4096 E rows: 2-CTA clusters share dh by TMA multicast")
+                : ws_varlen_k(1, "S < 4096 E rows: clusters measured no gain");
+  }
+  return k;
+}
+
+void apply(const char* name, const GemmOverride& o, bool gathered, const KernelShape& s,
+           GemmKernel& k) {
+  const bool varlen_k = std::string(name) == "dw2_proj" || std::string(name) == "dw1_proj";
+  if (o.family) {
+    const KernelFamily f = *o.family;
+    MOEBLAZE_UNSUPPORTED_IF(f == KernelFamily::tma_grouped && gathered, "kernel override ", name,
+                            ".family=tma: a gathered operand cannot come by TMA");
+    MOEBLAZE_UNSUPPORTED_IF(f != KernelFamily::two_cta && f != KernelFamily::tma_grouped &&
+                                !gathered,
+                            "kernel override ", name, ".family=ws: ", name,
+                            " has no warp-specialised kernel (two_cta or tma)");
+    if (f == KernelFamily::two_cta) {
+      k = two_cta("override");
+      k.b_by_tma = std::string(name) == "up_proj";
+    } else if (f == KernelFamily::tma_grouped) {
+      k = tma_grouped("override");
+    } else if (varlen_k) {
+      k = ws_varlen_k(1, "override");
+    } else {
+      MOEBLAZE_UNSUPPORTED_IF(s.E > kWsMaxExperts, "kernel override ", name,
+                              ".family=ws: the warp-specialised gather kernel takes E <= 4096 "
+                              "experts (got ", s.E, ")");
+      k = ws_gather(KernelSchedule::cooperative, "override");
+    }
+  }
+  if (o.schedule) {
+    MOEBLAZE_UNSUPPORTED_IF(k.family != KernelFamily::ws_gather, "kernel override ", name,
+                            ".schedule: only the ws_gather family (up_proj, dh_proj) has "
+                            "schedules; ", name, " runs ", family_name(k.family));
+    k = ws_gather(*o.schedule, "override");
+  }
+  if (o.cluster) {
+    MOEBLAZE_UNSUPPORTED_IF(std::string(name) != "dw1_proj" ||
+                                k.family != KernelFamily::ws_varlen_k,
+                            "kernel override ", name, ".cluster: only dw1_proj on ws_varlen_k "
+                            "runs on clusters");
+    k.cluster = *o.cluster;
+    k.rule = "override";
+  }
+  if (o.b_by_tma) {
+    MOEBLAZE_UNSUPPORTED_IF(std::string(name) != "up_proj" || k.family != KernelFamily::two_cta,
+                            "kernel override ", name, ".b_tma: only up_proj on two_cta has it");
+    k.b_by_tma = *o.b_by_tma;
+    k.rule = "override";
+  }
+}
+
+int parse_int(const std::string& item, const std::string& v, long lo, long hi) {
+  char* end = nullptr;
+  errno = 0;
+  const long x = std::strtol(v.c_str(), &end, 10);
+  MOEBLAZE_REQUIRE(!v.empty() && errno == 0 && *end == '\0' && x >= lo && x <= hi,
+                   "kernel override '", item, "': the value must be an integer in [", lo, ", ",
+                   hi, "]");
+  return static_cast<int>(x);
+}
+
+std::mutex g_mutex;
+bool g_set = false;            // set_kernel_overrides was called
+bool g_env_read = false;       // MOEBLAZE_KERNELS was parsed into g_env
+KernelOverrides g_overrides;   // set_kernel_overrides' value
+KernelOverrides g_env;         // MOEBLAZE_KERNELS
+
+}  // namespace
+
+const char* LayerKernels::name(int i) { return kNames[i]; }
+const GemmKernel& LayerKernels::at(int i) const {
+  const GemmKernel* all[kCount] = {&up, &down, &dh, &dw2, &dx, &dw1};
+  return *all[i];
+}
+GemmKernel& LayerKernels::at(int i) {
+  return const_cast<GemmKernel&>(static_cast<const LayerKernels&>(*this).at(i));
+}
+bool LayerKernels::operator==(const LayerKernels& o) const {
+  for (int i = 0; i < kCount; ++i)
+    if (at(i) != o.at(i)) return false;
+  return true;
+}
+
+const char* family_name(KernelFamily f) {
+  switch (f) {
+    case KernelFamily::two_cta: return "two_cta";
+    case KernelFamily::ws_gather: return "ws_gather";
+    case KernelFamily::ws_varlen_k: return "ws_varlen_k";
+    case KernelFamily::tma_grouped: return "tma_grouped";
+  }
+  return "?";
+}
+
+const char* schedule_name(KernelSchedule s) {
+  switch (s) {
+    case KernelSchedule::all_threads: return "all_threads";
+    case KernelSchedule::cooperative: return "cooperative";
+    case KernelSchedule::ping_pong: return "ping_pong";
+  }
+  return "?";
+}
+
+std::string describe(const GemmKernel& k) {
+  std::ostringstream s;
+  s << family_name(k.family) << " " << schedule_name(k.schedule) << " " << k.tile_m << "x"
+    << k.tile_n << "x" << k.tile_k << " stages=" << (k.stages ? std::to_string(k.stages) : "auto")
+    << " cluster=" << k.cluster;
+  if (k.family == KernelFamily::tma_grouped)
+    s << " order=" << (k.tma_along_n ? "n" : "m") << " swizzle=" << k.tma_swizzle;
+  else
+    s << " raster=" << k.raster_group;
+  if (k.family == KernelFamily::two_cta && k.b_by_tma) s << " b_tma";
+  return s.str();
+}
+
+KernelOverrides parse_kernel_overrides(const std::string& spec) {
+  KernelOverrides o;
+  o.spec = spec;
+  std::stringstream items(spec);
+  std::string item;
+  while (std::getline(items, item, ',')) {
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    MOEBLAZE_REQUIRE(eq != std::string::npos && eq > 0, "kernel override '", item,
+                     "': expected key=value");
+    const std::string key = item.substr(0, eq), v = item.substr(eq + 1);
+    if (key == "raster") {
+      o.raster_group = parse_int(item, v, 1, 65536);
+      continue;
+    }
+    if (key == "tma.order") {
+      MOEBLAZE_REQUIRE(v == "m" || v == "n", "kernel override '", item, "': m or n");
+      o.tma_along_n = v == "n";
+      continue;
+    }
+    if (key == "tma.swizzle") {
+      const int z = parse_int(item, v, 1, 8);
+      MOEBLAZE_REQUIRE(z == 1 || z == 2 || z == 4 || z == 8, "kernel override '", item,
+                       "': 1, 2, 4 or 8");
+      o.tma_swizzle = z;
+      continue;
+    }
+    if (key == "impl") {
+      MOEBLAZE_REQUIRE(v == "sm90" || v == "naive", "kernel override '", item,
+                       "': sm90 or naive");
+      o.naive = v == "naive";
+      continue;
+    }
+    const size_t dot = key.find('.');
+    int g = -1;
+    for (int i = 0; i < LayerKernels::kCount && dot != std::string::npos; ++i)
+      if (key.compare(0, dot, kShort[i]) == 0 && dot == std::string(kShort[i]).size()) g = i;
+    MOEBLAZE_REQUIRE(g >= 0, "kernel override '", item, "': unknown key '", key,
+                     "' (<gemm>.family|schedule|cluster|b_tma with <gemm> one of up, down, dh, "
+                     "dw2, dx, dw1; raster; tma.order; tma.swizzle; impl)");
+    const std::string field = key.substr(dot + 1);
+    GemmOverride& go = o.gemm[g];
+    if (field == "family") {
+      MOEBLAZE_REQUIRE(v == "two_cta" || v == "ws" || v == "tma", "kernel override '", item,
+                       "': two_cta, ws or tma");
+      go.family = v == "two_cta" ? KernelFamily::two_cta
+                  : v == "tma"   ? KernelFamily::tma_grouped
+                  : (g == kDw2 || g == kDw1) ? KernelFamily::ws_varlen_k
+                                             : KernelFamily::ws_gather;
+    } else if (field == "schedule") {
+      MOEBLAZE_REQUIRE(v == "cooperative" || v == "pingpong", "kernel override '", item,
+                       "': cooperative or pingpong");
+      go.schedule = v == "pingpong" ? KernelSchedule::ping_pong : KernelSchedule::cooperative;
+    } else if (field == "cluster") {
+      const int c = parse_int(item, v, 1, 2);
+      go.cluster = c;
+    } else if (field == "b_tma") {
+      go.b_by_tma = parse_int(item, v, 0, 1) == 1;
+    } else {
+      MOEBLAZE_REQUIRE(false, "kernel override '", item, "': unknown field '", field,
+                       "' (family, schedule, cluster, b_tma)");
+    }
+  }
+  return o;
+}
+
+KernelOverrides kernel_overrides() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (g_set) return g_overrides;
+  if (!g_env_read) {
+    const char* env = std::getenv("MOEBLAZE_KERNELS");
+    try {
+      g_env = parse_kernel_overrides(env ? env : "");
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(std::string("MOEBLAZE_KERNELS: ") + e.what());
+    }
+    g_env_read = true;
+  }
+  return g_env;
+}
+
+void set_kernel_overrides(const KernelOverrides& o) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_overrides = o;
+  g_set = true;
+}
+
+void clear_kernel_overrides() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_set = false;
+}
+
+LayerKernels choose_kernels(const KernelShape& shape, const KernelOverrides& o) {
+  LayerKernels k = automatic(shape);
+  const bool gathered[LayerKernels::kCount] = {true, false, true, true, false, true};
+  for (int i = 0; i < LayerKernels::kCount; ++i)
+    apply(kNames[i], o.gemm[i], gathered[i], shape, k.at(i));
+  for (int i = 0; i < LayerKernels::kCount; ++i) {
+    GemmKernel& g = k.at(i);
+    if (g.family == KernelFamily::tma_grouped) {
+      if (o.tma_along_n) g.tma_along_n = *o.tma_along_n;
+      if (o.tma_swizzle) g.tma_swizzle = *o.tma_swizzle;
+    } else if (o.raster_group) {
+      g.raster_group = *o.raster_group;
+    }
+  }
+  return k;
+}
+
+LayerKernels choose_kernels(const KernelShape& shape) {
+  return choose_kernels(shape, kernel_overrides());
+}
+
+}  // namespace moeblaze::cuda::gemm

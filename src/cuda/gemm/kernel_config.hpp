@@ -1,0 +1,121 @@
+// Which kernel each of the layer's six grouped GEMMs runs, as a value: LayerKernels, made by one
+// function of the shape (choose_kernels), printed field by field (`moeblaze bench kernels`),
+// compared field by field in tests, and overridden through one hook (KernelOverrides in code, or
+// the MOEBLAZE_KERNELS environment variable, parsed once). The launchers of grouped_gemm.hpp read
+// their choice from here; nothing else reads the environment. Host-only: no CUDA headers, no GPU.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace moeblaze::cuda::gemm {
+
+// Kernel families (one file or header each, src/cuda/gemm/):
+enum class KernelFamily : uint8_t {
+  two_cta,      // sm90_varlen_m.cuh, dw_proj.cu: every thread loads and multiplies, 2 CTAs per SM
+  ws_gather,    // sm90_ws_gather.cuh: persistent, producer warpgroup (cp.async gather, weights by
+                //   TMA) feeding consumer warpgroups; up_proj and dh_proj, E <= kWsMaxExperts
+  ws_varlen_k,  // sm90_ws_varlen_k.cuh: persistent varlen-K (dW2, dW1), any E
+  tma_grouped,  // sm90_tma_grouped.cuh: CUTLASS pointer-array grouped GEMM, both operands by TMA
+                //   (down_proj, dx_proj: A contiguous per expert)
+};
+// How the consumers share the work of a persistent kernel (all_threads: not warp-specialised).
+enum class KernelSchedule : uint8_t { all_threads, cooperative, ping_pong };
+
+// Constants of the kernels (static_assert-ed against their device headers where those live).
+constexpr int kTwoCtaStages = 3;
+constexpr int kWsCooperativeStages = 4;
+constexpr int kWsPingPongStages = 6;
+constexpr int kWsVarlenKStages = 4;
+constexpr int64_t kWsMaxExperts = 4096;  // the gather kernel's per-CTA expert table
+constexpr int kDefaultRasterGroup = 16;   // CTA rasterization band (raster_tile)
+
+// The measured thresholds of the automatic rules (bench/NOTES.md, docs/ARCHITECTURE.md):
+constexpr int64_t kTmaMinRowsPerExpert = 128;          // down/dx on the TMA path from here
+constexpr int64_t kWsDhMinD = 2048;                    // dH on a gather kernel from here
+constexpr int64_t kWsDhCoopMinD = 4096;                // dH cooperative (not ping-pong) from here
+constexpr int64_t kDw1ClusterMinRowsPerExpert = 4096;  // dW1 on 2-CTA clusters from here
+
+struct GemmKernel {
+  KernelFamily family = KernelFamily::two_cta;
+  KernelSchedule schedule = KernelSchedule::all_threads;
+  int tile_m = 128, tile_n = 128, tile_k = 64;
+  int stages = kTwoCtaStages;  // shared-memory ring depth (0: CUTLASS's automatic count)
+  int cluster = 1;             // CTAs per cluster sharing an operand by TMA multicast
+  int raster_group = kDefaultRasterGroup;  // varlen kernels' CTA band height
+  bool b_by_tma = false;       // two_cta up_proj: w1 by TMA (else cp.async)
+  bool tma_along_n = true;     // tma_grouped: tile order walks N first ...
+  int tma_swizzle = 2;         // ... with this swizzle
+  const char* rule = "";       // why this kernel (printed; not part of the value)
+
+  bool operator==(const GemmKernel& o) const {
+    return family == o.family && schedule == o.schedule && tile_m == o.tile_m &&
+           tile_n == o.tile_n && tile_k == o.tile_k && stages == o.stages &&
+           cluster == o.cluster && raster_group == o.raster_group && b_by_tma == o.b_by_tma &&
+           tma_along_n == o.tma_along_n && tma_swizzle == o.tma_swizzle;
+  }
+  bool operator!=(const GemmKernel& o) const { return !(*this == o); }
+};
+
+// The six GEMMs in pipeline order (DESIGN's steps 1, 2, 4, 5, 6, 8).
+struct LayerKernels {
+  GemmKernel up, down, dh, dw2, dx, dw1;
+  static constexpr int kCount = 6;
+  static const char* name(int i);  // "up_proj", "down_proj", "dh_proj", "dw2_proj", ...
+  const GemmKernel& at(int i) const;
+  GemmKernel& at(int i);
+  bool operator==(const LayerKernels& o) const;
+};
+
+// The shape the choice depends on: S slots over E experts, hidden d, expert width n.
+struct KernelShape {
+  int64_t S = 0, E = 0, d = 0, n = 0;
+};
+
+// Overrides of the automatic choice. Spec (MOEBLAZE_KERNELS, or parse_kernel_overrides):
+// comma-separated key=value items, e.g. "dw1.cluster=2,dh.schedule=pingpong,down.family=two_cta".
+//   <gemm>.family    two_cta | ws | tma     (<gemm>: up down dh dw2 dx dw1; ws = the family's
+//                                            warp-specialised kernel: ws_gather or ws_varlen_k)
+//   <gemm>.schedule  cooperative | pingpong (up, dh on ws)
+//   dw1.cluster      1 | 2                   (dw1 on ws)
+//   up.b_tma         0 | 1                   (up on two_cta)
+//   raster           1..65536                (every varlen kernel's band height)
+//   tma.order        m | n,  tma.swizzle 1 | 2 | 4 | 8   (down, dx on tma)
+//   impl             sm90 | naive            (the layer's GEMMs on the naive oracle: tests)
+struct GemmOverride {
+  std::optional<KernelFamily> family;
+  std::optional<KernelSchedule> schedule;
+  std::optional<int> cluster;
+  std::optional<bool> b_by_tma;
+};
+struct KernelOverrides {
+  GemmOverride gemm[LayerKernels::kCount];  // in LayerKernels order
+  std::optional<int> raster_group;
+  std::optional<bool> tma_along_n;
+  std::optional<int> tma_swizzle;
+  bool naive = false;
+  std::string spec;  // the text it was parsed from ("" = none)
+};
+
+// Parses a spec; throws InvalidArgument naming the item and the rule.
+KernelOverrides parse_kernel_overrides(const std::string& spec);
+// The overrides in force: those set by set_kernel_overrides, else MOEBLAZE_KERNELS (read and
+// parsed on first use; a bad value throws InvalidArgument naming the variable).
+KernelOverrides kernel_overrides();
+// Process-wide, for tests and benchmarks (every path is reachable without setenv).
+void set_kernel_overrides(const KernelOverrides& o);
+void clear_kernel_overrides();  // back to MOEBLAZE_KERNELS / none
+
+// The kernels for a shape, overrides applied. Total and deterministic for every shape with
+// S >= 0, E >= 1, d, n >= 1. Throws Unsupported where an override asks for what a kernel cannot
+// take (e.g. ws_gather with E > kWsMaxExperts, ping_pong on a varlen-K GEMM).
+LayerKernels choose_kernels(const KernelShape& shape, const KernelOverrides& overrides);
+LayerKernels choose_kernels(const KernelShape& shape);  // with kernel_overrides()
+
+// Field by field, e.g. "ws_gather cooperative 128x256x64 stages=4 cluster=1 raster=16".
+std::string describe(const GemmKernel& k);
+const char* family_name(KernelFamily f);
+const char* schedule_name(KernelSchedule s);
+
+}  // namespace moeblaze::cuda::gemm
