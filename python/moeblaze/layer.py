@@ -88,9 +88,10 @@ def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, ac
 def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", recompute=False,
                 validate=None):
     """Functional MoE with caller-supplied routing: expert_ids (T, K) integer, expert_weights
-    (T, K) (gradients flow to them). x (T, d), w1 (E, rows, d), w2 (E, d, n), one dtype.
-    On the CPU a bad id raises ValueError naming it; on CUDA pass validate=True to check (a host
-    sync), otherwise a bad id gives garbage but never an out-of-bounds write."""
+    (T, K) (gradients flow to them). x (T, d), w1 (E, rows, d), w2 (E, d, n), one dtype, one
+    device. On the CPU a bad id (outside [0, E), of any integer dtype) raises ValueError naming
+    it; on CUDA pass validate=True to check (a host sync), otherwise a bad id gives garbage but
+    never an out-of-bounds write (and is never narrowed into a valid one)."""
     if expert_ids.dim() != 2 or expert_weights.shape != expert_ids.shape:
         raise ValueError(f"moeblaze: expert_ids and expert_weights must both be (T, K), got "
                          f"{tuple(expert_ids.shape)} and {tuple(expert_weights.shape)}")
@@ -98,9 +99,13 @@ def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", reco
     if x.dim() != 2 or x.shape[0] != T:
         raise ValueError(f"moeblaze: x must be (T, d) with T = {T} (rows of expert_ids), got "
                          f"{tuple(x.shape)}")
+    if w2.dim() != 3:
+        raise ValueError(f"moeblaze: w2 must be (E, d, n), got {tuple(w2.shape)}")
+    ops._one_device(x=x, w1=w1, w2=w2, expert_ids=expert_ids, expert_weights=expert_weights)
     offsets = torch.arange(0, T * K + 1, K, dtype=torch.int32, device=x.device) if K > 0 else \
         torch.zeros(T + 1, dtype=torch.int32, device=x.device)
-    experts = expert_ids.to(torch.int32).reshape(-1)
+    check_range = x.device.type == "cpu" or bool(validate)  # on CUDA a host sync: opt-in
+    experts = ops.expert_ids_int32(expert_ids, w2.shape[0], check_range).reshape(-1)
     weights = expert_weights.to(torch.float32).reshape(-1)
     return experts_from_routing(x, w1, w2, offsets, experts, weights, activation, recompute,
                                 validate=validate)

@@ -177,6 +177,26 @@ def _router_args(logits, bias, kind, top_k):
     return logits.contiguous(), bias, T, E, dev
 
 
+def expert_ids_int32(ids, num_experts, check_range, name="expert_ids"):
+    """Expert ids of any integer dtype as int32, never narrowed into a different valid id.
+    check_range=True compares them with [0, num_experts) here (ValueError naming the first bad
+    one; a host sync on CUDA, free on the CPU; skipped while tracing). Either way, ids outside
+    the range are replaced by num_experts before narrowing, so that they stay out of range (2**32
+    would wrap to expert 0) for the plan builder's own checks (the CPU's error, CUDA's flags)."""
+    _require(not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool),
+             f"{name} must have an integer dtype, got {ids.dtype} (ids are never rounded)")
+    if check_range and not _tracing() and ids.numel() > 0:  # tracing: no values to check
+        bad = ((ids < 0) | (ids >= num_experts)).nonzero()
+        if bad.shape[0]:
+            where = tuple(int(i) for i in bad[0])
+            raise ValueError(f"moeblaze: {name}[{', '.join(map(str, where))}]: expert id "
+                             f"{int(ids[where])} of token {where[0]} is out of range "
+                             f"[0, {num_experts})")
+    if torch.iinfo(ids.dtype).max > _INT32_MAX:  # int64, uint32, ...: a bad id stays bad
+        ids = ids.masked_fill((ids < 0) | (ids >= num_experts), num_experts)
+    return ids.to(_I32)
+
+
 # ---------------------------------------------------------------------------------------------
 # router
 # ---------------------------------------------------------------------------------------------

@@ -113,6 +113,19 @@ def test_meta_plan_array_and_logits_raise():
         ops.route(torch.randn(T, E, device="meta"), None, 0, K, False)
 
 
+def test_fake_tensors_outside_tracing_raise():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    real = _layer_inputs()
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in real]
+        out = moeblaze.moe_experts(*fake)  # inside the mode: shapes only, no kernel
+        assert out.shape == (T, D)
+    with pytest.raises(ValueError, match=r"fake tensor outside tracing"):
+        moeblaze.moe_experts(*fake)
+    with pytest.raises(ValueError, match=r"fake tensor"):
+        moeblaze.moe_experts(*real[:3], fake[3], real[4])
+
+
 def test_compile_fullgraph_still_traces(seed):
     x, w1, w2, ids, w = _layer_inputs()
     x.requires_grad_()
@@ -141,7 +154,26 @@ def test_router_bias_checked(bias, rule):
         ops.token_round(logits, bias, off, exp, w, 2, K, False, 4, 0, 0)
 
 
-# ---- item 9's Python part: integer arguments bounded (ctypes would wrap them) -----------------
+# ---- item 5 and item 9's Python part: ids never narrowed, integers bounded ----------------------
+def test_float_ids_rejected():
+    x, w1, w2, ids, w = _layer_inputs()
+    with pytest.raises(ValueError, match=r"expert_ids must have an integer dtype, got "
+                                         r"torch\.float32"):
+        moeblaze.moe_experts(x, w1, w2, ids.float() + 0.7, w)
+
+
+@pytest.mark.parametrize("bad", [2 ** 32, 2 ** 32 + 1, -1, E, -(2 ** 40)])
+def test_wide_ids_not_narrowed(bad):
+    x, w1, w2, ids, w = _layer_inputs()
+    ids[3, 1] = bad
+    with pytest.raises(ValueError, match=rf"expert_ids\[3, 1\]: expert id {bad} of token 3 is "
+                                         rf"out of range \[0, 4\)"):
+        moeblaze.moe_experts(x, w1, w2, ids, w)
+    # Without the range check (CUDA without validate=True) a bad id stays out of range.
+    narrowed = ops.expert_ids_int32(ids, E, check_range=False)
+    assert int(narrowed[3, 1]) not in range(E)
+
+
 @pytest.mark.parametrize("threads", [-1, 1025, 2 ** 31, 2 ** 32 + 1])
 def test_num_threads_bounded(threads):
     x, w1, w2, pw, plan = _plan_call()
