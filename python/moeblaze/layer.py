@@ -41,27 +41,47 @@ def _router_code(router):
     return _lib.ROUTERS[r]
 
 
+# ATen runs an op on fewer elements than its GRAIN_SIZE (32768) on one thread: losses computed in
+# row blocks below it round the same way, forward and backward, whatever the thread count.
+_SERIAL_NUMEL = 32768
+
+
 def router_losses(logits, pair_experts, num_experts, router="softmax_topk", aux_loss_coef=0.0,
                   z_loss_coef=0.0):
     """The auxiliary losses of routing.hpp, in torch (autograd handles their gradients, whatever
     they are scaled by). f_e = (pairs routed to e) / P, P_e = mean_t q_t,e with q = softmax(logits)
-    (normalised sigmoid for sigmoid_bias). No host sync."""
+    (normalised sigmoid for sigmoid_bias). No host sync. Deterministic on the CPU: the same bits,
+    values and gradients, for every thread count (row blocks that ATen runs serially, summed in a
+    fixed order; a single torch op over all T rows splits its work, and its roundings, by thread
+    count). The router's linear layer itself is an MKL GEMM: bitwise stable across thread counts
+    only when E and d are multiples of the SIMD width (16 floats on AVX-512)."""
     zero = logits.new_zeros((), dtype=torch.float32)
     aux = z = zero
     logits = logits.float()
-    if aux_loss_coef > 0 and logits.shape[0] > 0:
+    T, E = logits.shape
+    if T == 0 or (aux_loss_coef <= 0 and z_loss_coef <= 0):
+        return RouterLosses(aux, z)
+    rows = T if logits.is_cuda else max(1, (_SERIAL_NUMEL - 1) // max(E, 1))
+    q_sum = lse2_sum = 0
+    for blk in logits.split(rows):  # in order: the sums below are a fixed sequence of additions
+        if aux_loss_coef > 0:
+            if router.replace("-", "_") == "sigmoid_bias":
+                s = torch.sigmoid(blk)
+                q = s / s.sum(-1, keepdim=True)
+            else:
+                q = torch.softmax(blk, dim=-1)
+            q_sum = q_sum + q.sum(0)
+        if z_loss_coef > 0:
+            lse2_sum = lse2_sum + torch.logsumexp(blk, dim=-1).square().sum()
+    if aux_loss_coef > 0:
         e = pair_experts.reshape(-1).long()
+        # Integer counts in float32: exact, so the same in any order of addition.
         counts = torch.zeros(num_experts, device=logits.device).scatter_add_(
             0, e, torch.ones_like(e, dtype=torch.float32))
         f = counts / max(e.numel(), 1)
-        if router.replace("-", "_") == "sigmoid_bias":
-            s = torch.sigmoid(logits)
-            q = s / s.sum(-1, keepdim=True)
-        else:
-            q = torch.softmax(logits, dim=-1)
-        aux = aux_loss_coef * num_experts * (f * q.mean(0)).sum()
-    if z_loss_coef > 0 and logits.shape[0] > 0:
-        z = z_loss_coef * torch.logsumexp(logits, dim=-1).square().mean()
+        aux = aux_loss_coef * num_experts * (f * (q_sum / T)).sum()
+    if z_loss_coef > 0:
+        z = z_loss_coef * (lse2_sum / T)
     return RouterLosses(aux, z)
 
 

@@ -6,6 +6,7 @@ import torch
 
 import moeblaze
 from moeblaze import ops
+from moeblaze.layer import router_losses
 
 T, D, N, E, K = 6, 16, 8, 4, 2
 
@@ -197,3 +198,51 @@ def test_activation_code_range():
     x, w1, w2, pw, plan = _plan_call()
     with pytest.raises(ValueError, match=r"activation \(6\) must be one of the codes"):
         ops.experts_forward(x, w1, w2[:, :, :N], pw, *plan, 6, False, 0)
+
+
+# ---- item 10: the auxiliary losses are the same bits for every thread count --------------------
+def _with_threads(n, fn):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("rows,experts,router", [(3001, 32, "sigmoid_bias"),
+                                                 (9999, 16, "sigmoid_bias"),
+                                                 (40001, 8, "softmax_topk")])
+def test_router_losses_thread_count_invariant(rows, experts, router):
+    # Inputs on which the old single-op losses rounded differently on 1 and 2 threads: sigmoid's
+    # backward (the gradient of the first two) and the mean over T (z_loss of the third).
+    gen = torch.Generator().manual_seed(rows + experts)
+    logits = torch.randn(rows, experts, generator=gen) * 3
+    ids = torch.randint(0, experts, (2 * rows,), generator=gen, dtype=torch.int32)
+
+    def run():
+        lg = logits.clone().requires_grad_()
+        losses = router_losses(lg, ids, experts, router, 0.01, 0.001)
+        losses.total.backward()
+        return losses.aux_loss.detach(), losses.z_loss.detach(), lg.grad
+
+    for a, b in zip(_with_threads(1, run), _with_threads(2, run)):
+        assert torch.equal(a, b)
+
+
+def test_moe_grads_thread_count_invariant_with_losses():
+    # E and d multiples of 16: the router's own GEMM (MKL) is then thread-count invariant too.
+    # The old losses gave a different x.grad on 1 and 2 threads here (seed 0).
+    def run():
+        torch.manual_seed(0)
+        moe = moeblaze.MoE(16, 16, 16, 2, router="sigmoid_bias", aux_loss_coef=0.01,
+                           z_loss_coef=0.001, dtype=torch.float32)
+        with torch.no_grad():
+            moe.gate.weight.mul_(3)
+        x = torch.randn(9999, 16, requires_grad=True)
+        out, losses = moe(x)
+        (0 * out.sum() + losses.total).backward()
+        return x.grad, moe.gate.weight.grad, losses.aux_loss.detach(), losses.z_loss.detach()
+
+    for a, b in zip(_with_threads(1, run), _with_threads(2, run)):
+        assert torch.equal(a, b)
