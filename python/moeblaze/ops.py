@@ -285,7 +285,7 @@ def token_round(logits: Tensor, bias: Optional[Tensor], pair_offsets: Tensor, pa
     logits, bias, T, E, dev = _router_args(logits, bias, kind, top_k)
     _int("m_tile", m_tile, 1, _INT32_MAX)
     _code("mode", mode, _lib.ROUNDINGS)
-    _int("seed", seed, 0, (1 << 64) - 1)
+    _int("seed", seed, 0, (1 << 63) - 1)  # the schema's int is int64: larger never gets here
     cfg = _lib.RouterCfg(kind, top_k, int(renormalize))
     topk = _routing_struct(T, E, pair_offsets, pair_experts, pair_weights, dev)
     handle, P = ctypes.c_void_p(), ctypes.c_int64()
