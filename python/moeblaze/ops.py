@@ -172,6 +172,8 @@ def _router_args(logits, bias, kind, top_k):
     T, E = logits.shape
     _code("kind", kind, _lib.ROUTERS)
     _int("top_k", top_k, 1, max(E, 1))
+    _require(T * top_k <= _INT32_MAX, f"T*top_k ({T * top_k}) exceeds the int32 index range of "
+             "a routing")
     if bias is not None:
         bias = _arg("bias", bias, torch.float32, (E,), dev)
     return logits.contiguous(), bias, T, E, dev

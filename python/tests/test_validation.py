@@ -185,6 +185,9 @@ def test_num_threads_bounded(threads):
 @pytest.mark.parametrize("call,rule", [
     (lambda L: ops.route(L, None, 7, K, False), r"kind \(7\) must be one of"),
     (lambda L: ops.route(L, None, 0, 2 ** 32 + 1, False), r"top_k \(4294967297\) must be in"),
+    # Checked before anything is allocated (the expanded logits are never copied).
+    (lambda L: ops.route(torch.zeros(1, 4096).expand(2 ** 20, 4096), None, 0, 4096, False),
+     r"T\*top_k \(4294967296\) exceeds the int32 index range"),
     (lambda L: ops.token_round(L, None, *ops.route(L, None, 0, K, False)[:3], 0, K, False, 4, 9,
                                0), r"mode \(9\) must be one of"),
     (lambda L: ops.token_round(L, None, *ops.route(L, None, 0, K, False)[:3], 0, K, False, 4, 0,
