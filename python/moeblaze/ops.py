@@ -79,7 +79,7 @@ def _int(name, v, lo, hi):
 
 def _code(name, v, table):
     """v, one of the enum codes of table (a dict name -> code of _lib)."""
-    _require(isinstance(v, int) and v in table.values(),
+    _require(isinstance(v, int) and not isinstance(v, bool) and v in table.values(),
              f"{name} ({v!r}) must be one of the codes {sorted(table.values())} "
              f"({', '.join(table)})")
     return v
@@ -182,9 +182,10 @@ def _router_args(logits, bias, kind, top_k):
 def expert_ids_int32(ids, num_experts, check_range, name="expert_ids"):
     """Expert ids of any integer dtype as int32, never narrowed into a different valid id.
     check_range=True compares them with [0, num_experts) here (ValueError naming the first bad
-    one; a host sync on CUDA, free on the CPU; skipped while tracing). Either way, ids outside
-    the range are replaced by num_experts before narrowing, so that they stay out of range (2**32
-    would wrap to expert 0) for the plan builder's own checks (the CPU's error, CUDA's flags)."""
+    one; a host sync on CUDA, free on the CPU; skipped while tracing). Either way, ids of a
+    dtype wider than int32 that are out of range become num_experts before narrowing, so that
+    they stay out of range (2**32 would wrap to expert 0) for the plan builder's own checks (the
+    CPU's error, CUDA's device flags)."""
     _require(not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool),
              f"{name} must have an integer dtype, got {ids.dtype} (ids are never rounded)")
     if check_range and not _tracing() and ids.numel() > 0:  # tracing: no values to check
