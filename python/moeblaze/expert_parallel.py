@@ -30,7 +30,7 @@ import math
 import torch
 from torch import nn
 
-from . import _lib
+from . import _lib, ops
 from .layer import (MoE, _activation_code, _init_moe_module, experts_from_routing,
                     router_losses)
 
@@ -284,9 +284,16 @@ def ep_moe_experts(x, w1, w2, expert_ids, expert_weights, num_experts, group=Non
     T, K = expert_ids.shape
     offsets = torch.arange(0, T * K + 1, max(K, 1), dtype=torch.int32, device=x.device) \
         if K > 0 else torch.zeros(T + 1, dtype=torch.int32, device=x.device)
-    return ep_experts_from_routing(x, w1, w2, offsets, expert_ids.to(torch.int32).reshape(-1),
+    # No range check here (a rank raising alone would leave the others in a collective): a bad
+    # id stays out of range when narrowed, and ep_experts_from_routing agrees on the error.
+    err, ids = None, expert_ids
+    try:
+        ids = ops.expert_ids_int32(expert_ids, num_experts, check_range=False)
+    except ValueError as e:
+        err = e
+    return ep_experts_from_routing(x, w1, w2, offsets, ids.reshape(-1),
                                    expert_weights.to(torch.float32).reshape(-1), num_experts,
-                                   group, activation, recompute)
+                                   group, activation, recompute, _local_error=err)
 
 
 class ExpertParallelMoE(nn.Module):

@@ -41,27 +41,47 @@ def _router_code(router):
     return _lib.ROUTERS[r]
 
 
+# ATen runs an op on fewer elements than its GRAIN_SIZE (32768) on one thread: losses computed in
+# row blocks below it round the same way, forward and backward, whatever the thread count.
+_SERIAL_NUMEL = 32768
+
+
 def router_losses(logits, pair_experts, num_experts, router="softmax_topk", aux_loss_coef=0.0,
                   z_loss_coef=0.0):
     """The auxiliary losses of routing.hpp, in torch (autograd handles their gradients, whatever
     they are scaled by). f_e = (pairs routed to e) / P, P_e = mean_t q_t,e with q = softmax(logits)
-    (normalised sigmoid for sigmoid_bias). No host sync."""
+    (normalised sigmoid for sigmoid_bias). No host sync. Deterministic on the CPU: the same bits,
+    values and gradients, for every thread count (row blocks that ATen runs serially, summed in a
+    fixed order; a single torch op over all T rows splits its work, and its roundings, by thread
+    count). The router's linear layer itself is an MKL GEMM: bitwise stable across thread counts
+    only when E and d are multiples of the SIMD width (16 floats on AVX-512)."""
     zero = logits.new_zeros((), dtype=torch.float32)
     aux = z = zero
     logits = logits.float()
-    if aux_loss_coef > 0 and logits.shape[0] > 0:
+    T, E = logits.shape
+    if T == 0 or (aux_loss_coef <= 0 and z_loss_coef <= 0):
+        return RouterLosses(aux, z)
+    rows = T if logits.is_cuda else max(1, (_SERIAL_NUMEL - 1) // max(E, 1))
+    q_sum = lse2_sum = 0
+    for blk in logits.split(rows):  # in order: the sums below are a fixed sequence of additions
+        if aux_loss_coef > 0:
+            if router.replace("-", "_") == "sigmoid_bias":
+                s = torch.sigmoid(blk)
+                q = s / s.sum(-1, keepdim=True)
+            else:
+                q = torch.softmax(blk, dim=-1)
+            q_sum = q_sum + q.sum(0)
+        if z_loss_coef > 0:
+            lse2_sum = lse2_sum + torch.logsumexp(blk, dim=-1).square().sum()
+    if aux_loss_coef > 0:
         e = pair_experts.reshape(-1).long()
+        # Integer counts in float32: exact, so the same in any order of addition.
         counts = torch.zeros(num_experts, device=logits.device).scatter_add_(
             0, e, torch.ones_like(e, dtype=torch.float32))
         f = counts / max(e.numel(), 1)
-        if router.replace("-", "_") == "sigmoid_bias":
-            s = torch.sigmoid(logits)
-            q = s / s.sum(-1, keepdim=True)
-        else:
-            q = torch.softmax(logits, dim=-1)
-        aux = aux_loss_coef * num_experts * (f * q.mean(0)).sum()
-    if z_loss_coef > 0 and logits.shape[0] > 0:
-        z = z_loss_coef * torch.logsumexp(logits, dim=-1).square().mean()
+        aux = aux_loss_coef * num_experts * (f * (q_sum / T)).sum()
+    if z_loss_coef > 0:
+        z = z_loss_coef * (lse2_sum / T)
     return RouterLosses(aux, z)
 
 
@@ -88,14 +108,18 @@ def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, ac
 _OFFSETS_CACHE = {}
 
 
-def _fixed_k_offsets(T, K, device):
-    """pair_offsets (T+1,) int32 of a routing with K pairs per token: 0, K, 2K, ... Cached per
-    (T, K, device) outside tracing, since training calls it with the same shape every step."""
+def _fixed_k_offsets(T, K, like):
+    """pair_offsets (T+1,) int32 of a routing with K pairs per token: 0, K, 2K, ... on `like`'s
+    device. Cached per (T, K, device) for real tensors outside tracing, since training calls it
+    with the same shape every step (fake, functional and meta tensors get a fresh one)."""
+    device = like.device
+
     def make():
         if K == 0:
             return torch.zeros(T + 1, dtype=torch.int32, device=device)
         return torch.arange(0, T * K + 1, K, dtype=torch.int32, device=device)
-    if torch.compiler.is_compiling() or T * K >= 2**31:
+    if (torch.compiler.is_compiling() or type(like) is not torch.Tensor or device.type == "meta"
+            or torch._guards.detect_fake_mode() is not None or T * K >= 2**31):
         return make()
     key = (T, K, device)
     t = _OFFSETS_CACHE.get(key)
@@ -109,9 +133,10 @@ def _fixed_k_offsets(T, K, device):
 def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", recompute=False,
                 validate=None):
     """Functional MoE with caller-supplied routing: expert_ids (T, K) integer, expert_weights
-    (T, K) (gradients flow to them). x (T, d), w1 (E, rows, d), w2 (E, d, n), one dtype.
-    On the CPU a bad id raises ValueError naming it; on CUDA pass validate=True to check (a host
-    sync), otherwise a bad id gives garbage but never an out-of-bounds write."""
+    (T, K) (gradients flow to them). x (T, d), w1 (E, rows, d), w2 (E, d, n), one dtype, one
+    device. On the CPU a bad id (outside [0, E), of any integer dtype) raises ValueError naming
+    it; on CUDA pass validate=True to check (a host sync), otherwise a bad id gives garbage but
+    never an out-of-bounds write (and is never narrowed into a valid one)."""
     if expert_ids.dim() != 2 or expert_weights.shape != expert_ids.shape:
         raise ValueError(f"moeblaze: expert_ids and expert_weights must both be (T, K), got "
                          f"{tuple(expert_ids.shape)} and {tuple(expert_weights.shape)}")
@@ -119,8 +144,12 @@ def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", reco
     if x.dim() != 2 or x.shape[0] != T:
         raise ValueError(f"moeblaze: x must be (T, d) with T = {T} (rows of expert_ids), got "
                          f"{tuple(x.shape)}")
-    offsets = _fixed_k_offsets(T, K, x.device)
-    experts = expert_ids.to(torch.int32).reshape(-1)
+    if w2.dim() != 3:
+        raise ValueError(f"moeblaze: w2 must be (E, d, n), got {tuple(w2.shape)}")
+    ops._one_device(x=x, w1=w1, w2=w2, expert_ids=expert_ids, expert_weights=expert_weights)
+    offsets = _fixed_k_offsets(T, K, x)
+    check_range = x.device.type == "cpu" or bool(validate)  # on CUDA a host sync: opt-in
+    experts = ops.expert_ids_int32(expert_ids, w2.shape[0], check_range).reshape(-1)
     weights = expert_weights.to(torch.float32).reshape(-1)
     return experts_from_routing(x, w1, w2, offsets, experts, weights, activation, recompute,
                                 validate=validate)

@@ -30,6 +30,7 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import _lib
 from ._lib import check, device_code, lib, ptr, stream_of
@@ -49,11 +50,12 @@ class _Null:
         return False
 
 
-def _float_code(t, name):
-    if t.dtype not in _lib.DTYPES:
-        raise ValueError(f"moeblaze: {name} has dtype {t.dtype}; expected torch.float32 or "
-                         "torch.bfloat16")
-    return _lib.DTYPES[t.dtype]
+# ---------------------------------------------------------------------------------------------
+# argument checks, shared by every op: the C ABI takes raw pointers and trusts what it is told,
+# so each tensor's dtype, shape, device and layout, and each integer's range, is fixed here
+# ---------------------------------------------------------------------------------------------
+MAX_THREADS = 1024
+_INT32_MAX = (1 << 31) - 1
 
 
 def _require(cond, msg):
@@ -61,39 +63,142 @@ def _require(cond, msg):
         raise ValueError("moeblaze: " + msg)
 
 
-def _same_device(name, t, ref):
-    _require(t.device == ref.device, f"{name} is on {t.device} but {ref.device} was expected")
+def _float_code(t, name):
+    if t.dtype not in _lib.DTYPES:
+        raise ValueError(f"moeblaze: {name} has dtype {t.dtype}; expected torch.float32 or "
+                         "torch.bfloat16")
+    return _lib.DTYPES[t.dtype]
 
 
-def _routing_struct(T, E, offsets, experts, weights):
-    _require(offsets.numel() == T + 1 and offsets.dtype == _I32,
-             f"pair_offsets must be (T+1,) = ({T + 1},) int32, got {tuple(offsets.shape)} "
-             f"{offsets.dtype}")
-    _require(experts.dtype == _I32 and weights.dtype == torch.float32 and
-             weights.numel() == experts.numel(),
-             f"pair_experts (P,) int32 and pair_weights (P,) float32 must match, got "
-             f"{tuple(experts.shape)} {experts.dtype} and {tuple(weights.shape)} {weights.dtype}")
-    return _lib.Routing(T, E, experts.numel(), ptr(offsets), ptr(experts), ptr(weights))
+def _int(name, v, lo, hi):
+    """v as a Python int in [lo, hi]: ctypes would silently wrap a larger one (2**32 + 1 -> 1)."""
+    _require(isinstance(v, int) and not isinstance(v, bool),
+             f"{name} must be an int, got {type(v).__name__}")
+    _require(lo <= v <= hi, f"{name} ({v}) must be in [{lo}, {hi}]")
+    return v
 
 
-def _plan_struct(T, E, plan):
-    eto, eti, sw, tpo, tei, tim = plan
-    S = eti.numel()
-    _require(eto.numel() == E + 1 and tpo.numel() == T + 1,
-             f"plan arrays: expert_token_offsets has {eto.numel()} entries (E+1 = {E + 1}), "
-             f"token_pair_offsets {tpo.numel()} (T+1 = {T + 1})")
-    _require(sw.numel() == S and tei.numel() == S and tim.numel() == S,
-             "plan arrays: slot_weights, token_expert_indices and token_index_map must have S = "
-             f"{S} entries")
-    return _lib.Plan(T, E, eti.numel(), ptr(eto), ptr(eti), ptr(sw), ptr(tpo), ptr(tei), ptr(tim))
+def _code(name, v, table):
+    """v, one of the enum codes of table (a dict name -> code of _lib)."""
+    _require(isinstance(v, int) and not isinstance(v, bool) and v in table.values(),
+             f"{name} ({v!r}) must be one of the codes {sorted(table.values())} "
+             f"({', '.join(table)})")
+    return v
 
 
-def _check_router_inputs(logits, bias):
+def _tracing():
+    """Under torch.compile or a FakeTensorMode: fake tensors are what is expected there."""
+    return (torch.compiler.is_compiling() or
+            torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None)
+
+
+def _storage_device(name, t):
+    """t's device, where a real kernel can read t's data: not meta, not fake."""
+    _require(not isinstance(t, FakeTensor) and t.device.type in ("cpu", "cuda"),
+             f"{name} is a {'fake' if isinstance(t, FakeTensor) else t.device.type} tensor on "
+             f"{t.device}: moeblaze's kernels need data on cpu or cuda")
+    return t.device
+
+
+def _one_device(**tensors):
+    """The device every given tensor (None: absent) is on, else ValueError naming the first that
+    differs; meta tensors, and fake tensors mixed with real ones, are refused. The fake kernels
+    call it too: a meta input routes the whole op to its fake kernel, whose uninitialised
+    outputs must not pass for results (torch.compile traces with fake tensors, never meta)."""
+    dev = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        _require(t.device.type != "meta", f"{name} is on meta: moeblaze's ops compute values, "
+                 "so every tensor must be on cpu or cuda (torch.compile traces with fake tensors)")
+        _require(not isinstance(t, FakeTensor) or _tracing(),
+                 f"{name} is a fake tensor outside tracing (no FakeTensorMode active): it has no "
+                 "values to compute with")
+        if dev is None:
+            dev, fake, first = t.device, isinstance(t, FakeTensor), name
+        _require(t.device == dev, f"{name} is on {t.device} but {first} is on {dev}: every "
+                 "tensor of a call must be on one device")
+        _require(isinstance(t, FakeTensor) == fake, f"{name} and {first} mix a fake tensor with "
+                 "a real one: fake tensors only trace (torch.compile), all together")
+    return dev
+
+
+def _arg(name, t, dtype, shape, device):
+    """t checked for a C call and made contiguous (the C side reads dense arrays): exactly this
+    dtype, this shape (None: any extent), on `device`, real data. The result must stay
+    referenced until the C call returns (its pointer is all C gets)."""
+    _storage_device(name, t)
+    _require(t.dtype == dtype, f"{name} must have dtype {dtype}, got {t.dtype}")
+    _require(t.dim() == len(shape) and all(s is None or s == n for s, n in zip(shape, t.shape)),
+             f"{name} must have shape ({', '.join('*' if s is None else str(s) for s in shape)}"
+             f"{',' if len(shape) == 1 else ''}), got {tuple(t.shape)}")
+    _require(t.device == device, f"{name} is on {t.device} but the call's other tensors are on "
+             f"{device}")
+    return t.contiguous()
+
+
+def _struct(cls, tensors, *sizes):
+    """A ctypes struct of sizes and the tensors' pointers; it keeps the tensors alive with it."""
+    s = cls(*sizes, *(ptr(t) for t in tensors))
+    s._keep = tensors  # contiguous copies made by _arg live as long as the struct C reads
+    return s
+
+
+def _routing_struct(T, E, offsets, experts, weights, device):
+    offsets = _arg("pair_offsets", offsets, _I32, (T + 1,), device)
+    experts = _arg("pair_experts", experts, _I32, (None,), device)
+    P = experts.numel()
+    weights = _arg("pair_weights", weights, torch.float32, (P,), device)
+    return _struct(_lib.Routing, (offsets, experts, weights), T, E, P)
+
+
+_PLAN_NAMES = ("expert_token_offsets", "expert_token_indices", "slot_weights",
+               "token_pair_offsets", "token_expert_indices", "token_index_map")
+
+
+def _plan_struct(T, E, plan, device):
+    S = plan[1].numel()
+    shapes = ((E + 1,), (S,), (S,), (T + 1,), (S,), (S,))
+    dtypes = (_I32, _I32, torch.float32, _I32, _I32, _I32)
+    arrays = tuple(_arg(nm, t, dt, sh, device)
+                   for nm, t, dt, sh in zip(_PLAN_NAMES, plan, dtypes, shapes))
+    return _struct(_lib.Plan, arrays, T, E, S)
+
+
+def _router_args(logits, bias, kind, top_k):
+    """logits (T, E) float32/bf16 and bias (E,) float32 or None, contiguous, on one device."""
+    dev = _storage_device("logits", logits)
     _require(logits.dim() == 2, f"logits must be (T, E), got shape {tuple(logits.shape)}")
     _float_code(logits, "logits")
+    T, E = logits.shape
+    _code("kind", kind, _lib.ROUTERS)
+    _int("top_k", top_k, 1, max(E, 1))
+    _require(T * top_k <= _INT32_MAX, f"T*top_k ({T * top_k}) exceeds the int32 index range of "
+             "a routing")
     if bias is not None:
-        _require(bias.dtype == torch.float32, f"bias must be float32, got {bias.dtype}")
-        _same_device("bias", bias, logits)
+        bias = _arg("bias", bias, torch.float32, (E,), dev)
+    return logits.contiguous(), bias, T, E, dev
+
+
+def expert_ids_int32(ids, num_experts, check_range, name="expert_ids"):
+    """Expert ids of any integer dtype as int32, never narrowed into a different valid id.
+    check_range=True compares them with [0, num_experts) here (ValueError naming the first bad
+    one; a host sync on CUDA, free on the CPU; skipped while tracing). Either way, ids of a
+    dtype wider than int32 that are out of range become num_experts before narrowing, so that
+    they stay out of range (2**32 would wrap to expert 0) for the plan builder's own checks (the
+    CPU's error, CUDA's device flags)."""
+    _require(not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool),
+             f"{name} must have an integer dtype, got {ids.dtype} (ids are never rounded)")
+    if check_range and not _tracing() and ids.numel() > 0:  # tracing: no values to check
+        bad = ((ids < 0) | (ids >= num_experts)).nonzero()
+        if bad.shape[0]:
+            where = tuple(int(i) for i in bad[0])
+            raise ValueError(f"moeblaze: {name}[{', '.join(map(str, where))}]: expert id "
+                             f"{int(ids[where])} of token {where[0]} is out of range "
+                             f"[0, {num_experts})")
+    if torch.iinfo(ids.dtype).max > _INT32_MAX:  # int64, uint32, ...: a bad id stays bad
+        ids = ids.masked_fill((ids < 0) | (ids >= num_experts), num_experts)
+    return ids.to(_I32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,18 +207,14 @@ def _check_router_inputs(logits, bias):
 @torch.library.custom_op("moeblaze::route", mutates_args=())
 def route(logits: Tensor, bias: Optional[Tensor], kind: int, top_k: int,
           renormalize: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    _check_router_inputs(logits, bias)
-    logits = logits.contiguous()
-    bias = bias.contiguous() if bias is not None else None
-    T, E = logits.shape
-    dev = logits.device
-    P = T * top_k if top_k >= 1 else 0
+    logits, bias, T, E, dev = _router_args(logits, bias, kind, top_k)
+    P = T * top_k
     offsets = torch.empty(T + 1, dtype=_I32, device=dev)
     experts = torch.empty(P, dtype=_I32, device=dev)
     weights = torch.empty(P, dtype=torch.float32, device=dev)
     flags = torch.zeros(4, dtype=_I32, device=dev)
     cfg = _lib.RouterCfg(kind, top_k, int(renormalize))
-    out = _routing_struct(T, E, offsets, experts, weights)
+    out = _routing_struct(T, E, offsets, experts, weights, dev)
     with _device_guard(logits):
         check(lib().moeblaze_route(ctypes.byref(cfg), ptr(logits), _lib.DTYPES[logits.dtype], T, E,
                                    ptr(bias), device_code(logits), stream_of(logits),
@@ -123,6 +224,7 @@ def route(logits: Tensor, bias: Optional[Tensor], kind: int, top_k: int,
 
 @route.register_fake
 def _(logits, bias, kind, top_k, renormalize):
+    _one_device(logits=logits, bias=bias)
     T = logits.shape[0]
     P = T * top_k
     return (logits.new_empty(T + 1, dtype=_I32), logits.new_empty(P, dtype=_I32),
@@ -133,17 +235,16 @@ def _(logits, bias, kind, top_k, renormalize):
 def router_backward(logits: Tensor, bias: Optional[Tensor], pair_offsets: Tensor,
                     pair_experts: Tensor, pair_weights: Tensor, d_pair_weights: Tensor, kind: int,
                     top_k: int, renormalize: bool) -> Tensor:
-    _check_router_inputs(logits, bias)
-    logits = logits.contiguous()
-    T, E = logits.shape
-    d_pair_weights = d_pair_weights.to(torch.float32).contiguous()
-    _require(d_pair_weights.numel() == pair_experts.numel(),
-             f"d_pair_weights has {d_pair_weights.numel()} entries, the routing "
-             f"{pair_experts.numel()} pairs")
-    d_logits = torch.empty(T, E, dtype=torch.float32, device=logits.device)
-    flags = torch.zeros(4, dtype=_I32, device=logits.device)
+    logits, bias, T, E, dev = _router_args(logits, bias, kind, top_k)
+    r = _routing_struct(T, E, pair_offsets, pair_experts, pair_weights, dev)
+    # An upstream gradient: any float dtype autograd hands over, read as float32.
+    _require(d_pair_weights.is_floating_point(),
+             f"d_pair_weights must be floating point, got {d_pair_weights.dtype}")
+    d_pair_weights = _arg("d_pair_weights", d_pair_weights.to(torch.float32), torch.float32,
+                          (r.P,), dev)
+    d_logits = torch.empty(T, E, dtype=torch.float32, device=dev)
+    flags = torch.zeros(4, dtype=_I32, device=dev)
     cfg = _lib.RouterCfg(kind, top_k, int(renormalize))
-    r = _routing_struct(T, E, pair_offsets, pair_experts, pair_weights)
     with _device_guard(logits):
         check(lib().moeblaze_router_backward(
             ctypes.byref(cfg), ptr(logits), _lib.DTYPES[logits.dtype], T, E, ptr(bias),
@@ -155,6 +256,8 @@ def router_backward(logits: Tensor, bias: Optional[Tensor], pair_offsets: Tensor
 @router_backward.register_fake
 def _(logits, bias, pair_offsets, pair_experts, pair_weights, d_pair_weights, kind, top_k,
       renormalize):
+    _one_device(logits=logits, bias=bias, pair_offsets=pair_offsets, pair_experts=pair_experts,
+                pair_weights=pair_weights, d_pair_weights=d_pair_weights)
     return logits.new_empty(logits.shape, dtype=torch.float32)
 
 
@@ -183,12 +286,12 @@ route.register_autograd(_route_backward, setup_context=_route_setup)
 def token_round(logits: Tensor, bias: Optional[Tensor], pair_offsets: Tensor, pair_experts: Tensor,
                 pair_weights: Tensor, kind: int, top_k: int, renormalize: bool, m_tile: int,
                 mode: int, seed: int) -> Tuple[Tensor, Tensor, Tensor]:
-    _check_router_inputs(logits, bias)
-    logits = logits.contiguous()
-    T, E = logits.shape
-    dev = logits.device
+    logits, bias, T, E, dev = _router_args(logits, bias, kind, top_k)
+    _int("m_tile", m_tile, 1, _INT32_MAX)
+    _code("mode", mode, _lib.ROUNDINGS)
+    _int("seed", seed, 0, (1 << 63) - 1)  # the schema's int is int64: larger never gets here
     cfg = _lib.RouterCfg(kind, top_k, int(renormalize))
-    topk = _routing_struct(T, E, pair_offsets, pair_experts, pair_weights)
+    topk = _routing_struct(T, E, pair_offsets, pair_experts, pair_weights, dev)
     handle, P = ctypes.c_void_p(), ctypes.c_int64()
     with _device_guard(logits):
         check(lib().moeblaze_token_round(ctypes.byref(cfg), m_tile, mode, seed, ptr(logits),
@@ -199,7 +302,7 @@ def token_round(logits: Tensor, bias: Optional[Tensor], pair_offsets: Tensor, pa
         offsets = torch.empty(T + 1, dtype=_I32, device=dev)
         experts = torch.empty(P.value, dtype=_I32, device=dev)
         weights = torch.empty(P.value, dtype=torch.float32, device=dev)
-        out = _routing_struct(T, E, offsets, experts, weights)
+        out = _routing_struct(T, E, offsets, experts, weights, dev)
         check(lib().moeblaze_routing_take(handle, ctypes.byref(out), stream_of(logits)))
     return offsets, experts, weights
 
@@ -207,6 +310,8 @@ def token_round(logits: Tensor, bias: Optional[Tensor], pair_offsets: Tensor, pa
 @token_round.register_fake
 def _(logits, bias, pair_offsets, pair_experts, pair_weights, kind, top_k, renormalize, m_tile,
       mode, seed):
+    _one_device(logits=logits, bias=bias, pair_offsets=pair_offsets, pair_experts=pair_experts,
+                pair_weights=pair_weights)
     P = torch.library.get_ctx().new_dynamic_size()
     T = logits.shape[0]
     return (logits.new_empty(T + 1, dtype=_I32), logits.new_empty(P, dtype=_I32),
@@ -237,23 +342,13 @@ token_round.register_autograd(_round_backward, setup_context=_round_setup)
 @torch.library.custom_op("moeblaze::build_plan", mutates_args=())
 def build_plan(pair_offsets: Tensor, pair_experts: Tensor, pair_weights: Tensor,
                num_experts: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    _require(pair_offsets.dtype == _I32 and pair_experts.dtype == _I32,
-             f"pair_offsets / pair_experts must be int32, got {pair_offsets.dtype} / "
-             f"{pair_experts.dtype}")
-    _require(pair_weights.dtype == torch.float32,
-             f"pair_weights must be float32, got {pair_weights.dtype}")
+    dev = _storage_device("pair_offsets", pair_offsets)
     _require(pair_offsets.dim() == 1 and pair_offsets.numel() >= 1,
-             "pair_offsets must be (T+1,) with T >= 0")
-    _require(pair_weights.numel() == pair_experts.numel(),
-             f"pair_weights has {pair_weights.numel()} entries, pair_experts "
-             f"{pair_experts.numel()}")
-    for name, t in (("pair_experts", pair_experts), ("pair_weights", pair_weights)):
-        _same_device(name, t, pair_offsets)
-    pair_offsets, pair_experts, pair_weights = (t.contiguous() for t in
-                                                (pair_offsets, pair_experts, pair_weights))
-    T, S, E = pair_offsets.numel() - 1, pair_experts.numel(), num_experts
-    dev = pair_offsets.device
-    eto = torch.empty(max(E, 0) + 1, dtype=_I32, device=dev)
+             f"pair_offsets must be (T+1,) with T >= 0, got shape {tuple(pair_offsets.shape)}")
+    T, E = pair_offsets.numel() - 1, _int("num_experts", num_experts, 1, _INT32_MAX)
+    r = _routing_struct(T, E, pair_offsets, pair_experts, pair_weights, dev)
+    S = r.P
+    eto = torch.empty(E + 1, dtype=_I32, device=dev)
     eti = torch.empty(S, dtype=_I32, device=dev)
     sw = torch.empty(S, dtype=torch.float32, device=dev)
     tpo = torch.empty(T + 1, dtype=_I32, device=dev)
@@ -264,8 +359,7 @@ def build_plan(pair_offsets: Tensor, pair_experts: Tensor, pair_weights: Tensor,
     ws_bytes = ctypes.c_uint64()
     check(lib().moeblaze_plan_workspace_bytes(T, E, S, dcode, ctypes.byref(ws_bytes)))
     ws = torch.empty(ws_bytes.value, dtype=torch.uint8, device=dev) if ws_bytes.value else None
-    r = _routing_struct(T, E, pair_offsets, pair_experts, pair_weights)
-    plan = _plan_struct(T, E, (eto, eti, sw, tpo, tei, tim))
+    plan = _plan_struct(T, E, (eto, eti, sw, tpo, tei, tim), dev)
     with _device_guard(pair_offsets):
         check(lib().moeblaze_build_plan(ctypes.byref(r), dcode, stream_of(pair_offsets),
                                         ctypes.byref(plan), ptr(ws), ws_bytes.value,
@@ -275,6 +369,7 @@ def build_plan(pair_offsets: Tensor, pair_experts: Tensor, pair_weights: Tensor,
 
 @build_plan.register_fake
 def _(pair_offsets, pair_experts, pair_weights, num_experts):
+    _one_device(pair_offsets=pair_offsets, pair_experts=pair_experts, pair_weights=pair_weights)
     T, S = pair_offsets.shape[0] - 1, pair_experts.shape[0]
     e = pair_offsets.new_empty
     return (e(num_experts + 1, dtype=_I32), e(S, dtype=_I32), e(S, dtype=torch.float32),
@@ -288,7 +383,9 @@ def _(pair_offsets, pair_experts, pair_weights, num_experts):
 _MODE_KEEP_H, _MODE_RECOMPUTE, _MODE_DH_OVER_H = 0, 1, 2
 
 
-def _layer_cfg(x, w1, w2, S, activation, recompute, num_threads):
+def _experts_args(x, w1, w2, plan, activation, recompute, num_threads):
+    """(config, x, w1, w2, plan struct) of an experts call, checked, the tensors contiguous."""
+    dev = _storage_device("x", x)
     _require(x.dim() == 2, f"x must be (T, d), got shape {tuple(x.shape)}")
     _require(w1.dim() == 3 and w2.dim() == 3,
              f"w1 must be (E, w1_rows, d) and w2 (E, d, n), got {tuple(w1.shape)} and "
@@ -296,9 +393,10 @@ def _layer_cfg(x, w1, w2, S, activation, recompute, num_threads):
     T, d = x.shape
     E, n = w2.shape[0], w2.shape[2]
     dt = _float_code(x, "x")
+    _code("activation", activation, _lib.ACTIVATIONS)
+    _int("num_threads", num_threads, 0, MAX_THREADS)
     for name, t in (("w1", w1), ("w2", w2)):
         _require(t.dtype == x.dtype, f"{name} has dtype {t.dtype} but x has {x.dtype}")
-        _same_device(name, t, x)
     # The C ABI takes raw pointers: every shape is checked here, where the shapes are known.
     rows = _w1_rows(activation, n)
     _require(tuple(w1.shape) == (E, rows, d),
@@ -306,10 +404,15 @@ def _layer_cfg(x, w1, w2, S, activation, recompute, num_threads):
              f"(E and n from w2 {tuple(w2.shape)}, d from x), got {tuple(w1.shape)}")
     _require(w2.shape[1] == d, f"w2 must be (E, d, n) with d = {d} (from x), got "
              f"{tuple(w2.shape)}")
+    x = x.contiguous()
+    w1 = _arg("w1", w1, x.dtype, (E, rows, d), dev)
+    w2 = _arg("w2", w2, x.dtype, (E, d, n), dev)
+    p = _plan_struct(T, E, plan, dev)
     # K only enters the C++ config's checks (1 <= K <= E): token rounding varies it per token.
-    K = min(max(S // T if T > 0 else 1, 1), max(E, 1))
+    K = min(max(p.S // T if T > 0 else 1, 1), max(E, 1))
     mode = _MODE_RECOMPUTE if recompute else _MODE_KEEP_H
-    return _lib.LayerCfg(T, d, n, E, K, activation, dt, mode, num_threads)
+    cfg = _lib.LayerCfg(T, d, n, E, K, activation, dt, mode, num_threads)
+    return cfg, x, w1, w2, p
 
 
 def _workspace(cfg, S, t, backward):
@@ -335,16 +438,16 @@ def experts_forward(x: Tensor, w1: Tensor, w2: Tensor, pair_weights: Tensor,
                     slot_weights: Tensor, token_pair_offsets: Tensor, token_expert_indices: Tensor,
                     token_index_map: Tensor, activation: int, recompute: bool,
                     num_threads: int) -> Tuple[Tensor, Tensor]:
-    x, w1, w2 = x.contiguous(), w1.contiguous(), w2.contiguous()
     plan = (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
             token_expert_indices, token_index_map)
-    S = expert_token_indices.numel()
-    cfg = _layer_cfg(x, w1, w2, S, activation, recompute, num_threads)
+    cfg, x, w1, w2, p = _experts_args(x, w1, w2, plan, activation, recompute, num_threads)
+    S = p.S
+    # Not read by the kernels (they read slot_weights): it only carries d_pair_weights back.
+    _arg("pair_weights", pair_weights, torch.float32, (S,), x.device)
     out = torch.empty_like(x)
     rows = _w1_rows(activation, cfg.n)
     h = x.new_empty((0, rows) if recompute else (S, rows))
     ws, ws_bytes = _workspace(cfg, S, x, backward=False)
-    p = _plan_struct(cfg.T, cfg.E, plan)
     with _device_guard(x):
         check(lib().moeblaze_layer_forward(ctypes.byref(cfg), ctypes.byref(p), device_code(x),
                                            stream_of(x), ptr(x), ptr(w1), ptr(w2), ptr(out),
@@ -354,6 +457,9 @@ def experts_forward(x: Tensor, w1: Tensor, w2: Tensor, pair_weights: Tensor,
 
 @experts_forward.register_fake
 def _(x, w1, w2, pair_weights, eto, eti, sw, tpo, tei, tim, activation, recompute, num_threads):
+    _one_device(x=x, w1=w1, w2=w2, pair_weights=pair_weights, expert_token_offsets=eto,
+                expert_token_indices=eti, slot_weights=sw, token_pair_offsets=tpo,
+                token_expert_indices=tei, token_index_map=tim)
     S = eti.shape[0]
     rows = _w1_rows(activation, w2.shape[2])
     return torch.empty_like(x), x.new_empty((0, rows) if recompute else (S, rows))
@@ -361,23 +467,18 @@ def _(x, w1, w2, pair_weights, eto, eti, sw, tpo, tei, tim, activation, recomput
 
 def _experts_backward_impl(d_out, x, w1, w2, h, plan, activation, recompute, num_threads,
                            dh_over_h):
-    x, w1, w2 = x.contiguous(), w1.contiguous(), w2.contiguous()
-    d_out = d_out.to(x.dtype).contiguous()
-    _require(d_out.shape == x.shape, f"d_out must have x's shape {tuple(x.shape)}, got "
-             f"{tuple(d_out.shape)}")
-    S = plan[1].numel()
-    cfg = _layer_cfg(x, w1, w2, S, activation, recompute, num_threads)
+    cfg, x, w1, w2, p = _experts_args(x, w1, w2, plan, activation, recompute, num_threads)
+    S = p.S
+    # An upstream gradient: any float dtype autograd hands over, read in x's dtype.
+    _require(d_out.is_floating_point(), f"d_out must be floating point, got {d_out.dtype}")
+    d_out = _arg("d_out", d_out.to(x.dtype), x.dtype, tuple(x.shape), x.device)
     if not recompute:
-        _require(tuple(h.shape) == (S, _w1_rows(activation, cfg.n)) and h.dtype == x.dtype,
-                 f"h must be (S, w1_rows) = ({S}, {_w1_rows(activation, cfg.n)}) {x.dtype}, got "
-                 f"{tuple(h.shape)} {h.dtype}")
-        h = h.contiguous()
+        h = _arg("h", h, x.dtype, (S, _w1_rows(activation, cfg.n)), x.device)
         if dh_over_h and x.device.type == "cuda":
             cfg.mode = _MODE_DH_OVER_H
     dx, dw1, dw2 = torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
     dpw = torch.empty(S, dtype=torch.float32, device=x.device)
     ws, ws_bytes = _workspace(cfg, S, x, backward=True)
-    p = _plan_struct(cfg.T, cfg.E, plan)
     with _device_guard(x):
         check(lib().moeblaze_layer_backward(ctypes.byref(cfg), ctypes.byref(p), device_code(x),
                                             stream_of(x), ptr(x), ptr(w1), ptr(w2), ptr(d_out),
@@ -417,6 +518,9 @@ def experts_backward_dh_over_h(d_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor,
 @experts_backward.register_fake
 def _experts_backward_fake(d_out, x, w1, w2, h, eto, eti, sw, tpo, tei, tim, activation,
                            recompute, num_threads):
+    _one_device(d_out=d_out, x=x, w1=w1, w2=w2, h=h, expert_token_offsets=eto,
+                expert_token_indices=eti, slot_weights=sw, token_pair_offsets=tpo,
+                token_expert_indices=tei, token_index_map=tim)
     return (torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2),
             x.new_empty(eti.shape[0], dtype=torch.float32))
 
@@ -465,7 +569,8 @@ def check_flags(flags: Tensor, routing: Optional[Tuple[Tensor, Tensor, Tensor]] 
     dev = 0
     if routing is not None:
         offsets, experts, weights = routing
-        r = _routing_struct(offsets.numel() - 1, num_experts, offsets, experts, weights)
+        r = _routing_struct(offsets.numel() - 1, num_experts, offsets, experts, weights,
+                            _storage_device("pair_offsets", offsets))
         dev = device_code(offsets)
     check(lib().moeblaze_routing_flags_error(host.data_ptr(),
                                              ctypes.byref(r) if r is not None else None, dev))
