@@ -322,34 +322,19 @@ class MoE(nn.Module):
 
     @classmethod
     def from_mixtral(cls, block, **kw):
-        """From a Hugging Face MixtralSparseMoeBlock-like module: block.gate (Linear d -> E),
-        block.experts[e].w1 (gate), .w3 (up), .w2 (down), block.top_k; softmax -> top-K ->
-        renormalised weights, SwiGLU."""
-        E, d = block.gate.weight.shape
-        n = block.experts[0].w1.weight.shape[0]
-        top_k = getattr(block, "top_k", None) or getattr(block, "num_experts_per_tok")
-        m = cls(d, n, E, top_k, activation="swiglu", router="softmax_topk", renormalize=True,
-                device=block.gate.weight.device, dtype=block.gate.weight.dtype, **kw)
-        return m.load_experts(block.gate.weight, gate_proj=[x.w1.weight for x in block.experts],
-                              up_weights=[x.w3.weight for x in block.experts],
-                              down_weights=[x.w2.weight for x in block.experts])
+        """From a Hugging Face MixtralSparseMoeBlock (transformers v5's fused experts or 4.x's
+        per-expert w1/w3/w2): softmax -> top-K -> renormalised weights, SwiGLU. See
+        moeblaze.integrations.hf."""
+        from .integrations.hf import moe_from_mixtral
+        return moe_from_mixtral(cls, block, **kw)
 
     @classmethod
     def from_qwen_moe(cls, block, **kw):
-        """From a Hugging Face Qwen2/Qwen3-MoE sparse block: block.gate (Linear d -> E),
-        block.experts[e].gate_proj / up_proj / down_proj, block.top_k, block.norm_topk_prob.
-        Qwen2-MoE's shared expert (block.shared_expert, shared_expert_gate) is not an MoE layer:
-        keep it as a torch module and add its output (QwenSharedExpertMoE does)."""
-        E, d = block.gate.weight.shape
-        n = block.experts[0].gate_proj.weight.shape[0]
-        top_k = getattr(block, "top_k", None) or getattr(block, "num_experts_per_tok")
-        m = cls(d, n, E, top_k, activation="swiglu", router="softmax_topk",
-                renormalize=bool(getattr(block, "norm_topk_prob", False)),
-                device=block.gate.weight.device, dtype=block.gate.weight.dtype, **kw)
-        return m.load_experts(block.gate.weight,
-                              gate_proj=[x.gate_proj.weight for x in block.experts],
-                              up_weights=[x.up_proj.weight for x in block.experts],
-                              down_weights=[x.down_proj.weight for x in block.experts])
+        """From a Hugging Face Qwen2-MoE / Qwen3-MoE / OLMoE sparse block (v5 fused experts or
+        4.x's gate_proj / up_proj / down_proj), renormalised when norm_topk_prob. See
+        moeblaze.integrations.hf."""
+        from .integrations.hf import moe_from_qwen_moe
+        return moe_from_qwen_moe(cls, block, **kw)
 
 
 class TorchMoE(MoE):
