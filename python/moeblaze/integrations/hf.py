@@ -39,26 +39,27 @@ def register(name=NAME):
     return name
 
 
+# Flags of transformers' experts modules whose value `bad` moeblaze cannot run, and what it means.
+_UNSUPPORTED = (
+    ("has_bias", True, "expert biases (gate_up_proj_bias, down_proj_bias)"),
+    ("is_concatenated", False, "interleaved gate/up rows"),
+    ("is_transposed", True, "transposed weights (gate_up_proj (E, d, 2n))"),
+    ("has_post_expert_norm", True, "a post-expert norm"),
+    ("has_gate", False, "non-gated experts (up_proj only)"),
+    ("_is_expert_parallel", True, "transformers' expert parallelism (use "
+                                  "moeblaze.ExpertParallelMoE)"),
+)
+
+
 def _activation(experts):
     """moeblaze's activation for an experts module, or ValueError listing what moeblaze lacks."""
     cls = type(experts)
-    missing = []
-    if getattr(experts, "has_bias", False):
-        missing.append("expert biases (gate_up_proj_bias, down_proj_bias)")
-    if not getattr(experts, "is_concatenated", True):
-        missing.append("interleaved gate/up rows")
-    if getattr(experts, "is_transposed", False):
-        missing.append("transposed weights (gate_up_proj (E, d, 2n))")
+    missing = [what for attr, bad, what in _UNSUPPORTED
+               if bool(getattr(experts, attr, not bad)) == bad]
     if getattr(cls, "_apply_gate", None) is not None and \
             getattr(cls._apply_gate, "__name__", "") != "_default_apply_gate":
         what = "a clamped SwiGLU" if hasattr(experts, "limit") else "a custom gating function"
         missing.append(f"{what} ({cls.__name__}._apply_gate)")
-    if getattr(experts, "has_post_expert_norm", False):
-        missing.append("a post-expert norm")
-    if not getattr(experts, "has_gate", True):
-        missing.append("non-gated experts (up_proj only)")
-    if getattr(experts, "_is_expert_parallel", False):
-        missing.append("transformers' expert parallelism (use moeblaze.ExpertParallelMoE)")
     act = getattr(getattr(experts, "config", None), "hidden_act", "silu")
     if not missing and act not in _GATED:
         missing.append(f"hidden_act {act!r} (moeblaze's gated activations: silu -> swiglu, "
