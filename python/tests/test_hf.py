@@ -50,9 +50,9 @@ def build(family, dtype, layers=2):
     return model
 
 
-def pair(family, dtype):
+def pair(family, dtype, layers=None):
     """(moeblaze model, eager copy with the same weights)."""
-    model = build(family, dtype, LAYERS[dtype])
+    model = build(family, dtype, layers or LAYERS[dtype])
     ref = copy.deepcopy(model)
     ref.set_experts_implementation("eager")
     model.set_experts_implementation("moeblaze")
@@ -136,3 +136,17 @@ def test_loaders_read_v5_blocks(seed, family, loader):
         ref = block(x)
     ref = ref[0] if isinstance(ref, tuple) else ref
     assert rel_err(moe(x)[0], ref) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_hf_autocast_bf16_with_fp32_weights(seed, family):
+    """HF Trainer's bf16=True: fp32 parameters, torch.autocast(bf16); fp32 expert gradients."""
+    model, ref = pair(family, torch.float32, LAYERS[torch.bfloat16])
+    ids, labels = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, grads = step(model, ids, labels)
+        ref_logits, ref_grads = step(ref, ids, labels)
+    assert rel_err(logits, ref_logits) <= TOL[torch.bfloat16]
+    name = next(n for n in grads if "gate_up_proj" in n)
+    assert grads[name].dtype == torch.float32
+    assert rel_err(grads[name], ref_grads[name]) <= TOL[torch.bfloat16]
