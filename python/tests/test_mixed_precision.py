@@ -66,3 +66,13 @@ def test_float16_refused_with_reason(seed):
             moe(torch.randn(4, 32))
     with pytest.raises(ValueError, match="float16 is not supported"):
         moe.half()(torch.randn(4, 32, dtype=torch.float16))
+
+
+def test_autocast_shared_expert_compiles_fullgraph(seed):
+    moe = moeblaze.MoE(32, 16, 8, 2, shared_expert_size=24, shared_expert_gate=True)
+    x = torch.randn(24, 32)
+    compiled = torch.compile(moe, backend="aot_eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_c, _ = compiled(x)
+        out, _ = moe(x)
+    assert out_c.dtype == torch.bfloat16 and torch.equal(out_c, out)
