@@ -147,9 +147,14 @@ def test_hf_autocast_bf16_with_fp32_weights(seed, family):
     """HF Trainer's bf16=True: fp32 parameters, torch.autocast(bf16); fp32 expert gradients."""
     model, ref = pair(family, torch.float32, LAYERS[torch.bfloat16])
     ids, labels = batch()
+    seen = []  # (input, output) dtypes of the experts: transformers expects them equal
+    hook = model.model.layers[0].mlp.experts.register_forward_hook(
+        lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits, grads = step(model, ids, labels)
         ref_logits, ref_grads = step(ref, ids, labels)
+    hook.remove()
+    assert seen and all(a == b for a, b in seen), seen
     assert rel_err(logits, ref_logits) <= TOL[torch.bfloat16]
     name = next(n for n in grads if "gate_up_proj" in n)
     assert grads[name].dtype == torch.float32

@@ -77,8 +77,9 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     act = self.__dict__.get("_moeblaze_activation")
     if act is None:  # the checks read the module's flags once, not per call
         act = self.__dict__["_moeblaze_activation"] = _activation(self)
-    return moe_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index,
-                       top_k_weights, act)
+    out = moe_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index,
+                      top_k_weights, act)
+    return out.to(hidden_states.dtype)  # transformers' contract, also under autocast (bf16 out)
 
 
 # ---- loaders: a Hugging Face sparse block -> moeblaze.MoE --------------------------------------
