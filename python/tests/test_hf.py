@@ -1,6 +1,6 @@
-"""moeblaze inside the real Hugging Face transformers (v5): experts_implementation="moeblaze" against
-transformers' eager experts on tiny random models built in code (no downloads), the loaders on v5
-blocks, and the families moeblaze refuses. Skipped without transformers >= 5."""
+"""moeblaze inside the real Hugging Face transformers (v5): experts_implementation="moeblaze"
+against transformers' eager experts on tiny random models built in code (no downloads), the
+loaders on v5 blocks, and the variants moeblaze refuses. Skipped without transformers >= 5."""
 import copy
 import os
 
@@ -159,3 +159,34 @@ def test_hf_autocast_bf16_with_fp32_weights(seed, family):
     name = next(n for n in grads if "gate_up_proj" in n)
     assert grads[name].dtype == torch.float32
     assert rel_err(grads[name], ref_grads[name]) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("act,ok", [("relu2", True), ("relu", True), ("gelu_pytorch_tanh", False)])
+def test_hf_plain_experts_nemotron_h(seed, act, ok):
+    """NemotronH's non-gated experts (up_proj, down_proj): moeblaze's plain activations."""
+    mod = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
+    made = []
+    for impl in ("moeblaze", "eager"):
+        cfg = transformers.NemotronHConfig(hidden_size=32, moe_intermediate_size=24,
+                                           n_routed_experts=6, mlp_hidden_act=act)
+        cfg._experts_implementation = impl
+        made.append(mod.NemotronHExperts(cfg))
+    mb, ref = made
+    with torch.no_grad():
+        for p in mb.parameters():
+            p.normal_(0, 0.2)
+    ref.load_state_dict(mb.state_dict())
+    T, K = 30, 2
+    x = torch.randn(T, 32)
+    ids = torch.stack([torch.randperm(6)[:K] for _ in range(T)])
+    w = torch.rand(T, K)
+    if not ok:
+        with pytest.raises(ValueError, match=r"activation GELUTanh \(plain experts: moeblaze "
+                                             r"has relu"):
+            mb(x, ids, w)
+        return
+    outs = [m(x, ids, w) for m in (mb, ref)]
+    assert rel_err(outs[0], outs[1]) <= TOL[torch.float32]
+    g = torch.randn_like(outs[0])
+    grads = [torch.autograd.grad(o, m.up_proj, g)[0] for o, m in zip(outs, (mb, ref))]
+    assert rel_err(grads[0], grads[1]) <= TOL[torch.float32]

@@ -9,10 +9,11 @@ transformers v5 keeps a block's experts as one module with fused tensors (`gate_
 (E, 2n, d), gate rows first, and `down_proj` (E, d, n): moeblaze's own w1 / w2 layout) and calls
 `forward(hidden_states (T, d), top_k_index (T, K), top_k_weights (T, K))` through its
 ExpertsInterface; the model's own router stays in charge of the selection. `register()` adds
-`experts_forward` under the name "moeblaze". Supported: gated SwiGLU (hidden_act silu) or GeGLU
-(gelu) experts without biases, in the concatenated, non-transposed layout (Mixtral, Qwen2-MoE,
-Qwen3-MoE, OLMoE, DeepSeek-V3, ...); anything else (gpt-oss's biased, clamped, interleaved
-SwiGLU; transformers' expert parallelism) raises ValueError naming what is not supported.
+`experts_forward` under the name "moeblaze". Supported: experts without biases in the
+concatenated, non-transposed layout, gated SwiGLU (silu) or GeGLU (exact gelu) (Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, ...), or plain `up_proj` experts with relu, relu2,
+silu or gelu (NemotronH); anything else (gpt-oss's biased, clamped, interleaved SwiGLU;
+transformers' expert parallelism) raises ValueError naming what is not supported.
 
 `moe_from_block(block)` builds a moeblaze.MoE from a Mixtral- or Qwen-MoE-style sparse block
 (v5's fused experts or 4.x's per-expert modules); MoE.from_mixtral / from_qwen_moe call it.
@@ -23,8 +24,11 @@ from ..layer import moe_experts
 
 NAME = "moeblaze"
 
-# hidden_act of a gated expert -> moeblaze's activation (gelu: exact erf form on both sides).
-_GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
+# transformers' activation modules (act_fn, by class name) -> moeblaze's non-gated activation
+# (GELUActivation is the exact erf form, as moeblaze's gelu); gated experts use act(gate) * up.
+_ACTS = {"SiLUActivation": "silu", "SiLU": "silu", "GELUActivation": "gelu", "ReLU": "relu",
+         "ReLUSquaredActivation": "relu2"}
+_GATED = {"silu": "swiglu", "gelu": "geglu"}
 
 
 def register(name=NAME):
@@ -45,7 +49,6 @@ _UNSUPPORTED = (
     ("is_concatenated", False, "interleaved gate/up rows"),
     ("is_transposed", True, "transposed weights (gate_up_proj (E, d, 2n))"),
     ("has_post_expert_norm", True, "a post-expert norm"),
-    ("has_gate", False, "non-gated experts (up_proj only)"),
     ("_is_expert_parallel", True, "transformers' expert parallelism (use "
                                   "moeblaze.ExpertParallelMoE)"),
 )
@@ -60,15 +63,21 @@ def _activation(experts):
             getattr(cls._apply_gate, "__name__", "") != "_default_apply_gate":
         what = "a clamped SwiGLU" if hasattr(experts, "limit") else "a custom gating function"
         missing.append(f"{what} ({cls.__name__}._apply_gate)")
-    act = getattr(getattr(experts, "config", None), "hidden_act", "silu")
-    if not missing and act not in _GATED:
-        missing.append(f"hidden_act {act!r} (moeblaze's gated activations: silu -> swiglu, "
-                       "gelu -> geglu)")
+    act_fn = getattr(experts, "act_fn", None)
+    act = _ACTS.get(type(act_fn).__name__)
+    if type(act_fn).__name__ == "GELU" and getattr(act_fn, "approximate", "") == "none":
+        act = "gelu"
+    gated = getattr(experts, "has_gate", True)
+    act = _GATED.get(act) if gated else act
+    if not missing and act is None:
+        kinds = "silu or exact gelu" if gated else "relu, relu2, silu or exact gelu"
+        missing.append(f"the activation {type(act_fn).__name__} ({'gated' if gated else 'plain'} "
+                       f"experts: moeblaze has {kinds})")
     if missing:
         raise ValueError(f"moeblaze: experts_implementation='moeblaze' cannot run {cls.__name__}: "
                          f"it uses {'; '.join(missing)}, which moeblaze does not implement; use "
                          "experts_implementation='grouped_mm' or 'eager' for this model")
-    return _GATED[act]
+    return act
 
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -77,8 +86,8 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     act = self.__dict__.get("_moeblaze_activation")
     if act is None:  # the checks read the module's flags once, not per call
         act = self.__dict__["_moeblaze_activation"] = _activation(self)
-    out = moe_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index,
-                      top_k_weights, act)
+    w1 = self.gate_up_proj if getattr(self, "has_gate", True) else self.up_proj
+    out = moe_experts(hidden_states, w1, self.down_proj, top_k_index, top_k_weights, act)
     return out.to(hidden_states.dtype)  # transformers' contract, also under autocast (bf16 out)
 
 
