@@ -41,6 +41,8 @@ import moeblaze
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "kjv.txt.gz")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Flags left unset take the preset of the device type (see the docstring for the run times).
+PRESET_NOTES = {"cuda": "the training proofs' model; hours on a CPU",
+                "cpu": "sized for a CPU: about 2 minutes on two idle cores"}
 PRESETS = {
     "cuda": dict(dtype="bf16", layers=4, d=512, heads=8, E=32, K=4, n=256, seq=256, batch=16,
                  steps=300, warmup=30, val_every=100, log_every=25),
@@ -235,7 +237,9 @@ def train(a):
     lr_at = lambda s: a.lr * min(1.0, (s + 1) / a.warmup) * (  # noqa: E731
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / max(a.steps, 1), 1.0))))
     if not a.quiet:
-        print(f"train_tiny_moe: preset={a.preset} impl={a.impl} device={device} dtype={a.dtype} "
+        print(f"train_tiny_moe: preset={a.preset} ({PRESET_NOTES[a.preset]}; flags override)",
+              flush=True)
+        print(f"train_tiny_moe: impl={a.impl} device={device} dtype={a.dtype} "
               f"layers={a.layers} steps={a.steps} "
               f"d={a.d} E={a.E} K={a.K} n={a.n} token_rounding={a.token_rounding} "
               f"recompute={a.recompute} params={nparams / 1e6:.1f}M batch={a.batch}x{a.seq} "
