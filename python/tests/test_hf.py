@@ -104,7 +104,7 @@ def test_hf_optimizer_step_matches_eager(seed, family):
     assert rel_err(after, ref_after) <= TOL[torch.float32]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_hf_save_pretrained_round_trip(seed, family, tmp_path):
     model, _ = pair(family, torch.float32)
     model.save_pretrained(tmp_path)
