@@ -16,7 +16,8 @@
     python examples/prove_training.py --out DIR [--steps 300] [--budget-gib 8] [--quick]
 
 Writes DIR/training.json (every number, curves included), DIR/training.md (the table),
-DIR/loss_curves.png (a) and DIR/nrf_curves.png (d); exits 1 if a criterion fails.
+DIR/loss_curves.png (a) and DIR/nrf_curves.png (d) (matplotlib; without it the curves go to
+loss_curves.json / nrf_curves.json); exits 1 if a criterion fails.
 """
 import argparse
 import datetime
@@ -31,11 +32,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_tiny_moe as tt  # noqa: E402
-from plotting import plot_curves  # noqa: E402
 
 
 def run(extra, quiet=True):
-    a = tt.parser().parse_args(extra + (["--quiet"] if quiet else []))
+    a = tt.parse_args(extra + (["--quiet"] if quiet else []))
     t0 = time.perf_counter()
     r = tt.train(a)
     r["wall_s"] = time.perf_counter() - t0
@@ -62,7 +62,7 @@ def moving_avg(xs, w=20):
 def step_peak(impl, batch, seq, device, extra=()):
     """Peak PyTorch-allocated bytes of one full training step (fresh model and optimizer) at
     `batch` sequences, or None when it runs out of memory."""
-    a = tt.parser().parse_args(["--impl", impl, "--batch", str(batch), "--seq", str(seq),
+    a = tt.parse_args(["--impl", impl, "--batch", str(batch), "--seq", str(seq),
                                 "--device", device, "--quiet", *extra])
     dev = torch.device(device)
     cleanup()
@@ -167,14 +167,14 @@ def main():
                 f"{r['median_step_s'] * 1e3:.1f} ms), peak torch "
                 f"{r['peak_torch_bytes'] / 2**30:.2f} GiB, moeblaze-owned "
                 f"{r['peak_moeblaze_bytes'] / 2**20:.1f} MiB")
-        w = res["plot_a"] = plot_curves(
+        w = res["plot_a"] = tt.plot_curves(
             os.path.join(args.out, "loss_curves.png"),
             {"moeblaze train": (list(range(1, len(mb["train_loss"]) + 1)), mb["train_loss"]),
              "torch train": (list(range(1, len(th["train_loss"]) + 1)), th["train_loss"]),
              "moeblaze val": ([s for s, _ in mb["val_loss"]], [v for _, v in mb["val_loss"]]),
              "torch val": ([s for s, _ in th["val_loss"]], [v for _, v in th["val_loss"]])},
             "tiny MoE LM: moeblaze vs pure PyTorch (same init, same batches)")
-        log(f"    loss_curves.png written ({w})")
+        log(f"    curves written to {w}")
 
     if "c" in parts and args.device.startswith("cuda"):
         budget = int(args.budget_gib * 2**30)
@@ -200,7 +200,7 @@ def main():
         log(f"    val loss top-K {top['final_val_loss']:.4f} NR-f {nrf['final_val_loss']:.4f} "
             f"(rel diff {rel:.2%}): {'PASS' if d_ok else 'FAIL'}; median step top-K "
             f"{top['median_step_s'] * 1e3:.1f} ms, NR-f {nrf['median_step_s'] * 1e3:.1f} ms")
-        res["plot_d"] = plot_curves(
+        res["plot_d"] = tt.plot_curves(
             os.path.join(args.out, "nrf_curves.png"),
             {"top-K train": (list(range(1, len(top["train_loss"]) + 1)), top["train_loss"]),
              "NR-f train": (list(range(1, len(nrf["train_loss"]) + 1)), nrf["train_loss"]),
@@ -235,7 +235,8 @@ def table(res):
                      f"{r['peak_moeblaze_bytes'] / 2**20:.1f} |")
         L += ["", f"Curves agree: final val loss rel diff {a['final_val_rel_diff']:.2%} (<= 1 %), "
               f"max rel diff of 20-step moving averages {a['max_rel_diff_moving_avg20']:.2%} "
-              f"(<= 2 %): **{'PASS' if a['pass'] else 'FAIL'}**. Curves: loss_curves.png.", ""]
+              f"(<= 2 %): **{'PASS' if a['pass'] else 'FAIL'}**. Curves: "
+              f"{os.path.basename(res['plot_a'])}.", ""]
     if "c" in res:
         c = res["c"]
         L += [f"## (c) largest micro-batch in {c['budget_bytes'] / 2**30:g} GiB (seq 256)", "",
@@ -253,7 +254,8 @@ def table(res):
                      f"{r['tokens_per_s']:,.0f} |")
         L += ["", f"Val loss rel diff {d['final_val_rel_diff']:.2%} (<= 1 %): "
               f"**{'PASS' if d['pass'] else 'FAIL'}**; step time NR-f / top-K = "
-              f"{d['step_time_ratio_nrf_over_topk']:.3f}. Curves: nrf_curves.png.", ""]
+              f"{d['step_time_ratio_nrf_over_topk']:.3f}. Curves: "
+              f"{os.path.basename(res['plot_d'])}.", ""]
     L.append(f"Total wall time {res['wall_s']:.0f} s.")
     return "\n".join(L) + "\n"
 

@@ -18,7 +18,8 @@
 #       python         the PyTorch package: pip install (no network) with libmoeblaze_capi.so from
 #                      BUILD_DIR, its pytest suite (GPU tests included), the training proofs
 #                      (examples/prove_training.py, ~4 min) → OUT/python.log, training.json,
-#                      training.md, loss_curves.png, nrf_curves.png. PROVE_ARGS adds flags
+#                      training.md, loss_curves.png, nrf_curves.png (loss_curves.json,
+#                      nrf_curves.json where matplotlib is missing). PROVE_ARGS adds flags
 #                      (e.g. "--quick" or "--parts a"); PYTEST_ARGS likewise (e.g. "-k gpu").
 #                      pytest comes from BUILD_DIR/wheels or third_party/gpudeps/wheels when
 #                      the machine's Python lacks it (pip download pytest -d DIR/wheels).

@@ -5,6 +5,7 @@
 # is installed from build/libmoeblaze_capi.so (built by scripts/build.sh). GPU tests report
 # "skipped: no GPU" without CUDA. If torch cannot be installed at all, the step says so loudly
 # and is skipped (exit 0); every other failure fails. MOEBLAZE_SKIP_PYTHON=1 skips it.
+# transformers >= 5 is installed beside pytest for the Hugging Face tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -33,6 +34,20 @@ if ! "$py" -c "import torch" 2>/dev/null; then
   fi
 fi
 "$py" -c "import pytest" 2>/dev/null || "$py" -m pip install -q --disable-pip-version-check pytest
+# transformers (a test dependency: test_hf.py runs moeblaze inside it; v5 for its experts
+# interface; about 20 s from PyPI, pure Python plus tokenizers' wheel). Without it those tests skip.
+if ! "$py" -c "import sys, transformers; sys.exit(int(transformers.__version__.split('.')[0]) < 5)" \
+    2>/dev/null; then
+  t0=$(date +%s)
+  mkdir -p "$repo/build"
+  if "$py" -m pip install -q --disable-pip-version-check "transformers>=5.0" \
+      >"$repo/build/transformers-install.log" 2>&1; then
+    echo "moeblaze: transformers installed in $(( $(date +%s) - t0 )) s"
+  else
+    tail -3 "$repo/build/transformers-install.log"
+    echo "moeblaze: 'pip install transformers' FAILED: the Hugging Face tests (test_hf.py) skip"
+  fi
+fi
 echo "moeblaze: python tests with $("$py" -c 'import torch; print("torch", torch.__version__)')"
 MOEBLAZE_PREBUILT_LIB="$lib" "$py" -m pip install -q --disable-pip-version-check \
   --no-build-isolation --no-deps --force-reinstall ./python >"$repo/build/python-install.log" 2>&1 || {

@@ -6,19 +6,20 @@
     out, losses = moe(x)                      # x (..., 512)
     (loss_fn(out) + losses.total).backward()
 
-docs/PYTORCH.md describes the design (C ABI + torch.library custom ops).
+docs/PYTORCH.md describes the design (C ABI + torch.library custom ops);
+moeblaze.integrations.hf plugs it into Hugging Face transformers (experts_implementation).
 """
 from . import ops
 from ._lib import MoeblazeError, UnsupportedError, has_cuda, library_path, memory_stats, reset_peak
 from .expert_parallel import (ExpertParallelMoE, ep_experts_from_routing, ep_moe_experts,
                               ep_shard)
-from .layer import (MoE, RouterLosses, TorchMoE, experts_from_routing, moe_experts,
-                    router_losses)
+from .layer import (MoE, RouterLosses, SharedExpert, TorchMoE, experts_from_routing,
+                    moe_experts, router_losses)
 from .reference import dense_reference, torch_experts, torch_router
 
 __version__ = "0.1.0"
 
-__all__ = ["MoE", "TorchMoE", "RouterLosses", "moe_experts", "experts_from_routing",
+__all__ = ["MoE", "TorchMoE", "SharedExpert", "RouterLosses", "moe_experts", "experts_from_routing",
            "router_losses", "ops", "memory_stats", "reset_peak", "has_cuda", "library_path",
            "MoeblazeError", "UnsupportedError", "dense_reference", "torch_experts",
            "torch_router", "ExpertParallelMoE", "ep_experts_from_routing", "ep_moe_experts",

@@ -328,6 +328,9 @@ class ExpertParallelMoE(nn.Module):
         [rank * E/W, (rank+1) * E/W)."""
         if moe.token_rounding is not None:
             raise ValueError("moeblaze: ExpertParallelMoE has no token rounding")
+        if getattr(moe, "shared_expert", None) is not None:
+            raise ValueError("moeblaze: ExpertParallelMoE has no shared expert (moe.shared_expert "
+                             "must be None); keep the shared expert as a data-parallel module")
         w = moe.w1
         m = cls(moe.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k,
                 moe.activation, moe.router, moe.renormalize, moe.recompute, moe.aux_loss_coef,

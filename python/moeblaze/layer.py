@@ -46,6 +46,20 @@ def _router_code(router):
 _SERIAL_NUMEL = 32768
 
 
+def expert_counts(pair_experts, num_experts):
+    """Pairs routed to each expert, (num_experts,) int64 on pair_experts' device (scatter_add, not
+    bincount: no host sync)."""
+    e = pair_experts.reshape(-1).long()
+    return torch.zeros(num_experts, dtype=torch.int64, device=e.device).scatter_add_(
+        0, e, torch.ones_like(e))
+
+
+def router_logits(x2, gate_weight):
+    """Router logits in float32, also under autocast (the selection must not see bf16 logits)."""
+    with torch.autocast(x2.device.type, enabled=False):
+        return F.linear(x2.float(), gate_weight.float())
+
+
 def router_losses(logits, pair_experts, num_experts, router="softmax_topk", aux_loss_coef=0.0,
                   z_loss_coef=0.0):
     """The auxiliary losses of routing.hpp, in torch (autograd handles their gradients, whatever
@@ -74,11 +88,8 @@ def router_losses(logits, pair_experts, num_experts, router="softmax_topk", aux_
         if z_loss_coef > 0:
             lse2_sum = lse2_sum + torch.logsumexp(blk, dim=-1).square().sum()
     if aux_loss_coef > 0:
-        e = pair_experts.reshape(-1).long()
-        # Integer counts in float32: exact, so the same in any order of addition.
-        counts = torch.zeros(num_experts, device=logits.device).scatter_add_(
-            0, e, torch.ones_like(e, dtype=torch.float32))
-        f = counts / max(e.numel(), 1)
+        # Integer counts: exact, so the same in any order of addition.
+        f = expert_counts(pair_experts, num_experts).float() / max(pair_experts.numel(), 1)
         aux = aux_loss_coef * num_experts * (f * (q_sum / T)).sum()
     if z_loss_coef > 0:
         z = z_loss_coef * (lse2_sum / T)
@@ -91,11 +102,29 @@ def _check_flags_enabled(validate, device):
     return bool(validate) and device.type == "cuda"
 
 
+def _compute_operands(x, w1, w2):
+    """x, w1, w2 in the dtype the kernels compute in: autocast's when it is on for x's device
+    (bf16 only), else x's; fp32 weights beside bf16 x are cast down (fp32 master weights: autograd
+    casts their gradients back to fp32). The kernels store bf16 or fp32 only, so fp16 is refused."""
+    dev = x.device.type
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    if dt == torch.float16 or torch.float16 in (x.dtype, w1.dtype, w2.dtype):
+        raise ValueError("moeblaze: float16 is not supported (x, w1, w2 and the autocast dtype "
+                         "must be bfloat16 or float32): the kernels store bf16 or fp32 only; "
+                         "use torch.autocast(..., dtype=torch.bfloat16) or bf16 tensors")
+    if dt == torch.bfloat16:
+        x, w1, w2 = (t.to(dt) if t.dtype == torch.float32 else t for t in (x, w1, w2))
+    return x, w1, w2
+
+
 def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, activation="swiglu",
                          recompute=False, num_threads=0, validate=None):
     """The experts over a routing in moeblaze's CSR form (pair_offsets (T+1,) int32, pair_experts
     (P,) int32, pair_weights (P,) float32, differentiable). validate=True on CUDA reads the plan
-    builder's device-side flags back (a host sync) and raises ValueError naming a bad entry."""
+    builder's device-side flags back (a host sync) and raises ValueError naming a bad entry.
+    bf16 compute (and a bf16 result) under torch.autocast(dtype=torch.bfloat16) or when x is bf16
+    and w1 / w2 are fp32 (their gradients come back in fp32); float16 raises ValueError."""
+    x, w1, w2 = _compute_operands(x, w1, w2)
     E = w2.shape[0]
     plan = ops.build_plan(pair_offsets, pair_experts, pair_weights.detach(), E)
     if _check_flags_enabled(validate, x.device):
@@ -183,21 +212,53 @@ def _init_moe_module(m, hidden_size, intermediate_size, num_experts, top_k, acti
     m.last_flags = None  # device-side check flags of the last forward (see MoE.check())
 
 
+class SharedExpert(nn.Module):
+    """A dense SwiGLU MLP that every token goes through beside the routed experts, in plain torch:
+    down_proj(silu(gate_proj(x)) * up_proj(x)), times sigmoid(gate(x)) when gated (Qwen2-MoE's
+    shared_expert_gate; DeepSeek's shared experts are ungated). Linear names follow transformers'
+    MLPs. The weights are cast to x's dtype, like the routed experts' (fp32 master weights)."""
+
+    def __init__(self, hidden_size, intermediate_size, gated=False, device=None, dtype=None):
+        super().__init__()
+        kw = {"bias": False, "device": device, "dtype": dtype}
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+        self.gate = nn.Linear(hidden_size, 1, **kw) if gated else None
+
+    def forward(self, x):
+        def lin(m, t):
+            return F.linear(t, m.weight.to(t.dtype))
+        y = lin(self.down_proj, F.silu(lin(self.gate_proj, x)) * lin(self.up_proj, x))
+        return y if self.gate is None else torch.sigmoid(lin(self.gate, x)) * y
+
+
 class MoE(nn.Module):
     """A Mixture-of-Experts layer run by moeblaze (CPU backend or the Hopper GPU backend).
 
     router: softmax_topk (default), topk_softmax or sigmoid_bias (expert_bias buffer, selection
     only). token_rounding: None, or "nr-f" / "sr-f" / "up" / "down" (SonicMoE's tile-aware
     rounding to multiples of m_tile; needs a host sync per call on CUDA, so not CUDA-graph
-    capturable). recompute=True keeps only the routing plan for backward (H is recomputed)."""
+    capturable). recompute=True keeps only the routing plan for backward (H is recomputed).
+    shared_expert_size > 0 adds a SharedExpert of that intermediate size beside the routed
+    experts (shared_expert_gate=True: Qwen2-MoE's sigmoid gate). last_expert_counts: the
+    per-expert pair counts of the last forward (on the device); update_expert_bias applies
+    DeepSeek-V3's auxiliary-loss-free balancing to the sigmoid_bias router."""
 
     def __init__(self, hidden_size, intermediate_size, num_experts, top_k, activation="swiglu",
                  router="softmax_topk", renormalize=False, token_rounding=None, m_tile=128,
-                 recompute=False, aux_loss_coef=0.0, z_loss_coef=0.0, device=None, dtype=None):
+                 recompute=False, aux_loss_coef=0.0, z_loss_coef=0.0, device=None, dtype=None,
+                 shared_expert_size=0, shared_expert_gate=False):
         super().__init__()
         _init_moe_module(self, hidden_size, intermediate_size, num_experts, top_k, activation,
                          router, renormalize, recompute, aux_loss_coef, z_loss_coef,
                          num_experts, device, dtype)
+        if shared_expert_size < 0 or (shared_expert_gate and not shared_expert_size):
+            raise ValueError(f"moeblaze: shared_expert_size ({shared_expert_size}) must be >= 0, "
+                             "and > 0 when shared_expert_gate is set")
+        self.shared_expert = SharedExpert(hidden_size, shared_expert_size, shared_expert_gate,
+                                          device, dtype) if shared_expert_size else None
+        self.last_expert_counts = None
         if token_rounding is not None and token_rounding not in _lib.ROUNDINGS:
             raise ValueError(f"moeblaze: token_rounding {token_rounding!r} is not None, nr-f, "
                              "sr-f, up or down")
@@ -210,6 +271,9 @@ class MoE(nn.Module):
         nn.init.uniform_(self.w2, -1 / math.sqrt(self.intermediate_size),
                          1 / math.sqrt(self.intermediate_size))
         self.gate.reset_parameters()
+        if self.shared_expert is not None:
+            for m in self.shared_expert.children():
+                m.reset_parameters()
 
     def extra_repr(self):
         return (f"d={self.hidden_size}, n={self.intermediate_size}, E={self.num_experts}, "
@@ -218,7 +282,7 @@ class MoE(nn.Module):
 
     def route(self, x2):
         """(logits fp32 (T, E), pair_offsets, pair_experts, pair_weights) for tokens x2 (T, d)."""
-        logits = F.linear(x2.float(), self.gate.weight.float())
+        logits = router_logits(x2, self.gate.weight)
         bias = self.expert_bias
         offsets, experts, weights, flags = ops.route(logits, bias, self._kind, self.top_k,
                                                      self.renormalize)
@@ -238,9 +302,32 @@ class MoE(nn.Module):
         logits, offsets, experts, weights = self.route(x2)
         out = experts_from_routing(x2, self.w1, self.w2, offsets, experts, weights,
                                    self.activation, self.recompute)
+        return self._finish(x2, out, logits, experts, shape)
+
+    def _finish(self, x2, out, logits, experts, shape):
+        """The shared expert's output added, the expert counts kept, the router losses."""
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x2)
+        self.last_expert_counts = expert_counts(experts, self.num_experts)
         losses = router_losses(logits, experts, self.num_experts, self.router, self.aux_loss_coef,
                                self.z_loss_coef)
         return out.reshape(shape), losses
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate, counts=None):
+        """DeepSeek-V3's auxiliary-loss-free balancing: expert_bias += rate * sign(mean(c) - c),
+        c = the per-expert counts of the last forward (or `counts`, e.g. summed over
+        micro-batches or all-reduced over ranks). Call after the optimizer step; no host sync."""
+        if self.expert_bias is None:
+            raise ValueError(f"moeblaze: update_expert_bias needs router='sigmoid_bias' (the only "
+                             f"router with an expert_bias); this MoE has router={self.router!r}")
+        c = self.last_expert_counts if counts is None else counts
+        if c is None or tuple(c.shape) != (self.num_experts,):
+            raise ValueError(f"moeblaze: update_expert_bias needs counts of shape "
+                             f"({self.num_experts},), or a forward before it; got "
+                             f"{None if c is None else tuple(c.shape)}")
+        c = c.to(self.expert_bias.device, torch.float32)
+        self.expert_bias.add_(float(rate) * torch.sign(c.mean() - c))
 
     def check(self):
         """Raises ValueError if the last forward's device-side router check saw NaN/Inf logits
@@ -284,34 +371,19 @@ class MoE(nn.Module):
 
     @classmethod
     def from_mixtral(cls, block, **kw):
-        """From a Hugging Face MixtralSparseMoeBlock-like module: block.gate (Linear d -> E),
-        block.experts[e].w1 (gate), .w3 (up), .w2 (down), block.top_k; softmax -> top-K ->
-        renormalised weights, SwiGLU."""
-        E, d = block.gate.weight.shape
-        n = block.experts[0].w1.weight.shape[0]
-        top_k = getattr(block, "top_k", None) or getattr(block, "num_experts_per_tok")
-        m = cls(d, n, E, top_k, activation="swiglu", router="softmax_topk", renormalize=True,
-                device=block.gate.weight.device, dtype=block.gate.weight.dtype, **kw)
-        return m.load_experts(block.gate.weight, gate_proj=[x.w1.weight for x in block.experts],
-                              up_weights=[x.w3.weight for x in block.experts],
-                              down_weights=[x.w2.weight for x in block.experts])
+        """From a Hugging Face MixtralSparseMoeBlock (transformers v5's fused experts or 4.x's
+        per-expert w1/w3/w2): softmax -> top-K -> renormalised weights, SwiGLU. See
+        moeblaze.integrations.hf."""
+        from .integrations.hf import moe_from_mixtral
+        return moe_from_mixtral(cls, block, **kw)
 
     @classmethod
     def from_qwen_moe(cls, block, **kw):
-        """From a Hugging Face Qwen2/Qwen3-MoE sparse block: block.gate (Linear d -> E),
-        block.experts[e].gate_proj / up_proj / down_proj, block.top_k, block.norm_topk_prob.
-        Qwen2-MoE's shared expert (block.shared_expert, shared_expert_gate) is not an MoE layer:
-        keep it as a torch module and add its output (QwenSharedExpertMoE does)."""
-        E, d = block.gate.weight.shape
-        n = block.experts[0].gate_proj.weight.shape[0]
-        top_k = getattr(block, "top_k", None) or getattr(block, "num_experts_per_tok")
-        m = cls(d, n, E, top_k, activation="swiglu", router="softmax_topk",
-                renormalize=bool(getattr(block, "norm_topk_prob", False)),
-                device=block.gate.weight.device, dtype=block.gate.weight.dtype, **kw)
-        return m.load_experts(block.gate.weight,
-                              gate_proj=[x.gate_proj.weight for x in block.experts],
-                              up_weights=[x.up_proj.weight for x in block.experts],
-                              down_weights=[x.down_proj.weight for x in block.experts])
+        """From a Hugging Face Qwen2-MoE / Qwen3-MoE / OLMoE sparse block (v5 fused experts or
+        4.x's gate_proj / up_proj / down_proj), renormalised when norm_topk_prob. See
+        moeblaze.integrations.hf."""
+        from .integrations.hf import moe_from_qwen_moe
+        return moe_from_qwen_moe(cls, block, **kw)
 
 
 class TorchMoE(MoE):
@@ -327,9 +399,7 @@ class TorchMoE(MoE):
     def forward(self, x):
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
-        logits = F.linear(x2.float(), self.gate.weight.float())
+        logits = router_logits(x2, self.gate.weight)
         ids, w = torch_router(logits, self.top_k, self.router, self.renormalize, self.expert_bias)
         out = torch_experts(x2, self.w1, self.w2, ids, w, self.activation)
-        losses = router_losses(logits, ids, self.num_experts, self.router, self.aux_loss_coef,
-                               self.z_loss_coef)
-        return out.reshape(shape), losses
+        return self._finish(x2, out, logits, ids, shape)

@@ -35,9 +35,10 @@ def test_nan_logits_named():
 
 
 def test_dtype_mismatch():
-    x = torch.randn(4, 16, dtype=torch.bfloat16)
-    w1, w2 = torch.randn(4, 16, 16), torch.randn(4, 16, 8)
-    with pytest.raises(ValueError, match=r"w1 has dtype torch.float32 but x has torch.bfloat16"):
+    # (bf16 x with fp32 weights is the fp32-master-weights case: cast, see test_mixed_precision.)
+    x = torch.randn(4, 16)
+    w1, w2 = torch.randn(4, 16, 16, dtype=torch.bfloat16), torch.randn(4, 16, 8)
+    with pytest.raises(ValueError, match=r"w1 has dtype torch.bfloat16 but x has torch.float32"):
         moeblaze.moe_experts(x, w1, w2, torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1))
 
 

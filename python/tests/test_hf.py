@@ -1,0 +1,192 @@
+"""moeblaze inside the real Hugging Face transformers (v5): experts_implementation="moeblaze"
+against transformers' eager experts on tiny random models built in code (no downloads), the
+loaders on v5 blocks, and the variants moeblaze refuses. Skipped without transformers >= 5."""
+import copy
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tiny configs built here: nothing to download
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.integrations.moe", reason="transformers < 5: no experts "
+                    "interface")
+
+import moeblaze  # noqa: E402
+from helpers import TOL, rel_err  # noqa: E402
+from moeblaze.integrations import hf as mb_hf  # noqa: E402
+
+mb_hf.register()
+
+COMMON = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, initializer_range=0.1)
+FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(intermediate_size=40, moe_intermediate_size=24, num_experts=4,
+                       num_experts_per_tok=2, shared_expert_intermediate_size=40,
+                       norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(intermediate_size=40, moe_intermediate_size=24, num_experts=4,
+                       num_experts_per_tok=2, norm_topk_prob=True, head_dim=8)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(intermediate_size=24, num_experts=4, num_experts_per_tok=2, pad_token_id=0,
+                   eos_token_id=None)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(intermediate_size=40, moe_intermediate_size=24, n_routed_experts=8,
+                         num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+                         first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=24,
+                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                         num_key_value_heads=4)),
+}
+# bf16: one layer, so that the two implementations' rounding cannot flip a later layer's routing.
+LAYERS = {torch.float32: 2, torch.bfloat16: 1}
+
+
+def build(family, dtype, layers=2):
+    cfg_name, model_name, kw = FAMILIES[family]
+    cfg = getattr(transformers, cfg_name)(num_hidden_layers=layers, **{**COMMON, **kw})
+    model = getattr(transformers, model_name)(cfg).to(dtype)
+    return model
+
+
+def pair(family, dtype, layers=None):
+    """(moeblaze model, eager copy with the same weights)."""
+    model = build(family, dtype, layers or LAYERS[dtype])
+    ref = copy.deepcopy(model)
+    ref.set_experts_implementation("eager")
+    model.set_experts_implementation("moeblaze")
+    assert model.config._experts_implementation == "moeblaze"
+    return model, ref
+
+
+def batch(T=2, L=12):
+    ids = torch.randint(0, COMMON["vocab_size"], (T, L))
+    return ids, torch.randint(0, COMMON["vocab_size"], (T, L))
+
+
+def step(model, ids, labels):
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hf_logits_and_grads_match_eager(seed, family, dtype):
+    model, ref = pair(family, dtype)
+    ids, labels = batch()
+    logits, grads = step(model, ids, labels)
+    ref_logits, ref_grads = step(ref, ids, labels)
+    assert rel_err(logits, ref_logits) <= TOL[dtype]
+    # Norm weights' gradients sum bf16 rounding over every token (measured up to 1.3e-2).
+    tol = TOL[dtype] * (2 if dtype == torch.bfloat16 else 1)
+    experts = [n for n in grads if "gate_up_proj" in n or "experts.down_proj" in n]
+    assert experts and all(grads[n] is not None and grads[n].abs().sum() > 0 for n in experts)
+    # A key bias's exact gradient is 0 (softmax is shift invariant): both sides hold only noise.
+    errs = {n: rel_err(g, ref_grads[n]) for n, g in grads.items()
+            if g is not None and not n.endswith("k_proj.bias")}
+    bad = {n: e for n, e in errs.items() if not e <= tol}
+    assert not bad, f"{family}: gradients above {tol}: {bad}"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hf_optimizer_step_matches_eager(seed, family):
+    model, ref = pair(family, torch.float32)
+    ids, labels = batch()
+    for m in (model, ref):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        m(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+    with torch.no_grad():
+        after, ref_after = model(input_ids=ids).logits, ref(input_ids=ids).logits
+    assert rel_err(after, ref_after) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hf_save_pretrained_round_trip(seed, family, tmp_path):
+    model, _ = pair(family, torch.float32)
+    model.save_pretrained(tmp_path)
+    cls = type(model)
+    loaded = cls.from_pretrained(tmp_path, experts_implementation="moeblaze")
+    assert loaded.config._experts_implementation == "moeblaze"
+    ids, _ = batch()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_hf_gpt_oss_refused_with_reason(seed):
+    cfg = transformers.GptOssConfig(num_hidden_layers=1, intermediate_size=24,
+                                    num_local_experts=4, num_experts_per_tok=2, head_dim=8,
+                                    **COMMON)
+    model = transformers.GptOssForCausalLM(cfg)
+    model.set_experts_implementation("moeblaze")
+    with pytest.raises(ValueError, match=r"GptOssExperts.*biases.*interleaved gate/up rows.*"
+                                         r"clamped SwiGLU"):
+        model(input_ids=batch()[0])
+
+
+@pytest.mark.parametrize("family,loader", [("mixtral", "from_mixtral"),
+                                           ("qwen2_moe", "from_qwen_moe"),
+                                           ("qwen3_moe", "from_qwen_moe"),
+                                           ("olmoe", "from_qwen_moe")])
+def test_loaders_read_v5_blocks(seed, family, loader):
+    block = build(family, torch.float32, 1).model.layers[0].mlp
+    moe = getattr(moeblaze.MoE, loader)(block)
+    assert (moe.shared_expert is not None) == (family == "qwen2_moe")
+    x = torch.randn(3, 5, 32)
+    with torch.no_grad():
+        ref = block(x)
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    assert rel_err(moe(x)[0], ref) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_hf_autocast_bf16_with_fp32_weights(seed, family):
+    """HF Trainer's bf16=True: fp32 parameters, torch.autocast(bf16); fp32 expert gradients."""
+    model, ref = pair(family, torch.float32, LAYERS[torch.bfloat16])
+    ids, labels = batch()
+    seen = []  # (input, output) dtypes of the experts: transformers expects them equal
+    hook = model.model.layers[0].mlp.experts.register_forward_hook(
+        lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, grads = step(model, ids, labels)
+        ref_logits, ref_grads = step(ref, ids, labels)
+    hook.remove()
+    assert seen and all(a == b for a, b in seen), seen
+    assert rel_err(logits, ref_logits) <= TOL[torch.bfloat16]
+    name = next(n for n in grads if "gate_up_proj" in n)
+    assert grads[name].dtype == torch.float32
+    assert rel_err(grads[name], ref_grads[name]) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("act,ok", [("relu2", True), ("relu", True), ("gelu_pytorch_tanh", False)])
+def test_hf_plain_experts_nemotron_h(seed, act, ok):
+    """NemotronH's non-gated experts (up_proj, down_proj): moeblaze's plain activations."""
+    mod = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
+    made = []
+    for impl in ("moeblaze", "eager"):
+        cfg = transformers.NemotronHConfig(hidden_size=32, moe_intermediate_size=24,
+                                           n_routed_experts=6, mlp_hidden_act=act)
+        cfg._experts_implementation = impl
+        made.append(mod.NemotronHExperts(cfg))
+    mb, ref = made
+    with torch.no_grad():
+        for p in mb.parameters():
+            p.normal_(0, 0.2)
+    ref.load_state_dict(mb.state_dict())
+    T, K = 30, 2
+    x = torch.randn(T, 32)
+    ids = torch.stack([torch.randperm(6)[:K] for _ in range(T)])
+    w = torch.rand(T, K)
+    if not ok:
+        with pytest.raises(ValueError, match=r"activation GELUTanh \(plain experts: moeblaze "
+                                             r"has relu"):
+            mb(x, ids, w)
+        return
+    outs = [m(x, ids, w) for m in (mb, ref)]
+    assert rel_err(outs[0], outs[1]) <= TOL[torch.float32]
+    g = torch.randn_like(outs[0])
+    grads = [torch.autograd.grad(o, m.up_proj, g)[0] for o, m in zip(outs, (mb, ref))]
+    assert rel_err(grads[0], grads[1]) <= TOL[torch.float32]
