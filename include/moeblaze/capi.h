@@ -126,6 +126,15 @@ int moeblaze_build_plan(const moeblaze_routing* routing, int32_t device, void* s
 int moeblaze_routing_flags_error(const int32_t* host_flags, const moeblaze_routing* routing,
                                  int32_t device);
 
+/* Checks a routing plan in host memory (validate_routing_plan's rules: offsets monotone from 0
+ * to S, every index in range, token_index_map a permutation under which the two views agree,
+ * slot weights finite); MOEBLAZE_ERR_INVALID_ARGUMENT naming the first bad entry otherwise.
+ * The CPU layer calls below run this check on every plan they are given, before any output is
+ * written. A plan on cuda is not read by the host: it is as good as the routing it was built
+ * from, which moeblaze_build_plan checks on the device (`flags`); a caller who fills device
+ * plan arrays any other way checks a host copy of them with this function. */
+int moeblaze_validate_plan(const moeblaze_plan* plan);
+
 /* Layer. The workspace (NULL = the library allocates its own, accounted) needs at least
  * moeblaze_layer_workspace_bytes for this call's thread count (CPU) and must be 64-byte
  * aligned. h: (S, w1_rows) cfg dtype, written by forward and read by backward in keep_h mode;

@@ -425,6 +425,10 @@ int moeblaze_routing_flags_error(const int32_t* host_flags, const moeblaze_routi
   });
 }
 
+int moeblaze_validate_plan(const moeblaze_plan* plan) {
+  return guarded([&] { validate_routing_plan(borrow_plan(plan, Device::cpu).view()); });
+}
+
 int moeblaze_layer_workspace_bytes(const moeblaze_layer_cfg* cfg, int64_t S, int32_t device,
                                    uint64_t* bytes) {
   return guarded([&] {

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "core/parallel.hpp"
+#include "core/plan_validation.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu/layer_common.hpp"
 #include "moeblaze/error.hpp"
@@ -33,6 +34,7 @@ void check_common(const LayerConfig& cfg, const RoutingPlan& plan, const TensorV
                    cfg.T);
   MOEBLAZE_REQUIRE(plan.E() == cfg.E, "plan has E = ", plan.E(), " experts, expected cfg.E = ",
                    cfg.E);
+  require_valid_plan(plan);
   MOEBLAZE_REQUIRE(opts.mode == LayerMode::keep_h || opts.mode == LayerMode::recompute ||
                        opts.mode == LayerMode::materialized,
                    "opts.mode (", int(opts.mode), ") is not a LayerMode");
