@@ -3,6 +3,7 @@
 // cpu::materialized_*).
 #include <cstdint>
 
+#include "core/checked_math.hpp"
 #include "core/parallel.hpp"
 #include "core/plan_validation.hpp"
 #include "cpu/cpu_backend.hpp"
@@ -35,6 +36,7 @@ void check_common(const LayerConfig& cfg, const RoutingPlan& plan, const TensorV
   MOEBLAZE_REQUIRE(plan.E() == cfg.E, "plan has E = ", plan.E(), " experts, expected cfg.E = ",
                    cfg.E);
   require_valid_plan(plan);
+  check_slot_extents(cfg, plan.S());
   MOEBLAZE_REQUIRE(opts.mode == LayerMode::keep_h || opts.mode == LayerMode::recompute ||
                        opts.mode == LayerMode::materialized,
                    "opts.mode (", int(opts.mode), ") is not a LayerMode");
@@ -163,7 +165,7 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
 
 size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, Device device) {
   cfg.validate();
-  MOEBLAZE_REQUIRE(S >= 0, "S (", S, ") must be >= 0");
+  check_slot_extents(cfg, S);
   if (device == Device::cuda) {
 #ifdef MOEBLAZE_WITH_CUDA
     return cuda::layer_workspace_bytes(cfg, S, mode);

@@ -7,12 +7,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/checked_math.hpp"
 #include "moeblaze/error.hpp"
 
 namespace moeblaze {
 namespace {
-
-constexpr int64_t kInt32Limit = int64_t(1) << 31;  // token ids, expert ids, slots are int32
 
 // offsets (count+1,) starts at 0, never decreases and ends at `total`.
 void require_csr_offsets(const int32_t* off, int64_t count, int64_t total, const char* name,

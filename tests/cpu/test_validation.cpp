@@ -182,5 +182,78 @@ TEST(PlanValidation, ValidBorrowedPlanMatchesBuiltPlan) {
   EXPECT_TRUE(test::bitwise_equal(via_c, f.t.out));
 }
 
+// ---- checked size arithmetic (issue 19 item 8) ----
+
+constexpr int64_t k2to(int b) { return int64_t(1) << b; }
+
+TEST(CheckedSizes, LayerConfigProductsDoNotWrap) {
+  LayerConfig c{k2to(62), 16, 16, 8, 4, Activation::swiglu, DType::bf16};
+  expect_invalid([&] { c.validate(); }, "T*K (4611686018427387904 * 4) overflows int64");
+  c = {k2to(29), 16, 16, 8, 4, Activation::swiglu, DType::bf16};
+  expect_invalid([&] { c.validate(); }, "T*K (2147483648) exceeds the int32 index range");
+  c = {16, k2to(62), 16, 8, 2, Activation::swiglu, DType::bf16};
+  expect_invalid([&] { c.validate(); }, "d (4611686018427387904) must be < 2^31");
+  c = {16, 16, k2to(40), 8, 2, Activation::swiglu, DType::bf16};
+  expect_invalid([&] { c.validate(); }, "n (1099511627776) must be < 2^31");
+  c = {16, k2to(31) - 1, k2to(31) - 1, k2to(30), 2, Activation::swiglu, DType::f32};
+  expect_invalid([&] { c.validate(); }, "E*w1_rows*d");
+}
+
+TEST(CheckedSizes, WorkspaceBytesThrowInsteadOfWrapping) {
+  LayerConfig c{16, k2to(62), 16, 8, 2, Activation::swiglu, DType::bf16};
+  expect_invalid([&] { layer_workspace_bytes(c, 32, LayerMode::keep_h, Device::cpu); },
+                 "d (4611686018427387904) must be < 2^31");
+  c = {16, k2to(30), k2to(30), 1, 1, Activation::relu, DType::bf16};
+  expect_invalid([&] { layer_workspace_bytes(c, k2to(31) - 1, LayerMode::recompute, Device::cpu); },
+                 "S*(w1_rows+n+d)");
+  expect_invalid([&] { layer_workspace_bytes(c, -1, LayerMode::keep_h, Device::cpu); },
+                 "S (-1) must be in [0, 2^31)");
+}
+
+TEST(CheckedSizes, HugeNullViewIsNotEmpty) {
+  const TensorView x(nullptr, DType::bf16, Device::cpu, {k2to(20), k2to(44)});
+  expect_invalid([&] { require_data(x, "x"); }, "x element count (1048576 * 17592186044416)");
+  expect_invalid([&] { (void)x.numel(); }, "overflows int64");
+}
+
+TEST(CheckedSizes, RoutingSizesThrowInvalidArgumentNotBadAlloc) {
+  std::vector<int32_t> ids{0, 1, 1, 0};
+  std::vector<float> w{0.5f, 0.5f, 0.5f, 0.5f};
+  Routing r;
+  expect_invalid(
+      [&] { routing_from_ids(host_view(ids.data(), {2, 2}), host_view(w.data(), {2, 2}), k2to(40), r); },
+      "num_experts (1099511627776) must be < 2^31");
+  // The largest valid E allocates nothing of size E (the repeat check is O(K)).
+  EXPECT_NO_THROW(routing_from_ids(host_view(ids.data(), {2, 2}), host_view(w.data(), {2, 2}),
+                                   k2to(31) - 1, r));
+  // T*top_k overflowing int64 through the C ABI.
+  const moeblaze_router_cfg rc{0, 8, 0};
+  std::vector<float> logits(64);
+  std::vector<int32_t> off(9), ex(64);
+  std::vector<float> pw(64);
+  const moeblaze_routing out{k2to(61), 8, 0, off.data(), ex.data(), pw.data()};
+  EXPECT_EQ(moeblaze_route(&rc, logits.data(), 0, k2to(61), 8, nullptr, 0, nullptr, &out, nullptr),
+            MOEBLAZE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moeblaze_last_error()).find("overflows int64"), std::string::npos)
+      << moeblaze_last_error();
+}
+
+// Tokens with many pairs (> 32) take the sorting repeat check: same rule, same message.
+TEST(CheckedSizes, RepeatCheckForManyPairsPerToken) {
+  const int64_t K = 40, E = 64;
+  std::vector<int32_t> ids(2 * K);
+  std::vector<float> w(2 * K, 0.1f);
+  for (int64_t k = 0; k < K; ++k) ids[k] = ids[K + k] = int32_t(k);
+  ids[K + 37] = 5;  // token 1 repeats expert 5 (pair 5) at pair 37
+  Routing r;
+  expect_invalid(
+      [&] { routing_from_ids(host_view(ids.data(), {2, K}), host_view(w.data(), {2, K}), E, r); },
+      "ids: expert 5 appears twice in token 1");
+  std::vector<int32_t> off{0, int32_t(K), int32_t(2 * K)};
+  const RoutingView v{2, E, 2 * K, off.data(), ids.data(), w.data(), Device::cpu};
+  expect_invalid([&] { validate_routing(v); },
+                 "pair_experts: expert id 5 is repeated in token 1 (pairs 45 and 77)");
+}
+
 }  // namespace
 }  // namespace moeblaze
