@@ -18,6 +18,13 @@
 namespace moeblaze {
 namespace {
 
+void require_layer_mode(LayerMode mode, const char* name) {
+  MOEBLAZE_REQUIRE(mode == LayerMode::keep_h || mode == LayerMode::recompute ||
+                       mode == LayerMode::materialized,
+                   name, " (", int(mode), ") is not a LayerMode: must be 0 (keep_h), 1 (recompute) "
+                   "or 2 (materialized)");
+}
+
 // A tensor argument: shape, dtype, device (the plan's) and data, in that order, so the first
 // broken rule is the one reported.
 void check_tensor(const TensorView& t, const char* name, std::initializer_list<int64_t> dims,
@@ -37,9 +44,7 @@ void check_common(const LayerConfig& cfg, const RoutingPlan& plan, const TensorV
                    cfg.E);
   require_valid_plan(plan);
   check_slot_extents(cfg, plan.S());
-  MOEBLAZE_REQUIRE(opts.mode == LayerMode::keep_h || opts.mode == LayerMode::recompute ||
-                       opts.mode == LayerMode::materialized,
-                   "opts.mode (", int(opts.mode), ") is not a LayerMode");
+  require_layer_mode(opts.mode, "opts.mode");
   MOEBLAZE_REQUIRE(opts.num_threads >= 0, "opts.num_threads (", opts.num_threads,
                    ") must be >= 0 (0 = all hardware threads)");
   const Device dev = plan.device();
@@ -166,6 +171,9 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
 size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, Device device) {
   cfg.validate();
   check_slot_extents(cfg, S);
+  require_layer_mode(mode, "mode");
+  MOEBLAZE_REQUIRE(device == Device::cpu || device == Device::cuda, "device (", int(device),
+                   ") must be cpu or cuda");
   if (device == Device::cuda) {
 #ifdef MOEBLAZE_WITH_CUDA
     return cuda::layer_workspace_bytes(cfg, S, mode);

@@ -87,7 +87,11 @@ void LayerConfig::validate() const {
   MOEBLAZE_REQUIRE(E >= 1, "num_experts E (", E, ") must be >= 1");
   MOEBLAZE_REQUIRE(K >= 1, "top_k K (", K, ") must be >= 1");
   MOEBLAZE_REQUIRE(K <= E, "top_k K (", K, ") exceeds num_experts E (", E, ")");
-  MOEBLAZE_REQUIRE(dtype == DType::f32 || dtype == DType::bf16, "dtype (", dtype_name(dtype),
+  // Enums first: a value outside the enum (from a cast or a C caller) must not reach a switch.
+  MOEBLAZE_REQUIRE(activation <= Activation::relu2, "activation (", int(activation),
+                   ") is not an Activation: must be 0..5 (swiglu, geglu, relu, silu, gelu, relu2)");
+  MOEBLAZE_REQUIRE(dtype == DType::f32 || dtype == DType::bf16, "dtype (",
+                   dtype <= DType::f64 ? dtype_name(dtype) : std::to_string(int(dtype)),
                    ") must be fp32 or bf16");
   // int32 slot indices: S = T*K must fit.
   const int64_t S = checked_mul(T, K, "T*K");

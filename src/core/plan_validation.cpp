@@ -28,6 +28,8 @@ void require_csr_offsets(const int32_t* off, int64_t count, int64_t total, const
 }  // namespace
 
 void validate_routing_plan_header(const RoutingPlanView& p) {
+  MOEBLAZE_REQUIRE(p.device == Device::cpu || p.device == Device::cuda, "plan.device (",
+                   int(p.device), ") must be cpu or cuda");
   MOEBLAZE_REQUIRE(p.T >= 0 && p.T < kInt32Limit, "plan.T (", p.T, ") must be in [0, 2^31)");
   MOEBLAZE_REQUIRE(p.E >= 1 && p.E < kInt32Limit, "plan.E (", p.E, ") must be in [1, 2^31)");
   MOEBLAZE_REQUIRE(p.S >= 0 && p.S < kInt32Limit, "plan.S (", p.S, ") must be in [0, 2^31)");

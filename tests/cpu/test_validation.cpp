@@ -255,5 +255,57 @@ TEST(CheckedSizes, RepeatCheckForManyPairsPerToken) {
                  "pair_experts: expert id 5 is repeated in token 1 (pairs 45 and 77)");
 }
 
+// ---- enum ranges (issue 19 item 4) ----
+
+TEST(EnumRanges, OutOfRangeEnumsAreRejectedBeforeAnyWork) {
+  for (LayerMode mode : {LayerMode::keep_h, LayerMode::recompute, LayerMode::materialized}) {
+    Fixture f;
+    f.cfg.activation = static_cast<Activation>(6);
+    const std::vector<HostTensor> before = f.snapshot();
+    expect_invalid([&] { f.forward(f.built, mode); }, "activation (6) is not an Activation");
+    expect_invalid([&] { f.backward(f.built, mode); }, "activation (6) is not an Activation");
+    f.expect_untouched(before);
+  }
+  LayerConfig c{8, 8, 8, 4, 2, Activation::relu, static_cast<DType>(9)};
+  expect_invalid([&] { c.validate(); }, "dtype (9) must be fp32 or bf16");
+  c.dtype = DType::f64;
+  expect_invalid([&] { c.validate(); }, "dtype (fp64) must be fp32 or bf16");
+  c.dtype = DType::f32;
+  expect_invalid([&] { layer_workspace_bytes(c, 16, static_cast<LayerMode>(5), Device::cpu); },
+                 "mode (5) is not a LayerMode");
+  expect_invalid([&] { layer_workspace_bytes(c, 16, LayerMode::keep_h, static_cast<Device>(3)); },
+                 "device (3) must be cpu or cuda");
+  Fixture f;
+  const std::vector<HostTensor> before = f.snapshot();
+  expect_invalid([&] { f.forward(f.built, static_cast<LayerMode>(3)); },
+                 "opts.mode (3) is not a LayerMode");
+  f.expect_untouched(before);
+
+  std::vector<float> logits(8 * 4, 0.5f);
+  RouterConfig rc;
+  rc.kind = static_cast<RouterKind>(7);
+  Routing r;
+  expect_invalid([&] { route(rc, host_view(logits.data(), {8, 4}), TensorView(), r); },
+                 "router kind (7) is not a RouterKind");
+  rc.kind = RouterKind::softmax_topk;
+  route(rc, host_view(logits.data(), {8, 4}), TensorView(), r);
+  TokenRoundingConfig tc;
+  tc.mode = static_cast<RoundingMode>(9);
+  Routing rounded;
+  expect_invalid(
+      [&] { token_round(rc, tc, host_view(logits.data(), {8, 4}), TensorView(), r.view(), rounded); },
+      "token rounding mode (9) is not a RoundingMode");
+  HostPlan plan(f.built);
+  RoutingPlanView v = plan.borrow().view();
+  v.device = static_cast<Device>(4);
+  expect_invalid([&] { validate_routing_plan(v); }, "plan.device (4) must be cpu or cuda");
+  // The C ABI checks its codes too.
+  moeblaze_layer_cfg cc = test::c_layer_cfg(f.cfg, 0);
+  cc.activation = 6;
+  uint64_t bytes = 0;
+  EXPECT_EQ(moeblaze_layer_workspace_bytes(&cc, 16, 0, &bytes), MOEBLAZE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moeblaze_last_error()).find("activation (6)"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace moeblaze
