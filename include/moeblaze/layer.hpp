@@ -84,6 +84,13 @@ struct LayerGrads {
   TensorView d_pair_weights;  // (P,) fp32, P = plan.S()
 };
 
+// Aliasing: no output may share a byte with an input or with another output (forward: out,
+// opts.h_storage and opts.workspace against x, w1, w2 and the plan's arrays; backward: dx, dw1,
+// dw2, d_pair_weights and opts.workspace against x, w1, w2, d_out, saved H and the plan's
+// arrays). Backward writes dx before it reads x and d_out for the weight gradients, so an
+// in-place call would be wrong: it is rejected with InvalidArgument naming both arguments, in
+// every mode and on every device.
+//
 // Runs forward; fills `saved` (replacing its contents). Validates everything first and leaves
 // `out` untouched on error. T = 0 is valid (nothing to do).
 void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,

@@ -307,5 +307,75 @@ TEST(EnumRanges, OutOfRangeEnumsAreRejectedBeforeAnyWork) {
   EXPECT_NE(std::string(moeblaze_last_error()).find("activation (6)"), std::string::npos);
 }
 
+// ---- aliasing (issue 19 item 7) ----
+
+TEST(Aliasing, OutputsOverlappingInputsOrEachOtherAreRejected) {
+  for (LayerMode mode : {LayerMode::keep_h, LayerMode::recompute, LayerMode::materialized}) {
+    SCOPED_TRACE(layer_mode_name(mode));
+    Fixture f;
+    SavedForBackward saved;
+    HostTensor out(f.cfg.dtype, {f.cfg.T, f.cfg.d});
+    layer_forward(f.cfg, f.built, f.t.x.view(), f.t.w1.view(), f.t.w2.view(), out.view(), saved,
+                  {mode, 1});
+    const auto backward = [&](LayerGrads g) {
+      layer_backward(f.cfg, f.built, f.t.x.view(), f.t.w1.view(), f.t.w2.view(), f.t.d_out.view(),
+                     saved, g, {mode, 1});
+    };
+    const LayerGrads good = f.t.grads();
+    const HostTensor x0 = f.t.x, w10 = f.t.w1, dout0 = f.t.d_out;
+    LayerGrads g = good;
+    g.dx = f.t.x.view();  // in place over x
+    expect_invalid([&] { backward(g); }, "dx overlaps x in memory");
+    g = good;
+    g.dx = f.t.d_out.view();
+    expect_invalid([&] { backward(g); }, "dx overlaps d_out in memory");
+    g = good;
+    g.dw1 = f.t.w1.view();
+    expect_invalid([&] { backward(g); }, "dw1 overlaps w1 in memory");
+    g = good;
+    g.dw2 = f.t.w2.view();
+    expect_invalid([&] { backward(g); }, "dw2 overlaps w2 in memory");
+    g = good;
+    // d_pair_weights inside dw2's bytes (outputs overlapping each other).
+    g.d_pair_weights.data = f.t.dw2.data();
+    expect_invalid([&] { backward(g); }, "d_pair_weights overlaps dw2 in memory");
+    g = good;
+    g.dx.data = static_cast<char*>(f.t.x.data()) + 2;  // a partial overlap counts too
+    expect_invalid([&] { backward(g); }, "dx overlaps x in memory");
+    EXPECT_TRUE(test::bitwise_equal(f.t.x, x0));
+    EXPECT_TRUE(test::bitwise_equal(f.t.w1, w10));
+    EXPECT_TRUE(test::bitwise_equal(f.t.d_out, dout0));
+    SavedForBackward s2;
+    expect_invalid(
+        [&] {
+          layer_forward(f.cfg, f.built, f.t.x.view(), f.t.w1.view(), f.t.w2.view(), f.t.x.view(),
+                        s2, {mode, 1});
+        },
+        "out overlaps x in memory");
+    EXPECT_TRUE(test::bitwise_equal(f.t.x, x0));
+  }
+}
+
+TEST(Aliasing, CAbiRejectsInPlaceAndPlanOverlap) {
+  Fixture f;
+  HostPlan plan(f.built);
+  const moeblaze_layer_cfg c = test::c_layer_cfg(f.cfg, 1);  // recompute: no h
+  const moeblaze_plan p = plan.c_plan();
+  const HostTensor x0 = f.t.x;
+  EXPECT_EQ(moeblaze_layer_forward(&c, &p, 0, nullptr, f.t.x.data(), f.t.w1.data(),
+                                   f.t.w2.data(), f.t.x.data(), nullptr, nullptr, 0),
+            MOEBLAZE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moeblaze_last_error()).find("out overlaps x"), std::string::npos);
+  EXPECT_EQ(moeblaze_layer_backward(&c, &p, 0, nullptr, f.t.x.data(), f.t.w1.data(),
+                                    f.t.w2.data(), f.t.d_out.data(), nullptr, f.t.dx.data(),
+                                    f.t.dw1.data(), f.t.dw2.data(),
+                                    reinterpret_cast<float*>(plan.slot_weights.data()), nullptr, 0),
+            MOEBLAZE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moeblaze_last_error()).find("d_pair_weights overlaps plan.slot_weights"),
+            std::string::npos)
+      << moeblaze_last_error();
+  EXPECT_TRUE(test::bitwise_equal(f.t.x, x0));
+}
+
 }  // namespace
 }  // namespace moeblaze
