@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/aliasing.hpp"
 #include "core/checked_math.hpp"
 #include "core/routing_validation.hpp"
 #include "cpu/cpu_backend.hpp"
@@ -164,6 +165,14 @@ void router_backward(const RouterConfig& cfg, const TensorView& logits, const Te
   MOEBLAZE_REQUIRE(d_logits.device == logits.device, "d_logits is on ",
                    device_name(d_logits.device), " but logits are on ",
                    device_name(logits.device));
+  const size_t pair_bytes = sizeof(int32_t) * static_cast<size_t>(routing.P);
+  require_disjoint({byte_range(d_logits, "d_logits")},
+                   {byte_range(logits, "logits"), byte_range(bias, "bias"),
+                    byte_range(d_pair_weights, "d_pair_weights"),
+                    {routing.pair_offsets, sizeof(int32_t) * static_cast<size_t>(routing.T + 1),
+                     "routing.pair_offsets"},
+                    {routing.pair_experts, pair_bytes, "routing.pair_experts"},
+                    {routing.pair_weights, pair_bytes, "routing.pair_weights"}});
   if (logits.device == Device::cpu) {
     validate_routing(routing);
     cpu::router_backward(cfg, logits, bias, routing, d_pair_weights, d_logits);

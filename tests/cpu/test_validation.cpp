@@ -356,6 +356,24 @@ TEST(Aliasing, OutputsOverlappingInputsOrEachOtherAreRejected) {
   }
 }
 
+TEST(Aliasing, RouterBackwardRejectsInPlaceLogits) {
+  std::vector<float> logits(8 * 4, 0.25f), dpw(16, 1.0f), dl(8 * 4, 0.0f);
+  logits[1] = 1.0f;
+  RouterConfig rc;
+  Routing r;
+  route(rc, host_view(logits.data(), {8, 4}), TensorView(), r);
+  const std::vector<float> logits0 = logits;
+  expect_invalid(
+      [&] {
+        router_backward(rc, host_view(logits.data(), {8, 4}), TensorView(), r.view(),
+                        host_view(dpw.data(), {16}), host_view(logits.data(), {8, 4}));
+      },
+      "d_logits overlaps logits in memory");
+  EXPECT_EQ(logits, logits0);
+  EXPECT_NO_THROW(router_backward(rc, host_view(logits.data(), {8, 4}), TensorView(), r.view(),
+                                  host_view(dpw.data(), {16}), host_view(dl.data(), {8, 4})));
+}
+
 TEST(Aliasing, CAbiRejectsInPlaceAndPlanOverlap) {
   Fixture f;
   HostPlan plan(f.built);
