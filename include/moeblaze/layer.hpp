@@ -28,9 +28,13 @@ namespace moeblaze {
 enum class LayerMode : uint8_t { keep_h, recompute, materialized };
 const char* layer_mode_name(LayerMode m);  // "moeblaze", "moeblaze-recompute", "materialized"
 
+// The largest thread count an entry point accepts (num_threads, the CLI's --threads).
+constexpr int kMaxThreads = 1024;
+
 struct LayerOptions {
   LayerMode mode = LayerMode::keep_h;
-  int num_threads = 0;  // CPU backend: 0 = all hardware threads. Results do not depend on it.
+  // CPU backend: 0 = all hardware threads, else 1..kMaxThreads. Results do not depend on it.
+  int num_threads = 0;
   void* stream = nullptr;  // CUDA backend: the cudaStream_t to run on (nullptr = default stream)
 
   // Caller-provided memory (keep_h / recompute only; nullptr = the library allocates its own,

@@ -162,6 +162,7 @@ LayerConfig to_layer(const moeblaze_layer_cfg* c) {
   cfg.activation = static_cast<Activation>(c->activation);
   cfg.dtype = to_float_dtype(c->dtype, "layer");
   cfg.validate();
+  require_thread_count(c->num_threads, "num_threads");
   return cfg;
 }
 

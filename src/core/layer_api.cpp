@@ -5,6 +5,7 @@
 
 #include "core/aliasing.hpp"
 #include "core/checked_math.hpp"
+#include "core/layer_checks.hpp"
 #include "core/parallel.hpp"
 #include "core/plan_validation.hpp"
 #include "cpu/cpu_backend.hpp"
@@ -17,7 +18,6 @@
 #endif
 
 namespace moeblaze {
-namespace {
 
 void require_layer_mode(LayerMode mode, const char* name) {
   MOEBLAZE_REQUIRE(mode == LayerMode::keep_h || mode == LayerMode::recompute ||
@@ -25,6 +25,8 @@ void require_layer_mode(LayerMode mode, const char* name) {
                    name, " (", int(mode), ") is not a LayerMode: must be 0 (keep_h), 1 (recompute) "
                    "or 2 (materialized)");
 }
+
+namespace {
 
 // A tensor argument: shape, dtype, device (the plan's) and data, in that order, so the first
 // broken rule is the one reported.
@@ -46,8 +48,7 @@ void check_common(const LayerConfig& cfg, const RoutingPlan& plan, const TensorV
   require_valid_plan(plan);
   check_slot_extents(cfg, plan.S());
   require_layer_mode(opts.mode, "opts.mode");
-  MOEBLAZE_REQUIRE(opts.num_threads >= 0, "opts.num_threads (", opts.num_threads,
-                   ") must be >= 0 (0 = all hardware threads)");
+  require_thread_count(opts.num_threads, "opts.num_threads");
   const Device dev = plan.device();
 #ifndef MOEBLAZE_WITH_CUDA
   for (const auto& [t, name] : {std::pair<const TensorView*, const char*>{&x, "x"}, {&w1, "w1"},

@@ -395,5 +395,36 @@ TEST(Aliasing, CAbiRejectsInPlaceAndPlanOverlap) {
   EXPECT_TRUE(test::bitwise_equal(f.t.x, x0));
 }
 
+// ---- thread counts (issue 19 item 9, library side) ----
+
+TEST(ThreadCounts, OutOfRangeThreadCountsAreInvalidArguments) {
+  Fixture f;
+  HostPlan plan(f.built);
+  const std::vector<HostTensor> before = f.snapshot();
+  for (int32_t threads : {-1, 1025, 100000, INT32_MAX}) {
+    SCOPED_TRACE(threads);
+    const moeblaze_layer_cfg c = test::c_layer_cfg(f.cfg, 1, threads);
+    const moeblaze_plan p = plan.c_plan();
+    const std::string rule = "num_threads (" + std::to_string(threads) + ") must be in [0, 1024]";
+    uint64_t bytes = 7;
+    EXPECT_EQ(moeblaze_layer_workspace_bytes(&c, plan.S, 0, &bytes), MOEBLAZE_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(moeblaze_last_error()).find(rule), std::string::npos)
+        << moeblaze_last_error();
+    EXPECT_EQ(bytes, 7u);
+    EXPECT_EQ(moeblaze_layer_forward(&c, &p, 0, nullptr, f.t.x.data(), f.t.w1.data(),
+                                     f.t.w2.data(), f.t.out.data(), nullptr, nullptr, 0),
+              MOEBLAZE_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(moeblaze_last_error()).find(rule), std::string::npos);
+    SavedForBackward saved;
+    expect_invalid(
+        [&] {
+          layer_forward(f.cfg, f.built, f.t.x.view(), f.t.w1.view(), f.t.w2.view(),
+                        f.t.out.view(), saved, {LayerMode::keep_h, threads});
+        },
+        "opts.num_threads (" + std::to_string(threads) + ") must be in [0, 1024]");
+  }
+  f.expect_untouched(before);
+}
+
 }  // namespace
 }  // namespace moeblaze
