@@ -16,8 +16,7 @@ bool parse_whole(const std::string& s, T& v) {
 }  // namespace
 
 CLI::Validator integer_in(int64_t lo, int64_t hi) {
-  const std::string rule =
-      "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+  const std::string rule = "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
   return CLI::Validator(
       [lo, hi, rule](std::string& s) -> std::string {
         int64_t v = 0;
@@ -31,8 +30,7 @@ CLI::Validator unsigned_integer() {
   return CLI::Validator(
       [](std::string& s) -> std::string {
         uint64_t v = 0;
-        if (!parse_whole(s, v))
-          return "'" + s + "' is not an integer in [0, 18446744073709551615]";
+        if (!parse_whole(s, v)) return "'" + s + "' is not an integer in [0, 18446744073709551615]";
         return {};
       },
       "UINT64");

@@ -9,7 +9,8 @@ namespace {
 
 bool overlap(const ByteRange& a, const ByteRange& b) {
   if (a.bytes == 0 || b.bytes == 0) return false;
-  const uintptr_t a0 = reinterpret_cast<uintptr_t>(a.data), b0 = reinterpret_cast<uintptr_t>(b.data);
+  const uintptr_t a0 = reinterpret_cast<uintptr_t>(a.data),
+                  b0 = reinterpret_cast<uintptr_t>(b.data);
   return a0 < b0 + b.bytes && b0 < a0 + a.bytes;
 }
 

@@ -7,8 +7,7 @@ namespace moeblaze {
 
 int64_t checked_mul(int64_t a, int64_t b, const char* what) {
   int64_t r = 0;
-  MOEBLAZE_REQUIRE(!__builtin_mul_overflow(a, b, &r), what, " (", a, " * ", b,
-                   ") overflows int64");
+  MOEBLAZE_REQUIRE(!__builtin_mul_overflow(a, b, &r), what, " (", a, " * ", b, ") overflows int64");
   return r;
 }
 

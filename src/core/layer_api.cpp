@@ -167,7 +167,8 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
                     byte_range(grads.dw2, "dw2"),
                     byte_range(grads.d_pair_weights, "d_pair_weights"), workspace_range(opts)},
                    with_plan({byte_range(x, "x"), byte_range(w1, "w1"), byte_range(w2, "w2"),
-                              byte_range(d_out, "d_out"), {saved.h.data(), saved.h.bytes(), "saved H"}},
+                              byte_range(d_out, "d_out"),
+                              {saved.h.data(), saved.h.bytes(), "saved H"}},
                              plan));
   MOEBLAZE_REQUIRE(saved.mode() == opts.mode, "saved comes from mode ",
                    layer_mode_name(saved.mode()), ", but opts.mode is ",

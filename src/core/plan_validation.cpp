@@ -19,8 +19,7 @@ void require_csr_offsets(const int32_t* off, int64_t count, int64_t total, const
   MOEBLAZE_REQUIRE(off[0] == 0, "plan.", name, "[0] (", off[0], ") must be 0");
   for (int64_t i = 0; i < count; ++i)
     MOEBLAZE_REQUIRE(off[i + 1] >= off[i], "plan.", name, " must be non-decreasing: plan.", name,
-                     "[", i + 1, "] (", off[i + 1], ") < plan.", name, "[", i, "] (", off[i],
-                     ")");
+                     "[", i + 1, "] (", off[i + 1], ") < plan.", name, "[", i, "] (", off[i], ")");
   MOEBLAZE_REQUIRE(off[count] == total, "plan.", name, "[", count_name, " = ", count, "] (",
                    off[count], ") must equal S (", total, ")");
 }
@@ -64,8 +63,8 @@ void validate_routing_plan(const RoutingPlanView& p) {
     for (int32_t s = eto[e]; s < eto[e + 1]; ++s) {
       MOEBLAZE_REQUIRE(eti[s] >= 0 && eti[s] < T, "plan.expert_token_indices[", s, "] (", eti[s],
                        ") must be in [0, T = ", T, ")");
-      MOEBLAZE_REQUIRE(s == eto[e] || eti[s] > eti[s - 1], "plan.expert_token_indices[", s,
-                       "] (", eti[s], ") must be greater than entry ", s - 1, " (", eti[s - 1],
+      MOEBLAZE_REQUIRE(s == eto[e] || eti[s] > eti[s - 1], "plan.expert_token_indices[", s, "] (",
+                       eti[s], ") must be greater than entry ", s - 1, " (", eti[s - 1],
                        "): tokens ascend within expert ", e);
       MOEBLAZE_REQUIRE(std::isfinite(p.slot_weights[s]), "plan.slot_weights[", s, "] (",
                        p.slot_weights[s], ") must be finite");
@@ -83,8 +82,7 @@ void validate_routing_plan(const RoutingPlanView& p) {
       MOEBLAZE_REQUIRE(s >= 0 && s < S, "plan.token_index_map[", q, "] (", s,
                        ") must be in [0, S = ", S, ")");
       MOEBLAZE_REQUIRE(!slot_taken[s], "plan.token_index_map[", q, "] (", s,
-                       ") repeats an earlier entry: it must be a permutation of [0, S = ", S,
-                       ")");
+                       ") repeats an earlier entry: it must be a permutation of [0, S = ", S, ")");
       slot_taken[s] = 1;
       MOEBLAZE_REQUIRE(s >= eto[e] && s < eto[e + 1], "plan.token_index_map[", q, "] (", s,
                        ") must be a slot of expert ", e, " (plan.token_expert_indices[", q,

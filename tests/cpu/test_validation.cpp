@@ -35,9 +35,7 @@ struct Fixture {
     t.randomize(7);
     for (HostTensor* o : outputs()) o->fill_pattern();
   }
-  std::vector<HostTensor*> outputs() {
-    return {&t.out, &t.dx, &t.dw1, &t.dw2, &t.d_pair_weights};
-  }
+  std::vector<HostTensor*> outputs() { return {&t.out, &t.dx, &t.dw1, &t.dw2, &t.d_pair_weights}; }
   // Copies of the poisoned outputs, to compare against after a failed call.
   std::vector<HostTensor> snapshot() {
     std::vector<HostTensor> s;
@@ -51,15 +49,13 @@ struct Fixture {
   }
   void forward(const RoutingPlan& plan, LayerMode mode = LayerMode::keep_h) {
     SavedForBackward saved;
-    layer_forward(cfg, plan, t.x.view(), t.w1.view(), t.w2.view(), t.out.view(), saved,
-                  {mode, 1});
+    layer_forward(cfg, plan, t.x.view(), t.w1.view(), t.w2.view(), t.out.view(), saved, {mode, 1});
   }
   // Forward with the library's plan, then backward with `plan`.
   void backward(const RoutingPlan& plan, LayerMode mode = LayerMode::keep_h) {
     SavedForBackward saved;
     HostTensor out(cfg.dtype, {cfg.T, cfg.d});
-    layer_forward(cfg, built, t.x.view(), t.w1.view(), t.w2.view(), out.view(), saved,
-                  {mode, 1});
+    layer_forward(cfg, built, t.x.view(), t.w1.view(), t.w2.view(), out.view(), saved, {mode, 1});
     layer_backward(cfg, plan, t.x.view(), t.w1.view(), t.w2.view(), t.d_out.view(), saved,
                    t.grads(), {mode, 1});
   }
@@ -77,7 +73,8 @@ struct Fixture {
     h.assign(size_t(plan.S * cfg.w1_rows()) * 2 + 16, 0);
     return moeblaze_layer_backward(&c, &p, 0, nullptr, t.x.data(), t.w1.data(), t.w2.data(),
                                    t.d_out.data(), h.data(), t.dx.data(), t.dw1.data(),
-                                   t.dw2.data(), static_cast<float*>(t.d_pair_weights.data()), nullptr, 0);
+                                   t.dw2.data(), static_cast<float*>(t.d_pair_weights.data()),
+                                   nullptr, 0);
   }
   std::vector<unsigned char> h;
 };
@@ -105,8 +102,7 @@ std::vector<Corruption> corruptions() {
       {"expert id out of range", [](HostPlan& p) { p.token_expert_indices[4] = 5; },
        "plan.token_expert_indices[4] (5) must be in [0, E = 5)"},
       {"token_index_map not a permutation",
-       [](HostPlan& p) { p.token_index_map[1] = p.token_index_map[0]; },
-       "plan.token_index_map[1]"},
+       [](HostPlan& p) { p.token_index_map[1] = p.token_index_map[0]; }, "plan.token_index_map[1]"},
       {"slot out of range", [](HostPlan& p) { p.token_index_map[2] = -7; },
        "plan.token_index_map[2] (-7) must be in [0, S = 80)"},
       {"views disagree", [](HostPlan& p) { std::swap(p.token_index_map[0], p.token_index_map[2]); },
@@ -129,12 +125,20 @@ TEST(PlanValidation, LibraryPlanPassesAndIsStamped) {
   EXPECT_EQ(moeblaze_validate_plan(&c), MOEBLAZE_OK) << moeblaze_last_error();
 }
 
-TEST(PlanValidation, CorruptedPlansRejectedByCppApiOutputsUntouched) {
+// Calls check(corruption, fixture, corrupted copy of the fixture's plan) for every corruption.
+template <typename Fn>
+void for_each_corruption(const Fn& check) {
   for (const Corruption& k : corruptions()) {
     SCOPED_TRACE(k.name);
     Fixture f;
     HostPlan bad(f.built);
     k.apply(bad);
+    check(k, f, bad);
+  }
+}
+
+TEST(PlanValidation, CorruptedPlansRejectedByCppApiOutputsUntouched) {
+  for_each_corruption([](const Corruption& k, Fixture& f, HostPlan& bad) {
     const RoutingPlan plan = bad.borrow();
     const std::vector<HostTensor> before = f.snapshot();
     expect_invalid([&] { f.forward(plan); }, k.message);
@@ -142,15 +146,11 @@ TEST(PlanValidation, CorruptedPlansRejectedByCppApiOutputsUntouched) {
     expect_invalid([&] { f.backward(plan); }, k.message);
     expect_invalid([&] { f.backward(plan, LayerMode::recompute); }, k.message);
     f.expect_untouched(before);
-  }
+  });
 }
 
 TEST(PlanValidation, CorruptedPlansRejectedByCAbiOutputsUntouched) {
-  for (const Corruption& k : corruptions()) {
-    SCOPED_TRACE(k.name);
-    Fixture f;
-    HostPlan bad(f.built);
-    k.apply(bad);
+  for_each_corruption([](const Corruption& k, Fixture& f, HostPlan& bad) {
     const std::vector<HostTensor> before = f.snapshot();
     const moeblaze_plan c = bad.c_plan();
     for (int rc : {moeblaze_validate_plan(&c), f.c_forward(bad), f.c_backward(bad)}) {
@@ -159,7 +159,7 @@ TEST(PlanValidation, CorruptedPlansRejectedByCAbiOutputsUntouched) {
           << moeblaze_last_error();
     }
     f.expect_untouched(before);
-  }
+  });
 }
 
 // Writing through a library-built plan's accessors drops its stamp: the next use checks it.
@@ -221,7 +221,9 @@ TEST(CheckedSizes, RoutingSizesThrowInvalidArgumentNotBadAlloc) {
   std::vector<float> w{0.5f, 0.5f, 0.5f, 0.5f};
   Routing r;
   expect_invalid(
-      [&] { routing_from_ids(host_view(ids.data(), {2, 2}), host_view(w.data(), {2, 2}), k2to(40), r); },
+      [&] {
+        routing_from_ids(host_view(ids.data(), {2, 2}), host_view(w.data(), {2, 2}), k2to(40), r);
+      },
       "num_experts (1099511627776) must be < 2^31");
   // The largest valid E allocates nothing of size E (the repeat check is O(K)).
   EXPECT_NO_THROW(routing_from_ids(host_view(ids.data(), {2, 2}), host_view(w.data(), {2, 2}),
@@ -247,7 +249,9 @@ TEST(CheckedSizes, RepeatCheckForManyPairsPerToken) {
   ids[K + 37] = 5;  // token 1 repeats expert 5 (pair 5) at pair 37
   Routing r;
   expect_invalid(
-      [&] { routing_from_ids(host_view(ids.data(), {2, K}), host_view(w.data(), {2, K}), E, r); },
+      [&] {
+        routing_from_ids(host_view(ids.data(), {2, K}), host_view(w.data(), {2, K}), E, r);
+      },
       "ids: expert 5 appears twice in token 1");
   std::vector<int32_t> off{0, int32_t(K), int32_t(2 * K)};
   const RoutingView v{2, E, 2 * K, off.data(), ids.data(), w.data(), Device::cpu};
@@ -285,15 +289,20 @@ TEST(EnumRanges, OutOfRangeEnumsAreRejectedBeforeAnyWork) {
   RouterConfig rc;
   rc.kind = static_cast<RouterKind>(7);
   Routing r;
-  expect_invalid([&] { route(rc, host_view(logits.data(), {8, 4}), TensorView(), r); },
-                 "router kind (7) is not a RouterKind");
+  expect_invalid(
+      [&] {
+        route(rc, host_view(logits.data(), {8, 4}), TensorView(), r);
+      },
+      "router kind (7) is not a RouterKind");
   rc.kind = RouterKind::softmax_topk;
   route(rc, host_view(logits.data(), {8, 4}), TensorView(), r);
   TokenRoundingConfig tc;
   tc.mode = static_cast<RoundingMode>(9);
   Routing rounded;
   expect_invalid(
-      [&] { token_round(rc, tc, host_view(logits.data(), {8, 4}), TensorView(), r.view(), rounded); },
+      [&] {
+        token_round(rc, tc, host_view(logits.data(), {8, 4}), TensorView(), r.view(), rounded);
+      },
       "token rounding mode (9) is not a RoundingMode");
   HostPlan plan(f.built);
   RoutingPlanView v = plan.borrow().view();
@@ -380,13 +389,13 @@ TEST(Aliasing, CAbiRejectsInPlaceAndPlanOverlap) {
   const moeblaze_layer_cfg c = test::c_layer_cfg(f.cfg, 1);  // recompute: no h
   const moeblaze_plan p = plan.c_plan();
   const HostTensor x0 = f.t.x;
-  EXPECT_EQ(moeblaze_layer_forward(&c, &p, 0, nullptr, f.t.x.data(), f.t.w1.data(),
-                                   f.t.w2.data(), f.t.x.data(), nullptr, nullptr, 0),
+  EXPECT_EQ(moeblaze_layer_forward(&c, &p, 0, nullptr, f.t.x.data(), f.t.w1.data(), f.t.w2.data(),
+                                   f.t.x.data(), nullptr, nullptr, 0),
             MOEBLAZE_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(moeblaze_last_error()).find("out overlaps x"), std::string::npos);
-  EXPECT_EQ(moeblaze_layer_backward(&c, &p, 0, nullptr, f.t.x.data(), f.t.w1.data(),
-                                    f.t.w2.data(), f.t.d_out.data(), nullptr, f.t.dx.data(),
-                                    f.t.dw1.data(), f.t.dw2.data(),
+  EXPECT_EQ(moeblaze_layer_backward(&c, &p, 0, nullptr, f.t.x.data(), f.t.w1.data(), f.t.w2.data(),
+                                    f.t.d_out.data(), nullptr, f.t.dx.data(), f.t.dw1.data(),
+                                    f.t.dw2.data(),
                                     reinterpret_cast<float*>(plan.slot_weights.data()), nullptr, 0),
             MOEBLAZE_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(moeblaze_last_error()).find("d_pair_weights overlaps plan.slot_weights"),
@@ -411,15 +420,15 @@ TEST(ThreadCounts, OutOfRangeThreadCountsAreInvalidArguments) {
     EXPECT_NE(std::string(moeblaze_last_error()).find(rule), std::string::npos)
         << moeblaze_last_error();
     EXPECT_EQ(bytes, 7u);
-    EXPECT_EQ(moeblaze_layer_forward(&c, &p, 0, nullptr, f.t.x.data(), f.t.w1.data(),
-                                     f.t.w2.data(), f.t.out.data(), nullptr, nullptr, 0),
+    EXPECT_EQ(moeblaze_layer_forward(&c, &p, 0, nullptr, f.t.x.data(), f.t.w1.data(), f.t.w2.data(),
+                                     f.t.out.data(), nullptr, nullptr, 0),
               MOEBLAZE_ERR_INVALID_ARGUMENT);
     EXPECT_NE(std::string(moeblaze_last_error()).find(rule), std::string::npos);
     SavedForBackward saved;
     expect_invalid(
         [&] {
-          layer_forward(f.cfg, f.built, f.t.x.view(), f.t.w1.view(), f.t.w2.view(),
-                        f.t.out.view(), saved, {LayerMode::keep_h, threads});
+          layer_forward(f.cfg, f.built, f.t.x.view(), f.t.w1.view(), f.t.w2.view(), f.t.out.view(),
+                        saved, {LayerMode::keep_h, threads});
         },
         "opts.num_threads (" + std::to_string(threads) + ") must be in [0, 1024]");
   }
