@@ -423,7 +423,8 @@ std::vector<uint8_t> snapshot(const HostTensor& t) {
   return std::vector<uint8_t>(t.data.get(), t.data.get() + t.bytes());
 }
 bool same_bits(const HostTensor& t, const std::vector<uint8_t>& snap) {
-  return snap.size() == t.bytes() && std::memcmp(snap.data(), t.data.get(), snap.size()) == 0;
+  // std::equal, not memcmp: an empty tensor (T = 0) has no data pointer, which memcmp forbids.
+  return snap.size() == t.bytes() && std::equal(snap.begin(), snap.end(), t.data.get());
 }
 
 ImplResult run_impl(const RunSetup& s, LayerMode mode, const Inputs& in, const Routing& routing,
