@@ -77,6 +77,7 @@
 #include "cmd_bench_util.hpp"
 #include "commands.hpp"
 #include "configs.hpp"
+#include "flags.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/layer/layer_cuda.hpp"
@@ -1038,9 +1039,12 @@ void add_bench_ep_command(CLI::App& bench) {
                   "comma list of EpOptions::chunks for the W >= 2 rows (one row each; > 1 "
                   "pipelines the exchanges with the local layer)")
       ->capture_default_str();
-  sub->add_option("--reps", flags->reps, "timed repetitions (median; >= 20)")->capture_default_str();
-  sub->add_option("--warmup", flags->warmup, "untimed repetitions first")->capture_default_str();
-  sub->add_option("--seed", flags->seed, "seed of inputs and routing")->capture_default_str();
+  sub->add_option("--reps", flags->reps, "timed repetitions (median; >= 20)")->capture_default_str()
+      ->check(integer_in(1, INT32_MAX));
+  sub->add_option("--warmup", flags->warmup, "untimed repetitions first")->capture_default_str()
+      ->check(integer_in(0, INT32_MAX));
+  sub->add_option("--seed", flags->seed, "seed of inputs and routing")->capture_default_str()
+      ->check(unsigned_integer());
   sub->add_option("--out", flags->out, "append the JSON lines to this file");
   sub->add_option("--md", flags->md, "also write the table as Markdown to this file");
   sub->add_flag("--json", flags->json, "JSON lines on stdout (the table goes to stderr)");

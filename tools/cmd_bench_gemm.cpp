@@ -33,6 +33,7 @@
 #include "cmd_bench_util.hpp"
 #include "commands.hpp"
 #include "configs.hpp"
+#include "flags.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "moeblaze/moeblaze.hpp"
@@ -435,9 +436,12 @@ void add_bench_gemm_command(CLI::App& bench) {
   sub->add_option("--configs", flags->configs,
                   "comma list: gemm-big (S=65536, E=16, d=2048, n=1024) or named configs");
   sub->add_option("--activation", flags->activation, "swiglu, geglu, relu, silu, gelu, relu2");
-  sub->add_option("--reps", flags->reps, "timed repetitions (>= 20)");
-  sub->add_option("--warmup", flags->warmup, "untimed repetitions first");
-  sub->add_option("--seed", flags->seed, "input seed");
+  sub->add_option("--reps", flags->reps, "timed repetitions (>= 20)")
+      ->check(integer_in(1, INT32_MAX));
+  sub->add_option("--warmup", flags->warmup, "untimed repetitions first")
+      ->check(integer_in(0, INT32_MAX));
+  sub->add_option("--seed", flags->seed, "input seed")
+      ->check(unsigned_integer());
   sub->add_flag("--no-dense", flags->no_dense, "skip the cuBLAS same-FLOP comparison");
   sub->add_option("--only", flags->only,
                   "time only these kernels (comma list of up, up-ws, up-pp, down, dH, dH-ws, dH-pp, dW2, dW2-ws, dX, "

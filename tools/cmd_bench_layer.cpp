@@ -30,6 +30,7 @@
 #include "cmd_bench_util.hpp"
 #include "commands.hpp"
 #include "configs.hpp"
+#include "flags.hpp"
 #include "core/parallel.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
@@ -518,11 +519,14 @@ void add_bench_layer_command(CLI::App& bench) {
       ->capture_default_str();
   sub->add_option("--impl", flags->impl, "comma list of implementations")->capture_default_str();
   sub->add_option("--activation", flags->activation, "expert activation")->capture_default_str();
-  sub->add_option("--reps", flags->reps, "timed repetitions (median; >= 20)")->capture_default_str();
-  sub->add_option("--warmup", flags->warmup, "untimed repetitions first")->capture_default_str();
+  sub->add_option("--reps", flags->reps, "timed repetitions (median; >= 20)")->capture_default_str()
+      ->check(integer_in(1, INT32_MAX));
+  sub->add_option("--warmup", flags->warmup, "untimed repetitions first")->capture_default_str()
+      ->check(integer_in(0, INT32_MAX));
   sub->add_option("--sample-tokens", flags->sample_tokens,
                   "tokens checked against the float64 reference")->capture_default_str();
-  sub->add_option("--seed", flags->seed, "seed of inputs and routing")->capture_default_str();
+  sub->add_option("--seed", flags->seed, "seed of inputs and routing")->capture_default_str()
+      ->check(unsigned_integer());
   sub->add_option("--out", flags->out, "append the JSON lines to this file");
   sub->add_flag("--json", flags->json, "JSON lines on stdout (the table goes to stderr)");
   sub->add_flag("--no-aggregate", flags->no_aggregate, "skip the aggregation-kernel rows");

@@ -25,6 +25,7 @@
 
 #include "cmd_bench_util.hpp"
 #include "commands.hpp"
+#include "flags.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/routing/bench_data.hpp"
 #include "moeblaze/moeblaze.hpp"
@@ -350,9 +351,12 @@ void add_bench_routing_command(CLI::App& bench) {
   sub->add_flag("--quick", flags->quick, "a small sweep: T 128K,1M; E 8,256; K 1,8");
   sub->add_flag("--no-router", flags->no_router, "skip the router rows");
   sub->add_flag("--json", flags->json, "JSON lines on stdout instead of the table");
-  sub->add_option("--reps", flags->reps, "timed repetitions (median; >= 20)")->capture_default_str();
-  sub->add_option("--warmup", flags->warmup, "untimed warm-up runs")->capture_default_str();
-  sub->add_option("--seed", flags->seed, "input seed")->capture_default_str();
+  sub->add_option("--reps", flags->reps, "timed repetitions (median; >= 20)")->capture_default_str()
+      ->check(integer_in(1, INT32_MAX));
+  sub->add_option("--warmup", flags->warmup, "untimed warm-up runs")->capture_default_str()
+      ->check(integer_in(0, INT32_MAX));
+  sub->add_option("--seed", flags->seed, "input seed")->capture_default_str()
+      ->check(unsigned_integer());
   sub->add_option("--out", flags->out, "also append the JSON lines to this file");
   sub->add_option("--md", flags->md, "also write the table as Markdown to this file");
   sub->callback([flags] { run(*flags); });

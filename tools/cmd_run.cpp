@@ -19,6 +19,7 @@
 
 #include "commands.hpp"
 #include "configs.hpp"
+#include "flags.hpp"
 #include "core/parallel.hpp"
 #include "moeblaze/moeblaze.hpp"
 #include "reference/reference_layer.hpp"
@@ -130,8 +131,7 @@ RunSetup resolve(const RunFlags& f) {
   s.rounding.m_tile = f.m_tile;
 
   MOEBLAZE_REQUIRE(f.reps >= 1, "reps (", f.reps, ") must be >= 1");
-  MOEBLAZE_REQUIRE(f.threads >= 0, "threads (", f.threads,
-                   ") must be >= 0 (0 = all hardware threads)");
+  require_thread_count(f.threads, "--threads");
   s.reps = f.reps;
   s.threads = f.threads;
   s.seed = f.seed;
@@ -143,6 +143,9 @@ RunSetup resolve(const RunFlags& f) {
                      name, "' is listed twice");
     s.impls.push_back(m);
   }
+  MOEBLAZE_REQUIRE(!s.impls.empty(), "--impl '", f.impl,
+                   "' names no implementation: give one or more of moeblaze, "
+                   "moeblaze-recompute, materialized");
 
   // Inputs, outputs and gradients the command holds (x, out, dx, d_out; w1, w2 and their
   // gradients) plus what keep-H saves (H): a lower bound of the run's memory. Refuse up front
@@ -154,7 +157,7 @@ RunSetup resolve(const RunFlags& f) {
   const size_t avail = available_memory_bytes();
   MOEBLAZE_UNSUPPORTED_IF(avail > 0 && need > double(avail),
                           "config ", s.config_name, " needs at least ",
-                          human_bytes(static_cast<size_t>(need)), " of host memory but only ",
+                          human_bytes(need), " of host memory but only ",
                           human_bytes(avail), " is available; pick a smaller --config or --T");
 
   s.reference = !f.no_reference;
@@ -420,7 +423,8 @@ std::vector<uint8_t> snapshot(const HostTensor& t) {
   return std::vector<uint8_t>(t.data.get(), t.data.get() + t.bytes());
 }
 bool same_bits(const HostTensor& t, const std::vector<uint8_t>& snap) {
-  return snap.size() == t.bytes() && std::memcmp(snap.data(), t.data.get(), snap.size()) == 0;
+  // std::equal, not memcmp: an empty tensor (T = 0) has no data pointer, which memcmp forbids.
+  return snap.size() == t.bytes() && std::equal(snap.begin(), snap.end(), t.data.get());
 }
 
 ImplResult run_impl(const RunSetup& s, LayerMode mode, const Inputs& in, const Routing& routing,
@@ -661,11 +665,16 @@ void add_run_command(CLI::App& app) {
                   "named layer shape (DESIGN's benchmark configs); 'list' prints them all: " +
                       config_names())
       ->capture_default_str();
-  f->oT = run->add_option("--T", f->T, "tokens T (overrides the config's)");
-  f->od = run->add_option("--d", f->d, "hidden size d (overrides the config's)");
-  f->on = run->add_option("--n", f->n, "expert intermediate size n (overrides the config's)");
-  f->oE = run->add_option("--E", f->E, "number of experts E (overrides the config's)");
-  f->oK = run->add_option("--K", f->K, "experts per token, top-K (overrides the config's)");
+  // Shapes: any int64 parses; LayerConfig::validate then names the rule a value breaks.
+  const CLI::Validator any_int64 = integer_in(INT64_MIN, INT64_MAX);
+  f->oT = run->add_option("--T", f->T, "tokens T (overrides the config's)")->check(any_int64);
+  f->od = run->add_option("--d", f->d, "hidden size d (overrides the config's)")->check(any_int64);
+  f->on = run->add_option("--n", f->n, "expert intermediate size n (overrides the config's)")
+              ->check(any_int64);
+  f->oE = run->add_option("--E", f->E, "number of experts E (overrides the config's)")
+              ->check(any_int64);
+  f->oK = run->add_option("--K", f->K, "experts per token, top-K (overrides the config's)")
+              ->check(any_int64);
   run->add_option("--activation", f->activation,
                   "expert activation: swiglu, geglu (gated, w1 has 2n rows), relu, silu, gelu, "
                   "relu2")
@@ -684,14 +693,17 @@ void add_run_command(CLI::App& app) {
   run->add_option("--threads", f->threads,
                   "CPU threads, 0 = all hardware threads (results are bitwise the same for any "
                   "count)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(integer_in(0, kMaxThreads));
   run->add_option("--reps", f->reps,
                   "timed repetitions after one warm-up; the table shows their median")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(integer_in(1, INT32_MAX));
   run->add_option("--seed", f->seed,
                   "seed of the random inputs (x, w1, w2, router logits, d_out; same seed, same "
                   "inputs on any thread count)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(unsigned_integer());
   run->add_option("--token-rounding", f->token_rounding,
                   "token rounding after top-K (SonicMoE): none, nr-f (nearest), sr-f "
                   "(stochastic, seeded by --seed), up (pad), down (drop)")
@@ -699,7 +711,8 @@ void add_run_command(CLI::App& app) {
   f->om_tile = run->add_option("--m-tile", f->m_tile,
                                "token rounding: each expert's token count becomes a multiple "
                                "of this")
-                   ->capture_default_str();
+                   ->capture_default_str()
+                   ->check(integer_in(1, INT32_MAX));
   run->add_option("--impl", f->impl,
                   "comma-separated implementations to run: moeblaze (keeps H and the plan; "
                   "atomic-free plan build), moeblaze-recompute (keeps only the plan; recomputes "

@@ -127,9 +127,8 @@ std::string scientific(double v, int digits) {
   return buf;
 }
 
-std::string human_bytes(size_t bytes) {
-  const double b = static_cast<double>(bytes);
-  if (bytes < 1024) return std::to_string(bytes) + " B";
+std::string human_bytes(double b) {
+  if (b < 1024) return std::to_string(static_cast<long long>(b)) + " B";
   if (b < 1024.0 * 1024) return fixed(b / 1024, 1) + " KiB";
   if (b < 1024.0 * 1024 * 1024) return fixed(b / (1024.0 * 1024), 1) + " MiB";
   return fixed(b / (1024.0 * 1024 * 1024), 2) + " GiB";

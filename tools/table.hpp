@@ -61,7 +61,9 @@ std::string json_escape(const std::string& s);  // the quoted JSON string litera
 // Formatting helpers.
 std::string fixed(double v, int decimals);      // "12.35"; "-" when not finite
 std::string scientific(double v, int digits);   // "3.1e-03"; "-" when not finite
-std::string human_bytes(size_t bytes);          // "512 B", "12.0 KiB", "12.0 MiB", "1.50 GiB"
+// "512 B", "12.0 KiB", "12.0 MiB", "1.50 GiB"; a double so that an estimate past 2^64 bytes
+// prints as what it is instead of wrapping.
+std::string human_bytes(double bytes);
 
 // Row metadata.
 std::string cpu_model();     // "model name" of /proc/cpuinfo, "unknown cpu" when unreadable

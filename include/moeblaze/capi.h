@@ -18,6 +18,9 @@
  *  - Codes: dtype 0 fp32, 1 bf16; device 0 cpu, 1 cuda; activation 0 swiglu, 1 geglu, 2 relu,
  *    3 silu, 4 gelu, 5 relu2; router 0 softmax_topk, 1 topk_softmax, 2 sigmoid_bias; mode
  *    0 keep_h, 1 recompute; rounding 0 nr-f, 1 sr-f, 2 up, 3 down (the C++ enums' values).
+ *  - No output may overlap an input or another output (including h, the workspace and the
+ *    plan's arrays): the layer calls reject any overlap with MOEBLAZE_ERR_INVALID_ARGUMENT
+ *    naming both arguments (in-place gradients would be wrong, not merely slow).
  *  - The auxiliary losses (load balancing, z-loss) are not computed here: a caller with autograd
  *    computes them from the logits itself (their coefficients do not reach the router).
  */
@@ -126,6 +129,15 @@ int moeblaze_build_plan(const moeblaze_routing* routing, int32_t device, void* s
  * router's flags (non-finite logits) pass routing = NULL: the message then says so. */
 int moeblaze_routing_flags_error(const int32_t* host_flags, const moeblaze_routing* routing,
                                  int32_t device);
+
+/* Checks a routing plan in host memory (validate_routing_plan's rules: offsets monotone from 0
+ * to S, every index in range, token_index_map a permutation under which the two views agree,
+ * slot weights finite); MOEBLAZE_ERR_INVALID_ARGUMENT naming the first bad entry otherwise.
+ * The CPU layer calls below run this check on every plan they are given, before any output is
+ * written. A plan on cuda is not read by the host: it is as good as the routing it was built
+ * from, which moeblaze_build_plan checks on the device (`flags`); a caller who fills device
+ * plan arrays any other way checks a host copy of them with this function. */
+int moeblaze_validate_plan(const moeblaze_plan* plan);
 
 /* Layer. The workspace (NULL = the library allocates its own, accounted) needs at least
  * moeblaze_layer_workspace_bytes for this call's thread count (CPU) and must be 64-byte

@@ -67,6 +67,8 @@ struct LayerConfig {
 
   int64_t w1_rows() const { return is_gated(activation) ? 2 * n : n; }  // rows of w1 per expert
   // Throws InvalidArgument naming the field, e.g. "top_k K (9) exceeds num_experts E (8)".
+  // Rules: activation and dtype (fp32 / bf16) in range; T >= 0; d, n in [1, 2^31); 1 <= K <= E;
+  // T*K < 2^31; the bytes of x, w1 and w2 within int64 (no size derived from them can wrap).
   void validate() const;
 };
 

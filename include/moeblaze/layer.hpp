@@ -28,9 +28,13 @@ namespace moeblaze {
 enum class LayerMode : uint8_t { keep_h, recompute, materialized };
 const char* layer_mode_name(LayerMode m);  // "moeblaze", "moeblaze-recompute", "materialized"
 
+// The largest thread count an entry point accepts (num_threads, the CLI's --threads).
+constexpr int kMaxThreads = 1024;
+
 struct LayerOptions {
   LayerMode mode = LayerMode::keep_h;
-  int num_threads = 0;  // CPU backend: 0 = all hardware threads. Results do not depend on it.
+  // CPU backend: 0 = all hardware threads, else 1..kMaxThreads. Results do not depend on it.
+  int num_threads = 0;
   void* stream = nullptr;  // CUDA backend: the cudaStream_t to run on (nullptr = default stream)
 
   // Caller-provided memory (keep_h / recompute only; nullptr = the library allocates its own,
@@ -90,6 +94,13 @@ struct LayerGrads {
   TensorView d_pair_weights;  // (P,) fp32, P = plan.S()
 };
 
+// Aliasing: no output may share a byte with an input or with another output (forward: out,
+// opts.h_storage and opts.workspace against x, w1, w2 and the plan's arrays; backward: dx, dw1,
+// dw2, d_pair_weights and opts.workspace against x, w1, w2, d_out, saved H and the plan's
+// arrays). Backward writes dx before it reads x and d_out for the weight gradients, so an
+// in-place call would be wrong: it is rejected with InvalidArgument naming both arguments, in
+// every mode and on every device.
+//
 // Runs forward; fills `saved` (replacing its contents). Validates everything first and leaves
 // `out` untouched on error. T = 0 is valid (nothing to do).
 void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,

@@ -82,6 +82,7 @@ void routing_from_ids(const TensorView& ids, const TensorView& weights, int64_t 
 // routing whose pairs came from these logits (top-K or token-rounded): weights of a pair are
 // recomputed from logits as the router defines them, so the gradient is exact.
 // For RouterKind::supplied there are no logits: use the d pair_weights directly.
+// d_logits may not overlap any input (InvalidArgument naming both).
 void router_backward(const RouterConfig& cfg, const TensorView& logits, const TensorView& bias,
                      const RoutingView& routing, const TensorView& d_pair_weights,
                      const TensorView& d_logits);

@@ -33,12 +33,10 @@ struct TensorView {
   }
 
   int64_t dim(int i) const { return shape[i]; }
-  int64_t numel() const {
-    int64_t n = 1;
-    for (int i = 0; i < rank; ++i) n *= shape[i];
-    return n;
-  }
-  size_t bytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype); }
+  // Element count and bytes; InvalidArgument when the product of the shape overflows int64
+  // (so a huge shape can never pass for an empty one).
+  int64_t numel() const;
+  size_t bytes() const;
   bool empty() const { return numel() == 0; }
   template <typename T>
   T* as() const { return static_cast<T*>(data); }

@@ -16,6 +16,8 @@
 #include <string>
 
 #include "core/parallel.hpp"
+#include "core/plan_validation.hpp"
+#include "core/routing_validation.hpp"
 #include "moeblaze/moeblaze.hpp"
 
 #ifdef MOEBLAZE_WITH_CUDA
@@ -110,8 +112,7 @@ RouterArgs router_args(const RouterConfig& r, const void* logits, int32_t logits
     MOEBLAZE_REQUIRE(bias == nullptr, "bias is given but the ", router_name(r.kind),
                      " router takes none (only sigmoid-bias uses a bias)");
   }
-  MOEBLAZE_REQUIRE(T * r.top_k < (int64_t(1) << 31), "T*top_k (", T * r.top_k,
-                   ") exceeds the int32 index range of a routing");
+  require_pairs_fit(T, r.top_k);
   return a;
 }
 
@@ -137,15 +138,13 @@ RoutingView routing_view(const moeblaze_routing* r, Device dev, const char* name
 
 RoutingPlan borrow_plan(const moeblaze_plan* p, Device dev) {
   require_ptr(p, "plan");
-  MOEBLAZE_REQUIRE(p->T >= 0 && p->E >= 1 && p->S >= 0, "plan: T (", p->T, "), E (", p->E,
-                   "), S (", p->S, ") must be >= 0, >= 1, >= 0");
-  MOEBLAZE_REQUIRE(p->expert_token_offsets && p->token_pair_offsets, "plan: offset arrays are NULL");
-  MOEBLAZE_REQUIRE(p->S == 0 || (p->expert_token_indices && p->slot_weights &&
-                                 p->token_expert_indices && p->token_index_map),
-                   "plan: slot arrays are NULL");
-  return RoutingPlan::borrow(dev, p->T, p->E, p->S, p->expert_token_offsets,
-                             p->expert_token_indices, p->slot_weights, p->token_pair_offsets,
-                             p->token_expert_indices, p->token_index_map);
+  RoutingPlan plan = RoutingPlan::borrow(dev, p->T, p->E, p->S, p->expert_token_offsets,
+                                         p->expert_token_indices, p->slot_weights,
+                                         p->token_pair_offsets, p->token_expert_indices,
+                                         p->token_index_map);
+  // Sizes and pointers here (later size arithmetic relies on them); contents in the layer API.
+  validate_routing_plan_header(plan.view());
+  return plan;
 }
 
 LayerConfig to_layer(const moeblaze_layer_cfg* c) {
@@ -163,6 +162,7 @@ LayerConfig to_layer(const moeblaze_layer_cfg* c) {
   cfg.activation = static_cast<Activation>(c->activation);
   cfg.dtype = to_float_dtype(c->dtype, "layer");
   cfg.validate();
+  require_thread_count(c->num_threads, "num_threads");
   return cfg;
 }
 
@@ -430,6 +430,10 @@ int moeblaze_routing_flags_error(const int32_t* host_flags, const moeblaze_routi
     cuda::throw_if_routing_flags(host_flags, rv);
 #endif
   });
+}
+
+int moeblaze_validate_plan(const moeblaze_plan* plan) {
+  return guarded([&] { validate_routing_plan(borrow_plan(plan, Device::cpu).view()); });
 }
 
 int moeblaze_layer_workspace_bytes(const moeblaze_layer_cfg* cfg, int64_t S, int32_t device,

@@ -3,7 +3,11 @@
 // cpu::materialized_*).
 #include <cstdint>
 
+#include "core/aliasing.hpp"
+#include "core/checked_math.hpp"
+#include "core/layer_checks.hpp"
 #include "core/parallel.hpp"
+#include "core/plan_validation.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu/layer_common.hpp"
 #include "moeblaze/error.hpp"
@@ -14,6 +18,14 @@
 #endif
 
 namespace moeblaze {
+
+void require_layer_mode(LayerMode mode, const char* name) {
+  MOEBLAZE_REQUIRE(mode == LayerMode::keep_h || mode == LayerMode::recompute ||
+                       mode == LayerMode::materialized,
+                   name, " (", int(mode), ") is not a LayerMode: must be 0 (keep_h), 1 (recompute) "
+                   "or 2 (materialized)");
+}
+
 namespace {
 
 // A tensor argument: shape, dtype, device (the plan's) and data, in that order, so the first
@@ -33,11 +45,10 @@ void check_common(const LayerConfig& cfg, const RoutingPlan& plan, const TensorV
                    cfg.T);
   MOEBLAZE_REQUIRE(plan.E() == cfg.E, "plan has E = ", plan.E(), " experts, expected cfg.E = ",
                    cfg.E);
-  MOEBLAZE_REQUIRE(opts.mode == LayerMode::keep_h || opts.mode == LayerMode::recompute ||
-                       opts.mode == LayerMode::materialized,
-                   "opts.mode (", int(opts.mode), ") is not a LayerMode");
-  MOEBLAZE_REQUIRE(opts.num_threads >= 0, "opts.num_threads (", opts.num_threads,
-                   ") must be >= 0 (0 = all hardware threads)");
+  require_valid_plan(plan);
+  check_slot_extents(cfg, plan.S());
+  require_layer_mode(opts.mode, "opts.mode");
+  require_thread_count(opts.num_threads, "opts.num_threads");
   const Device dev = plan.device();
 #ifndef MOEBLAZE_WITH_CUDA
   for (const auto& [t, name] : {std::pair<const TensorView*, const char*>{&x, "x"}, {&w1, "w1"},
@@ -89,6 +100,25 @@ void check_caller_memory(const LayerConfig& cfg, const RoutingPlan& plan, const 
   }
 }
 
+// What a call reads besides its tensor arguments: the plan's six arrays (a borrowed plan lives
+// in caller memory), appended to `inputs`.
+std::vector<ByteRange> with_plan(std::vector<ByteRange> inputs, const RoutingPlan& plan) {
+  const RoutingPlanView v = plan.view();
+  const size_t e1 = sizeof(int32_t) * size_t(v.E + 1), t1 = sizeof(int32_t) * size_t(v.T + 1),
+               s = sizeof(int32_t) * size_t(v.S);
+  inputs.insert(inputs.end(), {{v.expert_token_offsets, e1, "plan.expert_token_offsets"},
+                               {v.expert_token_indices, s, "plan.expert_token_indices"},
+                               {v.slot_weights, s, "plan.slot_weights"},
+                               {v.token_pair_offsets, t1, "plan.token_pair_offsets"},
+                               {v.token_expert_indices, s, "plan.token_expert_indices"},
+                               {v.token_index_map, s, "plan.token_index_map"}});
+  return inputs;
+}
+
+ByteRange workspace_range(const LayerOptions& opts) {
+  return {opts.workspace, opts.workspace ? opts.workspace_bytes : 0, "opts.workspace"};
+}
+
 }  // namespace
 
 void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
@@ -96,6 +126,12 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
                    SavedForBackward& saved, const LayerOptions& opts) {
   check_common(cfg, plan, x, w1, w2, opts);
   check_output(out, "out", {cfg.T, cfg.d}, cfg.dtype, plan.device());
+  const size_t h_bytes = opts.h_storage ? size_t(plan.S() * cfg.w1_rows()) * dtype_size(cfg.dtype)
+                                        : 0;
+  require_disjoint({byte_range(out, "out"), {opts.h_storage, h_bytes, "opts.h_storage"},
+                    workspace_range(opts)},
+                   with_plan({byte_range(x, "x"), byte_range(w1, "w1"), byte_range(w2, "w2")},
+                             plan));
 
   if (plan.device() == Device::cuda) {
 #ifdef MOEBLAZE_WITH_CUDA
@@ -129,6 +165,13 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   check_output(grads.dw2, "dw2", {cfg.E, cfg.d, cfg.n}, cfg.dtype, dev);
   check_output(grads.d_pair_weights, "d_pair_weights", {plan.S()}, DType::f32, dev);
   MOEBLAZE_REQUIRE(saved.valid(), "saved is not valid: run layer_forward first");
+  require_disjoint({byte_range(grads.dx, "dx"), byte_range(grads.dw1, "dw1"),
+                    byte_range(grads.dw2, "dw2"),
+                    byte_range(grads.d_pair_weights, "d_pair_weights"), workspace_range(opts)},
+                   with_plan({byte_range(x, "x"), byte_range(w1, "w1"), byte_range(w2, "w2"),
+                              byte_range(d_out, "d_out"),
+                              {saved.h.data(), saved.h.bytes(), "saved H"}},
+                             plan));
   MOEBLAZE_REQUIRE(saved.mode() == opts.mode, "saved comes from mode ",
                    layer_mode_name(saved.mode()), ", but opts.mode is ",
                    layer_mode_name(opts.mode));
@@ -170,7 +213,10 @@ size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, 
 size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, Device device,
                              LayerPass pass, bool dh_over_h) {
   cfg.validate();
-  MOEBLAZE_REQUIRE(S >= 0, "S (", S, ") must be >= 0");
+  check_slot_extents(cfg, S);
+  require_layer_mode(mode, "mode");
+  MOEBLAZE_REQUIRE(device == Device::cpu || device == Device::cuda, "device (", int(device),
+                   ") must be cpu or cuda");
   if (device == Device::cuda) {
 #ifdef MOEBLAZE_WITH_CUDA
     return cuda::layer_workspace_bytes(cfg, S, mode, pass == LayerPass::forward, dh_over_h);

@@ -1,13 +1,13 @@
 // Names and parsing of the public enums, and LayerConfig validation.
 #include <string>
 
+#include "core/checked_math.hpp"
 #include "moeblaze/config.hpp"
 #include "moeblaze/error.hpp"
 #include "moeblaze/layer.hpp"
 #include "moeblaze/routing_plan.hpp"
 
 namespace moeblaze {
-
 DType parse_dtype(const std::string& s) {
   if (s == "fp32" || s == "float32" || s == "f32") return DType::f32;
   if (s == "bf16" || s == "bfloat16") return DType::bf16;
@@ -87,11 +87,24 @@ void LayerConfig::validate() const {
   MOEBLAZE_REQUIRE(E >= 1, "num_experts E (", E, ") must be >= 1");
   MOEBLAZE_REQUIRE(K >= 1, "top_k K (", K, ") must be >= 1");
   MOEBLAZE_REQUIRE(K <= E, "top_k K (", K, ") exceeds num_experts E (", E, ")");
-  MOEBLAZE_REQUIRE(dtype == DType::f32 || dtype == DType::bf16, "dtype (", dtype_name(dtype),
+  // Enums first: a value outside the enum (from a cast or a C caller) must not reach a switch.
+  MOEBLAZE_REQUIRE(activation <= Activation::relu2, "activation (", int(activation),
+                   ") is not an Activation: must be 0..5 (swiglu, geglu, relu, silu, gelu, relu2)");
+  MOEBLAZE_REQUIRE(dtype == DType::f32 || dtype == DType::bf16, "dtype (",
+                   dtype <= DType::f64 ? dtype_name(dtype) : std::to_string(int(dtype)),
                    ") must be fp32 or bf16");
   // int32 slot indices: S = T*K must fit.
-  MOEBLAZE_REQUIRE(T * K < (int64_t(1) << 31), "T*K (", T * K,
+  const int64_t S = checked_mul(T, K, "T*K");
+  MOEBLAZE_REQUIRE(S < kInt32Limit, "T*K (", S,
                    ") exceeds the int32 index range of the routing plan");
+  // Bounded so that no size derived from them (tensors, workspaces) can overflow int64.
+  MOEBLAZE_REQUIRE(d < kInt32Limit, "d (", d, ") must be < 2^31");
+  MOEBLAZE_REQUIRE(n < kInt32Limit, "n (", n, ") must be < 2^31");
+  const int64_t size = static_cast<int64_t>(dtype_size(dtype));
+  checked_mul(checked_mul(T, d, "T*d"), size, "T*d*dtype_size");
+  checked_mul(checked_mul(checked_mul(E, w1_rows(), "E*w1_rows"), d, "E*w1_rows*d"), size,
+              "E*w1_rows*d*dtype_size");
+  checked_mul(checked_mul(checked_mul(E, d, "E*d"), n, "E*d*n"), size, "E*d*n*dtype_size");
 }
 
 }  // namespace moeblaze

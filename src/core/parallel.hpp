@@ -5,11 +5,21 @@
 
 #include <cstdint>
 
+#include "moeblaze/error.hpp"
+#include "moeblaze/layer.hpp"
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 namespace moeblaze {
+
+// A caller's thread count (`name` as the caller spells it): 0 = all hardware threads, or
+// 1..kMaxThreads. Checked before any ThreadCountScope takes it.
+inline void require_thread_count(int64_t n, const char* name) {
+  MOEBLAZE_REQUIRE(n >= 0 && n <= kMaxThreads, name, " (", n, ") must be in [0, ", kMaxThreads,
+                   "] (0 = all hardware threads)");
+}
 
 // Threads used by parallel_for in the calling thread's scope (0 = all hardware threads).
 class ThreadCountScope {

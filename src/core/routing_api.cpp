@@ -6,6 +6,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/aliasing.hpp"
+#include "core/checked_math.hpp"
+#include "core/routing_validation.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "moeblaze/error.hpp"
 #include "moeblaze/routing.hpp"
@@ -84,6 +87,7 @@ void require_routing_matches(const RoutingView& r, const char* name, const Tenso
 
 const char* nonfinite_name(float v) { return std::isnan(v) ? "nan" : "inf"; }
 
+
 }  // namespace
 
 RouterLosses route(const RouterConfig& cfg, const TensorView& logits, const TensorView& bias,
@@ -91,8 +95,7 @@ RouterLosses route(const RouterConfig& cfg, const TensorView& logits, const Tens
   require_logits(logits);
   require_router_config(cfg, logits.dim(1), "route");
   require_bias(cfg, bias, logits);
-  MOEBLAZE_REQUIRE(logits.dim(0) * cfg.top_k < (int64_t(1) << 31), "T*top_k (",
-                   logits.dim(0) * cfg.top_k, ") exceeds the int32 index range of a routing");
+  require_pairs_fit(logits.dim(0), cfg.top_k);
   if (logits.device == Device::cpu) return cpu::route(cfg, logits, bias, out);
 #ifdef MOEBLAZE_WITH_CUDA
   if (logits.device == Device::cuda) return cuda::route(cfg, logits, bias, out);
@@ -103,14 +106,15 @@ RouterLosses route(const RouterConfig& cfg, const TensorView& logits, const Tens
 void routing_from_ids(const TensorView& ids, const TensorView& weights, int64_t num_experts,
                       Routing& out) {
   MOEBLAZE_REQUIRE(num_experts >= 1, "num_experts (", num_experts, ") must be >= 1");
+  MOEBLAZE_REQUIRE(num_experts < kInt32Limit, "num_experts (", num_experts,
+                   ") must be < 2^31: expert ids are int32");
   MOEBLAZE_REQUIRE(ids.rank == 2, "ids must be (T, K), got ", ids.describe());
   require_dtype(ids, "ids", DType::i32);
   const int64_t T = ids.dim(0), K = ids.dim(1);
   MOEBLAZE_REQUIRE(T >= 0, "ids has ", T, " rows (T must be >= 0)");
   MOEBLAZE_REQUIRE(K >= 1, "ids has ", K, " columns (top_k must be >= 1)");
   MOEBLAZE_REQUIRE(K <= num_experts, "top_k (", K, ") exceeds num_experts (", num_experts, ")");
-  MOEBLAZE_REQUIRE(T * K < (int64_t(1) << 31), "T*top_k (", T * K,
-                   ") exceeds the int32 index range of a routing");
+  require_pairs_fit(T, K);
   require_shape(weights, "weights", {T, K});
   require_dtype(weights, "weights", DType::f32);
   require_data(ids, "ids");
@@ -121,14 +125,14 @@ void routing_from_ids(const TensorView& ids, const TensorView& weights, int64_t 
 
   const int32_t* id = ids.as<const int32_t>();   // (T, K)
   const float* w = weights.as<const float>();    // (T, K)
-  std::vector<int64_t> seen_in(num_experts, -1);  // (E,) last token that used each expert
+  std::vector<std::pair<int32_t, int32_t>> scratch;  // (K,) for first_repeat
   for (int64_t t = 0; t < T; ++t) {
+    const Repeat rep = first_repeat(id + t * K, K, scratch);
     for (int64_t k = 0; k < K; ++k) {
       const int32_t e = id[t * K + k];
       MOEBLAZE_REQUIRE(e >= 0 && e < num_experts, "ids[", t, ", ", k, "]: expert id ", e,
                        " of token ", t, " is out of range [0, ", num_experts, ")");
-      MOEBLAZE_REQUIRE(seen_in[e] != t, "ids: expert ", e, " appears twice in token ", t);
-      seen_in[e] = t;
+      MOEBLAZE_REQUIRE(k != rep.later, "ids: expert ", e, " appears twice in token ", t);
       const float v = w[t * K + k];
       MOEBLAZE_REQUIRE(std::isfinite(v), "weights[", t, ", ", k, "] (token ", t, ") is ",
                        nonfinite_name(v), ": weights must be finite");
@@ -161,6 +165,14 @@ void router_backward(const RouterConfig& cfg, const TensorView& logits, const Te
   MOEBLAZE_REQUIRE(d_logits.device == logits.device, "d_logits is on ",
                    device_name(d_logits.device), " but logits are on ",
                    device_name(logits.device));
+  const size_t pair_bytes = sizeof(int32_t) * static_cast<size_t>(routing.P);
+  require_disjoint({byte_range(d_logits, "d_logits")},
+                   {byte_range(logits, "logits"), byte_range(bias, "bias"),
+                    byte_range(d_pair_weights, "d_pair_weights"),
+                    {routing.pair_offsets, sizeof(int32_t) * static_cast<size_t>(routing.T + 1),
+                     "routing.pair_offsets"},
+                    {routing.pair_experts, pair_bytes, "routing.pair_experts"},
+                    {routing.pair_weights, pair_bytes, "routing.pair_weights"}});
   if (logits.device == Device::cpu) {
     validate_routing(routing);
     cpu::router_backward(cfg, logits, bias, routing, d_pair_weights, d_logits);

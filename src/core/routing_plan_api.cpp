@@ -38,6 +38,9 @@ void build_routing_plan(const RoutingView& routing, PlanBuilder builder, Routing
                                      device_name(routing.device),
                                      " is not supported by this build (CPU routing only)"));
   }
+  // Borrowed storage stays writable by its owner after this call, so only an owned plan is
+  // stamped as trusted (RoutingPlan::library_built).
+  plan.library_built_ = plan.expert_token_offsets_.owned();
 }
 
 }  // namespace moeblaze

@@ -10,13 +10,11 @@
 #include <string>
 #include <vector>
 
+#include "core/checked_math.hpp"
 #include "core/parallel.hpp"
 #include "moeblaze/error.hpp"
 
 namespace moeblaze {
-namespace {
-constexpr int64_t kInt32Limit = int64_t(1) << 31;  // token ids, expert ids, slots are int32
-}  // namespace
 
 void validate_routing_header(const RoutingView& r) {
   MOEBLAZE_REQUIRE(r.T >= 0, "routing: T (", r.T, ") must be >= 0");
@@ -37,37 +35,57 @@ void validate_routing_header(const RoutingView& r) {
                    "pair_weights has no data (null pointer)");
 }
 
+void require_pairs_fit(int64_t T, int64_t top_k) {
+  const int64_t P = checked_mul(T, top_k, "T*top_k");
+  MOEBLAZE_REQUIRE(P < kInt32Limit, "T*top_k (", P,
+                   ") exceeds the int32 index range of a routing");
+}
+
+Repeat first_repeat(const int32_t* experts, int64_t count,
+                    std::vector<std::pair<int32_t, int32_t>>& scratch) {
+  // Up to this many entries, compare directly (K is small for every router); beyond it, sort
+  // (expert, index) so that the cost is O(count log count) and no (E,) array is needed.
+  constexpr int64_t kDirectCompare = 32;
+  Repeat r;
+  if (count <= kDirectCompare) {
+    for (int64_t p = 1; p < count && r.later < 0; ++p)
+      for (int64_t q = 0; q < p; ++q)
+        if (experts[q] == experts[p]) {
+          r = {q, p};
+          break;
+        }
+    return r;
+  }
+  scratch.resize(static_cast<size_t>(count));
+  for (int64_t p = 0; p < count; ++p) scratch[p] = {experts[p], static_cast<int32_t>(p)};
+  std::sort(scratch.begin(), scratch.end());
+  // In each run of one expert the first entry is the earliest; the second is its first repeat.
+  for (int64_t i = 1; i < count; ++i)
+    if (scratch[i].first == scratch[i - 1].first &&
+        (i < 2 || scratch[i - 2].first != scratch[i].first) &&
+        (r.later < 0 || scratch[i].second < r.later))
+      r = {scratch[i - 1].second, scratch[i].second};
+  return r;
+}
+
 namespace {
 
 // The first offending pair of tokens [t0, t1), as a message; empty if there is none.
-// Assumes pair_offsets was checked. `seen` (E,) int32 is scratch for tokens with many pairs.
+// Assumes pair_offsets was checked.
 std::string first_pair_error(const RoutingView& r, int64_t t0, int64_t t1,
-                             std::vector<int32_t>& seen) {
-  // Up to this many pairs, a token's duplicate check compares pairs directly (K is small for
-  // every router); beyond it, a per-expert "last token seen" stamp avoids the quadratic cost.
-  constexpr int32_t kDirectCompare = 32;
+                             std::vector<std::pair<int32_t, int32_t>>& scratch) {
   const int32_t* off = r.pair_offsets;
   for (int64_t t = t0; t < t1; ++t) {
     const int32_t p0 = off[t], p1 = off[t + 1];
+    const Repeat rep = first_repeat(r.pair_experts + p0, p1 - p0, scratch);
     for (int32_t p = p0; p < p1; ++p) {
       const int32_t e = r.pair_experts[p];
       if (e < 0 || e >= r.E)
         return detail::concat("pair_experts: expert id ", e, " of token ", t,
                               " is out of range [0, ", r.E, ")");
-      if (p1 - p0 <= kDirectCompare) {
-        for (int32_t q = p0; q < p; ++q)
-          if (r.pair_experts[q] == e)
-            return detail::concat("pair_experts: expert id ", e, " is repeated in token ", t,
-                                  " (pairs ", q, " and ", p, ")");
-      } else {
-        if (seen.empty()) seen.assign(static_cast<size_t>(r.E), -1);
-        // seen[e] holds the pair of token t that took expert e, or an older token's pair.
-        const int32_t q = seen[e];
-        if (q >= p0)
-          return detail::concat("pair_experts: expert id ", e, " is repeated in token ", t,
-                                " (pairs ", q, " and ", p, ")");
-        seen[e] = p;
-      }
+      if (p - p0 == rep.later)
+        return detail::concat("pair_experts: expert id ", e, " is repeated in token ", t,
+                              " (pairs ", p0 + rep.earlier, " and ", p, ")");
       const float w = r.pair_weights[p];
       if (!std::isfinite(w))
         return detail::concat("pair_weights: weight ", w, " of token ", t, " (pair ", p,
@@ -102,8 +120,9 @@ void validate_routing(const RoutingView& r) {
   const int64_t chunks = (r.T + kChunkTokens - 1) / kChunkTokens;
   std::vector<std::string> errors(static_cast<size_t>(chunks));
   parallel_for(0, chunks, 1, [&](int64_t c) {
-    std::vector<int32_t> seen;  // (E,) int32, only for tokens with many pairs
-    errors[c] = first_pair_error(r, c * kChunkTokens, std::min(r.T, (c + 1) * kChunkTokens), seen);
+    std::vector<std::pair<int32_t, int32_t>> scratch;  // (pairs of one token,) for many pairs
+    errors[c] =
+        first_pair_error(r, c * kChunkTokens, std::min(r.T, (c + 1) * kChunkTokens), scratch);
   });
   for (const std::string& e : errors)
     if (!e.empty()) throw InvalidArgument(e);

@@ -2,6 +2,7 @@
 
 #include <sstream>
 
+#include "core/checked_math.hpp"
 #include "moeblaze/error.hpp"
 
 namespace moeblaze {
@@ -13,6 +14,21 @@ static std::string shape_str(const TensorView& t) {
   if (t.rank == 1) os << ",";
   os << ")";
   return os.str();
+}
+
+// Product of the shape; InvalidArgument "<name> element count (a * b) overflows int64".
+static int64_t element_count(const TensorView& t, const char* name) {
+  const std::string what = std::string(name) + " element count";
+  int64_t n = 1;
+  for (int i = 0; i < t.rank; ++i) n = checked_mul(n, t.shape[i], what.c_str());
+  return n;
+}
+
+int64_t TensorView::numel() const { return element_count(*this, "tensor"); }
+
+size_t TensorView::bytes() const {
+  return static_cast<size_t>(
+      checked_mul(numel(), static_cast<int64_t>(dtype_size(dtype)), "tensor bytes"));
 }
 
 std::string TensorView::describe() const {
@@ -52,7 +68,8 @@ void require_device(const TensorView& t, const char* name, Device device) {
 }
 
 void require_data(const TensorView& t, const char* name) {
-  MOEBLAZE_REQUIRE(t.data != nullptr || t.numel() == 0, name, " has no data (null pointer)");
+  MOEBLAZE_REQUIRE(t.data != nullptr || element_count(t, name) == 0, name,
+                   " has no data (null pointer)");
 }
 
 }  // namespace moeblaze

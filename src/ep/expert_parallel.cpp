@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "core/layer_checks.hpp"
 #include "core/parallel.hpp"
 #include "ep/ep_rows.hpp"
 #include "moeblaze/error.hpp"
@@ -74,11 +75,8 @@ void check_transport(const Transport& tr) {
 }
 
 void check_layer_options(const LayerOptions& o) {
-  MOEBLAZE_REQUIRE(o.mode == LayerMode::keep_h || o.mode == LayerMode::recompute ||
-                       o.mode == LayerMode::materialized,
-                   "opts.layer.mode (", int(o.mode), ") is not a LayerMode");
-  MOEBLAZE_REQUIRE(o.num_threads >= 0, "opts.layer.num_threads (", o.num_threads,
-                   ") must be >= 0 (0 = all hardware threads)");
+  require_layer_mode(o.mode, "opts.layer.mode");
+  require_thread_count(o.num_threads, "opts.layer.num_threads");
 }
 
 // Fields every rank must agree on, in the order they are gathered and reported.

@@ -385,7 +385,7 @@ TEST(CpuLayerValidation, ForwardRejectsBadArgumentsAndLeavesOutputsUntouched) {
   bad = out;
   bad.data = nullptr;
   expect_rejected<InvalidArgument>(f, "out has no data", fwd(f.cfg, x, w1, w2, bad, {}));
-  expect_rejected<InvalidArgument>(f, "opts.num_threads (-1) must be >= 0",
+  expect_rejected<InvalidArgument>(f, "opts.num_threads (-1) must be in [0, 1024]",
                                    fwd(f.cfg, x, w1, w2, out, {LayerMode::keep_h, -1}));
 #ifndef MOEBLAZE_WITH_CUDA
   bad = x;
