@@ -79,17 +79,17 @@ class Inputs:
     def __init__(self, T, d, n, E, K, seed, dev):
         gen = torch.Generator(device=dev).manual_seed(seed)
         self.T, self.d, self.n, self.E, self.K = T, d, n, E, K
-        bf = torch.bfloat16
-        self.x = torch.randn(T, d, device=dev, generator=gen).to(bf).requires_grad_()
-        self.w1 = (torch.randn(E, 2 * n, d, device=dev, generator=gen) / math.sqrt(d)).to(bf)
+        bf = torch.bfloat16  # drawn in bf16: no fp32 temporaries (--max-tokens sizes to the GPU)
+        self.x = torch.randn(T, d, device=dev, generator=gen, dtype=bf).requires_grad_()
+        self.w1 = torch.randn(E, 2 * n, d, device=dev, generator=gen, dtype=bf).div_(math.sqrt(d))
         self.w1.requires_grad_()
-        self.w2 = (torch.randn(E, d, n, device=dev, generator=gen) / math.sqrt(n)).to(bf)
+        self.w2 = torch.randn(E, d, n, device=dev, generator=gen, dtype=bf).div_(math.sqrt(n))
         self.w2.requires_grad_()
         logits = torch.randn(T, E, device=dev, generator=gen)
         w, ids = torch.topk(torch.softmax(logits, dim=-1), K, dim=-1)
         self.ids = ids  # (T, K) int64
         self.weights = w.detach().requires_grad_()  # (T, K) fp32
-        self.dout = torch.randn(T, d, device=dev, generator=gen).to(bf)
+        self.dout = torch.randn(T, d, device=dev, generator=gen, dtype=bf)
         self.leaves = [self.x, self.w1, self.w2, self.weights]
 
     def clear_grads(self):
@@ -288,7 +288,7 @@ def profile_step(name, impl, step, inp, path):
 
 def cpp_rows(cli, name, shape, reps):
     """moeblaze's C++ path on the same shape (`moeblaze bench layer`), rows as it prints them."""
-    args = [cli, "bench", "layer", "--impl", "moeblaze,moeblaze-recompute", "--json",
+    args = [cli, "bench", "layer", "--impl", "moeblaze,moeblaze-recompute,dense-bound", "--json",
             "--no-aggregate", "--reps", str(reps)]
     args += ["--config", name] if name in CONFIGS else ["--shape", ",".join(map(str, shape))]
     try:
@@ -493,23 +493,27 @@ def max_tokens(names, impls, args, dev, meta):
 
 def markdown(rows):
     lines = ["| config | impl | fwd ms | bwd ms | total ms | host issue ms | TFLOPS | peak MiB | "
-             "kept MiB | max rel err | × sonicmoe (total) | bwd × sonicmoe |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "kept MiB | max rel err | × sonicmoe (total) | bwd × sonicmoe | of dense bound |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     sonic = {r["config"]: r for r in rows if r.get("impl") == "sonicmoe" and "total_ms" in r}
+    dense = {r["config"]: r for r in rows if r.get("impl") == "dense-bound" and "total_ms" in r}
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['config']} | {r['impl']} | skipped: {r['skipped']} ||||||||||")
+            lines.append(f"| {r['config']} | {r['impl']} | skipped: {r['skipped']} |||||||||||")
             continue
         s = sonic.get(r["config"])
         ratio = f"{r['total_ms'] / s['total_ms']:.3f}" if s else "—"
         bratio = f"{r['bwd_ms'] / s['bwd_ms']:.3f}" if s and s["bwd_ms"] > 0 else "—"
         peak = f"{r['peak_bytes'] / 2**20:.0f}" if r.get("bench") == "peers" else "—"
         issue = f"{r['host_issue_ms']:.2f}" if "host_issue_ms" in r else "—"
+        db = dense.get(r["config"])
+        of_dense = f"{100 * db['total_ms'] / r['total_ms']:.0f} %" if db else "—"
+        err = "—" if r.get("max_rel_err") is None else f"{r['max_rel_err']:.1e}"
         lines.append(
             f"| {r['config']} | {r['impl']}{' (C++)' if r.get('bench') == 'layer' else ''} | "
             f"{r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | {r['total_ms']:.3f} | {issue} | "
             f"{r['total_tflops']:.0f} | {peak} | {r['kept_bytes'] / 2**20:.1f} | "
-            f"{r['max_rel_err']:.1e} | {ratio} | {bratio} |")
+            f"{err} | {ratio} | {bratio} | {of_dense} |")
     return "\n".join(lines) + "\n"
 
 

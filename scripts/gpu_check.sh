@@ -287,16 +287,20 @@ if want python && install_python; then
     grep -E "^FAILED|^ERROR|Error" "$OUT/python.log" | head -20 || true
     summary+=("pytest: FAILED: $(grep -E '[0-9]+ (passed|failed)' "$OUT/python.log" | tail -1)")
   fi
-  t0=$(date +%s)
-  echo "== prove_training" >>"$OUT/python.log"
-  # shellcheck disable=SC2086
-  if PYTHONUNBUFFERED=1 python3 examples/prove_training.py --out "$OUT" ${PROVE_ARGS:-} \
-      >>"$OUT/python.log" 2>&1; then
-    summary+=("training proofs: PASS [$(( $(date +%s) - t0 )) s] (training.md)")
+  if [ -n "${SKIP_PROOFS:-}" ]; then
+    summary+=("training proofs: skipped (SKIP_PROOFS is set)")
   else
-    status=1
-    tail -15 "$OUT/python.log"
-    summary+=("training proofs: FAILED or a criterion failed (see python.log, training.md)")
+    t0=$(date +%s)
+    echo "== prove_training" >>"$OUT/python.log"
+    # shellcheck disable=SC2086
+    if PYTHONUNBUFFERED=1 python3 examples/prove_training.py --out "$OUT" ${PROVE_ARGS:-} \
+        >>"$OUT/python.log" 2>&1; then
+      summary+=("training proofs: PASS [$(( $(date +%s) - t0 )) s] (training.md)")
+    else
+      status=1
+      tail -15 "$OUT/python.log"
+      summary+=("training proofs: FAILED or a criterion failed (see python.log, training.md)")
+    fi
   fi
 fi
 
