@@ -327,7 +327,7 @@ TEST(Fuzz, CorruptedPlansAndArgumentsFailCleanly) {
             c.cfg.dtype = 2 + int32_t(rng() % 5);
             break;
           case 2:
-            c.cfg.mode = rng() % 2 ? -1 : 2;
+            c.cfg.mode = rng() % 2 ? -1 : 3;  // 0, 1, 2 are valid (capi.h)
             break;
           case 3:
             c.cfg.num_threads = rng() % 2 ? -1 : 1025 + int32_t(rng() % 100000);

@@ -16,8 +16,7 @@ void down_proj(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16*
   detail::check_ptr(fn, a, "a", plan.S > 0);
   detail::check_ptr(fn, w2, "w2", plan.S > 0);
   detail::check_ptr(fn, y, "y", plan.S > 0);
-  if (scratch.data &&
-      choose_kernels({plan.S, plan.E, d, n}).down.family == KernelFamily::tma_grouped) {
+  if (scratch.data) {  // TMA path (tma_paths.hpp): the caller chose it (choose_kernels)
     detail::down_proj_tma(plan, a, w2, y, d, n, scratch, stream);
     return;
   }

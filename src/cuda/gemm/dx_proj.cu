@@ -18,8 +18,7 @@ void dx_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* 
   detail::check_ptr(fn, w1, "w1", plan.S > 0);
   detail::check_ptr(fn, dx_slots, "dx_slots", plan.S > 0);
   const int64_t w1_rows = is_gated(act) ? 2 * n : n;
-  if (scratch.data &&
-      choose_kernels({plan.S, plan.E, d, n}).dx.family == KernelFamily::tma_grouped) {
+  if (scratch.data) {  // TMA path (tma_paths.hpp): the caller chose it (choose_kernels)
     detail::dx_proj_tma(plan, dh, w1, dx_slots, d, w1_rows, scratch, stream);
     return;
   }

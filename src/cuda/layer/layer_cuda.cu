@@ -71,6 +71,12 @@ gemm::GemmScratch take_scratch(Carver& c, int64_t S, int64_t E) {
   return {c.take<char>(static_cast<int64_t>(bytes)), bytes};
 }
 
+// The scratch to hand a contiguous-A GEMM: the workspace's TMA scratch where its chosen kernel is
+// the TMA path (a given scratch selects it), else none.
+gemm::GemmScratch tma_scratch(gemm::GemmScratch s, const gemm::GemmKernel& k) {
+  return k.family == gemm::KernelFamily::tma_grouped ? s : gemm::GemmScratch{};
+}
+
 // -1: not set: the `impl` kernel override decides (kernel_config.hpp).
 std::atomic<int> g_gemm_impl{-1};
 
@@ -173,7 +179,8 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
     if (S > 0) {
       g.up_proj(pv, x.as<bf16>(), w1.as<bf16>(), next.h.as<bf16>(), w.a, cfg.d, cfg.n,
                 cfg.activation, stream);
-      g.down_proj(pv, w.a, w2.as<bf16>(), w.y, cfg.d, cfg.n, stream, w.scratch);
+      g.down_proj(pv, w.a, w2.as<bf16>(), w.y, cfg.d, cfg.n, stream,
+                  tma_scratch(w.scratch, gemm::choose_kernels({S, cfg.E, cfg.d, cfg.n}).down));
     }
     aggregate_rows(pv, w.y, pv.slot_weights, out.data, cfg.d, DType::bf16, stream);
     // The workspace is freed when `ws` goes out of scope, in stream order after the kernels
@@ -236,7 +243,7 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   g.reduce_ds(w.ds_partials, w.ds, S, cfg.n, stream);
   g.dw2_proj(pv, d_out.as<bf16>(), w.a_scaled, grads.dw2.as<bf16>(), cfg.d, cfg.n, stream);
   g.dx_proj(pv, dh, w1.as<bf16>(), w.dx_slots, cfg.d, cfg.n, cfg.activation, stream,
-            w.scratch);
+            tma_scratch(w.scratch, gemm::choose_kernels({S, cfg.E, cfg.d, cfg.n}).dx));
   aggregate_rows(pv, w.dx_slots, nullptr, grads.dx.data, cfg.d, DType::bf16, stream);
   g.dw1_proj(pv, dh, x.as<bf16>(), grads.dw1.as<bf16>(), cfg.d, cfg.n, cfg.activation, stream);
   gather_pair_grads(pv, w.ds, grads.d_pair_weights.as<float>(), stream);
