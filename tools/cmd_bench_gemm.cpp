@@ -120,76 +120,82 @@ struct Row {
   double ms, tflops, dense_ms, dense_tflops, max_rel_err;
 };
 
-void run(const Flags& f) {
-  MOEBLAZE_REQUIRE(f.reps >= 20, "--reps (", f.reps, ") must be at least 20");
-  MOEBLAZE_REQUIRE(f.warmup >= 1, "--warmup (", f.warmup, ") must be at least 1");
-  const Activation act = parse_activation(f.activation);
-  std::vector<Shape> shapes;
-  for (const auto& name : split_commas(f.configs)) shapes.push_back(find_shape(name));
-  MOEBLAZE_REQUIRE(!shapes.empty(), "--configs is empty");
-  for (const auto& s : shapes) cuda::gemm::check_gemm_shape(s.d, s.n);
+// What every row and output file names: the card, its driver, the commit and the date.
+struct RunInfo {
+  std::string gpu, driver, commit, date;
+};
 
+RunInfo describe_run() {
   int dev = 0;
   MOEBLAZE_CUDA_CHECK(cudaGetDevice(&dev));
   cudaDeviceProp prop{};
   MOEBLAZE_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-  const std::string gpu = prop.name, driver = driver_version();
+  RunInfo info;
+  info.gpu = prop.name;
+  info.driver = driver_version();
   const char* env_commit = std::getenv("MOEBLAZE_COMMIT");
-  const std::string commit = env_commit && *env_commit ? env_commit : git_commit();
-  const std::string date = utc_date_iso();
-  std::cerr << "bench gemm: " << gpu << ", driver " << driver << ", commit " << commit << "\n";
+  info.commit = env_commit && *env_commit ? env_commit : git_commit();
+  info.date = utc_date_iso();
+  return info;
+}
 
-  cudaStream_t stream = nullptr;
-  Dev flush(kL2FlushBytes);
-  GpuTimer timer(stream, flush.p);
-  cublasHandle_t blas = nullptr;
-  if (!f.no_dense) {
-    cublas_check(cublasCreate(&blas), "cublasCreate");
-    cublas_check(cublasSetStream(blas, stream), "cublasSetStream");
+// Near-balanced routing: K distinct uniform experts per token; slots grouped by expert,
+// ascending token inside an expert. Draws from rng (the sampled check goes on drawing from it).
+struct BalancedRouting {
+  std::vector<int32_t> offsets;    // (E+1,) slots of expert e: [offsets[e], offsets[e+1])
+  std::vector<int32_t> tokens;     // (S,) token of each slot
+  std::vector<int32_t> expert_of;  // (S,) expert of each slot
+  std::vector<float> weights;      // (S,) in [0.05, 1)
+};
+
+BalancedRouting near_balanced_routing(int64_t T, int64_t E, int64_t K, std::mt19937_64& rng) {
+  const int64_t S = T * K;
+  std::vector<std::vector<int32_t>> by_expert(E);
+  std::vector<int32_t> pick(E);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t e = 0; e < E; ++e) pick[e] = int32_t(e);
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t j = k + int64_t(rng() % uint64_t(E - k));
+      std::swap(pick[k], pick[j]);
+      by_expert[pick[k]].push_back(int32_t(t));
+    }
   }
-
-  std::vector<Row> rows;
-  for (const Shape& sh : shapes) {
-    const int64_t T = sh.T, d = sh.d, n = sh.n, E = sh.E, K = sh.K, S = T * K;
-    const int64_t R = is_gated(act) ? 2 * n : n;
-    std::cerr << "bench gemm: " << sh.name << " T=" << T << " d=" << d << " n=" << n
-              << " E=" << E << " K=" << K << " S=" << S << "\n";
-    // Near-balanced routing: K distinct uniform experts per token; slots grouped by expert,
-    // ascending token inside an expert.
-    std::mt19937_64 rng(f.seed);
-    std::vector<std::vector<int32_t>> by_expert(E);
-    std::vector<int32_t> pick(E);
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t e = 0; e < E; ++e) pick[e] = int32_t(e);
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t j = k + int64_t(rng() % uint64_t(E - k));
-        std::swap(pick[k], pick[j]);
-        by_expert[pick[k]].push_back(int32_t(t));
-      }
+  BalancedRouting r;
+  r.offsets.assign(E + 1, 0);
+  r.tokens.reserve(S);
+  for (int64_t e = 0; e < E; ++e) {
+    for (int32_t t : by_expert[e]) {
+      r.tokens.push_back(t);
+      r.expert_of.push_back(int32_t(e));
     }
-    std::vector<int32_t> offsets(E + 1, 0), tokens, expert_of;
-    tokens.reserve(S);
-    for (int64_t e = 0; e < E; ++e) {
-      for (int32_t t : by_expert[e]) {
-        tokens.push_back(t);
-        expert_of.push_back(int32_t(e));
-      }
-      offsets[e + 1] = int32_t(tokens.size());
-    }
-    std::vector<float> weights(S);
-    std::uniform_real_distribution<float> wd(0.05f, 1.0f);
-    for (auto& w : weights) w = wd(rng);
+    r.offsets[e + 1] = int32_t(r.tokens.size());
+  }
+  r.weights.resize(S);
+  std::uniform_real_distribution<float> wd(0.05f, 1.0f);
+  for (auto& w : r.weights) w = wd(rng);
+  return r;
+}
 
-    const auto hx = random_bf16(size_t(T * d), f.seed + 1, 1.0f);
-    const auto hw1 = random_bf16(size_t(E * R * d), f.seed + 2, 1.0f / std::sqrt(float(d)));
-    const auto hw2 = random_bf16(size_t(E * d * n), f.seed + 3, 1.0f / std::sqrt(float(n)));
-    const auto hdo = random_bf16(size_t(T * d), f.seed + 4, 1.0f);
-    Dev off(offsets), tok(tokens), wts(weights), x(hx), w1(hw1), w2(hw2), dO(hdo);
-    Dev h(size_t(S * R) * 2), a(size_t(S * n) * 2), y(size_t(S * d) * 2);
-    Dev parts(size_t(S * cuda::gemm::ds_partials_cols(n)) * 4), dh(size_t(S * R) * 2),
+// One shape's inputs (host copies kept for the check) and every GEMM's output, on the device.
+struct ShapeData {
+  int64_t T, d, n, E, K, S, R;  // R = w1_rows
+  std::vector<bf16> hx, hw1, hw2, hdo;
+  Dev off, tok, wts, x, w1, w2, dO;
+  Dev h, a, y, parts, dh, as, dx, dw1, dw2;
+  RoutingPlanView plan;
+
+  ShapeData(const Shape& sh, Activation act, uint64_t seed, const BalancedRouting& rt)
+      : T(sh.T), d(sh.d), n(sh.n), E(sh.E), K(sh.K), S(sh.T * sh.K),
+        R(is_gated(act) ? 2 * sh.n : sh.n),
+        hx(random_bf16(size_t(T * d), seed + 1, 1.0f)),
+        hw1(random_bf16(size_t(E * R * d), seed + 2, 1.0f / std::sqrt(float(d)))),
+        hw2(random_bf16(size_t(E * d * n), seed + 3, 1.0f / std::sqrt(float(n)))),
+        hdo(random_bf16(size_t(T * d), seed + 4, 1.0f)),
+        off(rt.offsets), tok(rt.tokens), wts(rt.weights), x(hx), w1(hw1), w2(hw2), dO(hdo),
+        h(size_t(S * R) * 2), a(size_t(S * n) * 2), y(size_t(S * d) * 2),
+        parts(size_t(S * cuda::gemm::ds_partials_cols(n)) * 4), dh(size_t(S * R) * 2),
         as(size_t(S * n) * 2), dx(size_t(S * d) * 2), dw1(size_t(E * R * d) * 2),
-        dw2(size_t(E * d * n) * 2);
-    RoutingPlanView plan;
+        dw2(size_t(E * d * n) * 2) {
     plan.T = T;
     plan.E = E;
     plan.S = S;
@@ -197,198 +203,249 @@ void run(const Flags& f) {
     plan.expert_token_indices = tok.as<int32_t>();
     plan.slot_weights = wts.as<float>();
     plan.device = Device::cuda;
-    auto B = [](const Dev& b) { return b.as<const bf16>(); };
-    auto M = [](const Dev& b) { return b.as<bf16>(); };
+  }
+};
 
-    struct Kernel {
-      const char* name;
-      const char* writes;  // the output buffer (the sampled check's key)
-      double flops;
-      std::function<void()> launch;
-      int64_t dense_m, dense_n, dense_k;
-    };
-    namespace gg = cuda::gemm;
-    Dev scratch_buf(gg::tma_gemm_scratch_bytes(E));
-    const gg::GemmScratch tma_scratch{scratch_buf.as<char>(), gg::tma_gemm_scratch_bytes(E)};
-    const std::vector<Kernel> kernels = {
-        {"up", "h", 2.0 * S * R * d,
-         [&] {
-           gg::up_proj(plan, B(x), B(w1), M(h), M(a), d, n, act, stream,
-                       gg::GatherKernel::two_cta);
-         },
-         S, R, d},
-        // The warp-specialised persistent kernel of the gathered GEMMs, same outputs.
-        {"up-ws", "h", 2.0 * S * R * d,
-         [&] {
-           gg::up_proj(plan, B(x), B(w1), M(h), M(a), d, n, act, stream,
-                       gg::GatherKernel::warp_specialized);
-         },
-         S, R, d},
-        {"up-pp", "h", 2.0 * S * R * d,
-         [&] {
-           gg::up_proj(plan, B(x), B(w1), M(h), M(a), d, n, act, stream,
-                       gg::GatherKernel::ping_pong);
-         },
-         S, R, d},
-        {"down", "y", 2.0 * S * d * n,
-         [&] { gg::down_proj(plan, B(a), B(w2), M(y), d, n, stream); }, S, d, n},
-        {"dH", "dh", 2.0 * S * d * n,
-         [&] {
-           gg::dh_proj(plan, B(dO), B(w2), B(h), parts.as<float>(), M(dh), M(as), d, n, act,
-                       stream, gg::GatherKernel::two_cta);
-         },
-         S, n, d},
-        {"dH-ws", "dh", 2.0 * S * d * n,
-         [&] {
-           gg::dh_proj(plan, B(dO), B(w2), B(h), parts.as<float>(), M(dh), M(as), d, n, act,
-                       stream, gg::GatherKernel::warp_specialized);
-         },
-         S, n, d},
-        {"dH-pp", "dh", 2.0 * S * d * n,
-         [&] {
-           gg::dh_proj(plan, B(dO), B(w2), B(h), parts.as<float>(), M(dh), M(as), d, n, act,
-                       stream, gg::GatherKernel::ping_pong);
-         },
-         S, n, d},
-        {"dW2", "dw2", 2.0 * S * d * n,
-         [&] { gg::dw2_proj(plan, B(dO), B(as), M(dw2), d, n, stream, gg::GatherKernel::two_cta); },
-         d, n, S},
-        {"dW2-ws", "dw2", 2.0 * S * d * n,
-         [&] {
-           gg::dw2_proj(plan, B(dO), B(as), M(dw2), d, n, stream,
-                        gg::GatherKernel::warp_specialized);
-         },
-         d, n, S},
-        {"dX", "dx", 2.0 * S * R * d,
-         [&] { gg::dx_proj(plan, B(dh), B(w1), M(dx), d, n, act, stream); }, S, d, R},
-        // The TMA path of the two contiguous-A GEMMs (CUTLASS pointer-array), same outputs.
-        {"down-tma", "y", 2.0 * S * d * n,
-         [&] { gg::down_proj(plan, B(a), B(w2), M(y), d, n, stream, tma_scratch); }, S, d, n},
-        {"dX-tma", "dx", 2.0 * S * R * d,
-         [&] { gg::dx_proj(plan, B(dh), B(w1), M(dx), d, n, act, stream, tma_scratch); }, S, d,
-         R},
-        {"dW1", "dw1", 2.0 * S * R * d,
-         [&] {
-           gg::dw1_proj(plan, B(dh), B(x), M(dw1), d, n, act, stream, gg::GatherKernel::two_cta);
-         },
-         R, d, S},
-        {"dW1-ws", "dw1", 2.0 * S * R * d,
-         [&] {
-           gg::dw1_proj(plan, B(dh), B(x), M(dw1), d, n, act, stream,
-                        gg::GatherKernel::warp_specialized);
-         },
-         R, d, S},
-    };
+struct Kernel {
+  const char* name;
+  const char* writes;  // the output buffer (the sampled check's key)
+  double flops;
+  std::function<void()> launch;
+  int64_t dense_m, dense_n, dense_k;
+};
 
-    // Dense same-FLOP operands: (max(M,N) x K) random bf16 for both sides.
-    int64_t dense_elems = 0;
-    for (const auto& k : kernels)
-      dense_elems = std::max(dense_elems, std::max(k.dense_m, k.dense_n) * k.dense_k);
-    std::unique_ptr<Dev> dA, dB, dC;
-    if (!f.no_dense) {
-      dA = std::make_unique<Dev>(random_bf16(size_t(dense_elems), f.seed + 5, 1.0f));
-      dB = std::make_unique<Dev>(random_bf16(size_t(dense_elems), f.seed + 6, 0.02f));
-      int64_t c_elems = 0;
-      for (const auto& k : kernels) c_elems = std::max(c_elems, k.dense_m * k.dense_n);
-      dC = std::make_unique<Dev>(size_t(c_elems) * 2);
+// Every kernel variant of the six GEMMs on one shape, in pipeline order: each one's inputs are
+// the previous ones' outputs where the pipeline says so. The gathered GEMMs (up, dH, dW2, dW1)
+// run on each of their kernels (two_cta, then the warp-specialised persistent ones), the
+// contiguous-A ones (down, dX) on the cp.async kernel and on the TMA path (CUTLASS
+// pointer-array); variants of one GEMM write the same output.
+std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t stream,
+                                  const cuda::gemm::GemmScratch& tma_scratch) {
+  namespace gg = cuda::gemm;
+  using GK = gg::GatherKernel;
+  const int64_t S = s.S, R = s.R, d = s.d, n = s.n;
+  const double up_flops = 2.0 * S * R * d, down_flops = 2.0 * S * d * n;
+  auto B = [](const Dev& b) { return b.as<const bf16>(); };
+  auto M = [](const Dev& b) { return b.as<bf16>(); };
+  auto up = [&](const char* name, GK g) -> Kernel {
+    return {name, "h", up_flops,
+            [&s, act, stream, B, M, g] {
+              gg::up_proj(s.plan, B(s.x), B(s.w1), M(s.h), M(s.a), s.d, s.n, act, stream, g);
+            },
+            S, R, d};
+  };
+  auto dh = [&](const char* name, GK g) -> Kernel {
+    return {name, "dh", down_flops,
+            [&s, act, stream, B, M, g] {
+              gg::dh_proj(s.plan, B(s.dO), B(s.w2), B(s.h), s.parts.as<float>(), M(s.dh),
+                          M(s.as), s.d, s.n, act, stream, g);
+            },
+            S, n, d};
+  };
+  auto dw2 = [&](const char* name, GK g) -> Kernel {
+    return {name, "dw2", down_flops,
+            [&s, stream, B, M, g] {
+              gg::dw2_proj(s.plan, B(s.dO), B(s.as), M(s.dw2), s.d, s.n, stream, g);
+            },
+            d, n, S};
+  };
+  auto dw1 = [&](const char* name, GK g) -> Kernel {
+    return {name, "dw1", up_flops,
+            [&s, act, stream, B, M, g] {
+              gg::dw1_proj(s.plan, B(s.dh), B(s.x), M(s.dw1), s.d, s.n, act, stream, g);
+            },
+            R, d, S};
+  };
+  // scratch: the TMA path's (data == nullptr: the cp.async kernel).
+  auto down = [&](const char* name, gg::GemmScratch scratch) -> Kernel {
+    return {name, "y", down_flops,
+            [&s, stream, B, M, scratch] {
+              gg::down_proj(s.plan, B(s.a), B(s.w2), M(s.y), s.d, s.n, stream, scratch);
+            },
+            S, d, n};
+  };
+  auto dx = [&](const char* name, gg::GemmScratch scratch) -> Kernel {
+    return {name, "dx", up_flops,
+            [&s, act, stream, B, M, scratch] {
+              gg::dx_proj(s.plan, B(s.dh), B(s.w1), M(s.dx), s.d, s.n, act, stream, scratch);
+            },
+            S, d, R};
+  };
+  return {up("up", GK::two_cta),
+          up("up-ws", GK::warp_specialized),
+          up("up-pp", GK::ping_pong),
+          down("down", {}),
+          dh("dH", GK::two_cta),
+          dh("dH-ws", GK::warp_specialized),
+          dh("dH-pp", GK::ping_pong),
+          dw2("dW2", GK::two_cta),
+          dw2("dW2-ws", GK::warp_specialized),
+          dx("dX", {}),
+          down("down-tma", tma_scratch),
+          dx("dX-tma", tma_scratch),
+          dw1("dW1", GK::two_cta),
+          dw1("dW1-ws", GK::warp_specialized)};
+}
+
+// Dense same-FLOP operands for cuBLAS: (max(M,N) x K) random bf16 for both sides, and C.
+struct DenseOperands {
+  std::unique_ptr<Dev> A, B, C;
+};
+
+DenseOperands dense_operands(const std::vector<Kernel>& kernels, uint64_t seed) {
+  int64_t dense_elems = 0;
+  for (const auto& k : kernels)
+    dense_elems = std::max(dense_elems, std::max(k.dense_m, k.dense_n) * k.dense_k);
+  DenseOperands o;
+  o.A = std::make_unique<Dev>(random_bf16(size_t(dense_elems), seed + 5, 1.0f));
+  o.B = std::make_unique<Dev>(random_bf16(size_t(dense_elems), seed + 6, 0.02f));
+  int64_t c_elems = 0;
+  for (const auto& k : kernels) c_elems = std::max(c_elems, k.dense_m * k.dense_n);
+  o.C = std::make_unique<Dev>(size_t(c_elems) * 2);
+  return o;
+}
+
+// Relative errors of sampled outputs against float64 host computations, after the chain ran
+// once: 8 sampled slots of h (up), y (down) and dx (dX), and 16 entries of dW2.
+struct SampledErrors {
+  double up = 0, down = 0, dx = 0, dw2 = 0;
+};
+
+SampledErrors check_samples(const ShapeData& s, const BalancedRouting& rt, std::mt19937_64& rng) {
+  const int64_t S = s.S, R = s.R, d = s.d, n = s.n, E = s.E;
+  const auto& hx = s.hx;
+  const auto& hw1 = s.hw1;
+  const auto& hw2 = s.hw2;
+  const auto& hdo = s.hdo;
+  const auto& tokens = rt.tokens;
+  const auto& offsets = rt.offsets;
+  const auto gh = s.h.get<bf16>(), gy = s.y.get<bf16>(), ga = s.a.get<bf16>(),
+             gdx = s.dx.get<bf16>();
+  const auto gdh = s.dh.get<bf16>(), gas = s.as.get<bf16>(), gdw2 = s.dw2.get<bf16>();
+  auto f32 = [](bf16 v) { return double(float(v)); };
+  std::vector<int64_t> sample;
+  for (int i = 0; i < 8; ++i) sample.push_back(int64_t(rng() % uint64_t(S)));
+  auto rel = [](double num, double den) { return std::sqrt(num / std::max(den, 1e-300)); };
+  SampledErrors err;
+  double nu = 0, du = 0, nd = 0, dd = 0, nx = 0, dxx = 0;
+  for (int64_t r : sample) {
+    const int64_t e = rt.expert_of[r], t = tokens[r];
+    for (int64_t o = 0; o < R; ++o) {  // h = W1_e x_t
+      double acc = 0;
+      for (int64_t k = 0; k < d; ++k) acc += f32(hx[t * d + k]) * f32(hw1[(e * R + o) * d + k]);
+      nu += (f32(gh[r * R + o]) - acc) * (f32(gh[r * R + o]) - acc);
+      du += acc * acc;
     }
-
-    // Run the chain once (each kernel's inputs are the previous ones' outputs where the pipeline
-    // says so), then check sampled rows against float64.
-    for (const auto& k : kernels) k.launch();
-    MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const auto gh = h.get<bf16>(), gy = y.get<bf16>(), ga = a.get<bf16>(), gdx = dx.get<bf16>();
-    const auto gdh = dh.get<bf16>(), gas = as.get<bf16>(), gdw2 = dw2.get<bf16>();
-    auto f32 = [](bf16 v) { return double(float(v)); };
-    std::vector<int64_t> sample;
-    for (int i = 0; i < 8; ++i) sample.push_back(int64_t(rng() % uint64_t(S)));
-    auto rel = [](double num, double den) { return std::sqrt(num / std::max(den, 1e-300)); };
-    double e_up = 0, e_down = 0, e_dx = 0, e_dw2 = 0;
-    {
-      double nu = 0, du = 0, nd = 0, dd = 0, nx = 0, dxx = 0;
-      for (int64_t r : sample) {
-        const int64_t e = expert_of[r], t = tokens[r];
-        for (int64_t o = 0; o < R; ++o) {  // h = W1_e x_t
-          double acc = 0;
-          for (int64_t k = 0; k < d; ++k) acc += f32(hx[t * d + k]) * f32(hw1[(e * R + o) * d + k]);
-          nu += (f32(gh[r * R + o]) - acc) * (f32(gh[r * R + o]) - acc);
-          du += acc * acc;
-        }
-        for (int64_t o = 0; o < d; ++o) {  // y = W2_e a (a as the kernel stored it)
-          double acc = 0;
-          for (int64_t k = 0; k < n; ++k) acc += f32(ga[r * n + k]) * f32(hw2[(e * d + o) * n + k]);
-          nd += (f32(gy[r * d + o]) - acc) * (f32(gy[r * d + o]) - acc);
-          dd += acc * acc;
-        }
-        for (int64_t o = 0; o < d; ++o) {  // dx = W1_eᵀ dh
-          double acc = 0;
-          for (int64_t k = 0; k < R; ++k) acc += f32(gdh[r * R + k]) * f32(hw1[(e * R + k) * d + o]);
-          nx += (f32(gdx[r * d + o]) - acc) * (f32(gdx[r * d + o]) - acc);
-          dxx += acc * acc;
-        }
-      }
-      e_up = rel(nu, du);
-      e_down = rel(nd, dd);
-      e_dx = rel(nx, dxx);
-      // dW2: a few entries of expert 0's (d, n) gradient.
-      double nw = 0, dw = 0;
-      for (int i = 0; i < 16; ++i) {
-        const int64_t e = int64_t(rng() % uint64_t(E)), row = int64_t(rng() % uint64_t(d)),
-                      col = int64_t(rng() % uint64_t(n));
-        double acc = 0;
-        for (int32_t r = offsets[e]; r < offsets[e + 1]; ++r)
-          acc += f32(hdo[int64_t(tokens[r]) * d + row]) * f32(gas[int64_t(r) * n + col]);
-        const double g = f32(gdw2[(e * d + row) * n + col]);
-        nw += (g - acc) * (g - acc);
-        dw += acc * acc;
-      }
-      e_dw2 = rel(nw, dw);
+    for (int64_t o = 0; o < d; ++o) {  // y = W2_e a (a as the kernel stored it)
+      double acc = 0;
+      for (int64_t k = 0; k < n; ++k) acc += f32(ga[r * n + k]) * f32(hw2[(e * d + o) * n + k]);
+      nd += (f32(gy[r * d + o]) - acc) * (f32(gy[r * d + o]) - acc);
+      dd += acc * acc;
     }
-    // The sampled check sees each output as its last writer in the chain left it, so the error
-    // is that kernel's; the other variants writing the same output (up vs up-ws, dH vs dH-ws,
-    // down vs down-tma, dX vs dX-tma) show "-" here and are checked by the GPU tests
-    // (GroupedGemm, every kernel against float64).
-    const std::pair<const char*, double> checked[] = {
-        {"h", e_up}, {"y", e_down}, {"dw2", e_dw2}, {"dx", e_dx}};
-    std::vector<double> errs(kernels.size(), NAN);
-    for (const auto& [out, e] : checked)
-      for (size_t i = kernels.size(); i-- > 0;)
-        if (std::string(kernels[i].writes) == out) {
-          errs[i] = e;
-          break;
-        }
-    std::cerr << "bench gemm: sampled rel errors up " << e_up << " down " << e_down << " dW2 "
-              << e_dw2 << " dX " << e_dx << "\n";
-    for (double e : errs)
-      if (std::isfinite(e) && e > 2e-2)
-        throw DeviceError("bench gemm: a grouped GEMM's sampled error " + std::to_string(e) +
-                          " exceeds 2e-2; not timing a broken kernel");
-
-    const auto only = split_commas(f.only);
-    for (size_t i = 0; i < kernels.size(); ++i) {
-      const auto& k = kernels[i];
-      if (!only.empty() && std::find(only.begin(), only.end(), std::string(k.name)) == only.end())
-        continue;
-      Row row{sh.name, k.name, T, S, E, K, d, n, 0, 0, NAN, NAN, errs[i]};
-      row.ms = timer.median_ms(f.warmup, f.reps, k.launch);
-      row.tflops = k.flops / (row.ms * 1e-3) / 1e12;
-      if (!f.no_dense) {
-        const float alpha = 1.0f, beta = 0.0f;
-        const int m = int(k.dense_m), nn = int(k.dense_n), kk = int(k.dense_k);
-        row.dense_ms = timer.median_ms(f.warmup, f.reps, [&] {
-          cublas_check(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, nn, m, kk, &alpha, dB->p,
-                                    CUDA_R_16BF, kk, dA->p, CUDA_R_16BF, kk, &beta, dC->p,
-                                    CUDA_R_16BF, nn, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                       "cublasGemmEx");
-        });
-        row.dense_tflops = 2.0 * m * nn * double(kk) / (row.dense_ms * 1e-3) / 1e12;
-      }
-      rows.push_back(row);
-      std::cerr << "  " << k.name << ": " << row.ms << " ms, " << row.tflops << " TFLOP/s\n";
+    for (int64_t o = 0; o < d; ++o) {  // dx = W1_eᵀ dh
+      double acc = 0;
+      for (int64_t k = 0; k < R; ++k) acc += f32(gdh[r * R + k]) * f32(hw1[(e * R + k) * d + o]);
+      nx += (f32(gdx[r * d + o]) - acc) * (f32(gdx[r * d + o]) - acc);
+      dxx += acc * acc;
     }
   }
-  if (blas) cublasDestroy(blas);
+  err.up = rel(nu, du);
+  err.down = rel(nd, dd);
+  err.dx = rel(nx, dxx);
+  // dW2: a few entries of expert 0's (d, n) gradient.
+  double nw = 0, dw = 0;
+  for (int i = 0; i < 16; ++i) {
+    const int64_t e = int64_t(rng() % uint64_t(E)), row = int64_t(rng() % uint64_t(d)),
+                  col = int64_t(rng() % uint64_t(n));
+    double acc = 0;
+    for (int32_t r = offsets[e]; r < offsets[e + 1]; ++r)
+      acc += f32(hdo[int64_t(tokens[r]) * d + row]) * f32(gas[int64_t(r) * n + col]);
+    const double g = f32(gdw2[(e * d + row) * n + col]);
+    nw += (g - acc) * (g - acc);
+    dw += acc * acc;
+  }
+  err.dw2 = rel(nw, dw);
+  return err;
+}
 
+// Each kernel's sampled error, or NaN. The sampled check sees each output as its last writer in
+// the chain left it, so the error is that kernel's; the other variants writing the same output
+// (up vs up-ws, dH vs dH-ws, down vs down-tma, dX vs dX-tma) show "-" here and are checked by
+// the GPU tests (GroupedGemm, every kernel against float64). Throws when a checked error is
+// above 2e-2: no broken kernel is timed.
+std::vector<double> kernel_errors(const std::vector<Kernel>& kernels, const SampledErrors& e) {
+  const std::pair<const char*, double> checked[] = {
+      {"h", e.up}, {"y", e.down}, {"dw2", e.dw2}, {"dx", e.dx}};
+  std::vector<double> errs(kernels.size(), NAN);
+  for (const auto& [out, err] : checked)
+    for (size_t i = kernels.size(); i-- > 0;)
+      if (std::string(kernels[i].writes) == out) {
+        errs[i] = err;
+        break;
+      }
+  std::cerr << "bench gemm: sampled rel errors up " << e.up << " down " << e.down << " dW2 "
+            << e.dw2 << " dX " << e.dx << "\n";
+  for (double err : errs)
+    if (std::isfinite(err) && err > 2e-2)
+      throw DeviceError("bench gemm: a grouped GEMM's sampled error " + std::to_string(err) +
+                        " exceeds 2e-2; not timing a broken kernel");
+  return errs;
+}
+
+// Times the kernels --only names (all when empty), each beside its dense same-FLOP cuBLAS GEMM
+// unless --no-dense; appends one row per kernel.
+void time_kernels(const Flags& f, const Shape& sh, const ShapeData& s,
+                  const std::vector<Kernel>& kernels, const std::vector<double>& errs,
+                  GpuTimer& timer, cublasHandle_t blas, const DenseOperands& dense,
+                  std::vector<Row>& rows) {
+  const auto only = split_commas(f.only);
+  for (size_t i = 0; i < kernels.size(); ++i) {
+    const auto& k = kernels[i];
+    if (!only.empty() && std::find(only.begin(), only.end(), std::string(k.name)) == only.end())
+      continue;
+    Row row{sh.name, k.name, s.T, s.S, s.E, s.K, s.d, s.n, 0, 0, NAN, NAN, errs[i]};
+    row.ms = timer.median_ms(f.warmup, f.reps, k.launch);
+    row.tflops = k.flops / (row.ms * 1e-3) / 1e12;
+    if (!f.no_dense) {
+      const float alpha = 1.0f, beta = 0.0f;
+      const int m = int(k.dense_m), nn = int(k.dense_n), kk = int(k.dense_k);
+      row.dense_ms = timer.median_ms(f.warmup, f.reps, [&] {
+        cublas_check(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, nn, m, kk, &alpha, dense.B->p,
+                                  CUDA_R_16BF, kk, dense.A->p, CUDA_R_16BF, kk, &beta,
+                                  dense.C->p, CUDA_R_16BF, nn, CUBLAS_COMPUTE_32F,
+                                  CUBLAS_GEMM_DEFAULT),
+                     "cublasGemmEx");
+      });
+      row.dense_tflops = 2.0 * m * nn * double(kk) / (row.dense_ms * 1e-3) / 1e12;
+    }
+    rows.push_back(row);
+    std::cerr << "  " << k.name << ": " << row.ms << " ms, " << row.tflops << " TFLOP/s\n";
+  }
+}
+
+// One shape: routing, inputs, the chain once and its sampled check, then the timed rows.
+void bench_shape(const Flags& f, const Shape& sh, Activation act, cudaStream_t stream,
+                 GpuTimer& timer, cublasHandle_t blas, std::vector<Row>& rows) {
+  const int64_t T = sh.T, E = sh.E, K = sh.K;
+  std::cerr << "bench gemm: " << sh.name << " T=" << T << " d=" << sh.d << " n=" << sh.n
+            << " E=" << E << " K=" << K << " S=" << T * K << "\n";
+  std::mt19937_64 rng(f.seed);
+  const BalancedRouting rt = near_balanced_routing(T, E, K, rng);
+  ShapeData s(sh, act, f.seed, rt);
+  namespace gg = cuda::gemm;
+  Dev scratch_buf(gg::tma_gemm_scratch_bytes(E));
+  const gg::GemmScratch tma_scratch{scratch_buf.as<char>(), gg::tma_gemm_scratch_bytes(E)};
+  const std::vector<Kernel> kernels = shape_kernels(s, act, stream, tma_scratch);
+  DenseOperands dense;
+  if (!f.no_dense) dense = dense_operands(kernels, f.seed);
+
+  for (const auto& k : kernels) k.launch();
+  MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const std::vector<double> errs = kernel_errors(kernels, check_samples(s, rt, rng));
+  time_kernels(f, sh, s, kernels, errs, timer, blas, dense, rows);
+}
+
+void print_table(const std::vector<Row>& rows) {
   Table table({{"config", Align::left}, {"gemm", Align::left}, {"S"}, {"E"}, {"d"}, {"n"},
                {"ms"}, {"TFLOP/s"}, {"% 760"}, {"cuBLAS same-FLOP TFLOP/s"}, {"x cuBLAS"},
                {"sampled rel err"}});
@@ -398,34 +455,69 @@ void run(const Flags& f) {
                    fixed(100.0 * r.tflops / kDenseCeilingTflops, 1), fixed(r.dense_tflops, 1),
                    fixed(r.tflops / r.dense_tflops, 2), scientific(r.max_rel_err, 1)});
   table.print(std::cout);
-  if (!f.out.empty()) {
-    std::ofstream os(f.out, std::ios::app);
-    for (const auto& r : rows) {
-      JsonLine j;
-      j.add("bench", "gemm").add("config", r.config).add("impl", "moeblaze").add("gemm", r.kernel);
-      j.add("activation", activation_name(act)).add("T", r.T).add("S", r.S).add("E", r.E);
-      j.add("K", r.K).add("d", r.d).add("n", r.n).add("ms", r.ms).add("tflops", r.tflops);
-      j.add("pct_of_dense_ceiling", 100.0 * r.tflops / kDenseCeilingTflops);
-      j.add("dense_same_flop_ms", r.dense_ms).add("dense_same_flop_tflops", r.dense_tflops);
-      j.add("max_rel_err", r.max_rel_err);
-      j.add("gpu", gpu).add("driver", driver).add("commit", commit).add("date", date);
-      os << j.str() << "\n";
-    }
+}
+
+void append_jsonl(const std::string& path, const std::vector<Row>& rows, Activation act,
+                  const RunInfo& info) {
+  std::ofstream os(path, std::ios::app);
+  for (const auto& r : rows) {
+    JsonLine j;
+    j.add("bench", "gemm").add("config", r.config).add("impl", "moeblaze").add("gemm", r.kernel);
+    j.add("activation", activation_name(act)).add("T", r.T).add("S", r.S).add("E", r.E);
+    j.add("K", r.K).add("d", r.d).add("n", r.n).add("ms", r.ms).add("tflops", r.tflops);
+    j.add("pct_of_dense_ceiling", 100.0 * r.tflops / kDenseCeilingTflops);
+    j.add("dense_same_flop_ms", r.dense_ms).add("dense_same_flop_tflops", r.dense_tflops);
+    j.add("max_rel_err", r.max_rel_err);
+    j.add("gpu", info.gpu).add("driver", info.driver).add("commit", info.commit);
+    j.add("date", info.date);
+    os << j.str() << "\n";
   }
-  if (!f.md.empty()) {
-    std::ofstream md(f.md);
-    md << "# moeblaze bench gemm\n\n" << gpu << ", driver " << driver << ", commit " << commit
-       << ", " << date << ". Activation " << activation_name(act) << "; median of " << f.reps
-       << " reps, L2 flushed; % of the measured 760 TFLOP/s dense bf16 ceiling; cuBLAS column: "
-          "one dense bf16 GEMM of the same FLOPs timed the same way.\n\n";
-    md << "| config | gemm | S | E | d | n | ms | TFLOP/s | % 760 | cuBLAS TFLOP/s | x cuBLAS |\n";
-    md << "|---|---|---|---|---|---|---|---|---|---|---|\n";
-    for (const auto& r : rows)
-      md << "| " << r.config << " | " << r.kernel << " | " << r.S << " | " << r.E << " | " << r.d
-         << " | " << r.n << " | " << fixed(r.ms, 3) << " | " << fixed(r.tflops, 1) << " | "
-         << fixed(100.0 * r.tflops / kDenseCeilingTflops, 1) << " | " << fixed(r.dense_tflops, 1)
-         << " | " << fixed(r.tflops / r.dense_tflops, 2) << " |\n";
+}
+
+void write_markdown(const std::string& path, const std::vector<Row>& rows, Activation act,
+                    int reps, const RunInfo& info) {
+  std::ofstream md(path);
+  md << "# moeblaze bench gemm\n\n" << info.gpu << ", driver " << info.driver << ", commit "
+     << info.commit << ", " << info.date << ". Activation " << activation_name(act)
+     << "; median of " << reps
+     << " reps, L2 flushed; % of the measured 760 TFLOP/s dense bf16 ceiling; cuBLAS column: "
+        "one dense bf16 GEMM of the same FLOPs timed the same way.\n\n";
+  md << "| config | gemm | S | E | d | n | ms | TFLOP/s | % 760 | cuBLAS TFLOP/s | x cuBLAS |\n";
+  md << "|---|---|---|---|---|---|---|---|---|---|---|\n";
+  for (const auto& r : rows)
+    md << "| " << r.config << " | " << r.kernel << " | " << r.S << " | " << r.E << " | " << r.d
+       << " | " << r.n << " | " << fixed(r.ms, 3) << " | " << fixed(r.tflops, 1) << " | "
+       << fixed(100.0 * r.tflops / kDenseCeilingTflops, 1) << " | " << fixed(r.dense_tflops, 1)
+       << " | " << fixed(r.tflops / r.dense_tflops, 2) << " |\n";
+}
+
+void run(const Flags& f) {
+  MOEBLAZE_REQUIRE(f.reps >= 20, "--reps (", f.reps, ") must be at least 20");
+  MOEBLAZE_REQUIRE(f.warmup >= 1, "--warmup (", f.warmup, ") must be at least 1");
+  const Activation act = parse_activation(f.activation);
+  std::vector<Shape> shapes;
+  for (const auto& name : split_commas(f.configs)) shapes.push_back(find_shape(name));
+  MOEBLAZE_REQUIRE(!shapes.empty(), "--configs is empty");
+  for (const auto& s : shapes) cuda::gemm::check_gemm_shape(s.d, s.n);
+
+  const RunInfo info = describe_run();
+  std::cerr << "bench gemm: " << info.gpu << ", driver " << info.driver << ", commit "
+            << info.commit << "\n";
+  cudaStream_t stream = nullptr;
+  Dev flush(kL2FlushBytes);
+  GpuTimer timer(stream, flush.p);
+  cublasHandle_t blas = nullptr;
+  if (!f.no_dense) {
+    cublas_check(cublasCreate(&blas), "cublasCreate");
+    cublas_check(cublasSetStream(blas, stream), "cublasSetStream");
   }
+  std::vector<Row> rows;
+  for (const Shape& sh : shapes) bench_shape(f, sh, act, stream, timer, blas, rows);
+  if (blas) cublasDestroy(blas);
+
+  print_table(rows);
+  if (!f.out.empty()) append_jsonl(f.out, rows, act, info);
+  if (!f.md.empty()) write_markdown(f.md, rows, act, f.reps, info);
 }
 
 }  // namespace

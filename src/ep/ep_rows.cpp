@@ -28,6 +28,20 @@ cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 }
 #endif
 
+// The CUDA/CPU dispatch of every helper below, written once: for data on cuda, runs the
+// statement (the CUDA version) and returns; in a build without CUDA, refuses such data (the
+// statement is not compiled). The CPU version follows the macro.
+#ifdef MOEBLAZE_WITH_CUDA
+#define EP_CUDA_OR_FALL_THROUGH(dev, ...) \
+  if ((dev) == Device::cuda) {            \
+    __VA_ARGS__;                          \
+    return;                               \
+  }
+#else
+#define EP_CUDA_OR_FALL_THROUGH(dev, ...) \
+  if ((dev) == Device::cuda) no_cuda();
+#endif
+
 // Rows per parallel task: enough bytes per task to pay for scheduling it.
 constexpr int64_t kRowsPerTask = 64;
 
@@ -57,14 +71,8 @@ void combine_cpu(const S* rows, const int32_t* off, const int32_t* idx, int64_t 
 void gather_rows(Device dev, const void* src, const int32_t* idx, int64_t count, size_t row_bytes,
                  void* dst, void* stream) {
   if (count <= 0 || row_bytes == 0) return;
-  if (dev == Device::cuda) {
-#ifdef MOEBLAZE_WITH_CUDA
-    cuda::ep::gather_rows(src, idx, count, row_bytes, dst, as_stream(stream));
-    return;
-#else
-    no_cuda();
-#endif
-  }
+  EP_CUDA_OR_FALL_THROUGH(
+      dev, cuda::ep::gather_rows(src, idx, count, row_bytes, dst, as_stream(stream)));
   (void)stream;
   const char* s = static_cast<const char*>(src);
   char* o = static_cast<char*>(dst);
@@ -77,14 +85,8 @@ void gather_rows(Device dev, const void* src, const int32_t* idx, int64_t count,
 void combine_rows(Device dev, const void* rows, const int32_t* off, const int32_t* idx, int64_t T,
                   int64_t d, DType dtype, void* out, void* stream) {
   if (T <= 0 || d <= 0) return;
-  if (dev == Device::cuda) {
-#ifdef MOEBLAZE_WITH_CUDA
-    cuda::ep::combine_rows(rows, off, idx, T, d, dtype, out, as_stream(stream));
-    return;
-#else
-    no_cuda();
-#endif
-  }
+  EP_CUDA_OR_FALL_THROUGH(
+      dev, cuda::ep::combine_rows(rows, off, idx, T, d, dtype, out, as_stream(stream)));
   (void)stream;
   if (dtype == DType::bf16)
     combine_cpu(static_cast<const bf16*>(rows), off, idx, T, d, static_cast<bf16*>(out));
@@ -97,14 +99,8 @@ void accumulate_f32(Device dev, const void* src, DType dtype, float* acc, int64_
   if (count <= 0) return;
   MOEBLAZE_REQUIRE(dtype == DType::bf16 || dtype == DType::f32, "accumulate_f32: dtype ",
                    dtype_name(dtype), " must be bf16 or fp32");
-  if (dev == Device::cuda) {
-#ifdef MOEBLAZE_WITH_CUDA
-    cuda::ep::accumulate_f32(src, dtype, acc, count, first, as_stream(stream));
-    return;
-#else
-    no_cuda();
-#endif
-  }
+  EP_CUDA_OR_FALL_THROUGH(
+      dev, cuda::ep::accumulate_f32(src, dtype, acc, count, first, as_stream(stream)));
   (void)stream;
   constexpr int64_t kElemsPerTask = 1 << 14;
   auto run = [&](auto* s) {
@@ -125,14 +121,8 @@ void store_from_f32(Device dev, const float* acc, DType dtype, void* dst, int64_
   if (count <= 0) return;
   MOEBLAZE_REQUIRE(dtype == DType::bf16 || dtype == DType::f32, "store_from_f32: dtype ",
                    dtype_name(dtype), " must be bf16 or fp32");
-  if (dev == Device::cuda) {
-#ifdef MOEBLAZE_WITH_CUDA
-    cuda::ep::store_from_f32(acc, dtype, dst, count, as_stream(stream));
-    return;
-#else
-    no_cuda();
-#endif
-  }
+  EP_CUDA_OR_FALL_THROUGH(dev,
+                          cuda::ep::store_from_f32(acc, dtype, dst, count, as_stream(stream)));
   (void)stream;
   constexpr int64_t kElemsPerTask = 1 << 14;
   auto run = [&](auto* d) {
@@ -150,32 +140,20 @@ void store_from_f32(Device dev, const float* acc, DType dtype, void* dst, int64_
 
 void copy_to_device(Device dev, void* dst, const void* host_src, size_t bytes, void* stream) {
   if (bytes == 0) return;
-  if (dev == Device::cuda) {
-#ifdef MOEBLAZE_WITH_CUDA
-    // Pageable source: the call returns once the bytes are staged, so the source may be reused.
-    MOEBLAZE_CUDA_CHECK(
-        cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, as_stream(stream)));
-    return;
-#else
-    no_cuda();
-#endif
-  }
+  // Pageable source: the call returns once the bytes are staged, so the source may be reused.
+  EP_CUDA_OR_FALL_THROUGH(dev, MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes,
+                                                                   cudaMemcpyHostToDevice,
+                                                                   as_stream(stream))));
   (void)stream;
   std::memcpy(dst, host_src, bytes);
 }
 
 void copy_to_host(Device dev, void* host_dst, const void* src, size_t bytes, void* stream) {
   if (bytes == 0) return;
-  if (dev == Device::cuda) {
-#ifdef MOEBLAZE_WITH_CUDA
-    MOEBLAZE_CUDA_CHECK(
-        cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, as_stream(stream)));
-    MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
-    return;
-#else
-    no_cuda();
-#endif
-  }
+  EP_CUDA_OR_FALL_THROUGH(
+      dev, MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost,
+                                               as_stream(stream)));
+      MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream))));
   (void)stream;
   std::memcpy(host_dst, src, bytes);
 }

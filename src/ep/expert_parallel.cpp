@@ -418,26 +418,78 @@ size_t EpSaved::bytes() const {
          comb_rows.bytes() + d_send_tokens.bytes() + d_comb_off.bytes() + d_comb_rows.bytes();
 }
 
-void ep_forward(Transport& tr, const LayerConfig& cfg, const RoutingView& routing,
-                const TensorView& x, const TensorView& w1, const TensorView& w2,
-                const TensorView& out, EpSaved& saved, const EpOptions& opts) {
-  const Clock::time_point t_start = Clock::now();
-  EpTimings tm;
-  check_transport(tr);
-  const int W = tr.world_size(), q = tr.rank();
-  const Device dev = tr.device();
-  void* stream = opts.layer.stream;
-  const int C = opts.chunks;
+namespace {
 
-  // ---- 1. local checks and dispatch lists; 2. agreement ----
-  std::exception_ptr err;
-  Dispatch D;
-  EpShard shard;
+// What every step of one ep_forward / ep_backward call shares.
+struct EpCall {
+  Transport& tr;
+  Device dev;
+  void* stream;
+  int W, q;
+  EpTimings tm;
+};
+
+EpCall start_call(Transport& tr, const EpOptions& opts) {
+  check_transport(tr);
+  return {tr, tr.device(), opts.layer.stream, tr.world_size(), tr.rank(), EpTimings{}};
+}
+
+// Byte counts and offsets of chunk c's exchange of one array of rows: s* on the side holding
+// every chunk's rows (offsets from row 0), r* on the side holding this chunk's rows only.
+struct ChunkBytes {
+  std::vector<int64_t> sc, so, rc, ro;  // (W,) each
+
+  void set(const int64_t* all_off, const int64_t* chunk_off, int W, int c, size_t row_bytes) {
+    chunk_row_bytes(all_off, W, c, row_bytes, false, sc, so);
+    chunk_row_bytes(chunk_off, W, c, row_bytes, true, rc, ro);
+  }
+  // Chunk c's token rows (send_tokens <-> x_recv and alike), and its pairs' fp32 gradients.
+  void tokens_of(const EpSaved& s, int c, size_t row_bytes) {
+    set(s.send_tok_off.as<int64_t>(), s.recv_tok_off.as<int64_t>(), s.world_, c, row_bytes);
+  }
+  void pairs_of(const EpSaved& s, int c) {
+    set(s.send_pair_off.as<int64_t>(), s.recv_pair_off.as<int64_t>(), s.world_, c, sizeof(float));
+  }
+  // out: the array of every chunk -> this chunk's buffer; back: the reverse. Blocking, or started
+  // on a stream-ordered transport.
+  void out(Transport& tr, const void* all, void* chunk) const {
+    tr.all_to_all_v(all, sc.data(), so.data(), chunk, rc.data(), ro.data());
+  }
+  void back(Transport& tr, const void* chunk, void* all) const {
+    tr.all_to_all_v(chunk, rc.data(), ro.data(), all, sc.data(), so.data());
+  }
+  uint64_t start_out(Transport& tr, const void* all, void* chunk, void* stream) const {
+    return tr.all_to_all_v_start(all, sc.data(), so.data(), chunk, rc.data(), ro.data(), stream);
+  }
+  uint64_t start_back(Transport& tr, const void* chunk, void* all, void* stream) const {
+    return tr.all_to_all_v_start(chunk, rc.data(), ro.data(), all, sc.data(), so.data(), stream);
+  }
+};
+
+// The token rows' index arrays on the data's device: which local tokens are sent (in the order
+// of the exchange), and which returned rows make up each token's result.
+struct RowLists {
+  const int32_t* send_tokens;  // (N,)
+  const int32_t* comb_off;     // (T+1,)
+  const int32_t* comb_rows;    // (N,)
+  int64_t N;                   // rows sent, all chunks
+  size_t row_bytes;            // d * dtype size
+};
+
+// ---------------------------------------------------------------------------------------------
+// ep_forward's steps
+
+// 1. Local checks and this rank's dispatch lists. A failure is returned, for step 2 to agree on.
+std::exception_ptr check_forward(const EpCall& call, const LayerConfig& cfg,
+                                 const RoutingView& routing, const TensorView& x,
+                                 const TensorView& w1, const TensorView& w2, const TensorView& out,
+                                 const EpOptions& opts, EpShard& shard, Dispatch& D) {
+  const int C = opts.chunks;
   try {
     cfg.validate();
     check_layer_options(opts.layer);
     check_chunks(C);
-    shard = ep_shard(cfg.E, W, q);
+    shard = ep_shard(cfg.E, call.W, call.q);
     MOEBLAZE_REQUIRE(routing.device == Device::cpu, "routing is on ",
                      device_name(routing.device),
                      ", expected cpu: the dispatch lists are built on the host");
@@ -446,14 +498,23 @@ void ep_forward(Transport& tr, const LayerConfig& cfg, const RoutingView& routin
     MOEBLAZE_REQUIRE(routing.E == cfg.E, "routing has E = ", routing.E,
                      " experts, expected cfg.E = ", cfg.E, " (global expert ids)");
     validate_routing(routing);
-    check_tensor(x, "x", {cfg.T, cfg.d}, cfg.dtype, dev);
-    check_tensor(w1, "w1", {shard.count, cfg.w1_rows(), cfg.d}, cfg.dtype, dev);
-    check_tensor(w2, "w2", {shard.count, cfg.d, cfg.n}, cfg.dtype, dev);
-    check_tensor(out, "out", {cfg.T, cfg.d}, cfg.dtype, dev);
-    D = build_dispatch(routing, shard.count, W, C);
+    check_tensor(x, "x", {cfg.T, cfg.d}, cfg.dtype, call.dev);
+    check_tensor(w1, "w1", {shard.count, cfg.w1_rows(), cfg.d}, cfg.dtype, call.dev);
+    check_tensor(w2, "w2", {shard.count, cfg.d, cfg.n}, cfg.dtype, call.dev);
+    check_tensor(out, "out", {cfg.T, cfg.d}, cfg.dtype, call.dev);
+    D = build_dispatch(routing, shard.count, call.W, C);
   } catch (const Error&) {
-    err = std::current_exception();
+    return std::current_exception();
   }
+  return nullptr;
+}
+
+// 2. Agreement on the verdicts, the cfg fields and the counts. Sets what this rank receives from
+// each source s, all chunks: rn[s] tokens and rm[s] pairs.
+void agree_forward(EpCall& call, const LayerConfig& cfg, int C, const Dispatch& D,
+                   const std::exception_ptr& err, std::vector<int64_t>& rn,
+                   std::vector<int64_t>& rm) {
+  const int W = call.W;
   // Totals per destination only, so that the payload has the same length on every rank even
   // when the ranks disagree on chunks; the per-chunk counts travel with the metadata.
   std::vector<int64_t> payload(static_cast<size_t>(kCfgFields + 2 * W), 0);
@@ -466,8 +527,8 @@ void ep_forward(Transport& tr, const LayerConfig& cfg, const RoutingView& routin
   }
   std::vector<int64_t> table;
   {
-    ScopedTime st(&tm.exchange_s);
-    table = agree(tr, err, payload, "ep_forward");
+    ScopedTime st(&call.tm.exchange_s);
+    table = agree(call.tr, err, payload, "ep_forward");
   }
   const int64_t stride = 1 + static_cast<int64_t>(payload.size());
   for (int s = 1; s < W; ++s)
@@ -476,239 +537,262 @@ void ep_forward(Transport& tr, const LayerConfig& cfg, const RoutingView& routin
       MOEBLAZE_REQUIRE(vs == v0, "ep_forward: ", kCfgNames[f], " (", vs, ") on rank ", s,
                        " differs from ", kCfgNames[f], " (", v0, ") on rank 0");
     }
-
-  // Every rank goes on from here. What this rank receives from each source s, all chunks:
-  std::vector<int64_t> rn(static_cast<size_t>(W)), rm(static_cast<size_t>(W));
+  rn.assign(static_cast<size_t>(W), 0);
+  rm.assign(static_cast<size_t>(W), 0);
   for (int s = 0; s < W; ++s) {
-    rn[s] = table[s * stride + 1 + kCfgFields + 2 * q];
-    rm[s] = table[s * stride + 1 + kCfgFields + 2 * q + 1];
+    rn[s] = table[s * stride + 1 + kCfgFields + 2 * call.q];
+    rm[s] = table[s * stride + 1 + kCfgFields + 2 * call.q + 1];
   }
-  saved = EpSaved();  // the old state never coexists with the new
-  saved.rank_ = q;
-  saved.world_ = W;
-  saved.device_ = dev;
-  saved.mode_ = opts.layer.mode;
+}
+
+// A fresh `saved` (the old state never coexists with the new) holding the dispatch lists.
+void start_saved(const EpCall& call, const LayerConfig& cfg, int64_t P, LayerMode mode, int C,
+                 Dispatch& D, EpSaved& saved) {
+  saved = EpSaved();
+  saved.rank_ = call.q;
+  saved.world_ = call.W;
+  saved.device_ = call.dev;
+  saved.mode_ = mode;
   saved.cfg_ = cfg;
-  saved.P_ = routing.P;
+  saved.P_ = P;
   saved.chunks_.resize(static_cast<size_t>(C));
   saved.send_tok_off = std::move(D.tok_off);
   saved.send_tokens = std::move(D.tokens);
   saved.send_pair_off = std::move(D.pair_off);
   saved.send_pairs = std::move(D.pairs);
+}
+
+// Combine lists: returned row i belongs to send_tokens[i]; a token lies in one chunk, and its
+// rows in ascending i are in ascending rank order (each chunk's blocks return in rank order).
+void build_combine_lists(int64_t T, int64_t N, EpSaved& saved) {
+  const int32_t* tokens = saved.send_tokens.as<int32_t>();
+  int32_t* coff = host_array<int32_t>(saved.comb_off, T + 1);  // (T+1,)
+  int32_t* crow = host_array<int32_t>(saved.comb_rows, N);     // (N,)
+  std::fill(coff, coff + T + 1, 0);
+  for (int64_t i = 0; i < N; ++i) ++coff[tokens[i] + 1];
+  for (int64_t t = 0; t < T; ++t) coff[t + 1] += coff[t];
+  std::vector<int32_t> cur(coff, coff + T);
+  for (int64_t i = 0; i < N; ++i) crow[cur[tokens[i]]++] = static_cast<int32_t>(i);
+}
+
+// 3a. The metadata of every chunk in one exchange. Returns the received words, (W*H + R +
+// 2 P_recv,) int32: per source its header, then per chunk its sub-block; ro[s] is the byte offset
+// of source s's block.
+Buffer exchange_metadata(EpCall& call, const Dispatch& D, int C, const std::vector<int64_t>& rn,
+                         const std::vector<int64_t>& rm, std::vector<int64_t>& ro) {
+  const int W = call.W;
+  const Device dev = call.dev;
+  const int64_t H = meta_header_words(C);
+  std::vector<int64_t> sc(W), so(W), rc(W);
+  ro.assign(static_cast<size_t>(W), 0);
+  int64_t recv_words = 0;
+  for (int r = 0; r < W; ++r) {
+    so[r] = D.meta_off[r];
+    sc[r] = D.meta_bytes[r];
+    ro[r] = recv_words * 4;
+    rc[r] = 4 * (H + rn[r] + 2 * rm[r]);
+    recv_words += H + rn[r] + 2 * rm[r];
+  }
+  Buffer recv_meta(Device::cpu, 4 * static_cast<size_t>(recv_words));
+  ScopedTime st(&call.tm.exchange_s);
+  if (dev == Device::cpu) {
+    call.tr.all_to_all_v(D.meta.data(), sc.data(), so.data(), recv_meta.data(), rc.data(),
+                         ro.data());
+  } else {  // the transport moves device memory: stage through it
+    Buffer dsend(dev, D.meta.bytes()), drecv(dev, recv_meta.bytes());
+    ep::copy_to_device(dev, dsend.data(), D.meta.data(), D.meta.bytes(), call.stream);
+    ep::synchronize(dev, call.stream);
+    call.tr.all_to_all_v(dsend.data(), sc.data(), so.data(), drecv.data(), rc.data(), ro.data());
+    ep::copy_to_host(dev, recv_meta.data(), drecv.data(), recv_meta.bytes(), call.stream);
+  }
+  return recv_meta;
+}
+
+// 3b. The local routing of every chunk from the received metadata, and saved's receive offsets.
+std::vector<Routing> local_routings(const EpCall& call, const Buffer& recv_meta,
+                                    const std::vector<int64_t>& ro, int C,
+                                    const std::vector<int64_t>& rn,
+                                    const std::vector<int64_t>& rm, int64_t E_local,
+                                    EpSaved& saved) {
+  const int W = call.W;
+  const int64_t H = meta_header_words(C);
   const int64_t CW = static_cast<int64_t>(C) * W;
-  const int64_t* tok_off = saved.send_tok_off.as<int64_t>();            // (CW+1,)
   int64_t* rtok_off = host_array<int64_t>(saved.recv_tok_off, CW + 1);    // (CW+1,)
   int64_t* rpair_off = host_array<int64_t>(saved.recv_pair_off, CW + 1);  // (CW+1,)
-  const int64_t N = tok_off[CW];
-
-  // Combine lists: returned row i belongs to send_tokens[i]; a token lies in one chunk, and its
-  // rows in ascending i are in ascending rank order (each chunk's blocks return in rank order).
-  {
-    const int32_t* tokens = saved.send_tokens.as<int32_t>();
-    int32_t* coff = host_array<int32_t>(saved.comb_off, cfg.T + 1);  // (T+1,)
-    int32_t* crow = host_array<int32_t>(saved.comb_rows, N);         // (N,)
-    std::fill(coff, coff + cfg.T + 1, 0);
-    for (int64_t i = 0; i < N; ++i) ++coff[tokens[i] + 1];
-    for (int64_t t = 0; t < cfg.T; ++t) coff[t + 1] += coff[t];
-    std::vector<int32_t> cur(coff, coff + cfg.T);
-    for (int64_t i = 0; i < N; ++i) crow[cur[tokens[i]]++] = static_cast<int32_t>(i);
+  // Per source s and chunk c: where its sub-block starts, and its token and pair counts.
+  const int32_t* words = recv_meta.as<int32_t>();
+  std::vector<std::vector<const int32_t*>> blocks(static_cast<size_t>(C),
+                                                  std::vector<const int32_t*>(W));
+  std::vector<std::vector<int64_t>> crn(static_cast<size_t>(C), std::vector<int64_t>(W)),
+      crm(static_cast<size_t>(C), std::vector<int64_t>(W));
+  for (int s = 0; s < W; ++s) {
+    const int32_t* b = words + ro[s] / 4;
+    const int32_t* p = b + H;
+    int64_t tn = 0, tp = 0;
+    for (int c = 0; c < C; ++c) {
+      crn[c][s] = H > 0 ? b[2 * c] : rn[s];
+      crm[c][s] = H > 0 ? b[2 * c + 1] : rm[s];
+      blocks[c][s] = p;
+      p += crn[c][s] + 2 * crm[c][s];
+      tn += crn[c][s];
+      tp += crm[c][s];
+    }
+    // The header must add up to the agreed totals, else the blocks above are misread.
+    if (tn != rn[s] || tp != rm[s])
+      throw Error(detail::concat("ep_forward: rank ", s, "'s per-chunk counts (", tn,
+                                 " tokens, ", tp, " pairs) differ from its totals (", rn[s],
+                                 ", ", rm[s], ")"));
   }
-  ThreadCountScope threads(opts.layer.num_threads);
-
-  // ---- 3. metadata (all chunks in one exchange) → local routings → local plans ----
-  {
-    const int64_t H = meta_header_words(C);
-    std::vector<int64_t> sc(W), so(W), rc(W), ro(W);
-    int64_t recv_words = 0;
-    for (int r = 0; r < W; ++r) {
-      so[r] = D.meta_off[r];
-      sc[r] = D.meta_bytes[r];
-      ro[r] = recv_words * 4;
-      rc[r] = 4 * (H + rn[r] + 2 * rm[r]);
-      recv_words += H + rn[r] + 2 * rm[r];
-    }
-    // (W*H + R + 2 P_recv,) int32: per source its header, then per chunk its sub-block
-    Buffer recv_meta(Device::cpu, 4 * static_cast<size_t>(recv_words));
-    {
-      ScopedTime st(&tm.exchange_s);
-      if (dev == Device::cpu) {
-        tr.all_to_all_v(D.meta.data(), sc.data(), so.data(), recv_meta.data(), rc.data(),
-                        ro.data());
-      } else {  // the transport moves device memory: stage through it
-        Buffer dsend(dev, D.meta.bytes()), drecv(dev, recv_meta.bytes());
-        ep::copy_to_device(dev, dsend.data(), D.meta.data(), D.meta.bytes(), stream);
-        ep::synchronize(dev, stream);
-        tr.all_to_all_v(dsend.data(), sc.data(), so.data(), drecv.data(), rc.data(), ro.data());
-        ep::copy_to_host(dev, recv_meta.data(), drecv.data(), recv_meta.bytes(), stream);
-      }
-    }
-    // Per source s and chunk c: where its sub-block starts, and its token and pair counts.
-    const int32_t* words = recv_meta.as<int32_t>();
-    std::vector<std::vector<const int32_t*>> blocks(static_cast<size_t>(C),
-                                                    std::vector<const int32_t*>(W));
-    std::vector<std::vector<int64_t>> crn(static_cast<size_t>(C), std::vector<int64_t>(W)),
-        crm(static_cast<size_t>(C), std::vector<int64_t>(W));
+  rtok_off[0] = rpair_off[0] = 0;
+  for (int c = 0; c < C; ++c)
     for (int s = 0; s < W; ++s) {
-      const int32_t* b = words + ro[s] / 4;
-      const int32_t* p = b + H;
-      int64_t tn = 0, tp = 0;
-      for (int c = 0; c < C; ++c) {
-        crn[c][s] = H > 0 ? b[2 * c] : rn[s];
-        crm[c][s] = H > 0 ? b[2 * c + 1] : rm[s];
-        blocks[c][s] = p;
-        p += crn[c][s] + 2 * crm[c][s];
-        tn += crn[c][s];
-        tp += crm[c][s];
-      }
-      // The header must add up to the agreed totals, else the blocks above are misread.
-      if (tn != rn[s] || tp != rm[s])
-        throw Error(detail::concat("ep_forward: rank ", s, "'s per-chunk counts (", tn,
-                                   " tokens, ", tp, " pairs) differ from its totals (", rn[s],
-                                   ", ", rm[s], ")"));
+      const int64_t k = static_cast<int64_t>(c) * W + s;
+      rtok_off[k + 1] = rtok_off[k] + crn[c][s];
+      rpair_off[k + 1] = rpair_off[k] + crm[c][s];
     }
-    rtok_off[0] = rpair_off[0] = 0;
+  std::vector<Routing> local(static_cast<size_t>(C));
+  for (int c = 0; c < C; ++c) build_local_routing(blocks[c], crn[c], crm[c], E_local, local[c]);
+  return local;
+}
+
+// 3c. Every chunk's local plan, on the data's device.
+void build_local_plans(const EpCall& call, const std::vector<Routing>& local, EpSaved& saved) {
+  const int C = static_cast<int>(local.size());
+  const Device dev = call.dev;
+  if (dev == Device::cpu) {
     for (int c = 0; c < C; ++c)
-      for (int s = 0; s < W; ++s) {
-        const int64_t k = static_cast<int64_t>(c) * W + s;
-        rtok_off[k + 1] = rtok_off[k] + crn[c][s];
-        rpair_off[k + 1] = rpair_off[k] + crm[c][s];
-      }
-    std::vector<Routing> local(static_cast<size_t>(C));
-    for (int c = 0; c < C; ++c) build_local_routing(blocks[c], crn[c], crm[c], shard.count, local[c]);
-    if (dev == Device::cpu) {
-      for (int c = 0; c < C; ++c)
-        build_routing_plan(local[c].view(), PlanBuilder::atomic_free, saved.chunks_[c].plan);
-    } else {
-      // The plans are built where the layer runs: each routing's three arrays go to the device
-      // (R_c + 1 + 2 P_c words) and the GPU builder makes the same bits as the CPU one (tested)
-      // in a fraction of the host time, instead of a host build and six plan arrays copied
-      // over. All of them before the pipeline starts: a build may wait for the device.
-      std::vector<Routing> dev_local;
-      for (int c = 0; c < C; ++c) {
-        const Routing& l = local[c];
-        dev_local.emplace_back(dev, l.T(), l.E(), l.P());
-        ep::copy_to_device(dev, dev_local[c].pair_offsets(), l.pair_offsets(),
-                           4 * static_cast<size_t>(l.T() + 1), stream);
-        ep::copy_to_device(dev, dev_local[c].pair_experts(), l.pair_experts(),
-                           4 * static_cast<size_t>(l.P()), stream);
-        ep::copy_to_device(dev, dev_local[c].pair_weights(), l.pair_weights(),
-                           4 * static_cast<size_t>(l.P()), stream);
-      }
-      ep::synchronize(dev, stream);  // the builder runs on the default stream
-      for (int c = 0; c < C; ++c)
-        build_routing_plan(dev_local[c].view(), PlanBuilder::atomic_free, saved.chunks_[c].plan);
-    }
+      build_routing_plan(local[c].view(), PlanBuilder::atomic_free, saved.chunks_[c].plan);
+    return;
   }
+  // The plans are built where the layer runs: each routing's three arrays go to the device
+  // (R_c + 1 + 2 P_c words) and the GPU builder makes the same bits as the CPU one (tested)
+  // in a fraction of the host time, instead of a host build and six plan arrays copied
+  // over. All of them before the pipeline starts: a build may wait for the device.
+  std::vector<Routing> dev_local;
   for (int c = 0; c < C; ++c) {
+    const Routing& l = local[c];
+    dev_local.emplace_back(dev, l.T(), l.E(), l.P());
+    ep::copy_to_device(dev, dev_local[c].pair_offsets(), l.pair_offsets(),
+                       4 * static_cast<size_t>(l.T() + 1), call.stream);
+    ep::copy_to_device(dev, dev_local[c].pair_experts(), l.pair_experts(),
+                       4 * static_cast<size_t>(l.P()), call.stream);
+    ep::copy_to_device(dev, dev_local[c].pair_weights(), l.pair_weights(),
+                       4 * static_cast<size_t>(l.P()), call.stream);
+  }
+  ep::synchronize(dev, call.stream);  // the builder runs on the default stream
+  for (int c = 0; c < C; ++c)
+    build_routing_plan(dev_local[c].view(), PlanBuilder::atomic_free, saved.chunks_[c].plan);
+}
+
+// 3d. Each chunk's local layer: its received tokens over this rank's experts.
+void set_local_configs(const LayerConfig& cfg, int W, int64_t E_local, EpSaved& saved) {
+  const int64_t* rtok_off = saved.recv_tok_off.as<int64_t>();
+  for (int c = 0; c < saved.chunks(); ++c) {
     LayerConfig& lc = saved.chunks_[c].local_cfg;
     lc = cfg;
     lc.T = rtok_off[static_cast<int64_t>(c + 1) * W] - rtok_off[static_cast<int64_t>(c) * W];
-    lc.E = shard.count;
-    lc.K = std::min<int64_t>(cfg.K, shard.count);  // K only bounds the layer's checks
+    lc.E = E_local;
+    lc.K = std::min<int64_t>(cfg.K, E_local);  // K only bounds the layer's checks
   }
-
-  const size_t row_bytes = static_cast<size_t>(cfg.d) * dtype_size(cfg.dtype);
-  const int32_t* send_tokens = on_device(dev, saved.send_tokens, saved.d_send_tokens, stream);
-  const int32_t* coff = on_device(dev, saved.comb_off, saved.d_comb_off, stream);
-  const int32_t* crow = on_device(dev, saved.comb_rows, saved.d_comb_rows, stream);
-
-  if (C == 1) {
-    // One exchange each way, every step blocking (the path of a single chunk).
-    EpChunkSaved& ch = saved.chunks_[0];
-    const int64_t R = ch.local_cfg.T;
-    std::vector<int64_t> sc, so, rc, ro;
-    chunk_row_bytes(tok_off, W, 0, row_bytes, false, sc, so);
-    chunk_row_bytes(rtok_off, W, 0, row_bytes, true, rc, ro);
-
-    // ---- 4. token rows to their experts' ranks ----
-    ch.x_recv = Buffer(dev, static_cast<size_t>(R) * row_bytes);  // (R, d) cfg.dtype
-    {
-      Buffer send_rows(dev, static_cast<size_t>(N) * row_bytes);  // (N, d) cfg.dtype
-      ep::gather_rows(dev, x.data, send_tokens, N, row_bytes, send_rows.data(), stream);
-      ep::synchronize(dev, stream);
-      ScopedTime st(&tm.exchange_s);
-      tr.all_to_all_v(send_rows.data(), sc.data(), so.data(), ch.x_recv.data(), rc.data(),
-                      ro.data());
-    }
-
-    // ---- 5. the local layer ----
-    Buffer out_recv(dev, static_cast<size_t>(R) * row_bytes);  // (R, d) partial per (token, q)
-    run_agreed(tr, "ep_forward (local layer)", &tm.exchange_s, [&] {
-      ScopedTime st(&tm.layer_s);
-      layer_forward(ch.local_cfg, ch.plan, ch.x_recv.view(cfg.dtype, {R, cfg.d}), w1, w2,
-                    out_recv.view(cfg.dtype, {R, cfg.d}), ch.layer, opts.layer);
-      ep::synchronize(dev, stream);
-    });
-
-    // ---- 6. partials back, combined in rank order ----
-    Buffer ret(dev, static_cast<size_t>(N) * row_bytes);  // (N, d) cfg.dtype, as send_tokens
-    {
-      ScopedTime st(&tm.exchange_s);
-      tr.all_to_all_v(out_recv.data(), rc.data(), ro.data(), ret.data(), sc.data(), so.data());
-    }
-    ep::combine_rows(dev, ret.data(), coff, crow, cfg.T, cfg.d, cfg.dtype, out.data, stream);
-    ep::synchronize(dev, stream);
-  } else {
-    // ---- 4-6 as a pipeline over the chunks (run_chunk_pipeline): token rows out, the local
-    // layer, partials back; the combine once over every chunk's returned rows ----
-    Buffer send_rows(dev, static_cast<size_t>(N) * row_bytes, stream);  // (N, d) as send_tokens
-    Buffer ret(dev, static_cast<size_t>(N) * row_bytes, stream);  // (N, d) partials, as send_rows
-    std::vector<Buffer> out_recv(static_cast<size_t>(C));  // (R_c, d) chunk c's partials
-    for (int c = 0; c < C; ++c) {
-      EpChunkSaved& ch = saved.chunks_[c];
-      ch.x_recv = Buffer(dev, static_cast<size_t>(ch.local_cfg.T) * row_bytes, stream);  // (R_c, d)
-      out_recv[c] = Buffer(dev, static_cast<size_t>(ch.local_cfg.T) * row_bytes, stream);
-    }
-    ep::gather_rows(dev, x.data, send_tokens, N, row_bytes, send_rows.data(), stream);
-    std::vector<int64_t> sc, so, rc, ro;  // (W,) bytes of chunk c: absolute in send_rows / ret,
-                                          // relative in the chunk's own buffers
-    auto chunk_bytes = [&](int c) {
-      chunk_row_bytes(tok_off, W, c, row_bytes, false, sc, so);
-      chunk_row_bytes(rtok_off, W, c, row_bytes, true, rc, ro);
-    };
-    const std::exception_ptr layer_err = run_chunk_pipeline(
-        tr, dev, stream, C, tm,
-        [&](int c) {
-          chunk_bytes(c);
-          return tr.all_to_all_v_start(send_rows.data(), sc.data(), so.data(),
-                                       saved.chunks_[c].x_recv.data(), rc.data(), ro.data(),
-                                       stream);
-        },
-        [&](int c) {
-          EpChunkSaved& ch = saved.chunks_[c];
-          const int64_t R = ch.local_cfg.T;
-          layer_forward(ch.local_cfg, ch.plan, ch.x_recv.view(cfg.dtype, {R, cfg.d}), w1, w2,
-                        out_recv[c].view(cfg.dtype, {R, cfg.d}), ch.layer, opts.layer);
-        },
-        [&](int c, std::vector<uint64_t>& tickets) {
-          chunk_bytes(c);
-          tickets.push_back(tr.all_to_all_v_start(out_recv[c].data(), rc.data(), ro.data(),
-                                                  ret.data(), sc.data(), so.data(), stream));
-        });
-    {
-      ScopedTime st(&tm.exchange_s);
-      agree(tr, layer_err, {}, "ep_forward (local layer)");
-    }
-    ep::combine_rows(dev, ret.data(), coff, crow, cfg.T, cfg.d, cfg.dtype, out.data, stream);
-    ep::synchronize(dev, stream);
-  }
-  saved.valid_ = true;
-  tm.total_s = seconds_since(t_start);
-  if (opts.timings) *opts.timings = tm;
 }
 
-void ep_backward(Transport& tr, const LayerConfig& cfg, const TensorView& w1,
-                 const TensorView& w2, const TensorView& d_out, const EpSaved& saved,
-                 const EpGrads& grads, const EpOptions& opts) {
-  const Clock::time_point t_start = Clock::now();
-  EpTimings tm;
-  check_transport(tr);
-  const int W = tr.world_size(), q = tr.rank();
-  const Device dev = tr.device();
-  void* stream = opts.layer.stream;
+// 4-6 with one chunk: one exchange each way, every step blocking.
+void forward_one_exchange(EpCall& call, const LayerConfig& cfg, const RowLists& rows,
+                          const TensorView& x, const TensorView& w1, const TensorView& w2,
+                          const TensorView& out, EpSaved& saved, const EpOptions& opts) {
+  const Device dev = call.dev;
+  void* stream = call.stream;
+  const size_t row_bytes = rows.row_bytes;
+  EpChunkSaved& ch = saved.chunks_[0];
+  const int64_t R = ch.local_cfg.T;
+  ChunkBytes b;
+  b.tokens_of(saved, 0, row_bytes);
 
-  std::exception_ptr err;
-  EpShard shard;
+  // 4. token rows to their experts' ranks
+  ch.x_recv = Buffer(dev, static_cast<size_t>(R) * row_bytes);  // (R, d) cfg.dtype
+  {
+    Buffer send_rows(dev, static_cast<size_t>(rows.N) * row_bytes);  // (N, d) cfg.dtype
+    ep::gather_rows(dev, x.data, rows.send_tokens, rows.N, row_bytes, send_rows.data(), stream);
+    ep::synchronize(dev, stream);
+    ScopedTime st(&call.tm.exchange_s);
+    b.out(call.tr, send_rows.data(), ch.x_recv.data());
+  }
+
+  // 5. the local layer
+  Buffer out_recv(dev, static_cast<size_t>(R) * row_bytes);  // (R, d) partial per (token, q)
+  run_agreed(call.tr, "ep_forward (local layer)", &call.tm.exchange_s, [&] {
+    ScopedTime st(&call.tm.layer_s);
+    layer_forward(ch.local_cfg, ch.plan, ch.x_recv.view(cfg.dtype, {R, cfg.d}), w1, w2,
+                  out_recv.view(cfg.dtype, {R, cfg.d}), ch.layer, opts.layer);
+    ep::synchronize(dev, stream);
+  });
+
+  // 6. partials back, combined in rank order
+  Buffer ret(dev, static_cast<size_t>(rows.N) * row_bytes);  // (N, d) cfg.dtype, as send_tokens
+  {
+    ScopedTime st(&call.tm.exchange_s);
+    b.back(call.tr, out_recv.data(), ret.data());
+  }
+  ep::combine_rows(dev, ret.data(), rows.comb_off, rows.comb_rows, cfg.T, cfg.d, cfg.dtype,
+                   out.data, stream);
+  ep::synchronize(dev, stream);
+}
+
+// 4-6 as a pipeline over the chunks (run_chunk_pipeline): token rows out, the local layer,
+// partials back; the combine once over every chunk's returned rows.
+void forward_chunk_pipeline(EpCall& call, const LayerConfig& cfg, const RowLists& rows,
+                            const TensorView& x, const TensorView& w1, const TensorView& w2,
+                            const TensorView& out, EpSaved& saved, const EpOptions& opts) {
+  const Device dev = call.dev;
+  void* stream = call.stream;
+  const int C = saved.chunks();
+  const size_t row_bytes = rows.row_bytes;
+  const int64_t N = rows.N;
+  Buffer send_rows(dev, static_cast<size_t>(N) * row_bytes, stream);  // (N, d) as send_tokens
+  Buffer ret(dev, static_cast<size_t>(N) * row_bytes, stream);  // (N, d) partials, as send_rows
+  std::vector<Buffer> out_recv(static_cast<size_t>(C));  // (R_c, d) chunk c's partials
+  for (int c = 0; c < C; ++c) {
+    EpChunkSaved& ch = saved.chunks_[c];
+    ch.x_recv = Buffer(dev, static_cast<size_t>(ch.local_cfg.T) * row_bytes, stream);  // (R_c, d)
+    out_recv[c] = Buffer(dev, static_cast<size_t>(ch.local_cfg.T) * row_bytes, stream);
+  }
+  ep::gather_rows(dev, x.data, rows.send_tokens, N, row_bytes, send_rows.data(), stream);
+  ChunkBytes b;
+  const std::exception_ptr layer_err = run_chunk_pipeline(
+      call.tr, dev, stream, C, call.tm,
+      [&](int c) {
+        b.tokens_of(saved, c, row_bytes);
+        return b.start_out(call.tr, send_rows.data(), saved.chunks_[c].x_recv.data(), stream);
+      },
+      [&](int c) {
+        EpChunkSaved& ch = saved.chunks_[c];
+        const int64_t R = ch.local_cfg.T;
+        layer_forward(ch.local_cfg, ch.plan, ch.x_recv.view(cfg.dtype, {R, cfg.d}), w1, w2,
+                      out_recv[c].view(cfg.dtype, {R, cfg.d}), ch.layer, opts.layer);
+      },
+      [&](int c, std::vector<uint64_t>& tickets) {
+        b.tokens_of(saved, c, row_bytes);
+        tickets.push_back(b.start_back(call.tr, out_recv[c].data(), ret.data(), stream));
+      });
+  {
+    ScopedTime st(&call.tm.exchange_s);
+    agree(call.tr, layer_err, {}, "ep_forward (local layer)");
+  }
+  ep::combine_rows(dev, ret.data(), rows.comb_off, rows.comb_rows, cfg.T, cfg.d, cfg.dtype,
+                   out.data, stream);
+  ep::synchronize(dev, stream);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ep_backward's steps
+
+// 1. Local checks, against the call and against what ep_forward saved.
+std::exception_ptr check_backward(const EpCall& call, const LayerConfig& cfg,
+                                  const TensorView& w1, const TensorView& w2,
+                                  const TensorView& d_out, const EpSaved& saved,
+                                  const EpGrads& grads, const EpOptions& opts, EpShard& shard) {
+  const int W = call.W, q = call.q;
+  const Device dev = call.dev;
   try {
     cfg.validate();
     check_layer_options(opts.layer);
@@ -738,186 +822,300 @@ void ep_backward(Transport& tr, const LayerConfig& cfg, const TensorView& w1,
     check_tensor(grads.dw2, "dw2", {shard.count, cfg.d, cfg.n}, cfg.dtype, dev);
     check_tensor(grads.d_pair_weights, "d_pair_weights", {saved.P_}, DType::f32, dev);
   } catch (const Error&) {
-    err = std::current_exception();
+    return std::current_exception();
   }
+  return nullptr;
+}
+
+// Received pairs of chunk c: the local layer's d_pair_weights has this many entries.
+int64_t recv_pairs(const EpSaved& saved, int c) {
+  const int64_t* rpair_off = saved.recv_pair_off.as<int64_t>();  // (CW+1,)
+  const int64_t W = saved.world_;
+  return rpair_off[(c + 1) * W] - rpair_off[c * W];
+}
+
+// The end of backward: dx partials combined in rank order; pair gradients scattered to their
+// pairs. ret (N, d) and dpw_ret (M,) are laid out as send_tokens and send_pairs (chunk-major).
+void combine_and_scatter(const EpCall& call, const LayerConfig& cfg, const RowLists& rows,
+                         const EpSaved& saved, const EpGrads& grads, const Buffer& ret,
+                         const Buffer& dpw_ret) {
+  const Device dev = call.dev;
+  void* stream = call.stream;
+  const int64_t M = saved.send_pair_off.as<int64_t>()[static_cast<int64_t>(saved.chunks()) *
+                                                     call.W];
+  ep::combine_rows(dev, ret.data(), rows.comb_off, rows.comb_rows, cfg.T, cfg.d, cfg.dtype,
+                   grads.dx.data, stream);
+  // Every pair went to exactly one rank, so this scatter writes each entry once.
+  const int32_t* pairs = saved.send_pairs.as<int32_t>();  // (M,) local pair ids
+  Buffer host_ret, host_dpw;
+  const float* from = dpw_ret.as<float>();
+  float* to = grads.d_pair_weights.as<float>();
+  if (dev != Device::cpu) {
+    from = host_array<float>(host_ret, M);
+    ep::copy_to_host(dev, host_ret.data(), dpw_ret.data(), host_ret.bytes(), stream);
+    to = host_array<float>(host_dpw, saved.P_);
+  }
+  for (int64_t i = 0; i < M; ++i) to[pairs[i]] = from[i];
+  if (dev != Device::cpu)
+    ep::copy_to_device(dev, grads.d_pair_weights.data, host_dpw.data(), host_dpw.bytes(),
+                       stream);
+  ep::synchronize(dev, stream);
+}
+
+// Steps 2-4 with one chunk: one exchange each way, every step blocking.
+void backward_one_exchange(EpCall& call, const LayerConfig& cfg, const RowLists& rows,
+                           const TensorView& w1, const TensorView& w2, const TensorView& d_out,
+                           const EpSaved& saved, const EpGrads& grads, const EpOptions& opts) {
+  const Device dev = call.dev;
+  void* stream = call.stream;
+  const size_t row_bytes = rows.row_bytes;
+  const int64_t N = rows.N;
+  const int64_t M = saved.send_pair_off.as<int64_t>()[call.W];
+  const EpChunkSaved& ch = saved.chunks_[0];
+  const int64_t R = ch.local_cfg.T, Pr = recv_pairs(saved, 0);
+  ChunkBytes b;
+  b.tokens_of(saved, 0, row_bytes);
+
+  // 2. d_out rows to the ranks the tokens used
+  Buffer dout_recv(dev, static_cast<size_t>(R) * row_bytes);  // (R, d) as x_recv
   {
-    ScopedTime st(&tm.exchange_s);
+    Buffer send_rows(dev, static_cast<size_t>(N) * row_bytes);  // (N, d) as send_tokens
+    ep::gather_rows(dev, d_out.data, rows.send_tokens, N, row_bytes, send_rows.data(), stream);
+    ep::synchronize(dev, stream);
+    ScopedTime st(&call.tm.exchange_s);
+    b.out(call.tr, send_rows.data(), dout_recv.data());
+  }
+
+  // 3. local layer: dx partials, complete dw1/dw2 of the local experts, d pair weights
+  Buffer dx_recv(dev, static_cast<size_t>(R) * row_bytes);  // (R, d) partial per (token, q)
+  Buffer dpw_recv(dev, sizeof(float) * static_cast<size_t>(Pr));  // (P_recv,) local pair order
+  run_agreed(call.tr, "ep_backward (local layer)", &call.tm.exchange_s, [&] {
+    ScopedTime st(&call.tm.layer_s);
+    LayerGrads g;
+    g.dx = dx_recv.view(cfg.dtype, {R, cfg.d});
+    g.dw1 = grads.dw1;
+    g.dw2 = grads.dw2;
+    g.d_pair_weights = dpw_recv.view(DType::f32, {Pr});
+    layer_backward(ch.local_cfg, ch.plan, ch.x_recv.view(cfg.dtype, {R, cfg.d}), w1, w2,
+                   dout_recv.view(cfg.dtype, {R, cfg.d}), ch.layer, g, opts.layer);
+    ep::synchronize(dev, stream);
+  });
+
+  // 4. dx partials back, combined in rank order; pair gradients back to their pairs
+  Buffer ret(dev, static_cast<size_t>(N) * row_bytes);  // (N, d) as send_tokens
+  ChunkBytes pb;
+  pb.pairs_of(saved, 0);
+  Buffer dpw_ret(dev, sizeof(float) * static_cast<size_t>(M));  // (M,) as send_pairs
+  {
+    ScopedTime st(&call.tm.exchange_s);
+    b.back(call.tr, dx_recv.data(), ret.data());
+    pb.back(call.tr, dpw_recv.data(), dpw_ret.data());
+  }
+  combine_and_scatter(call, cfg, rows, saved, grads, ret, dpw_ret);
+}
+
+// dw1/dw2 over chunks: chunk c's layer_backward gives the gradient over chunk c's tokens only;
+// the chunks are summed in chunk order in fp32 and stored once in the dtype (fp32: chunk 0 writes
+// dw directly and the later chunks are added to it in place, the same sums; bf16: an fp32
+// accumulator). Deterministic, no atomics; not the single-device summation order.
+class ChunkWeightGrads {
+ public:
+  ChunkWeightGrads(const EpCall& call, const LayerConfig& cfg, int64_t E_local,
+                   const EpGrads& grads)
+      : dev_(call.dev),
+        stream_(call.stream),
+        cfg_(cfg),
+        E_local_(E_local),
+        grads_(grads),
+        f32_(cfg.dtype == DType::f32),
+        n1_(E_local * cfg.w1_rows() * cfg.d),
+        n2_(E_local * cfg.d * cfg.n) {
+    const size_t es = dtype_size(cfg.dtype);
+    dw1_c_ = Buffer(dev_, es * static_cast<size_t>(n1_), stream_);  // (E_local, w1_rows, d)
+    dw2_c_ = Buffer(dev_, es * static_cast<size_t>(n2_), stream_);  // (E_local, d, n)
+    if (!f32_) {  // (n1,), (n2,) fp32 sums of the chunks so far
+      acc1_ = Buffer(dev_, sizeof(float) * static_cast<size_t>(n1_), stream_);
+      acc2_ = Buffer(dev_, sizeof(float) * static_cast<size_t>(n2_), stream_);
+    }
+    a1_ = f32_ ? grads.dw1.as<float>() : acc1_.as<float>();
+    a2_ = f32_ ? grads.dw2.as<float>() : acc2_.as<float>();
+  }
+
+  // Where chunk c's layer_backward writes its weight gradients. fp32: chunk 0's are the sum's
+  // first term, written in place.
+  bool direct(int c) const { return f32_ && c == 0; }
+  TensorView dw1(int c) {
+    return direct(c) ? grads_.dw1 : dw1_c_.view(cfg_.dtype, {E_local_, cfg_.w1_rows(), cfg_.d});
+  }
+  TensorView dw2(int c) {
+    return direct(c) ? grads_.dw2 : dw2_c_.view(cfg_.dtype, {E_local_, cfg_.d, cfg_.n});
+  }
+  // Adds chunk c's, on the layer's stream, so the next chunk's layer_backward finds dw*_c free
+  // again.
+  void add(int c) {
+    if (direct(c)) return;
+    ep::accumulate_f32(dev_, dw1_c_.data(), cfg_.dtype, a1_, n1_, c == 0, stream_);
+    ep::accumulate_f32(dev_, dw2_c_.data(), cfg_.dtype, a2_, n2_, c == 0, stream_);
+  }
+  // After every chunk was added: the one rounding to bf16.
+  void store() {
+    if (f32_) return;
+    ep::store_from_f32(dev_, a1_, cfg_.dtype, grads_.dw1.data, n1_, stream_);
+    ep::store_from_f32(dev_, a2_, cfg_.dtype, grads_.dw2.data, n2_, stream_);
+  }
+
+ private:
+  Device dev_;
+  void* stream_;
+  const LayerConfig& cfg_;
+  int64_t E_local_;
+  const EpGrads& grads_;
+  bool f32_;
+  int64_t n1_, n2_;
+  Buffer dw1_c_, dw2_c_, acc1_, acc2_;
+  float* a1_;
+  float* a2_;
+};
+
+// Steps 2-4 as the chunk pipeline (run_chunk_pipeline): d_out rows out, layer_backward, dx
+// partials and pair gradients back; combine and scatter once at the end.
+void backward_chunk_pipeline(EpCall& call, const LayerConfig& cfg, const RowLists& rows,
+                             int64_t E_local, const TensorView& w1, const TensorView& w2,
+                             const TensorView& d_out, const EpSaved& saved, const EpGrads& grads,
+                             const EpOptions& opts) {
+  const Device dev = call.dev;
+  void* stream = call.stream;
+  const int C = saved.chunks();
+  const size_t row_bytes = rows.row_bytes;
+  const int64_t N = rows.N;
+  const int64_t M = saved.send_pair_off.as<int64_t>()[static_cast<int64_t>(C) * call.W];
+  Buffer send_rows(dev, static_cast<size_t>(N) * row_bytes, stream);  // (N, d) as send_tokens
+  Buffer ret(dev, static_cast<size_t>(N) * row_bytes, stream);   // (N, d) dx partials, alike
+  Buffer dpw_ret(dev, sizeof(float) * static_cast<size_t>(M), stream);  // (M,) as send_pairs
+  ChunkWeightGrads dw(call, cfg, E_local, grads);
+  // Per chunk: (R_c, d) d_out rows received, (R_c, d) dx partials, (P_c,) pair gradients.
+  std::vector<Buffer> dout_recv(static_cast<size_t>(C)), dx_recv(static_cast<size_t>(C)),
+      dpw_recv(static_cast<size_t>(C));
+  for (int c = 0; c < C; ++c) {
+    const size_t R = static_cast<size_t>(saved.chunks_[c].local_cfg.T);
+    dout_recv[c] = Buffer(dev, R * row_bytes, stream);
+    dx_recv[c] = Buffer(dev, R * row_bytes, stream);
+    dpw_recv[c] = Buffer(dev, sizeof(float) * static_cast<size_t>(recv_pairs(saved, c)), stream);
+  }
+  ep::gather_rows(dev, d_out.data, rows.send_tokens, N, row_bytes, send_rows.data(), stream);
+  ChunkBytes b, pb;  // chunk c's rows, as in forward; chunk c's pair gradients
+  const std::exception_ptr layer_err = run_chunk_pipeline(
+      call.tr, dev, stream, C, call.tm,
+      [&](int c) {
+        b.tokens_of(saved, c, row_bytes);
+        return b.start_out(call.tr, send_rows.data(), dout_recv[c].data(), stream);
+      },
+      [&](int c) {
+        const EpChunkSaved& ch = saved.chunks_[c];
+        const int64_t R = ch.local_cfg.T;
+        LayerGrads g;
+        g.dx = dx_recv[c].view(cfg.dtype, {R, cfg.d});
+        g.dw1 = dw.dw1(c);
+        g.dw2 = dw.dw2(c);
+        g.d_pair_weights = dpw_recv[c].view(DType::f32, {recv_pairs(saved, c)});
+        layer_backward(ch.local_cfg, ch.plan, ch.x_recv.view(cfg.dtype, {R, cfg.d}), w1, w2,
+                       dout_recv[c].view(cfg.dtype, {R, cfg.d}), ch.layer, g, opts.layer);
+        dw.add(c);
+      },
+      [&](int c, std::vector<uint64_t>& tickets) {
+        b.tokens_of(saved, c, row_bytes);
+        pb.pairs_of(saved, c);
+        tickets.push_back(b.start_back(call.tr, dx_recv[c].data(), ret.data(), stream));
+        tickets.push_back(pb.start_back(call.tr, dpw_recv[c].data(), dpw_ret.data(), stream));
+      });
+  {
+    ScopedTime st(&call.tm.exchange_s);
+    agree(call.tr, layer_err, {}, "ep_backward (local layer)");
+  }
+  dw.store();
+  combine_and_scatter(call, cfg, rows, saved, grads, ret, dpw_ret);
+}
+
+void finish_call(EpCall& call, Clock::time_point t_start, const EpOptions& opts) {
+  call.tm.total_s = seconds_since(t_start);
+  if (opts.timings) *opts.timings = call.tm;
+}
+
+}  // namespace
+
+void ep_forward(Transport& tr, const LayerConfig& cfg, const RoutingView& routing,
+                const TensorView& x, const TensorView& w1, const TensorView& w2,
+                const TensorView& out, EpSaved& saved, const EpOptions& opts) {
+  const Clock::time_point t_start = Clock::now();
+  EpCall call = start_call(tr, opts);
+  const int C = opts.chunks;
+
+  // 1. local checks and dispatch lists; 2. agreement
+  Dispatch D;
+  EpShard shard;
+  const std::exception_ptr err = check_forward(call, cfg, routing, x, w1, w2, out, opts, shard, D);
+  std::vector<int64_t> rn, rm;  // (W,) tokens and pairs this rank receives from each source
+  agree_forward(call, cfg, C, D, err, rn, rm);
+
+  // Every rank goes on from here.
+  start_saved(call, cfg, routing.P, opts.layer.mode, C, D, saved);
+  const int64_t N = saved.send_tok_off.as<int64_t>()[static_cast<int64_t>(C) * call.W];
+  build_combine_lists(cfg.T, N, saved);
+  ThreadCountScope threads(opts.layer.num_threads);
+
+  // 3. metadata (all chunks in one exchange) → local routings → local plans
+  {
+    std::vector<int64_t> ro;
+    const Buffer recv_meta = exchange_metadata(call, D, C, rn, rm, ro);
+    const std::vector<Routing> local =
+        local_routings(call, recv_meta, ro, C, rn, rm, shard.count, saved);
+    build_local_plans(call, local, saved);
+  }
+  set_local_configs(cfg, call.W, shard.count, saved);
+
+  // 4. token rows to their experts' ranks; 5. the local layer; 6. partials back, combined
+  const RowLists rows{on_device(call.dev, saved.send_tokens, saved.d_send_tokens, call.stream),
+                      on_device(call.dev, saved.comb_off, saved.d_comb_off, call.stream),
+                      on_device(call.dev, saved.comb_rows, saved.d_comb_rows, call.stream), N,
+                      static_cast<size_t>(cfg.d) * dtype_size(cfg.dtype)};
+  if (C == 1)
+    forward_one_exchange(call, cfg, rows, x, w1, w2, out, saved, opts);
+  else
+    forward_chunk_pipeline(call, cfg, rows, x, w1, w2, out, saved, opts);
+  saved.valid_ = true;
+  finish_call(call, t_start, opts);
+}
+
+void ep_backward(Transport& tr, const LayerConfig& cfg, const TensorView& w1,
+                 const TensorView& w2, const TensorView& d_out, const EpSaved& saved,
+                 const EpGrads& grads, const EpOptions& opts) {
+  const Clock::time_point t_start = Clock::now();
+  EpCall call = start_call(tr, opts);
+
+  // 1. local checks and agreement
+  EpShard shard;
+  const std::exception_ptr err =
+      check_backward(call, cfg, w1, w2, d_out, saved, grads, opts, shard);
+  {
+    ScopedTime st(&call.tm.exchange_s);
     agree(tr, err, {}, "ep_backward");
   }
   ThreadCountScope threads(opts.layer.num_threads);
 
-  const int C = saved.chunks();
-  const int64_t CW = static_cast<int64_t>(C) * W;
-  const int64_t* tok_off = saved.send_tok_off.as<int64_t>();     // (CW+1,)
-  const int64_t* rtok_off = saved.recv_tok_off.as<int64_t>();    // (CW+1,)
-  const int64_t* pair_off = saved.send_pair_off.as<int64_t>();   // (CW+1,)
-  const int64_t* rpair_off = saved.recv_pair_off.as<int64_t>();  // (CW+1,)
-  const int64_t N = tok_off[CW], M = pair_off[CW];
-  const size_t row_bytes = static_cast<size_t>(cfg.d) * dtype_size(cfg.dtype);
-  const int32_t* send_tokens =
-      dev == Device::cpu ? saved.send_tokens.as<int32_t>() : saved.d_send_tokens.as<int32_t>();
-  const int32_t* coff =
-      dev == Device::cpu ? saved.comb_off.as<int32_t>() : saved.d_comb_off.as<int32_t>();
-  const int32_t* crow =
-      dev == Device::cpu ? saved.comb_rows.as<int32_t>() : saved.d_comb_rows.as<int32_t>();
-  // Received pairs of chunk c: the local layer's d_pair_weights has this many entries.
-  auto recv_pairs = [&](int c) {
-    return rpair_off[static_cast<int64_t>(c + 1) * W] - rpair_off[static_cast<int64_t>(c) * W];
-  };
-
-  // dx partials combined in rank order; pair gradients scattered to their pairs. ret (N, d) and
-  // dpw_ret (M,) are laid out as send_tokens and send_pairs (chunk-major).
-  auto combine_and_scatter = [&](const Buffer& ret, const Buffer& dpw_ret) {
-    ep::combine_rows(dev, ret.data(), coff, crow, cfg.T, cfg.d, cfg.dtype, grads.dx.data, stream);
-    // Every pair went to exactly one rank, so this scatter writes each entry once.
-    const int32_t* pairs = saved.send_pairs.as<int32_t>();  // (M,) local pair ids
-    Buffer host_ret, host_dpw;
-    const float* from = dpw_ret.as<float>();
-    float* to = grads.d_pair_weights.as<float>();
-    if (dev != Device::cpu) {
-      from = host_array<float>(host_ret, M);
-      ep::copy_to_host(dev, host_ret.data(), dpw_ret.data(), host_ret.bytes(), stream);
-      to = host_array<float>(host_dpw, saved.P_);
-    }
-    for (int64_t i = 0; i < M; ++i) to[pairs[i]] = from[i];
-    if (dev != Device::cpu)
-      ep::copy_to_device(dev, grads.d_pair_weights.data, host_dpw.data(), host_dpw.bytes(),
-                         stream);
-    ep::synchronize(dev, stream);
-  };
-
-  if (C == 1) {
-    // One exchange each way, every step blocking (the path of a single chunk).
-    const EpChunkSaved& ch = saved.chunks_[0];
-    const int64_t R = ch.local_cfg.T, Pr = recv_pairs(0);
-    std::vector<int64_t> sc, so, rc, ro;
-    chunk_row_bytes(tok_off, W, 0, row_bytes, false, sc, so);
-    chunk_row_bytes(rtok_off, W, 0, row_bytes, true, rc, ro);
-
-    // ---- d_out rows to the ranks the tokens used ----
-    Buffer dout_recv(dev, static_cast<size_t>(R) * row_bytes);  // (R, d) as x_recv
-    {
-      Buffer send_rows(dev, static_cast<size_t>(N) * row_bytes);  // (N, d) as send_tokens
-      ep::gather_rows(dev, d_out.data, send_tokens, N, row_bytes, send_rows.data(), stream);
-      ep::synchronize(dev, stream);
-      ScopedTime st(&tm.exchange_s);
-      tr.all_to_all_v(send_rows.data(), sc.data(), so.data(), dout_recv.data(), rc.data(),
-                      ro.data());
-    }
-
-    // ---- local layer: dx partials, complete dw1/dw2 of the local experts, d pair weights ----
-    Buffer dx_recv(dev, static_cast<size_t>(R) * row_bytes);  // (R, d) partial per (token, q)
-    Buffer dpw_recv(dev, sizeof(float) * static_cast<size_t>(Pr));  // (P_recv,) local pair order
-    run_agreed(tr, "ep_backward (local layer)", &tm.exchange_s, [&] {
-      ScopedTime st(&tm.layer_s);
-      LayerGrads g;
-      g.dx = dx_recv.view(cfg.dtype, {R, cfg.d});
-      g.dw1 = grads.dw1;
-      g.dw2 = grads.dw2;
-      g.d_pair_weights = dpw_recv.view(DType::f32, {Pr});
-      layer_backward(ch.local_cfg, ch.plan, ch.x_recv.view(cfg.dtype, {R, cfg.d}), w1, w2,
-                     dout_recv.view(cfg.dtype, {R, cfg.d}), ch.layer, g, opts.layer);
-      ep::synchronize(dev, stream);
-    });
-
-    // ---- dx partials back, combined in rank order; pair gradients back to their pairs ----
-    Buffer ret(dev, static_cast<size_t>(N) * row_bytes);  // (N, d) as send_tokens
-    std::vector<int64_t> psc, pso, prc, pro;
-    chunk_row_bytes(pair_off, W, 0, sizeof(float), false, psc, pso);
-    chunk_row_bytes(rpair_off, W, 0, sizeof(float), true, prc, pro);
-    Buffer dpw_ret(dev, sizeof(float) * static_cast<size_t>(M));  // (M,) as send_pairs
-    {
-      ScopedTime st(&tm.exchange_s);
-      tr.all_to_all_v(dx_recv.data(), rc.data(), ro.data(), ret.data(), sc.data(), so.data());
-      tr.all_to_all_v(dpw_recv.data(), prc.data(), pro.data(), dpw_ret.data(), psc.data(),
-                      pso.data());
-    }
-    combine_and_scatter(ret, dpw_ret);
-  } else {
-    // ---- the chunk pipeline (run_chunk_pipeline): d_out rows out, layer_backward, dx
-    // partials and pair gradients back; combine and scatter once at the end ----
-    // dw1/dw2: chunk c's layer_backward gives the gradient over chunk c's tokens only; the
-    // chunks are summed in chunk order in fp32 and stored once in the dtype (fp32: chunk 0
-    // writes dw directly and the later chunks are added to it in place, the same sums; bf16: an
-    // fp32 accumulator). Deterministic, no atomics; not the single-device summation order.
-    const bool f32 = cfg.dtype == DType::f32;
-    const int64_t n1 = shard.count * cfg.w1_rows() * cfg.d, n2 = shard.count * cfg.d * cfg.n;
-    const size_t es = dtype_size(cfg.dtype);
-    Buffer send_rows(dev, static_cast<size_t>(N) * row_bytes, stream);  // (N, d) as send_tokens
-    Buffer ret(dev, static_cast<size_t>(N) * row_bytes, stream);   // (N, d) dx partials, alike
-    Buffer dpw_ret(dev, sizeof(float) * static_cast<size_t>(M), stream);  // (M,) as send_pairs
-    Buffer dw1_c(dev, es * static_cast<size_t>(n1), stream);  // (E_local, w1_rows, d) one chunk's
-    Buffer dw2_c(dev, es * static_cast<size_t>(n2), stream);  // (E_local, d, n) one chunk's
-    Buffer acc1, acc2;  // bf16 only: (n1,), (n2,) fp32 sums of the chunks so far
-    if (!f32) {
-      acc1 = Buffer(dev, sizeof(float) * static_cast<size_t>(n1), stream);
-      acc2 = Buffer(dev, sizeof(float) * static_cast<size_t>(n2), stream);
-    }
-    float* a1 = f32 ? grads.dw1.as<float>() : acc1.as<float>();
-    float* a2 = f32 ? grads.dw2.as<float>() : acc2.as<float>();
-    // Per chunk: (R_c, d) d_out rows received, (R_c, d) dx partials, (P_c,) pair gradients.
-    std::vector<Buffer> dout_recv(static_cast<size_t>(C)), dx_recv(static_cast<size_t>(C)),
-        dpw_recv(static_cast<size_t>(C));
-    for (int c = 0; c < C; ++c) {
-      const size_t R = static_cast<size_t>(saved.chunks_[c].local_cfg.T);
-      dout_recv[c] = Buffer(dev, R * row_bytes, stream);
-      dx_recv[c] = Buffer(dev, R * row_bytes, stream);
-      dpw_recv[c] = Buffer(dev, sizeof(float) * static_cast<size_t>(recv_pairs(c)), stream);
-    }
-    ep::gather_rows(dev, d_out.data, send_tokens, N, row_bytes, send_rows.data(), stream);
-    std::vector<int64_t> sc, so, rc, ro;  // (W,) bytes of chunk c's rows, as in forward
-    std::vector<int64_t> psc, pso, prc, pro;  // (W,) bytes of chunk c's pair gradients
-    auto chunk_bytes = [&](int c) {
-      chunk_row_bytes(tok_off, W, c, row_bytes, false, sc, so);
-      chunk_row_bytes(rtok_off, W, c, row_bytes, true, rc, ro);
-    };
-    const std::exception_ptr layer_err = run_chunk_pipeline(
-        tr, dev, stream, C, tm,
-        [&](int c) {
-          chunk_bytes(c);
-          return tr.all_to_all_v_start(send_rows.data(), sc.data(), so.data(),
-                                       dout_recv[c].data(), rc.data(), ro.data(), stream);
-        },
-        [&](int c) {
-          const EpChunkSaved& ch = saved.chunks_[c];
-          const int64_t R = ch.local_cfg.T;
-          // fp32: chunk 0's weight gradients are the sum's first term, written in place.
-          const bool direct = f32 && c == 0;
-          LayerGrads g;
-          g.dx = dx_recv[c].view(cfg.dtype, {R, cfg.d});
-          g.dw1 = direct ? grads.dw1 : dw1_c.view(cfg.dtype, {shard.count, cfg.w1_rows(), cfg.d});
-          g.dw2 = direct ? grads.dw2 : dw2_c.view(cfg.dtype, {shard.count, cfg.d, cfg.n});
-          g.d_pair_weights = dpw_recv[c].view(DType::f32, {recv_pairs(c)});
-          layer_backward(ch.local_cfg, ch.plan, ch.x_recv.view(cfg.dtype, {R, cfg.d}), w1, w2,
-                         dout_recv[c].view(cfg.dtype, {R, cfg.d}), ch.layer, g, opts.layer);
-          // On the layer's stream, so the next chunk's layer_backward finds dw*_c free again.
-          if (!direct) {
-            ep::accumulate_f32(dev, dw1_c.data(), cfg.dtype, a1, n1, c == 0, stream);
-            ep::accumulate_f32(dev, dw2_c.data(), cfg.dtype, a2, n2, c == 0, stream);
-          }
-        },
-        [&](int c, std::vector<uint64_t>& tickets) {
-          chunk_bytes(c);
-          chunk_row_bytes(pair_off, W, c, sizeof(float), false, psc, pso);
-          chunk_row_bytes(rpair_off, W, c, sizeof(float), true, prc, pro);
-          tickets.push_back(tr.all_to_all_v_start(dx_recv[c].data(), rc.data(), ro.data(),
-                                                  ret.data(), sc.data(), so.data(), stream));
-          tickets.push_back(tr.all_to_all_v_start(dpw_recv[c].data(), prc.data(), pro.data(),
-                                                  dpw_ret.data(), psc.data(), pso.data(),
-                                                  stream));
-        });
-    {
-      ScopedTime st(&tm.exchange_s);
-      agree(tr, layer_err, {}, "ep_backward (local layer)");
-    }
-    if (!f32) {  // every chunk was added: the one rounding to bf16
-      ep::store_from_f32(dev, a1, cfg.dtype, grads.dw1.data, n1, stream);
-      ep::store_from_f32(dev, a2, cfg.dtype, grads.dw2.data, n2, stream);
-    }
-    combine_and_scatter(ret, dpw_ret);
-  }
-  tm.total_s = seconds_since(t_start);
-  if (opts.timings) *opts.timings = tm;
+  // 2. d_out rows to the ranks the tokens used; 3. the local layer_backward; 4. dx partials and
+  // pair gradients back, combined in rank order and scattered to their pairs
+  const bool on_cpu = call.dev == Device::cpu;
+  const RowLists rows{
+      on_cpu ? saved.send_tokens.as<int32_t>() : saved.d_send_tokens.as<int32_t>(),
+      on_cpu ? saved.comb_off.as<int32_t>() : saved.d_comb_off.as<int32_t>(),
+      on_cpu ? saved.comb_rows.as<int32_t>() : saved.d_comb_rows.as<int32_t>(),
+      saved.send_tok_off.as<int64_t>()[static_cast<int64_t>(saved.chunks()) * call.W],
+      static_cast<size_t>(cfg.d) * dtype_size(cfg.dtype)};
+  if (saved.chunks() == 1)
+    backward_one_exchange(call, cfg, rows, w1, w2, d_out, saved, grads, opts);
+  else
+    backward_chunk_pipeline(call, cfg, rows, shard.count, w1, w2, d_out, saved, grads, opts);
+  finish_call(call, t_start, opts);
 }
 
 }  // namespace moeblaze

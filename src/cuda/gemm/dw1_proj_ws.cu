@@ -2,8 +2,8 @@
 // transposed: dW1[e]ᵀ (d, w1_rows) = sum over slots of x[token]ᵀ ⊗ dh[slot], so that the
 // gathered operand x is the 128-wide P (8 cp.async per producer thread and stage) and dh, the
 // contiguous 256-wide Q, comes by TMA; the epilogue stores the tile transposed into
-// dw1 (E, w1_rows, d). (The direct orientation, x as the 256-wide gathered Q, measured 8-11 %
-// faster than the 2-CTA kernel; dW2, whose gathered operand is the 128-wide one, 32-50 %.)
+// dw1 (E, w1_rows, d). (Transposed because a 256-wide gathered operand leaves the producer the
+// bottleneck; docs/experiments/2026-11-29-warp-specialised-kernels.md.)
 // This file: one CTA per tile, varlen_k_ws_kernel<true, 1>; the 2-CTA cluster variant, for
 // experts with many rows (the chosen kernel's cluster = 2), is in dw1_proj_mc.cu.
 #include "cuda/gemm/sm90_ws_varlen_k.cuh"

@@ -1,7 +1,8 @@
 // (5) dW2 on the warp-specialised persistent varlen-K kernel (sm90_ws_varlen_k.cuh): P = d_out
 // gathered through expert_token_indices (M = d), Q = a_scaled contiguous by TMA (N = n).
-// One instantiation: varlen_k_ws_kernel<false, 1> (one CTA per tile: 2-CTA clusters sharing
-// a_scaled measured -2..+5 %, no gain; bench/NOTES.md).
+// One instantiation: varlen_k_ws_kernel<false, 1> (one CTA per tile: dW2 is not L2-bound, so
+// 2-CTA clusters sharing a_scaled do not pay;
+// docs/experiments/2026-11-29-weight-gradients-2cta-clusters.md).
 #include "cuda/gemm/sm90_ws_varlen_k.cuh"
 #include "cuda/gemm/ws_paths.hpp"
 

@@ -61,8 +61,8 @@ struct GemmScratch {
   void* data = nullptr;  // 256-byte aligned; nullptr: run the cp.async kernel instead
   size_t bytes = 0;
 };
-// choose_kernels(...).down / .dx say whether they run on the TMA path (for S >= 128 E: measured
-// faster on every shape timed, down to 128 rows per expert).
+// choose_kernels(...).down / .dx say whether they run on the TMA path (for S >= 128 E, where it
+// is the faster path; docs/experiments/2026-11-29-token-rounding.md, the TMA threshold).
 // Scratch bytes the TMA path needs for E experts on the current device (the argument arrays,
 // ≈ 100 B per expert, and CUTLASS's per-SM TMA descriptors).
 size_t tma_gemm_scratch_bytes(int64_t E);

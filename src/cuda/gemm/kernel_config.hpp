@@ -31,7 +31,7 @@ constexpr int kWsVarlenKStages = 4;
 constexpr int64_t kWsMaxExperts = 4096;  // the gather kernel's per-CTA expert table
 constexpr int kDefaultRasterGroup = 16;   // CTA rasterization band (raster_tile)
 
-// The measured thresholds of the automatic rules (bench/NOTES.md, docs/ARCHITECTURE.md):
+// The measured thresholds of the automatic rules (docs/experiments/, docs/ARCHITECTURE.md):
 constexpr int64_t kTmaMinRowsPerExpert = 128;          // down/dx on the TMA path from here
 constexpr int64_t kWsDhMinD = 2048;                    // dH on a gather kernel from here
 constexpr int64_t kWsDhCoopMinD = 4096;                // dH cooperative (not ping-pong) from here

@@ -7,8 +7,9 @@
 namespace moeblaze::cuda::gemm::sm90 {
 
 // The band height in force: the `raster` kernel override (kernel_config.hpp) or
-// kDefaultRasterGroup (16, measured on the H200 against 1, the row-major tile order: mb-conf4
-// up-proj 25.8 -> 20.7 ms, dW2 12.8 -> 11.6 ms).
+// kDefaultRasterGroup (16: a resident wave then touches fewer distinct A and B tiles than in the
+// row-major order, G = 1, so more of them are L2 hits;
+// docs/experiments/2026-11-29-cta-rasterization.md).
 int raster_group();
 
 // raster_group() clamped to [1, m_tiles], so that group * n_tiles <= m_tiles * n_tiles fits the

@@ -34,10 +34,9 @@ constexpr int kBN = 128;  // columns of the output tile
 constexpr int kBK = 64;   // reduction step: one 128-byte swizzle row of bf16
 constexpr int kThreads = 256;  // two warpgroups, each 64 x kBN of the output
 // Shared-memory stages (32 KiB each). Loads run 1 or 2 tiles ahead of the MMA (see mainloop).
-// Measured on the H200 (bench/NOTES.md): 3 stages with 2 CTAs per SM beat 5 or 7 stages with one
-// CTA per SM on 17 of 18 (config, GEMM) pairs (+3..+29%; gemm-big's down-proj equal): the second
-// CTA's mainloop covers this one's prologue (index loads, pipeline fill) and epilogue, which a
-// non-persistent kernel cannot overlap itself.
+// 3 stages with 2 CTAs per SM rather than more stages with one: the second CTA's mainloop covers
+// this one's prologue (index loads, pipeline fill) and epilogue, which a non-persistent kernel
+// cannot overlap itself (docs/experiments/2026-11-29-grouped-gemms.md, stage variants).
 #ifndef MOEBLAZE_GEMM_STAGES
 #define MOEBLAZE_GEMM_STAGES 3
 #endif
@@ -58,9 +57,8 @@ static_assert(kStages >= 3, "the pipeline needs at least 3 stages");
 // the next step's loads and issue, but can then refill only the stage read two steps ago, so the
 // loads run kStages - 2 = 1 tile ahead; 0 waits for the step's WGMMAs, which frees the stage just
 // read, so the loads run kStages - 1 = 2 tiles ahead while the other resident CTA keeps the
-// tensor cores busy. Measured on the H200 in one A/B run (bench/NOTES.md, "look-ahead"): 0 makes
-// dH 6-27 % faster on all four configs timed and costs dW1 1-6 %; the other GEMMs move within
-// -4.5 .. +6 % either way, so only dH uses 0.
+// tensor cores busy. Only dH uses 0: it gains from it, dW1 loses and the others do not move
+// (docs/experiments/2026-11-29-grouped-gemms.md, look-ahead).
 template <int kMmaInFlight>
 constexpr int lookahead() {
   static_assert(kMmaInFlight == 0 || kMmaInFlight == 1, "kMmaInFlight is 0 or 1");

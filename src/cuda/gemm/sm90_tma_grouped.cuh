@@ -43,10 +43,10 @@ constexpr int kAlign = 8;                   // elements per 16 bytes (TMA's alig
 using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
 using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
 // The persistent scheduler's tile order inside each expert's (M, N) grid. CUTLASS's default for
-// grouped problems walks M first (AlongM) with no swizzle. Measured on the H200 (bench/NOTES.md,
-// "TMA path"): walking N first with swizzle 2 (consecutive CTAs share A row panels, pairs of
-// N-tiles) made dX̃ 5-6 % faster at mb-conf4 / mb-conf7 and down-proj 0-6 %; sm-default moved
-// within the noise. The kernel overrides tma.order / tma.swizzle (kernel_config.hpp) change it.
+// grouped problems walks M first (AlongM) with no swizzle; walking N first with swizzle 2 lets
+// consecutive CTAs share A row panels (pairs of N-tiles), which is faster on the coarse configs
+// (docs/experiments/2026-11-29-tma-paths.md). The kernel overrides tma.order / tma.swizzle
+// (kernel_config.hpp) change it.
 struct SchedulerChoice {
   bool along_n = true;
   int swizzle = 2;

@@ -8,11 +8,11 @@
 // independent 16-byte loads in flight per thread behind one walk of the token's index chain
 // (offsets -> pair -> slot -> weight). C = 1, B = 4 when tokens have many pairs (K > 6 on
 // average); C = 2, B = 4 for 2 < K <= 6 (8 loads in flight, the index walk shared by 2 chunks:
-// with C = 1 the K = 4 configs reached 75-81 % of copy, bench/NOTES.md); C = 4, B = 1 otherwise:
-// with C = 1 a K = 1 token gave each thread a single 16-byte load behind three dependent index
-// loads, and mb-conf1 (K = 1) reached 58 % of copy bandwidth (2026-11-29). The index arrays (a few bytes per pair) stay in L1/L2. Every output element is
-// summed over its pairs in pair order whatever C and B are, so the result does not depend on
-// them.
+// C = 1 left the K = 4 configs short of copy bandwidth); C = 4, B = 1 otherwise: with C = 1 a
+// K = 1 token gave each thread a single 16-byte load behind three dependent index loads
+// (docs/experiments/2026-11-29-aggregation.md). The index arrays (a few bytes per pair) stay in
+// L1/L2. Every output element is summed over its pairs in pair order whatever C and B are, so
+// the result does not depend on them.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
