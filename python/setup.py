@@ -5,6 +5,8 @@
   otherwise: CMake on the repository (python/..), CUDA backend ON when nvcc is found, into
   $MOEBLAZE_BUILD_DIR (default <repo>/build-python), target moeblaze_capi only, $MOEBLAZE_JOBS
   parallel jobs (default: all cores). MOEBLAZE_CUDA=OFF|ON|AUTO overrides the CUDA choice.
+  A CUDA build without the CUTLASS headers in third_party/cutlass fetches them from PyPI first
+  (scripts/fetch_cutlass.sh); a CPU-only build needs nothing but CMake and a C++17 compiler.
 """
 import os
 import shutil
@@ -41,6 +43,8 @@ def build_library():
             f"-DMOEBLAZE_CUDA={cuda}", "-DMOEBLAZE_BUILD_TESTS=OFF"]
     if cuda == "ON" and _nvcc() and not shutil.which("nvcc"):
         args.append(f"-DCMAKE_CUDA_COMPILER={_nvcc()}")
+    if cuda != "OFF" and _nvcc():  # CUTLASS is a build requirement of the CUDA backend only
+        subprocess.check_call(["bash", str(ROOT / "scripts" / "fetch_cutlass.sh")])
     if shutil.which("ninja") and not (build / "CMakeCache.txt").exists():
         args += ["-G", "Ninja"]
     # The command-line tool's CLI11 is only looked up at configure time; a GPU machine without
