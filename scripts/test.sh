@@ -14,3 +14,5 @@ ctest --output-on-failure -j "$(nproc)" "$@"
 cd ..
 # The PyTorch front end (python/): installs torch if needed, then its pytest suite.
 bash scripts/test_python.sh
+# The wheel, packaging the library built above (no second compile), in a fresh venv.
+MOEBLAZE_PREBUILT_LIB=build/libmoeblaze_capi.so bash scripts/wheel_smoke.sh
