@@ -19,8 +19,5 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
-  if [ ! -f third_party/cutlass/cutlass_library/source/include/cutlass/version.h ]; then
-    echo "setup: installing CUTLASS 4.2 headers (PyPI nvidia-cutlass==4.2.0.0) into third_party/cutlass"
-    python3 -m pip install -q --no-deps --target third_party/cutlass nvidia-cutlass==4.2.0.0
-  fi
+  bash scripts/fetch_cutlass.sh
 fi
