@@ -12,9 +12,10 @@ if [ "${gpu_tests:-0}" != "0" ] && ! nvidia-smi -L >/dev/null 2>&1; then
 fi
 ctest --output-on-failure -j "$(nproc)" "$@"
 cd ..
-# The PyTorch front end (python/): installs torch if needed, then its pytest suite.
-bash scripts/test_python.sh
 # The wheel, packaging the library built above (no second compile), in a fresh venv; skipped
 # with the python tests (MOEBLAZE_SKIP_PYTHON, which test_python.sh reports).
 [ -n "${MOEBLAZE_SKIP_PYTHON:-}" ] ||
   MOEBLAZE_PREBUILT_LIB=build/libmoeblaze_capi.so bash scripts/wheel_smoke.sh
+# The PyTorch front end (python/): installs torch if needed, then its pytest suite (last, so that
+# its summary closes the run).
+bash scripts/test_python.sh
