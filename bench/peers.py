@@ -417,14 +417,21 @@ def memory_timeline(names, impls, args, dev, path):
                 torch.cuda.empty_cache()
     with open(os.path.splitext(path)[0] + ".json", "w") as f:
         json.dump(curves, f)
+    plot_timeline(curves, path)
+
+
+def plot_timeline(curves, path):
+    """One panel per config of {"<config> <impl>": {"ms_bytes": [(ms, bytes), ...]}} as a PNG."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"peers: matplotlib is missing: the timeline is in "
-              f"{os.path.splitext(path)[0]}.json only", file=sys.stderr)
+    except Exception as err:  # missing, or broken (seen on the device image: ft2font)
+        print(f"peers: matplotlib unusable ({type(err).__name__}): the timeline is in "
+              f"{os.path.splitext(path)[0]}.json only (render it with --plot-json)",
+              file=sys.stderr)
         return
+    names = list(dict.fromkeys(key.split(" ")[0] for key in curves))
     fig, axes = plt.subplots(1, len(names), figsize=(6.5 * len(names), 4.2), squeeze=False)
     for ax, name in zip(axes[0], names):
         for key, c in curves.items():
@@ -432,7 +439,7 @@ def memory_timeline(names, impls, args, dev, path):
                 ms, b = zip(*c["ms_bytes"])
                 ax.step(ms, [v / 2**30 for v in b], where="post", label=key[len(name) + 1:])
         ax.set_title(f"{name}: one forward + backward")
-        ax.set_xlabel("time in the step (ms, allocator events)")
+        ax.set_xlabel("host time of the allocator events (ms from the first)")
         ax.set_ylabel("GiB allocated above inputs and weights")
         ax.grid(alpha=0.3)
         ax.legend()
@@ -532,6 +539,8 @@ def main():
     ap.add_argument("--profile", default="", help="append torch.profiler tables of each step here")
     ap.add_argument("--memory-timeline", default="",
                     help="plot bytes allocated over one step per impl to this PNG (no timing)")
+    ap.add_argument("--plot-json", default="",
+                    help="render a --memory-timeline JSON to the PNG --memory-timeline names")
     ap.add_argument("--max-tokens", action="store_true",
                     help="find the largest T whose forward+backward fits, per impl (no timing)")
     args = ap.parse_args()
@@ -545,6 +554,11 @@ def main():
                          args.config.split(",")) if c]
     for c in names:
         shape_of(c)
+    if args.plot_json:
+        with open(args.plot_json) as f:
+            plot_timeline(json.load(f), args.memory_timeline or
+                          os.path.splitext(args.plot_json)[0] + ".png")
+        return 0
     if not torch.cuda.is_available():
         print("peers: skipped: no GPU", file=sys.stderr)
         return 0

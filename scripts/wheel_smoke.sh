@@ -51,9 +51,9 @@ esac
 "$py" -m pip install -q --disable-pip-version-check "$wheel" >"$work/install.log" 2>&1 || {
   tail -20 "$work/install.log"; echo "moeblaze: pip install $name FAILED"; exit 1; }
 
-# The README's PyTorch example (the first python block under "PyTorch quick start"), run only
+# The README's PyTorch example (the first python block under "For PyTorch trainers"), run only
 # when it is self-contained, i.e. imports moeblaze and so can run as written.
-awk '/^## PyTorch quick start/ {s = 1; next} s && /^## / {exit} s && /^```python$/ {b = 1; next}
+awk '/^## For PyTorch trainers/ {s = 1; next} s && /^## / {exit} s && /^```python$/ {b = 1; next}
      b && /^```$/ {exit} b {print}' README.md >"$work/readme_example.py"
 
 # From outside the repository, without MOEBLAZE_LIB, so the wheel's package and library load.
