@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # CPU-only ASan + UBSan build of the library, the C ABI, the CLI and the CPU tests in
 # build-asan, then the CPU tests (ctest -L cpu) under it. Any sanitizer report fails the test
-# that triggered it (UBSan does not recover; ASan aborts). Not part of CI; run it by hand:
+# that triggered it (UBSan does not recover; ASan aborts). CI runs it (.ci/run); by hand:
 #   scripts/sanitize.sh            # JOBS=2 by default; extra arguments go to ctest
 #   JOBS=8 scripts/sanitize.sh -R Fuzz
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/setup.sh  # compiler, CMake, Ninja, GoogleTest, CLI11 on a fresh machine
 jobs=${JOBS:-2}
 san="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
 start=$(date +%s)
