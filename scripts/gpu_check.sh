@@ -31,7 +31,8 @@
 #     third_party/gpudeps, for a GPU machine that has a CUDA toolkit but no such packages; the
 #     check uses them when the machine lacks its own. Carry third_party/ to the GPU machine.
 #
-# Environment: ROUTING_BENCH_ARGS (extra flags for bench routing, e.g. "--quick"),
+# Environment: PACK=1 (leave only gpu_check.tgz, summary.txt and the *.md / *.png tables in OUT),
+# ROUTING_BENCH_ARGS (extra flags for bench routing, e.g. "--quick"),
 # MOEBLAZE_COMMIT (commit recorded in result rows; set it when the tree was copied with a .git
 # that is not the tree's own — the device tool's copy keeps the session's first HEAD — else
 # `git describe --dirty` marks such a tree "<stale HEAD>-dirty"), BUILD_DIR
@@ -276,16 +277,25 @@ install_python() {
 if want python && install_python; then
   repo=$(pwd)
   t0=$(date +%s)
-  echo "== pytest" >>"$OUT/python.log"
-  # Run from outside the repository so that the installed package is the one imported.
-  # shellcheck disable=SC2086
-  if (cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider "$repo/python/tests" ${PYTEST_ARGS:-}) \
-      >>"$OUT/python.log" 2>&1; then
-    summary+=("pytest: $(grep -E '[0-9]+ passed' "$OUT/python.log" | tail -1) [$(( $(date +%s) - t0 )) s]")
+  echo "== pytest, one process per test file (a crash in one file does not hide the others)" \
+    >>"$OUT/python.log"
+  failed_files=()
+  for f in "$repo"/python/tests/test_*.py; do
+    echo "== $(basename "$f")" >>"$OUT/python.log"
+    # Run from outside the repository so that the installed package is the one imported.
+    # shellcheck disable=SC2086
+    rc=0
+    (cd /tmp && timeout 600 python3 -X faulthandler -m pytest -q -rs -p no:cacheprovider "$f" \
+      ${PYTEST_ARGS:-}) >>"$OUT/python.log" 2>&1 || rc=$?
+    # 5: pytest collected nothing (e.g. a -k filter); not a failure.
+    if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then failed_files+=("$(basename "$f") (rc $rc)"); fi
+  done
+  if [ ${#failed_files[@]} -eq 0 ]; then
+    summary+=("pytest: every file passed [$(( $(date +%s) - t0 )) s]")
   else
     status=1
-    grep -E "^FAILED|^ERROR|Error" "$OUT/python.log" | head -20 || true
-    summary+=("pytest: FAILED: $(grep -E '[0-9]+ (passed|failed)' "$OUT/python.log" | tail -1)")
+    grep -E "^FAILED|^ERROR|Fatal Python error" "$OUT/python.log" | head -20 || true
+    summary+=("pytest: FAILED in ${failed_files[*]} (see python.log)")
   fi
   if [ -n "${SKIP_PROOFS:-}" ]; then
     summary+=("training proofs: skipped (SKIP_PROOFS is set)")
@@ -415,4 +425,12 @@ fi
 if want peers && [ -s "$OUT/peers.md" ]; then
   cat "$OUT/peers.md"
 fi
+# ---- PACK=1: everything in OUT into one archive beside the summary and the Markdown tables (a
+# machine that hands back only a few files, such as the project's device tool) ----
+if [ -n "${PACK:-}" ]; then
+  printf '%s\n' "${summary[@]}" >"$OUT/summary.txt"
+  (cd "$OUT" && tar czf /tmp/gpu_check_pack.tgz --exclude='*.tgz' . && mv /tmp/gpu_check_pack.tgz gpu_check.tgz &&
+     find . -maxdepth 1 -type f ! -name gpu_check.tgz ! -name summary.txt ! -name '*.md' ! -name '*.png' -delete)
+fi
+
 exit $status
