@@ -1,7 +1,7 @@
 """Host time per call of moeblaze's Python boundary (issue 18 item 5), on the CPU at a tiny shape.
 
-Each row is the median over --repeat batches of the mean time per call in a batch of --inner
-calls, in microseconds. Two columns: "stubbed", with every C call replaced by a function that
+Each entry is the median (and the minimum, steadier on a loaded machine) over --repeat batches
+of the mean time per call in a batch of --inner calls, in microseconds. Two columns: "stubbed", with every C call replaced by a function that
 returns 0 (the *_bytes queries stay real, so the sizes are right; route's stub zeroes its expert
 ids so that torch ops after it see valid ones), i.e. the Python / torch-dispatch time alone; and
 "real", with the library. Reference rows: torch's topk+softmax, the raw ctypes call of
@@ -90,7 +90,7 @@ experts_forward_noop.register_autograd(_noop_backward, setup_context=_noop_setup
 
 
 def timeit(fn, inner, repeat):
-    """Median over `repeat` batches of the mean µs per call of `inner` calls."""
+    """(median, min) over `repeat` batches of the mean µs per call of `inner` calls."""
     for _ in range(max(inner, 20)):
         fn()
     gc.collect()
@@ -100,7 +100,7 @@ def timeit(fn, inner, repeat):
         for _ in range(inner):
             fn()
         times.append((time.perf_counter_ns() - t0) / inner / 1e3)
-    return statistics.median(times)
+    return statistics.median(times), min(times)
 
 
 def cases():
@@ -177,8 +177,8 @@ def _raw_route(logits):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--inner", type=int, default=200, help="calls per timed batch")
-    ap.add_argument("--repeat", type=int, default=31, help="timed batches (median taken)")
+    ap.add_argument("--inner", type=int, default=100, help="calls per timed batch")
+    ap.add_argument("--repeat", type=int, default=61, help="timed batches (median taken)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -188,7 +188,7 @@ def main():
     print(f"moeblaze Python boundary, CPU, T={T} d={D} n={N} E={E} K={K} fp32, torch "
           f"{torch.__version__}, {args.threads} thread(s); µs per call, median of "
           f"{args.repeat} x {args.inner}")
-    print(f"{'call':40s} {'stubbed':>9s} {'real':>9s}")
+    print(f"{'call (median / min)':40s} {'stubbed':>13s} {'real':>13s}")
     for name, fn in ops_cases:
         ops.lib = lambda: stub
         try:
@@ -196,9 +196,10 @@ def main():
         finally:
             ops.lib = real_lib
         r = timeit(fn, args.inner, args.repeat)
-        print(f"{name:40s} {s:9.1f} {r:9.1f}")
+        print(f"{name:40s} {s[0]:6.1f} /{s[1]:5.1f} {r[0]:6.1f} /{r[1]:5.1f}")
     for name, fn in ref_cases:
-        print(f"{name:40s} {'':9s} {timeit(fn, args.inner, args.repeat):9.1f}")
+        r = timeit(fn, args.inner, args.repeat)
+        print(f"{name:40s} {'':13s} {r[0]:6.1f} /{r[1]:5.1f}")
 
 
 if __name__ == "__main__":

@@ -159,6 +159,9 @@ def _fixed_k_offsets(T, K, like):
     return t
 
 
+_MOE_EXPERTS_NAMES = ("x", "w1", "w2", "expert_ids", "expert_weights")
+
+
 def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", recompute=False,
                 validate=None):
     """Functional MoE with caller-supplied routing: expert_ids (T, K) integer, expert_weights
@@ -175,7 +178,7 @@ def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", reco
                          f"{tuple(x.shape)}")
     if w2.dim() != 3:
         raise ValueError(f"moeblaze: w2 must be (E, d, n), got {tuple(w2.shape)}")
-    ops._one_device(x=x, w1=w1, w2=w2, expert_ids=expert_ids, expert_weights=expert_weights)
+    ops._one_device(_MOE_EXPERTS_NAMES, x, w1, w2, expert_ids, expert_weights)
     offsets = _fixed_k_offsets(T, K, x)
     check_range = x.device.type == "cpu" or bool(validate)  # on CUDA a host sync: opt-in
     experts = ops.expert_ids_int32(expert_ids, w2.shape[0], check_range).reshape(-1)
