@@ -223,15 +223,17 @@ def expert_ids_int32(ids, num_experts, check_range, name="expert_ids"):
     dtype wider than int32 that are out of range become num_experts before narrowing, so that
     they stay out of range (2**32 would wrap to expert 0) for the plan builder's own checks (the
     CPU's error, CUDA's device flags)."""
-    _require(not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool),
-             f"{name} must have an integer dtype, got {ids.dtype} (ids are never rounded)")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        _fail(f"{name} must have an integer dtype, got {ids.dtype} (ids are never rounded)")
     if check_range and not _tracing() and ids.numel() > 0:  # tracing: no values to check
-        bad = ((ids < 0) | (ids >= num_experts)).nonzero()
-        if bad.shape[0]:
+        lo, hi = torch.aminmax(ids)  # one reduction; the bad entry is searched for only if any
+        if int(lo) < 0 or int(hi) >= num_experts:
+            bad = ((ids < 0) | (ids >= num_experts)).nonzero()
             where = tuple(int(i) for i in bad[0])
             raise ValueError(f"moeblaze: {name}[{', '.join(map(str, where))}]: expert id "
                              f"{int(ids[where])} of token {where[0]} is out of range "
                              f"[0, {num_experts})")
+        return ids.to(_I32)  # every id in range: none to keep out of range
     if torch.iinfo(ids.dtype).max > _INT32_MAX:  # int64, uint32, ...: a bad id stays bad
         ids = ids.masked_fill((ids < 0) | (ids >= num_experts), num_experts)
     return ids.to(_I32)
