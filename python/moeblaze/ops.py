@@ -455,10 +455,11 @@ def _experts_args(x, w1, w2, plan, activation, num_threads, mode, backward):
 
 @functools.lru_cache(maxsize=256)
 def _layer_cfg(T, d, n, E, S, activation, dt, mode, num_threads, backward, cuda):
-    """(LayerCfg, workspace bytes of the pass) of an experts call: functions of the sizes alone, so
-    built once per shape (C only reads the struct). The workspace is PyTorch's on CUDA, sized per
-    pass (backward needs far less than forward when dH goes over h); the CPU backend allocates its
-    own (0 here)."""
+    """(LayerCfg, workspace bytes of the pass) of an experts call: functions of the sizes alone
+    (and of MOEBLAZE_KERNELS, which the library reads once per process; the C ABI cannot change
+    the kernel choice), so built once per shape (C only reads the struct). The workspace is
+    PyTorch's on CUDA, sized per pass (backward needs far less than forward when dH goes over h);
+    the CPU backend allocates its own (0 here)."""
     # K only enters the C++ config's checks (1 <= K <= E): token rounding varies it per token.
     K = min(max(S // T if T > 0 else 1, 1), max(E, 1))
     cfg = _lib.LayerCfg(T, d, n, E, K, activation, dt, mode, num_threads)
