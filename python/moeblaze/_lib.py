@@ -141,18 +141,19 @@ def ptr(t):
 
 
 def device_code(t):
-    if t.device.type == "cpu":
+    if t.is_cpu:  # is_cpu / is_cuda: no torch.device object built
         return 0
-    if t.device.type == "cuda":
+    if t.is_cuda:
         return 1
     raise ValueError(f"moeblaze: tensors on {t.device} are not supported (cpu or cuda)")
 
 
 def stream_of(t):
     """The cudaStream_t of PyTorch's current stream on t's device (None on the CPU)."""
-    if t.device.type != "cuda":
+    if not t.is_cuda:
         return None
-    return torch.cuda.current_stream(t.device).cuda_stream
+    # torch.cuda.current_stream(t.device).cuda_stream without building a Stream object.
+    return torch._C._cuda_getCurrentRawStream(t.get_device())
 
 
 def memory_stats(device="cuda"):

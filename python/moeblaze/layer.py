@@ -8,6 +8,7 @@ forward(x) returns (out, RouterLosses(aux_loss, z_loss)); add losses.total to th
 """
 from typing import NamedTuple
 
+import contextlib
 import math
 import torch
 import torch.nn.functional as F
@@ -54,9 +55,14 @@ def expert_counts(pair_experts, num_experts):
         0, e, torch.ones_like(e))
 
 
+_NO_CONTEXT = contextlib.nullcontext()
+
+
 def router_logits(x2, gate_weight):
     """Router logits in float32, also under autocast (the selection must not see bf16 logits)."""
-    with torch.autocast(x2.device.type, enabled=False):
+    dev = x2.device.type
+    # Autocast's context manager costs µs: entered only when autocast is on.
+    with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else _NO_CONTEXT:
         return F.linear(x2.float(), gate_weight.float())
 
 
@@ -147,8 +153,9 @@ def _fixed_k_offsets(T, K, like):
         if K == 0:
             return torch.zeros(T + 1, dtype=torch.int32, device=device)
         return torch.arange(0, T * K + 1, K, dtype=torch.int32, device=device)
-    if (torch.compiler.is_compiling() or type(like) is not torch.Tensor or device.type == "meta"
-            or torch._guards.detect_fake_mode() is not None or T * K >= 2**31):
+    # ops._tracing() and TracingContext: what torch._guards.detect_fake_mode() looks at, cheaper.
+    if (type(like) is not torch.Tensor or like.is_meta or T * K >= 2**31 or ops._tracing()
+            or torch._guards.TracingContext.try_get() is not None):
         return make()
     key = (T, K, device)
     t = _OFFSETS_CACHE.get(key)
@@ -157,6 +164,9 @@ def _fixed_k_offsets(T, K, like):
             _OFFSETS_CACHE.clear()
         t = _OFFSETS_CACHE[key] = make()
     return t
+
+
+_MOE_EXPERTS_NAMES = ("x", "w1", "w2", "expert_ids", "expert_weights")
 
 
 def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", recompute=False,
@@ -175,7 +185,7 @@ def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", reco
                          f"{tuple(x.shape)}")
     if w2.dim() != 3:
         raise ValueError(f"moeblaze: w2 must be (E, d, n), got {tuple(w2.shape)}")
-    ops._one_device(x=x, w1=w1, w2=w2, expert_ids=expert_ids, expert_weights=expert_weights)
+    ops._one_device(_MOE_EXPERTS_NAMES, x, w1, w2, expert_ids, expert_weights)
     offsets = _fixed_k_offsets(T, K, x)
     check_range = x.device.type == "cpu" or bool(validate)  # on CUDA a host sync: opt-in
     experts = ops.expert_ids_int32(expert_ids, w2.shape[0], check_range).reshape(-1)

@@ -26,6 +26,7 @@ experts_backward); pair_weights is an input of experts_forward only so that its 
 (d_pair_weights) reaches the router: the kernels read the plan's slot_weights, built from it.
 """
 import ctypes
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -35,54 +36,67 @@ from torch._subclasses.fake_tensor import FakeTensor
 from . import _lib
 from ._lib import check, device_code, lib, ptr, stream_of
 
-_I32 = torch.int32
+_I32, _F32 = torch.int32, torch.float32
 
 
-def _device_guard(t):
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else _Null()
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
+def _run(t, fn, *args):
+    """check(fn(*args)), a C call, with t's CUDA device current (nothing to switch on the CPU)."""
+    if t.is_cuda:
+        prev = torch.cuda._exchange_device(t.get_device())  # what torch.cuda.device does, inline
+        try:
+            rc = fn(*args)
+        finally:
+            torch.cuda._maybe_exchange_device(prev)
+    else:
+        rc = fn(*args)
+    check(rc)
 
 
 # ---------------------------------------------------------------------------------------------
 # argument checks, shared by every op: the C ABI takes raw pointers and trusts what it is told,
-# so each tensor's dtype, shape, device and layout, and each integer's range, is fixed here
+# so each tensor's dtype, shape, device and layout, and each integer's range, is fixed here.
+# A message is formatted only once its check has failed (`if not ok: _fail(f"...")`).
 # ---------------------------------------------------------------------------------------------
 MAX_THREADS = 1024
 _INT32_MAX = (1 << 31) - 1
+# Exact tensor types that are never fake: they take the fast paths; any other type (FakeTensor,
+# functional wrappers, user subclasses) goes through the full checks.
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _fail(msg):
+    raise ValueError("moeblaze: " + msg)
 
 
 def _require(cond, msg):
+    """For a constant msg; a formatted one is built after the test fails (see _fail)."""
     if not cond:
-        raise ValueError("moeblaze: " + msg)
+        _fail(msg)
 
 
 def _float_code(t, name):
-    if t.dtype not in _lib.DTYPES:
-        raise ValueError(f"moeblaze: {name} has dtype {t.dtype}; expected torch.float32 or "
-                         "torch.bfloat16")
-    return _lib.DTYPES[t.dtype]
+    code = _lib.DTYPES.get(t.dtype)
+    if code is None:
+        _fail(f"{name} has dtype {t.dtype}; expected torch.float32 or torch.bfloat16")
+    return code
 
 
 def _int(name, v, lo, hi):
     """v as a Python int in [lo, hi]: ctypes would silently wrap a larger one (2**32 + 1 -> 1)."""
-    _require(isinstance(v, int) and not isinstance(v, bool),
-             f"{name} must be an int, got {type(v).__name__}")
-    _require(lo <= v <= hi, f"{name} ({v}) must be in [{lo}, {hi}]")
+    if type(v) is not int or not lo <= v <= hi:  # else an exact int in range: nothing to check
+        if not isinstance(v, int) or isinstance(v, bool):
+            _fail(f"{name} must be an int, got {type(v).__name__}")
+        if not lo <= v <= hi:
+            _fail(f"{name} ({v}) must be in [{lo}, {hi}]")
     return v
 
 
 def _code(name, v, table):
     """v, one of the enum codes of table (a dict name -> code of _lib)."""
-    _require(isinstance(v, int) and not isinstance(v, bool) and v in table.values(),
-             f"{name} ({v!r}) must be one of the codes {sorted(table.values())} "
-             f"({', '.join(table)})")
+    if type(v) is not int or v not in table.values():  # type first: True == 1
+        if isinstance(v, bool) or not isinstance(v, int) or v not in table.values():
+            _fail(f"{name} ({v!r}) must be one of the codes {sorted(table.values())} "
+                  f"({', '.join(table)})")
     return v
 
 
@@ -94,32 +108,40 @@ def _tracing():
 
 def _storage_device(name, t):
     """t's device, where a real kernel can read t's data: not meta, not fake."""
-    _require(not isinstance(t, FakeTensor) and t.device.type in ("cpu", "cuda"),
-             f"{name} is a {'fake' if isinstance(t, FakeTensor) else t.device.type} tensor on "
-             f"{t.device}: moeblaze's kernels need data on cpu or cuda")
+    if type(t) not in _PLAIN or not (t.is_cpu or t.is_cuda):
+        fake = isinstance(t, FakeTensor)
+        if fake or t.device.type not in ("cpu", "cuda"):
+            _fail(f"{name} is a {'fake' if fake else t.device.type} tensor on {t.device}: "
+                  "moeblaze's kernels need data on cpu or cuda")
     return t.device
 
 
-def _one_device(**tensors):
-    """The device every given tensor (None: absent) is on, else ValueError naming the first that
-    differs; meta tensors, and fake tensors mixed with real ones, are refused. The fake kernels
-    call it too: a meta input routes the whole op to its fake kernel, whose uninitialised
-    outputs must not pass for results (torch.compile traces with fake tensors, never meta)."""
+def _one_device(names, *tensors):
+    """The device every given tensor (None: absent) is on, names[i] naming tensors[i], else
+    ValueError naming the first that differs; meta tensors, and fake tensors mixed with real ones,
+    are refused. The fake kernels call it too: a meta input routes the whole op to its fake
+    kernel, whose uninitialised outputs must not pass for results (torch.compile traces with fake
+    tensors, never meta)."""
     dev = None
-    for name, t in tensors.items():
+    for name, t in zip(names, tensors):
         if t is None:
             continue
-        _require(t.device.type != "meta", f"{name} is on meta: moeblaze's ops compute values, "
-                 "so every tensor must be on cpu or cuda (torch.compile traces with fake tensors)")
-        _require(not isinstance(t, FakeTensor) or _tracing(),
-                 f"{name} is a fake tensor outside tracing (no FakeTensorMode active): it has no "
-                 "values to compute with")
+        plain = type(t) in _PLAIN
+        if t.is_meta if plain else t.device.type == "meta":
+            _fail(f"{name} is on meta: moeblaze's ops compute values, so every tensor must be on "
+                  "cpu or cuda (torch.compile traces with fake tensors)")
+        fake = not plain and isinstance(t, FakeTensor)
+        if fake and not _tracing():
+            _fail(f"{name} is a fake tensor outside tracing (no FakeTensorMode active): it has no "
+                  "values to compute with")
         if dev is None:
-            dev, fake, first = t.device, isinstance(t, FakeTensor), name
-        _require(t.device == dev, f"{name} is on {t.device} but {first} is on {dev}: every "
-                 "tensor of a call must be on one device")
-        _require(isinstance(t, FakeTensor) == fake, f"{name} and {first} mix a fake tensor with "
-                 "a real one: fake tensors only trace (torch.compile), all together")
+            dev, first_fake, first = t.device, fake, name
+        elif t.device != dev:
+            _fail(f"{name} is on {t.device} but {first} is on {dev}: every tensor of a call must "
+                  "be on one device")
+        elif fake != first_fake:
+            _fail(f"{name} and {first} mix a fake tensor with a real one: fake tensors only trace "
+                  "(torch.compile), all together")
     return dev
 
 
@@ -127,57 +149,71 @@ def _arg(name, t, dtype, shape, device):
     """t checked for a C call and made contiguous (the C side reads dense arrays): exactly this
     dtype, this shape (None: any extent), on `device`, real data. The result must stay
     referenced until the C call returns (its pointer is all C gets)."""
-    _storage_device(name, t)
-    _require(t.dtype == dtype, f"{name} must have dtype {dtype}, got {t.dtype}")
-    _require(t.dim() == len(shape) and all(s is None or s == n for s, n in zip(shape, t.shape)),
-             f"{name} must have shape ({', '.join('*' if s is None else str(s) for s in shape)}"
-             f"{',' if len(shape) == 1 else ''}), got {tuple(t.shape)}")
-    _require(t.device == device, f"{name} is on {t.device} but the call's other tensors are on "
-             f"{device}")
+    if type(t) not in _PLAIN or t.dtype is not dtype or t.shape != shape or t.device != device:
+        _check_arg(name, t, dtype, shape, device)  # raises, unless the fast test was too narrow
     return t.contiguous()
+
+
+def _check_arg(name, t, dtype, shape, device):
+    _storage_device(name, t)
+    if t.dtype != dtype:
+        _fail(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if t.dim() != len(shape) or not all(s is None or s == n for s, n in zip(shape, t.shape)):
+        _fail(f"{name} must have shape ({', '.join('*' if s is None else str(s) for s in shape)}"
+              f"{',' if len(shape) == 1 else ''}), got {tuple(t.shape)}")
+    if t.device != device:
+        _fail(f"{name} is on {t.device} but the call's other tensors are on {device}")
 
 
 def _struct(cls, tensors, *sizes):
     """A ctypes struct of sizes and the tensors' pointers; it keeps the tensors alive with it."""
-    s = cls(*sizes, *(ptr(t) for t in tensors))
+    s = cls(*sizes, *[ptr(t) for t in tensors])
     s._keep = tensors  # contiguous copies made by _arg live as long as the struct C reads
     return s
 
 
 def _routing_struct(T, E, offsets, experts, weights, device):
     offsets = _arg("pair_offsets", offsets, _I32, (T + 1,), device)
-    experts = _arg("pair_experts", experts, _I32, (None,), device)
+    # Any extent P: a 1-D tensor is held to its own shape, any other fails the rule (*,).
+    experts = _arg("pair_experts", experts, _I32, experts.shape if experts.dim() == 1 else (None,),
+                   device)
     P = experts.numel()
-    weights = _arg("pair_weights", weights, torch.float32, (P,), device)
+    weights = _arg("pair_weights", weights, _F32, (P,), device)
     return _struct(_lib.Routing, (offsets, experts, weights), T, E, P)
 
 
+_ROUTING_NAMES = ("pair_offsets", "pair_experts", "pair_weights")
 _PLAN_NAMES = ("expert_token_offsets", "expert_token_indices", "slot_weights",
                "token_pair_offsets", "token_expert_indices", "token_index_map")
 
 
 def _plan_struct(T, E, plan, device):
-    S = plan[1].numel()
-    shapes = ((E + 1,), (S,), (S,), (T + 1,), (S,), (S,))
-    dtypes = (_I32, _I32, torch.float32, _I32, _I32, _I32)
-    arrays = tuple(_arg(nm, t, dt, sh, device)
-                   for nm, t, dt, sh in zip(_PLAN_NAMES, plan, dtypes, shapes))
+    eto, eti, sw, tpo, tei, tim = plan
+    S = eti.numel()
+    arrays = (_arg("expert_token_offsets", eto, _I32, (E + 1,), device),
+              _arg("expert_token_indices", eti, _I32, (S,), device),
+              _arg("slot_weights", sw, _F32, (S,), device),
+              _arg("token_pair_offsets", tpo, _I32, (T + 1,), device),
+              _arg("token_expert_indices", tei, _I32, (S,), device),
+              _arg("token_index_map", tim, _I32, (S,), device))
     return _struct(_lib.Plan, arrays, T, E, S)
 
 
 def _router_args(logits, bias, kind, top_k):
-    """logits (T, E) float32/bf16 and bias (E,) float32 or None, contiguous, on one device."""
+    """(logits, bias, T, E, device, dtype code): logits (T, E) float32/bf16 and bias (E,) float32
+    or None, contiguous, on one device."""
     dev = _storage_device("logits", logits)
-    _require(logits.dim() == 2, f"logits must be (T, E), got shape {tuple(logits.shape)}")
-    _float_code(logits, "logits")
+    if logits.dim() != 2:
+        _fail(f"logits must be (T, E), got shape {tuple(logits.shape)}")
+    dt = _float_code(logits, "logits")
     T, E = logits.shape
     _code("kind", kind, _lib.ROUTERS)
     _int("top_k", top_k, 1, max(E, 1))
-    _require(T * top_k <= _INT32_MAX, f"T*top_k ({T * top_k}) exceeds the int32 index range of "
-             "a routing")
+    if T * top_k > _INT32_MAX:
+        _fail(f"T*top_k ({T * top_k}) exceeds the int32 index range of a routing")
     if bias is not None:
-        bias = _arg("bias", bias, torch.float32, (E,), dev)
-    return logits.contiguous(), bias, T, E, dev
+        bias = _arg("bias", bias, _F32, (E,), dev)
+    return logits.contiguous(), bias, T, E, dev, dt
 
 
 def expert_ids_int32(ids, num_experts, check_range, name="expert_ids"):
@@ -187,15 +223,17 @@ def expert_ids_int32(ids, num_experts, check_range, name="expert_ids"):
     dtype wider than int32 that are out of range become num_experts before narrowing, so that
     they stay out of range (2**32 would wrap to expert 0) for the plan builder's own checks (the
     CPU's error, CUDA's device flags)."""
-    _require(not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool),
-             f"{name} must have an integer dtype, got {ids.dtype} (ids are never rounded)")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        _fail(f"{name} must have an integer dtype, got {ids.dtype} (ids are never rounded)")
     if check_range and not _tracing() and ids.numel() > 0:  # tracing: no values to check
-        bad = ((ids < 0) | (ids >= num_experts)).nonzero()
-        if bad.shape[0]:
+        lo, hi = torch.aminmax(ids)  # one reduction; the bad entry is searched for only if any
+        if int(lo) < 0 or int(hi) >= num_experts:
+            bad = ((ids < 0) | (ids >= num_experts)).nonzero()
             where = tuple(int(i) for i in bad[0])
             raise ValueError(f"moeblaze: {name}[{', '.join(map(str, where))}]: expert id "
                              f"{int(ids[where])} of token {where[0]} is out of range "
                              f"[0, {num_experts})")
+        return ids.to(_I32)  # every id in range: none to keep out of range
     if torch.iinfo(ids.dtype).max > _INT32_MAX:  # int64, uint32, ...: a bad id stays bad
         ids = ids.masked_fill((ids < 0) | (ids >= num_experts), num_experts)
     return ids.to(_I32)
@@ -207,24 +245,22 @@ def expert_ids_int32(ids, num_experts, check_range, name="expert_ids"):
 @torch.library.custom_op("moeblaze::route", mutates_args=())
 def route(logits: Tensor, bias: Optional[Tensor], kind: int, top_k: int,
           renormalize: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    logits, bias, T, E, dev = _router_args(logits, bias, kind, top_k)
+    logits, bias, T, E, dev, dt = _router_args(logits, bias, kind, top_k)
     P = T * top_k
     offsets = torch.empty(T + 1, dtype=_I32, device=dev)
     experts = torch.empty(P, dtype=_I32, device=dev)
-    weights = torch.empty(P, dtype=torch.float32, device=dev)
+    weights = torch.empty(P, dtype=_F32, device=dev)
     flags = torch.zeros(4, dtype=_I32, device=dev)
     cfg = _lib.RouterCfg(kind, top_k, int(renormalize))
-    out = _routing_struct(T, E, offsets, experts, weights, dev)
-    with _device_guard(logits):
-        check(lib().moeblaze_route(ctypes.byref(cfg), ptr(logits), _lib.DTYPES[logits.dtype], T, E,
-                                   ptr(bias), device_code(logits), stream_of(logits),
-                                   ctypes.byref(out), flags.data_ptr()))
+    out = _struct(_lib.Routing, (offsets, experts, weights), T, E, P)  # fresh: nothing to check
+    _run(logits, lib().moeblaze_route, ctypes.byref(cfg), ptr(logits), dt, T, E, ptr(bias),
+         device_code(logits), stream_of(logits), ctypes.byref(out), flags.data_ptr())
     return offsets, experts, weights, flags
 
 
 @route.register_fake
 def _(logits, bias, kind, top_k, renormalize):
-    _one_device(logits=logits, bias=bias)
+    _one_device(("logits", "bias"), logits, bias)
     T = logits.shape[0]
     P = T * top_k
     return (logits.new_empty(T + 1, dtype=_I32), logits.new_empty(P, dtype=_I32),
@@ -235,29 +271,27 @@ def _(logits, bias, kind, top_k, renormalize):
 def router_backward(logits: Tensor, bias: Optional[Tensor], pair_offsets: Tensor,
                     pair_experts: Tensor, pair_weights: Tensor, d_pair_weights: Tensor, kind: int,
                     top_k: int, renormalize: bool) -> Tensor:
-    logits, bias, T, E, dev = _router_args(logits, bias, kind, top_k)
+    logits, bias, T, E, dev, dt = _router_args(logits, bias, kind, top_k)
     r = _routing_struct(T, E, pair_offsets, pair_experts, pair_weights, dev)
     # An upstream gradient: any float dtype autograd hands over, read as float32.
-    _require(d_pair_weights.is_floating_point(),
-             f"d_pair_weights must be floating point, got {d_pair_weights.dtype}")
-    d_pair_weights = _arg("d_pair_weights", d_pair_weights.to(torch.float32), torch.float32,
-                          (r.P,), dev)
-    d_logits = torch.empty(T, E, dtype=torch.float32, device=dev)
+    if not d_pair_weights.is_floating_point():
+        _fail(f"d_pair_weights must be floating point, got {d_pair_weights.dtype}")
+    d_pair_weights = _arg("d_pair_weights", d_pair_weights.to(_F32), _F32, (r.P,), dev)
+    d_logits = torch.empty(T, E, dtype=_F32, device=dev)
     flags = torch.zeros(4, dtype=_I32, device=dev)
     cfg = _lib.RouterCfg(kind, top_k, int(renormalize))
-    with _device_guard(logits):
-        check(lib().moeblaze_router_backward(
-            ctypes.byref(cfg), ptr(logits), _lib.DTYPES[logits.dtype], T, E, ptr(bias),
-            device_code(logits), stream_of(logits), ctypes.byref(r), ptr(d_pair_weights),
-            ptr(d_logits), flags.data_ptr()))
+    _run(logits, lib().moeblaze_router_backward, ctypes.byref(cfg), ptr(logits), dt, T, E,
+         ptr(bias), device_code(logits), stream_of(logits), ctypes.byref(r), ptr(d_pair_weights),
+         ptr(d_logits), flags.data_ptr())
     return d_logits
 
 
 @router_backward.register_fake
 def _(logits, bias, pair_offsets, pair_experts, pair_weights, d_pair_weights, kind, top_k,
       renormalize):
-    _one_device(logits=logits, bias=bias, pair_offsets=pair_offsets, pair_experts=pair_experts,
-                pair_weights=pair_weights, d_pair_weights=d_pair_weights)
+    _one_device(("logits", "bias", "pair_offsets", "pair_experts", "pair_weights",
+                 "d_pair_weights"), logits, bias, pair_offsets, pair_experts, pair_weights,
+                d_pair_weights)
     return logits.new_empty(logits.shape, dtype=torch.float32)
 
 
@@ -286,32 +320,29 @@ route.register_autograd(_route_backward, setup_context=_route_setup)
 def token_round(logits: Tensor, bias: Optional[Tensor], pair_offsets: Tensor, pair_experts: Tensor,
                 pair_weights: Tensor, kind: int, top_k: int, renormalize: bool, m_tile: int,
                 mode: int, seed: int) -> Tuple[Tensor, Tensor, Tensor]:
-    logits, bias, T, E, dev = _router_args(logits, bias, kind, top_k)
+    logits, bias, T, E, dev, dt = _router_args(logits, bias, kind, top_k)
     _int("m_tile", m_tile, 1, _INT32_MAX)
     _code("mode", mode, _lib.ROUNDINGS)
     _int("seed", seed, 0, (1 << 63) - 1)  # the schema's int is int64: larger never gets here
     cfg = _lib.RouterCfg(kind, top_k, int(renormalize))
     topk = _routing_struct(T, E, pair_offsets, pair_experts, pair_weights, dev)
     handle, P = ctypes.c_void_p(), ctypes.c_int64()
-    with _device_guard(logits):
-        check(lib().moeblaze_token_round(ctypes.byref(cfg), m_tile, mode, seed, ptr(logits),
-                                         _lib.DTYPES[logits.dtype], T, E, ptr(bias),
-                                         device_code(logits), stream_of(logits),
-                                         ctypes.byref(topk), ctypes.byref(handle),
-                                         ctypes.byref(P)))
-        offsets = torch.empty(T + 1, dtype=_I32, device=dev)
-        experts = torch.empty(P.value, dtype=_I32, device=dev)
-        weights = torch.empty(P.value, dtype=torch.float32, device=dev)
-        out = _routing_struct(T, E, offsets, experts, weights, dev)
-        check(lib().moeblaze_routing_take(handle, ctypes.byref(out), stream_of(logits)))
+    _run(logits, lib().moeblaze_token_round, ctypes.byref(cfg), m_tile, mode, seed, ptr(logits),
+         dt, T, E, ptr(bias), device_code(logits), stream_of(logits), ctypes.byref(topk),
+         ctypes.byref(handle), ctypes.byref(P))
+    offsets = torch.empty(T + 1, dtype=_I32, device=dev)
+    experts = torch.empty(P.value, dtype=_I32, device=dev)
+    weights = torch.empty(P.value, dtype=_F32, device=dev)
+    out = _struct(_lib.Routing, (offsets, experts, weights), T, E, P.value)
+    _run(logits, lib().moeblaze_routing_take, handle, ctypes.byref(out), stream_of(logits))
     return offsets, experts, weights
 
 
 @token_round.register_fake
 def _(logits, bias, pair_offsets, pair_experts, pair_weights, kind, top_k, renormalize, m_tile,
       mode, seed):
-    _one_device(logits=logits, bias=bias, pair_offsets=pair_offsets, pair_experts=pair_experts,
-                pair_weights=pair_weights)
+    _one_device(("logits", "bias", "pair_offsets", "pair_experts", "pair_weights"), logits, bias,
+                pair_offsets, pair_experts, pair_weights)
     P = torch.library.get_ctx().new_dynamic_size()
     T = logits.shape[0]
     return (logits.new_empty(T + 1, dtype=_I32), logits.new_empty(P, dtype=_I32),
@@ -343,33 +374,38 @@ token_round.register_autograd(_round_backward, setup_context=_round_setup)
 def build_plan(pair_offsets: Tensor, pair_experts: Tensor, pair_weights: Tensor,
                num_experts: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     dev = _storage_device("pair_offsets", pair_offsets)
-    _require(pair_offsets.dim() == 1 and pair_offsets.numel() >= 1,
-             f"pair_offsets must be (T+1,) with T >= 0, got shape {tuple(pair_offsets.shape)}")
+    if pair_offsets.dim() != 1 or pair_offsets.numel() < 1:
+        _fail(f"pair_offsets must be (T+1,) with T >= 0, got shape {tuple(pair_offsets.shape)}")
     T, E = pair_offsets.numel() - 1, _int("num_experts", num_experts, 1, _INT32_MAX)
     r = _routing_struct(T, E, pair_offsets, pair_experts, pair_weights, dev)
     S = r.P
     eto = torch.empty(E + 1, dtype=_I32, device=dev)
     eti = torch.empty(S, dtype=_I32, device=dev)
-    sw = torch.empty(S, dtype=torch.float32, device=dev)
+    sw = torch.empty(S, dtype=_F32, device=dev)
     tpo = torch.empty(T + 1, dtype=_I32, device=dev)
     tei = torch.empty(S, dtype=_I32, device=dev)
     tim = torch.empty(S, dtype=_I32, device=dev)
     flags = torch.zeros(4, dtype=_I32, device=dev)
     dcode = device_code(pair_offsets)
-    ws_bytes = ctypes.c_uint64()
-    check(lib().moeblaze_plan_workspace_bytes(T, E, S, dcode, ctypes.byref(ws_bytes)))
-    ws = torch.empty(ws_bytes.value, dtype=torch.uint8, device=dev) if ws_bytes.value else None
-    plan = _plan_struct(T, E, (eto, eti, sw, tpo, tei, tim), dev)
-    with _device_guard(pair_offsets):
-        check(lib().moeblaze_build_plan(ctypes.byref(r), dcode, stream_of(pair_offsets),
-                                        ctypes.byref(plan), ptr(ws), ws_bytes.value,
-                                        flags.data_ptr()))
+    ws_bytes = _plan_workspace_bytes(T, E, S, dcode)
+    ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None
+    plan = _struct(_lib.Plan, (eto, eti, sw, tpo, tei, tim), T, E, S)  # fresh: nothing to check
+    _run(pair_offsets, lib().moeblaze_build_plan, ctypes.byref(r), dcode, stream_of(pair_offsets),
+         ctypes.byref(plan), ptr(ws), ws_bytes, flags.data_ptr())
     return eto, eti, sw, tpo, tei, tim, flags
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_workspace_bytes(T, E, S, dcode):
+    """build_plan's workspace size: a function of the sizes alone, so asked once per shape."""
+    n = ctypes.c_uint64()
+    check(lib().moeblaze_plan_workspace_bytes(T, E, S, dcode, ctypes.byref(n)))
+    return n.value
 
 
 @build_plan.register_fake
 def _(pair_offsets, pair_experts, pair_weights, num_experts):
-    _one_device(pair_offsets=pair_offsets, pair_experts=pair_experts, pair_weights=pair_weights)
+    _one_device(_ROUTING_NAMES, pair_offsets, pair_experts, pair_weights)
     T, S = pair_offsets.shape[0] - 1, pair_experts.shape[0]
     e = pair_offsets.new_empty
     return (e(num_experts + 1, dtype=_I32), e(S, dtype=_I32), e(S, dtype=torch.float32),
@@ -383,49 +419,60 @@ def _(pair_offsets, pair_experts, pair_weights, num_experts):
 _MODE_KEEP_H, _MODE_RECOMPUTE, _MODE_DH_OVER_H = 0, 1, 2
 
 
-def _experts_args(x, w1, w2, plan, activation, recompute, num_threads):
-    """(config, x, w1, w2, plan struct) of an experts call, checked, the tensors contiguous."""
+def _experts_args(x, w1, w2, plan, activation, num_threads, mode, backward):
+    """(config, workspace bytes, device, x, w1, w2, plan struct) of an experts call, checked, the
+    tensors contiguous."""
     dev = _storage_device("x", x)
-    _require(x.dim() == 2, f"x must be (T, d), got shape {tuple(x.shape)}")
-    _require(w1.dim() == 3 and w2.dim() == 3,
-             f"w1 must be (E, w1_rows, d) and w2 (E, d, n), got {tuple(w1.shape)} and "
-             f"{tuple(w2.shape)}")
+    if x.dim() != 2:
+        _fail(f"x must be (T, d), got shape {tuple(x.shape)}")
+    if w1.dim() != 3 or w2.dim() != 3:
+        _fail(f"w1 must be (E, w1_rows, d) and w2 (E, d, n), got {tuple(w1.shape)} and "
+              f"{tuple(w2.shape)}")
     T, d = x.shape
-    E, n = w2.shape[0], w2.shape[2]
+    E, wd, n = w2.shape
     dt = _float_code(x, "x")
     _code("activation", activation, _lib.ACTIVATIONS)
     _int("num_threads", num_threads, 0, MAX_THREADS)
-    for name, t in (("w1", w1), ("w2", w2)):
-        _require(t.dtype == x.dtype, f"{name} has dtype {t.dtype} but x has {x.dtype}")
+    if w1.dtype != x.dtype:
+        _fail(f"w1 has dtype {w1.dtype} but x has {x.dtype}")
+    if w2.dtype != x.dtype:
+        _fail(f"w2 has dtype {w2.dtype} but x has {x.dtype}")
     # The C ABI takes raw pointers: every shape is checked here, where the shapes are known.
     rows = _w1_rows(activation, n)
-    _require(tuple(w1.shape) == (E, rows, d),
-             f"w1 must be (E, w1_rows, d) = ({E}, {rows}, {d}) for activation code {activation} "
-             f"(E and n from w2 {tuple(w2.shape)}, d from x), got {tuple(w1.shape)}")
-    _require(w2.shape[1] == d, f"w2 must be (E, d, n) with d = {d} (from x), got "
-             f"{tuple(w2.shape)}")
+    if w1.shape != (E, rows, d):
+        _fail(f"w1 must be (E, w1_rows, d) = ({E}, {rows}, {d}) for activation code {activation} "
+              f"(E and n from w2 {tuple(w2.shape)}, d from x), got {tuple(w1.shape)}")
+    if wd != d:
+        _fail(f"w2 must be (E, d, n) with d = {d} (from x), got {tuple(w2.shape)}")
     x = x.contiguous()
     w1 = _arg("w1", w1, x.dtype, (E, rows, d), dev)
     w2 = _arg("w2", w2, x.dtype, (E, d, n), dev)
     p = _plan_struct(T, E, plan, dev)
+    cfg, ws_bytes = _layer_cfg(T, d, n, E, p.S, activation, dt, mode, num_threads, backward,
+                               x.is_cuda)
+    return cfg, ws_bytes, dev, x, w1, w2, p
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_cfg(T, d, n, E, S, activation, dt, mode, num_threads, backward, cuda):
+    """(LayerCfg, workspace bytes of the pass) of an experts call: functions of the sizes alone
+    (and of MOEBLAZE_KERNELS, which the library reads once per process; the C ABI cannot change
+    the kernel choice), so built once per shape (C only reads the struct). The workspace is
+    PyTorch's on CUDA, sized per pass (backward needs far less than forward when dH goes over h);
+    the CPU backend allocates its own (0 here)."""
     # K only enters the C++ config's checks (1 <= K <= E): token rounding varies it per token.
-    K = min(max(p.S // T if T > 0 else 1, 1), max(E, 1))
-    mode = _MODE_RECOMPUTE if recompute else _MODE_KEEP_H
+    K = min(max(S // T if T > 0 else 1, 1), max(E, 1))
     cfg = _lib.LayerCfg(T, d, n, E, K, activation, dt, mode, num_threads)
-    return cfg, x, w1, w2, p
-
-
-def _workspace(cfg, S, t, backward):
-    """PyTorch-allocated workspace of one pass on CUDA; on the CPU the library allocates its own.
-    Sized per pass: backward needs far less than forward when dH goes over h."""
-    if t.device.type != "cuda":
-        return None, 0
+    if not cuda:
+        return cfg, 0
     nbytes = ctypes.c_uint64()
     check(lib().moeblaze_layer_pass_workspace_bytes(ctypes.byref(cfg), S, 1, int(backward),
                                                     ctypes.byref(nbytes)))
-    if nbytes.value == 0:
-        return None, 0
-    return torch.empty(nbytes.value, dtype=torch.uint8, device=t.device), nbytes.value
+    return cfg, nbytes.value
+
+
+def _workspace(nbytes, dev):
+    return torch.empty(nbytes, dtype=torch.uint8, device=dev) if nbytes else None
 
 
 def _w1_rows(activation, n):
@@ -440,26 +487,25 @@ def experts_forward(x: Tensor, w1: Tensor, w2: Tensor, pair_weights: Tensor,
                     num_threads: int) -> Tuple[Tensor, Tensor]:
     plan = (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
             token_expert_indices, token_index_map)
-    cfg, x, w1, w2, p = _experts_args(x, w1, w2, plan, activation, recompute, num_threads)
+    mode = _MODE_RECOMPUTE if recompute else _MODE_KEEP_H
+    cfg, ws_bytes, dev, x, w1, w2, p = _experts_args(x, w1, w2, plan, activation, num_threads,
+                                                     mode, False)
     S = p.S
     # Not read by the kernels (they read slot_weights): it only carries d_pair_weights back.
-    _arg("pair_weights", pair_weights, torch.float32, (S,), x.device)
+    _arg("pair_weights", pair_weights, _F32, (S,), dev)
     out = torch.empty_like(x)
     rows = _w1_rows(activation, cfg.n)
     h = x.new_empty((0, rows) if recompute else (S, rows))
-    ws, ws_bytes = _workspace(cfg, S, x, backward=False)
-    with _device_guard(x):
-        check(lib().moeblaze_layer_forward(ctypes.byref(cfg), ctypes.byref(p), device_code(x),
-                                           stream_of(x), ptr(x), ptr(w1), ptr(w2), ptr(out),
-                                           ptr(h), ptr(ws), ws_bytes))
+    ws = _workspace(ws_bytes, dev)
+    _run(x, lib().moeblaze_layer_forward, ctypes.byref(cfg), ctypes.byref(p), device_code(x),
+         stream_of(x), ptr(x), ptr(w1), ptr(w2), ptr(out), ptr(h), ptr(ws), ws_bytes)
     return out, h
 
 
 @experts_forward.register_fake
 def _(x, w1, w2, pair_weights, eto, eti, sw, tpo, tei, tim, activation, recompute, num_threads):
-    _one_device(x=x, w1=w1, w2=w2, pair_weights=pair_weights, expert_token_offsets=eto,
-                expert_token_indices=eti, slot_weights=sw, token_pair_offsets=tpo,
-                token_expert_indices=tei, token_index_map=tim)
+    _one_device(("x", "w1", "w2", "pair_weights") + _PLAN_NAMES, x, w1, w2, pair_weights, eto,
+                eti, sw, tpo, tei, tim)
     S = eti.shape[0]
     rows = _w1_rows(activation, w2.shape[2])
     return torch.empty_like(x), x.new_empty((0, rows) if recompute else (S, rows))
@@ -467,23 +513,24 @@ def _(x, w1, w2, pair_weights, eto, eti, sw, tpo, tei, tim, activation, recomput
 
 def _experts_backward_impl(d_out, x, w1, w2, h, plan, activation, recompute, num_threads,
                            dh_over_h):
-    cfg, x, w1, w2, p = _experts_args(x, w1, w2, plan, activation, recompute, num_threads)
+    # dH over h: keep_h on CUDA only (the mode enters the cached config, so it is chosen first).
+    mode = (_MODE_RECOMPUTE if recompute else
+            _MODE_DH_OVER_H if dh_over_h and x.is_cuda else _MODE_KEEP_H)
+    cfg, ws_bytes, dev, x, w1, w2, p = _experts_args(x, w1, w2, plan, activation, num_threads,
+                                                     mode, True)
     S = p.S
     # An upstream gradient: any float dtype autograd hands over, read in x's dtype.
-    _require(d_out.is_floating_point(), f"d_out must be floating point, got {d_out.dtype}")
-    d_out = _arg("d_out", d_out.to(x.dtype), x.dtype, tuple(x.shape), x.device)
+    if not d_out.is_floating_point():
+        _fail(f"d_out must be floating point, got {d_out.dtype}")
+    d_out = _arg("d_out", d_out.to(x.dtype), x.dtype, x.shape, dev)
     if not recompute:
-        h = _arg("h", h, x.dtype, (S, _w1_rows(activation, cfg.n)), x.device)
-        if dh_over_h and x.device.type == "cuda":
-            cfg.mode = _MODE_DH_OVER_H
+        h = _arg("h", h, x.dtype, (S, _w1_rows(activation, cfg.n)), dev)
     dx, dw1, dw2 = torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
-    dpw = torch.empty(S, dtype=torch.float32, device=x.device)
-    ws, ws_bytes = _workspace(cfg, S, x, backward=True)
-    with _device_guard(x):
-        check(lib().moeblaze_layer_backward(ctypes.byref(cfg), ctypes.byref(p), device_code(x),
-                                            stream_of(x), ptr(x), ptr(w1), ptr(w2), ptr(d_out),
-                                            None if recompute else ptr(h), ptr(dx), ptr(dw1),
-                                            ptr(dw2), ptr(dpw), ptr(ws), ws_bytes))
+    dpw = torch.empty(S, dtype=_F32, device=dev)
+    ws = _workspace(ws_bytes, dev)
+    _run(x, lib().moeblaze_layer_backward, ctypes.byref(cfg), ctypes.byref(p), device_code(x),
+         stream_of(x), ptr(x), ptr(w1), ptr(w2), ptr(d_out), None if recompute else ptr(h),
+         ptr(dx), ptr(dw1), ptr(dw2), ptr(dpw), ptr(ws), ws_bytes)
     return dx, dw1, dw2, dpw
 
 
@@ -518,9 +565,8 @@ def experts_backward_dh_over_h(d_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor,
 @experts_backward.register_fake
 def _experts_backward_fake(d_out, x, w1, w2, h, eto, eti, sw, tpo, tei, tim, activation,
                            recompute, num_threads):
-    _one_device(d_out=d_out, x=x, w1=w1, w2=w2, h=h, expert_token_offsets=eto,
-                expert_token_indices=eti, slot_weights=sw, token_pair_offsets=tpo,
-                token_expert_indices=tei, token_index_map=tim)
+    _one_device(("d_out", "x", "w1", "w2", "h") + _PLAN_NAMES, d_out, x, w1, w2, h, eto, eti, sw,
+                tpo, tei, tim)
     return (torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2),
             x.new_empty(eti.shape[0], dtype=torch.float32))
 

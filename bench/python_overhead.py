@@ -1,0 +1,206 @@
+"""Host time per call of moeblaze's Python boundary (issue 18 item 5), on the CPU at a tiny shape.
+
+Each entry is the median (and the minimum, steadier on a loaded machine) over --repeat batches
+of the mean time per call in a batch of --inner calls, in microseconds. Two columns: "stubbed", with every C call replaced by a function that
+returns 0 (the *_bytes queries stay real, so the sizes are right; route's stub zeroes its expert
+ids so that torch ops after it see valid ones), i.e. the Python / torch-dispatch time alone; and
+"real", with the library. Reference rows: torch's topk+softmax, the raw ctypes call of
+moeblaze_route, and no-op torch.library custom ops with route's and the experts ops' schemas (the
+floor a custom op costs before its body runs).
+
+    PYTHONPATH=python MOEBLAZE_LIB=build-cpu/libmoeblaze_capi.so python bench/python_overhead.py
+"""
+import argparse
+import ctypes
+import gc
+import statistics
+import time
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+import moeblaze
+from moeblaze import _lib, ops
+
+T, D, N, E, K = 8, 16, 8, 4, 2
+
+
+class _Stub:
+    """The library with its C calls replaced: all return 0, the *_bytes queries stay real."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        if name.endswith("_bytes"):
+            return getattr(self._real, name)
+        if name == "moeblaze_route":
+            return _stub_route
+        return lambda *a: 0
+
+
+def _stub_route(cfg, logits, dtype, T_, E_, bias, dev, stream, out, flags):
+    r = out._obj  # the Routing struct passed by reference: valid (zero) ids for later torch ops
+    if r.P:
+        ctypes.memset(r.pair_experts, 0, 4 * r.P)
+    return 0
+
+
+# ---- no-op custom ops with the real ops' schemas: the dispatch floor -------------------------
+@torch.library.custom_op("moeblaze_bench::route_noop", mutates_args=())
+def route_noop(logits: Tensor, bias: Optional[Tensor], kind: int, top_k: int,
+               renormalize: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    t, p = logits.shape[0], logits.shape[0] * top_k
+    return (torch.empty(t + 1, dtype=torch.int32), torch.empty(p, dtype=torch.int32),
+            torch.empty(p), torch.zeros(4, dtype=torch.int32))
+
+
+@torch.library.custom_op("moeblaze_bench::experts_forward_noop", mutates_args=())
+def experts_forward_noop(x: Tensor, w1: Tensor, w2: Tensor, pair_weights: Tensor,
+                         expert_token_offsets: Tensor, expert_token_indices: Tensor,
+                         slot_weights: Tensor, token_pair_offsets: Tensor,
+                         token_expert_indices: Tensor, token_index_map: Tensor, activation: int,
+                         recompute: bool, num_threads: int) -> Tuple[Tensor, Tensor]:
+    return torch.empty_like(x), x.new_empty((0, w1.shape[1]))
+
+
+@torch.library.custom_op("moeblaze_bench::experts_backward_noop", mutates_args=())
+def experts_backward_noop(d_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor,
+                          expert_token_offsets: Tensor, expert_token_indices: Tensor,
+                          slot_weights: Tensor, token_pair_offsets: Tensor,
+                          token_expert_indices: Tensor, token_index_map: Tensor, activation: int,
+                          recompute: bool,
+                          num_threads: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2),
+            torch.empty(expert_token_indices.shape[0]))
+
+
+def _noop_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:3], output[1], *inputs[4:10])
+    ctx.cfg = inputs[10:13]
+
+
+def _noop_backward(ctx, g_out, g_h):
+    x, w1, w2, h, *plan = ctx.saved_tensors
+    return experts_backward_noop(g_out, x, w1, w2, h, *plan, *ctx.cfg)[:4] + (None,) * 9
+
+
+experts_forward_noop.register_autograd(_noop_backward, setup_context=_noop_setup)
+
+
+def timeit(fn, inner, repeat):
+    """(median, min) over `repeat` batches of the mean µs per call of `inner` calls."""
+    for _ in range(max(inner, 20)):
+        fn()
+    gc.collect()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter_ns()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter_ns() - t0) / inner / 1e3)
+    return statistics.median(times), min(times)
+
+
+def cases():
+    """(name, fn) pairs; each fn is one call (or one forward+backward step)."""
+    torch.manual_seed(0)
+    logits = torch.randn(T, E)
+    x = torch.randn(T, D)
+    w1, w2 = torch.randn(E, 2 * N, D), torch.randn(E, D, N)
+    off, exp, pw, _ = ops.route(logits, None, 0, K, False)
+    plan = ops.build_plan(off, exp, pw, E)[:6]
+    out, h = ops.experts_forward(x, w1, w2, pw, *plan, 0, False, 0)
+    d_out = torch.randn_like(out)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    ew = torch.rand(T, K)
+    xg, w1g, w2g, ewg = (t.clone().requires_grad_() for t in (x, w1, w2, ew))
+    moe = moeblaze.MoE(D, N, E, K, dtype=torch.float32)
+    params = list(moe.parameters())
+    pwg = pw.clone().requires_grad_()
+
+    def moe_experts_step():
+        y = moeblaze.moe_experts(xg, w1g, w2g, ids, ewg)
+        y.backward(d_out)
+        xg.grad = w1g.grad = w2g.grad = ewg.grad = None
+
+    def moe_step():
+        y, _ = moe(xg)
+        y.backward(d_out)
+        xg.grad = None
+        for p in params:
+            p.grad = None
+
+    def noop_step():  # the floor of moe_experts' three custom ops (plan, forward, backward)
+        p = ops.build_plan(off, exp, pw, E)
+        y, _ = experts_forward_noop(xg, w1g, w2g, pwg, *p[:6], 0, False, 0)
+        y.backward(d_out)
+        xg.grad = w1g.grad = w2g.grad = pwg.grad = None
+
+    return [
+        ("ops.route", lambda: ops.route(logits, None, 0, K, False)),
+        ("ops.build_plan", lambda: ops.build_plan(off, exp, pw, E)),
+        ("ops.experts_forward", lambda: ops.experts_forward(x, w1, w2, pw, *plan, 0, False, 0)),
+        ("ops.experts_backward",
+         lambda: ops.experts_backward(d_out, x, w1, w2, h, *plan, 0, False, 0)),
+        ("moe_experts fwd+bwd", moe_experts_step),
+        ("MoE fwd+bwd", moe_step),
+    ], [
+        ("torch topk+softmax", lambda: torch.softmax(torch.topk(logits, K).values, -1)),
+        ("no-op custom op, route's schema", lambda: route_noop(logits, None, 0, K, False)),
+        ("no-op custom op, experts_forward's",
+         lambda: experts_forward_noop(x, w1, w2, pw, *plan, 0, False, 0)),
+        ("no-op custom op, experts_backward's",
+         lambda: experts_backward_noop(d_out, x, w1, w2, h, *plan, 0, False, 0)),
+        ("build_plan + no-op experts fwd+bwd", noop_step),
+        ("raw ctypes moeblaze_route", _raw_route(logits)),
+    ]
+
+
+def _raw_route(logits):
+    """One ctypes call of moeblaze_route with every argument built beforehand."""
+    lib = _lib.lib()
+    cfg = _lib.RouterCfg(0, K, 0)
+    bufs = (torch.empty(T + 1, dtype=torch.int32), torch.empty(T * K, dtype=torch.int32),
+            torch.empty(T * K), torch.zeros(4, dtype=torch.int32))
+    r = _lib.Routing(T, E, T * K, *(b.data_ptr() for b in bufs[:3]))
+    args = (ctypes.byref(cfg), logits.data_ptr(), 0, T, E, None, 0, None, ctypes.byref(r),
+            bufs[3].data_ptr())
+    fn = lib.moeblaze_route
+
+    def call():
+        fn(*args)
+    call.bufs = bufs
+    return call
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--inner", type=int, default=100, help="calls per timed batch")
+    ap.add_argument("--repeat", type=int, default=61, help="timed batches (median taken)")
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    real_lib = ops.lib
+    stub = _Stub(_lib.lib())
+    ops_cases, ref_cases = cases()
+    print(f"moeblaze Python boundary, CPU, T={T} d={D} n={N} E={E} K={K} fp32, torch "
+          f"{torch.__version__}, {args.threads} thread(s); µs per call, median of "
+          f"{args.repeat} x {args.inner}")
+    print(f"{'call (median / min)':40s} {'stubbed':>13s} {'real':>13s}")
+    for name, fn in ops_cases:
+        ops.lib = lambda: stub
+        try:
+            s = timeit(fn, args.inner, args.repeat)
+        finally:
+            ops.lib = real_lib
+        r = timeit(fn, args.inner, args.repeat)
+        print(f"{name:40s} {s[0]:6.1f} /{s[1]:5.1f} {r[0]:6.1f} /{r[1]:5.1f}")
+    for name, fn in ref_cases:
+        r = timeit(fn, args.inner, args.repeat)
+        print(f"{name:40s} {'':13s} {r[0]:6.1f} /{r[1]:5.1f}")
+
+
+if __name__ == "__main__":
+    main()
