@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_reference import (CONFIGS, driver_version, git_commit, median,  # noqa: E402
-                             moe_layer, reference_rows, rel_err)
+                             moe_layer, reference_rows, rel_err, saved_storage_counter)
 
 # Shapes off the named configs (issue 15's wide and fine-grained families; DeepSeek-V2's layer).
 EXTRA_SHAPES = {
@@ -98,6 +98,16 @@ class Inputs:
 
 
 # ---- the implementations: each returns step(backward) -> out -------------------------------
+def as_step(inp, forward):
+    """step(backward) -> out: the forward, then (if asked) its backward from inp.dout."""
+    def step(backward):
+        out = forward()
+        if backward:
+            out.backward(inp.dout)
+        return out
+    return step
+
+
 def impl_moeblaze_torch(inp, recompute):
     try:
         import moeblaze
@@ -106,13 +116,8 @@ def impl_moeblaze_torch(inp, recompute):
     if not moeblaze.has_cuda():
         raise Skip("moeblaze was built without the CUDA backend")
 
-    def step(backward):
-        out = moeblaze.moe_experts(inp.x, inp.w1, inp.w2, inp.ids, inp.weights, "swiglu",
-                                   recompute=recompute)
-        if backward:
-            out.backward(inp.dout)
-        return out
-    return step
+    return as_step(inp, lambda: moeblaze.moe_experts(inp.x, inp.w1, inp.w2, inp.ids,
+                                                     inp.weights, "swiglu", recompute=recompute))
 
 
 def impl_sonicmoe(inp):
@@ -127,16 +132,10 @@ def impl_sonicmoe(inp):
     token_indices = torch.arange(T, device=inp.x.device, dtype=torch.int32).repeat_interleave(K)
     expert_indices = inp.ids.reshape(-1).to(torch.int32)
 
-    def step(backward):
-        out, _ = moe_general_routing_inputs(
-            inp.x, inp.weights.reshape(-1), token_indices, expert_indices,
-            inp.w1.permute(1, 2, 0), None, inp.w2.permute(1, 2, 0), None, E,
-            torch.cuda.current_stream().cuda_stream, ActivationType.SWIGLU, False,
-            concat_layout=True)
-        if backward:
-            out.backward(inp.dout)
-        return out
-    return step
+    return as_step(inp, lambda: moe_general_routing_inputs(
+        inp.x, inp.weights.reshape(-1), token_indices, expert_indices, inp.w1.permute(1, 2, 0),
+        None, inp.w2.permute(1, 2, 0), None, E, torch.cuda.current_stream().cuda_stream,
+        ActivationType.SWIGLU, False, concat_layout=True)[0])
 
 
 def impl_scattermoe(inp):
@@ -148,12 +147,8 @@ def impl_scattermoe(inp):
 
 
 def impl_torch(inp):
-    def step(backward):
-        out = moe_layer(inp.x, inp.w1, inp.w2, inp.ids, inp.weights, inp.n, inp.E, inp.K)
-        if backward:
-            out.backward(inp.dout)
-        return out
-    return step
+    return as_step(inp, lambda: moe_layer(inp.x, inp.w1, inp.w2, inp.ids, inp.weights, inp.n,
+                                          inp.E, inp.K))
 
 
 IMPLS = {
@@ -228,14 +223,7 @@ def measure_memory(inp, step):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    leaf_ptrs = {t.untyped_storage().data_ptr() for t in inp.leaves}
-    saved = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in leaf_ptrs:
-            saved[st.data_ptr()] = st.nbytes()
-        return t
+    saved, pack = saved_storage_counter(inp.leaves)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = step(False)

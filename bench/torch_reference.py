@@ -110,6 +110,20 @@ def reference_rows(x, w1, w2, topk_ids, topk_w, dout, n, tokens):
     return torch.stack(outs), torch.stack(dxs)
 
 
+def saved_storage_counter(inputs):
+    """({storage ptr: bytes}, a saved_tensors_hooks pack function filling it): the storages
+    autograd saves, each counted once, the given inputs' storages left out."""
+    input_ptrs = {t.untyped_storage().data_ptr() for t in inputs}
+    saved = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in input_ptrs:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+    return saved, pack
+
+
 def rel_err(a, ref):
     return float(torch.linalg.norm(a.double() - ref) / max(float(torch.linalg.norm(ref)), 1e-30))
 
@@ -172,14 +186,7 @@ def run_config(name, reps, seed, dev, flush):
         return out
 
     # Memory: saved tensors (one count per storage, inputs excluded) and the peak.
-    input_ptrs = {t.untyped_storage().data_ptr() for t in inputs}
-    saved = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in input_ptrs:
-            saved[st.data_ptr()] = st.nbytes()
-        return t
+    saved, pack = saved_storage_counter(inputs)
 
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
