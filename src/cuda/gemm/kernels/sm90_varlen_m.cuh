@@ -14,8 +14,8 @@
 #include <cutlass/cuda_host_adapter.hpp>  // cuTensorMapEncodeTiled through the runtime
 
 #include "cuda/cuda_backend.hpp"
-#include "cuda/gemm/raster.hpp"
-#include "cuda/gemm/sm90_gemm_core.cuh"
+#include "cuda/gemm/dispatch/raster.hpp"
+#include "cuda/gemm/pipeline/sm90_gemm_core.cuh"
 #include "moeblaze/error.hpp"
 
 namespace moeblaze::cuda::gemm::sm90 {

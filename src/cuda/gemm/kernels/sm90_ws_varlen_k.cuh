@@ -23,9 +23,9 @@
 // shares Q's stages between two m-tiles by TMA multicast.
 #pragma once
 
-#include "cuda/gemm/quad_transpose.cuh"
-#include "cuda/gemm/sm90_ws_gather.cuh"
-#include "cuda/gemm/ws_paths.hpp"
+#include "cuda/gemm/epilogues/quad_transpose.cuh"
+#include "cuda/gemm/kernels/sm90_ws_gather.cuh"
+#include "cuda/gemm/dispatch/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm::sm90::ws {
 

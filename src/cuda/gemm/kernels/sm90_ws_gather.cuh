@@ -37,9 +37,9 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "cuda/cuda_backend.hpp"
-#include "cuda/gemm/raster.hpp"
-#include "cuda/gemm/sm90_gemm_core.cuh"
-#include "cuda/gemm/sm90_varlen_m.cuh"  // make_tma_kmajor
+#include "cuda/gemm/dispatch/raster.hpp"
+#include "cuda/gemm/pipeline/sm90_gemm_core.cuh"
+#include "cuda/gemm/kernels/sm90_varlen_m.cuh"  // make_tma_kmajor
 #include "moeblaze/error.hpp"
 #include "moeblaze/routing_plan.hpp"
 
