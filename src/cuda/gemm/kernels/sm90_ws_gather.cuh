@@ -38,8 +38,8 @@
 
 #include "cuda/cuda_backend.hpp"
 #include "cuda/gemm/dispatch/raster.hpp"
-#include "cuda/gemm/kernels/sm90_varlen_m.cuh"  // make_tma_kmajor
 #include "cuda/gemm/pipeline/sm90_gemm_core.cuh"
+#include "cuda/gemm/pipeline/sm90_tma_desc.cuh"  // make_tma_kmajor
 #include "cuda/gemm/pipeline/sm90_ws_pipeline.cuh"  // ring, schedules, consumer loops
 #include "moeblaze/error.hpp"
 #include "moeblaze/routing_plan.hpp"

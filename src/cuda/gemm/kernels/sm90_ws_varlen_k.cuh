@@ -28,7 +28,7 @@
 #include "cuda/cuda_backend.hpp"
 #include "cuda/gemm/dispatch/raster.hpp"
 #include "cuda/gemm/epilogues/quad_transpose.cuh"
-#include "cuda/gemm/kernels/sm90_varlen_m.cuh"  // make_tma_kmajor
+#include "cuda/gemm/pipeline/sm90_tma_desc.cuh"  // make_tma_kmajor
 #include "cuda/gemm/pipeline/sm90_ws_pipeline.cuh"
 #include "moeblaze/error.hpp"
 #include "moeblaze/routing_plan.hpp"
