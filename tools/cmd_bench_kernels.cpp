@@ -11,7 +11,7 @@
 
 #include "commands.hpp"
 #include "configs.hpp"
-#include "cuda/gemm/kernel_config.hpp"
+#include "cuda/gemm/dispatch/kernel_config.hpp"
 #include "moeblaze/error.hpp"
 #include "table.hpp"
 

@@ -37,7 +37,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/gemm/kernel_config.hpp"
+#include "cuda/gemm/dispatch/kernel_config.hpp"
 #include "moeblaze/config.hpp"
 #include "moeblaze/dtype.hpp"
 #include "moeblaze/routing_plan.hpp"

@@ -1,8 +1,8 @@
 // (1) up-projection on the warp-specialised kernel, ping-pong schedule (128 x 128 tiles, one per
 // consumer warpgroup, epilogues under the other warpgroup's mainloop).
 // One instantiation: gather_gemm_kernel<K-major B, GatherActEpilogue<PingFrag>, PingPong>.
-#include "cuda/gemm/ws_gather_gemms.cuh"
-#include "cuda/gemm/ws_paths.hpp"
+#include "cuda/gemm/kernels/ws_gather_gemms.cuh"
+#include "cuda/gemm/dispatch/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm::detail {
 

@@ -1,6 +1,6 @@
 // choose_kernels: the measured rules (bench/NOTES.md) as one function of the shape, then the
 // overrides; and the one place that reads the environment (MOEBLAZE_KERNELS).
-#include "cuda/gemm/kernel_config.hpp"
+#include "cuda/gemm/dispatch/kernel_config.hpp"
 
 #include <cerrno>
 #include <cstdlib>

@@ -6,8 +6,8 @@
 // bottleneck; docs/experiments/2026-11-29-warp-specialised-kernels.md.)
 // This file: one CTA per tile, varlen_k_ws_kernel<true, 1>; the 2-CTA cluster variant, for
 // experts with many rows (the chosen kernel's cluster = 2), is in dw1_proj_mc.cu.
-#include "cuda/gemm/sm90_ws_varlen_k.cuh"
-#include "cuda/gemm/ws_paths.hpp"
+#include "cuda/gemm/kernels/sm90_ws_varlen_k.cuh"
+#include "cuda/gemm/dispatch/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm::detail {
 

@@ -3,9 +3,9 @@
 #include <algorithm>
 
 #include "cuda/gemm/grouped_gemm.hpp"
-#include "cuda/gemm/kernel_config.hpp"
-#include "cuda/gemm/tma_paths.hpp"
-#include "cuda/gemm/ws_paths.hpp"
+#include "cuda/gemm/dispatch/kernel_config.hpp"
+#include "cuda/gemm/dispatch/tma_paths.hpp"
+#include "cuda/gemm/dispatch/ws_paths.hpp"
 #include "moeblaze/error.hpp"
 
 namespace moeblaze::cuda::gemm {

@@ -2,8 +2,8 @@
 // the two CTAs of a cluster compute m-tiles 2g, 2g + 1 of dW1[e]ᵀ for one n-tile and share dh's
 // stage by TMA multicast. Orientation and operands as in dw1_proj_ws.cu.
 // One instantiation: varlen_k_ws_kernel<true, 2>.
-#include "cuda/gemm/sm90_ws_varlen_k.cuh"
-#include "cuda/gemm/ws_paths.hpp"
+#include "cuda/gemm/kernels/sm90_ws_varlen_k.cuh"
+#include "cuda/gemm/dispatch/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm::detail {
 

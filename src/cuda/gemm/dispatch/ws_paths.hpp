@@ -8,7 +8,7 @@
 #include <cstdint>
 
 #include "cuda/gemm/grouped_gemm.hpp"
-#include "cuda/gemm/kernel_config.hpp"
+#include "cuda/gemm/dispatch/kernel_config.hpp"
 
 namespace moeblaze::cuda::gemm::detail {
 

@@ -9,7 +9,7 @@
 
 #include "cuda/activation.cuh"
 #include "cuda/gemm/grouped_gemm.hpp"  // ds_partials_cols
-#include "cuda/gemm/sm90_gemm_core.cuh"  // pack_bf16x2
+#include "cuda/gemm/pipeline/sm90_gemm_core.cuh"  // pack_bf16x2
 
 namespace moeblaze::cuda::gemm::sm90 {
 

@@ -1,8 +1,8 @@
 // (4) dH on the warp-specialised kernel, ping-pong schedule (128 x 128 tiles, one per consumer
 // warpgroup: one warpgroup's epilogue — H in, dh and s·a out — under the other's mainloop).
 // One instantiation: gather_gemm_kernel<N-major B, GatherDhEpilogue<PingFrag>, PingPong>.
-#include "cuda/gemm/ws_gather_gemms.cuh"
-#include "cuda/gemm/ws_paths.hpp"
+#include "cuda/gemm/kernels/ws_gather_gemms.cuh"
+#include "cuda/gemm/dispatch/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm::detail {
 

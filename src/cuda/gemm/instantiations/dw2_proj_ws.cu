@@ -3,8 +3,8 @@
 // One instantiation: varlen_k_ws_kernel<false, 1> (one CTA per tile: dW2 is not L2-bound, so
 // 2-CTA clusters sharing a_scaled do not pay;
 // docs/experiments/2026-11-29-weight-gradients-2cta-clusters.md).
-#include "cuda/gemm/sm90_ws_varlen_k.cuh"
-#include "cuda/gemm/ws_paths.hpp"
+#include "cuda/gemm/kernels/sm90_ws_varlen_k.cuh"
+#include "cuda/gemm/dispatch/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm::detail {
 

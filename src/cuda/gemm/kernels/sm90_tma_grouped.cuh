@@ -30,7 +30,7 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include "cuda/cuda_backend.hpp"
-#include "cuda/gemm/kernel_config.hpp"
+#include "cuda/gemm/dispatch/kernel_config.hpp"
 #include "moeblaze/error.hpp"
 
 namespace moeblaze::cuda::gemm::tma {

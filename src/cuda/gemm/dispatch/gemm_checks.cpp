@@ -1,6 +1,6 @@
 // Argument checks of the grouped GEMM entry points; host code only (no CUDA, no CuTe), so the
 // rules are testable without a GPU.
-#include "cuda/gemm/gemm_checks.hpp"
+#include "cuda/gemm/dispatch/gemm_checks.hpp"
 
 #include <cstdint>
 

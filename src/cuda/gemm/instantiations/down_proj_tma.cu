@@ -1,7 +1,7 @@
 // (2) down-projection on the TMA path: y = a · w2_eᵀ per expert, B = w2_e (d, n) is (N, K) with
 // K contiguous (CUTLASS ColumnMajor). One instantiation: tma::GroupedGemm<ColumnMajor>.
-#include "cuda/gemm/sm90_tma_grouped.cuh"
-#include "cuda/gemm/tma_paths.hpp"
+#include "cuda/gemm/kernels/sm90_tma_grouped.cuh"
+#include "cuda/gemm/dispatch/tma_paths.hpp"
 
 namespace moeblaze::cuda::gemm::detail {
 

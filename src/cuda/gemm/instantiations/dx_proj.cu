@@ -2,10 +2,10 @@
 // (the reduction runs over w1's rows), plain bf16 store. One instantiation:
 // varlen_m_kernel<N-major B, StoreEpilogue>; with a scratch the TMA path of dx_proj_tma.cu runs
 // instead.
-#include "cuda/gemm/gemm_checks.hpp"
+#include "cuda/gemm/dispatch/gemm_checks.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
-#include "cuda/gemm/sm90_varlen_m.cuh"
-#include "cuda/gemm/tma_paths.hpp"
+#include "cuda/gemm/kernels/sm90_varlen_m.cuh"
+#include "cuda/gemm/dispatch/tma_paths.hpp"
 
 namespace moeblaze::cuda::gemm {
 

@@ -1,7 +1,7 @@
 // The varlen kernels' CTA band height: kernel_config.hpp's `raster` override or its default.
-#include "cuda/gemm/raster.hpp"
+#include "cuda/gemm/dispatch/raster.hpp"
 
-#include "cuda/gemm/kernel_config.hpp"
+#include "cuda/gemm/dispatch/kernel_config.hpp"
 
 namespace moeblaze::cuda::gemm::sm90 {
 

@@ -1,10 +1,10 @@
 // (2) down-projection: y[r, :] = W2_e a[r, :] — varlen-M, A contiguous, B = w2 K-major, plain
 // bf16 store. One instantiation: varlen_m_kernel<K-major B, StoreEpilogue>; with a scratch the
 // TMA path of down_proj_tma.cu runs instead.
-#include "cuda/gemm/gemm_checks.hpp"
+#include "cuda/gemm/dispatch/gemm_checks.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
-#include "cuda/gemm/sm90_varlen_m.cuh"
-#include "cuda/gemm/tma_paths.hpp"
+#include "cuda/gemm/kernels/sm90_varlen_m.cuh"
+#include "cuda/gemm/dispatch/tma_paths.hpp"
 
 namespace moeblaze::cuda::gemm {
 

@@ -1,7 +1,7 @@
 // (6) dX̃ on the TMA path: dx_slots = dh · w1_e per expert, B = w1_e (w1_rows, d) is (K, N) with
 // N contiguous (CUTLASS RowMajor). One instantiation: tma::GroupedGemm<RowMajor>.
-#include "cuda/gemm/sm90_tma_grouped.cuh"
-#include "cuda/gemm/tma_paths.hpp"
+#include "cuda/gemm/kernels/sm90_tma_grouped.cuh"
+#include "cuda/gemm/dispatch/tma_paths.hpp"
 
 namespace moeblaze::cuda::gemm::detail {
 

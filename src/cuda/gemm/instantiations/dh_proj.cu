@@ -4,12 +4,12 @@
 // the H tile of the same rows and columns, recomputes a, and writes dh, s·a and one ds partial
 // per (slot, 128-column tile). Also the fixed-order reduction of those partials. One GEMM
 // instantiation: varlen_m_kernel<N-major B, DhEpilogue>.
-#include "cuda/gemm/dh_epilogue.cuh"
-#include "cuda/gemm/gemm_checks.hpp"
-#include "cuda/gemm/quad_transpose.cuh"
+#include "cuda/gemm/epilogues/dh_epilogue.cuh"
+#include "cuda/gemm/dispatch/gemm_checks.hpp"
+#include "cuda/gemm/epilogues/quad_transpose.cuh"
 #include "cuda/gemm/grouped_gemm.hpp"
-#include "cuda/gemm/sm90_varlen_m.cuh"
-#include "cuda/gemm/ws_paths.hpp"
+#include "cuda/gemm/kernels/sm90_varlen_m.cuh"
+#include "cuda/gemm/dispatch/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm {
 namespace sm90 {

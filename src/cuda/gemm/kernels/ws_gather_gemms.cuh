@@ -14,10 +14,10 @@
 // up_proj_pp.cu, dh_proj_ws.cu, dh_proj_pp.cu).
 #pragma once
 
-#include "cuda/gemm/act_epilogue.cuh"
-#include "cuda/gemm/dh_epilogue.cuh"
-#include "cuda/gemm/quad_transpose.cuh"
-#include "cuda/gemm/sm90_ws_gather.cuh"
+#include "cuda/gemm/epilogues/act_epilogue.cuh"
+#include "cuda/gemm/epilogues/dh_epilogue.cuh"
+#include "cuda/gemm/epilogues/quad_transpose.cuh"
+#include "cuda/gemm/kernels/sm90_ws_gather.cuh"
 
 namespace moeblaze::cuda::gemm::sm90::ws {
 

@@ -1,8 +1,8 @@
 // (4) dH on the warp-specialised kernel, cooperative schedule (128 x 256 tiles, two ds partials
 // per tile row). One instantiation: gather_gemm_kernel<N-major B, GatherDhEpilogue<WsFrag>,
 // Cooperative>.
-#include "cuda/gemm/ws_gather_gemms.cuh"
-#include "cuda/gemm/ws_paths.hpp"
+#include "cuda/gemm/kernels/ws_gather_gemms.cuh"
+#include "cuda/gemm/dispatch/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm::detail {
 

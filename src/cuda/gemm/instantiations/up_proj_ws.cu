@@ -1,7 +1,7 @@
 // (1) up-projection on the warp-specialised kernel, cooperative schedule (128 x 256 tiles).
 // One instantiation: gather_gemm_kernel<K-major B, GatherActEpilogue<WsFrag>, Cooperative>.
-#include "cuda/gemm/ws_gather_gemms.cuh"
-#include "cuda/gemm/ws_paths.hpp"
+#include "cuda/gemm/kernels/ws_gather_gemms.cuh"
+#include "cuda/gemm/dispatch/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm::detail {
 

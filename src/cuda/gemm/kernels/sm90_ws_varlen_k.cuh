@@ -4,7 +4,7 @@
 // row = the slot). (dW1's gathered operand is its wide one, so dW1 is computed transposed:
 // kTransposed.) The reduction runs over the expert's slots
 // [off[e], off[e+1]), read on the device. The machinery of the gathered varlen-M kernel
-// (sm90_ws_gather.cuh: one CTA per SM, a producer warpgroup, two cooperative consumer
+// (pipeline/sm90_ws_pipeline.cuh: one CTA per SM, a producer warpgroup, two cooperative consumer
 // warpgroups on a 128 x 256 tile, a 4-stage mbarrier ring), with both operands MN-major (one
 // slot is one K row of 128 (P) or 256 (Q) contiguous elements):
 //   * P, 128 columns per tile, is copied by the producer warpgroup's cp.async, its row ids loaded
@@ -23,9 +23,15 @@
 // shares Q's stages between two m-tiles by TMA multicast.
 #pragma once
 
-#include "cuda/gemm/quad_transpose.cuh"
-#include "cuda/gemm/sm90_ws_gather.cuh"
-#include "cuda/gemm/ws_paths.hpp"
+#include <cuda.h>  // CUtensorMap
+
+#include "cuda/cuda_backend.hpp"
+#include "cuda/gemm/dispatch/raster.hpp"
+#include "cuda/gemm/epilogues/quad_transpose.cuh"
+#include "cuda/gemm/pipeline/sm90_tma_desc.cuh"  // make_tma_kmajor
+#include "cuda/gemm/pipeline/sm90_ws_pipeline.cuh"
+#include "moeblaze/error.hpp"
+#include "moeblaze/routing_plan.hpp"
 
 namespace moeblaze::cuda::gemm::sm90::ws {
 

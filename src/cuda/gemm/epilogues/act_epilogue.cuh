@@ -17,8 +17,8 @@
 #include <cstdint>
 
 #include "cuda/activation.cuh"
-#include "cuda/gemm/quad_transpose.cuh"
-#include "cuda/gemm/sm90_gemm_core.cuh"
+#include "cuda/gemm/epilogues/quad_transpose.cuh"
+#include "cuda/gemm/pipeline/sm90_gemm_core.cuh"
 
 namespace moeblaze::cuda::gemm::sm90 {
 

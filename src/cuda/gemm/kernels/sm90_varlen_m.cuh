@@ -14,8 +14,9 @@
 #include <cutlass/cuda_host_adapter.hpp>  // cuTensorMapEncodeTiled through the runtime
 
 #include "cuda/cuda_backend.hpp"
-#include "cuda/gemm/raster.hpp"
-#include "cuda/gemm/sm90_gemm_core.cuh"
+#include "cuda/gemm/dispatch/raster.hpp"
+#include "cuda/gemm/pipeline/sm90_gemm_core.cuh"
+#include "cuda/gemm/pipeline/sm90_tma_desc.cuh"  // make_tma_kmajor
 #include "moeblaze/error.hpp"
 
 namespace moeblaze::cuda::gemm::sm90 {
@@ -44,24 +45,6 @@ struct VarlenMArgs {
   // swizzle (make_tma_kmajor); used by the kernels instantiated with kTmaB (K-major B only).
   CUtensorMap tma_b;
 };
-
-// The TMA descriptor of a K-major weight stack b (rows, K) bf16, row stride K: boxes of 64 rows
-// x 64 K elements (one 128-byte swizzle row each), the layout TmaKMajorLoader expects.
-inline CUtensorMap make_tma_kmajor(const void* b, int64_t rows, int64_t K) {
-  CUtensorMap m{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K) * 2};  // bytes between rows
-  const cuuint32_t box[2] = {kBK, 64};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = cutlass::call_cuTensorMapEncodeTiled(
-      &m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(b), dims, strides, box,
-      elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    throw DeviceError(::moeblaze::detail::concat("cuTensorMapEncodeTiled failed (", int(r), ") for a (",
-                                     rows, ", ", K, ") bf16 weight operand"));
-  return m;
-}
 
 // kTmaB: B (K-major only) comes by TMA (TmaKMajorLoader) instead of cp.async. The arguments are a
 // __grid_constant__ parameter so that the TMA descriptor inside stays in parameter space.

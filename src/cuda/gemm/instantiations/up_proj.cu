@@ -4,11 +4,11 @@
 // accumulators hold g and u of the same column j in the same thread: columns c and c + 64 of the
 // WGMMA fragment (frag_col(i) and frag_col(i + 8)). One instantiation:
 // varlen_m_kernel<K-major B, ActEpilogue>.
-#include "cuda/gemm/act_epilogue.cuh"
-#include "cuda/gemm/gemm_checks.hpp"
+#include "cuda/gemm/epilogues/act_epilogue.cuh"
+#include "cuda/gemm/dispatch/gemm_checks.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
-#include "cuda/gemm/sm90_varlen_m.cuh"
-#include "cuda/gemm/ws_paths.hpp"
+#include "cuda/gemm/kernels/sm90_varlen_m.cuh"
+#include "cuda/gemm/dispatch/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm {
 namespace sm90 {

@@ -12,11 +12,11 @@
 #include <climits>
 
 #include "cuda/cuda_backend.hpp"
-#include "cuda/gemm/gemm_checks.hpp"
+#include "cuda/gemm/dispatch/gemm_checks.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
-#include "cuda/gemm/raster.hpp"
-#include "cuda/gemm/sm90_gemm_core.cuh"
-#include "cuda/gemm/ws_paths.hpp"
+#include "cuda/gemm/dispatch/raster.hpp"
+#include "cuda/gemm/pipeline/sm90_gemm_core.cuh"
+#include "cuda/gemm/dispatch/ws_paths.hpp"
 #include "moeblaze/error.hpp"
 
 namespace moeblaze::cuda::gemm {

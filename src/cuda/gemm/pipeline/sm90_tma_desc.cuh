@@ -1,0 +1,34 @@
+// Host-side TMA descriptors of the sm_90a GEMMs' weight operands (the device side of the copy is
+// TmaKMajorLoader in sm90_gemm_core.cuh, and the warp-specialised producers'
+// SM90_TMA_LOAD_2D issue). Used by kernels/sm90_varlen_m.cuh, sm90_ws_gather.cuh and
+// sm90_ws_varlen_k.cuh.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap
+
+#include <cutlass/cuda_host_adapter.hpp>  // cuTensorMapEncodeTiled through the runtime
+
+#include "cuda/gemm/pipeline/sm90_gemm_core.cuh"  // kBK
+#include "moeblaze/error.hpp"
+
+namespace moeblaze::cuda::gemm::sm90 {
+
+// The TMA descriptor of a K-major weight stack b (rows, K) bf16, row stride K: boxes of 64 rows
+// x 64 K elements (one 128-byte swizzle row each), the layout TmaKMajorLoader expects.
+inline CUtensorMap make_tma_kmajor(const void* b, int64_t rows, int64_t K) {
+  CUtensorMap m{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K) * 2};  // bytes between rows
+  const cuuint32_t box[2] = {kBK, 64};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = cutlass::call_cuTensorMapEncodeTiled(
+      &m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(b), dims, strides, box,
+      elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw DeviceError(::moeblaze::detail::concat("cuTensorMapEncodeTiled failed (", int(r), ") for a (",
+                                     rows, ", ", K, ") bf16 weight operand"));
+  return m;
+}
+
+}  // namespace moeblaze::cuda::gemm::sm90
