@@ -3,9 +3,10 @@
 // e.g. "top_k (9) exceeds num_experts (8)".
 #pragma once
 
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace moeblaze {
 
@@ -35,11 +36,40 @@ class DeviceError : public Error {
 };
 
 namespace detail {
+// Message pieces appended without iostreams: the library is loaded into other programs (Python)
+// that may carry another C++ runtime, and a locale-bound stream there truncated or crashed the
+// message (docs/experiments/2026-12-01-pytorch-path-memory-peers.md). Integers print in decimal,
+// floating point as printf's %g (what an ostream prints by default), bools as 1 / 0, chars as
+// characters.
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, const char* v) { s += v ? v : "(null)"; }
+inline void append(std::string& s, char v) { s += v; }
+inline void append(std::string& s, bool v) { s += v ? '1' : '0'; }
+inline void append(std::string& s, const void* v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%p", v);
+  s += buf;
+}
+template <typename T>
+std::enable_if_t<std::is_integral_v<T>> append(std::string& s, T v) {
+  s += std::to_string(v);
+}
+template <typename T>
+std::enable_if_t<std::is_floating_point_v<T>> append(std::string& s, T v) {
+  char buf[48];
+  std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(v));
+  s += buf;
+}
+template <typename T>
+std::enable_if_t<std::is_enum_v<T>> append(std::string& s, T v) {
+  s += std::to_string(static_cast<long long>(v));
+}
+
 template <typename... Args>
 std::string concat(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
+  std::string s;
+  (append(s, args), ...);
+  return s;
 }
 }  // namespace detail
 

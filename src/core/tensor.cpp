@@ -1,6 +1,6 @@
 #include "moeblaze/tensor.hpp"
 
-#include <sstream>
+#include <string>
 
 #include "core/checked_math.hpp"
 #include "moeblaze/error.hpp"
@@ -8,12 +8,10 @@
 namespace moeblaze {
 
 static std::string shape_str(const TensorView& t) {
-  std::ostringstream os;
-  os << "(";
-  for (int i = 0; i < t.rank; ++i) os << (i ? ", " : "") << t.shape[i];
-  if (t.rank == 1) os << ",";
-  os << ")";
-  return os.str();
+  std::string s = "(";
+  for (int i = 0; i < t.rank; ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
+  if (t.rank == 1) s += ",";
+  return s + ")";
 }
 
 // Product of the shape; InvalidArgument "<name> element count (a * b) overflows int64".

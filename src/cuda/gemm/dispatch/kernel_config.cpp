@@ -2,10 +2,10 @@
 // overrides; and the one place that reads the environment (MOEBLAZE_KERNELS).
 #include "cuda/gemm/dispatch/kernel_config.hpp"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -185,24 +185,27 @@ const char* schedule_name(KernelSchedule s) {
 }
 
 std::string describe(const GemmKernel& k) {
-  std::ostringstream s;
-  s << family_name(k.family) << " " << schedule_name(k.schedule) << " " << k.tile_m << "x"
-    << k.tile_n << "x" << k.tile_k << " stages=" << (k.stages ? std::to_string(k.stages) : "auto")
-    << " cluster=" << k.cluster;
+  std::string s = detail::concat(family_name(k.family), " ", schedule_name(k.schedule), " ",
+                                 k.tile_m, "x", k.tile_n, "x", k.tile_k, " stages=",
+                                 k.stages ? std::to_string(k.stages) : "auto",
+                                 " cluster=", k.cluster);
   if (k.family == KernelFamily::tma_grouped)
-    s << " order=" << (k.tma_along_n ? "n" : "m") << " swizzle=" << k.tma_swizzle;
+    s += detail::concat(" order=", k.tma_along_n ? "n" : "m", " swizzle=", k.tma_swizzle);
   else
-    s << " raster=" << k.raster_group;
-  if (k.family == KernelFamily::two_cta && k.b_by_tma) s << " b_tma";
-  return s.str();
+    s += detail::concat(" raster=", k.raster_group);
+  if (k.family == KernelFamily::two_cta && k.b_by_tma) s += " b_tma";
+  return s;
 }
 
 KernelOverrides parse_kernel_overrides(const std::string& spec) {
   KernelOverrides o;
   o.spec = spec;
-  std::stringstream items(spec);
-  std::string item;
-  while (std::getline(items, item, ',')) {
+  // Split by hand, not through a stringstream: this runs inside other programs (Python) on the
+  // first GEMM launch, where a second C++ runtime's locale is best not relied on.
+  for (size_t at = 0; at <= spec.size();) {
+    const size_t comma = std::min(spec.find(',', at), spec.size());
+    const std::string item = spec.substr(at, comma - at);
+    at = comma + 1;
     if (item.empty()) continue;
     const size_t eq = item.find('=');
     MOEBLAZE_REQUIRE(eq != std::string::npos && eq > 0, "kernel override '", item,
