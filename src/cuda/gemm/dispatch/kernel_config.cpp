@@ -86,9 +86,11 @@ LayerKernels automatic(const KernelShape& s) {
   return k;
 }
 
-void apply(const char* name, const GemmOverride& o, bool gathered, const KernelShape& s,
-           GemmKernel& k) {
-  const bool varlen_k = std::string(name) == "dw2_proj" || std::string(name) == "dw1_proj";
+// Applies GEMM g's override to its chosen kernel k (g in LayerKernels order).
+void apply(int g, const GemmOverride& o, const KernelShape& s, GemmKernel& k) {
+  const char* name = kNames[g];
+  const bool gathered = g == kUp || g == kDh || g == kDw2 || g == kDw1;
+  const bool varlen_k = g == kDw2 || g == kDw1;
   if (o.family) {
     const KernelFamily f = *o.family;
     MOEBLAZE_UNSUPPORTED_IF(f == KernelFamily::tma_grouped && gathered, "kernel override ", name,
@@ -99,7 +101,7 @@ void apply(const char* name, const GemmOverride& o, bool gathered, const KernelS
                             " has no warp-specialised kernel (two_cta or tma)");
     if (f == KernelFamily::two_cta) {
       k = two_cta("override");
-      k.b_by_tma = std::string(name) == "up_proj";
+      k.b_by_tma = g == kUp;
     } else if (f == KernelFamily::tma_grouped) {
       k = tma_grouped("override");
     } else if (varlen_k) {
@@ -118,15 +120,13 @@ void apply(const char* name, const GemmOverride& o, bool gathered, const KernelS
     k = ws_gather(*o.schedule, "override");
   }
   if (o.cluster) {
-    MOEBLAZE_UNSUPPORTED_IF(std::string(name) != "dw1_proj" ||
-                                k.family != KernelFamily::ws_varlen_k,
-                            "kernel override ", name, ".cluster: only dw1_proj on ws_varlen_k "
-                            "runs on clusters");
+    MOEBLAZE_UNSUPPORTED_IF(g != kDw1 || k.family != KernelFamily::ws_varlen_k, "kernel override ",
+                            name, ".cluster: only dw1_proj on ws_varlen_k runs on clusters");
     k.cluster = *o.cluster;
     k.rule = "override";
   }
   if (o.b_by_tma) {
-    MOEBLAZE_UNSUPPORTED_IF(std::string(name) != "up_proj" || k.family != KernelFamily::two_cta,
+    MOEBLAZE_UNSUPPORTED_IF(g != kUp || k.family != KernelFamily::two_cta,
                             "kernel override ", name, ".b_tma: only up_proj on two_cta has it");
     k.b_by_tma = *o.b_by_tma;
     k.rule = "override";
@@ -294,9 +294,7 @@ void clear_kernel_overrides() {
 
 LayerKernels choose_kernels(const KernelShape& shape, const KernelOverrides& o) {
   LayerKernels k = automatic(shape);
-  const bool gathered[LayerKernels::kCount] = {true, false, true, true, false, true};
-  for (int i = 0; i < LayerKernels::kCount; ++i)
-    apply(kNames[i], o.gemm[i], gathered[i], shape, k.at(i));
+  for (int i = 0; i < LayerKernels::kCount; ++i) apply(i, o.gemm[i], shape, k.at(i));
   for (int i = 0; i < LayerKernels::kCount; ++i) {
     GemmKernel& g = k.at(i);
     if (g.family == KernelFamily::tma_grouped) {
