@@ -36,11 +36,9 @@ class DeviceError : public Error {
 };
 
 namespace detail {
-// Message pieces appended without iostreams: the library is loaded into other programs (Python)
-// that may carry another C++ runtime, and a locale-bound stream there truncated or crashed the
-// message (docs/experiments/2026-12-01-pytorch-path-memory-peers.md). Integers print in decimal,
-// floating point as printf's %g (what an ostream prints by default), bools as 1 / 0, chars as
-// characters.
+// Message pieces appended without iostreams, whose locale state a host process with another C++
+// runtime can break. Integers in decimal, floating point as %g (an ostream's default), bools as
+// 1 / 0, chars as characters.
 inline void append(std::string& s, const std::string& v) { s += v; }
 inline void append(std::string& s, const char* v) { s += v ? v : "(null)"; }
 inline void append(std::string& s, char v) { s += v; }
