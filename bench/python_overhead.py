@@ -1,4 +1,6 @@
-"""Host time per call of moeblaze's Python boundary (issue 18 item 5), on the CPU at a tiny shape.
+"""Host time per call of moeblaze's Python boundary (issue 18 item 5), on the CPU at a tiny shape,
+or on the GPU (--device cuda, bf16) at a layer's d, n, E, K with few tokens, so that the GPU keeps
+up and the time is the host's: there "real" minus "stubbed" is the library's own host time.
 
 Each entry is the median (and the minimum, steadier on a loaded machine) over --repeat batches
 of the mean time per call in a batch of --inner calls, in microseconds. Two columns: "stubbed", with every C call replaced by a function that
@@ -9,6 +11,7 @@ moeblaze_route, and no-op torch.library custom ops with route's and the experts 
 floor a custom op costs before its body runs).
 
     PYTHONPATH=python MOEBLAZE_LIB=build-cpu/libmoeblaze_capi.so python bench/python_overhead.py
+    python bench/python_overhead.py --device cuda --shape 256,1536,256,128,8   # on a GPU
 """
 import argparse
 import ctypes
@@ -23,7 +26,8 @@ from torch import Tensor
 import moeblaze
 from moeblaze import _lib, ops
 
-T, D, N, E, K = 8, 16, 8, 4, 2
+T, D, N, E, K = 8, 16, 8, 4, 2  # --shape replaces them
+DEV, DTYPE = torch.device("cpu"), torch.float32  # --device cuda: bf16 on the GPU
 
 
 class _Stub:
@@ -96,6 +100,8 @@ def timeit(fn, inner, repeat):
     gc.collect()
     times = []
     for _ in range(repeat):
+        if DEV.type == "cuda":
+            torch.cuda.synchronize()  # each batch starts with an idle GPU; not timed
         t0 = time.perf_counter_ns()
         for _ in range(inner):
             fn()
@@ -106,17 +112,18 @@ def timeit(fn, inner, repeat):
 def cases():
     """(name, fn) pairs; each fn is one call (or one forward+backward step)."""
     torch.manual_seed(0)
-    logits = torch.randn(T, E)
-    x = torch.randn(T, D)
-    w1, w2 = torch.randn(E, 2 * N, D), torch.randn(E, D, N)
+    logits = torch.randn(T, E, device=DEV)
+    x = torch.randn(T, D, device=DEV, dtype=DTYPE)
+    w1 = torch.randn(E, 2 * N, D, device=DEV, dtype=DTYPE) * D ** -0.5
+    w2 = torch.randn(E, D, N, device=DEV, dtype=DTYPE) * N ** -0.5
     off, exp, pw, _ = ops.route(logits, None, 0, K, False)
     plan = ops.build_plan(off, exp, pw, E)[:6]
     out, h = ops.experts_forward(x, w1, w2, pw, *plan, 0, False, 0)
     d_out = torch.randn_like(out)
-    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
-    ew = torch.rand(T, K)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).to(DEV)
+    ew = torch.rand(T, K, device=DEV)
     xg, w1g, w2g, ewg = (t.clone().requires_grad_() for t in (x, w1, w2, ew))
-    moe = moeblaze.MoE(D, N, E, K, dtype=torch.float32)
+    moe = moeblaze.MoE(D, N, E, K, dtype=DTYPE).to(DEV)
     params = list(moe.parameters())
     pwg = pw.clone().requires_grad_()
 
@@ -148,6 +155,7 @@ def cases():
         ("MoE fwd+bwd", moe_step),
     ], [
         ("torch topk+softmax", lambda: torch.softmax(torch.topk(logits, K).values, -1)),
+        ("torch x @ w1[0].T", lambda: x @ w1[0].T),
         ("no-op custom op, route's schema", lambda: route_noop(logits, None, 0, K, False)),
         ("no-op custom op, experts_forward's",
          lambda: experts_forward_noop(x, w1, w2, pw, *plan, 0, False, 0)),
@@ -162,10 +170,13 @@ def _raw_route(logits):
     """One ctypes call of moeblaze_route with every argument built beforehand."""
     lib = _lib.lib()
     cfg = _lib.RouterCfg(0, K, 0)
-    bufs = (torch.empty(T + 1, dtype=torch.int32), torch.empty(T * K, dtype=torch.int32),
-            torch.empty(T * K), torch.zeros(4, dtype=torch.int32))
+    kw = {"device": DEV}
+    bufs = (torch.empty(T + 1, dtype=torch.int32, **kw), torch.empty(T * K, dtype=torch.int32, **kw),
+            torch.empty(T * K, **kw), torch.zeros(4, dtype=torch.int32, **kw))
+    dev = DEV.index or 0 if DEV.type == "cuda" else -1
+    stream = torch.cuda.current_stream().cuda_stream if DEV.type == "cuda" else None
     r = _lib.Routing(T, E, T * K, *(b.data_ptr() for b in bufs[:3]))
-    args = (ctypes.byref(cfg), logits.data_ptr(), 0, T, E, None, 0, None, ctypes.byref(r),
+    args = (ctypes.byref(cfg), logits.data_ptr(), 0, T, E, None, dev, stream, ctypes.byref(r),
             bufs[3].data_ptr())
     fn = lib.moeblaze_route
 
@@ -180,12 +191,20 @@ def main():
     ap.add_argument("--inner", type=int, default=100, help="calls per timed batch")
     ap.add_argument("--repeat", type=int, default=61, help="timed batches (median taken)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    ap.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16)")
+    ap.add_argument("--shape", default="", help="T,d,n,E,K (default 8,16,8,4,2)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    global T, D, N, E, K, DEV, DTYPE
+    if args.shape:
+        T, D, N, E, K = (int(v) for v in args.shape.split(","))
+    DEV = torch.device(args.device)
+    if DEV.type == "cuda":
+        DTYPE = torch.bfloat16
     real_lib = ops.lib
     stub = _Stub(_lib.lib())
     ops_cases, ref_cases = cases()
-    print(f"moeblaze Python boundary, CPU, T={T} d={D} n={N} E={E} K={K} fp32, torch "
+    print(f"moeblaze Python boundary, {DEV.type}, T={T} d={D} n={N} E={E} K={K} {DTYPE}, torch "
           f"{torch.__version__}, {args.threads} thread(s); µs per call, median of "
           f"{args.repeat} x {args.inner}")
     print(f"{'call (median / min)':40s} {'stubbed':>13s} {'real':>13s}")
