@@ -5,7 +5,7 @@ up and the time is the host's: there "real" minus "stubbed" is the library's own
 Each entry is the median (and the minimum, steadier on a loaded machine) over --repeat batches
 of the mean time per call in a batch of --inner calls, in microseconds. Two columns: "stubbed", with every C call replaced by a function that
 returns 0 (the *_bytes queries stay real, so the sizes are right; route's stub zeroes its expert
-ids so that torch ops after it see valid ones), i.e. the Python / torch-dispatch time alone; and
+ids so that torch ops after it see valid ones; on the GPU route stays real), i.e. the Python / torch-dispatch time alone; and
 "real", with the library. Reference rows: torch's topk+softmax, the raw ctypes call of
 moeblaze_route, and no-op torch.library custom ops with route's and the experts ops' schemas (the
 floor a custom op costs before its body runs).
@@ -39,8 +39,8 @@ class _Stub:
     def __getattr__(self, name):
         if name.endswith("_bytes"):
             return getattr(self._real, name)
-        if name == "moeblaze_route":
-            return _stub_route
+        if name == "moeblaze_route":  # on the GPU it stays real: its ids must be valid there
+            return _stub_route if DEV.type == "cpu" else self._real.moeblaze_route
         return lambda *a: 0
 
 

@@ -104,7 +104,7 @@ def lib():
             raise ImportError(
                 f"moeblaze: {path} not found; install the package (pip install ./python, which "
                 "builds it with CMake) or point MOEBLAZE_LIB at a built libmoeblaze_capi.so")
-        handle = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        handle = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)  # its symbols stay out of the process's scope
         for name, (args, res) in _SIGNATURES.items():
             fn = getattr(handle, name)
             fn.argtypes = args
