@@ -11,7 +11,9 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <exception>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/test_util.hpp"
@@ -286,7 +288,27 @@ struct GpuResult {
   size_t fwd_peak = 0, bwd_peak = 0;
 };
 
-GpuResult run_gpu(const Inputs& in, LayerMode mode, bool dh_over_h = false) {
+// Runs fn on a new thread that has made no CUDA call yet (so no context is current on it), and
+// rethrows what it threw.
+template <class Fn>
+void on_fresh_thread(Fn fn) {
+  std::exception_ptr err;
+  std::thread t([&] {
+    try {
+      fn();
+    } catch (...) {
+      err = std::current_exception();
+    }
+  });
+  t.join();
+  if (err) std::rethrow_exception(err);
+}
+
+// fresh_threads: forward and backward each run on a new thread with caller-given H and
+// workspaces, so that the library's own calls are the thread's first CUDA calls (PyTorch's
+// autograd thread calls backward like that).
+GpuResult run_gpu(const Inputs& in, LayerMode mode, bool dh_over_h = false,
+                  bool fresh_threads = false) {
   const LayerConfig& c = in.cfg;
   const int64_t S = in.plans.dev.S(), R = c.w1_rows();
   DevMem x(in.x.size() * 2), w1(in.w1.size() * 2), w2(in.w2.size() * 2), dout(in.dout.size() * 2);
@@ -317,20 +339,35 @@ GpuResult run_gpu(const Inputs& in, LayerMode mode, bool dh_over_h = false) {
 
   GpuResult res;
   SavedForBackward saved;
-  const size_t before = memory_stats(Device::cuda).current;
-  {
-    PeakScope peak(Device::cuda);
-    layer_forward(c, in.plans.dev, xv, w1v, w2v, outv, saved, opts);
+  if (fresh_threads) {
+    const size_t fwd_ws = layer_workspace_bytes(c, S, mode, Device::cuda, LayerPass::forward, false);
+    const size_t bwd_ws =
+        layer_workspace_bytes(c, S, mode, Device::cuda, LayerPass::backward, dh_over_h);
+    DevMem h(mode == LayerMode::keep_h ? size_t(S * R) * 2 : 0), fws(fwd_ws), bws(bwd_ws);
     MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
-    res.fwd_peak = peak.peak_above_start();
-  }
-  res.kept_bytes = memory_stats(Device::cuda).current - before;
-  res.saved_bytes = saved.bytes();
-  {
-    PeakScope peak(Device::cuda);
-    layer_backward(c, in.plans.dev, xv, w1v, w2v, doutv, saved, g, opts);
+    LayerOptions f = opts, b = opts;
+    f.workspace = fws.p, f.workspace_bytes = fwd_ws, f.h_storage = h.p;
+    b.workspace = bws.p, b.workspace_bytes = bwd_ws;
+    on_fresh_thread([&] { layer_forward(c, in.plans.dev, xv, w1v, w2v, outv, saved, f); });
     MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
-    res.bwd_peak = peak.peak_above_start();
+    on_fresh_thread([&] { layer_backward(c, in.plans.dev, xv, w1v, w2v, doutv, saved, g, b); });
+    MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
+  } else {
+    const size_t before = memory_stats(Device::cuda).current;
+    {
+      PeakScope peak(Device::cuda);
+      layer_forward(c, in.plans.dev, xv, w1v, w2v, outv, saved, opts);
+      MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
+      res.fwd_peak = peak.peak_above_start();
+    }
+    res.kept_bytes = memory_stats(Device::cuda).current - before;
+    res.saved_bytes = saved.bytes();
+    {
+      PeakScope peak(Device::cuda);
+      layer_backward(c, in.plans.dev, xv, w1v, w2v, doutv, saved, g, opts);
+      MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
+      res.bwd_peak = peak.peak_above_start();
+    }
   }
   res.out = out.download<bf16>();
   res.dx = dx.download<bf16>();
@@ -508,6 +545,29 @@ TEST(LayerGpu, BitwiseDeterministicAcrossRuns) {
     const Inputs in = make_inputs({2048, 256, 512, 16, 4, Activation::swiglu, mode, RouteKind::skewed}, seed);
     const GpuResult a = run_gpu(in, mode);
     const GpuResult b = run_gpu(in, mode);
+    EXPECT_TRUE(bitwise_equal(a.out, b.out)) << "out";
+    EXPECT_TRUE(bitwise_equal(a.dx, b.dx)) << "dx";
+    EXPECT_TRUE(bitwise_equal(a.dw1, b.dw1)) << "dw1";
+    EXPECT_TRUE(bitwise_equal(a.dw2, b.dw2)) << "dw2";
+    EXPECT_TRUE(bitwise_equal(a.dpw, b.dpw)) << "d_pair_weights";
+  }
+}
+
+// A thread whose first CUDA calls are the library's (PyTorch's autograd thread with
+// caller-given workspaces) gets the same bits as the calling thread. There backward's first CUDA
+// call can be a TMA descriptor encode, which failed with CUDA_ERROR_INVALID_CONTEXT (201) before
+// the library bound the context itself (seen through PyTorch at d 4096, n 1024, E 128, K 8).
+TEST(LayerGpu, FreshThreadWithCallerMemoryGivesTheSameBits) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (const int64_t d : {512, 2048, 4096})  // each dH kernel (see the next test)
+  for (const bool dh_over_h : {false, true}) {
+    SCOPED_TRACE("d " + std::to_string(d) + (dh_over_h ? " dH over H" : " dH in the workspace"));
+    const Inputs in = make_inputs({256, d, 256, 16, 4, Activation::swiglu, LayerMode::keep_h,
+                                   RouteKind::skewed}, seed);
+    const GpuResult a = run_gpu(in, LayerMode::keep_h, dh_over_h);
+    const GpuResult b = run_gpu(in, LayerMode::keep_h, dh_over_h, true);
     EXPECT_TRUE(bitwise_equal(a.out, b.out)) << "out";
     EXPECT_TRUE(bitwise_equal(a.dx, b.dx)) << "dx";
     EXPECT_TRUE(bitwise_equal(a.dw1, b.dw1)) << "dw1";

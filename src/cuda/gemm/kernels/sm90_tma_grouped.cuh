@@ -31,6 +31,7 @@
 
 #include "cuda/cuda_backend.hpp"
 #include "cuda/gemm/dispatch/kernel_config.hpp"
+#include "cuda/gemm/pipeline/sm90_tma_desc.cuh"  // bind_current_context
 #include "moeblaze/error.hpp"
 
 namespace moeblaze::cuda::gemm::tma {
@@ -192,6 +193,7 @@ template <class G>
 void run(const char* fn, const int32_t* offsets, int E, const void* a, int64_t lda, const void* b,
          int64_t b_stride, int64_t ldb, void* d, int64_t ldd, int N, int K, void* scratch,
          size_t scratch_bytes, cudaStream_t stream) {
+  sm90::bind_current_context();  // CUTLASS's initialize encodes TMA descriptors (driver API)
   const typename G::GroupArrays g = G::carve(scratch, E);
   const cutlass::KernelHardwareInfo hw = G::hw_info();
   const typename G::Gemm::Arguments args = G::arguments(g, E, hw);

@@ -8,14 +8,26 @@
 
 #include <cutlass/cuda_host_adapter.hpp>  // cuTensorMapEncodeTiled through the runtime
 
+#include "cuda/cuda_backend.hpp"                   // MOEBLAZE_CUDA_CHECK
 #include "cuda/gemm/pipeline/sm90_gemm_core.cuh"  // kBK
 #include "moeblaze/error.hpp"
 
 namespace moeblaze::cuda::gemm::sm90 {
 
+// The driver API (cuTensorMapEncodeTiled) needs a current context, and the runtime binds the
+// device's primary context to a thread only at that thread's first call that needs one: a thread
+// whose first CUDA work is a TMA encode (PyTorch's autograd thread, with caller-given
+// workspaces) would get CUDA_ERROR_INVALID_CONTEXT. cudaSetDevice binds it at once.
+inline void bind_current_context() {
+  int dev = 0;
+  MOEBLAZE_CUDA_CHECK(cudaGetDevice(&dev));
+  MOEBLAZE_CUDA_CHECK(cudaSetDevice(dev));
+}
+
 // The TMA descriptor of a K-major weight stack b (rows, K) bf16, row stride K: boxes of 64 rows
 // x 64 K elements (one 128-byte swizzle row each), the layout TmaKMajorLoader expects.
 inline CUtensorMap make_tma_kmajor(const void* b, int64_t rows, int64_t K) {
+  bind_current_context();
   CUtensorMap m{};
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K) * 2};  // bytes between rows
