@@ -274,6 +274,62 @@ def profile_step(name, impl, step, inp, path):
     print(f"peers: {name} {impl}: profile of 3 steps appended to {path}", file=sys.stderr)
 
 
+def trace_step(name, impl, step, inp, folder):
+    """Where one step's GPU sits idle: a torch.profiler trace of 3 steps (kept as a gzipped Chrome
+    trace in `folder`) and, per step, the wall span from its first to its last kernel, the kernels'
+    busy time, the idle time between them and the largest gaps with the kernel after each, printed
+    and appended to folder/gaps.txt. Idle inside a step is GPU time the host did not feed."""
+    import gzip
+    from torch.profiler import ProfilerActivity, profile
+    os.makedirs(folder, exist_ok=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(3):
+            inp.clear_grads()
+            with torch.profiler.record_function(f"step{i}"):
+                out = step(True)
+            del out
+            torch.cuda.synchronize()  # steps apart: each step's gaps are its own
+    inp.clear_grads()
+    path = os.path.join(folder, f"trace-{name}-{impl}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        trace = json.load(f)
+    with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+        g.write(f.read())
+    os.remove(path)
+    evs = trace.get("traceEvents", [])
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in evs
+                   if e.get("ph") == "X" and str(e.get("name", "")).startswith("step")
+                   and e.get("cat") == "user_annotation")
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in evs
+                     if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    lines = [f"== {name} {impl}: per step, µs"]
+    for i, (s0, s1) in enumerate(steps):
+        ks = [k for k in kernels if k[0] >= s0]
+        ks = [k for k in ks if k[0] <= s1 + 100000]  # the GPU may finish after the host's span
+        nxt = steps[i + 1][0] if i + 1 < len(steps) else float("inf")
+        ks = [k for k in ks if k[0] < nxt]
+        if not ks:
+            continue
+        busy, gaps, end = 0.0, [], ks[0][0]
+        for k0, k1, kname in ks:
+            if k0 > end:
+                gaps.append((k0 - end, k0 - ks[0][0], kname))
+            busy += max(0.0, k1 - max(k0, end))
+            end = max(end, k1)
+        span = end - ks[0][0]
+        lines.append(f"step {i}: host {s1 - s0:.0f} (first kernel {ks[0][0] - s0:.0f} after the "
+                     f"step began), GPU span {span:.0f}, busy {busy:.0f}, idle {span - busy:.0f} "
+                     f"in {len(gaps)} gaps, {len(ks)} kernels")
+        for g, at, kname in sorted(gaps, reverse=True)[:6]:
+            lines.append(f"    gap {g:7.1f} at +{at:7.0f} before {kname[:90]}")
+    text = "\n".join(lines) + "\n"
+    print(text, file=sys.stderr)
+    with open(os.path.join(folder, "gaps.txt"), "a") as f:
+        f.write(text)
+
+
 def cpp_rows(cli, name, shape, reps):
     """moeblaze's C++ path on the same shape (`moeblaze bench layer`), rows as it prints them."""
     args = [cli, "bench", "layer", "--impl", "moeblaze,moeblaze-recompute,dense-bound", "--json",
@@ -320,6 +376,12 @@ def run_config(name, impls, args, dev, flush, meta):
             total, issue = time_step(inp, step, True, args.warmup, args.reps, flush)
             if args.profile:
                 profile_step(name, impl, step, inp, args.profile)
+            if args.trace:
+                try:
+                    trace_step(name, impl, step, inp, args.trace)
+                except Exception as err:  # a diagnostic: the row stands without it
+                    print(f"peers: {name} {impl}: trace failed: {type(err).__name__}: {err}",
+                          file=sys.stderr)
         except Skip as why:
             print(f"peers: {name} {impl}: skipped: {why}", file=sys.stderr)
             rows.append({"bench": "peers", "config": name, "impl": impl, "skipped": str(why)})
@@ -525,6 +587,8 @@ def main():
     ap.add_argument("--out", default="", help="append the JSON lines here")
     ap.add_argument("--md", default="", help="write the Markdown table here")
     ap.add_argument("--profile", default="", help="append torch.profiler tables of each step here")
+    ap.add_argument("--trace", default="",
+                    help="folder: a profiler trace of 3 steps per impl and the GPU's idle gaps")
     ap.add_argument("--memory-timeline", default="",
                     help="plot bytes allocated over one step per impl to this PNG (no timing)")
     ap.add_argument("--plot-json", default="",

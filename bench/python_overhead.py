@@ -77,7 +77,7 @@ def experts_backward_noop(d_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: T
                           recompute: bool,
                           num_threads: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     return (torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2),
-            torch.empty(expert_token_indices.shape[0]))
+            torch.empty(expert_token_indices.shape[0], device=x.device))
 
 
 def _noop_setup(ctx, inputs, output):

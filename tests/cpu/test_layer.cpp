@@ -69,6 +69,31 @@ std::vector<Case> reference_cases(std::mt19937_64& rng) {
   return cases;
 }
 
+// ReLU's derivative jumps at 0: a pre-activation within the fp32 rounding of its d-term dot
+// product from 0 may take either side in the implementation and the other in the float64
+// reference, and that one element's gradient then differs by all of it (seen once: 1.7e-4
+// relative in dx at d = 293). Such draws test the kink, not the arithmetic, so the test redraws
+// them. The band is 16x the typical rounding of a d-term fp32 sum, sqrt(d) u sqrt(sum v^2); a
+// draw lands in it with probability ~1 in the largest case here, so redraws end quickly.
+bool relu_kink_ambiguous(const LayerConfig& cfg, const HostRouting& r, const LayerTensors& t) {
+  const double band = 16.0 * std::sqrt(double(cfg.d)) * 0x1p-24;
+  for (int64_t tok = 0; tok < cfg.T; ++tok) {
+    for (int32_t p = r.offsets[tok]; p < r.offsets[tok + 1]; ++p) {
+      const int64_t e = r.experts[p];
+      for (int64_t j = 0; j < cfg.w1_rows(); ++j) {
+        double z = 0, sq = 0;
+        for (int64_t k = 0; k < cfg.d; ++k) {
+          const double v = t.x.at(tok * cfg.d + k) * t.w1.at((e * cfg.w1_rows() + j) * cfg.d + k);
+          z += v;
+          sq += v * v;
+        }
+        if (std::fabs(z) <= band * std::sqrt(sq)) return true;
+      }
+    }
+  }
+  return false;
+}
+
 void expect_close(const char* what, const HostTensor& got, const std::vector<double>& ref,
                   double tolerance) {
   const double err = test::rel_error(got, ref);
@@ -90,7 +115,9 @@ TEST(CpuLayer, ForwardBackwardMatchFloat64Reference) {
                      activation_name(act) + " " + dtype_name(dt));
         const LayerConfig cfg{c.spec.T, c.d, c.n, c.spec.E, c.spec.K, act, dt};
         LayerTensors keep(cfg, plan.S());
-        keep.randomize(rng());
+        do {
+          keep.randomize(rng());
+        } while (act == Activation::relu && relu_kink_ambiguous(cfg, routing, keep));
         LayerTensors rec = keep;
         rec.out.fill_pattern();
         test::run_layer(cfg, plan, keep, {LayerMode::keep_h, 0});
