@@ -56,6 +56,10 @@ struct LayerOptions {
   bool dh_over_h = false;
 };
 
+namespace detail {
+struct SavedAccess;  // the backends' access to SavedForBackward's state (src/core/saved_access.hpp)
+}
+
 // What forward keeps for backward. Owns its buffers (accounted); references the plan, which the
 // caller keeps alive until backward returns.
 class SavedForBackward {
@@ -76,15 +80,19 @@ class SavedForBackward {
   static SavedForBackward borrow(LayerMode mode, int64_t S, Device device, void* h,
                                  size_t h_bytes);
 
-  // Internal state (backend-defined); public so backends in other translation units can fill it.
+
+ private:
+  // Backend-defined state; the backends in other translation units fill and read it through
+  // detail::SavedAccess, an internal header, so callers of the library cannot.
+  friend struct detail::SavedAccess;
   LayerMode mode_ = LayerMode::keep_h;
   bool valid_ = false;
   int64_t S_ = 0;
-  Buffer h;        // (S, w1_rows) cfg.dtype — keep_h and materialized
-  Buffer xs;       // (S, d)  materialized only: gathered copy of x
-  Buffer act_g;    // (S, n)  materialized only: act(g) (gated) — saved by autograd of act
-  Buffer a;        // (S, n)  materialized only
-  Buffer y;        // (S, d)  materialized only: expert outputs, for the gate-weight gradient
+  Buffer h_;       // (S, w1_rows) cfg.dtype — keep_h and materialized
+  Buffer xs_;      // (S, d)  materialized only: gathered copy of x
+  Buffer act_g_;   // (S, n)  materialized only: act(g) (gated) — saved by autograd of act
+  Buffer a_;       // (S, n)  materialized only
+  Buffer y_;       // (S, d)  materialized only: expert outputs, for the gate-weight gradient
 };
 
 struct LayerGrads {

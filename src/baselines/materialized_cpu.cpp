@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "core/parallel.hpp"
+#include "core/saved_access.hpp"
 #include "cpu/activation.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu/gemm_kernels.hpp"
@@ -34,6 +35,9 @@
 #include "moeblaze/error.hpp"
 
 namespace moeblaze::cpu {
+
+using Saved = moeblaze::detail::SavedAccess;
+
 namespace {
 
 // ---------------------------------------------------------------------------------------------
@@ -190,14 +194,12 @@ void forward_impl(const LayerConfig& cfg, const RoutingPlanView& pv, const T* x,
     }
   });
 
-  saved.h = std::move(h);
-  saved.xs = std::move(xs);
-  saved.act_g = std::move(act_g);
-  saved.a = std::move(a);
-  saved.y = std::move(y);
-  saved.mode_ = LayerMode::materialized;
-  saved.S_ = S;
-  saved.valid_ = true;
+  Saved::h(saved) = std::move(h);
+  Saved::xs(saved) = std::move(xs);
+  Saved::act_g(saved) = std::move(act_g);
+  Saved::a(saved) = std::move(a);
+  Saved::y(saved) = std::move(y);
+  Saved::mark_filled(saved, LayerMode::materialized, S);
 }
 
 template <typename T>
@@ -209,11 +211,11 @@ void backward_impl(const LayerConfig& cfg, const RoutingPlanView& pv, const T* w
   const int32_t* off = pv.expert_token_offsets;  // (E+1,)
   const int32_t* tok = pv.expert_token_indices;  // (S,)
   const float* sw = pv.slot_weights;             // (S,)
-  const T* Xs = saved.xs.as<T>();                // (S, d)
-  const T* H = saved.h.as<T>();                  // (S, R)
-  const T* G = saved.act_g.as<T>();              // (S, n) gated only
-  const T* A = saved.a.as<T>();                  // (S, n)
-  const T* Y = saved.y.as<T>();                  // (S, d)
+  const T* Xs = Saved::xs(saved).as<T>();        // (S, d)
+  const T* H = Saved::h(saved).as<T>();          // (S, R)
+  const T* G = Saved::act_g(saved).as<T>();      // (S, n) gated only
+  const T* A = Saved::a(saved).as<T>();          // (S, n)
+  const T* Y = Saved::y(saved).as<T>();          // (S, d)
   const Scratch scratch(std::max({R, d, n}));
   const auto slot_tasks = tile_tasks(E, [&](int64_t e) { return int64_t(off[e + 1] - off[e]); });
   const int64_t ntasks = int64_t(slot_tasks.size());
@@ -351,12 +353,13 @@ void materialized_backward(const LayerConfig& cfg, const RoutingPlan& plan, cons
   const size_t want_g = is_gated(cfg.activation) ? size_t(S * cfg.n) * es : 0;
   MOEBLAZE_REQUIRE(saved.valid() && saved.mode() == LayerMode::materialized,
                    "saved was not filled by a materialized-mode forward");
-  MOEBLAZE_REQUIRE(saved.S_ == S, "saved holds S (", saved.S_, ") assignments but the plan has S (",
-                   S, ")");
-  MOEBLAZE_REQUIRE(saved.xs.bytes() == size_t(S * cfg.d) * es &&
-                       saved.h.bytes() == size_t(S * cfg.w1_rows()) * es &&
-                       saved.act_g.bytes() == want_g && saved.a.bytes() == size_t(S * cfg.n) * es &&
-                       saved.y.bytes() == size_t(S * cfg.d) * es,
+  MOEBLAZE_REQUIRE(Saved::S(saved) == S, "saved holds S (", Saved::S(saved),
+                   ") assignments but the plan has S (", S, ")");
+  MOEBLAZE_REQUIRE(Saved::xs(saved).bytes() == size_t(S * cfg.d) * es &&
+                       Saved::h(saved).bytes() == size_t(S * cfg.w1_rows()) * es &&
+                       Saved::act_g(saved).bytes() == want_g &&
+                       Saved::a(saved).bytes() == size_t(S * cfg.n) * es &&
+                       Saved::y(saved).bytes() == size_t(S * cfg.d) * es,
                    "saved's buffers do not match the config (forward ran with other arguments)");
   ThreadCountScope threads(opts.num_threads);
   const RoutingPlanView pv = plan.view();

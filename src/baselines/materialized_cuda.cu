@@ -19,12 +19,16 @@
 
 #include <cstdint>
 
+#include "core/saved_access.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/activation.cuh"
 #include "cuda/layer/layer_cuda.hpp"
 #include "moeblaze/error.hpp"
 
 namespace moeblaze::cuda {
+
+using Saved = moeblaze::detail::SavedAccess;
+
 namespace {
 
 constexpr int kThreads = 256;
@@ -148,13 +152,16 @@ void materialized_forward(const LayerConfig& cfg, const RoutingPlan& plan, const
   const bool gated = is_gated(cfg.activation);
 
   SavedForBackward next;
-  next.mode_ = LayerMode::materialized;
-  next.S_ = S;
-  next.xs = Buffer(Device::cuda, size_t(S * d) * 2, opts.stream);                // (S, d)
-  next.h = Buffer(Device::cuda, size_t(S * R) * 2, opts.stream);                   // (S, w1_rows)
-  if (gated) next.act_g = Buffer(Device::cuda, size_t(S * n) * 2, opts.stream);    // (S, n)
-  next.a = Buffer(Device::cuda, size_t(S * n) * 2, opts.stream);                   // (S, n)
-  next.y = Buffer(Device::cuda, size_t(S * d) * 2, opts.stream);                 // (S, d)
+  Buffer& xs = Saved::xs(next);
+  Buffer& h = Saved::h(next);
+  Buffer& act_g = Saved::act_g(next);
+  Buffer& a = Saved::a(next);
+  Buffer& y = Saved::y(next);
+  xs = Buffer(Device::cuda, size_t(S * d) * 2, opts.stream);                   // (S, d)
+  h = Buffer(Device::cuda, size_t(S * R) * 2, opts.stream);                    // (S, w1_rows)
+  if (gated) act_g = Buffer(Device::cuda, size_t(S * n) * 2, opts.stream);     // (S, n)
+  a = Buffer(Device::cuda, size_t(S * n) * 2, opts.stream);                    // (S, n)
+  y = Buffer(Device::cuda, size_t(S * d) * 2, opts.stream);                    // (S, d)
 
   if (cfg.T > 0) {
     Buffer ws(Device::cuda, size_t(S) * sizeof(int32_t), opts.stream);  // (S,) identity map
@@ -163,20 +170,20 @@ void materialized_forward(const LayerConfig& cfg, const RoutingPlan& plan, const
       iota_kernel<<<blocks_for(S), kThreads, 0, stream>>>(iota, S);
       check_launch();
       gather_rows_kernel<<<blocks_for(S * (d / 8)), kThreads, 0, stream>>>(
-          plan.view().expert_token_indices, x.as<uint4>(), next.xs.as<uint4>(), S, d / 8);
+          plan.view().expert_token_indices, x.as<uint4>(), xs.as<uint4>(), S, d / 8);
       check_launch();
       const RoutingPlanView iv = identity_view(plan, iota);
-      g.up_proj(iv, next.xs.as<bf16>(), w1.as<bf16>(), next.h.as<bf16>(), nullptr, d, n,
-                cfg.activation, stream);
+      g.up_proj(iv, xs.as<bf16>(), w1.as<bf16>(), h.as<bf16>(), nullptr, d, n, cfg.activation,
+                stream);
       activation_kernel<<<blocks_for(S * n), kThreads, 0, stream>>>(
-          next.h.as<bf>(), next.act_g.as<bf>(), next.a.as<bf>(), S, n, cfg.activation);
+          h.as<bf>(), act_g.as<bf>(), a.as<bf>(), S, n, cfg.activation);
       check_launch();
-      g.down_proj(iv, next.a.as<bf16>(), w2.as<bf16>(), next.y.as<bf16>(), d, n, stream, {});
+      g.down_proj(iv, a.as<bf16>(), w2.as<bf16>(), y.as<bf16>(), d, n, stream, {});
     }
-    aggregate_rows(plan.view(), next.y.data(), plan.view().slot_weights, out.data, d,
-                   DType::bf16, stream);
+    aggregate_rows(plan.view(), y.data(), plan.view().slot_weights, out.data, d, DType::bf16,
+                   stream);
   }
-  next.valid_ = true;
+  Saved::mark_filled(next, LayerMode::materialized, S);
   saved = std::move(next);
 }
 
@@ -189,7 +196,7 @@ void materialized_backward(const LayerConfig& cfg, const RoutingPlan& plan, cons
   require_device(grads.d_pair_weights, "d_pair_weights", Device::cuda);
   MOEBLAZE_REQUIRE(saved.valid() && saved.mode() == LayerMode::materialized,
                    "saved: not filled by a materialized layer_forward");
-  MOEBLAZE_REQUIRE(saved.S_ == plan.S(), "saved holds S = ", saved.S_,
+  MOEBLAZE_REQUIRE(Saved::S(saved) == plan.S(), "saved holds S = ", Saved::S(saved),
                    " assignments, the plan has ", plan.S());
   const GemmOps& g = gemm_ops();
   const cudaStream_t stream = stream_of(opts);
@@ -208,21 +215,23 @@ void materialized_backward(const LayerConfig& cfg, const RoutingPlan& plan, cons
   const RoutingPlanView iv = identity_view(plan, w.iota);
 
   dy_ds_kernel<<<blocks_for(S * 32), kThreads, 0, stream>>>(
-      pv.expert_token_indices, pv.slot_weights, d_out.as<bf>(), saved.y.as<bf>(),
+      pv.expert_token_indices, pv.slot_weights, d_out.as<bf>(),
+      Saved::y(saved).as<bf>(),
       reinterpret_cast<bf*>(w.dy), w.ds, S, d);
   check_launch();
   // dA = dY W2_e: the dX̃ GEMM (contiguous A, N-major B) with W2 (E, d, n) in W1's place, i.e.
   // a plain activation whose "w1_rows" is d and whose "d" is n.
   g.dx_proj(iv, w.dy, w2.as<bf16>(), w.da, n, d, Activation::relu, stream, {});
   activation_backward_kernel<<<blocks_for(S * n), kThreads, 0, stream>>>(
-      saved.h.as<bf>(), saved.act_g.as<bf>(), reinterpret_cast<const bf*>(w.da),
+      Saved::h(saved).as<bf>(), Saved::act_g(saved).as<bf>(), reinterpret_cast<const bf*>(w.da),
       reinterpret_cast<bf*>(w.dh), S, n, cfg.activation);
   check_launch();
-  g.dw2_proj(iv, w.dy, saved.a.as<bf16>(), grads.dw2.as<bf16>(), d, n, stream);
+  g.dw2_proj(iv, w.dy, Saved::a(saved).as<bf16>(), grads.dw2.as<bf16>(), d, n, stream);
   bf16* dxs = w.dy;  // (S, d) dXs over dY's bytes
   g.dx_proj(iv, w.dh, w1.as<bf16>(), dxs, d, n, cfg.activation, stream, {});
   aggregate_rows(pv, dxs, nullptr, grads.dx.data, d, DType::bf16, stream);
-  g.dw1_proj(iv, w.dh, saved.xs.as<bf16>(), grads.dw1.as<bf16>(), d, n, cfg.activation, stream);
+  g.dw1_proj(iv, w.dh, Saved::xs(saved).as<bf16>(), grads.dw1.as<bf16>(), d, n, cfg.activation,
+             stream);
   gather_pair_grads(pv, w.ds, grads.d_pair_weights.as<float>(), stream);
 }
 

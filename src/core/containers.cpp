@@ -84,7 +84,7 @@ size_t RoutingPlan::bytes() const {
 }
 
 size_t SavedForBackward::bytes() const {
-  return h.bytes() + xs.bytes() + act_g.bytes() + a.bytes() + y.bytes();
+  return h_.bytes() + xs_.bytes() + act_g_.bytes() + a_.bytes() + y_.bytes();
 }
 
 SavedForBackward SavedForBackward::borrow(LayerMode mode, int64_t S, Device device, void* h,
@@ -93,7 +93,7 @@ SavedForBackward SavedForBackward::borrow(LayerMode mode, int64_t S, Device devi
   s.mode_ = mode;
   s.valid_ = true;
   s.S_ = S;
-  s.h = Buffer::borrow(device, h, h_bytes);
+  s.h_ = Buffer::borrow(device, h, h_bytes);
   return s;
 }
 

@@ -1,4 +1,4 @@
-// Argument checks shared by the layer API (src/core/layer_api.cpp) and the expert-parallel
+// Argument checks shared by the layer API (src/api/layer_api.cpp) and the expert-parallel
 // layer (src/ep/expert_parallel.cpp).
 #pragma once
 

@@ -1,4 +1,4 @@
-// The CPU backend's entry points. The public API (src/core/*_api.cpp) validates arguments,
+// The CPU backend's entry points. The public API (src/api/*_api.cpp) validates arguments,
 // then dispatches here for Device::cpu (and to src/cuda/cuda_backend.hpp for Device::cuda).
 // Functions here may assume shapes, dtypes and devices were checked; value checks that need a
 // pass over the data (NaN logits, expert ids) happen here, before any output is written.

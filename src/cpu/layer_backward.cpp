@@ -17,12 +17,15 @@
 #include <cstring>
 
 #include "core/parallel.hpp"
+#include "core/saved_access.hpp"
 #include "cpu/activation.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu/gemm_kernels.hpp"
 #include "cpu/layer_common.hpp"
 
 namespace moeblaze::cpu {
+
+using Saved = moeblaze::detail::SavedAccess;
 
 using gemm::mat;
 
@@ -49,7 +52,7 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   const int64_t tasks = layer::build_tile_offsets(off, E, ws.tile_offsets);
   const char* w1p = static_cast<const char*>(w1.data);
   const char* w2p = static_cast<const char*>(w2.data);
-  const char* h_saved = saved.h.as<const char>();  // (S, R) cfg.dtype, keep_h only
+  const char* h_saved = Saved::h(saved).as<const char>();  // (S, R) cfg.dtype, keep_h only
   char* dh = static_cast<char*>(ws.dh);              // (S, R) cfg.dtype
   char* a_scaled = static_cast<char*>(ws.a_scaled);  // (S, n) cfg.dtype
   char* dx_slots = static_cast<char*>(ws.dx_slots);  // (S, d) cfg.dtype

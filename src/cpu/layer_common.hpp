@@ -1,5 +1,5 @@
 // Pieces shared by the CPU layer's forward and backward (src/cpu/layer_forward.cpp,
-// src/cpu/layer_backward.cpp) and the public API (src/core/layer_api.cpp): the work
+// src/cpu/layer_backward.cpp) and the public API (src/api/layer_api.cpp): the work
 // decomposition and the one-workspace layouts.
 //
 // Work is decomposed into (expert, slot tile) tasks of kTileM slots. The decomposition depends

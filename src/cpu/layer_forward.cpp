@@ -9,12 +9,15 @@
 #include <cstring>
 
 #include "core/parallel.hpp"
+#include "core/saved_access.hpp"
 #include "cpu/activation.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu/gemm_kernels.hpp"
 #include "cpu/layer_common.hpp"
 
 namespace moeblaze::cpu {
+
+using Saved = moeblaze::detail::SavedAccess;
 
 using gemm::mat;
 
@@ -32,8 +35,8 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
   saved = SavedForBackward();
   const size_t h_bytes = static_cast<size_t>(S * R) * es;  // (S, R) cfg.dtype
   if (keep_h)
-    saved.h = opts.h_storage ? Buffer::borrow(Device::cpu, opts.h_storage, h_bytes)
-                             : Buffer(Device::cpu, h_bytes);
+    Saved::h(saved) = opts.h_storage ? Buffer::borrow(Device::cpu, opts.h_storage, h_bytes)
+                                     : Buffer(Device::cpu, h_bytes);
 
   const int threads = max_threads();
   const layer::ForwardWorkspace sizes = layer::forward_workspace(cfg, S, threads, nullptr);
@@ -48,7 +51,7 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
   const char* w1p = static_cast<const char*>(w1.data);
   const char* w2p = static_cast<const char*>(w2.data);
   char* y = static_cast<char*>(ws.y);  // (S, d) cfg.dtype
-  char* h_keep = saved.h.as<char>();   // (S, R) cfg.dtype or null (recompute)
+  char* h_keep = Saved::h(saved).as<char>();  // (S, R) cfg.dtype or null (recompute)
 
   const double flops = forward_flops(cfg, S);
   layer::run_tasks(tasks, 1, flops, [&](int64_t task) {
@@ -99,9 +102,7 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
     gemm::store_row(acc, d, o + t * d * es, dt);
   });
 
-  saved.mode_ = opts.mode;
-  saved.S_ = S;
-  saved.valid_ = true;
+  Saved::mark_filled(saved, opts.mode, S);
 }
 
 }  // namespace moeblaze::cpu

@@ -114,7 +114,7 @@ void route_async(const RouterConfig& cfg, const TensorView& logits, const Tensor
                  Routing& out, void* workspace, double* d_losses, int32_t* d_flags,
                  cudaStream_t stream);
 
-// The public API's GPU paths (arguments already checked by src/core/routing_api.cpp). Each runs
+// The public API's GPU paths (arguments already checked by src/api/routing_api.cpp). Each runs
 // on the default stream and synchronises once at the end to read its flags (and the losses, or
 // token rounding's pair count); bad values throw InvalidArgument with the CPU's message and leave
 // the outputs untouched.

@@ -23,11 +23,15 @@
 #include <vector>
 
 #include "common/test_util.hpp"
+#include "core/saved_access.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "moeblaze/moeblaze.hpp"
 #include "reference/reference_layer.hpp"
 
 namespace moeblaze {
+
+using Saved = moeblaze::detail::SavedAccess;
+
 namespace {
 
 // ---------------------------------------------------------------------------------------------
@@ -271,9 +275,10 @@ Result run_mode(const Problem& pb, LayerMode mode, int threads = 0) {
   layer_forward(c, pb.plan, pb.x.view(), pb.w1.view(), pb.w2.view(), r.out.view(), saved, opts);
   EXPECT_TRUE(saved.valid());
   EXPECT_EQ(saved.mode(), mode);
-  EXPECT_EQ(saved.S_, pb.plan.S());
+  EXPECT_EQ(Saved::S(saved), pb.plan.S());
   r.saved_bytes = saved.bytes();
-  for (const Buffer* b : {&saved.xs, &saved.h, &saved.act_g, &saved.a, &saved.y}) {
+  for (const Buffer* b : {&Saved::xs(saved), &Saved::h(saved), &Saved::act_g(saved),
+                          &Saved::a(saved), &Saved::y(saved)}) {
     const auto* p = static_cast<const unsigned char*>(b->data());
     r.saved_contents.insert(r.saved_contents.end(), p, p + b->bytes());
   }
@@ -527,15 +532,15 @@ TEST(Materialized, SavedBytesAreTheConventionalSet) {
       const size_t want = is_gated(act) ? (S * d + S * 2 * n + S * n + S * n + S * d) * es
                                         : (S * d + S * n + S * n + S * d) * es;
       EXPECT_EQ(saved.bytes(), want);
-      EXPECT_EQ(saved.xs.bytes(), S * d * es);
-      EXPECT_EQ(saved.h.bytes(), S * size_t(cfg.w1_rows()) * es);
-      EXPECT_EQ(saved.act_g.bytes(), is_gated(act) ? S * n * es : 0u);
-      EXPECT_EQ(saved.a.bytes(), S * n * es);
-      EXPECT_EQ(saved.y.bytes(), S * d * es);
+      EXPECT_EQ(Saved::xs(saved).bytes(), S * d * es);
+      EXPECT_EQ(Saved::h(saved).bytes(), S * size_t(cfg.w1_rows()) * es);
+      EXPECT_EQ(Saved::act_g(saved).bytes(), is_gated(act) ? S * n * es : 0u);
+      EXPECT_EQ(Saved::a(saved).bytes(), S * n * es);
+      EXPECT_EQ(Saved::y(saved).bytes(), S * d * es);
       // Xs really is the gathered copy of x in slot order.
       const RoutingPlanView pv = pb.plan.view();
       for (size_t s = 0; s < S; ++s)
-        ASSERT_EQ(std::memcmp(static_cast<const char*>(saved.xs.data()) + s * d * es,
+        ASSERT_EQ(std::memcmp(static_cast<const char*>(Saved::xs(saved).data()) + s * d * es,
                               pb.x.bytes.data() + size_t(pv.expert_token_indices[s]) * d * es,
                               d * es),
                   0)

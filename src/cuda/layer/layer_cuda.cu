@@ -20,12 +20,16 @@
 
 #include <atomic>
 
+#include "core/saved_access.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/layer/naive_grouped_gemm.hpp"
 #include "moeblaze/error.hpp"
 
 namespace moeblaze::cuda {
+
+using Saved = moeblaze::detail::SavedAccess;
+
 namespace {
 
 // The sm90 GEMMs with their kernel choice left automatic (grouped_gemm.hpp, GatherKernel).
@@ -162,14 +166,12 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
   const RoutingPlanView pv = plan.view();
 
   SavedForBackward next;
-  next.mode_ = opts.mode;
-  next.S_ = S;
   // (S, w1_rows) bf16, slot order: the only activation kept for backward.
   // Caller memory (LayerOptions::h_storage / workspace, checked by the API) is borrowed.
   const size_t h_bytes = size_t(S * cfg.w1_rows()) * 2;
   if (opts.mode == LayerMode::keep_h)
-    next.h = opts.h_storage ? Buffer::borrow(Device::cuda, opts.h_storage, h_bytes)
-                            : Buffer(Device::cuda, h_bytes, opts.stream);
+    Saved::h(next) = opts.h_storage ? Buffer::borrow(Device::cuda, opts.h_storage, h_bytes)
+                                    : Buffer(Device::cuda, h_bytes, opts.stream);
 
   if (cfg.T > 0) {
     Buffer ws = opts.workspace
@@ -177,7 +179,7 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
                     : Buffer(Device::cuda, forward_workspace(cfg, S, nullptr).bytes, opts.stream);
     const ForwardWorkspace w = forward_workspace(cfg, S, ws.data());
     if (S > 0) {
-      g.up_proj(pv, x.as<bf16>(), w1.as<bf16>(), next.h.as<bf16>(), w.a, cfg.d, cfg.n,
+      g.up_proj(pv, x.as<bf16>(), w1.as<bf16>(), Saved::h(next).as<bf16>(), w.a, cfg.d, cfg.n,
                 cfg.activation, stream);
       g.down_proj(pv, w.a, w2.as<bf16>(), w.y, cfg.d, cfg.n, stream,
                   tma_scratch(w.scratch, gemm::choose_kernels({S, cfg.E, cfg.d, cfg.n}).down));
@@ -186,7 +188,7 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
     // The workspace is freed when `ws` goes out of scope, in stream order after the kernels
     // above (Buffer is stream-ordered on opts.stream).
   }
-  next.valid_ = true;
+  Saved::mark_filled(next, opts.mode, S);
   saved = std::move(next);
 }
 
@@ -204,11 +206,11 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   MOEBLAZE_REQUIRE(saved.mode() == opts.mode, "saved was made in mode ",
                    layer_mode_name(saved.mode()), ", backward asked for ",
                    layer_mode_name(opts.mode));
-  MOEBLAZE_REQUIRE(saved.S_ == plan.S(), "saved holds S = ", saved.S_, " assignments, the plan has ",
-                   plan.S());
+  MOEBLAZE_REQUIRE(Saved::S(saved) == plan.S(), "saved holds S = ", Saved::S(saved),
+                   " assignments, the plan has ", plan.S());
   MOEBLAZE_REQUIRE(opts.mode != LayerMode::keep_h ||
-                       saved.h.bytes() == size_t(plan.S() * cfg.w1_rows()) * 2,
-                   "saved.h has ", saved.h.bytes(), " bytes, expected (S, w1_rows) bf16");
+                       Saved::h(saved).bytes() == size_t(plan.S() * cfg.w1_rows()) * 2,
+                   "saved.h has ", Saved::h(saved).bytes(), " bytes, expected (S, w1_rows) bf16");
 
   const GemmOps& g = gemm_ops();
   const cudaStream_t stream = stream_of(opts);
@@ -230,7 +232,7 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
                            backward_workspace(cfg, S, opts.mode, ds_cols, nullptr, dh_over_h).bytes,
                            opts.stream);
   const BackwardWorkspace w = backward_workspace(cfg, S, opts.mode, ds_cols, ws.data(), dh_over_h);
-  const bf16* h = saved.h.as<bf16>();
+  const bf16* h = Saved::h(saved).as<bf16>();
   // (S, w1_rows): dH, over H where backward_workspace put no room for it.
   bf16* dh = dh_over_h ? const_cast<bf16*>(h) : w.dh;
   if (opts.mode == LayerMode::recompute) {

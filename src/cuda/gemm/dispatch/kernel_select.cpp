@@ -1,5 +1,5 @@
 // The launchers' side of the kernel choice (kernel_config.hpp): resolving an explicit GatherKernel
-// against the chosen one, and the TMA path's scratch.
+// against the chosen one, and the TMA path's tile order and scratch.
 #include <algorithm>
 
 #include "cuda/gemm/grouped_gemm.hpp"
@@ -31,6 +31,13 @@ GatherPath resolve_gather_path(const char* fn, GatherKernel kernel, int64_t E,
     case GatherKernel::automatic: break;
   }
   return gather_path(chosen);
+}
+
+TmaTileOrder tma_tile_order() {
+  const KernelOverrides o = kernel_overrides();
+  const GemmKernel defaults;
+  return {o.tma_along_n.value_or(defaults.tma_along_n),
+          o.tma_swizzle.value_or(defaults.tma_swizzle)};
 }
 }  // namespace detail
 

@@ -10,13 +10,7 @@ namespace moeblaze::cuda::gemm::sm90 {
 // kDefaultRasterGroup (16: a resident wave then touches fewer distinct A and B tiles than in the
 // row-major order, G = 1, so more of them are L2 hits;
 // docs/experiments/2026-11-29-cta-rasterization.md).
+// The launchers take it as an argument and clamp it (clamp_raster_group).
 int raster_group();
-
-// raster_group() clamped to [1, m_tiles], so that group * n_tiles <= m_tiles * n_tiles fits the
-// grid's int range.
-inline int raster_group_for(int64_t m_tiles) {
-  const int64_t g = raster_group();
-  return static_cast<int>(g < m_tiles ? g : (m_tiles > 0 ? m_tiles : 1));
-}
 
 }  // namespace moeblaze::cuda::gemm::sm90

@@ -12,6 +12,14 @@
 
 namespace moeblaze::cuda::gemm::detail {
 
+// The persistent scheduler's tile order in force on the TMA path: the tma.order / tma.swizzle
+// kernel overrides (kernel_config.hpp), else GemmKernel's defaults (N first, swizzle 2).
+struct TmaTileOrder {
+  bool along_n;
+  int swizzle;
+};
+TmaTileOrder tma_tile_order();
+
 // Scratch bytes each instantiation needs for E experts on the current device.
 size_t down_proj_tma_scratch_bytes(int E);
 size_t dx_proj_tma_scratch_bytes(int E);

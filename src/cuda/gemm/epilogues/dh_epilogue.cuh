@@ -8,8 +8,10 @@
 #include <cstdint>
 
 #include "cuda/activation.cuh"
-#include "cuda/gemm/grouped_gemm.hpp"  // ds_partials_cols
 #include "cuda/gemm/pipeline/sm90_gemm_core.cuh"  // pack_bf16x2
+#include "moeblaze/config.hpp"
+#include "moeblaze/dtype.hpp"
+#include "moeblaze/routing_plan.hpp"
 
 namespace moeblaze::cuda::gemm::sm90 {
 
@@ -25,13 +27,14 @@ struct DhParams {
   bool gated;
 };
 
-// dh_proj's arguments as the epilogue reads them.
+// dh_proj's arguments as the epilogue reads them; ds_cols from the host (ds_partials_cols(n)).
 inline DhParams make_dh_params(const RoutingPlanView& plan, const bf16* h, float* ds_partials,
-                               bf16* dh, bf16* a_scaled, int64_t n, Activation act) {
+                               int64_t ds_cols, bf16* dh, bf16* a_scaled, int64_t n,
+                               Activation act) {
   return DhParams{reinterpret_cast<const __nv_bfloat16*>(h),
                   plan.slot_weights,
                   ds_partials,
-                  static_cast<int>(ds_partials_cols(n)),
+                  static_cast<int>(ds_cols),
                   reinterpret_cast<__nv_bfloat16*>(dh),
                   reinterpret_cast<__nv_bfloat16*>(a_scaled),
                   static_cast<int>(n),

@@ -6,6 +6,7 @@
 // instantiation: varlen_m_kernel<N-major B, DhEpilogue>.
 #include "cuda/gemm/epilogues/dh_epilogue.cuh"
 #include "cuda/gemm/dispatch/gemm_checks.hpp"
+#include "cuda/gemm/dispatch/raster.hpp"
 #include "cuda/gemm/epilogues/quad_transpose.cuh"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/gemm/kernels/sm90_varlen_m.cuh"
@@ -191,8 +192,10 @@ void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, con
   p.N = static_cast<int>(n);
   p.n_tiles = static_cast<int>(ds_partials_cols(n));
   p.gate_split = 0;
-  const sm90::DhParams ep = sm90::make_dh_params(plan, h, ds_partials, dh, a_scaled, n, act);
-  sm90::launch_varlen_m<sm90::GMajor::MN, sm90::DhEpilogue>(p, ep, plan.S, stream);
+  const sm90::DhParams ep =
+      sm90::make_dh_params(plan, h, ds_partials, ds_partials_cols(n), dh, a_scaled, n, act);
+  sm90::launch_varlen_m<sm90::GMajor::MN, sm90::DhEpilogue>(p, ep, plan.S, sm90::raster_group(),
+                                                            stream);
 }
 
 void reduce_ds(const float* ds_partials, float* ds, int64_t S, int64_t n, cudaStream_t stream) {

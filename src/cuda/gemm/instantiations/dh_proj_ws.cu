@@ -2,6 +2,7 @@
 // per tile row). One instantiation: gather_gemm_kernel<N-major B, GatherDhEpilogue<WsFrag>,
 // Cooperative>.
 #include "cuda/gemm/kernels/ws_gather_gemms.cuh"
+#include "cuda/gemm/dispatch/raster.hpp"
 #include "cuda/gemm/dispatch/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm::detail {
@@ -9,8 +10,9 @@ namespace moeblaze::cuda::gemm::detail {
 void dh_proj_ws(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,
                 float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n,
                 Activation act, cudaStream_t stream) {
-  sm90::ws::dh_proj_gather<sm90::ws::Cooperative>(plan, d_out, w2, h, ds_partials, dh, a_scaled,
-                                                  d, n, act, stream);
+  sm90::ws::dh_proj_gather<sm90::ws::Cooperative>(plan, d_out, w2, h, ds_partials,
+                                                  ds_partials_cols(n), dh, a_scaled, d, n, act,
+                                                  sm90::raster_group(), stream);
 }
 
 }  // namespace moeblaze::cuda::gemm::detail

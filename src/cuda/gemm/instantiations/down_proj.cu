@@ -2,6 +2,7 @@
 // bf16 store. One instantiation: varlen_m_kernel<K-major B, StoreEpilogue>; with a scratch the
 // TMA path of down_proj_tma.cu runs instead.
 #include "cuda/gemm/dispatch/gemm_checks.hpp"
+#include "cuda/gemm/dispatch/raster.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/gemm/kernels/sm90_varlen_m.cuh"
 #include "cuda/gemm/dispatch/tma_paths.hpp"
@@ -35,7 +36,8 @@ void down_proj(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16*
   p.n_tiles = static_cast<int>((d + sm90::kBN - 1) / sm90::kBN);
   p.gate_split = 0;
   sm90::StoreEpilogue::Params ep{reinterpret_cast<__nv_bfloat16*>(y), d, static_cast<int>(d)};
-  sm90::launch_varlen_m<sm90::GMajor::K, sm90::StoreEpilogue>(p, ep, plan.S, stream);
+  sm90::launch_varlen_m<sm90::GMajor::K, sm90::StoreEpilogue>(p, ep, plan.S,
+                                                               sm90::raster_group(), stream);
 }
 
 }  // namespace moeblaze::cuda::gemm

@@ -7,6 +7,7 @@
 // This file: one CTA per tile, varlen_k_ws_kernel<true, 1>; the 2-CTA cluster variant, for
 // experts with many rows (the chosen kernel's cluster = 2), is in dw1_proj_mc.cu.
 #include "cuda/gemm/kernels/sm90_ws_varlen_k.cuh"
+#include "cuda/gemm/dispatch/raster.hpp"
 #include "cuda/gemm/dispatch/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm::detail {
@@ -19,7 +20,7 @@ void dw1_proj_ws(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf1
   }
   // x (T, d) gathered: M = d; dh (S, w1_rows): N = w1_rows; dw1 (E, w1_rows, d) = (E, N, M).
   sm90::ws::launch_varlen_k_ws<true, 1>(sm90::ws::varlen_k_args(plan, x, dh, d, w1_rows, dw1),
-                                        plan.S, stream);
+                                        plan.S, sm90::raster_group(), stream);
 }
 
 }  // namespace moeblaze::cuda::gemm::detail

@@ -4,6 +4,7 @@
 // 2-CTA clusters sharing a_scaled do not pay;
 // docs/experiments/2026-11-29-weight-gradients-2cta-clusters.md).
 #include "cuda/gemm/kernels/sm90_ws_varlen_k.cuh"
+#include "cuda/gemm/dispatch/raster.hpp"
 #include "cuda/gemm/dispatch/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm::detail {
@@ -12,7 +13,8 @@ void dw2_proj_ws(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_s
                  int64_t d, int64_t n, cudaStream_t stream) {
   // d_out (T, d) gathered: M = d; a_scaled (S, n): N = n; dw2 (E, d, n).
   sm90::ws::launch_varlen_k_ws<false, 1>(
-      sm90::ws::varlen_k_args(plan, d_out, a_scaled, d, n, dw2), plan.S, stream);
+      sm90::ws::varlen_k_args(plan, d_out, a_scaled, d, n, dw2), plan.S, sm90::raster_group(),
+      stream);
 }
 
 }  // namespace moeblaze::cuda::gemm::detail

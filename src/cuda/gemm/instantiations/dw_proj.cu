@@ -80,7 +80,7 @@ void launch_varlen_k(const VarlenKArgs& a, int64_t E, cudaStream_t stream) {
       varlen_k_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
   VarlenKArgs q = a;
   q.m_tiles = static_cast<int>(m_tiles);
-  q.raster_group = raster_group_for(m_tiles);
+  q.raster_group = clamp_raster_group(raster_group(), m_tiles);
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(E));
   varlen_k_kernel<<<grid, kThreads, Cfg::kSmemBytes, stream>>>(q);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());

@@ -3,6 +3,7 @@
 // varlen_m_kernel<N-major B, StoreEpilogue>; with a scratch the TMA path of dx_proj_tma.cu runs
 // instead.
 #include "cuda/gemm/dispatch/gemm_checks.hpp"
+#include "cuda/gemm/dispatch/raster.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/gemm/kernels/sm90_varlen_m.cuh"
 #include "cuda/gemm/dispatch/tma_paths.hpp"
@@ -38,7 +39,8 @@ void dx_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* 
   p.gate_split = 0;
   sm90::StoreEpilogue::Params ep{reinterpret_cast<__nv_bfloat16*>(dx_slots), d,
                                  static_cast<int>(d)};
-  sm90::launch_varlen_m<sm90::GMajor::MN, sm90::StoreEpilogue>(p, ep, plan.S, stream);
+  sm90::launch_varlen_m<sm90::GMajor::MN, sm90::StoreEpilogue>(p, ep, plan.S,
+                                                                sm90::raster_group(), stream);
 }
 
 }  // namespace moeblaze::cuda::gemm

@@ -6,6 +6,7 @@
 // varlen_m_kernel<K-major B, ActEpilogue>.
 #include "cuda/gemm/epilogues/act_epilogue.cuh"
 #include "cuda/gemm/dispatch/gemm_checks.hpp"
+#include "cuda/gemm/dispatch/raster.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/gemm/kernels/sm90_varlen_m.cuh"
 #include "cuda/gemm/dispatch/ws_paths.hpp"
@@ -62,9 +63,11 @@ void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h
   sm90::ActParams ep{reinterpret_cast<__nv_bfloat16*>(h),
                      reinterpret_cast<__nv_bfloat16*>(a), static_cast<int>(n), act};
   if (chosen.b_by_tma || chosen.family != KernelFamily::two_cta)
-    sm90::launch_varlen_m<sm90::GMajor::K, sm90::ActEpilogue, true>(p, ep, plan.S, stream);
+    sm90::launch_varlen_m<sm90::GMajor::K, sm90::ActEpilogue, true>(p, ep, plan.S,
+                                                                    sm90::raster_group(), stream);
   else
-    sm90::launch_varlen_m<sm90::GMajor::K, sm90::ActEpilogue, false>(p, ep, plan.S, stream);
+    sm90::launch_varlen_m<sm90::GMajor::K, sm90::ActEpilogue, false>(p, ep, plan.S,
+                                                                     sm90::raster_group(), stream);
 }
 
 }  // namespace moeblaze::cuda::gemm

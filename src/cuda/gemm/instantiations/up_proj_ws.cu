@@ -1,6 +1,7 @@
 // (1) up-projection on the warp-specialised kernel, cooperative schedule (128 x 256 tiles).
 // One instantiation: gather_gemm_kernel<K-major B, GatherActEpilogue<WsFrag>, Cooperative>.
 #include "cuda/gemm/kernels/ws_gather_gemms.cuh"
+#include "cuda/gemm/dispatch/raster.hpp"
 #include "cuda/gemm/dispatch/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm::detail {
@@ -13,7 +14,8 @@ bool ws_gather_supports(int64_t E) { return E >= 1 && E <= kWsMaxExperts; }
 
 void up_proj_ws(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
                 int64_t d, int64_t n, Activation act, cudaStream_t stream) {
-  sm90::ws::up_proj_gather<sm90::ws::Cooperative>(plan, x, w1, h, a, d, n, act, stream);
+  sm90::ws::up_proj_gather<sm90::ws::Cooperative>(plan, x, w1, h, a, d, n, act,
+                                                  sm90::raster_group(), stream);
 }
 
 }  // namespace moeblaze::cuda::gemm::detail

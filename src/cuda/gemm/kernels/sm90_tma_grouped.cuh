@@ -30,7 +30,6 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include "cuda/cuda_backend.hpp"
-#include "cuda/gemm/dispatch/kernel_config.hpp"
 #include "cuda/gemm/pipeline/sm90_tma_desc.cuh"  // bind_current_context
 #include "moeblaze/error.hpp"
 
@@ -46,17 +45,12 @@ using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
 // The persistent scheduler's tile order inside each expert's (M, N) grid. CUTLASS's default for
 // grouped problems walks M first (AlongM) with no swizzle; walking N first with swizzle 2 lets
 // consecutive CTAs share A row panels (pairs of N-tiles), which is faster on the coarse configs
-// (docs/experiments/2026-11-29-tma-paths.md). The kernel overrides tma.order / tma.swizzle
-// (kernel_config.hpp) change it.
+// (docs/experiments/2026-11-29-tma-paths.md). The host passes the order in force
+// (dispatch/tma_paths.hpp, tma_tile_order: the tma.order / tma.swizzle overrides or those).
 struct SchedulerChoice {
-  bool along_n = true;
-  int swizzle = 2;
+  bool along_n;
+  int swizzle;
 };
-inline SchedulerChoice scheduler_choice() {
-  const KernelOverrides o = kernel_overrides();
-  const GemmKernel defaults;
-  return {o.tma_along_n.value_or(defaults.tma_along_n), o.tma_swizzle.value_or(defaults.tma_swizzle)};
-}
 
 // LayoutB: ColumnMajor = B_e stored (N, K), K contiguous (w2_e (d, n) for the down-projection);
 //          RowMajor    = B_e stored (K, N), N contiguous (w1_e (w1_rows, d) for dX̃).
@@ -128,7 +122,8 @@ struct GroupedGemm {
   }
 
   static typename Gemm::Arguments arguments(const GroupArrays& g, int E,
-                                            const cutlass::KernelHardwareInfo& hw) {
+                                            const cutlass::KernelHardwareInfo& hw,
+                                            SchedulerChoice sc) {
     typename Gemm::Arguments args;
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
     args.problem_shape = {E, g.shapes, nullptr};  // sizes on the device only
@@ -140,7 +135,6 @@ struct GroupedGemm {
     args.epilogue.ptr_D = g.ptr_d;
     args.epilogue.dD = g.stride_d;
     args.hw_info = hw;
-    const SchedulerChoice sc = scheduler_choice();
     args.scheduler.raster_order = sc.along_n ? RasterOptions::AlongN : RasterOptions::AlongM;
     args.scheduler.max_swizzle_size = sc.swizzle;
     return args;
@@ -148,9 +142,9 @@ struct GroupedGemm {
 
   // Scratch bytes for E experts on the current device: the argument arrays + CUTLASS's workspace
   // (per-SM TMA descriptors, which the kernel rewrites for each group it visits).
-  static size_t scratch_bytes(int E) {
+  static size_t scratch_bytes(int E, SchedulerChoice sc) {
     const GroupArrays g = carve(nullptr, E);
-    return g.bytes + (Gemm::get_workspace_size(arguments(g, E, hw_info())) + 255) / 256 * 256;
+    return g.bytes + (Gemm::get_workspace_size(arguments(g, E, hw_info(), sc)) + 255) / 256 * 256;
   }
 };
 
@@ -187,16 +181,16 @@ __global__ void build_group_args(typename G::GroupArrays g, const int32_t* __res
   g.stride_d[e] = packed_stride<typename G::StrideD>(ldd);
 }
 
-// Enqueues the argument build and the GEMM on `stream`. scratch: scratch_bytes(E) bytes, 256-byte
-// aligned, not used by anything else until the GEMM has run (stream order).
+// Enqueues the argument build and the GEMM on `stream`. scratch: scratch_bytes(E, sc) bytes,
+// 256-byte aligned, not used by anything else until the GEMM has run (stream order).
 template <class G>
 void run(const char* fn, const int32_t* offsets, int E, const void* a, int64_t lda, const void* b,
          int64_t b_stride, int64_t ldb, void* d, int64_t ldd, int N, int K, void* scratch,
-         size_t scratch_bytes, cudaStream_t stream) {
+         size_t scratch_bytes, SchedulerChoice sc, cudaStream_t stream) {
   sm90::bind_current_context();  // CUTLASS's initialize encodes TMA descriptors (driver API)
   const typename G::GroupArrays g = G::carve(scratch, E);
   const cutlass::KernelHardwareInfo hw = G::hw_info();
-  const typename G::Gemm::Arguments args = G::arguments(g, E, hw);
+  const typename G::Gemm::Arguments args = G::arguments(g, E, hw, sc);
   const size_t ws_bytes = G::Gemm::get_workspace_size(args);
   MOEBLAZE_REQUIRE(scratch_bytes >= g.bytes + ws_bytes, fn, ": scratch of ", scratch_bytes,
                    " bytes is smaller than the ", g.bytes + ws_bytes,

@@ -14,7 +14,6 @@
 #include <cutlass/cuda_host_adapter.hpp>  // cuTensorMapEncodeTiled through the runtime
 
 #include "cuda/cuda_backend.hpp"
-#include "cuda/gemm/dispatch/raster.hpp"
 #include "cuda/gemm/pipeline/sm90_gemm_core.cuh"
 #include "cuda/gemm/pipeline/sm90_tma_desc.cuh"  // make_tma_kmajor
 #include "moeblaze/error.hpp"
@@ -155,10 +154,11 @@ struct StoreEpilogue {
 };
 
 // Launches varlen_m_kernel<MB, Epi> over ceil(S / 128) + E m-tiles (the host-known bound) times
-// n_tiles, walked in raster_tile's order; CTAs past the last real tile exit in the scheduler.
+// n_tiles, walked in raster_tile's order with band height raster_group (the host's choice,
+// dispatch/raster.hpp); CTAs past the last real tile exit in the scheduler.
 template <GMajor kMajorB, class Epi, bool kTmaB = false>
 void launch_varlen_m(const VarlenMArgs& p, const typename Epi::Params& ep, int64_t S,
-                     cudaStream_t stream) {
+                     int raster_group, cudaStream_t stream) {
   if (S == 0) return;
   using Cfg = TileConfig<GMajor::K, kMajorB>;
   const int64_t m_tiles = (S + kBM - 1) / kBM + p.E;
@@ -167,7 +167,7 @@ void launch_varlen_m(const VarlenMArgs& p, const typename Epi::Params& ep, int64
                           " CTAs (S = ", S, ") exceeds 2^31 - 1");
   VarlenMArgs q = p;
   q.m_tiles = static_cast<int>(m_tiles);
-  q.raster_group = raster_group_for(m_tiles);
+  q.raster_group = clamp_raster_group(raster_group, m_tiles);
   if constexpr (kTmaB) q.tma_b = make_tma_kmajor(p.b, p.E * (p.b_expert_stride / p.ldb), p.K);
   auto kernel = &varlen_m_kernel<kMajorB, Epi, kTmaB>;
   MOEBLAZE_CUDA_CHECK(

@@ -37,7 +37,6 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "cuda/cuda_backend.hpp"
-#include "cuda/gemm/dispatch/raster.hpp"
 #include "cuda/gemm/pipeline/sm90_gemm_core.cuh"
 #include "cuda/gemm/pipeline/sm90_tma_desc.cuh"  // make_tma_kmajor
 #include "cuda/gemm/pipeline/sm90_ws_pipeline.cuh"  // ring, schedules, consumer loops
@@ -261,14 +260,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // The grid: one CTA per SM, or fewer when there are fewer tiles than SMs (the host bound
 // (ceil(S / kBM) + E) * n_tiles).
-// b: the stacked weights (E * b_rows_per_expert, b_cols) behind Args::tma_b.
+// b: the stacked weights (E * b_rows_per_expert, b_cols) behind Args::tma_b; raster_group: the
+// host's band height (dispatch/raster.hpp).
 template <GMajor kMajorB, class Epi, class Sched>
 void launch_gather_gemm(const Args& p, const void* b, const typename Epi::Params& ep, int64_t S,
-                        cudaStream_t stream) {
+                        int raster_group, cudaStream_t stream) {
   if (S == 0) return;
   const int grid = persistent_grid(((S + kBM - 1) / kBM + p.E) * p.n_tiles);
   Args q = p;
-  q.raster_group = raster_group_for((S + kBM - 1) / kBM + p.E);
+  q.raster_group = clamp_raster_group(raster_group, (S + kBM - 1) / kBM + p.E);
   const int64_t b_rows = int64_t(p.E) * p.b_rows_per_expert;
   MOEBLAZE_UNSUPPORTED_IF(b_rows > INT32_MAX, "the weight stack's ", b_rows,
                           " rows exceed the TMA coordinate range (2^31 - 1)");

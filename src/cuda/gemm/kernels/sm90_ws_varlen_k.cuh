@@ -26,7 +26,6 @@
 #include <cuda.h>  // CUtensorMap
 
 #include "cuda/cuda_backend.hpp"
-#include "cuda/gemm/dispatch/raster.hpp"
 #include "cuda/gemm/epilogues/quad_transpose.cuh"
 #include "cuda/gemm/pipeline/sm90_tma_desc.cuh"  // make_tma_kmajor
 #include "cuda/gemm/pipeline/sm90_ws_pipeline.cuh"
@@ -287,9 +286,9 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
   if constexpr (kCluster > 1) cute::cluster_sync();
 }
 
-// S: rows of q (the plan's slots).
+// S: rows of q (the plan's slots); raster_group: the host's band height (dispatch/raster.hpp).
 template <bool kTransposed, int kCluster>
-void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, cudaStream_t stream) {
+void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, int raster_group, cudaStream_t stream) {
   VarlenKArgs q = a;
   q.m_tiles = (a.M + kBM - 1) / kBM;
   q.n_tiles = (a.N + kBN - 1) / kBN;
@@ -297,7 +296,7 @@ void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, cudaStream_t stream) {
   const int64_t tiles = int64_t(a.E) * m_groups * q.n_tiles;
   MOEBLAZE_UNSUPPORTED_IF(tiles > int64_t(INT32_MAX), "weight-gradient GEMM of ", tiles,
                           " tiles exceeds 2^31 - 1");
-  q.raster_group = raster_group_for(m_groups);
+  q.raster_group = clamp_raster_group(raster_group, m_groups);
   // q: rows = slots. With S = 0 every expert is empty and nothing is read
   // (its operands may be null), but a descriptor needs a valid address: the output's first
   // 64 x 64 elements stand in.

@@ -155,9 +155,10 @@ struct GatherDhEpilogue {
 };
 
 // up_proj on the warp-specialised kernel with schedule Sched; same contract as up_proj.
+// raster_group: the host's band height (dispatch/raster.hpp).
 template <class Sched>
 void up_proj_gather(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
-                    int64_t d, int64_t n, Activation act, cudaStream_t stream) {
+                    int64_t d, int64_t n, Activation act, int raster_group, cudaStream_t stream) {
   constexpr int kTileN = Sched::kTileN;
   const bool gated = is_gated(act);
   Args p = gather_args(plan, x, d);  // x (T, d), rows gathered per slot
@@ -168,23 +169,24 @@ void up_proj_gather(const RoutingPlanView& plan, const bf16* x, const bf16* w1, 
   p.gate_split = gated ? static_cast<int>(n) : 0;
   ActParams ep{reinterpret_cast<__nv_bfloat16*>(h), reinterpret_cast<__nv_bfloat16*>(a),
                static_cast<int>(n), act};
-  launch_gather_gemm<GMajor::K, GatherActEpilogue<typename Sched::Frag>, Sched>(p, w1, ep,
-                                                                                plan.S, stream);
+  launch_gather_gemm<GMajor::K, GatherActEpilogue<typename Sched::Frag>, Sched>(
+      p, w1, ep, plan.S, raster_group, stream);
 }
 
 // dh_proj on the warp-specialised kernel with schedule Sched; same contract as dh_proj.
+// ds_cols: ds_partials' columns (ds_partials_cols(n)); raster_group as for up_proj_gather.
 template <class Sched>
 void dh_proj_gather(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,
-                    float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n,
-                    Activation act, cudaStream_t stream) {
+                    float* ds_partials, int64_t ds_cols, bf16* dh, bf16* a_scaled, int64_t d,
+                    int64_t n, Activation act, int raster_group, cudaStream_t stream) {
   Args p = gather_args(plan, d_out, d);  // d_out (T, d), rows gathered per slot
   p.n_tiles = static_cast<int>((n + Sched::kTileN - 1) / Sched::kTileN);
   p.b_rows_per_expert = static_cast<int>(d);  // w2 (E, d, n): K = d rows of N = n columns
   p.b_cols = static_cast<int>(n);
   p.gate_split = 0;
-  const DhParams ep = make_dh_params(plan, h, ds_partials, dh, a_scaled, n, act);
-  launch_gather_gemm<GMajor::MN, GatherDhEpilogue<typename Sched::Frag>, Sched>(p, w2, ep,
-                                                                                plan.S, stream);
+  const DhParams ep = make_dh_params(plan, h, ds_partials, ds_cols, dh, a_scaled, n, act);
+  launch_gather_gemm<GMajor::MN, GatherDhEpilogue<typename Sched::Frag>, Sched>(
+      p, w2, ep, plan.S, raster_group, stream);
 }
 
 }  // namespace moeblaze::cuda::gemm::sm90::ws

@@ -427,6 +427,13 @@ __device__ __forceinline__ void raster_tile(int linear, int m_tiles, int n_tiles
   n_tile = local / band_m;
 }
 
+// The band height a launcher passes to raster_tile: the host's choice (group) clamped to
+// [1, m_tiles], so that group * n_tiles <= m_tiles * n_tiles fits the grid's int range.
+inline int clamp_raster_group(int group, int64_t m_tiles) {
+  const int64_t g = group;
+  return static_cast<int>(g < m_tiles ? g : (m_tiles > 0 ? m_tiles : 1));
+}
+
 __device__ __forceinline__ char* align_smem_1k(char* p) {
   const uint32_t a = smem_u32(p);
   return p + ((1024u - (a & 1023u)) & 1023u);

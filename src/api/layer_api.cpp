@@ -8,6 +8,7 @@
 #include "core/layer_checks.hpp"
 #include "core/parallel.hpp"
 #include "core/plan_validation.hpp"
+#include "core/saved_access.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu/layer_common.hpp"
 #include "moeblaze/error.hpp"
@@ -18,6 +19,8 @@
 #endif
 
 namespace moeblaze {
+
+using Saved = moeblaze::detail::SavedAccess;
 
 void require_layer_mode(LayerMode mode, const char* name) {
   MOEBLAZE_REQUIRE(mode == LayerMode::keep_h || mode == LayerMode::recompute ||
@@ -170,17 +173,18 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
                     byte_range(grads.d_pair_weights, "d_pair_weights"), workspace_range(opts)},
                    with_plan({byte_range(x, "x"), byte_range(w1, "w1"), byte_range(w2, "w2"),
                               byte_range(d_out, "d_out"),
-                              {saved.h.data(), saved.h.bytes(), "saved H"}},
+                              {Saved::h(saved).data(), Saved::h(saved).bytes(), "saved H"}},
                              plan));
   MOEBLAZE_REQUIRE(saved.mode() == opts.mode, "saved comes from mode ",
                    layer_mode_name(saved.mode()), ", but opts.mode is ",
                    layer_mode_name(opts.mode));
-  MOEBLAZE_REQUIRE(saved.S_ == plan.S(), "saved holds S = ", saved.S_,
+  MOEBLAZE_REQUIRE(Saved::S(saved) == plan.S(), "saved holds S = ", Saved::S(saved),
                    " assignments, but plan has S = ", plan.S());
   if (opts.mode == LayerMode::keep_h) {
     const size_t want = static_cast<size_t>(plan.S() * cfg.w1_rows()) * dtype_size(cfg.dtype);
-    MOEBLAZE_REQUIRE(saved.h.bytes() == want && saved.h.device() == dev, "saved.h holds ",
-                     saved.h.bytes(), " bytes on ", device_name(saved.h.device()),
+    const Buffer& h = Saved::h(saved);
+    MOEBLAZE_REQUIRE(h.bytes() == want && h.device() == dev, "saved.h holds ", h.bytes(),
+                     " bytes on ", device_name(h.device()),
                      ", expected S*w1_rows*dtype_size = ", want, " on ", device_name(dev));
   }
 
