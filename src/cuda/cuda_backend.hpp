@@ -96,7 +96,8 @@ void build_plan_async(const RoutingView& routing, PlanBuilder builder, RoutingPl
 void throw_if_routing_flags(const int32_t* h_flags, const RoutingView& routing);
 
 // ---- plan check (src/cuda/routing/plan_validate.cu): validate_routing_plan's rules on the GPU.
-// For plans the library did not build (caller-filled device arrays); O(E + T + S) work.
+// For plans the library did not build (caller-filled device arrays); O(E + T + S log(E + T))
+// work (a binary search finds each slot's expert and each pair's token).
 // Workspace: (ceil(S/32),) uint32, a bitmask of slots already mapped by a pair.
 size_t plan_check_workspace_bytes(int64_t S);
 // Header checked on the host (sizes, pointers); contents on `stream` with no host sync (graph-
