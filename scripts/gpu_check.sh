@@ -5,6 +5,7 @@
 #
 #   scripts/gpu_check.sh OUT [PART ...]
 #     PART: all (default) | tests | routing-tests | routing | layer | gemm | ep | python | peers
+#           | sanitize
 #       tests          ctest, every test (CPU and GPU)          → OUT/ctest.log
 #       routing-tests  only the GPU routing tests (gtest filter) → OUT/routing_tests.log
 #       routing        moeblaze bench routing                   → OUT/routing.jsonl, routing.md
@@ -26,6 +27,13 @@
 #                      PYTHON_ALLOW_CPU=1 accepts a CPU-only library (to try the part without a GPU).
 #       peers          bench/peers.py: moeblaze through PyTorch, SonicMoE (SONICMOE_CARRY), torch, and
 #                      the C++ path, same inputs → OUT/peers.jsonl, peers.md; PEERS_ARGS adds flags
+#       sanitize       compute-sanitizer (not in `all`: ~5 min): --tool memcheck over the small-shape
+#                      GPU tests (SANITIZE_FILTER below; no EP/NCCL, no big grids: sanitized
+#                      kernels run 10-100x slower), then over moeblaze bench layer --shape
+#                      512,256,128,16,4 --reps 20 --impl moeblaze,moeblaze-recompute, then
+#                      --tool racecheck over LayerGpu.AggregateRowsMatchesHostInFixedOrder; each
+#                      under a timeout (300, 240, 180 s) → OUT/sanitize.log, and one summary line
+#                      with each run's "ERROR SUMMARY" count. SANITIZE_FILTER replaces the filter.
 #   scripts/gpu_check.sh --pack-deps
 #     copies GoogleTest and CLI11 (headers, static libs) from this machine into
 #     third_party/gpudeps, for a GPU machine that has a CUDA toolkit but no such packages; the
@@ -56,7 +64,7 @@ if [ "${1:-}" = "--pack-deps" ]; then
   exit 0
 fi
 
-OUT=${1:?usage: scripts/gpu_check.sh OUT [all|tests|routing-tests|routing|layer ...]}
+OUT=${1:?usage: scripts/gpu_check.sh OUT [all|tests|routing-tests|routing|layer|sanitize ...]}
 shift
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -65,6 +73,12 @@ parts=("$@")
 want() {
   local p
   for p in "${parts[@]}"; do [ "$p" = all ] || [ "$p" = "$1" ] && return 0; done
+  return 1
+}
+# A part that `all` leaves out (it must be named).
+want_named() {
+  local p
+  for p in "${parts[@]}"; do [ "$p" = "$1" ] && return 0; done
   return 1
 }
 
@@ -97,6 +111,7 @@ if [ -z "${PREBUILT:-}" ]; then
   if want tests; then targets+=(moeblaze_tests moeblaze_gpu_tests); fi
   if want routing-tests; then targets+=(moeblaze_gpu_tests); fi
   if want ep; then targets+=(moeblaze_gpu_tests); fi
+  if want_named sanitize; then targets+=(moeblaze_gpu_tests); fi
   if want python || want peers; then targets+=(moeblaze_capi); fi
   cmake --build "$BUILD" -j "$JOBS" --target "${targets[@]}" >"$OUT/build.log" 2>&1 || {
     grep -E "error|Error" "$OUT/build.log" | head -40; echo "gpu_check: build FAILED"; exit 1; }
@@ -105,8 +120,8 @@ else
   # Only the binaries the requested parts run (a carried build folder stays small).
   need=()
   if want tests; then need+=(moeblaze_tests moeblaze_gpu_tests); fi
-  if want routing-tests || want ep; then need+=(moeblaze_gpu_tests); fi
-  if want routing || want layer || want gemm || want ep; then need+=(moeblaze); fi
+  if want routing-tests || want ep || want_named sanitize; then need+=(moeblaze_gpu_tests); fi
+  if want routing || want layer || want gemm || want ep || want_named sanitize; then need+=(moeblaze); fi
   for b in "${need[@]}"; do
     [ -x "$BUILD/$b" ] || { echo "gpu_check: PREBUILT set but $BUILD/$b is missing"; exit 1; }
   done
@@ -235,6 +250,44 @@ if want ep; then
     tail -20 "$OUT/ep_bench.log"
     if [ $rc -eq 124 ]; then summary+=("bench ep: TIMED OUT after 400 s (see ep_bench.log)")
     else summary+=("bench ep: FAILED (see ep_bench.log)"); fi
+  fi
+fi
+
+# ---- sanitize: compute-sanitizer memcheck over small GPU tests and one layer bench, racecheck
+# over one small kernel test; every run appends to OUT/sanitize.log ----
+SANITIZE_FILTER=${SANITIZE_FILTER:-'PlanValidateGpu.*:RoutingPlanGpu.EdgeCases:RoutingPlanGpu.BadRoutingRaisesFlagsAndClearErrors:RouterGpu.EmptyBatch:RouterGpu.ExactTiesBreakToTheLowerExpertId:RouterGpu.NonFiniteLogitsAreRejectedWithTheCpuMessage:TokenRoundingGpu.TiesAndSmallBatches:LayerGpu.EmptyTokensAndEmptyPlan:LayerGpu.AggregateRowsMatchesHostInFixedOrder:LayerGpu.DPairWeightsGatherIsExact:LayerGpu.RejectsWhatTheGpuPathCannotTakeAndLeavesOutputsUntouched:GroupedGemmEdge.*:GroupedGemmChecks.InvalidArgumentsLeaveOutputsUntouched'}
+# One sanitized run: NAME SECONDS TOOL CMD...; appends "NAME: <errors> errors" (or why not).
+sanitize_run() {
+  local name=$1 secs=$2 tool=$3 rc=0 from
+  shift 3
+  from=$(( $(wc -l <"$OUT/sanitize.log") + 1 ))  # this run's lines only
+  echo "==== $name: compute-sanitizer --tool $tool $* ====" >>"$OUT/sanitize.log"
+  timeout "$secs" compute-sanitizer --tool "$tool" --error-exitcode 99 "$@" \
+    >>"$OUT/sanitize.log" 2>&1 || rc=$?
+  local errs
+  errs=$(tail -n +"$from" "$OUT/sanitize.log" | grep -E '^========= ERROR SUMMARY: [0-9]+ error' |
+         tail -1 | sed -E 's/.*ERROR SUMMARY: ([0-9]+) error.*/\1/' || true)
+  if [ $rc -eq 124 ]; then sanitize_parts+=("$name TIMED OUT after $secs s"); status=1
+  elif [ $rc -eq 99 ]; then sanitize_parts+=("$name ${errs:-?} errors"); status=1
+  elif [ $rc -ne 0 ]; then sanitize_parts+=("$name FAILED rc $rc (${errs:-?} errors)"); status=1
+  else sanitize_parts+=("$name ${errs:-?} errors"); fi
+  echo "==== $name: rc $rc ====" >>"$OUT/sanitize.log"
+}
+if want_named sanitize; then
+  t0=$(date +%s)
+  : >"$OUT/sanitize.log"
+  sanitize_parts=()
+  if ! command -v compute-sanitizer >/dev/null; then
+    status=1
+    summary+=("sanitize: FAILED: compute-sanitizer not found (PATH has /usr/local/cuda/bin)")
+  else
+    sanitize_run "memcheck tests" 300 memcheck "$BUILD/moeblaze_gpu_tests" \
+      --gtest_filter="$SANITIZE_FILTER"
+    sanitize_run "memcheck bench layer" 240 memcheck "$BUILD/moeblaze" bench layer \
+      --shape 512,256,128,16,4 --reps 20 --impl moeblaze,moeblaze-recompute
+    sanitize_run "racecheck aggregate" 180 racecheck "$BUILD/moeblaze_gpu_tests" \
+      --gtest_filter='LayerGpu.AggregateRowsMatchesHostInFixedOrder'
+    summary+=("sanitize: $(IFS=';'; echo "${sanitize_parts[*]}") [$(( $(date +%s) - t0 )) s] (sanitize.log)")
   fi
 fi
 

@@ -9,7 +9,8 @@
 // weights, offsets) and writing the plan's six arrays once (24·P + 8·(T+1) + 4·(E+1) bytes); for
 // the router, reading the logits and writing the routing. It is set against the device-to-device
 // copy bandwidth measured in the same run (bytes read + written). Every plan is checked equal to
-// the sort baseline's before its row is printed.
+// the sort baseline's before its row is printed. The `plan-check` row times the device check of
+// a caller-filled plan (cuda::validate_plan_async) on the sort baseline's plan.
 #include <CLI/CLI.hpp>
 #include <cuda_runtime.h>
 
@@ -290,6 +291,33 @@ void run(const Flags& f) {
             row.gbps = min_bytes / (us * 1e3);
             row.pct_copy = 100.0 * row.gbps / copy_gbps;
             row.vs_sort = sort_us / us;
+            row.workspace = ws.bytes();
+            push(row);
+          }
+          // The device check of a caller-filled plan (cuda::validate_plan_async) over the built
+          // plan: its cost beside the build's. Bytes: the six arrays once plus the slot reads.
+          {
+            Buffer ws(Device::cuda, cuda::plan_check_workspace_bytes(P));
+            Buffer pflags(Device::cuda, sizeof(int32_t) * cuda::kPlanFlagCount);  // (5,) int32
+            MOEBLAZE_CUDA_CHECK(cudaMemset(pflags.data(), 0, pflags.bytes()));
+            const double us = timer.median_us(f.warmup, f.reps, [&] {
+              cuda::validate_plan_async(sort_plan.view(), ws.data(), ws.bytes(),
+                                        pflags.as<int32_t>(), stream);
+            });
+            int32_t h_pflags[cuda::kPlanFlagCount];
+            MOEBLAZE_CUDA_CHECK(cudaMemcpy(h_pflags, pflags.data(), sizeof(h_pflags),
+                                           cudaMemcpyDeviceToHost));
+            if (h_pflags[cuda::kFlagBadPlan])
+              throw Error("bench routing: the plan check flagged a library-built plan");
+            const double check_bytes = 20.0 * double(P) + 4.0 * double(T + 1) +
+                                       4.0 * double(E + 1) + double(ws.bytes());
+            Row row;
+            row.impl = "plan-check";
+            row.skew = skew;
+            row.T = T, row.E = E, row.K = K;
+            row.us = us;
+            row.gbps = check_bytes / (us * 1e3);
+            row.pct_copy = 100.0 * row.gbps / copy_gbps;
             row.workspace = ws.bytes();
             push(row);
           }

@@ -12,7 +12,9 @@
  *  - CUDA calls are enqueued on `stream` (a cudaStream_t, NULL = the legacy default stream) and
  *    never synchronise with the host, so they can be captured in a CUDA graph; bad values that
  *    can only be seen on the device (NaN logits, an out-of-range expert id) raise the `flags`
- *    array (4 int32 on the device, zeroed by the caller) instead of failing the call, and
+ *    array (4 int32 on the device, zeroed by the caller; 5 for moeblaze_check_plan_async)
+ *    instead of failing the call: [0] expert out of range, [1] expert repeated in a token,
+ *    [2] non-finite value, [3] bad pair offsets, [4] bad plan contents.
  *    moeblaze_routing_flags_error() turns raised flags into the validator's message. The one
  *    exception is moeblaze_token_round, which reads its pair count back (documented there).
  *  - Codes: dtype 0 fp32, 1 bf16; device 0 cpu, 1 cuda; activation 0 swiglu, 1 geglu, 2 relu,
@@ -136,8 +138,25 @@ int moeblaze_routing_flags_error(const int32_t* host_flags, const moeblaze_routi
  * The CPU layer calls below run this check on every plan they are given, before any output is
  * written. A plan on cuda is not read by the host: it is as good as the routing it was built
  * from, which moeblaze_build_plan checks on the device (`flags`); a caller who fills device
- * plan arrays any other way checks a host copy of them with this function. */
+ * plan arrays any other way checks them with the two calls below (or a host copy here). */
 int moeblaze_validate_plan(const moeblaze_plan* plan);
+
+/* The same rules on the plan's device, for a plan in device memory that moeblaze_build_plan did
+ * not fill. moeblaze_check_plan_async (CUDA) enqueues the check on `stream` with no host sync
+ * (graph-capturable): a broken rule sets flags[4] (bad_plan) to 1; `flags` is then 5 int32 on
+ * the device, zeroed by the caller (entries 0-3 are the routing checks', so one array of 5 can
+ * serve every call); workspace needs moeblaze_plan_check_workspace_bytes (ceil(S/32)*4 bytes).
+ * On cpu it is moeblaze_validate_plan (workspace and flags unused, may be NULL).
+ * moeblaze_validate_plan_sync is the opt-in synchronous check: the same kernel on `stream` with
+ * the library's own workspace, one host sync, then MOEBLAZE_ERR_INVALID_ARGUMENT with
+ * moeblaze_validate_plan's message naming the first bad entry (from a host copy, the error path
+ * only). Call it before moeblaze_layer_forward/backward with a caller-filled device plan: those
+ * calls read the plan without checking its contents (a bad one reads out of bounds), and after
+ * flags[4] was raised, to get the message. */
+int moeblaze_plan_check_workspace_bytes(int64_t S, int32_t device, uint64_t* bytes);
+int moeblaze_check_plan_async(const moeblaze_plan* plan, int32_t device, void* stream,
+                              void* workspace, uint64_t workspace_bytes, int32_t* flags);
+int moeblaze_validate_plan_sync(const moeblaze_plan* plan, int32_t device, void* stream);
 
 /* Layer. The workspace (NULL = the library allocates its own, accounted) needs at least
  * moeblaze_layer_workspace_bytes for this call's thread count (CPU) and must be 64-byte

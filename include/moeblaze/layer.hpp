@@ -54,6 +54,13 @@ struct LayerOptions {
   // S * w1_rows * dtype_size fewer workspace bytes (layer_workspace_bytes with LayerPass). H is
   // garbage afterwards: `saved` must not serve another backward. The CPU backend ignores it.
   bool dh_over_h = false;
+
+  // CUDA backend: check the contents of a plan that is not library_built() on the device
+  // (cuda::validate_plan: one kernel, one host sync) before any kernel reads it, throwing
+  // InvalidArgument naming the broken rule with every output untouched. Off by default: the
+  // CUDA path never synchronises, and an unchecked bad plan makes its kernels read out of bounds.
+  // The CPU backend always checks such plans and ignores it.
+  bool check_plan = false;
 };
 
 namespace detail {

@@ -102,8 +102,9 @@ void build_routing_plan(const RoutingView& routing, PlanBuilder builder, Routing
 // slot_weights finite. Throws InvalidArgument naming the array, the entry and the rule, e.g.
 // "plan.expert_token_indices[3] (1000000) must be in [0, T = 512)".
 // Host memory only (plan.device == cpu). The layer API calls it on every CPU plan that is not
-// library_built(). The host never reads a plan on cuda: a caller who built one itself checks it
-// by copying the six arrays to the host and passing a view of the copy (device = cpu).
+// library_built(). The host never reads a plan on cuda: the same rules run there as a device
+// kernel, on request (LayerOptions::check_plan; the C ABI's moeblaze_check_plan_async and
+// moeblaze_validate_plan_sync), or on a host copy of the six arrays passed here.
 void validate_routing_plan(const RoutingPlanView& plan);
 
 }  // namespace moeblaze

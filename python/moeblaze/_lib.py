@@ -75,6 +75,7 @@ _SIGNATURES = {
     "moeblaze_build_plan": ([ctypes.POINTER(Routing), _I32, _P, ctypes.POINTER(Plan), _P, _U64, _P],
                             ctypes.c_int),
     "moeblaze_routing_flags_error": ([_P, ctypes.POINTER(Routing), _I32], ctypes.c_int),
+    "moeblaze_validate_plan_sync": ([ctypes.POINTER(Plan), _I32, _P], ctypes.c_int),
     "moeblaze_layer_workspace_bytes": ([ctypes.POINTER(LayerCfg), _I64, _I32, ctypes.POINTER(_U64)],
                                        ctypes.c_int),
     "moeblaze_layer_pass_workspace_bytes": ([ctypes.POINTER(LayerCfg), _I64, _I32, _I32,

@@ -6,7 +6,8 @@ allocated by PyTorch's allocator; workspaces are PyTorch tensors too on CUDA (th
 allocates its own, counted by moeblaze.memory_stats("cpu")). CUDA ops run on PyTorch's current
 stream and never synchronise with the host, except token_round (its pair count sizes its
 outputs). Device-side input checks raise a `flags` tensor (4 int32) instead of an error; see
-check_flags.
+check_flags. A plan filled by the caller (not build_plan) is checked by validate_plan (on CUDA:
+the device check and one host sync); the CUDA experts ops do not read-check plan contents.
 
 Ops (namespace moeblaze):
   route(logits, bias, kind, top_k, renormalize) -> (pair_offsets, pair_experts, pair_weights, flags)
@@ -602,6 +603,29 @@ experts_forward.register_autograd(_experts_backward, setup_context=_experts_setu
 # ---------------------------------------------------------------------------------------------
 # device-side checks
 # ---------------------------------------------------------------------------------------------
+def validate_plan(expert_token_offsets: Tensor, expert_token_indices: Tensor,
+                  slot_weights: Tensor, token_pair_offsets: Tensor, token_expert_indices: Tensor,
+                  token_index_map: Tensor):
+    """Raises ValueError naming the first bad entry and the broken rule when a routing plan you
+    filled yourself (not build_plan's) is not valid: offsets monotone from 0 to S, every index in
+    range, token_index_map a permutation under which the two views agree, slot weights finite.
+    On CUDA it runs the device check on the current stream and reads its flag back (a host
+    sync); the CUDA experts ops do not check plan contents themselves (a bad plan reads out of
+    bounds), so call it on such a plan before them. The CPU ops always check such plans."""
+    plan = (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
+            token_expert_indices, token_index_map)
+    dev = _one_device(_PLAN_NAMES, *plan)
+    _storage_device("expert_token_offsets", expert_token_offsets)
+    _require(expert_token_offsets.dim() == 1 and token_pair_offsets.dim() == 1,
+             "expert_token_offsets and token_pair_offsets must be 1-D (E+1,) and (T+1,)")
+    E, T = expert_token_offsets.numel() - 1, token_pair_offsets.numel() - 1
+    _require(E >= 1 and T >= 0, f"expert_token_offsets must have E+1 >= 2 entries and "
+             f"token_pair_offsets T+1 >= 1, got {E + 1} and {T + 1}")
+    p = _plan_struct(T, E, plan, dev)
+    check(lib().moeblaze_validate_plan_sync(ctypes.byref(p), device_code(expert_token_offsets),
+                                            stream_of(expert_token_offsets)))
+
+
 def check_flags(flags: Tensor, routing: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
                 num_experts: int = 0):
     """Raises ValueError when a CUDA op raised its device-side flags: with the validator's message

@@ -1,6 +1,8 @@
 """Issue 19 (trust under bad input), the Python half: one regression test per defect. Every bad
 argument fails with a ValueError naming the argument and the rule, before any C call, and leaves
 the inputs untouched; what the checks make contiguous gives the contiguous result."""
+import re
+
 import pytest
 import torch
 
@@ -71,6 +73,27 @@ def test_strided_plan_and_routing_made_contiguous(seed):
     got = ops.token_round(logits, None, _strided(off), _strided(exp), _strided(w), 0, K, False,
                           4, 0, 0)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+_CORRUPTIONS = [  # (array index, entry, value, words of the error)
+    (1, 3, 10**6, "plan.expert_token_indices[3] (1000000) must be in [0, T = 6)"),
+    (0, 1, -1, "plan.expert_token_offsets must be non-decreasing"),
+    (4, 0, E, f"plan.token_expert_indices[0] ({E}) must be in [0, E = {E})"),
+    (5, 0, -7, "plan.token_index_map[0] (-7) must be in [0, S = 12)"),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("index,entry,value,words", _CORRUPTIONS)
+def test_validate_plan_names_the_rule(device, index, entry, value, words):
+    if device == "cuda" and not (torch.cuda.is_available() and moeblaze.has_cuda()):
+        pytest.skip("no CUDA device or moeblaze built without CUDA")
+    plan = [t.to(device) for t in _plan_call()[4]]
+    ops.validate_plan(*plan)  # the library's plan passes
+    plan[index] = plan[index].clone()
+    plan[index][entry] = value
+    with pytest.raises(ValueError, match=re.escape(words)):
+        ops.validate_plan(*plan)
 
 
 def test_routing_dtype_named():

@@ -122,6 +122,15 @@ ByteRange workspace_range(const LayerOptions& opts) {
   return {opts.workspace, opts.workspace ? opts.workspace_bytes : 0, "opts.workspace"};
 }
 
+#ifdef MOEBLAZE_WITH_CUDA
+// The opt-in device check of a caller-filled cuda plan (LayerOptions::check_plan), last of the
+// checks because it is the one that synchronises.
+void check_cuda_plan(const RoutingPlan& plan, const LayerOptions& opts) {
+  if (opts.check_plan && !plan.library_built())
+    cuda::validate_plan(plan.view(), static_cast<cudaStream_t>(opts.stream));
+}
+#endif
+
 }  // namespace
 
 void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
@@ -139,6 +148,7 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
   if (plan.device() == Device::cuda) {
 #ifdef MOEBLAZE_WITH_CUDA
     check_caller_memory(cfg, plan, opts, true);
+    check_cuda_plan(plan, opts);
     if (opts.mode == LayerMode::materialized)
       cuda::materialized_forward(cfg, plan, x, w1, w2, out, saved, opts);
     else
@@ -191,6 +201,7 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   if (dev == Device::cuda) {
 #ifdef MOEBLAZE_WITH_CUDA
     check_caller_memory(cfg, plan, opts, false);
+    check_cuda_plan(plan, opts);
     if (opts.mode == LayerMode::materialized)
       cuda::materialized_backward(cfg, plan, x, w1, w2, d_out, saved, grads, opts);
     else

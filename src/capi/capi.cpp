@@ -15,6 +15,7 @@
 #include <new>
 #include <string>
 
+#include "core/checked_math.hpp"
 #include "core/parallel.hpp"
 #include "core/plan_validation.hpp"
 #include "core/routing_validation.hpp"
@@ -434,6 +435,58 @@ int moeblaze_routing_flags_error(const int32_t* host_flags, const moeblaze_routi
 
 int moeblaze_validate_plan(const moeblaze_plan* plan) {
   return guarded([&] { validate_routing_plan(borrow_plan(plan, Device::cpu).view()); });
+}
+
+int moeblaze_plan_check_workspace_bytes(int64_t S, int32_t device, uint64_t* bytes) {
+  return guarded([&] {
+    const Device dev = to_device(device);
+    require_ptr(bytes, "bytes");
+    MOEBLAZE_REQUIRE(S >= 0 && S < kInt32Limit, "S (", S, ") must be in [0, 2^31)");
+    *bytes = 0;
+#ifdef MOEBLAZE_WITH_CUDA
+    if (dev == Device::cuda) *bytes = cuda::plan_check_workspace_bytes(S);
+#else
+    (void)dev;
+#endif
+  });
+}
+
+int moeblaze_check_plan_async(const moeblaze_plan* plan, int32_t device, void* stream,
+                              void* workspace, uint64_t workspace_bytes, int32_t* flags) {
+  return guarded([&] {
+    const Device dev = to_device(device);
+    const RoutingPlan p = borrow_plan(plan, dev);
+    if (dev == Device::cpu) {
+      validate_routing_plan(p.view());
+      return;
+    }
+#ifdef MOEBLAZE_WITH_CUDA
+    require_ptr(flags, "flags");
+    cuda::validate_plan_async(p.view(), workspace, size_t(workspace_bytes), flags,
+                              as_stream(stream));
+#else
+    (void)stream;
+    (void)workspace;
+    (void)workspace_bytes;
+    (void)flags;
+#endif
+  });
+}
+
+int moeblaze_validate_plan_sync(const moeblaze_plan* plan, int32_t device, void* stream) {
+  return guarded([&] {
+    const Device dev = to_device(device);
+    const RoutingPlan p = borrow_plan(plan, dev);
+    if (dev == Device::cpu) {
+      validate_routing_plan(p.view());
+      return;
+    }
+#ifdef MOEBLAZE_WITH_CUDA
+    cuda::validate_plan(p.view(), as_stream(stream));
+#else
+    (void)stream;
+#endif
+  });
 }
 
 int moeblaze_layer_workspace_bytes(const moeblaze_layer_cfg* cfg, int64_t S, int32_t device,

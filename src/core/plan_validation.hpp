@@ -11,7 +11,8 @@ namespace moeblaze {
 void validate_routing_plan_header(const RoutingPlanView& p);
 
 // What every entry point taking a RoutingPlan calls: the header always; the contents for a CPU
-// plan that is not library_built(). A cuda plan's contents stay unread (see routing_plan.hpp).
+// plan that is not library_built(). A cuda plan's contents are checked on the device only on
+// request (LayerOptions::check_plan, src/cuda/routing/plan_validate.cu).
 void require_valid_plan(const RoutingPlan& plan);
 
 }  // namespace moeblaze

@@ -67,7 +67,9 @@ enum RoutingFlag : int {
   kFlagExpertRepeated = 1,    // an expert twice within one token
   kFlagNonFinite = 2,         // a NaN/Inf logit or pair weight
   kFlagBadOffsets = 3,        // pair_offsets not non-decreasing from 0 to P
-  kRoutingFlagCount = 4
+  kRoutingFlagCount = 4,      // the routing checks write entries [0, 4) only
+  kFlagBadPlan = 4,           // a plan breaking a validate_routing_plan rule (plan_validate.cu)
+  kPlanFlagCount = 5          // arrays the plan check writes: 5 int32, the routing's 4 first
 };
 
 struct PlanBuildOptions {
@@ -92,6 +94,23 @@ void build_plan_async(const RoutingView& routing, PlanBuilder builder, RoutingPl
 // Throws InvalidArgument naming the first bad entry (the CPU validator's message, run on a host
 // copy of the routing) when any of h_flags (host copy of the device flags) is raised.
 void throw_if_routing_flags(const int32_t* h_flags, const RoutingView& routing);
+
+// ---- plan check (src/cuda/routing/plan_validate.cu): validate_routing_plan's rules on the GPU.
+// For plans the library did not build (caller-filled device arrays); O(E + T + S log(E + T))
+// work (a binary search finds each slot's expert and each pair's token).
+// Workspace: (ceil(S/32),) uint32, a bitmask of slots already mapped by a pair.
+size_t plan_check_workspace_bytes(int64_t S);
+// Header checked on the host (sizes, pointers); contents on `stream` with no host sync (graph-
+// capturable): a broken rule raises d_flags[kFlagBadPlan] (d_flags: kPlanFlagCount int32, may be
+// nullptr). Bad contents never make it read out of bounds.
+void validate_plan_async(const RoutingPlanView& plan, void* workspace, size_t workspace_bytes,
+                         int32_t* d_flags, cudaStream_t stream);
+// Throws InvalidArgument with the CPU validator's message (run on a host copy of the plan) when
+// h_flags[kFlagBadPlan] (host copy of kPlanFlagCount flags) is raised.
+void throw_if_plan_flags(const int32_t* h_flags, const RoutingPlanView& plan);
+// The opt-in synchronous check: validate_plan_async on `stream` with its own workspace, one
+// host sync to read the flag, then throw_if_plan_flags.
+void validate_plan(const RoutingPlanView& plan, cudaStream_t stream);
 
 // The public build_routing_plan for a GPU routing: builds into fresh buffers on the default
 // stream, reads the flags (the one host sync), throws on bad input, then moves the result into

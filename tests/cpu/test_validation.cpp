@@ -153,13 +153,50 @@ TEST(PlanValidation, CorruptedPlansRejectedByCAbiOutputsUntouched) {
   for_each_corruption([](const Corruption& k, Fixture& f, HostPlan& bad) {
     const std::vector<HostTensor> before = f.snapshot();
     const moeblaze_plan c = bad.c_plan();
-    for (int rc : {moeblaze_validate_plan(&c), f.c_forward(bad), f.c_backward(bad)}) {
+    // On cpu the device check's two entries are the host validator (flags, workspace unused).
+    for (int rc : {moeblaze_validate_plan(&c), f.c_forward(bad), f.c_backward(bad),
+                   moeblaze_check_plan_async(&c, 0, nullptr, nullptr, 0, nullptr),
+                   moeblaze_validate_plan_sync(&c, 0, nullptr)}) {
       EXPECT_EQ(rc, MOEBLAZE_ERR_INVALID_ARGUMENT);
       EXPECT_NE(std::string(moeblaze_last_error()).find(k.message), std::string::npos)
           << moeblaze_last_error();
     }
     f.expect_untouched(before);
   });
+}
+
+// The CPU behaviour of the device plan check's entries: a valid plan passes, no workspace is
+// needed, and LayerOptions::check_plan (a CUDA option) changes nothing on the CPU.
+TEST(PlanValidation, DeviceCheckEntriesOnCpuMatchTheHostValidator) {
+  Fixture f;
+  HostPlan copy(f.built);
+  const moeblaze_plan c = copy.c_plan();
+  EXPECT_EQ(moeblaze_check_plan_async(&c, 0, nullptr, nullptr, 0, nullptr), MOEBLAZE_OK)
+      << moeblaze_last_error();
+  EXPECT_EQ(moeblaze_validate_plan_sync(&c, 0, nullptr), MOEBLAZE_OK) << moeblaze_last_error();
+  uint64_t bytes = 1;
+  EXPECT_EQ(moeblaze_plan_check_workspace_bytes(c.S, 0, &bytes), MOEBLAZE_OK);
+  EXPECT_EQ(bytes, 0u);
+  EXPECT_EQ(moeblaze_plan_check_workspace_bytes(-1, 0, &bytes), MOEBLAZE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moeblaze_last_error()).find("S (-1) must be in [0, 2^31)"),
+            std::string::npos);
+  EXPECT_EQ(moeblaze_check_plan_async(nullptr, 0, nullptr, nullptr, 0, nullptr),
+            MOEBLAZE_ERR_INVALID_ARGUMENT);
+
+  HostPlan bad(f.built);
+  bad.expert_token_indices[3] = 1000000;
+  const std::vector<HostTensor> before = f.snapshot();
+  SavedForBackward saved;
+  LayerOptions o{LayerMode::keep_h, 1};
+  o.check_plan = true;
+  expect_invalid([&] {
+    layer_forward(f.cfg, bad.borrow(), f.t.x.view(), f.t.w1.view(), f.t.w2.view(),
+                  f.t.out.view(), saved, o);
+  }, "plan.expert_token_indices[3] (1000000) must be in [0, T = 40)");
+  f.expect_untouched(before);
+  layer_forward(f.cfg, copy.borrow(), f.t.x.view(), f.t.w1.view(), f.t.w2.view(), f.t.out.view(),
+                saved, o);
+  EXPECT_TRUE(saved.valid());
 }
 
 // Writing through a library-built plan's accessors drops its stamp: the next use checks it.
