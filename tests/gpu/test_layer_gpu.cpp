@@ -27,35 +27,6 @@
 namespace moeblaze::test {
 namespace {
 
-// ---- device memory owned by the test (the caller's tensors: not accounted) --------------------
-
-struct DevMem {
-  void* p = nullptr;
-  size_t bytes = 0;
-  explicit DevMem(size_t b) : bytes(b) {
-    if (b) MOEBLAZE_CUDA_CHECK(cudaMalloc(&p, b));
-  }
-  ~DevMem() {
-    if (p) cudaFree(p);
-  }
-  DevMem(const DevMem&) = delete;
-  DevMem& operator=(const DevMem&) = delete;
-  template <typename T>
-  void upload(const std::vector<T>& v) {
-    MOEBLAZE_CUDA_CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  template <typename T>
-  std::vector<T> download() const {
-    std::vector<T> v(bytes / sizeof(T));
-    MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
-    if (bytes) MOEBLAZE_CUDA_CHECK(cudaMemcpy(v.data(), p, bytes, cudaMemcpyDeviceToHost));
-    return v;
-  }
-  void poison() {  // 0xFF bytes: NaN in bf16 and fp32, so an unwritten element fails the check
-    if (bytes) MOEBLAZE_CUDA_CHECK(cudaMemset(p, 0xFF, bytes));
-  }
-};
-
 // ---- routings ---------------------------------------------------------------------------------
 
 enum class RouteKind { balanced, skewed, rounded };

@@ -24,37 +24,10 @@
 namespace moeblaze::test {
 namespace {
 
-// Test-owned device memory (a foreign caller's arrays: not accounted).
-struct Dev {
-  void* p = nullptr;
-  size_t bytes = 0;
-  explicit Dev(size_t b) : bytes(b) {
-    if (b) MOEBLAZE_CUDA_CHECK(cudaMalloc(&p, b));
-  }
-  template <typename T>
-  explicit Dev(const std::vector<T>& v) : Dev(v.size() * sizeof(T)) {
-    if (bytes) MOEBLAZE_CUDA_CHECK(cudaMemcpy(p, v.data(), bytes, cudaMemcpyHostToDevice));
-  }
-  ~Dev() {
-    if (p) cudaFree(p);
-  }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  template <typename T>
-  T* as() const { return static_cast<T*>(p); }
-  template <typename T>
-  std::vector<T> download() const {
-    std::vector<T> v(bytes / sizeof(T));
-    MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
-    if (bytes) MOEBLAZE_CUDA_CHECK(cudaMemcpy(v.data(), p, bytes, cudaMemcpyDeviceToHost));
-    return v;
-  }
-};
-
 // A host plan's six arrays uploaded as a caller-filled device plan.
 struct DevPlan {
   int64_t T, E, S;
-  Dev eto, eti, sw, tpo, tei, tim;
+  DevMem eto, eti, sw, tpo, tei, tim;
   explicit DevPlan(const HostPlan& h)
       : T(h.T), E(h.E), S(h.S), eto(h.expert_token_offsets), eti(h.expert_token_indices),
         sw(h.slot_weights), tpo(h.token_pair_offsets), tei(h.token_expert_indices),
@@ -72,8 +45,8 @@ struct DevPlan {
 
 // The async check's flags (kPlanFlagCount int32) for a device plan, through the C++ entry.
 std::vector<int32_t> async_flags(const DevPlan& d) {
-  Dev ws(cuda::plan_check_workspace_bytes(d.S));
-  Dev flags(std::vector<int32_t>(cuda::kPlanFlagCount, 0));
+  DevMem ws(cuda::plan_check_workspace_bytes(d.S));
+  DevMem flags(std::vector<int32_t>(cuda::kPlanFlagCount, 0));
   cuda::validate_plan_async(d.borrow().view(), ws.p, ws.bytes, flags.as<int32_t>(), nullptr);
   return flags.download<int32_t>();
 }
@@ -169,8 +142,8 @@ TEST(PlanValidateGpu, EachCorruptionRaisesTheFlagAndTheSyncCheckNamesTheRule) {
     const moeblaze_plan c = d.c_plan();
     uint64_t ws_bytes = 0;
     ASSERT_EQ(moeblaze_plan_check_workspace_bytes(c.S, 1, &ws_bytes), MOEBLAZE_OK);
-    Dev ws(ws_bytes);
-    Dev flags(std::vector<int32_t>(cuda::kPlanFlagCount, 0));
+    DevMem ws(ws_bytes);
+    DevMem flags(std::vector<int32_t>(cuda::kPlanFlagCount, 0));
     ASSERT_EQ(moeblaze_check_plan_async(&c, 1, nullptr, ws.p, ws_bytes, flags.as<int32_t>()),
               MOEBLAZE_OK)
         << moeblaze_last_error();
@@ -187,8 +160,8 @@ TEST(PlanValidateGpu, AsyncCheckIsGraphCapturable) {
   HostPlan bad = good;
   bad.expert_token_indices[3] = 1000000;
   const DevPlan d(good);
-  Dev ws(cuda::plan_check_workspace_bytes(d.S));
-  Dev flags(std::vector<int32_t>(cuda::kPlanFlagCount, 0));
+  DevMem ws(cuda::plan_check_workspace_bytes(d.S));
+  DevMem flags(std::vector<int32_t>(cuda::kPlanFlagCount, 0));
   cudaStream_t s;
   MOEBLAZE_TEST_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaGraph_t g;
@@ -223,8 +196,8 @@ TEST(PlanValidateGpu, LayerCheckPlanLeavesOutputsUntouched) {
   hw1.fill_random(2, 0.1f);
   hw2.fill_random(3, 0.1f);
   hdo.fill_random(4, 1.0f);
-  const Dev x(hx.bytes), w1(hw1.bytes), w2(hw2.bytes), d_out(hdo.bytes);
-  const auto tv = [&](const Dev& m, std::initializer_list<int64_t> dims, DType dt) {
+  const DevMem x(hx.bytes), w1(hw1.bytes), w2(hw2.bytes), d_out(hdo.bytes);
+  const auto tv = [&](const DevMem& m, std::initializer_list<int64_t> dims, DType dt) {
     return TensorView(m.p, dt, Device::cuda, dims);
   };
   const std::vector<unsigned char> poison_out(size_t(c.T * c.d) * es, 0xAB);
@@ -236,7 +209,7 @@ TEST(PlanValidateGpu, LayerCheckPlanLeavesOutputsUntouched) {
 
   // The valid borrowed plan, checked, against the same plan unchecked: the same bits.
   const DevPlan dgood(good);
-  Dev out_checked(poison_out), out_plain(poison_out);
+  DevMem out_checked(poison_out), out_plain(poison_out);
   SavedForBackward saved;
   {
     SavedForBackward s2;
@@ -254,7 +227,7 @@ TEST(PlanValidateGpu, LayerCheckPlanLeavesOutputsUntouched) {
     HostPlan bad = good;
     k.apply(bad);
     const DevPlan d(bad);
-    Dev out(poison_out), dx(poison_out), dw1(poison_w1), dw2(poison_w2), dpw(poison_pw);
+    DevMem out(poison_out), dx(poison_out), dw1(poison_w1), dw2(poison_w2), dpw(poison_pw);
     SavedForBackward s_bad;
     expect_invalid(
         [&] {
