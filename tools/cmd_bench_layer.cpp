@@ -135,7 +135,10 @@ SampleRef reference_on_sample(const LayerConfig& c, const RoutingPlan& host_plan
         for (int64_t k = 0; k < d; ++k) acc += double(float(W1[j * d + k])) * double(float(xs[i][k]));
         h[j] = acc;
       }
-      for (int64_t j = 0; j < n; ++j) a[j] = gated ? reference::activation_f(c.activation, h[j]) * h[n + j] : reference::activation_f(c.activation, h[j]);
+      for (int64_t j = 0; j < n; ++j)
+        a[j] = gated ? reference::activation_f(c.activation, h[j]) *
+                           reference::activation_up(c.activation, h[n + j])
+                     : reference::activation_f(c.activation, h[j]);
       std::fill(dap.begin(), dap.end(), 0.0);
       for (int64_t k = 0; k < d; ++k) {
         double y = 0;
@@ -152,8 +155,10 @@ SampleRef reference_on_sample(const LayerConfig& c, const RoutingPlan& host_plan
         ds += dap[j] * a[j];
         const double da = s * dap[j];
         if (gated) {
-          dh[j] = da * h[n + j] * reference::activation_df(c.activation, h[j]);
-          dh[n + j] = da * reference::activation_f(c.activation, h[j]);
+          dh[j] = da * reference::activation_up(c.activation, h[n + j]) *
+                  reference::activation_df(c.activation, h[j]);
+          dh[n + j] = da * reference::activation_f(c.activation, h[j]) *
+                      reference::activation_dup(c.activation, h[n + j]);
         } else {
           dh[j] = da * reference::activation_df(c.activation, h[j]);
         }

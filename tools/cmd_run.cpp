@@ -676,8 +676,8 @@ void add_run_command(CLI::App& app) {
   f->oK = run->add_option("--K", f->K, "experts per token, top-K (overrides the config's)")
               ->check(any_int64);
   run->add_option("--activation", f->activation,
-                  "expert activation: swiglu, geglu (gated, w1 has 2n rows), relu, silu, gelu, "
-                  "relu2")
+                  "expert activation: swiglu, geglu, swiglu-oai (gated, w1 has 2n rows; "
+                  "swiglu-oai: gpt-oss's clamped SwiGLU), relu, silu, gelu, relu2")
       ->capture_default_str();
   run->add_option("--router", f->router,
                   "router: softmax-topk (softmax, keep the K largest), topk-softmax (K largest "

@@ -18,8 +18,9 @@
  *    moeblaze_routing_flags_error() turns raised flags into the validator's message. The one
  *    exception is moeblaze_token_round, which reads its pair count back (documented there).
  *  - Codes: dtype 0 fp32, 1 bf16; device 0 cpu, 1 cuda; activation 0 swiglu, 1 geglu, 2 relu,
- *    3 silu, 4 gelu, 5 relu2; router 0 softmax_topk, 1 topk_softmax, 2 sigmoid_bias; mode
- *    0 keep_h, 1 recompute; rounding 0 nr-f, 1 sr-f, 2 up, 3 down (the C++ enums' values).
+ *    3 silu, 4 gelu, 5 relu2, 6 swiglu_oai; router 0 softmax_topk, 1 topk_softmax,
+ *    2 sigmoid_bias; mode 0 keep_h, 1 recompute; rounding 0 nr-f, 1 sr-f, 2 up, 3 down (the C++
+ *    enums' values).
  *  - No output may overlap an input or another output (including h, the workspace and the
  *    plan's arrays): the layer calls reject any overlap with MOEBLAZE_ERR_INVALID_ARGUMENT
  *    naming both arguments (in-place gradients would be wrong, not merely slow).

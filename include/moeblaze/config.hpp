@@ -9,12 +9,15 @@
 
 namespace moeblaze {
 
-// Expert activation. Gated ones (swiglu, geglu) use w1 of shape (E, 2n, d): rows [0, n) are the
-// gate g, rows [n, 2n) the up projection u, and a = act(g) * u. Non-gated ones use w1 (E, n, d)
-// and a = act(h).
-enum class Activation : uint8_t { swiglu, geglu, relu, silu, gelu, relu2 };
+// Expert activation. Gated ones (swiglu, geglu, swiglu_oai) use w1 of shape (E, 2n, d): rows
+// [0, n) are the gate g, rows [n, 2n) the up projection u, and a = act(g) * u. Non-gated ones use
+// w1 (E, n, d) and a = act(h). swiglu_oai is gpt-oss's clamped SwiGLU:
+// a = (clamp(u, -7, 7) + 1) * g' sigmoid(1.702 g'), g' = min(g, 7).
+enum class Activation : uint8_t { swiglu, geglu, relu, silu, gelu, relu2, swiglu_oai };
 
-inline bool is_gated(Activation a) { return a == Activation::swiglu || a == Activation::geglu; }
+inline bool is_gated(Activation a) {
+  return a == Activation::swiglu || a == Activation::geglu || a == Activation::swiglu_oai;
+}
 const char* activation_name(Activation a);
 Activation parse_activation(const std::string& s);  // throws InvalidArgument listing the choices
 

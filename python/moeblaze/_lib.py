@@ -14,8 +14,9 @@ OK, ERR_INVALID_ARGUMENT, ERR_UNSUPPORTED, ERR_DEVICE, ERR_OTHER = range(5)
 
 # Enum codes shared with the C++ API.
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-ACTIVATIONS = {"swiglu": 0, "geglu": 1, "relu": 2, "silu": 3, "gelu": 4, "relu2": 5}
-GATED = {"swiglu", "geglu"}
+ACTIVATIONS = {"swiglu": 0, "geglu": 1, "relu": 2, "silu": 3, "gelu": 4, "relu2": 5,
+               "swiglu_oai": 6}
+GATED = {"swiglu", "geglu", "swiglu_oai"}
 ROUTERS = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_bias": 2}
 ROUNDINGS = {"nr-f": 0, "sr-f": 1, "up": 2, "down": 3}
 

@@ -60,6 +60,7 @@ def _run(t, fn, *args):
 # ---------------------------------------------------------------------------------------------
 MAX_THREADS = 1024
 _INT32_MAX = (1 << 31) - 1
+_GATED_CODES = frozenset(_lib.ACTIVATIONS[a] for a in _lib.GATED)
 # Exact tensor types that are never fake: they take the fast paths; any other type (FakeTensor,
 # functional wrappers, user subclasses) goes through the full checks.
 _PLAIN = (Tensor, torch.nn.Parameter)
@@ -477,7 +478,7 @@ def _workspace(nbytes, dev):
 
 
 def _w1_rows(activation, n):
-    return 2 * n if activation in (0, 1) else n
+    return 2 * n if activation in _GATED_CODES else n
 
 
 @torch.library.custom_op("moeblaze::experts_forward", mutates_args=())

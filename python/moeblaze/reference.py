@@ -28,8 +28,12 @@ def activation_fn(name, h, n):
         return F.gelu(h)
     if name == "relu2":
         return F.relu(h).square()
+    if name == "swiglu_oai":  # gpt-oss: alpha 1.702, limit 7 (transformers' GptOssExperts)
+        g = h[..., :n].clamp(max=7.0)
+        u = h[..., n:].clamp(min=-7.0, max=7.0)
+        return (u + 1) * g * torch.sigmoid(1.702 * g)
     raise ValueError(f"moeblaze: activation {name!r} is not one of swiglu, geglu, relu, silu, "
-                     "gelu, relu2")
+                     "gelu, relu2, swiglu_oai")
 
 
 def torch_router(logits, top_k, router="softmax_topk", renormalize=False, bias=None):

@@ -237,7 +237,7 @@ def _ops_case(rng, p):
         v = rng.choice([-1, 1025, 2 ** 31, 2 ** 32 + 1, -(2 ** 63)])
         return f"num_threads {v}", lambda: ops.experts_forward(x, w1, w2, w, *plan, code, False, v)
     if kind == "act":
-        v = rng.choice([6, -1, 2 ** 32, 2 ** 32 + code])
+        v = rng.choice([7, -1, 2 ** 32, 2 ** 32 + code])
         return f"activation code {v}", lambda: ops.experts_forward(x, w1, w2, w, *plan, v, False,
                                                                    0)
     if kind == "bias":

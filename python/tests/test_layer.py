@@ -10,7 +10,8 @@ from moeblaze.reference import dense_reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("activation", ["swiglu", "geglu", "relu", "gelu", "relu2", "silu"])
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "relu", "gelu", "relu2", "silu",
+                                        "swiglu_oai"])
 def test_moe_matches_float64(seed, dtype, activation):
     T, d, n, E, K = 37, 48, 40, 8, 3
     moe = moeblaze.MoE(d, n, E, K, activation=activation, dtype=dtype)

@@ -222,8 +222,8 @@ def test_int_arguments_do_not_wrap(call, rule):
 
 def test_activation_code_range():
     x, w1, w2, pw, plan = _plan_call()
-    with pytest.raises(ValueError, match=r"activation \(6\) must be one of the codes"):
-        ops.experts_forward(x, w1, w2[:, :, :N], pw, *plan, 6, False, 0)
+    with pytest.raises(ValueError, match=r"activation \(7\) must be one of the codes"):
+        ops.experts_forward(x, w1, w2[:, :, :N], pw, *plan, 7, False, 0)
 
 
 # ---- item 10: the auxiliary losses are the same bits for every thread count --------------------

@@ -33,7 +33,7 @@ __global__ void act_kernel(const bf* __restrict__ h, bf* __restrict__ a, int64_t
   const int64_t r = i / n, j = i - r * n;
   if (dev_is_gated(act)) {
     const float g = __bfloat162float(h[r * 2 * n + j]), u = __bfloat162float(h[r * 2 * n + n + j]);
-    a[i] = __float2bfloat16_rn(dev_act(act, g) * u);
+    a[i] = __float2bfloat16_rn(dev_act(act, g) * dev_up(act, u));
   } else {
     a[i] = __float2bfloat16_rn(dev_act(act, __bfloat162float(h[i])));
   }
@@ -47,8 +47,8 @@ __global__ void dact_kernel(const bf* __restrict__ h, const bf* __restrict__ da,
   const float g_da = __bfloat162float(da[i]);
   if (dev_is_gated(act)) {
     const float g = __bfloat162float(h[r * 2 * n + j]), u = __bfloat162float(h[r * 2 * n + n + j]);
-    dh[r * 2 * n + j] = __float2bfloat16_rn(g_da * u * dev_act_grad(act, g));
-    dh[r * 2 * n + n + j] = __float2bfloat16_rn(g_da * dev_act(act, g));
+    dh[r * 2 * n + j] = __float2bfloat16_rn(g_da * dev_up(act, u) * dev_act_grad(act, g));
+    dh[r * 2 * n + n + j] = __float2bfloat16_rn(dev_up_grad_times(act, g_da * dev_act(act, g), u));
   } else {
     dh[i] = __float2bfloat16_rn(g_da * dev_act_grad(act, __bfloat162float(h[i])));
   }

@@ -159,7 +159,7 @@ void forward_impl(const LayerConfig& cfg, const RoutingPlanView& pv, const T* x,
         for (int64_t j = 0; j < n; ++j) {
           const float g = act_fn(act, ld(hr + j));
           st(gr + j, g);
-          st(ar + j, g * ld(hr + n + j));
+          st(ar + j, g * up_fn(act, ld(hr + n + j)));
         }
       } else {
         for (int64_t j = 0; j < n; ++j) st(ar + j, act_fn(act, ld(hr + j)));
@@ -279,8 +279,9 @@ void backward_impl(const LayerConfig& cfg, const RoutingPlanView& pv, const T* w
         const T* gr = G + s * n;
         for (int64_t j = 0; j < n; ++j) {
           const float da = ld(dar + j);
-          st(dhr + j, da * ld(hr + n + j) * act_grad(act, ld(hr + j)));
-          st(dhr + n + j, da * ld(gr + j));
+          const float u = ld(hr + n + j);
+          st(dhr + j, da * up_fn(act, u) * act_grad(act, ld(hr + j)));
+          st(dhr + n + j, up_grad_times(act, da * ld(gr + j), u));
         }
       } else {
         for (int64_t j = 0; j < n; ++j) st(dhr + j, ld(dar + j) * act_grad(act, ld(hr + j)));

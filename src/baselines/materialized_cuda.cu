@@ -61,7 +61,7 @@ __global__ void activation_kernel(const bf* __restrict__ h, bf* __restrict__ act
     const float u = __bfloat162float(h[r * 2 * n + n + j]);
     const bf fg = __float2bfloat16_rn(dev_act(act, g));
     act_g[i] = fg;
-    a[i] = __float2bfloat16_rn(__bfloat162float(fg) * u);
+    a[i] = __float2bfloat16_rn(__bfloat162float(fg) * dev_up(act, u));
   } else {
     a[i] = __float2bfloat16_rn(dev_act(act, __bfloat162float(h[i])));
   }
@@ -99,8 +99,9 @@ __global__ void activation_backward_kernel(const bf* __restrict__ h, const bf* _
   if (dev_is_gated(act)) {
     const float g = __bfloat162float(h[r * 2 * n + j]);
     const float u = __bfloat162float(h[r * 2 * n + n + j]);
-    dh[r * 2 * n + j] = __float2bfloat16_rn(g_da * u * dev_act_grad(act, g));
-    dh[r * 2 * n + n + j] = __float2bfloat16_rn(g_da * __bfloat162float(act_g[i]));
+    dh[r * 2 * n + j] = __float2bfloat16_rn(g_da * dev_up(act, u) * dev_act_grad(act, g));
+    dh[r * 2 * n + n + j] =
+        __float2bfloat16_rn(dev_up_grad_times(act, g_da * __bfloat162float(act_g[i]), u));
   } else {
     dh[i] = __float2bfloat16_rn(g_da * dev_act_grad(act, __bfloat162float(h[i])));
   }

@@ -150,8 +150,8 @@ RoutingPlan borrow_plan(const moeblaze_plan* p, Device dev) {
 
 LayerConfig to_layer(const moeblaze_layer_cfg* c) {
   require_ptr(c, "cfg");
-  MOEBLAZE_REQUIRE(c->activation >= 0 && c->activation <= 5, "activation (", c->activation,
-                   ") must be 0..5 (swiglu, geglu, relu, silu, gelu, relu2)");
+  MOEBLAZE_REQUIRE(c->activation >= 0 && c->activation <= 6, "activation (", c->activation,
+                   ") must be 0..6 (swiglu, geglu, relu, silu, gelu, relu2, swiglu_oai)");
   MOEBLAZE_REQUIRE(c->mode >= 0 && c->mode <= 2, "mode (", c->mode,
                    ") must be 0 (keep_h), 1 (recompute) or 2 (keep_h, dH over h)");
   LayerConfig cfg;

@@ -22,16 +22,17 @@ const char* activation_name(Activation a) {
     case Activation::silu: return "silu";
     case Activation::gelu: return "gelu";
     case Activation::relu2: return "relu2";
+    case Activation::swiglu_oai: return "swiglu-oai";
   }
   return "?";
 }
 Activation parse_activation(const std::string& s) {
   for (Activation a : {Activation::swiglu, Activation::geglu, Activation::relu, Activation::silu,
-                       Activation::gelu, Activation::relu2})
+                       Activation::gelu, Activation::relu2, Activation::swiglu_oai})
     if (s == activation_name(a)) return a;
   if (s == "relu²" || s == "relu^2") return Activation::relu2;
   throw InvalidArgument("activation '" + s +
-                        "' is not one of: swiglu, geglu, relu, silu, gelu, relu2");
+                        "' is not one of: swiglu, geglu, relu, silu, gelu, relu2, swiglu-oai");
 }
 
 const char* router_name(RouterKind r) {
@@ -88,8 +89,9 @@ void LayerConfig::validate() const {
   MOEBLAZE_REQUIRE(K >= 1, "top_k K (", K, ") must be >= 1");
   MOEBLAZE_REQUIRE(K <= E, "top_k K (", K, ") exceeds num_experts E (", E, ")");
   // Enums first: a value outside the enum (from a cast or a C caller) must not reach a switch.
-  MOEBLAZE_REQUIRE(activation <= Activation::relu2, "activation (", int(activation),
-                   ") is not an Activation: must be 0..5 (swiglu, geglu, relu, silu, gelu, relu2)");
+  MOEBLAZE_REQUIRE(activation <= Activation::swiglu_oai, "activation (", int(activation),
+                   ") is not an Activation: must be 0..6 (swiglu, geglu, relu, silu, gelu, relu2, "
+                   "swiglu-oai)");
   MOEBLAZE_REQUIRE(dtype == DType::f32 || dtype == DType::bf16, "dtype (",
                    dtype <= DType::f64 ? dtype_name(dtype) : std::to_string(int(dtype)),
                    ") must be fp32 or bf16");

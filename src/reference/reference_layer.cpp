@@ -7,6 +7,13 @@
 
 namespace moeblaze::reference {
 
+namespace {
+// gpt-oss's clamped SwiGLU (swiglu_oai): sigmoid's scale and the clamp limit of g and u (the
+// float values the CPU and GPU code use, widened).
+constexpr double kOaiAlpha = double(1.702f);
+constexpr double kOaiLimit = 7.0;
+}  // namespace
+
 double activation_f(Activation act, double v) {
   switch (act) {
     case Activation::swiglu:
@@ -15,6 +22,10 @@ double activation_f(Activation act, double v) {
     case Activation::gelu: return 0.5 * v * (1.0 + std::erf(v / std::sqrt(2.0)));
     case Activation::relu: return v > 0 ? v : 0.0;
     case Activation::relu2: return v > 0 ? v * v : 0.0;
+    case Activation::swiglu_oai: {
+      const double c = v > kOaiLimit ? kOaiLimit : v;
+      return c / (1.0 + std::exp(-kOaiAlpha * c));
+    }
   }
   return 0.0;
 }
@@ -34,8 +45,24 @@ double activation_df(Activation act, double v) {
     }
     case Activation::relu: return v > 0 ? 1.0 : 0.0;
     case Activation::relu2: return v > 0 ? 2.0 * v : 0.0;
+    case Activation::swiglu_oai: {
+      // zero at v == limit too: torch.clamp(g, max=limit)'s gradient is 0 there (torch 2.15)
+      if (!(v < kOaiLimit)) return 0.0;
+      const double sg = 1.0 / (1.0 + std::exp(-kOaiAlpha * v));
+      return sg + kOaiAlpha * v * sg * (1.0 - sg);
+    }
   }
   return 0.0;
+}
+
+double activation_up(Activation act, double u) {
+  if (act != Activation::swiglu_oai) return u;
+  return (u < -kOaiLimit ? -kOaiLimit : u > kOaiLimit ? kOaiLimit : u) + 1.0;
+}
+
+double activation_dup(Activation act, double u) {
+  if (act != Activation::swiglu_oai) return 1.0;
+  return (u > -kOaiLimit && u < kOaiLimit) ? 1.0 : 0.0;  // as torch.clamp: 0 at +-limit
 }
 
 LayerReference reference_layer(const LayerConfig& cfg, const int32_t* pair_offsets,
@@ -43,7 +70,8 @@ LayerReference reference_layer(const LayerConfig& cfg, const int32_t* pair_offse
                                const double* x, const double* w1, const double* w2,
                                const double* d_out) {
   const int64_t T = cfg.T, d = cfg.d, n = cfg.n, E = cfg.E, R = cfg.w1_rows();
-  const bool gated = is_gated(cfg.activation);
+  const Activation act = cfg.activation;
+  const bool gated = is_gated(act);
   const int64_t P = T > 0 ? pair_offsets[T] : 0;
   LayerReference r;
   r.out.assign(static_cast<size_t>(T * d), 0.0);
@@ -70,8 +98,8 @@ LayerReference reference_layer(const LayerConfig& cfg, const int32_t* pair_offse
         h[i] = acc;
       }
       for (int64_t j = 0; j < n; ++j)
-        a[j] = gated ? activation_f(cfg.activation, h[j]) * h[n + j]
-                     : activation_f(cfg.activation, h[j]);
+        a[j] = gated ? activation_f(act, h[j]) * activation_up(act, h[n + j])
+                     : activation_f(act, h[j]);
       for (int64_t i = 0; i < d; ++i) {
         double acc = 0;
         for (int64_t j = 0; j < n; ++j) acc += W2[i * n + j] * a[j];
@@ -93,10 +121,10 @@ LayerReference reference_layer(const LayerConfig& cfg, const int32_t* pair_offse
       for (int64_t j = 0; j < n; ++j) {
         const double da = s * dap[j];
         if (gated) {
-          dh[j] = da * h[n + j] * activation_df(cfg.activation, h[j]);
-          dh[n + j] = da * activation_f(cfg.activation, h[j]);
+          dh[j] = da * activation_up(act, h[n + j]) * activation_df(act, h[j]);
+          dh[n + j] = da * activation_f(act, h[j]) * activation_dup(act, h[n + j]);
         } else {
-          dh[j] = da * activation_df(cfg.activation, h[j]);
+          dh[j] = da * activation_df(act, h[j]);
         }
       }
       double* dW1 = r.dw1.data() + e * R * d;

@@ -54,7 +54,10 @@ double reference_loss(const LayerConfig& cfg, const int32_t* pair_offsets,
                       const double* w1, const double* w2, const double* d_out);
 
 // The activation in float64 (f and f' of config.hpp's activations; gelu is the exact erf form).
+// Gated ones: a = f(g) * up(u), dg = da * up(u) * f'(g), du = da * f(g) * dup(u).
 double activation_f(Activation act, double v);
 double activation_df(Activation act, double v);
+double activation_up(Activation act, double u);   // u, except swiglu_oai: clamp(u, -7, 7) + 1
+double activation_dup(Activation act, double u);  // 1, except swiglu_oai: 1 inside (-7, 7) else 0
 
 }  // namespace moeblaze::reference

@@ -68,6 +68,8 @@ TEST(LayerConfig, ValidationNamesTheRule) {
   EXPECT_NO_THROW(c.validate());
   EXPECT_THROW(parse_activation("tanh"), InvalidArgument);
   EXPECT_EQ(parse_activation("relu2"), Activation::relu2);
+  EXPECT_EQ(parse_activation("swiglu-oai"), Activation::swiglu_oai);
+  EXPECT_STREQ(activation_name(Activation::swiglu_oai), "swiglu-oai");
 }
 
 }  // namespace

@@ -351,7 +351,8 @@ TEST(ExpertParallel, EveryActivationAndMode) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   for (Activation act : {Activation::swiglu, Activation::geglu, Activation::relu,
-                         Activation::silu, Activation::gelu, Activation::relu2})
+                         Activation::silu, Activation::gelu, Activation::relu2,
+                         Activation::swiglu_oai})
     for (LayerMode mode : {LayerMode::keep_h, LayerMode::recompute, LayerMode::materialized}) {
       SCOPED_TRACE(std::string(activation_name(act)) + " " + layer_mode_name(mode));
       Spec s;

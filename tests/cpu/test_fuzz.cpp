@@ -321,7 +321,7 @@ TEST(Fuzz, CorruptedPlansAndArgumentsFailCleanly) {
       } else {
         switch (rng() % 14) {
           case 0:
-            c.cfg.activation = 6 + int32_t(rng() % 250);
+            c.cfg.activation = 7 + int32_t(rng() % 250);
             break;
           case 1:
             c.cfg.dtype = 2 + int32_t(rng() % 5);

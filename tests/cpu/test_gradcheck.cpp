@@ -26,7 +26,8 @@ namespace moeblaze {
 namespace {
 
 constexpr Activation kActivations[] = {Activation::swiglu, Activation::geglu, Activation::relu,
-                                       Activation::silu,   Activation::gelu,  Activation::relu2};
+                                       Activation::silu,   Activation::gelu,  Activation::relu2,
+                                       Activation::swiglu_oai};
 
 std::vector<double> normal64(size_t count, uint64_t seed, double stddev) {
   const std::vector<float> v = test::random_normal(count, seed, static_cast<float>(stddev));
@@ -112,6 +113,21 @@ TEST(ReferenceGradcheck, ActivationDerivativesMatchCentralDifferences) {
   EXPECT_NEAR(reference::activation_f(Activation::silu, 1.0), 0.7310585786300049, 1e-15);
   EXPECT_EQ(reference::activation_f(Activation::relu2, -2.0), 0.0);
   EXPECT_EQ(reference::activation_f(Activation::relu2, 3.0), 9.0);
+  // swiglu_oai past its limits (grid off the kinks at g = 7 and u = +-7): the gate and the up
+  // transform against their own differences.
+  const Activation oai = Activation::swiglu_oai;
+  for (double v = -10.05; v < 10.0; v += 0.1) {
+    const double fd_f =
+        (reference::activation_f(oai, v + 1e-6) - reference::activation_f(oai, v - 1e-6)) / 2e-6;
+    EXPECT_NEAR(reference::activation_df(oai, v), fd_f, 1e-7) << "swiglu-oai gate " << v;
+    const double fd_up =
+        (reference::activation_up(oai, v + 1e-6) - reference::activation_up(oai, v - 1e-6)) / 2e-6;
+    EXPECT_NEAR(reference::activation_dup(oai, v), fd_up, 1e-7) << "swiglu-oai up " << v;
+  }
+  EXPECT_EQ(reference::activation_f(oai, 9.0), reference::activation_f(oai, 7.0));
+  EXPECT_EQ(reference::activation_up(oai, -9.0), -6.0);
+  EXPECT_EQ(reference::activation_up(oai, 2.0), 3.0);
+  EXPECT_EQ(reference::activation_up(Activation::swiglu, 9.0), 9.0);
 }
 
 struct RouterCase {

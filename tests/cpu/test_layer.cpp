@@ -13,6 +13,7 @@
 #include "common/layer_fixtures.hpp"
 #include "common/test_util.hpp"
 #include "core/parallel.hpp"
+#include "cpu/activation.hpp"
 #include "moeblaze/moeblaze.hpp"
 #include "reference/reference_layer.hpp"
 
@@ -25,7 +26,8 @@ using test::LayerTensors;
 using test::RoutingSpec;
 
 constexpr Activation kActivations[] = {Activation::swiglu, Activation::geglu, Activation::relu,
-                                       Activation::silu,   Activation::gelu,  Activation::relu2};
+                                       Activation::silu,   Activation::gelu,  Activation::relu2,
+                                       Activation::swiglu_oai};
 
 // Relative Frobenius tolerances against float64:
 //  fp32: every stored value is a chain of at most three fp32 reductions (up-proj over d, down-proj
@@ -75,7 +77,10 @@ std::vector<Case> reference_cases(std::mt19937_64& rng) {
 // relative in dx at d = 293). Such draws test the kink, not the arithmetic, so the test redraws
 // them. The band is 16x the typical rounding of a d-term fp32 sum, sqrt(d) u sqrt(sum v^2); a
 // draw lands in it with probability ~1 in the largest case here, so redraws end quickly.
-bool relu_kink_ambiguous(const LayerConfig& cfg, const HostRouting& r, const LayerTensors& t) {
+// swiglu_oai's clamps put kinks at g = 7 and u = +-7 (checked the same way).
+bool kink_ambiguous(const LayerConfig& cfg, const HostRouting& r, const LayerTensors& t) {
+  const bool oai = cfg.activation == Activation::swiglu_oai;
+  if (!oai && cfg.activation != Activation::relu) return false;
   const double band = 16.0 * std::sqrt(double(cfg.d)) * 0x1p-24;
   for (int64_t tok = 0; tok < cfg.T; ++tok) {
     for (int32_t p = r.offsets[tok]; p < r.offsets[tok + 1]; ++p) {
@@ -87,7 +92,10 @@ bool relu_kink_ambiguous(const LayerConfig& cfg, const HostRouting& r, const Lay
           z += v;
           sq += v * v;
         }
-        if (std::fabs(z) <= band * std::sqrt(sq)) return true;
+        const double dist = !oai ? std::fabs(z)
+                            : j < cfg.n ? std::fabs(z - 7.0)
+                                        : std::min(std::fabs(z - 7.0), std::fabs(z + 7.0));
+        if (dist <= band * std::sqrt(sq)) return true;
       }
     }
   }
@@ -117,7 +125,7 @@ TEST(CpuLayer, ForwardBackwardMatchFloat64Reference) {
         LayerTensors keep(cfg, plan.S());
         do {
           keep.randomize(rng());
-        } while (act == Activation::relu && relu_kink_ambiguous(cfg, routing, keep));
+        } while (kink_ambiguous(cfg, routing, keep));
         LayerTensors rec = keep;
         rec.out.fill_pattern();
         test::run_layer(cfg, plan, keep, {LayerMode::keep_h, 0});
@@ -143,6 +151,88 @@ TEST(CpuLayer, ForwardBackwardMatchFloat64Reference) {
                                     << dpw_err;
       }
     }
+  }
+}
+
+// swiglu_oai's row functions on and around its clamps (g = 7, u = +-7, exact in float) against
+// the float64 formulas: both sides pass no gradient at the limits themselves (torch.clamp's
+// convention), so the rows must agree there too, not only away from them.
+TEST(CpuActivation, SwigluOaiRowsMatchFloat64AtTheClamps) {
+  const float gs[] = {-30.0f, -7.0f, -1.5f, 0.0f, 0.75f, 6.99f, 7.0f, 7.01f, 9.0f, 40.0f};
+  const float us[] = {-30.0f, -7.5f, -7.0f, -6.99f, -1.0f, 0.0f, 2.5f, 6.99f, 7.0f, 7.5f, 50.0f};
+  const int64_t n = int64_t(std::size(gs) * std::size(us));
+  std::vector<float> h(static_cast<size_t>(2 * n)), da(static_cast<size_t>(n)),
+      a(static_cast<size_t>(n)), dh(static_cast<size_t>(2 * n));
+  int64_t i = 0;
+  for (float g : gs)
+    for (float u : us) {
+      h[size_t(i)] = g;
+      h[size_t(n + i)] = u;
+      da[size_t(i)] = 0.5f + 0.01f * float(i);
+      ++i;
+    }
+  const Activation act = Activation::swiglu_oai;
+  cpu::activation_row(act, h.data(), n, a.data());
+  cpu::activation_backward_row(act, h.data(), da.data(), n, dh.data());
+  auto near = [](double got, double want) {
+    return std::fabs(got - want) <= 1e-6 * (1 + std::fabs(want));
+  };
+  for (int64_t j = 0; j < n; ++j) {
+    const double g = h[size_t(j)], u = h[size_t(n + j)], d = da[size_t(j)];
+    const double f = reference::activation_f(act, g), up = reference::activation_up(act, u);
+    const double want_dg = d * up * reference::activation_df(act, g);
+    const double want_du = d * f * reference::activation_dup(act, u);
+    SCOPED_TRACE("g " + std::to_string(g) + " u " + std::to_string(u));
+    EXPECT_TRUE(near(a[size_t(j)], f * up)) << a[size_t(j)] << " vs " << f * up;
+    EXPECT_TRUE(near(dh[size_t(j)], want_dg)) << dh[size_t(j)] << " vs " << want_dg;
+    EXPECT_TRUE(near(dh[size_t(n + j)], want_du)) << dh[size_t(n + j)] << " vs " << want_du;
+    // The clamps themselves: a is flat in g past 7 and in u outside (-7, 7), equality included.
+    if (g >= 7.0) EXPECT_EQ(dh[size_t(j)], 0.0f);
+    if (std::fabs(u) >= 7.0) EXPECT_EQ(dh[size_t(n + j)], 0.0f);
+    const double f_at_limit = 7.0 / (1 + std::exp(-1.702 * 7.0));
+    if (g >= 7.0 && std::fabs(u) < 7.0) EXPECT_TRUE(near(a[size_t(j)], f_at_limit * (u + 1)));
+  }
+}
+
+// The whole CPU layer with swiglu_oai where the clamps bite: w1 scaled so that h ~ N(0, 8^2) puts
+// about 40 % of g and u past the limits. fp32 only: in bf16 a stored h within bf16 rounding of a
+// limit takes the other side of the kink often enough to fail a whole-tensor tolerance.
+TEST(CpuLayer, SwigluOaiClampedRegionMatchesFloat64) {
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const HostRouting routing = test::random_routing({400, 6, 2, 0, true}, rng());
+  const RoutingPlan plan = test::make_plan(routing);
+  const LayerConfig cfg{400, 48, 40, 6, 2, Activation::swiglu_oai, DType::f32};
+  LayerTensors t(cfg, plan.S());
+  do {
+    t.randomize(rng());
+    t.w1.fill_random(rng(), 8.0f / std::sqrt(float(cfg.d)));
+  } while (kink_ambiguous(cfg, routing, t));
+  // The draw does reach the clamps: count h past them over the routed pairs.
+  int64_t gate_clamped = 0, up_clamped = 0;
+  for (int64_t tok = 0; tok < cfg.T; ++tok)
+    for (int32_t p = routing.offsets[tok]; p < routing.offsets[tok + 1]; ++p)
+      for (int64_t j = 0; j < cfg.w1_rows(); ++j) {
+        const int64_t row = routing.experts[p] * cfg.w1_rows() + j;
+        double z = 0;
+        for (int64_t k = 0; k < cfg.d; ++k) z += t.x.at(tok * cfg.d + k) * t.w1.at(row * cfg.d + k);
+        if (j < cfg.n ? z > 7.0 : std::fabs(z) > 7.0) ++(j < cfg.n ? gate_clamped : up_clamped);
+      }
+  EXPECT_GT(gate_clamped, 1000);
+  EXPECT_GT(up_clamped, 1000);
+  for (LayerMode mode : {LayerMode::keep_h, LayerMode::recompute}) {
+    SCOPED_TRACE(layer_mode_name(mode));
+    LayerTensors run = t;
+    test::run_layer(cfg, plan, run, {mode, 0});
+    const reference::LayerReference ref = reference::reference_layer(
+        cfg, routing.view(), run.x.view(), run.w1.view(), run.w2.view(), run.d_out.view());
+    expect_close("out", run.out, ref.out, tol(DType::f32));
+    expect_close("dx", run.dx, ref.dx, tol(DType::f32));
+    expect_close("dw1", run.dw1, ref.dw1, tol(DType::f32));
+    expect_close("dw2", run.dw2, ref.dw2, tol(DType::f32));
+    EXPECT_LE(test::scaled_error(run.d_pair_weights, ref.d_pair_weights, ref.d_pair_weights_abs),
+              tol(DType::f32));
   }
 }
 

@@ -184,7 +184,9 @@ Grads64 reference(const LayerConfig& c, const Routing& r, const HostTensor& x,
         h[i] = acc;
       }
       for (int64_t j = 0; j < n; ++j)
-        a[j] = gated ? reference::activation_f(c.activation, h[j]) * h[n + j] : reference::activation_f(c.activation, h[j]);
+        a[j] = gated ? reference::activation_f(c.activation, h[j]) *
+                           reference::activation_up(c.activation, h[n + j])
+                     : reference::activation_f(c.activation, h[j]);
       for (int64_t i = 0; i < d; ++i) {
         double acc = 0;
         for (int64_t j = 0; j < n; ++j) acc += double(w2e[i * n + j]) * a[j];
@@ -201,8 +203,10 @@ Grads64 reference(const LayerConfig& c, const Routing& r, const HostTensor& x,
       g.dpw[p] = ds;
       for (int64_t j = 0; j < n; ++j) {
         if (gated) {
-          dh[j] = da[j] * h[n + j] * reference::activation_df(c.activation, h[j]);
-          dh[n + j] = da[j] * reference::activation_f(c.activation, h[j]);
+          dh[j] = da[j] * reference::activation_up(c.activation, h[n + j]) *
+                  reference::activation_df(c.activation, h[j]);
+          dh[n + j] = da[j] * reference::activation_f(c.activation, h[j]) *
+                      reference::activation_dup(c.activation, h[n + j]);
         } else {
           dh[j] = da[j] * reference::activation_df(c.activation, h[j]);
         }
@@ -327,7 +331,8 @@ void expect_dpw_close(const std::vector<float>& got, const Grads64& ref, double 
 }
 
 const Activation kAllActivations[] = {Activation::swiglu, Activation::geglu, Activation::relu,
-                                      Activation::silu,   Activation::gelu,  Activation::relu2};
+                                      Activation::silu,   Activation::gelu,  Activation::relu2,
+                                      Activation::swiglu_oai};
 
 // ---------------------------------------------------------------------------------------------
 // Tests

@@ -301,10 +301,10 @@ TEST(CheckedSizes, RepeatCheckForManyPairsPerToken) {
 TEST(EnumRanges, OutOfRangeEnumsAreRejectedBeforeAnyWork) {
   for (LayerMode mode : {LayerMode::keep_h, LayerMode::recompute, LayerMode::materialized}) {
     Fixture f;
-    f.cfg.activation = static_cast<Activation>(6);
+    f.cfg.activation = static_cast<Activation>(7);
     const std::vector<HostTensor> before = f.snapshot();
-    expect_invalid([&] { f.forward(f.built, mode); }, "activation (6) is not an Activation");
-    expect_invalid([&] { f.backward(f.built, mode); }, "activation (6) is not an Activation");
+    expect_invalid([&] { f.forward(f.built, mode); }, "activation (7) is not an Activation");
+    expect_invalid([&] { f.backward(f.built, mode); }, "activation (7) is not an Activation");
     f.expect_untouched(before);
   }
   LayerConfig c{8, 8, 8, 4, 2, Activation::relu, static_cast<DType>(9)};
@@ -347,10 +347,10 @@ TEST(EnumRanges, OutOfRangeEnumsAreRejectedBeforeAnyWork) {
   expect_invalid([&] { validate_routing_plan(v); }, "plan.device (4) must be cpu or cuda");
   // The C ABI checks its codes too.
   moeblaze_layer_cfg cc = test::c_layer_cfg(f.cfg, 0);
-  cc.activation = 6;
+  cc.activation = 7;
   uint64_t bytes = 0;
   EXPECT_EQ(moeblaze_layer_workspace_bytes(&cc, 16, 0, &bytes), MOEBLAZE_ERR_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(moeblaze_last_error()).find("activation (6)"), std::string::npos);
+  EXPECT_NE(std::string(moeblaze_last_error()).find("activation (7)"), std::string::npos);
 }
 
 // ---- aliasing (issue 19 item 7) ----

@@ -195,14 +195,17 @@ struct Case {
   Activation act;
 };
 std::string case_name(const Case& c) {
+  std::string act = activation_name(c.act);
+  std::replace(act.begin(), act.end(), '-', '_');  // gtest names: letters, digits, '_' only
   return "E" + std::to_string(c.E) + "_d" + std::to_string(c.d) + "_n" + std::to_string(c.n) +
          "_T" + std::to_string(c.T) + (c.pattern == Pattern::one_expert ? "_one" : "_rand") +
-         "_" + activation_name(c.act);
+         "_" + act;
 }
 
 std::vector<Case> all_cases() {
   const Activation all_acts[] = {Activation::swiglu, Activation::geglu, Activation::relu,
-                                 Activation::silu,   Activation::gelu,  Activation::relu2};
+                                 Activation::silu,   Activation::gelu,  Activation::relu2,
+                                 Activation::swiglu_oai};
   std::vector<Case> cs;
   for (Activation a : all_acts) {
     cs.push_back({8, 256, 768, 300, Pattern::random, a});
@@ -259,7 +262,8 @@ TEST_P(GroupedGemm, UpProjGatheredWithActivationEpilogue) {
     }
     for (int64_t j = 0; j < n; ++j) {
       const double* hr = &h_ref[size_t(r * R)];
-      a_ref[size_t(r * n + j)] = is_gated(c.act) ? reference::activation_f(c.act, hr[j]) * hr[n + j]
+      a_ref[size_t(r * n + j)] = is_gated(c.act) ? reference::activation_f(c.act, hr[j]) *
+                                                       reference::activation_up(c.act, hr[n + j])
                                                  : reference::activation_f(c.act, hr[j]);
     }
   }
@@ -363,9 +367,11 @@ TEST_P(GroupedGemm, DhProjGatheredWithBackwardEpilogue) {
       double a;
       if (is_gated(c.act)) {
         const double g = float(hr[j]), u = float(hr[n + j]);
-        a = reference::activation_f(c.act, g) * u;
-        dh_ref[size_t(r * R + j)] = da * u * reference::activation_df(c.act, g);
-        dh_ref[size_t(r * R + n + j)] = da * reference::activation_f(c.act, g);
+        a = reference::activation_f(c.act, g) * reference::activation_up(c.act, u);
+        dh_ref[size_t(r * R + j)] =
+            da * reference::activation_up(c.act, u) * reference::activation_df(c.act, g);
+        dh_ref[size_t(r * R + n + j)] =
+            da * reference::activation_f(c.act, g) * reference::activation_dup(c.act, u);
       } else {
         const double hv = float(hr[j]);
         a = reference::activation_f(c.act, hv);

@@ -143,7 +143,10 @@ Ref reference(const LayerConfig& c, const RoutingPlan& plan, const std::vector<b
       for (int64_t k = 0; k < d; ++k) acc += double(float(w1[(e * R + j) * d + k])) * double(float(x[t * d + k]));
       h[j] = acc;
     }
-    for (int64_t j = 0; j < n; ++j) a[j] = gated ? reference::activation_f(c.activation, h[j]) * h[n + j] : reference::activation_f(c.activation, h[j]);
+    for (int64_t j = 0; j < n; ++j)
+      a[j] = gated ? reference::activation_f(c.activation, h[j]) *
+                         reference::activation_up(c.activation, h[n + j])
+                   : reference::activation_f(c.activation, h[j]);
     for (int64_t i = 0; i < d; ++i) {
       double acc = 0;
       for (int64_t j = 0; j < n; ++j) acc += double(float(w2[(e * d + i) * n + j])) * a[j];
@@ -161,8 +164,10 @@ Ref reference(const LayerConfig& c, const RoutingPlan& plan, const std::vector<b
       as[r * n + j] = s * a[j];
       const double da = s * dap[j];
       if (gated) {
-        dh[r * R + j] = da * h[n + j] * reference::activation_df(c.activation, h[j]);
-        dh[r * R + n + j] = da * reference::activation_f(c.activation, h[j]);
+        dh[r * R + j] = da * reference::activation_up(c.activation, h[n + j]) *
+                        reference::activation_df(c.activation, h[j]);
+        dh[r * R + n + j] = da * reference::activation_f(c.activation, h[j]) *
+                            reference::activation_dup(c.activation, h[n + j]);
       } else {
         dh[r * R + j] = da * reference::activation_df(c.activation, h[j]);
       }
@@ -474,13 +479,17 @@ INSTANTIATE_TEST_SUITE_P(
         Case{1000, 256, 256, 64, 2, Activation::silu, LayerMode::recompute, RouteKind::rounded},
         Case{1000, 1536, 768, 8, 1, Activation::gelu, LayerMode::keep_h, RouteKind::balanced},
         Case{1000, 256, 128, 128, 8, Activation::relu2, LayerMode::keep_h, RouteKind::rounded},
+        Case{1000, 768, 256, 64, 2, Activation::swiglu_oai, LayerMode::keep_h, RouteKind::skewed},
+        Case{7, 256, 128, 8, 2, Activation::swiglu_oai, LayerMode::recompute, RouteKind::balanced},
         Case{8192, 128, 128, 128, 8, Activation::swiglu, LayerMode::keep_h, RouteKind::skewed},
         Case{8192, 256, 256, 8, 2, Activation::swiglu, LayerMode::recompute, RouteKind::rounded}),
     [](const ::testing::TestParamInfo<Case>& info) {
       const Case& c = info.param;
+      std::string act = activation_name(c.act);
+      std::replace(act.begin(), act.end(), '-', '_');  // gtest names: letters, digits, '_' only
       return std::string(route_name(c.route)) + "_T" + std::to_string(c.T) + "_d" +
              std::to_string(c.d) + "_n" + std::to_string(c.n) + "_E" + std::to_string(c.E) +
-             "_K" + std::to_string(c.K) + "_" + activation_name(c.act) +
+             "_K" + std::to_string(c.K) + "_" + act +
              (c.mode == LayerMode::recompute ? "_recompute" : "");
     });
 

@@ -54,7 +54,7 @@ __global__ void up_kernel(RoutingPlanView p, const bf16* x, const bf16* w1, bf16
     st(h, r * rows + j, g);
     if (gated) st(h, r * rows + n + j, u);
   }
-  if (a) st(a, r * n + j, gated ? dev_act(act, g) * u : dev_act(act, g));
+  if (a) st(a, r * n + j, gated ? dev_act(act, g) * dev_up(act, u) : dev_act(act, g));
 }
 
 // grid (S, ceil(d/128))
@@ -90,10 +90,11 @@ __global__ void dh_kernel(RoutingPlanView p, const bf16* dout, const bf16* w2, c
     if (gated) {
       const float g = ld(h, r * rows + c), u = ld(h, r * rows + n + c);
       const float fa = dev_act(act, g);
-      const float av = fa * u;
+      const float pu = dev_up(act, u);
+      const float av = fa * pu;
       pr = dap * av;
-      st(dh, r * rows + c, da * u * dev_act_grad(act, g));
-      st(dh, r * rows + n + c, da * fa);
+      st(dh, r * rows + c, da * pu * dev_act_grad(act, g));
+      st(dh, r * rows + n + c, dev_up_grad_times(act, da * fa, u));
       st(a_scaled, r * n + c, s * av);
     } else {
       const float hv = ld(h, r * rows + c);

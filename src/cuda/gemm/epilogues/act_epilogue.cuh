@@ -38,7 +38,7 @@ struct ActParams {
 template <Activation A, class Frag, class Acc>
 __device__ __forceinline__ void act_epilogue_body(const ActParams& p, Acc& acc, int m_begin,
                                                   int m_end, int n_tile) {
-  constexpr bool kGated = A == Activation::swiglu || A == Activation::geglu;
+  constexpr bool kGated = dev_is_gated(A);
   static_assert(Frag::kGroups % (kGated ? 8 : 4) == 0, "column groups come in quads");
   const int64_t w1_rows = kGated ? 2 * int64_t(p.n) : p.n;
   const int q = threadIdx.x & 3;
@@ -62,7 +62,8 @@ __device__ __forceinline__ void act_epilogue_body(const ActParams& p, Acc& acc, 
           const float u0 = acc(ui), u1 = acc(ui + 1);
           hg[k] = pack_bf16x2(g0, g1);
           hu[k] = pack_bf16x2(u0, u1);
-          av[k] = pack_bf16x2(dev_act_fast(A, g0) * u0, dev_act_fast(A, g1) * u1);
+          av[k] = pack_bf16x2(dev_act_fast(A, g0) * dev_up(A, u0),
+                              dev_act_fast(A, g1) * dev_up(A, u1));
         }
         const int jv = j0 + 8 * (i0 + q);  // this lane's group after the transpose
         const bool ok = row_ok && jv < p.n;  // n is a multiple of 64: groups never straddle it

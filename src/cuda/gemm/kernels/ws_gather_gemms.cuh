@@ -78,7 +78,7 @@ struct GatherDhEpilogue {
   // kernel's in the last bits).
   template <Activation A, class Acc>
   __device__ static void body(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile) {
-    constexpr bool kGated = A == Activation::swiglu || A == Activation::geglu;
+    constexpr bool kGated = dev_is_gated(A);
     const int64_t w1_rows = kGated ? 2 * int64_t(p.n) : p.n;
     const int n0 = n_tile * Frag::kTileN;
     const int q = threadIdx.x & 3;
