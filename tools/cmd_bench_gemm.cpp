@@ -528,7 +528,7 @@ void add_bench_gemm_command(CLI::App& bench) {
   sub->add_option("--configs", flags->configs,
                   "comma list: gemm-big (S=65536, E=16, d=2048, n=1024) or named configs");
   sub->add_option("--activation", flags->activation,
-                  "swiglu, geglu, relu, silu, gelu, relu2, swiglu-oai");
+                  "swiglu, geglu, relu, silu, gelu, relu2");
   sub->add_option("--reps", flags->reps, "timed repetitions (>= 20)")
       ->check(integer_in(1, INT32_MAX));
   sub->add_option("--warmup", flags->warmup, "untimed repetitions first")

@@ -78,3 +78,14 @@ def test_module_accepts_swiglu_oai(seed):
     assert moe.w1.shape == (4, 32, 32)  # gated: 2n rows
     out, _ = moe(torch.randn(5, 32))
     assert out.shape == (5, 32)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and moeblaze.has_cuda()), reason="no GPU")
+def test_gpu_rejects_swiglu_oai_clearly():
+    x = torch.randn(16, 128, device="cuda", dtype=torch.bfloat16)
+    w1 = torch.randn(4, 256, 128, device="cuda", dtype=torch.bfloat16)
+    w2 = torch.randn(4, 128, 128, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(4)[:2] for _ in range(16)]).cuda()
+    with pytest.raises(moeblaze.UnsupportedError, match="swiglu-oai runs on the CPU backend"):
+        moeblaze.moe_experts(x, w1, w2, ids, torch.rand(16, 2, device="cuda"),
+                             activation="swiglu_oai")

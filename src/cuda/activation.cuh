@@ -26,7 +26,10 @@ __device__ __forceinline__ void dispatch_activation(Activation act, F&& f) {
     case A::silu: return f(std::integral_constant<A, A::silu>{});
     case A::gelu: return f(std::integral_constant<A, A::gelu>{});
     case A::relu2: return f(std::integral_constant<A, A::relu2>{});
-    case A::swiglu_oai: return f(std::integral_constant<A, A::swiglu_oai>{});
+    // swiglu_oai: not here. A case in this shared switch raised the other activations' register
+    // use and spills in the fused kernels; it needs kernels of its own (the GPU path rejects it:
+    // gemm_checks.cpp check_gpu_activation).
+    case A::swiglu_oai: return;
   }
 }
 

@@ -204,8 +204,7 @@ std::string case_name(const Case& c) {
 
 std::vector<Case> all_cases() {
   const Activation all_acts[] = {Activation::swiglu, Activation::geglu, Activation::relu,
-                                 Activation::silu,   Activation::gelu,  Activation::relu2,
-                                 Activation::swiglu_oai};
+                                 Activation::silu,   Activation::gelu,  Activation::relu2};
   std::vector<Case> cs;
   for (Activation a : all_acts) {
     cs.push_back({8, 256, 768, 300, Pattern::random, a});

@@ -479,8 +479,6 @@ INSTANTIATE_TEST_SUITE_P(
         Case{1000, 256, 256, 64, 2, Activation::silu, LayerMode::recompute, RouteKind::rounded},
         Case{1000, 1536, 768, 8, 1, Activation::gelu, LayerMode::keep_h, RouteKind::balanced},
         Case{1000, 256, 128, 128, 8, Activation::relu2, LayerMode::keep_h, RouteKind::rounded},
-        Case{1000, 768, 256, 64, 2, Activation::swiglu_oai, LayerMode::keep_h, RouteKind::skewed},
-        Case{7, 256, 128, 8, 2, Activation::swiglu_oai, LayerMode::recompute, RouteKind::balanced},
         Case{8192, 128, 128, 128, 8, Activation::swiglu, LayerMode::keep_h, RouteKind::skewed},
         Case{8192, 256, 256, 8, 2, Activation::swiglu, LayerMode::recompute, RouteKind::rounded}),
     [](const ::testing::TestParamInfo<Case>& info) {
@@ -737,9 +735,12 @@ TEST(LayerGpu, RejectsWhatTheGpuPathCannotTakeAndLeavesOutputsUntouched) {
     int64_t d, n;
     DType dtype;
     const char* expect;
+    Activation act = Activation::swiglu;
   };
   for (const Bad& b : {Bad{100, 128, DType::bf16, "d (100)"}, Bad{128, 96, DType::bf16, "n (96)"},
-                       Bad{128, 128, DType::f32, "dtype fp32: the CUDA backend stores bf16"}}) {
+                       Bad{128, 128, DType::f32, "dtype fp32: the CUDA backend stores bf16"},
+                       Bad{128, 128, DType::bf16, "activation swiglu-oai runs on the CPU backend",
+                           Activation::swiglu_oai}}) {
     SCOPED_TRACE(b.expect);
     LayerConfig c;
     c.T = 16;
@@ -748,6 +749,7 @@ TEST(LayerGpu, RejectsWhatTheGpuPathCannotTakeAndLeavesOutputsUntouched) {
     c.E = 4;
     c.K = 2;
     c.dtype = b.dtype;
+    c.activation = b.act;
     Plans plans;
     make_plans(make_routing(c.T, c.E, c.K, RouteKind::balanced, seed), plans);
     const size_t es = dtype_size(b.dtype);

@@ -22,6 +22,7 @@
 
 #include "core/saved_access.hpp"
 #include "cuda/cuda_backend.hpp"
+#include "cuda/gemm/dispatch/gemm_checks.hpp"  // check_gpu_activation
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/layer/naive_grouped_gemm.hpp"
 #include "moeblaze/error.hpp"
@@ -131,6 +132,7 @@ void check_gpu_layer_args(const LayerConfig& cfg, const RoutingPlan& plan,
   MOEBLAZE_UNSUPPORTED_IF(cfg.dtype != DType::bf16, "dtype ", dtype_name(cfg.dtype),
                           ": the CUDA backend stores bf16; use the CPU backend for fp32");
   gemm::check_gemm_shape(cfg.d, cfg.n);
+  gemm::detail::check_gpu_activation("layer", cfg.activation);
   MOEBLAZE_REQUIRE(plan.device() == Device::cuda, "plan is on ", device_name(plan.device()),
                    ", expected cuda");
   MOEBLAZE_REQUIRE(plan.T() == cfg.T, "plan has T = ", plan.T(), ", the layer has T = ", cfg.T);

@@ -41,6 +41,12 @@ void check_ptr(const char* fn, const void* p, const char* name, bool needed) {
   MOEBLAZE_REQUIRE(!needed || p != nullptr, fn, ": ", name, " must not be null");
 }
 
+void check_gpu_activation(const char* fn, Activation act) {
+  MOEBLAZE_UNSUPPORTED_IF(act == Activation::swiglu_oai, fn, ": activation ", activation_name(act),
+                          " runs on the CPU backend only for now (the fused GPU epilogues do not "
+                          "compile it yet)");
+}
+
 void check_dims(const char* fn, int64_t d, int64_t n) {
   MOEBLAZE_REQUIRE(d > 0, fn, ": d (", d, ") must be positive");
   MOEBLAZE_REQUIRE(n > 0, fn, ": n (", n, ") must be positive");

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 
+#include "moeblaze/config.hpp"  // Activation
 #include "moeblaze/routing_plan.hpp"
 
 namespace moeblaze::cuda::gemm::detail {
@@ -18,5 +19,8 @@ void check_ptr(const char* fn, const void* p, const char* name, bool needed = tr
 
 // InvalidArgument unless d, n are positive and below 2^30, then check_gemm_shape (Unsupported).
 void check_dims(const char* fn, int64_t d, int64_t n);
+// The activations the fused GPU epilogues compile (every one but swiglu_oai, which the CPU
+// backend runs): Unsupported naming it otherwise.
+void check_gpu_activation(const char* fn, Activation act);
 
 }  // namespace moeblaze::cuda::gemm::detail

@@ -164,6 +164,7 @@ void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, con
   constexpr const char* fn = "dh_proj";
   detail::check_plan(fn, plan, /*gathers=*/true, /*weights=*/true);
   detail::check_dims(fn, d, n);
+  detail::check_gpu_activation(fn, act);
   const bool need = plan.S > 0;
   detail::check_ptr(fn, d_out, "d_out", need);
   detail::check_ptr(fn, w2, "w2", need);

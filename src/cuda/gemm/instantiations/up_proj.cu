@@ -34,6 +34,7 @@ void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h
   constexpr const char* fn = "up_proj";
   detail::check_plan(fn, plan, /*gathers=*/true, /*weights=*/false);
   detail::check_dims(fn, d, n);
+  detail::check_gpu_activation(fn, act);
   detail::check_ptr(fn, x, "x", plan.S > 0);
   detail::check_ptr(fn, w1, "w1", plan.S > 0);
   MOEBLAZE_REQUIRE(plan.S == 0 || h != nullptr || a != nullptr, fn,
