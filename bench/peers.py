@@ -333,7 +333,7 @@ def trace_step(name, impl, step, inp, folder):
 def cpp_rows(cli, name, shape, reps):
     """moeblaze's C++ path on the same shape (`moeblaze bench layer`), rows as it prints them."""
     args = [cli, "bench", "layer", "--impl", "moeblaze,moeblaze-recompute,dense-bound", "--json",
-            "--no-aggregate", "--reps", str(reps)]
+            "--no-aggregate", "--reps", str(max(reps, 20))]  # its protocol's minimum
     args += ["--config", name] if name in CONFIGS else ["--shape", ",".join(map(str, shape))]
     try:
         p = subprocess.run(args, capture_output=True, text=True, timeout=600)
