@@ -993,9 +993,7 @@ void run_bench(const Flags& f) {
   MOEBLAZE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   meta.gpu = prop.name;
   meta.driver = driver_version();
-  // MOEBLAZE_COMMIT overrides git where the tree was copied without its .git (device machines).
-  const char* commit_env = std::getenv("MOEBLAZE_COMMIT");
-  meta.commit = commit_env && *commit_env ? commit_env : git_commit();
+  meta.commit = git_commit();
   meta.date = utc_date_iso();
   meta.nccl = "none";
 #ifdef MOEBLAZE_WITH_NCCL

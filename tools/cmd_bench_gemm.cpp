@@ -133,8 +133,7 @@ RunInfo describe_run() {
   RunInfo info;
   info.gpu = prop.name;
   info.driver = driver_version();
-  const char* env_commit = std::getenv("MOEBLAZE_COMMIT");
-  info.commit = env_commit && *env_commit ? env_commit : git_commit();
+  info.commit = git_commit();
   info.date = utc_date_iso();
   return info;
 }

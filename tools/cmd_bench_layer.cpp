@@ -477,10 +477,7 @@ void run_bench(const BenchFlags& f) {
 
   cudaDeviceProp prop{};
   MOEBLAZE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  // MOEBLAZE_COMMIT overrides git where the tree was copied without its .git (device machines).
-  const char* commit_env = std::getenv("MOEBLAZE_COMMIT");
-  const Meta meta{prop.name, driver_version(), commit_env ? commit_env : git_commit(),
-                  utc_date_iso()};
+  const Meta meta{prop.name, driver_version(), git_commit(), utc_date_iso()};
   std::cerr << "bench layer: " << meta.gpu << ", driver " << meta.driver << ", commit "
             << meta.commit << ", grouped GEMM " << cuda::gemm_ops().name << "\n";
   DevBuf flush(kL2FlushBytes);

@@ -158,8 +158,7 @@ void run(const Flags& f) {
   Meta meta;
   meta.gpu = prop.name;
   meta.driver = driver_version();
-  const char* env_commit = std::getenv("MOEBLAZE_COMMIT");
-  meta.commit = env_commit && *env_commit ? env_commit : git_commit();
+  meta.commit = git_commit();
   meta.date = utc_date_iso();
 
   cudaStream_t stream = nullptr;
