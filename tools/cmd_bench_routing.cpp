@@ -22,6 +22,7 @@
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cmd_bench_util.hpp"
@@ -88,6 +89,20 @@ struct Row {
   double us = 0, gbps = 0, pct_copy = 0, vs_sort = 0;
   size_t workspace = 0;
 };
+
+// A row of `bytes` moved in `us` microseconds, against the copy bandwidth.
+Row make_row(std::string impl, std::string skew, int64_t T, int64_t E, int64_t K, double us,
+             double bytes, double copy_gbps, size_t workspace) {
+  Row row;
+  row.impl = std::move(impl);
+  row.skew = std::move(skew);
+  row.T = T, row.E = E, row.K = K;
+  row.us = us;
+  row.gbps = bytes / (us * 1e3);
+  row.pct_copy = 100.0 * row.gbps / copy_gbps;
+  row.workspace = workspace;
+  return row;
+}
 
 void emit_json(const Row& r, const Meta& m, double copy_gbps, std::ostream& os) {
   JsonLine j;
@@ -222,17 +237,11 @@ void run(const Flags& f) {
                 cuda::route_async(kc, lg, TensorView(), r, rws.data(), losses.as<double>(),
                                   flags.as<int32_t>(), stream);
               });
-              Row row;
-              row.impl = std::string("router-") + router_name(kind);
-              row.dtype = dt;
-              row.skew = "-";
-              row.T = T, row.E = E, row.K = K;
-              row.us = us;
               const double bytes = double(T * E) * double(dtype_size(lg.dtype)) +
                                    8.0 * double(T * K) + 4.0 * double(T + 1);
-              row.gbps = bytes / (us * 1e3);
-              row.pct_copy = 100.0 * row.gbps / copy_gbps;
-              row.workspace = rws.bytes();
+              Row row = make_row(std::string("router-") + router_name(kind), "-", T, E, K, us,
+                                 bytes, copy_gbps, rws.bytes());
+              row.dtype = dt;
               push(row);
             }
         }
@@ -259,15 +268,7 @@ void run(const Flags& f) {
               cuda::build_plan_async(rv, PlanBuilder::sort, sort_plan, ws.data(), ws.bytes(),
                                      flags.as<int32_t>(), stream);
             });
-            Row row;
-            row.impl = "sort";
-            row.skew = skew;
-            row.T = T, row.E = E, row.K = K;
-            row.us = sort_us;
-            row.gbps = min_bytes / (sort_us * 1e3);
-            row.pct_copy = 100.0 * row.gbps / copy_gbps;
-            row.workspace = ws.bytes();
-            push(row);
+            push(make_row("sort", skew, T, E, K, sort_us, min_bytes, copy_gbps, ws.bytes()));
           }
           std::vector<int> variants{0};
           variants.insert(variants.end(), steps.begin(), steps.end());
@@ -282,15 +283,9 @@ void run(const Flags& f) {
                                      flags.as<int32_t>(), stream, o);
             });
             require_same_plan(plan, sort_plan, "atomic-free");
-            Row row;
-            row.impl = v == 0 ? "moeblaze" : "moeblaze-steps" + std::to_string(v);
-            row.skew = skew;
-            row.T = T, row.E = E, row.K = K;
-            row.us = us;
-            row.gbps = min_bytes / (us * 1e3);
-            row.pct_copy = 100.0 * row.gbps / copy_gbps;
+            Row row = make_row(v == 0 ? "moeblaze" : "moeblaze-steps" + std::to_string(v), skew, T,
+                               E, K, us, min_bytes, copy_gbps, ws.bytes());
             row.vs_sort = sort_us / us;
-            row.workspace = ws.bytes();
             push(row);
           }
           // The device check of a caller-filled plan (cuda::validate_plan_async) over the built
@@ -310,15 +305,7 @@ void run(const Flags& f) {
               throw Error("bench routing: the plan check flagged a library-built plan");
             const double check_bytes = 20.0 * double(P) + 4.0 * double(T + 1) +
                                        4.0 * double(E + 1) + double(ws.bytes());
-            Row row;
-            row.impl = "plan-check";
-            row.skew = skew;
-            row.T = T, row.E = E, row.K = K;
-            row.us = us;
-            row.gbps = check_bytes / (us * 1e3);
-            row.pct_copy = 100.0 * row.gbps / copy_gbps;
-            row.workspace = ws.bytes();
-            push(row);
+            push(make_row("plan-check", skew, T, E, K, us, check_bytes, copy_gbps, ws.bytes()));
           }
           MOEBLAZE_CUDA_CHECK(cudaMemcpy(h_flags, flags.data(), sizeof(h_flags), cudaMemcpyDeviceToHost));
           for (int i = 0; i < cuda::kRoutingFlagCount; ++i)

@@ -451,21 +451,18 @@ int moeblaze_plan_check_workspace_bytes(int64_t S, int32_t device, uint64_t* byt
   });
 }
 
-int moeblaze_check_plan_async(const moeblaze_plan* plan, int32_t device, void* stream,
-                              void* workspace, uint64_t workspace_bytes, int32_t* flags) {
+int moeblaze_check_plan_async(const moeblaze_plan* plan, int32_t device,
+                              [[maybe_unused]] void* stream, [[maybe_unused]] void* workspace,
+                              [[maybe_unused]] uint64_t workspace_bytes,
+                              [[maybe_unused]] int32_t* flags) {
   if (device == 0) return moeblaze_validate_plan_sync(plan, device, stream);  // the CPU: at once
   return guarded([&] {
     const Device dev = to_device(device);
-    const RoutingPlan p = borrow_plan(plan, dev);
+    [[maybe_unused]] const RoutingPlan p = borrow_plan(plan, dev);
 #ifdef MOEBLAZE_WITH_CUDA
     require_ptr(flags, "flags");
     cuda::validate_plan_async(p.view(), workspace, size_t(workspace_bytes), flags,
                               as_stream(stream));
-#else
-    (void)stream;
-    (void)workspace;
-    (void)workspace_bytes;
-    (void)flags;
 #endif
   });
 }
