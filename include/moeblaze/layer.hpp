@@ -4,6 +4,8 @@
 //   x   (T, d)        input tokens                 out (T, d)   o_t = sum_p s_p W2_e a_p
 //   w1  (E, 2n, d)    gated: rows [0,n) gate, [n,2n) up;  (E, n, d) non-gated
 //   w2  (E, d, n)
+//   b1  (E, w1_rows)  optional expert biases (LayerBiases): h = W1_e x + b1_e, y = W2_e a + b2_e
+//   b2  (E, d)        (gpt-oss); the CPU backend only
 // Backward additionally takes d_out (T, d) and writes dx (T, d), dw1, dw2 (weights' shapes) and
 // d_pair_weights (P,) fp32: the gradient of each routing pair's gate weight s_p, token-major
 // like the routing, to feed router_backward.
@@ -102,17 +104,28 @@ class SavedForBackward {
   Buffer y_;       // (S, d)  materialized only: expert outputs, for the gate-weight gradient
 };
 
+// Optional expert biases, each alone or both: a rank-0 (default) view means no such bias.
+// cfg.dtype, contiguous, on the data's device; inputs for the aliasing rule below.
+struct LayerBiases {
+  TensorView b1;  // (E, w1_rows)  added to H before the activation (H keeps it)
+  TensorView b2;  // (E, d)        added to each expert's output before the weighted sum
+};
+
 struct LayerGrads {
   TensorView dx;              // (T, d)
   TensorView dw1;             // like w1
   TensorView dw2;             // like w2
   TensorView d_pair_weights;  // (P,) fp32, P = plan.S()
+  // Given exactly when the matching bias is (like it; rank 0 otherwise). fp32 accumulation in
+  // slot order: db1_e = Σ dH_p, db2_e = Σ s_p dO_t over the slots of e.
+  TensorView db1 = {};
+  TensorView db2 = {};
 };
 
 // Aliasing: no output may share a byte with an input or with another output (forward: out,
-// opts.h_storage and opts.workspace against x, w1, w2 and the plan's arrays; backward: dx, dw1,
-// dw2, d_pair_weights and opts.workspace against x, w1, w2, d_out, saved H and the plan's
-// arrays). Backward writes dx before it reads x and d_out for the weight gradients, so an
+// opts.h_storage and opts.workspace against x, w1, w2, b1, b2 and the plan's arrays; backward:
+// dx, dw1, dw2, d_pair_weights, db1, db2 and opts.workspace against x, w1, w2, b1, b2, d_out,
+// saved H and the plan's arrays). Backward writes dx before it reads x and d_out for the weight gradients, so an
 // in-place call would be wrong: it is rejected with InvalidArgument naming both arguments, in
 // every mode and on every device.
 //
@@ -127,6 +140,16 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
                     const TensorView& w1, const TensorView& w2, const TensorView& d_out,
                     const SavedForBackward& saved, const LayerGrads& grads,
                     const LayerOptions& opts = {});
+
+// The same with expert biases (the overloads above pass none). keep_h and recompute on the CPU
+// backend only: the CUDA backend and the materialized baseline throw Unsupported for a bias.
+void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
+                   const TensorView& w1, const TensorView& w2, const LayerBiases& biases,
+                   const TensorView& out, SavedForBackward& saved, const LayerOptions& opts = {});
+void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
+                    const TensorView& w1, const TensorView& w2, const LayerBiases& biases,
+                    const TensorView& d_out, const SavedForBackward& saved,
+                    const LayerGrads& grads, const LayerOptions& opts = {});
 
 // Bytes of the one workspace Buffer that a layer_forward or layer_backward call allocates for its
 // temporaries on `device`, for a plan of S assignments: the larger of the two calls' needs.

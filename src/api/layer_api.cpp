@@ -73,6 +73,39 @@ void check_output(const TensorView& t, const char* name, std::initializer_list<i
   check_tensor(t, name, dims, dtype, dev);
 }
 
+// Expert biases: each optional (rank 0 = none), else (E, w1_rows) / (E, d) cfg.dtype on `dev`.
+// Biases run on the CPU backend's keep_h / recompute only; the others reject them here, before
+// any output is touched.
+bool has_bias(const LayerBiases& b) { return b.b1.rank != 0 || b.b2.rank != 0; }
+
+void check_biases(const LayerConfig& cfg, const LayerBiases& b, LayerMode mode, Device dev) {
+  if (b.b1.rank != 0) check_output(b.b1, "b1", {cfg.E, cfg.w1_rows()}, cfg.dtype, dev);
+  if (b.b2.rank != 0) check_output(b.b2, "b2", {cfg.E, cfg.d}, cfg.dtype, dev);
+  if (!has_bias(b)) return;
+  MOEBLAZE_UNSUPPORTED_IF(mode == LayerMode::materialized,
+                          b.b1.rank != 0 ? "b1" : "b2",
+                          ": the materialized baseline takes no expert biases (use keep_h or "
+                          "recompute)");
+#ifdef MOEBLAZE_WITH_CUDA
+  if (dev == Device::cuda) cuda::require_no_biases(b);
+#endif
+}
+
+// db1 / db2: given exactly when b1 / b2 is, shaped like it.
+void check_bias_grads(const LayerConfig& cfg, const LayerBiases& b, const LayerGrads& g,
+                      Device dev) {
+  MOEBLAZE_REQUIRE((g.db1.rank != 0) == (b.b1.rank != 0),
+                   b.b1.rank != 0 ? "grads.db1 is missing: b1 is given, so its gradient (E, "
+                                    "w1_rows) is required"
+                                  : "grads.db1 is given without b1: a bias gradient needs its bias");
+  MOEBLAZE_REQUIRE((g.db2.rank != 0) == (b.b2.rank != 0),
+                   b.b2.rank != 0 ? "grads.db2 is missing: b2 is given, so its gradient (E, d) "
+                                    "is required"
+                                  : "grads.db2 is given without b2: a bias gradient needs its bias");
+  if (g.db1.rank != 0) check_output(g.db1, "db1", {cfg.E, cfg.w1_rows()}, cfg.dtype, dev);
+  if (g.db2.rank != 0) check_output(g.db2, "db2", {cfg.E, cfg.d}, cfg.dtype, dev);
+}
+
 // Caller-provided memory (LayerOptions::workspace / h_storage). Called where the call's thread
 // count is in force (the CPU workspace holds per-thread scratch).
 void check_caller_memory(const LayerConfig& cfg, const RoutingPlan& plan, const LayerOptions& opts,
@@ -136,13 +169,21 @@ void check_cuda_plan(const RoutingPlan& plan, const LayerOptions& opts) {
 void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
                    const TensorView& w1, const TensorView& w2, const TensorView& out,
                    SavedForBackward& saved, const LayerOptions& opts) {
+  layer_forward(cfg, plan, x, w1, w2, LayerBiases{}, out, saved, opts);
+}
+
+void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
+                   const TensorView& w1, const TensorView& w2, const LayerBiases& biases,
+                   const TensorView& out, SavedForBackward& saved, const LayerOptions& opts) {
   check_common(cfg, plan, x, w1, w2, opts);
   check_output(out, "out", {cfg.T, cfg.d}, cfg.dtype, plan.device());
+  check_biases(cfg, biases, opts.mode, plan.device());
   const size_t h_bytes = opts.h_storage ? size_t(plan.S() * cfg.w1_rows()) * dtype_size(cfg.dtype)
                                         : 0;
   require_disjoint({byte_range(out, "out"), {opts.h_storage, h_bytes, "opts.h_storage"},
                     workspace_range(opts)},
-                   with_plan({byte_range(x, "x"), byte_range(w1, "w1"), byte_range(w2, "w2")},
+                   with_plan({byte_range(x, "x"), byte_range(w1, "w1"), byte_range(w2, "w2"),
+                              byte_range(biases.b1, "b1"), byte_range(biases.b2, "b2")},
                              plan));
 
   if (plan.device() == Device::cuda) {
@@ -163,13 +204,20 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
   if (opts.mode == LayerMode::materialized)
     cpu::materialized_forward(cfg, plan, x, w1, w2, out, saved, opts);
   else
-    cpu::layer_forward(cfg, plan, x, w1, w2, out, saved, opts);
+    cpu::layer_forward(cfg, plan, x, w1, w2, biases, out, saved, opts);
 }
 
 void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
                     const TensorView& w1, const TensorView& w2, const TensorView& d_out,
                     const SavedForBackward& saved, const LayerGrads& grads,
                     const LayerOptions& opts) {
+  layer_backward(cfg, plan, x, w1, w2, LayerBiases{}, d_out, saved, grads, opts);
+}
+
+void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
+                    const TensorView& w1, const TensorView& w2, const LayerBiases& biases,
+                    const TensorView& d_out, const SavedForBackward& saved,
+                    const LayerGrads& grads, const LayerOptions& opts) {
   check_common(cfg, plan, x, w1, w2, opts);
   const Device dev = plan.device();
   check_output(d_out, "d_out", {cfg.T, cfg.d}, cfg.dtype, dev);
@@ -177,11 +225,16 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   check_output(grads.dw1, "dw1", {cfg.E, cfg.w1_rows(), cfg.d}, cfg.dtype, dev);
   check_output(grads.dw2, "dw2", {cfg.E, cfg.d, cfg.n}, cfg.dtype, dev);
   check_output(grads.d_pair_weights, "d_pair_weights", {plan.S()}, DType::f32, dev);
+  check_bias_grads(cfg, biases, grads, dev);
+  check_biases(cfg, biases, opts.mode, dev);
   MOEBLAZE_REQUIRE(saved.valid(), "saved is not valid: run layer_forward first");
   require_disjoint({byte_range(grads.dx, "dx"), byte_range(grads.dw1, "dw1"),
                     byte_range(grads.dw2, "dw2"),
-                    byte_range(grads.d_pair_weights, "d_pair_weights"), workspace_range(opts)},
+                    byte_range(grads.d_pair_weights, "d_pair_weights"),
+                    byte_range(grads.db1, "db1"), byte_range(grads.db2, "db2"),
+                    workspace_range(opts)},
                    with_plan({byte_range(x, "x"), byte_range(w1, "w1"), byte_range(w2, "w2"),
+                              byte_range(biases.b1, "b1"), byte_range(biases.b2, "b2"),
                               byte_range(d_out, "d_out"),
                               {Saved::h(saved).data(), Saved::h(saved).bytes(), "saved H"}},
                              plan));
@@ -216,7 +269,7 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   if (opts.mode == LayerMode::materialized)
     cpu::materialized_backward(cfg, plan, x, w1, w2, d_out, saved, grads, opts);
   else
-    cpu::layer_backward(cfg, plan, x, w1, w2, d_out, saved, grads, opts);
+    cpu::layer_backward(cfg, plan, x, w1, w2, biases, d_out, saved, grads, opts);
 }
 
 size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, Device device) {

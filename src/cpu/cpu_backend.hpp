@@ -29,12 +29,12 @@ void build_plan_sort(const RoutingView& routing, RoutingPlan& plan);
 
 // ---- layer (src/cpu/layer_forward.cpp, src/cpu/layer_backward.cpp) ----
 void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
-                   const TensorView& w1, const TensorView& w2, const TensorView& out,
-                   SavedForBackward& saved, const LayerOptions& opts);
+                   const TensorView& w1, const TensorView& w2, const LayerBiases& biases,
+                   const TensorView& out, SavedForBackward& saved, const LayerOptions& opts);
 void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
-                    const TensorView& w1, const TensorView& w2, const TensorView& d_out,
-                    const SavedForBackward& saved, const LayerGrads& grads,
-                    const LayerOptions& opts);
+                    const TensorView& w1, const TensorView& w2, const LayerBiases& biases,
+                    const TensorView& d_out, const SavedForBackward& saved,
+                    const LayerGrads& grads, const LayerOptions& opts);
 
 // ---- materialized baseline (src/baselines/materialized_cpu.cpp) ----
 void materialized_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,

@@ -2,10 +2,10 @@
 // a fixed decomposition, so every result is bitwise independent of the thread count:
 //
 // 1. per (expert e, tile of its slots):
-//      (recompute) Hf = X[tile] · W1_eᵀ        else Hf = saved H[tile]; either way Hf holds the
+//      (recompute) Hf = X[tile] · W1_eᵀ + b1_e  else Hf = saved H[tile]; either way Hf holds the
 //                                              cfg.dtype-rounded H, so both modes agree bitwise
 //      dA' = dO[tokens of tile] · W2_e          dO gathered through the plan, fp32
-//      a = act(Hf) (fp32)   ds_p = <dA'_p, a_p>   da = s_p dA'   dH = act'(Hf, da)
+//      a = act(Hf) (fp32)   ds_p = <dA'_p, a_p> (+ <dO_t, b2_e>)   da = s_p dA'   dH = act'(Hf, da)
 //      A'_p = s_p a_p,  dH  → stored in cfg.dtype (S, ·) workspaces
 //      dX~[tile] = dH[tile] · W1_e              stored in cfg.dtype (S, d) workspace
 // 2. per token t:  dx_t = Σ_{pairs p of t, in pair order} dX~[token_index_map[p]];
@@ -13,6 +13,8 @@
 // 3. per (expert e, block of output rows):
 //      dW2_e = Σ_{slots of e, in slot order} dO_tᵀ A'_p     (d, n)
 //      dW1_e = Σ_{slots of e, in slot order} dH_pᵀ x_t      (R, d)
+//      db2_e = Σ_{slots of e, in slot order} s_p dO_t        (d,)  with dW2_e's row blocks
+//      db1_e = Σ_{slots of e, in slot order} dH_p            (R,)  with dW1_e's row blocks
 //    the slot sum of one output element is never split across threads.
 #include <cstring>
 
@@ -30,9 +32,9 @@ using Saved = moeblaze::detail::SavedAccess;
 using gemm::mat;
 
 void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
-                    const TensorView& w1, const TensorView& w2, const TensorView& d_out,
-                    const SavedForBackward& saved, const LayerGrads& grads,
-                    const LayerOptions& opts) {
+                    const TensorView& w1, const TensorView& w2, const LayerBiases& biases,
+                    const TensorView& d_out, const SavedForBackward& saved,
+                    const LayerGrads& grads, const LayerOptions& opts) {
   const RoutingPlanView pv = plan.view();
   const int64_t T = cfg.T, d = cfg.d, n = cfg.n, E = cfg.E, R = cfg.w1_rows(), S = pv.S;
   const DType dt = cfg.dtype;
@@ -56,6 +58,9 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   char* dh = static_cast<char*>(ws.dh);              // (S, R) cfg.dtype
   char* a_scaled = static_cast<char*>(ws.a_scaled);  // (S, n) cfg.dtype
   char* dx_slots = static_cast<char*>(ws.dx_slots);  // (S, d) cfg.dtype
+  const char* b1p = biases.b1.rank ? biases.b1.as<const char>() : nullptr;  // (E, R) or null
+  const char* b2p = biases.b2.rank ? biases.b2.as<const char>() : nullptr;  // (E, d) or null
+  const char* dop = static_cast<const char*>(d_out.data);                  // (T, d) cfg.dtype
 
   // ---- phase 1: per (expert, tile) ----
   const double flops = backward_flops(cfg, S);
@@ -74,6 +79,8 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
     if (recompute) {
       gemm::gemm_nt(m, R, d, mat(x.data, dt, d, eti + slot0), mat(w1e, dt, d), hf, R, false,
                     pack);
+      if (b1p)
+        for (int64_t i = 0; i < m; ++i) layer::add_bias_row(hf + i * R, b1p + e * R * es, dt, R);
       if (dt == DType::bf16)
         for (int64_t i = 0; i < m * R; ++i) hf[i] = round_to_bf16(hf[i]);
     } else {
@@ -90,6 +97,8 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
       activation_row(act, hrow, n, arow);
       float dsv = 0.0f;
       for (int64_t j = 0; j < n; ++j) dsv += da[j] * arow[j];
+      // y_p = W2_e a_p + b2_e, so the bias adds <dO_t, b2_e> to the gate weight's gradient.
+      if (b2p) dsv += layer::dot_rows(dop + eti[slot] * d * es, b2p + e * d * es, dt, d);
       ws.ds[slot] = dsv;
       for (int64_t j = 0; j < n; ++j) {
         da[j] *= s;
@@ -134,6 +143,8 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   const int64_t b1 = (R + layer::kGradRows - 1) / layer::kGradRows;
   char* dw1 = static_cast<char*>(grads.dw1.data);  // (E, R, d) cfg.dtype
   char* dw2 = static_cast<char*>(grads.dw2.data);  // (E, d, n) cfg.dtype
+  char* db1 = b1p ? static_cast<char*>(grads.db1.data) : nullptr;  // (E, R) cfg.dtype or null
+  char* db2 = b2p ? static_cast<char*>(grads.db2.data) : nullptr;  // (E, d) cfg.dtype or null
   layer::run_tasks(E * (b1 + b2), 1, flops, [&](int64_t task) {
     float* pack = ws.thread_scratch + layer::thread_index() * ws.per_thread;
     float* c = pack + gemm::kPackFloats;  // (kGradRows, n or d) fp32
@@ -155,6 +166,33 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
     }
     char* dst = (is_w2 ? dw2 : dw1) + (e * rows + r0) * cols * es;
     for (int64_t i = 0; i < mb; ++i) gemm::store_row(c + i * cols, cols, dst + i * cols * es, dt);
+    // The bias gradient of the same rows: one fp32 sum per element, in slot order.
+    char* db = is_w2 ? db2 : db1;
+    if (db == nullptr) return;
+    float bacc[layer::kGradRows] = {};  // (mb,) fp32
+    for (int64_t p = s0; p < s0 + cnt; ++p) {
+      if (is_w2) {
+        const float s = sw[p];
+        const char* row = dop + (eti[p] * d + r0) * es;
+        if (dt == DType::bf16) {
+          const uint16_t* r = reinterpret_cast<const uint16_t*>(row);
+          for (int64_t i = 0; i < mb; ++i) bacc[i] += s * bf16::to_float(r[i]);
+        } else {
+          const float* r = reinterpret_cast<const float*>(row);
+          for (int64_t i = 0; i < mb; ++i) bacc[i] += s * r[i];
+        }
+      } else {
+        const char* row = dh + (p * R + r0) * es;
+        if (dt == DType::bf16) {
+          const uint16_t* r = reinterpret_cast<const uint16_t*>(row);
+          for (int64_t i = 0; i < mb; ++i) bacc[i] += bf16::to_float(r[i]);
+        } else {
+          const float* r = reinterpret_cast<const float*>(row);
+          for (int64_t i = 0; i < mb; ++i) bacc[i] += r[i];
+        }
+      }
+    }
+    gemm::store_row(bacc, mb, db + (e * rows + r0) * es, dt);
   });
 }
 

@@ -60,6 +60,32 @@ inline int64_t task_expert(const int64_t* tile_offsets, int64_t E, int64_t task)
   return lo;
 }
 
+// row[j] += bias[j] for a cfg.dtype bias row: the bias add fused where the fp32 row already is.
+inline void add_bias_row(float* row, const char* bias, DType dtype, int64_t count) {
+  if (dtype == DType::bf16) {
+    const uint16_t* b = reinterpret_cast<const uint16_t*>(bias);
+    for (int64_t j = 0; j < count; ++j) row[j] += bf16::to_float(b[j]);
+  } else {
+    const float* b = reinterpret_cast<const float*>(bias);
+    for (int64_t j = 0; j < count; ++j) row[j] += b[j];
+  }
+}
+
+// Σ_j a[j] b[j] in fp32, in j order, for two cfg.dtype rows.
+inline float dot_rows(const char* a, const char* b, DType dtype, int64_t count) {
+  float acc = 0.0f;
+  if (dtype == DType::bf16) {
+    const uint16_t* pa = reinterpret_cast<const uint16_t*>(a);
+    const uint16_t* pb = reinterpret_cast<const uint16_t*>(b);
+    for (int64_t j = 0; j < count; ++j) acc += bf16::to_float(pa[j]) * bf16::to_float(pb[j]);
+  } else {
+    const float* pa = reinterpret_cast<const float*>(a);
+    const float* pb = reinterpret_cast<const float*>(b);
+    for (int64_t j = 0; j < count; ++j) acc += pa[j] * pb[j];
+  }
+  return acc;
+}
+
 // parallel_for, except that work too small to pay for waking the thread team (a few
 // microseconds, far more when the machine is oversubscribed) runs on the calling thread. Which
 // thread runs a task never changes its result.

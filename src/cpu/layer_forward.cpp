@@ -1,9 +1,9 @@
 // CPU layer forward through the routing plan (DESIGN.md kernels 1-3):
 //   per (expert e, tile of its slots), in parallel:
-//     Hf = X[expert_token_indices[tile]] · W1_eᵀ      gathered rows, fp32 accumulation
+//     Hf = X[expert_token_indices[tile]] · W1_eᵀ (+ b1_e)  gathered rows, fp32 accumulation
 //     (keep_h) H[tile] = Hf stored in cfg.dtype        kept for backward
 //     A  = act(Hf), rounded to cfg.dtype               from the fp32 Hf, as the GPU epilogue does
-//     Y[tile] = A · W2_eᵀ stored in cfg.dtype          transient (S, d)
+//     Y[tile] = A · W2_eᵀ (+ b2_e) stored in cfg.dtype  transient (S, d)
 //   per token t, in parallel:  o_t = Σ_{pairs p of t, in pair order} s_p · Y[token_index_map[p]]
 // No (S, d) copy of x is made: each task gathers its rows while packing the GEMM operand.
 #include <cstring>
@@ -22,8 +22,8 @@ using Saved = moeblaze::detail::SavedAccess;
 using gemm::mat;
 
 void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
-                   const TensorView& w1, const TensorView& w2, const TensorView& out,
-                   SavedForBackward& saved, const LayerOptions& opts) {
+                   const TensorView& w1, const TensorView& w2, const LayerBiases& biases,
+                   const TensorView& out, SavedForBackward& saved, const LayerOptions& opts) {
   const RoutingPlanView pv = plan.view();
   const int64_t T = cfg.T, d = cfg.d, n = cfg.n, E = cfg.E, R = cfg.w1_rows(), S = pv.S;
   const DType dt = cfg.dtype;
@@ -52,6 +52,8 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
   const char* w2p = static_cast<const char*>(w2.data);
   char* y = static_cast<char*>(ws.y);  // (S, d) cfg.dtype
   char* h_keep = Saved::h(saved).as<char>();  // (S, R) cfg.dtype or null (recompute)
+  const char* b1p = biases.b1.rank ? biases.b1.as<const char>() : nullptr;  // (E, R) or null
+  const char* b2p = biases.b2.rank ? biases.b2.as<const char>() : nullptr;  // (E, d) or null
 
   const double flops = forward_flops(cfg, S);
   layer::run_tasks(tasks, 1, flops, [&](int64_t task) {
@@ -67,7 +69,8 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
     gemm::gemm_nt(m, R, d, mat(x.data, dt, d, eti + slot0),
                   mat(w1p + e * R * d * es, dt, d), hf, R, false, pack);
     for (int64_t i = 0; i < m; ++i) {
-      const float* hrow = hf + i * R;
+      float* hrow = hf + i * R;
+      if (b1p) layer::add_bias_row(hrow, b1p + e * R * es, dt, R);
       if (h_keep) gemm::store_row(hrow, R, h_keep + (slot0 + i) * R * es, dt);
       float* arow = af + i * n;
       activation_row(act, hrow, n, arow);
@@ -76,7 +79,10 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
     }
     gemm::gemm_nt(m, d, n, mat(af, DType::f32, n), mat(w2p + e * d * n * es, dt, n), yf, d,
                   false, pack);
-    for (int64_t i = 0; i < m; ++i) gemm::store_row(yf + i * d, d, y + (slot0 + i) * d * es, dt);
+    for (int64_t i = 0; i < m; ++i) {
+      if (b2p) layer::add_bias_row(yf + i * d, b2p + e * d * es, dt, d);
+      gemm::store_row(yf + i * d, d, y + (slot0 + i) * d * es, dt);
+    }
   });
 
   // Aggregation: each output row is owned by one token, summed in its pair order.

@@ -31,6 +31,8 @@ void gather_pair_grads(const RoutingPlanView& plan, const float* ds, float* d_pa
 // ---- layer (src/cuda/layer/layer_cuda.cu): keep_h and recompute modes, bf16 storage ----
 // Arguments were validated by the public API; these check what only the GPU path needs (dtype
 // bf16, dims the GEMM kernels take) and throw Unsupported naming the dimension.
+// Expert biases (LayerBiases) have no GPU kernels yet: Unsupported naming the bias given.
+void require_no_biases(const LayerBiases& biases);
 void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
                    const TensorView& w1, const TensorView& w2, const TensorView& out,
                    SavedForBackward& saved, const LayerOptions& opts);

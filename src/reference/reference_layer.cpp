@@ -68,7 +68,7 @@ double activation_dup(Activation act, double u) {
 LayerReference reference_layer(const LayerConfig& cfg, const int32_t* pair_offsets,
                                const int32_t* pair_experts, const double* pair_weights,
                                const double* x, const double* w1, const double* w2,
-                               const double* d_out) {
+                               const double* d_out, const double* b1, const double* b2) {
   const int64_t T = cfg.T, d = cfg.d, n = cfg.n, E = cfg.E, R = cfg.w1_rows();
   const Activation act = cfg.activation;
   const bool gated = is_gated(act);
@@ -79,6 +79,8 @@ LayerReference reference_layer(const LayerConfig& cfg, const int32_t* pair_offse
     r.dx.assign(static_cast<size_t>(T * d), 0.0);
     r.dw1.assign(static_cast<size_t>(E * R * d), 0.0);
     r.dw2.assign(static_cast<size_t>(E * d * n), 0.0);
+    r.db1.assign(static_cast<size_t>(E * R), 0.0);
+    r.db2.assign(static_cast<size_t>(E * d), 0.0);
     r.d_pair_weights.assign(static_cast<size_t>(P), 0.0);
     r.d_pair_weights_abs.assign(static_cast<size_t>(P), 0.0);
   }
@@ -95,7 +97,7 @@ LayerReference reference_layer(const LayerConfig& cfg, const int32_t* pair_offse
       for (int64_t i = 0; i < R; ++i) {
         double acc = 0;
         for (int64_t k = 0; k < d; ++k) acc += W1[i * d + k] * xt[k];
-        h[i] = acc;
+        h[i] = b1 ? acc + b1[e * R + i] : acc;
       }
       for (int64_t j = 0; j < n; ++j)
         a[j] = gated ? activation_f(act, h[j]) * activation_up(act, h[n + j])
@@ -103,6 +105,7 @@ LayerReference reference_layer(const LayerConfig& cfg, const int32_t* pair_offse
       for (int64_t i = 0; i < d; ++i) {
         double acc = 0;
         for (int64_t j = 0; j < n; ++j) acc += W2[i * n + j] * a[j];
+        if (b2) acc += b2[e * d + i];
         y[i] = acc;
         r.out[t * d + i] += s * acc;
       }
@@ -115,6 +118,10 @@ LayerReference reference_layer(const LayerConfig& cfg, const int32_t* pair_offse
         dap[j] = acc;
         ds += acc * a[j];
         ds_abs += std::fabs(acc * a[j]);
+      }
+      for (int64_t i = 0; b2 && i < d; ++i) {
+        ds += dot[i] * b2[e * d + i];
+        ds_abs += std::fabs(dot[i] * b2[e * d + i]);
       }
       r.d_pair_weights[p] = ds;
       r.d_pair_weights_abs[p] = ds_abs;
@@ -136,6 +143,8 @@ LayerReference reference_layer(const LayerConfig& cfg, const int32_t* pair_offse
         }
       for (int64_t i = 0; i < d; ++i)
         for (int64_t j = 0; j < n; ++j) dW2[i * n + j] += s * dot[i] * a[j];
+      for (int64_t i = 0; i < R; ++i) r.db1[e * R + i] += dh[i];
+      for (int64_t i = 0; i < d; ++i) r.db2[e * d + i] += s * dot[i];
     }
   }
   return r;
@@ -161,7 +170,8 @@ std::vector<double> widen(const TensorView& t, const char* name) {
 
 LayerReference reference_layer(const LayerConfig& cfg, const RoutingView& routing,
                                const TensorView& x, const TensorView& w1, const TensorView& w2,
-                               const TensorView& d_out) {
+                               const TensorView& d_out, const TensorView& b1,
+                               const TensorView& b2) {
   require_shape(x, "x", {cfg.T, cfg.d});
   require_shape(w1, "w1", {cfg.E, cfg.w1_rows(), cfg.d});
   require_shape(w2, "w2", {cfg.E, cfg.d, cfg.n});
@@ -173,12 +183,17 @@ LayerReference reference_layer(const LayerConfig& cfg, const RoutingView& routin
   if (with_grad) require_shape(d_out, "d_out", {cfg.T, cfg.d});
   const std::vector<double> xd = widen(x, "x"), w1d = widen(w1, "w1"), w2d = widen(w2, "w2");
   const std::vector<double> dod = with_grad ? widen(d_out, "d_out") : std::vector<double>();
+  if (b1.rank != 0) require_shape(b1, "b1", {cfg.E, cfg.w1_rows()});
+  if (b2.rank != 0) require_shape(b2, "b2", {cfg.E, cfg.d});
+  const std::vector<double> b1d = b1.rank != 0 ? widen(b1, "b1") : std::vector<double>();
+  const std::vector<double> b2d = b2.rank != 0 ? widen(b2, "b2") : std::vector<double>();
   std::vector<double> pw(static_cast<size_t>(routing.P));
   for (int64_t p = 0; p < routing.P; ++p) pw[p] = routing.pair_weights[p];
   static const double kNone = 0.0;  // a non-null d_out for T = 0 (nothing is read)
   return reference_layer(cfg, routing.pair_offsets, routing.pair_experts, pw.data(), xd.data(),
                          w1d.data(), w2d.data(),
-                         with_grad ? (dod.empty() ? &kNone : dod.data()) : nullptr);
+                         with_grad ? (dod.empty() ? &kNone : dod.data()) : nullptr,
+                         b1.rank != 0 ? b1d.data() : nullptr, b2.rank != 0 ? b2d.data() : nullptr);
 }
 
 double reference_loss(const LayerConfig& cfg, const int32_t* pair_offsets,

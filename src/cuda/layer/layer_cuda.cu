@@ -146,6 +146,13 @@ void check_gpu_layer_args(const LayerConfig& cfg, const RoutingPlan& plan,
   }
 }
 
+void require_no_biases(const LayerBiases& biases) {
+  MOEBLAZE_UNSUPPORTED_IF(biases.b1.rank != 0, "b1: expert biases run on the CPU backend only "
+                                               "for now");
+  MOEBLAZE_UNSUPPORTED_IF(biases.b2.rank != 0, "b2: expert biases run on the CPU backend only "
+                                               "for now");
+}
+
 size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, bool forward,
                              bool dh_over_h) {
   MOEBLAZE_REQUIRE(S >= 0, "S (", S, ") must be >= 0");
