@@ -178,6 +178,22 @@ int moeblaze_layer_backward(const moeblaze_layer_cfg* cfg, const moeblaze_plan* 
                             void* dw1, void* dw2, float* d_pair_weights, void* workspace,
                             uint64_t workspace_bytes);
 
+/* The same with expert biases (gpt-oss): b1 (E, w1_rows) added to H before the activation, b2
+ * (E, d) to each expert's output before the weighted sum; cfg dtype, each may be NULL (no such
+ * bias). Backward writes db1 / db2 (shaped like the bias; fp32 accumulation in slot order),
+ * given exactly when the bias is (NULL otherwise). CPU keep_h / recompute only: the CUDA backend
+ * and the materialized mode return MOEBLAZE_ERR_UNSUPPORTED for a bias. */
+int moeblaze_layer_forward_biased(const moeblaze_layer_cfg* cfg, const moeblaze_plan* plan,
+                                  int32_t device, void* stream, const void* x, const void* w1,
+                                  const void* w2, const void* b1, const void* b2, void* out,
+                                  void* h, void* workspace, uint64_t workspace_bytes);
+int moeblaze_layer_backward_biased(const moeblaze_layer_cfg* cfg, const moeblaze_plan* plan,
+                                   int32_t device, void* stream, const void* x, const void* w1,
+                                   const void* w2, const void* b1, const void* b2,
+                                   const void* d_out, const void* h, void* dx, void* dw1,
+                                   void* dw2, float* d_pair_weights, void* db1, void* db2,
+                                   void* workspace, uint64_t workspace_bytes);
+
 #ifdef __cplusplus
 }
 #endif

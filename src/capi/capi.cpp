@@ -189,6 +189,14 @@ LayerOptions to_options(const moeblaze_layer_cfg* c, void* stream, void* workspa
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 #endif
 
+// An optional pair of bias (or bias-gradient) pointers as views: NULL = none (rank 0).
+LayerBiases biases_of(const LayerConfig& c, Device dev, const void* b1, const void* b2) {
+  LayerBiases b;
+  if (b1) b.b1 = TensorView(const_cast<void*>(b1), c.dtype, dev, {c.E, c.w1_rows()});
+  if (b2) b.b2 = TensorView(const_cast<void*>(b2), c.dtype, dev, {c.E, c.d});
+  return b;
+}
+
 }  // namespace
 
 extern "C" {
@@ -512,6 +520,14 @@ int moeblaze_layer_forward(const moeblaze_layer_cfg* cfg, const moeblaze_plan* p
                            int32_t device, void* stream, const void* x, const void* w1,
                            const void* w2, void* out, void* h, void* workspace,
                            uint64_t workspace_bytes) {
+  return moeblaze_layer_forward_biased(cfg, plan, device, stream, x, w1, w2, nullptr, nullptr,
+                                       out, h, workspace, workspace_bytes);
+}
+
+int moeblaze_layer_forward_biased(const moeblaze_layer_cfg* cfg, const moeblaze_plan* plan,
+                                  int32_t device, void* stream, const void* x, const void* w1,
+                                  const void* w2, const void* b1, const void* b2, void* out,
+                                  void* h, void* workspace, uint64_t workspace_bytes) {
   return guarded([&] {
     const Device dev = to_device(device);
     const LayerConfig c = to_layer(cfg);
@@ -529,7 +545,7 @@ int moeblaze_layer_forward(const moeblaze_layer_cfg* cfg, const moeblaze_plan* p
     };
     SavedForBackward saved;
     layer_forward(c, p, v(x, {c.T, c.d}), v(w1, {c.E, c.w1_rows(), c.d}), v(w2, {c.E, c.d, c.n}),
-                  v(out, {c.T, c.d}), saved, o);
+                  biases_of(c, dev, b1, b2), v(out, {c.T, c.d}), saved, o);
   });
 }
 
@@ -538,6 +554,17 @@ int moeblaze_layer_backward(const moeblaze_layer_cfg* cfg, const moeblaze_plan* 
                             const void* w2, const void* d_out, const void* h, void* dx,
                             void* dw1, void* dw2, float* d_pair_weights, void* workspace,
                             uint64_t workspace_bytes) {
+  return moeblaze_layer_backward_biased(cfg, plan, device, stream, x, w1, w2, nullptr, nullptr,
+                                        d_out, h, dx, dw1, dw2, d_pair_weights, nullptr, nullptr,
+                                        workspace, workspace_bytes);
+}
+
+int moeblaze_layer_backward_biased(const moeblaze_layer_cfg* cfg, const moeblaze_plan* plan,
+                                   int32_t device, void* stream, const void* x, const void* w1,
+                                   const void* w2, const void* b1, const void* b2,
+                                   const void* d_out, const void* h, void* dx, void* dw1,
+                                   void* dw2, float* d_pair_weights, void* db1, void* db2,
+                                   void* workspace, uint64_t workspace_bytes) {
   return guarded([&] {
     const Device dev = to_device(device);
     const LayerConfig c = to_layer(cfg);
@@ -555,8 +582,12 @@ int moeblaze_layer_backward(const moeblaze_layer_cfg* cfg, const moeblaze_plan* 
     };
     LayerGrads g{v(dx, {c.T, c.d}), v(dw1, {c.E, c.w1_rows(), c.d}), v(dw2, {c.E, c.d, c.n}),
                  TensorView(d_pair_weights, DType::f32, dev, {p.S()})};
+    const LayerBiases grads_of_biases = biases_of(c, dev, db1, db2);
+    g.db1 = grads_of_biases.b1;
+    g.db2 = grads_of_biases.b2;
     layer_backward(c, p, v(x, {c.T, c.d}), v(w1, {c.E, c.w1_rows(), c.d}),
-                   v(w2, {c.E, c.d, c.n}), v(d_out, {c.T, c.d}), saved, g, o);
+                   v(w2, {c.E, c.d, c.n}), biases_of(c, dev, b1, b2), v(d_out, {c.T, c.d}), saved,
+                   g, o);
   });
 }
 

@@ -8,6 +8,8 @@
 #include <string>
 
 #include "common/layer_fixtures.hpp"
+#include "common/plan_fixtures.hpp"
+#include "moeblaze/capi.h"
 #include "common/test_util.hpp"
 #include "moeblaze/moeblaze.hpp"
 #include "reference/reference_layer.hpp"
@@ -270,6 +272,48 @@ TEST(CpuLayerBias, EmptyBiasesAreTheUnbiasedLayer) {
   EXPECT_TRUE(test::bitwise_equal(plain.dx, biased.t.dx));
   EXPECT_TRUE(test::bitwise_equal(plain.dw1, biased.t.dw1));
   EXPECT_TRUE(test::bitwise_equal(plain.d_pair_weights, biased.t.d_pair_weights));
+}
+
+// The C ABI's biased calls are the C++ API's, bit for bit; NULL biases take none, and a gradient
+// pointer without its bias is refused.
+TEST(CpuLayerBias, CAbiBiasedCallsMatchTheCppApi) {
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const HostRouting routing = test::random_routing({200, 6, 2, 1, false}, seed);
+  const RoutingPlan built = test::make_plan(routing);
+  const LayerConfig cfg{200, 24, 20, 6, 2, Activation::swiglu, DType::f32};
+  BiasedTensors want(cfg, built.S(), 3);
+  want.randomize(seed);
+  BiasedTensors got = want;
+  want.run(cfg, built, {LayerMode::recompute, 1});
+
+  test::HostPlan plan(built);
+  const moeblaze_layer_cfg c = test::c_layer_cfg(cfg, 1);  // recompute: no h
+  const moeblaze_plan p = plan.c_plan();
+  LayerTensors& t = got.t;
+  ASSERT_EQ(moeblaze_layer_forward_biased(&c, &p, 0, nullptr, t.x.data(), t.w1.data(),
+                                          t.w2.data(), got.b1.data(), got.b2.data(),
+                                          t.out.data(), nullptr, nullptr, 0),
+            MOEBLAZE_OK)
+      << moeblaze_last_error();
+  ASSERT_EQ(moeblaze_layer_backward_biased(
+                &c, &p, 0, nullptr, t.x.data(), t.w1.data(), t.w2.data(), got.b1.data(),
+                got.b2.data(), t.d_out.data(), nullptr, t.dx.data(), t.dw1.data(), t.dw2.data(),
+                reinterpret_cast<float*>(t.d_pair_weights.data()), got.db1.data(),
+                got.db2.data(), nullptr, 0),
+            MOEBLAZE_OK)
+      << moeblaze_last_error();
+  EXPECT_TRUE(all_equal(want, got));
+
+  EXPECT_EQ(moeblaze_layer_backward_biased(
+                &c, &p, 0, nullptr, t.x.data(), t.w1.data(), t.w2.data(), nullptr, got.b2.data(),
+                t.d_out.data(), nullptr, t.dx.data(), t.dw1.data(), t.dw2.data(),
+                reinterpret_cast<float*>(t.d_pair_weights.data()), got.db1.data(),
+                got.db2.data(), nullptr, 0),
+            MOEBLAZE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moeblaze_last_error()).find("grads.db1 is given without b1"),
+            std::string::npos)
+      << moeblaze_last_error();
 }
 
 }  // namespace
