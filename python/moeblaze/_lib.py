@@ -85,6 +85,11 @@ _SIGNATURES = {
                                 _P, _P, _P, _U64], ctypes.c_int),
     "moeblaze_layer_backward": ([ctypes.POINTER(LayerCfg), ctypes.POINTER(Plan), _I32, _P, _P, _P,
                                  _P, _P, _P, _P, _P, _P, _P, _P, _U64], ctypes.c_int),
+    "moeblaze_layer_forward_biased": ([ctypes.POINTER(LayerCfg), ctypes.POINTER(Plan), _I32, _P, _P,
+                                       _P, _P, _P, _P, _P, _P, _P, _U64], ctypes.c_int),
+    "moeblaze_layer_backward_biased": ([ctypes.POINTER(LayerCfg), ctypes.POINTER(Plan), _I32, _P,
+                                        _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P,
+                                        _U64], ctypes.c_int),
 }
 
 _lib = None

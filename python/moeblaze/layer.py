@@ -4,6 +4,7 @@ Weights follow DESIGN's stacked nn.Linear layout (out x in):
   gate.weight (E, d)            the router: logits = x @ gate.weight^T, computed in float32
   w1          (E, 2n, d)        gated activations: rows [0, n) gate, [n, 2n) up; (E, n, d) else
   w2          (E, d, n)
+  b1, b2      (E, 2n or n), (E, d)  optional expert biases (MoE(bias=True); gpt-oss)
 forward(x) returns (out, RouterLosses(aux_loss, z_loss)); add losses.total to the training loss.
 """
 from typing import NamedTuple
@@ -124,19 +125,23 @@ def _compute_operands(x, w1, w2):
 
 
 def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, activation="swiglu",
-                         recompute=False, num_threads=0, validate=None):
+                         recompute=False, num_threads=0, validate=None, b1=None, b2=None):
     """The experts over a routing in moeblaze's CSR form (pair_offsets (T+1,) int32, pair_experts
     (P,) int32, pair_weights (P,) float32, differentiable). validate=True on CUDA reads the plan
     builder's device-side flags back (a host sync) and raises ValueError naming a bad entry.
     bf16 compute (and a bf16 result) under torch.autocast(dtype=torch.bfloat16) or when x is bf16
-    and w1 / w2 are fp32 (their gradients come back in fp32); float16 raises ValueError."""
+    and w1 / w2 are fp32 (their gradients come back in fp32); float16 raises ValueError.
+    b1 (E, w1_rows) / b2 (E, d): optional expert biases, cast like w1 / w2 (CPU only for now)."""
     x, w1, w2 = _compute_operands(x, w1, w2)
+    # The biases follow the weights' cast (fp32 master biases beside bf16 compute).
+    b1, b2 = (b.to(x.dtype) if b is not None and b.dtype == torch.float32 else b
+              for b in (b1, b2))
     E = w2.shape[0]
     plan = ops.build_plan(pair_offsets, pair_experts, pair_weights.detach(), E)
     if _check_flags_enabled(validate, x.device):
         ops.check_flags(plan[6], (pair_offsets, pair_experts, pair_weights.detach()), E)
     out, _h = ops.experts_forward(x, w1, w2, pair_weights, *plan[:6], _activation_code(activation),
-                                  bool(recompute), int(num_threads))
+                                  bool(recompute), int(num_threads), b1, b2)
     return out
 
 
@@ -170,12 +175,14 @@ _MOE_EXPERTS_NAMES = ("x", "w1", "w2", "expert_ids", "expert_weights")
 
 
 def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", recompute=False,
-                validate=None):
+                validate=None, b1=None, b2=None):
     """Functional MoE with caller-supplied routing: expert_ids (T, K) integer, expert_weights
     (T, K) (gradients flow to them). x (T, d), w1 (E, rows, d), w2 (E, d, n), one dtype, one
     device. On the CPU a bad id (outside [0, E), of any integer dtype) raises ValueError naming
     it; on CUDA pass validate=True to check (a host sync), otherwise a bad id gives garbage but
-    never an out-of-bounds write (and is never narrowed into a valid one)."""
+    never an out-of-bounds write (and is never narrowed into a valid one). b1 (E, w1_rows) and
+    b2 (E, d), optional, each alone or both: expert biases, h = W1_e x + b1_e and
+    y = W2_e a + b2_e (gpt-oss), with gradients; the CPU backend only for now."""
     if expert_ids.dim() != 2 or expert_weights.shape != expert_ids.shape:
         raise ValueError(f"moeblaze: expert_ids and expert_weights must both be (T, K), got "
                          f"{tuple(expert_ids.shape)} and {tuple(expert_weights.shape)}")
@@ -185,13 +192,14 @@ def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", reco
                          f"{tuple(x.shape)}")
     if w2.dim() != 3:
         raise ValueError(f"moeblaze: w2 must be (E, d, n), got {tuple(w2.shape)}")
-    ops._one_device(_MOE_EXPERTS_NAMES, x, w1, w2, expert_ids, expert_weights)
+    ops._one_device(_MOE_EXPERTS_NAMES + ("b1", "b2"), x, w1, w2, expert_ids, expert_weights, b1,
+                    b2)
     offsets = _fixed_k_offsets(T, K, x)
     check_range = x.device.type == "cpu" or bool(validate)  # on CUDA a host sync: opt-in
     experts = ops.expert_ids_int32(expert_ids, w2.shape[0], check_range).reshape(-1)
     weights = expert_weights.to(torch.float32).reshape(-1)
     return experts_from_routing(x, w1, w2, offsets, experts, weights, activation, recompute,
-                                validate=validate)
+                                validate=validate, b1=b1, b2=b2)
 
 
 def _init_moe_module(m, hidden_size, intermediate_size, num_experts, top_k, activation, router,
@@ -253,16 +261,23 @@ class MoE(nn.Module):
     shared_expert_size > 0 adds a SharedExpert of that intermediate size beside the routed
     experts (shared_expert_gate=True: Qwen2-MoE's sigmoid gate). last_expert_counts: the
     per-expert pair counts of the last forward (on the device); update_expert_bias applies
-    DeepSeek-V3's auxiliary-loss-free balancing to the sigmoid_bias router."""
+    DeepSeek-V3's auxiliary-loss-free balancing to the sigmoid_bias router. bias=True adds
+    expert biases b1 (E, w1_rows) and b2 (E, d), zeros-initialised (gpt-oss; CPU backend only)."""
 
     def __init__(self, hidden_size, intermediate_size, num_experts, top_k, activation="swiglu",
                  router="softmax_topk", renormalize=False, token_rounding=None, m_tile=128,
                  recompute=False, aux_loss_coef=0.0, z_loss_coef=0.0, device=None, dtype=None,
-                 shared_expert_size=0, shared_expert_gate=False):
+                 shared_expert_size=0, shared_expert_gate=False, bias=False):
         super().__init__()
         _init_moe_module(self, hidden_size, intermediate_size, num_experts, top_k, activation,
                          router, renormalize, recompute, aux_loss_coef, z_loss_coef,
                          num_experts, device, dtype)
+        if bias:
+            kw = {"device": device, "dtype": dtype}
+            self.b1 = nn.Parameter(torch.zeros(num_experts, self.w1.shape[1], **kw))
+            self.b2 = nn.Parameter(torch.zeros(num_experts, hidden_size, **kw))
+        else:
+            self.b1 = self.b2 = None
         if shared_expert_size < 0 or (shared_expert_gate and not shared_expert_size):
             raise ValueError(f"moeblaze: shared_expert_size ({shared_expert_size}) must be >= 0, "
                              "and > 0 when shared_expert_gate is set")
@@ -281,6 +296,9 @@ class MoE(nn.Module):
         nn.init.uniform_(self.w2, -1 / math.sqrt(self.intermediate_size),
                          1 / math.sqrt(self.intermediate_size))
         self.gate.reset_parameters()
+        if self.b1 is not None:
+            nn.init.zeros_(self.b1)
+            nn.init.zeros_(self.b2)
         if self.shared_expert is not None:
             for m in self.shared_expert.children():
                 m.reset_parameters()
@@ -311,7 +329,7 @@ class MoE(nn.Module):
         x2 = x.reshape(-1, self.hidden_size)
         logits, offsets, experts, weights = self.route(x2)
         out = experts_from_routing(x2, self.w1, self.w2, offsets, experts, weights,
-                                   self.activation, self.recompute)
+                                   self.activation, self.recompute, b1=self.b1, b2=self.b2)
         return self._finish(x2, out, logits, experts, shape)
 
     def _finish(self, x2, out, logits, experts, shape):
@@ -405,6 +423,8 @@ class TorchMoE(MoE):
         super().__init__(*args, **kw)
         if self.token_rounding is not None or self.recompute:
             raise ValueError("moeblaze: TorchMoE has no token rounding and no recompute mode")
+        if self.b1 is not None:
+            raise ValueError("moeblaze: TorchMoE has no expert biases (bias=True)")
 
     def forward(self, x):
         shape = x.shape

@@ -18,9 +18,10 @@ Ops (namespace moeblaze):
   build_plan(pair_offsets, pair_experts, pair_weights, num_experts)
       -> (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
           token_expert_indices, token_index_map, flags)
-  experts_forward(x, w1, w2, pair_weights, *plan, activation, recompute, num_threads) -> (out, h)
-  experts_backward(d_out, x, w1, w2, h, *plan, activation, recompute, num_threads)
-      -> (dx, dw1, dw2, d_pair_weights)
+  experts_forward(x, w1, w2, pair_weights, *plan, activation, recompute, num_threads,
+                  b1=None, b2=None) -> (out, h)
+  experts_backward(d_out, x, w1, w2, h, *plan, activation, recompute, num_threads, b1=None,
+                   b2=None) -> (dx, dw1, dw2, d_pair_weights, db1, db2)  [db: (0,) without b]
   experts_backward_dh_over_h(...)  the same; on CUDA keep_h writes dH over h (mutates h)
 route, token_round and experts_forward have autograd formulas (router_backward /
 experts_backward); pair_weights is an input of experts_forward only so that its gradient
@@ -486,12 +487,14 @@ def experts_forward(x: Tensor, w1: Tensor, w2: Tensor, pair_weights: Tensor,
                     expert_token_offsets: Tensor, expert_token_indices: Tensor,
                     slot_weights: Tensor, token_pair_offsets: Tensor, token_expert_indices: Tensor,
                     token_index_map: Tensor, activation: int, recompute: bool,
-                    num_threads: int) -> Tuple[Tensor, Tensor]:
+                    num_threads: int, b1: Optional[Tensor] = None,
+                    b2: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     plan = (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
             token_expert_indices, token_index_map)
     mode = _MODE_RECOMPUTE if recompute else _MODE_KEEP_H
     cfg, ws_bytes, dev, x, w1, w2, p = _experts_args(x, w1, w2, plan, activation, num_threads,
                                                      mode, False)
+    b1, b2 = _biases(b1, b2, x, cfg, activation, dev)
     S = p.S
     # Not read by the kernels (they read slot_weights): it only carries d_pair_weights back.
     _arg("pair_weights", pair_weights, _F32, (S,), dev)
@@ -499,27 +502,41 @@ def experts_forward(x: Tensor, w1: Tensor, w2: Tensor, pair_weights: Tensor,
     rows = _w1_rows(activation, cfg.n)
     h = x.new_empty((0, rows) if recompute else (S, rows))
     ws = _workspace(ws_bytes, dev)
-    _run(x, lib().moeblaze_layer_forward, ctypes.byref(cfg), ctypes.byref(p), device_code(x),
-         stream_of(x), ptr(x), ptr(w1), ptr(w2), ptr(out), ptr(h), ptr(ws), ws_bytes)
+    _run(x, lib().moeblaze_layer_forward_biased, ctypes.byref(cfg), ctypes.byref(p),
+         device_code(x), stream_of(x), ptr(x), ptr(w1), ptr(w2), ptr(b1), ptr(b2), ptr(out),
+         ptr(h), ptr(ws), ws_bytes)
     return out, h
 
 
+def _biases(b1, b2, x, cfg, activation, dev):
+    """The optional expert biases b1 (E, w1_rows) and b2 (E, d), checked, contiguous (None
+    stays None)."""
+    rows = _w1_rows(activation, cfg.n)
+    if b1 is not None:
+        b1 = _arg("b1", b1, x.dtype, (cfg.E, rows), dev)
+    if b2 is not None:
+        b2 = _arg("b2", b2, x.dtype, (cfg.E, cfg.d), dev)
+    return b1, b2
+
+
 @experts_forward.register_fake
-def _(x, w1, w2, pair_weights, eto, eti, sw, tpo, tei, tim, activation, recompute, num_threads):
-    _one_device(("x", "w1", "w2", "pair_weights") + _PLAN_NAMES, x, w1, w2, pair_weights, eto,
-                eti, sw, tpo, tei, tim)
+def _(x, w1, w2, pair_weights, eto, eti, sw, tpo, tei, tim, activation, recompute, num_threads,
+      b1=None, b2=None):
+    _one_device(("x", "w1", "w2", "pair_weights") + _PLAN_NAMES + ("b1", "b2"), x, w1, w2,
+                pair_weights, eto, eti, sw, tpo, tei, tim, b1, b2)
     S = eti.shape[0]
     rows = _w1_rows(activation, w2.shape[2])
     return torch.empty_like(x), x.new_empty((0, rows) if recompute else (S, rows))
 
 
 def _experts_backward_impl(d_out, x, w1, w2, h, plan, activation, recompute, num_threads,
-                           dh_over_h):
+                           dh_over_h, b1, b2):
     # dH over h: keep_h on CUDA only (the mode enters the cached config, so it is chosen first).
     mode = (_MODE_RECOMPUTE if recompute else
             _MODE_DH_OVER_H if dh_over_h and x.is_cuda else _MODE_KEEP_H)
     cfg, ws_bytes, dev, x, w1, w2, p = _experts_args(x, w1, w2, plan, activation, num_threads,
                                                      mode, True)
+    b1, b2 = _biases(b1, b2, x, cfg, activation, dev)
     S = p.S
     # An upstream gradient: any float dtype autograd hands over, read in x's dtype.
     if not d_out.is_floating_point():
@@ -529,11 +546,16 @@ def _experts_backward_impl(d_out, x, w1, w2, h, plan, activation, recompute, num
         h = _arg("h", h, x.dtype, (S, _w1_rows(activation, cfg.n)), dev)
     dx, dw1, dw2 = torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
     dpw = torch.empty(S, dtype=_F32, device=dev)
+    # A bias's gradient, or an empty (0,) tensor standing for none (an op's outputs are tensors).
+    db1 = torch.empty_like(b1) if b1 is not None else x.new_empty(0)
+    db2 = torch.empty_like(b2) if b2 is not None else x.new_empty(0)
     ws = _workspace(ws_bytes, dev)
-    _run(x, lib().moeblaze_layer_backward, ctypes.byref(cfg), ctypes.byref(p), device_code(x),
-         stream_of(x), ptr(x), ptr(w1), ptr(w2), ptr(d_out), None if recompute else ptr(h),
-         ptr(dx), ptr(dw1), ptr(dw2), ptr(dpw), ptr(ws), ws_bytes)
-    return dx, dw1, dw2, dpw
+    _run(x, lib().moeblaze_layer_backward_biased, ctypes.byref(cfg), ctypes.byref(p),
+         device_code(x), stream_of(x), ptr(x), ptr(w1), ptr(w2), ptr(b1), ptr(b2), ptr(d_out),
+         None if recompute else ptr(h), ptr(dx), ptr(dw1), ptr(dw2), ptr(dpw),
+         ptr(db1) if b1 is not None else None, ptr(db2) if b2 is not None else None, ptr(ws),
+         ws_bytes)
+    return dx, dw1, dw2, dpw, db1, db2
 
 
 @torch.library.custom_op("moeblaze::experts_backward", mutates_args=())
@@ -541,11 +563,14 @@ def experts_backward(d_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor
                      expert_token_offsets: Tensor, expert_token_indices: Tensor,
                      slot_weights: Tensor, token_pair_offsets: Tensor,
                      token_expert_indices: Tensor, token_index_map: Tensor, activation: int,
-                     recompute: bool, num_threads: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                     recompute: bool, num_threads: int, b1: Optional[Tensor] = None,
+                     b2: Optional[Tensor] = None
+                     ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dw1, dw2, d_pair_weights, db1, db2); db1 / db2 are empty (0,) without their bias."""
     plan = (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
             token_expert_indices, token_index_map)
     return _experts_backward_impl(d_out, x, w1, w2, h, plan, activation, recompute, num_threads,
-                                  dh_over_h=False)
+                                  False, b1, b2)
 
 
 # The same, but on CUDA keep_h writes dH over h (S * w1_rows * 2 bytes less workspace). Declared
@@ -556,21 +581,24 @@ def experts_backward_dh_over_h(d_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor,
                                expert_token_offsets: Tensor, expert_token_indices: Tensor,
                                slot_weights: Tensor, token_pair_offsets: Tensor,
                                token_expert_indices: Tensor, token_index_map: Tensor,
-                               activation: int, recompute: bool,
-                               num_threads: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                               activation: int, recompute: bool, num_threads: int,
+                               b1: Optional[Tensor] = None, b2: Optional[Tensor] = None
+                               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     plan = (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
             token_expert_indices, token_index_map)
     return _experts_backward_impl(d_out, x, w1, w2, h, plan, activation, recompute, num_threads,
-                                  dh_over_h=True)
+                                  True, b1, b2)
 
 
 @experts_backward.register_fake
 def _experts_backward_fake(d_out, x, w1, w2, h, eto, eti, sw, tpo, tei, tim, activation,
-                           recompute, num_threads):
-    _one_device(("d_out", "x", "w1", "w2", "h") + _PLAN_NAMES, d_out, x, w1, w2, h, eto, eti, sw,
-                tpo, tei, tim)
+                           recompute, num_threads, b1=None, b2=None):
+    _one_device(("d_out", "x", "w1", "w2", "h") + _PLAN_NAMES + ("b1", "b2"), d_out, x, w1, w2, h,
+                eto, eti, sw, tpo, tei, tim, b1, b2)
     return (torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2),
-            x.new_empty(eti.shape[0], dtype=torch.float32))
+            x.new_empty(eti.shape[0], dtype=torch.float32),
+            torch.empty_like(b1) if b1 is not None else x.new_empty(0),
+            torch.empty_like(b2) if b2 is not None else x.new_empty(0))
 
 
 experts_backward_dh_over_h.register_fake(_experts_backward_fake)
@@ -582,20 +610,23 @@ def _experts_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     x, w1, w2, _pw = inputs[:4]
     plan = inputs[4:10]
-    ctx.save_for_backward(x, w1, w2, output[1], *plan)
+    b1, b2 = (inputs[13] if len(inputs) > 13 else None), (inputs[14] if len(inputs) > 14 else None)
+    ctx.has_bias = (b1 is not None, b2 is not None)
+    ctx.save_for_backward(x, w1, w2, output[1], b1, b2, *plan)
     ctx.cfg = inputs[10:13]
 
 
 def _experts_backward(ctx, g_out, g_h):
-    x, w1, w2, h, *plan = ctx.saved_tensors
+    x, w1, w2, h, b1, b2, *plan = ctx.saved_tensors
     if g_out is None:
-        return (None,) * 13
+        return (None,) * 15
     # Eager: dH over the saved H (it is dead after this). Traced (torch.compile, export): the
     # non-mutating op, since a mutated saved activation is not something the partitioner takes.
     eager = type(h) is torch.Tensor and not torch.compiler.is_compiling()
     op = experts_backward_dh_over_h if eager else experts_backward
-    dx, dw1, dw2, dpw = op(g_out, x, w1, w2, h, *plan, *ctx.cfg)
-    return (dx, dw1, dw2, dpw) + (None,) * 9
+    dx, dw1, dw2, dpw, db1, db2 = op(g_out, x, w1, w2, h, *plan, *ctx.cfg, b1, b2)
+    return ((dx, dw1, dw2, dpw) + (None,) * 9 + (db1 if ctx.has_bias[0] else None,
+                                                 db2 if ctx.has_bias[1] else None))
 
 
 experts_forward.register_autograd(_experts_backward, setup_context=_experts_setup)
