@@ -773,5 +773,64 @@ TEST(LayerGpu, RejectsWhatTheGpuPathCannotTakeAndLeavesOutputsUntouched) {
   }
 }
 
+// Expert biases have no GPU kernels yet: forward and backward refuse either bias, naming it.
+TEST(LayerGpu, RejectsExpertBiasesAndLeavesOutputsUntouched) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  LayerConfig c;
+  c.T = 16;
+  c.d = 128;
+  c.n = 128;
+  c.E = 4;
+  c.K = 2;
+  c.dtype = DType::bf16;
+  Plans plans;
+  make_plans(make_routing(c.T, c.E, c.K, RouteKind::balanced, seed), plans);
+  const int64_t R = c.w1_rows();
+  DevMem x(c.T * c.d * 2), w1(c.E * R * c.d * 2), w2(c.E * c.d * c.n * 2), out(c.T * c.d * 2),
+      b1(c.E * R * 2), b2(c.E * c.d * 2), db1(c.E * R * 2), db2(c.E * c.d * 2),
+      dx(c.T * c.d * 2), dw1(c.E * R * c.d * 2), dw2(c.E * c.d * c.n * 2), dpw(plans.dev.S() * 4);
+  const auto v = [](const DevMem& m, DType dt, std::initializer_list<int64_t> dims) {
+    return TensorView(m.p, dt, Device::cuda, dims);
+  };
+  const TensorView tx = v(x, DType::bf16, {c.T, c.d}), tw1 = v(w1, DType::bf16, {c.E, R, c.d}),
+                   tw2 = v(w2, DType::bf16, {c.E, c.d, c.n});
+  const TensorView tb1 = v(b1, DType::bf16, {c.E, R}), tb2 = v(b2, DType::bf16, {c.E, c.d});
+  SavedForBackward good;
+  layer_forward(c, plans.dev, tx, tw1, tw2, v(out, DType::bf16, {c.T, c.d}), good, {});
+  for (const auto& [biases, name] : {std::pair<LayerBiases, const char*>{{tb1, {}}, "b1"},
+                                     {{{}, tb2}, "b2"}}) {
+    SCOPED_TRACE(name);
+    const std::string expect = std::string(name) + ": expert biases run on the CPU backend only";
+    out.poison();
+    SavedForBackward saved;
+    try {
+      layer_forward(c, plans.dev, tx, tw1, tw2, biases, v(out, DType::bf16, {c.T, c.d}), saved,
+                    {});
+      ADD_FAILURE() << "no error thrown";
+    } catch (const Unsupported& e) {
+      EXPECT_NE(std::string(e.what()).find(expect), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(saved.valid());
+    for (uint8_t b : out.download<uint8_t>()) ASSERT_EQ(b, 0xFF) << "out was written";
+
+    dx.poison();
+    LayerGrads g{v(dx, DType::bf16, {c.T, c.d}), v(dw1, DType::bf16, {c.E, R, c.d}),
+                 v(dw2, DType::bf16, {c.E, c.d, c.n}),
+                 v(dpw, DType::f32, {plans.dev.S()})};
+    if (biases.b1.rank) g.db1 = v(db1, DType::bf16, {c.E, R});
+    if (biases.b2.rank) g.db2 = v(db2, DType::bf16, {c.E, c.d});
+    try {
+      layer_backward(c, plans.dev, tx, tw1, tw2, biases, v(out, DType::bf16, {c.T, c.d}), good,
+                     g, {});
+      ADD_FAILURE() << "no error thrown";
+    } catch (const Unsupported& e) {
+      EXPECT_NE(std::string(e.what()).find(expect), std::string::npos) << e.what();
+    }
+    for (uint8_t b : dx.download<uint8_t>()) ASSERT_EQ(b, 0xFF) << "dx was written";
+  }
+}
+
 }  // namespace
 }  // namespace moeblaze::test
