@@ -79,6 +79,7 @@ void check_output(const TensorView& t, const char* name, std::initializer_list<i
 bool has_bias(const LayerBiases& b) { return b.b1.rank != 0 || b.b2.rank != 0; }
 
 void check_biases(const LayerConfig& cfg, const LayerBiases& b, LayerMode mode, Device dev) {
+  // check_output's checks are an input's too (shape, dtype, device, data, a CUDA build for cuda).
   if (b.b1.rank != 0) check_output(b.b1, "b1", {cfg.E, cfg.w1_rows()}, cfg.dtype, dev);
   if (b.b2.rank != 0) check_output(b.b2, "b2", {cfg.E, cfg.d}, cfg.dtype, dev);
   if (!has_bias(b)) return;
@@ -225,8 +226,8 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   check_output(grads.dw1, "dw1", {cfg.E, cfg.w1_rows(), cfg.d}, cfg.dtype, dev);
   check_output(grads.dw2, "dw2", {cfg.E, cfg.d, cfg.n}, cfg.dtype, dev);
   check_output(grads.d_pair_weights, "d_pair_weights", {plan.S()}, DType::f32, dev);
-  check_bias_grads(cfg, biases, grads, dev);
   check_biases(cfg, biases, opts.mode, dev);
+  check_bias_grads(cfg, biases, grads, dev);
   MOEBLAZE_REQUIRE(saved.valid(), "saved is not valid: run layer_forward first");
   require_disjoint({byte_range(grads.dx, "dx"), byte_range(grads.dw1, "dw1"),
                     byte_range(grads.dw2, "dw2"),
