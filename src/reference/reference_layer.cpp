@@ -198,9 +198,10 @@ LayerReference reference_layer(const LayerConfig& cfg, const RoutingView& routin
 
 double reference_loss(const LayerConfig& cfg, const int32_t* pair_offsets,
                       const int32_t* pair_experts, const double* pair_weights, const double* x,
-                      const double* w1, const double* w2, const double* d_out) {
+                      const double* w1, const double* w2, const double* d_out, const double* b1,
+                      const double* b2) {
   const LayerReference r =
-      reference_layer(cfg, pair_offsets, pair_experts, pair_weights, x, w1, w2, nullptr);
+      reference_layer(cfg, pair_offsets, pair_experts, pair_weights, x, w1, w2, nullptr, b1, b2);
   double loss = 0;
   for (size_t i = 0; i < r.out.size(); ++i) loss += d_out[i] * r.out[i];
   return loss;

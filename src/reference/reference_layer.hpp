@@ -56,7 +56,8 @@ LayerReference reference_layer(const LayerConfig& cfg, const RoutingView& routin
 // what reference_layer's backward returns for that d_out).
 double reference_loss(const LayerConfig& cfg, const int32_t* pair_offsets,
                       const int32_t* pair_experts, const double* pair_weights, const double* x,
-                      const double* w1, const double* w2, const double* d_out);
+                      const double* w1, const double* w2, const double* d_out,
+                      const double* b1 = nullptr, const double* b2 = nullptr);
 
 // The activation in float64 (f and f' of config.hpp's activations; gelu is the exact erf form).
 // Gated ones: a = f(g) * up(u), dg = da * up(u) * f'(g), du = da * f(g) * dup(u).
