@@ -80,7 +80,7 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
       gemm::gemm_nt(m, R, d, mat(x.data, dt, d, eti + slot0), mat(w1e, dt, d), hf, R, false,
                     pack);
       if (b1p)
-        for (int64_t i = 0; i < m; ++i) layer::add_bias_row(hf + i * R, b1p + e * R * es, dt, R);
+        for (int64_t i = 0; i < m; ++i) layer::add_row(hf + i * R, b1p + e * R * es, dt, R);
       if (dt == DType::bf16)
         for (int64_t i = 0; i < m * R; ++i) hf[i] = round_to_bf16(hf[i]);
     } else {
@@ -125,14 +125,7 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
     for (int64_t p = tpo[t]; p < tpo[t + 1]; ++p) {
       const int64_t slot = tim[p];
       dpw[p] = ws.ds[slot];
-      const char* row = dx_slots + slot * d * es;
-      if (dt == DType::bf16) {
-        const uint16_t* r = reinterpret_cast<const uint16_t*>(row);
-        for (int64_t j = 0; j < d; ++j) acc[j] += bf16::to_float(r[j]);
-      } else {
-        const float* r = reinterpret_cast<const float*>(row);
-        for (int64_t j = 0; j < d; ++j) acc[j] += r[j];
-      }
+      layer::add_row(acc, dx_slots + slot * d * es, dt, d);
     }
     gemm::store_row(acc, d, dx + t * d * es, dt);
   });
@@ -172,24 +165,9 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
     float bacc[layer::kGradRows] = {};  // (mb,) fp32
     for (int64_t p = s0; p < s0 + cnt; ++p) {
       if (is_w2) {
-        const float s = sw[p];
-        const char* row = dop + (eti[p] * d + r0) * es;
-        if (dt == DType::bf16) {
-          const uint16_t* r = reinterpret_cast<const uint16_t*>(row);
-          for (int64_t i = 0; i < mb; ++i) bacc[i] += s * bf16::to_float(r[i]);
-        } else {
-          const float* r = reinterpret_cast<const float*>(row);
-          for (int64_t i = 0; i < mb; ++i) bacc[i] += s * r[i];
-        }
+        layer::add_scaled_row(bacc, sw[p], dop + (eti[p] * d + r0) * es, dt, mb);
       } else {
-        const char* row = dh + (p * R + r0) * es;
-        if (dt == DType::bf16) {
-          const uint16_t* r = reinterpret_cast<const uint16_t*>(row);
-          for (int64_t i = 0; i < mb; ++i) bacc[i] += bf16::to_float(r[i]);
-        } else {
-          const float* r = reinterpret_cast<const float*>(row);
-          for (int64_t i = 0; i < mb; ++i) bacc[i] += r[i];
-        }
+        layer::add_row(bacc, dh + (p * R + r0) * es, dt, mb);
       }
     }
     gemm::store_row(bacc, mb, db + (e * rows + r0) * es, dt);

@@ -60,14 +60,25 @@ inline int64_t task_expert(const int64_t* tile_offsets, int64_t E, int64_t task)
   return lo;
 }
 
-// row[j] += bias[j] for a cfg.dtype bias row: the bias add fused where the fp32 row already is.
-inline void add_bias_row(float* row, const char* bias, DType dtype, int64_t count) {
+// acc[j] += src[j] for a cfg.dtype row src, in j order (bias adds, bias gradients, pair sums).
+inline void add_row(float* acc, const char* src, DType dtype, int64_t count) {
   if (dtype == DType::bf16) {
-    const uint16_t* b = reinterpret_cast<const uint16_t*>(bias);
-    for (int64_t j = 0; j < count; ++j) row[j] += bf16::to_float(b[j]);
+    const uint16_t* b = reinterpret_cast<const uint16_t*>(src);
+    for (int64_t j = 0; j < count; ++j) acc[j] += bf16::to_float(b[j]);
   } else {
-    const float* b = reinterpret_cast<const float*>(bias);
-    for (int64_t j = 0; j < count; ++j) row[j] += b[j];
+    const float* b = reinterpret_cast<const float*>(src);
+    for (int64_t j = 0; j < count; ++j) acc[j] += b[j];
+  }
+}
+
+// acc[j] += s * src[j] for a cfg.dtype row src, in j order (weighted pair sums).
+inline void add_scaled_row(float* acc, float s, const char* src, DType dtype, int64_t count) {
+  if (dtype == DType::bf16) {
+    const uint16_t* b = reinterpret_cast<const uint16_t*>(src);
+    for (int64_t j = 0; j < count; ++j) acc[j] += s * bf16::to_float(b[j]);
+  } else {
+    const float* b = reinterpret_cast<const float*>(src);
+    for (int64_t j = 0; j < count; ++j) acc[j] += s * b[j];
   }
 }
 

@@ -70,7 +70,7 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
                   mat(w1p + e * R * d * es, dt, d), hf, R, false, pack);
     for (int64_t i = 0; i < m; ++i) {
       float* hrow = hf + i * R;
-      if (b1p) layer::add_bias_row(hrow, b1p + e * R * es, dt, R);
+      if (b1p) layer::add_row(hrow, b1p + e * R * es, dt, R);
       if (h_keep) gemm::store_row(hrow, R, h_keep + (slot0 + i) * R * es, dt);
       float* arow = af + i * n;
       activation_row(act, hrow, n, arow);
@@ -80,7 +80,7 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
     gemm::gemm_nt(m, d, n, mat(af, DType::f32, n), mat(w2p + e * d * n * es, dt, n), yf, d,
                   false, pack);
     for (int64_t i = 0; i < m; ++i) {
-      if (b2p) layer::add_bias_row(yf + i * d, b2p + e * d * es, dt, d);
+      if (b2p) layer::add_row(yf + i * d, b2p + e * d * es, dt, d);
       gemm::store_row(yf + i * d, d, y + (slot0 + i) * d * es, dt);
     }
   });
@@ -96,14 +96,7 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
     for (int64_t p = tpo[t]; p < tpo[t + 1]; ++p) {
       const int64_t slot = tim[p];
       const float s = sw[slot];
-      const char* yrow = y + slot * d * es;
-      if (dt == DType::bf16) {
-        const uint16_t* yr = reinterpret_cast<const uint16_t*>(yrow);
-        for (int64_t j = 0; j < d; ++j) acc[j] += s * bf16::to_float(yr[j]);
-      } else {
-        const float* yr = reinterpret_cast<const float*>(yrow);
-        for (int64_t j = 0; j < d; ++j) acc[j] += s * yr[j];
-      }
+      layer::add_scaled_row(acc, s, y + slot * d * es, dt, d);
     }
     gemm::store_row(acc, d, o + t * d * es, dt);
   });
