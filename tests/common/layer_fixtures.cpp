@@ -1,5 +1,7 @@
 #include "common/layer_fixtures.hpp"
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -168,6 +170,15 @@ void run_layer(const LayerConfig& cfg, const RoutingPlan& plan, LayerTensors& t,
 
 bool bitwise_equal(const HostTensor& a, const HostTensor& b) {
   return a.dtype == b.dtype && a.shape == b.shape && a.bytes == b.bytes;
+}
+
+double layer_tol(DType dt) { return dt == DType::bf16 ? 1e-2 : 1e-5; }
+
+void expect_close(const char* what, const HostTensor& got, const std::vector<double>& ref,
+                  double tolerance) {
+  ASSERT_EQ(size_t(got.numel()), ref.size()) << what;
+  const double err = rel_error(got, ref);
+  EXPECT_LE(err, tolerance) << what << ": relative Frobenius error " << err;
 }
 
 double rel_error(const HostTensor& a, const std::vector<double>& ref) {

@@ -71,6 +71,13 @@ bool bitwise_equal(const HostTensor& a, const HostTensor& b);
 // when ref is all zero (returns +inf if a is not all zero).
 double rel_error(const HostTensor& a, const std::vector<double>& ref);
 
+// The layer's relative Frobenius tolerance against float64 per storage dtype (1e-5 fp32, 1e-2
+// bf16; the reasoning is at tests/cpu/test_layer.cpp's use), and the check itself: a test
+// failure naming `what` when rel_error(got, ref) exceeds `tolerance`.
+double layer_tol(DType dt);
+void expect_close(const char* what, const HostTensor& got, const std::vector<double>& ref,
+                  double tolerance);
+
 // ||a - ref||_F / ||scale||_F: the error measured against a scale of its own (e.g. the sum of
 // magnitudes of the terms of a dot product that may cancel).
 double scaled_error(const HostTensor& a, const std::vector<double>& ref,

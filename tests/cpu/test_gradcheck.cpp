@@ -66,70 +66,56 @@ test::HostRouting tiny_routing(int64_t T, int64_t E, int64_t K, uint64_t seed) {
   return test::random_routing({T, E, K, 0, false}, seed);
 }
 
+// The float64 reference's backward (with expert biases b1, b2 when `biased`) against central
+// differences of its loss.
+void check_layer_gradients(Activation act, bool biased, uint64_t seed) {
+  SCOPED_TRACE(std::string(activation_name(act)) + (biased ? " biased" : ""));
+  const int64_t T = 5, d = 4, n = 3, E = 3, K = 2;
+  const test::HostRouting r = tiny_routing(T, E, K, seed);
+  const LayerConfig cfg{T, d, n, E, K, act, DType::f32};
+  const int64_t R = cfg.w1_rows();
+  std::vector<double> x = normal64(T * d, seed + 1, 1.0);
+  std::vector<double> w1 = normal64(E * R * d, seed + 2, 0.5);
+  std::vector<double> w2 = normal64(E * d * n, seed + 3, 0.6);
+  std::vector<double> dout = normal64(T * d, seed + 4, 1.0);
+  std::vector<double> b1 = biased ? normal64(E * R, seed + 5, 0.5) : std::vector<double>();
+  std::vector<double> b2 = biased ? normal64(E * d, seed + 6, 0.5) : std::vector<double>();
+  const double* b1p = biased ? b1.data() : nullptr;
+  const double* b2p = biased ? b2.data() : nullptr;
+  std::vector<double> pw(r.weights.begin(), r.weights.end());
+  const reference::LayerReference g = reference::reference_layer(
+      cfg, r.offsets.data(), r.experts.data(), pw.data(), x.data(), w1.data(), w2.data(),
+      dout.data(), b1p, b2p);
+  auto loss = [&] {
+    return reference::reference_loss(cfg, r.offsets.data(), r.experts.data(), pw.data(),
+                                     x.data(), w1.data(), w2.data(), dout.data(), b1p, b2p);
+  };
+  expect_gradient("dx", x, g.dx, loss);
+  expect_gradient("dw1", w1, g.dw1, loss);
+  expect_gradient("dw2", w2, g.dw2, loss);
+  if (biased) {
+    expect_gradient("db1", b1, g.db1, loss);
+    expect_gradient("db2", b2, g.db2, loss);
+  }
+  expect_gradient("d_pair_weights", pw, g.d_pair_weights, loss);
+  // The forward itself: out is linear in d_out, so <d_out, out> = loss.
+  double l = 0;
+  for (size_t i = 0; i < dout.size(); ++i) l += dout[i] * g.out[i];
+  EXPECT_NEAR(l, loss(), 1e-12 * (1 + std::fabs(l)));
+}
+
 TEST(ReferenceGradcheck, LayerBackwardMatchesCentralDifferences) {
   const uint64_t seed = test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  const int64_t T = 5, d = 4, n = 3, E = 3, K = 2;
-  const test::HostRouting r = tiny_routing(T, E, K, seed);
-  for (Activation act : kActivations) {
-    SCOPED_TRACE(activation_name(act));
-    const LayerConfig cfg{T, d, n, E, K, act, DType::f32};
-    const int64_t R = cfg.w1_rows();
-    std::vector<double> x = normal64(T * d, seed + 1, 1.0);
-    std::vector<double> w1 = normal64(E * R * d, seed + 2, 0.5);
-    std::vector<double> w2 = normal64(E * d * n, seed + 3, 0.6);
-    std::vector<double> dout = normal64(T * d, seed + 4, 1.0);
-    std::vector<double> pw(r.weights.begin(), r.weights.end());
-    const reference::LayerReference g = reference::reference_layer(
-        cfg, r.offsets.data(), r.experts.data(), pw.data(), x.data(), w1.data(), w2.data(),
-        dout.data());
-    auto loss = [&] {
-      return reference::reference_loss(cfg, r.offsets.data(), r.experts.data(), pw.data(),
-                                       x.data(), w1.data(), w2.data(), dout.data());
-    };
-    expect_gradient("dx", x, g.dx, loss);
-    expect_gradient("dw1", w1, g.dw1, loss);
-    expect_gradient("dw2", w2, g.dw2, loss);
-    expect_gradient("d_pair_weights", pw, g.d_pair_weights, loss);
-    // The forward itself: out is linear in d_out, so <d_out, out> = loss.
-    double l = 0;
-    for (size_t i = 0; i < dout.size(); ++i) l += dout[i] * g.out[i];
-    EXPECT_NEAR(l, loss(), 1e-12 * (1 + std::fabs(l)));
-  }
+  for (Activation act : kActivations) check_layer_gradients(act, false, seed);
 }
 
 // The same with expert biases b1, b2 (smooth activations: a bias may move h onto a kink).
 TEST(ReferenceGradcheck, BiasedLayerBackwardMatchesCentralDifferences) {
   const uint64_t seed = test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  const int64_t T = 5, d = 4, n = 3, E = 3, K = 2;
-  const test::HostRouting r = tiny_routing(T, E, K, seed);
-  for (Activation act : {Activation::swiglu, Activation::gelu, Activation::silu}) {
-    SCOPED_TRACE(activation_name(act));
-    const LayerConfig cfg{T, d, n, E, K, act, DType::f32};
-    const int64_t R = cfg.w1_rows();
-    std::vector<double> x = normal64(T * d, seed + 1, 1.0);
-    std::vector<double> w1 = normal64(E * R * d, seed + 2, 0.5);
-    std::vector<double> w2 = normal64(E * d * n, seed + 3, 0.6);
-    std::vector<double> dout = normal64(T * d, seed + 4, 1.0);
-    std::vector<double> b1 = normal64(E * R, seed + 5, 0.5);
-    std::vector<double> b2 = normal64(E * d, seed + 6, 0.5);
-    std::vector<double> pw(r.weights.begin(), r.weights.end());
-    const reference::LayerReference g = reference::reference_layer(
-        cfg, r.offsets.data(), r.experts.data(), pw.data(), x.data(), w1.data(), w2.data(),
-        dout.data(), b1.data(), b2.data());
-    auto loss = [&] {
-      return reference::reference_loss(cfg, r.offsets.data(), r.experts.data(), pw.data(),
-                                       x.data(), w1.data(), w2.data(), dout.data(), b1.data(),
-                                       b2.data());
-    };
-    expect_gradient("dx", x, g.dx, loss);
-    expect_gradient("dw1", w1, g.dw1, loss);
-    expect_gradient("dw2", w2, g.dw2, loss);
-    expect_gradient("db1", b1, g.db1, loss);
-    expect_gradient("db2", b2, g.db2, loss);
-    expect_gradient("d_pair_weights", pw, g.d_pair_weights, loss);
-  }
+  for (Activation act : {Activation::swiglu, Activation::gelu, Activation::silu})
+    check_layer_gradients(act, true, seed);
 }
 
 // The activation formulas of the reference against differences of themselves, on a grid that

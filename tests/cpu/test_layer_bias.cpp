@@ -22,7 +22,7 @@ using test::HostTensor;
 using test::LayerTensors;
 
 // test_layer.cpp's tolerances: the bias adds no reduction longer than the slot sums already there.
-double tol(DType dt) { return dt == DType::bf16 ? 1e-2 : 1e-5; }
+double tol(DType dt) { return test::layer_tol(dt); }
 
 // A layer call's tensors plus the biases and their gradients; which biases are present is `which`
 // (1 = b1, 2 = b2, 3 = both).
@@ -62,11 +62,7 @@ struct BiasedTensors {
   }
 };
 
-void expect_close(const char* what, const HostTensor& got, const std::vector<double>& ref,
-                  double tolerance) {
-  const double err = test::rel_error(got, ref);
-  EXPECT_LE(err, tolerance) << what << ": relative Frobenius error " << err;
-}
+using test::expect_close;
 
 bool all_equal(const BiasedTensors& a, const BiasedTensors& b) {
   return test::bitwise_equal(a.t.out, b.t.out) && test::bitwise_equal(a.t.dx, b.t.dx) &&

@@ -419,6 +419,15 @@ bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
 
 class LayerGpuGrid : public ::testing::TestWithParam<Case> {};
 
+// Every output of two runs, bit for bit.
+void expect_same_bits(const GpuResult& a, const GpuResult& b) {
+  EXPECT_TRUE(bitwise_equal(a.out, b.out)) << "out";
+  EXPECT_TRUE(bitwise_equal(a.dx, b.dx)) << "dx";
+  EXPECT_TRUE(bitwise_equal(a.dw1, b.dw1)) << "dw1";
+  EXPECT_TRUE(bitwise_equal(a.dw2, b.dw2)) << "dw2";
+  EXPECT_TRUE(bitwise_equal(a.dpw, b.dpw)) << "d_pair_weights";
+}
+
 TEST_P(LayerGpuGrid, MatchesCpuBackendAndFloat64Reference) {
   MOEBLAZE_REQUIRE_GPU();
   const Case c = GetParam();
@@ -523,18 +532,13 @@ TEST(LayerGpu, BitwiseDeterministicAcrossRuns) {
     const Inputs in = make_inputs({2048, 256, 512, 16, 4, Activation::swiglu, mode, RouteKind::skewed}, seed);
     const GpuResult a = run_gpu(in, mode);
     const GpuResult b = run_gpu(in, mode);
-    EXPECT_TRUE(bitwise_equal(a.out, b.out)) << "out";
-    EXPECT_TRUE(bitwise_equal(a.dx, b.dx)) << "dx";
-    EXPECT_TRUE(bitwise_equal(a.dw1, b.dw1)) << "dw1";
-    EXPECT_TRUE(bitwise_equal(a.dw2, b.dw2)) << "dw2";
-    EXPECT_TRUE(bitwise_equal(a.dpw, b.dpw)) << "d_pair_weights";
+    expect_same_bits(a, b);
   }
 }
 
 // A thread whose first CUDA calls are the library's (PyTorch's autograd thread with
-// caller-given workspaces) gets the same bits as the calling thread. There backward's first CUDA
-// call can be a TMA descriptor encode, which failed with CUDA_ERROR_INVALID_CONTEXT (201) before
-// the library bound the context itself (seen through PyTorch at d 4096, n 1024, E 128, K 8).
+// caller-given workspaces) gets the same bits as the calling thread: there backward's first CUDA
+// call can be a TMA descriptor encode, which needs the context the library binds itself.
 TEST(LayerGpu, FreshThreadWithCallerMemoryGivesTheSameBits) {
   MOEBLAZE_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
@@ -546,11 +550,7 @@ TEST(LayerGpu, FreshThreadWithCallerMemoryGivesTheSameBits) {
                                    RouteKind::skewed}, seed);
     const GpuResult a = run_gpu(in, LayerMode::keep_h, dh_over_h);
     const GpuResult b = run_gpu(in, LayerMode::keep_h, dh_over_h, true);
-    EXPECT_TRUE(bitwise_equal(a.out, b.out)) << "out";
-    EXPECT_TRUE(bitwise_equal(a.dx, b.dx)) << "dx";
-    EXPECT_TRUE(bitwise_equal(a.dw1, b.dw1)) << "dw1";
-    EXPECT_TRUE(bitwise_equal(a.dw2, b.dw2)) << "dw2";
-    EXPECT_TRUE(bitwise_equal(a.dpw, b.dpw)) << "d_pair_weights";
+    expect_same_bits(a, b);
   }
 }
 
@@ -571,10 +571,7 @@ TEST(LayerGpu, DhOverSavedHIsBitwiseEqualAndSmaller) {
       const GpuResult a = run_gpu(in, LayerMode::keep_h, false);
       const GpuResult b = run_gpu(in, LayerMode::keep_h, true);
       cuda::set_gemm_impl(cuda::GemmImpl::sm90);
-      EXPECT_TRUE(bitwise_equal(a.dx, b.dx)) << "dx";
-      EXPECT_TRUE(bitwise_equal(a.dw1, b.dw1)) << "dw1";
-      EXPECT_TRUE(bitwise_equal(a.dw2, b.dw2)) << "dw2";
-      EXPECT_TRUE(bitwise_equal(a.dpw, b.dpw)) << "d_pair_weights";
+      expect_same_bits(a, b);  // forward is the same code either way: out too
       const size_t h_bytes = size_t(in.plans.dev.S() * in.cfg.w1_rows()) * 2;
       EXPECT_LE(b.bwd_peak + h_bytes, a.bwd_peak + 256) << "backward peak with dH over H";
       EXPECT_EQ(layer_workspace_bytes(in.cfg, in.plans.dev.S(), LayerMode::keep_h, Device::cuda,
