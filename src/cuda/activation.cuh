@@ -101,7 +101,7 @@ __device__ __forceinline__ float dev_act_grad(Activation act, float x) {
     case Activation::relu: return x > 0.0f ? 1.0f : 0.0f;
     case Activation::relu2: return x > 0.0f ? 2.0f * x : 0.0f;
     case Activation::swiglu_oai: {
-      // zero at g == limit too: torch.clamp(g, max=limit)'s gradient is 0 there (torch 2.15)
+      // zero at g == limit too: no gradient at the clamp limits (the library's convention)
       if (!(x < kOaiLimit)) return 0.0f;
       const float s = dev_sigmoid(kOaiAlpha * x);
       return s * (1.0f + kOaiAlpha * x * (1.0f - s));

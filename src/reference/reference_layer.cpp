@@ -46,7 +46,7 @@ double activation_df(Activation act, double v) {
     case Activation::relu: return v > 0 ? 1.0 : 0.0;
     case Activation::relu2: return v > 0 ? 2.0 * v : 0.0;
     case Activation::swiglu_oai: {
-      // zero at v == limit too: torch.clamp(g, max=limit)'s gradient is 0 there (torch 2.15)
+      // zero at v == limit too: no gradient at the clamp limits (the library's convention)
       if (!(v < kOaiLimit)) return 0.0;
       const double sg = 1.0 / (1.0 + std::exp(-kOaiAlpha * v));
       return sg + kOaiAlpha * v * sg * (1.0 - sg);
