@@ -202,8 +202,8 @@ def _rank_entry(rank, world, fn, seed, args, backend, tmp, errq):
         errq.put((rank, traceback.format_exc()))
         raise SystemExit(1)
     # The rank's work is done and checked: leave without the interpreter's teardown, where a
-    # backend's still-joinable worker thread can abort the process ("terminate called without an
-    # active exception", seen with gloo at 4 ranks here and at a3610e1 alike).
+    # backend's still-joinable worker thread can abort the process (gloo: "terminate called
+    # without an active exception").
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
