@@ -126,6 +126,21 @@ int moeblaze_build_plan(const moeblaze_routing* routing, int32_t device, void* s
                         const moeblaze_plan* plan, void* workspace, uint64_t workspace_bytes,
                         int32_t* flags);
 
+/* The plan straight from a fixed-K routing as frameworks hold it: expert_ids (T, K) int32 or
+ * int64 (ids_dtype, below) and expert_weights (T, K) fp32 or bf16 (weights_dtype, a dtype code),
+ * row-major, 1 <= K <= E. The same plan, and the same checks, as converting them to a
+ * moeblaze_routing (offsets t*K, int32 ids, fp32 weights) and calling moeblaze_build_plan, in one
+ * call: CUDA adds one kernel, no host sync, and zeroes `flags` itself first; an id of any width
+ * outside [0, E) stays out of range (never wraps into a valid one). The CPU names a bad id as
+ * expert_ids[t, k]. Workspace: moeblaze_plan_from_ids_workspace_bytes (0 on the CPU). */
+enum { MOEBLAZE_IDS_INT32 = 0, MOEBLAZE_IDS_INT64 = 1 };
+int moeblaze_plan_from_ids_workspace_bytes(int64_t T, int64_t K, int64_t E, int32_t device,
+                                           uint64_t* bytes);
+int moeblaze_plan_from_ids(const void* expert_ids, int32_t ids_dtype, const void* expert_weights,
+                           int32_t weights_dtype, int64_t T, int64_t K, int64_t E,
+                           int32_t device, void* stream, const moeblaze_plan* plan,
+                           void* workspace, uint64_t workspace_bytes, int32_t* flags);
+
 /* After a CUDA call raised flags: copy them (4 int32, host) and the routing here; returns
  * MOEBLAZE_ERR_INVALID_ARGUMENT with the CPU validator's message naming the first bad entry
  * (one synchronising copy; the error path only), MOEBLAZE_OK if no flag is raised. For the

@@ -14,6 +14,7 @@ OK, ERR_INVALID_ARGUMENT, ERR_UNSUPPORTED, ERR_DEVICE, ERR_OTHER = range(5)
 
 # Enum codes shared with the C++ API.
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+ID_DTYPES = {torch.int32: 0, torch.int64: 1}  # moeblaze_plan_from_ids' ids_dtype
 ACTIVATIONS = {"swiglu": 0, "geglu": 1, "relu": 2, "silu": 3, "gelu": 4, "relu2": 5,
                "swiglu_oai": 6}
 GATED = {"swiglu", "geglu", "swiglu_oai"}
@@ -75,6 +76,10 @@ _SIGNATURES = {
     "moeblaze_plan_workspace_bytes": ([_I64, _I64, _I64, _I32, ctypes.POINTER(_U64)], ctypes.c_int),
     "moeblaze_build_plan": ([ctypes.POINTER(Routing), _I32, _P, ctypes.POINTER(Plan), _P, _U64, _P],
                             ctypes.c_int),
+    "moeblaze_plan_from_ids_workspace_bytes": ([_I64, _I64, _I64, _I32, ctypes.POINTER(_U64)],
+                                               ctypes.c_int),
+    "moeblaze_plan_from_ids": ([_P, _I32, _P, _I32, _I64, _I64, _I64, _I32, _P,
+                                ctypes.POINTER(Plan), _P, _U64, _P], ctypes.c_int),
     "moeblaze_routing_flags_error": ([_P, ctypes.POINTER(Routing), _I32], ctypes.c_int),
     "moeblaze_validate_plan_sync": ([ctypes.POINTER(Plan), _I32, _P], ctypes.c_int),
     "moeblaze_layer_workspace_bytes": ([ctypes.POINTER(LayerCfg), _I64, _I32, ctypes.POINTER(_U64)],

@@ -137,12 +137,57 @@ def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, ac
     b1, b2 = (b.to(x.dtype) if b is not None and b.dtype == torch.float32 else b
               for b in (b1, b2))
     E = w2.shape[0]
+    act = _activation_code(activation)
+    if _eager(x, w1, w2, pair_offsets, pair_experts, pair_weights, b1, b2):
+        plan = ops._build_plan_impl(pair_offsets, pair_experts, pair_weights.detach(), E)
+        if _check_flags_enabled(validate, x.device):
+            ops.check_flags(plan[6], (pair_offsets, pair_experts, pair_weights.detach()), E)
+        return _ExpertsFn.apply(x, w1, w2, pair_weights, b1, b2, plan[:6],
+                                (act, bool(recompute), int(num_threads)))
     plan = ops.build_plan(pair_offsets, pair_experts, pair_weights.detach(), E)
     if _check_flags_enabled(validate, x.device):
         ops.check_flags(plan[6], (pair_offsets, pair_experts, pair_weights.detach()), E)
-    out, _h = ops.experts_forward(x, w1, w2, pair_weights, *plan[:6], _activation_code(activation),
-                                  bool(recompute), int(num_threads), b1, b2)
+    out, _h = ops.experts_forward(x, w1, w2, pair_weights, *plan[:6], act, bool(recompute),
+                                  int(num_threads), b1, b2)
     return out
+
+
+def _eager(*tensors):
+    """Whether a call runs on real tensors in plain eager mode (no torch.compile / export / fake
+    tensors / functorch transform): then _ExpertsFn calls the C library directly; traced code
+    goes through the custom ops, which torch.compile understands."""
+    return (all(t is None or type(t) in ops._PLAIN for t in tensors) and not ops._tracing()
+            and not torch._C._are_functorch_transforms_active()
+            and torch._guards.TracingContext.try_get() is None)
+
+
+class _ExpertsFn(torch.autograd.Function):
+    """The experts' forward and backward in eager mode: the custom ops' own bodies
+    (ops._experts_forward_impl, ops._experts_backward_impl with dH over h) without the custom
+    ops' dispatch and autograd wrapping, which cost about twice the library's own host time per
+    step (bench/python_overhead.py). Same C calls, same bits. pair_weights (any shape, S
+    entries, any float dtype) only receives d_pair_weights; the kernels read the plan's."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, pair_weights, b1, b2, plan, cfg):
+        act, recompute, num_threads = cfg
+        out, h = ops._experts_forward_impl(x, w1, w2, plan, act, recompute, num_threads, b1, b2)
+        ctx.save_for_backward(x, w1, w2, h, b1, b2, *plan)
+        ctx.cfg = cfg
+        ctx.pw = (pair_weights.shape, pair_weights.dtype)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_out):
+        x, w1, w2, h, b1, b2, *plan = ctx.saved_tensors
+        act, recompute, num_threads = ctx.cfg
+        dx, dw1, dw2, dpw, db1, db2 = ops._experts_backward_impl(
+            g_out, x, w1, w2, h, plan, act, recompute, num_threads, True, b1, b2)
+        shape, dtype = ctx.pw
+        dpw = dpw.view(shape) if dtype is torch.float32 else dpw.view(shape).to(dtype)
+        return (dx, dw1, dw2, dpw, db1 if b1 is not None else None,
+                db2 if b2 is not None else None, None, None)
 
 
 _OFFSETS_CACHE = {}
@@ -194,12 +239,31 @@ def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", reco
         raise ValueError(f"moeblaze: w2 must be (E, d, n), got {tuple(w2.shape)}")
     ops._one_device(_MOE_EXPERTS_NAMES + ("b1", "b2"), x, w1, w2, expert_ids, expert_weights, b1,
                     b2)
+    if (K > 0 and expert_ids.dtype in _lib.ID_DTYPES and not (validate and x.is_cuda)
+            and _eager(x, w1, w2, expert_ids, expert_weights, b1, b2)):
+        return _moe_experts_eager(x, w1, w2, expert_ids, expert_weights, activation, recompute,
+                                  b1, b2)
     offsets = _fixed_k_offsets(T, K, x)
     check_range = x.device.type == "cpu" or bool(validate)  # on CUDA a host sync: opt-in
     experts = ops.expert_ids_int32(expert_ids, w2.shape[0], check_range).reshape(-1)
     weights = expert_weights.to(torch.float32).reshape(-1)
     return experts_from_routing(x, w1, w2, offsets, experts, weights, activation, recompute,
                                 validate=validate, b1=b1, b2=b2)
+
+
+def _moe_experts_eager(x, w1, w2, expert_ids, expert_weights, activation, recompute, b1, b2):
+    """moe_experts in eager mode: the plan straight from the (T, K) ids and weights in one C call
+    (ops.plan_from_ids), then _ExpertsFn; d_pair_weights comes back in expert_weights' shape and
+    dtype."""
+    x, w1, w2 = _compute_operands(x, w1, w2)
+    b1, b2 = (b.to(x.dtype) if b is not None and b.dtype == torch.float32 else b
+              for b in (b1, b2))
+    w = expert_weights.detach()
+    if w.dtype not in _lib.DTYPES:
+        w = w.to(torch.float32)
+    plan = ops.plan_from_ids(expert_ids, w, w2.shape[0])
+    return _ExpertsFn.apply(x, w1, w2, expert_weights, b1, b2, plan[:6],
+                            (_activation_code(activation), bool(recompute), 0))
 
 
 def _init_moe_module(m, hidden_size, intermediate_size, num_experts, top_k, activation, router,

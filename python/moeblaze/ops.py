@@ -376,6 +376,11 @@ token_round.register_autograd(_round_backward, setup_context=_round_setup)
 @torch.library.custom_op("moeblaze::build_plan", mutates_args=())
 def build_plan(pair_offsets: Tensor, pair_experts: Tensor, pair_weights: Tensor,
                num_experts: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _build_plan_impl(pair_offsets, pair_experts, pair_weights, num_experts)
+
+
+def _build_plan_impl(pair_offsets, pair_experts, pair_weights, num_experts):
+    """The body of moeblaze::build_plan, callable without the op's dispatch (eager paths)."""
     dev = _storage_device("pair_offsets", pair_offsets)
     if pair_offsets.dim() != 1 or pair_offsets.numel() < 1:
         _fail(f"pair_offsets must be (T+1,) with T >= 0, got shape {tuple(pair_offsets.shape)}")
@@ -396,6 +401,46 @@ def build_plan(pair_offsets: Tensor, pair_experts: Tensor, pair_weights: Tensor,
     _run(pair_offsets, lib().moeblaze_build_plan, ctypes.byref(r), dcode, stream_of(pair_offsets),
          ctypes.byref(plan), ptr(ws), ws_bytes, flags.data_ptr())
     return eto, eti, sw, tpo, tei, tim, flags
+
+
+def plan_from_ids(expert_ids: Tensor, expert_weights: Tensor, num_experts: int):
+    """The plan (six arrays, as build_plan's) and flags (4,) of a fixed-K routing given as
+    expert_ids (T, K) int32/int64 and expert_weights (T, K) fp32/bf16 on one device: what
+    converting them and calling build_plan gives, bit for bit, in one C call (no torch kernels).
+    An eager-mode helper, not an op: traced code converts and calls build_plan. The CPU raises
+    ValueError naming a bad id as expert_ids[t, k]; CUDA raises the flags (check_flags)."""
+    T, K = expert_ids.shape
+    E = num_experts
+    dev = expert_ids.device
+    icode = _lib.ID_DTYPES.get(expert_ids.dtype)
+    wcode = _lib.DTYPES.get(expert_weights.dtype)
+    if icode is None or wcode is None or expert_weights.device != dev:
+        _fail(f"plan_from_ids takes int32/int64 ids and fp32/bf16 weights on one device, got "
+              f"{expert_ids.dtype} on {dev} and {expert_weights.dtype} on "
+              f"{expert_weights.device}")
+    ids, w = expert_ids.contiguous(), expert_weights.contiguous()
+    S = T * K
+    dcode = device_code(ids)
+    # One int32 allocation holds the five int32 arrays and the fp32 slot weights (same width).
+    buf = torch.empty(E + 1 + T + 1 + 4 * S, dtype=_I32, device=dev)
+    eto, tpo, eti, sw, tei, tim = buf.split((E + 1, T + 1, S, S, S, S))
+    sw = sw.view(_F32)
+    # CUDA's C call zeroes the flags; the CPU raises instead of flagging.
+    flags = torch.empty(4, dtype=_I32, device=dev) if dcode else torch.zeros(4, dtype=_I32)
+    ws_bytes = _ids_workspace_bytes(T, K, E, dcode)
+    ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None
+    plan = _lib.Plan(T, E, S, eto.data_ptr(), eti.data_ptr(), sw.data_ptr(), tpo.data_ptr(),
+                     tei.data_ptr(), tim.data_ptr())
+    _run(ids, lib().moeblaze_plan_from_ids, ptr(ids), icode, ptr(w), wcode, T, K, E, dcode,
+         stream_of(ids), ctypes.byref(plan), ptr(ws), ws_bytes, flags.data_ptr())
+    return eto, eti, sw, tpo, tei, tim, flags
+
+
+@functools.lru_cache(maxsize=256)
+def _ids_workspace_bytes(T, K, E, dcode):
+    n = ctypes.c_uint64()
+    check(lib().moeblaze_plan_from_ids_workspace_bytes(T, K, E, dcode, ctypes.byref(n)))
+    return n.value
 
 
 @functools.lru_cache(maxsize=256)
@@ -491,13 +536,21 @@ def experts_forward(x: Tensor, w1: Tensor, w2: Tensor, pair_weights: Tensor,
                     b2: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     plan = (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
             token_expert_indices, token_index_map)
+    return _experts_forward_impl(x, w1, w2, plan, activation, recompute, num_threads, b1, b2,
+                                pair_weights)
+
+
+def _experts_forward_impl(x, w1, w2, plan, activation, recompute, num_threads, b1=None, b2=None,
+                         pair_weights=None):
+    """The body of moeblaze::experts_forward, callable without the op's dispatch (eager paths):
+    (out, h); pair_weights, if given, is only checked (the kernels read slot_weights)."""
     mode = _MODE_RECOMPUTE if recompute else _MODE_KEEP_H
     cfg, ws_bytes, dev, x, w1, w2, p = _experts_args(x, w1, w2, plan, activation, num_threads,
                                                      mode, False)
     b1, b2 = _biases(b1, b2, x, cfg, activation, dev)
     S = p.S
-    # Not read by the kernels (they read slot_weights): it only carries d_pair_weights back.
-    _arg("pair_weights", pair_weights, _F32, (S,), dev)
+    if pair_weights is not None:  # not read by the kernels: it only carries d_pair_weights back
+        _arg("pair_weights", pair_weights, _F32, (S,), dev)
     out = torch.empty_like(x)
     rows = _w1_rows(activation, cfg.n)
     h = x.new_empty((0, rows) if recompute else (S, rows))

@@ -14,6 +14,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "core/checked_math.hpp"
 #include "core/parallel.hpp"
@@ -195,6 +196,63 @@ LayerBiases biases_of(const LayerConfig& c, Device dev, const void* b1, const vo
   if (b1) b.b1 = TensorView(const_cast<void*>(b1), c.dtype, dev, {c.E, c.w1_rows()});
   if (b2) b.b2 = TensorView(const_cast<void*>(b2), c.dtype, dev, {c.E, c.d});
   return b;
+}
+
+}  // namespace
+
+namespace {
+
+// Checks of moeblaze_plan_from_ids's sizes and codes; returns whether ids are int64.
+bool check_ids_args(int64_t T, int64_t K, int64_t E, int32_t ids_dtype) {
+  MOEBLAZE_REQUIRE(T >= 0, "T (", T, ") must be >= 0");
+  MOEBLAZE_REQUIRE(E >= 1 && E < (int64_t(1) << 31), "E (", E, ") must be in [1, 2^31)");
+  MOEBLAZE_REQUIRE(K >= 1 && K <= E, "K (", K, ") must be in [1, E = ", E, "]");
+  require_pairs_fit(T, K);
+  MOEBLAZE_REQUIRE(ids_dtype == MOEBLAZE_IDS_INT32 || ids_dtype == MOEBLAZE_IDS_INT64,
+                   "ids_dtype (", ids_dtype, ") must be ", int(MOEBLAZE_IDS_INT32), " (int32) or ",
+                   int(MOEBLAZE_IDS_INT64), " (int64)");
+  return ids_dtype == MOEBLAZE_IDS_INT64;
+}
+
+constexpr uint64_t kIdsAlign = 256;
+uint64_t ids_align(uint64_t b) { return (b + kIdsAlign - 1) / kIdsAlign * kIdsAlign; }
+
+// The CUDA workspace: the converted routing (offsets, ids, weights), then the plan build's.
+struct IdsWorkspace {
+  uint64_t offsets = 0, experts = 0, weights = 0, build = 0, total = 0;  // byte offsets, size
+};
+IdsWorkspace ids_workspace(int64_t T, int64_t K, int64_t E) {
+  IdsWorkspace w;
+  const uint64_t P = uint64_t(T) * uint64_t(K);
+  w.experts = ids_align(uint64_t(T + 1) * 4);
+  w.weights = w.experts + ids_align(P * 4);
+  w.build = w.weights + ids_align(P * 4);
+  w.total = w.build;
+#ifdef MOEBLAZE_WITH_CUDA
+  w.total += cuda::plan_build_workspace_bytes(T, E, int64_t(P), PlanBuilder::atomic_free);
+#else
+  (void)E;
+#endif
+  return w;
+}
+
+// The CPU conversion: offsets t*K, int32 ids (range-checked here, naming expert_ids[t, k]),
+// fp32 weights.
+template <typename Id>
+void ids_to_routing_cpu(const Id* ids, const void* weights, DType wdt, int64_t T, int64_t K,
+                        int64_t E, std::vector<int32_t>& offsets, std::vector<int32_t>& experts,
+                        std::vector<float>& w) {
+  const int64_t P = T * K;
+  for (int64_t i = 0; i < P; ++i) {
+    const int64_t e = static_cast<int64_t>(ids[i]);
+    if (e < 0 || e >= E)
+      throw InvalidArgument(detail::concat("expert_ids[", i / K, ", ", i % K, "]: expert id ", e,
+                                           " of token ", i / K, " is out of range [0, ", E, ")"));
+    experts[size_t(i)] = static_cast<int32_t>(e);
+    w[size_t(i)] = wdt == DType::bf16 ? float(static_cast<const bf16*>(weights)[i])
+                                      : static_cast<const float*>(weights)[i];
+  }
+  for (int64_t t = 0; t <= T; ++t) offsets[size_t(t)] = static_cast<int32_t>(t * K);
 }
 
 }  // namespace
@@ -407,6 +465,78 @@ int moeblaze_build_plan(const moeblaze_routing* routing, int32_t device, void* s
     MOEBLAZE_REQUIRE(need == 0 || workspace != nullptr, "workspace is NULL");
     cuda::build_plan_async(rv, PlanBuilder::atomic_free, p, workspace, size_t(workspace_bytes),
                            flags, as_stream(stream));
+#else
+    (void)stream;
+    (void)workspace;
+    (void)workspace_bytes;
+    (void)flags;
+#endif
+  });
+}
+
+int moeblaze_plan_from_ids_workspace_bytes(int64_t T, int64_t K, int64_t E, int32_t device,
+                                           uint64_t* bytes) {
+  return guarded([&] {
+    const Device dev = to_device(device);
+    require_ptr(bytes, "bytes");
+    check_ids_args(T, K, E, MOEBLAZE_IDS_INT32);
+    *bytes = dev == Device::cuda ? ids_workspace(T, K, E).total : 0;
+  });
+}
+
+int moeblaze_plan_from_ids(const void* expert_ids, int32_t ids_dtype, const void* expert_weights,
+                           int32_t weights_dtype, int64_t T, int64_t K, int64_t E,
+                           int32_t device, void* stream, const moeblaze_plan* plan,
+                           void* workspace, uint64_t workspace_bytes, int32_t* flags) {
+  return guarded([&] {
+    const Device dev = to_device(device);
+    const bool wide = check_ids_args(T, K, E, ids_dtype);
+    const DType wdt = to_float_dtype(weights_dtype, "expert_weights");
+    const int64_t P = T * K;
+    MOEBLAZE_REQUIRE(P == 0 || (expert_ids != nullptr && expert_weights != nullptr),
+                     "expert_ids / expert_weights is NULL");
+    RoutingPlan p = borrow_plan(plan, dev);
+    MOEBLAZE_REQUIRE(p.T() == T && p.E() == E && p.S() == P, "plan has (T, E, S) = (", p.T(),
+                     ", ", p.E(), ", ", p.S(), "), the ids give (T, E, T*K) = (", T, ", ", E,
+                     ", ", P, ")");
+    RoutingView rv;
+    rv.T = T;
+    rv.E = E;
+    rv.P = P;
+    rv.device = dev;
+    if (dev == Device::cpu) {
+      std::vector<int32_t> offsets(static_cast<size_t>(T + 1)), experts(static_cast<size_t>(P));
+      std::vector<float> w(static_cast<size_t>(P));
+      if (wide)
+        ids_to_routing_cpu(static_cast<const int64_t*>(expert_ids), expert_weights, wdt, T, K, E,
+                           offsets, experts, w);
+      else
+        ids_to_routing_cpu(static_cast<const int32_t*>(expert_ids), expert_weights, wdt, T, K, E,
+                           offsets, experts, w);
+      rv.pair_offsets = offsets.data();
+      rv.pair_experts = experts.data();
+      rv.pair_weights = w.data();
+      build_routing_plan(rv, PlanBuilder::atomic_free, p);  // fills the borrowed arrays in place
+      return;
+    }
+#ifdef MOEBLAZE_WITH_CUDA
+    require_ptr(flags, "flags");
+    const IdsWorkspace ws = ids_workspace(T, K, E);
+    MOEBLAZE_REQUIRE(workspace_bytes >= ws.total, "workspace_bytes (", workspace_bytes,
+                     ") is less than moeblaze_plan_from_ids_workspace_bytes' ", ws.total);
+    require_ptr(workspace, "workspace");
+    char* base = static_cast<char*>(workspace);
+    const cuda::FixedKRouting r{reinterpret_cast<int32_t*>(base + ws.offsets),
+                                reinterpret_cast<int32_t*>(base + ws.experts),
+                                reinterpret_cast<float*>(base + ws.weights)};
+    const cudaStream_t s = as_stream(stream);
+    MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(flags, 0, cuda::kRoutingFlagCount * sizeof(int32_t), s));
+    cuda::routing_from_ids_async(expert_ids, wide, expert_weights, wdt, T, K, E, r, s);
+    rv.pair_offsets = r.pair_offsets;
+    rv.pair_experts = r.pair_experts;
+    rv.pair_weights = r.pair_weights;
+    cuda::build_plan_async(rv, PlanBuilder::atomic_free, p, base + ws.build,
+                           size_t(workspace_bytes - ws.build), flags, s);
 #else
     (void)stream;
     (void)workspace;

@@ -97,6 +97,20 @@ void build_plan_async(const RoutingView& routing, PlanBuilder builder, RoutingPl
 // copy of the routing) when any of h_flags (host copy of the device flags) is raised.
 void throw_if_routing_flags(const int32_t* h_flags, const RoutingView& routing);
 
+// ---- a fixed-K routing from framework ids (src/cuda/routing/routing_from_ids.cu) ----
+// Device arrays of a routing with K pairs per token (P = T*K).
+struct FixedKRouting {
+  int32_t* pair_offsets;  // (T+1,) t*K
+  int32_t* pair_experts;  // (P,)
+  float* pair_weights;    // (P,)
+};
+// ids (T, K) int32 or int64 (ids_int64) and weights (T, K) fp32 or bf16, row-major, into `out`
+// on `stream`, one kernel, no host sync. An id outside [0, E) becomes E, so a wide one never
+// narrows into a valid id: the plan build then raises kFlagExpertOutOfRange. K >= 1.
+void routing_from_ids_async(const void* ids, bool ids_int64, const void* weights,
+                            DType weights_dtype, int64_t T, int64_t K, int64_t E,
+                            const FixedKRouting& out, cudaStream_t stream);
+
 // ---- plan check (src/cuda/routing/plan_validate.cu): validate_routing_plan's rules on the GPU.
 // For plans the library did not build (caller-filled device arrays); O(E + T + S log(E + T))
 // work (a binary search finds each slot's expert and each pair's token).
