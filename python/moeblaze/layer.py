@@ -190,6 +190,31 @@ class _ExpertsFn(torch.autograd.Function):
                 db2 if b2 is not None else None, None, None)
 
 
+class _RouteFn(torch.autograd.Function):
+    """The router in eager mode: moeblaze::route's and router_backward's bodies without the
+    custom ops' dispatch (as _ExpertsFn). Outputs (offsets, experts, weights, flags); only the
+    weights carry a gradient, into the logits (never into the selection bias)."""
+
+    @staticmethod
+    def forward(ctx, logits, bias, cfg):
+        offsets, experts, weights, flags = ops._route_impl(logits, bias, *cfg)
+        ctx.save_for_backward(logits, bias, offsets, experts, weights)
+        ctx.cfg = cfg
+        ctx.mark_non_differentiable(offsets, experts, flags)
+        ctx.set_materialize_grads(False)
+        return offsets, experts, weights, flags
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_offsets, g_experts, g_weights, g_flags):
+        if g_weights is None:
+            return None, None, None
+        logits, bias, offsets, experts, weights = ctx.saved_tensors
+        d_logits = ops._router_backward_impl(logits, bias, offsets, experts, weights, g_weights,
+                                             *ctx.cfg)
+        return d_logits.to(logits.dtype), None, None
+
+
 _OFFSETS_CACHE = {}
 
 
@@ -376,8 +401,12 @@ class MoE(nn.Module):
         """(logits fp32 (T, E), pair_offsets, pair_experts, pair_weights) for tokens x2 (T, d)."""
         logits = router_logits(x2, self.gate.weight)
         bias = self.expert_bias
-        offsets, experts, weights, flags = ops.route(logits, bias, self._kind, self.top_k,
-                                                     self.renormalize)
+        if _eager(logits, bias):
+            offsets, experts, weights, flags = _RouteFn.apply(
+                logits, bias, (self._kind, self.top_k, self.renormalize))
+        else:
+            offsets, experts, weights, flags = ops.route(logits, bias, self._kind, self.top_k,
+                                                         self.renormalize)
         self.last_flags = flags
         if self.token_rounding is not None:
             offsets, experts, weights = ops.token_round(

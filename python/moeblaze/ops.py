@@ -248,6 +248,11 @@ def expert_ids_int32(ids, num_experts, check_range, name="expert_ids"):
 @torch.library.custom_op("moeblaze::route", mutates_args=())
 def route(logits: Tensor, bias: Optional[Tensor], kind: int, top_k: int,
           renormalize: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _route_impl(logits, bias, kind, top_k, renormalize)
+
+
+def _route_impl(logits, bias, kind, top_k, renormalize):
+    """The body of moeblaze::route, callable without the op's dispatch (eager paths)."""
     logits, bias, T, E, dev, dt = _router_args(logits, bias, kind, top_k)
     P = T * top_k
     offsets = torch.empty(T + 1, dtype=_I32, device=dev)
@@ -274,6 +279,13 @@ def _(logits, bias, kind, top_k, renormalize):
 def router_backward(logits: Tensor, bias: Optional[Tensor], pair_offsets: Tensor,
                     pair_experts: Tensor, pair_weights: Tensor, d_pair_weights: Tensor, kind: int,
                     top_k: int, renormalize: bool) -> Tensor:
+    return _router_backward_impl(logits, bias, pair_offsets, pair_experts, pair_weights,
+                                 d_pair_weights, kind, top_k, renormalize)
+
+
+def _router_backward_impl(logits, bias, pair_offsets, pair_experts, pair_weights, d_pair_weights,
+                          kind, top_k, renormalize):
+    """The body of moeblaze::router_backward, callable without the op's dispatch."""
     logits, bias, T, E, dev, dt = _router_args(logits, bias, kind, top_k)
     r = _routing_struct(T, E, pair_offsets, pair_experts, pair_weights, dev)
     # An upstream gradient: any float dtype autograd hands over, read as float32.

@@ -150,3 +150,24 @@ def test_plan_from_ids_c_abi_rejects_bad_arguments_untouched():
         assert rc == 1 and needle in msg, (kwargs, msg)
         assert all(bool((a == -7).all()) for a in arrays), kwargs  # outputs untouched
     assert call()[0] == 0
+
+
+@pytest.mark.parametrize("router", ["softmax_topk", "sigmoid_bias"])
+def test_moe_module_eager_matches_the_ops_bitwise_cpu(seed, router):
+    moe = moeblaze.MoE(32, 16, 6, 2, router=router, dtype=torch.float32)
+    if moe.expert_bias is not None:
+        moe.expert_bias.copy_(torch.randn(6) / 10)
+    x = torch.randn(29, 32, requires_grad=True)
+    params = [x, moe.gate.weight, moe.w1, moe.w2]
+    out, _ = moe(x)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, params, g)
+    logits = moeblaze.layer.router_logits(x, moe.gate.weight)
+    offsets, experts, weights, _ = ops.route(logits, moe.expert_bias, moe._kind, moe.top_k,
+                                             moe.renormalize)
+    plan = ops.build_plan(offsets, experts, weights.detach(), 6)
+    ref, _ = ops.experts_forward(x, moe.w1, moe.w2, weights, *plan[:6], moe._act, False, 0)
+    ref_grads = torch.autograd.grad(ref, params, g)
+    assert torch.equal(out, ref)
+    for name, a, r in zip(("dx", "d_gate", "dw1", "dw2"), grads, ref_grads):
+        assert torch.equal(a, r), name
