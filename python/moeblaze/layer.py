@@ -184,6 +184,8 @@ class _ExpertsFn(torch.autograd.Function):
         act, recompute, num_threads = ctx.cfg
         dx, dw1, dw2, dpw, db1, db2 = ops._experts_backward_impl(
             g_out, x, w1, w2, h, plan, act, recompute, num_threads, True, b1, b2)
+        if h.is_cuda and not recompute:  # CUDA wrote dH over h: a second backward must fail
+            torch.autograd.graph.increment_version(h)
         shape, dtype = ctx.pw
         dpw = dpw.view(shape) if dtype is torch.float32 else dpw.view(shape).to(dtype)
         return (dx, dw1, dw2, dpw, db1 if b1 is not None else None,
