@@ -6,7 +6,9 @@ Each entry is the median (and the minimum, steadier on a loaded machine) over --
 of the mean time per call in a batch of --inner calls, in microseconds. Two columns: "stubbed", with every C call replaced by a function that
 returns 0 (the *_bytes queries stay real, so the sizes are right; route's stub zeroes its expert
 ids so that torch ops after it see valid ones; on the GPU route stays real), i.e. the Python / torch-dispatch time alone; and
-"real", with the library. Reference rows: torch's topk+softmax, the raw ctypes call of
+"real", with the library. The "eager" rows are the bodies moe_experts / MoE call in eager
+mode (layer._ExpertsFn, _RouteFn, ops.plan_from_ids); "via custom ops" is moe_experts as traced
+code runs it. Reference rows: torch's topk+softmax, the raw ctypes call of
 moeblaze_route, and no-op torch.library custom ops with route's and the experts ops' schemas (the
 floor a custom op costs before its body runs).
 
@@ -145,13 +147,29 @@ def cases():
         y.backward(d_out)
         xg.grad = w1g.grad = w2g.grad = pwg.grad = None
 
+    offsets_k = torch.arange(0, T * K + 1, K, dtype=torch.int32, device=DEV)
+
+    def ops_step():  # moe_experts as traced code runs it: conversions and the custom ops
+        w = ewg.to(torch.float32).reshape(-1)
+        p = ops.build_plan(offsets_k, ids.to(torch.int32).reshape(-1), w.detach(), E)
+        y, _ = ops.experts_forward(xg, w1g, w2g, w, *p[:6], 0, False, 0)
+        y.backward(d_out)
+        xg.grad = w1g.grad = w2g.grad = ewg.grad = None
+
     return [
         ("ops.route", lambda: ops.route(logits, None, 0, K, False)),
+        ("eager route (_route_impl)", lambda: ops._route_impl(logits, None, 0, K, False)),
+        ("eager plan_from_ids", lambda: ops.plan_from_ids(ids, ew, E)),
+        ("eager experts forward",
+         lambda: ops._experts_forward_impl(x, w1, w2, plan, 0, False, 0)),
+        ("eager experts backward", lambda: ops._experts_backward_impl(
+            d_out, x, w1, w2, h, plan, 0, False, 0, False, None, None)),
         ("ops.build_plan", lambda: ops.build_plan(off, exp, pw, E)),
         ("ops.experts_forward", lambda: ops.experts_forward(x, w1, w2, pw, *plan, 0, False, 0)),
         ("ops.experts_backward",
          lambda: ops.experts_backward(d_out, x, w1, w2, h, *plan, 0, False, 0)),
         ("moe_experts fwd+bwd", moe_experts_step),
+        ("moe_experts fwd+bwd via custom ops", ops_step),
         ("MoE fwd+bwd", moe_step),
     ], [
         ("torch topk+softmax", lambda: torch.softmax(torch.topk(logits, K).values, -1)),
