@@ -325,6 +325,26 @@ TEST(Fp8Quantize, Bf16InputsEqualTheirFloatValues) {
   EXPECT_EQ(std::memcmp(sb.data(), sf.data(), sb.size() * 4), 0);
 }
 
+// A 128x128 block is the same set of elements in W and Wᵀ, so one quantization of the weights
+// serves the forward GEMM and, transposed, the data-gradient GEMM.
+TEST(Fp8Quantize, TransposedBlocksAreTheTransposedQuantization) {
+  const uint64_t seed = printed_seed("TransposedBlocksAreTheTransposedQuantization");
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const int64_t rows = 300, cols = 200, rb = 3, cb = 2;
+  const std::vector<float> w = spread_data(rows, cols, seed);  // (rows, cols)
+  std::vector<float> wt(w.size());                             // (cols, rows)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) wt[c * rows + r] = w[r * cols + c];
+  std::vector<e4m3> q(w.size()), qt(w.size());                 // (rows, cols), (cols, rows)
+  std::vector<float> s(rb * cb), st(rb * cb);                  // (rb, cb), (cb, rb)
+  quantize_128x128(w.data(), rows, cols, cols, q.data(), s.data());
+  quantize_128x128(wt.data(), cols, rows, rows, qt.data(), st.data());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) ASSERT_EQ(q[r * cols + c].bits, qt[c * rows + r].bits);
+  for (int64_t i = 0; i < rb; ++i)
+    for (int64_t j = 0; j < cb; ++j) ASSERT_EQ(bits_of(s[i * cb + j]), bits_of(st[j * rb + i]));
+}
+
 TEST(Fp8Quantize, ZeroTinyHugeAndNonFiniteGroups) {
   const int64_t rows = 4, cols = 384;  // three tiles per row
   std::vector<float> x(static_cast<size_t>(rows * cols), 0.0f);  // (rows, cols)
