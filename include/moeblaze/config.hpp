@@ -2,6 +2,7 @@
 // intermediate size, E experts, K experts per token).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -59,6 +60,16 @@ struct TokenRoundingConfig {
   uint64_t seed = 0;  // SR-f only
 };
 
+// The precision of the expert GEMMs. storage: operands in the storage dtype, fp32 accumulation.
+// fp8: e4m3 operands with DeepSeek-V3's fine-grained scales for the four data GEMMs (X and W1
+// in the up-projection, A and W2 in the down-projection, dO and W2 for dA, dH and W1 for dX~):
+// 1x128 tiles along K for activations and gradients, 128x128 blocks for weights, fp32
+// accumulation; H kept for backward in e4m3 with its 1x128 scales (half the bytes); the weight
+// gradients stay in bf16. bf16 storage only. Rules: src/core/fp8.hpp; recipe: docs/FP8.md.
+enum class Compute : uint8_t { storage, fp8 };
+const char* compute_name(Compute c);
+Compute parse_compute(const std::string& s);  // "storage" / "bf16" / "fp32", "fp8"
+
 struct LayerConfig {
   int64_t T = 0;  // tokens
   int64_t d = 0;  // hidden size
@@ -67,11 +78,18 @@ struct LayerConfig {
   int64_t K = 0;  // experts per token (top-K); plans from token rounding may deviate per token
   Activation activation = Activation::swiglu;
   DType dtype = DType::bf16;  // storage dtype of x, w1, w2, out and all gradients
+  Compute compute = Compute::storage;
 
   int64_t w1_rows() const { return is_gated(activation) ? 2 * n : n; }  // rows of w1 per expert
+  // Bytes of H kept for backward (keep_h) for S slots: (S, w1_rows) in the storage dtype, or
+  // with fp8 compute (S, w1_rows) e4m3 codes then, from the next 16-byte boundary, (S,
+  // ceil(w1_rows/128)) fp32 scales.
+  size_t kept_h_bytes(int64_t S) const;
+  size_t kept_h_scales_offset(int64_t S) const;  // fp8: where the scales start; else the size
   // Throws InvalidArgument naming the field, e.g. "top_k K (9) exceeds num_experts E (8)".
   // Rules: activation and dtype (fp32 / bf16) in range; T >= 0; d, n in [1, 2^31); 1 <= K <= E;
-  // T*K < 2^31; the bytes of x, w1 and w2 within int64 (no size derived from them can wrap).
+  // T*K < 2^31; the bytes of x, w1 and w2 within int64 (no size derived from them can wrap);
+  // compute in range, fp8 with bf16 storage only.
   void validate() const;
 };
 

@@ -45,7 +45,8 @@ struct LayerOptions {
   //                mode, device) (CPU: for the thread count the call runs with), on the plan's
   //                device, 64-byte aligned; free again when the call's work is done (CUDA: in
   //                stream order)
-  //   h_storage    forward, keep_h: (S, w1_rows) cfg.dtype storage for H, 16-byte aligned;
+  //   h_storage    forward, keep_h: cfg.kept_h_bytes(S) bytes for H ((S, w1_rows) cfg.dtype;
+  //                e4m3 codes and scales with fp8 compute), 16-byte aligned;
   //                `saved` then borrows it and the caller keeps it alive until backward returns
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
@@ -84,7 +85,7 @@ class SavedForBackward {
   size_t bytes() const;
 
   // What layer_forward would leave for layer_backward, over caller storage: mode keep_h with H
-  // (S, w1_rows) cfg.dtype at `h` (h_bytes of it, borrowed), or recompute (h = nullptr, 0).
+  // at `h` (h_bytes = cfg.kept_h_bytes(S) of it, borrowed), or recompute (h = nullptr, 0).
   // For callers that keep H themselves between forward and backward (the C ABI, PyTorch).
   static SavedForBackward borrow(LayerMode mode, int64_t S, Device device, void* h,
                                  size_t h_bytes);

@@ -53,6 +53,14 @@ void check_common(const LayerConfig& cfg, const RoutingPlan& plan, const TensorV
   require_layer_mode(opts.mode, "opts.mode");
   require_thread_count(opts.num_threads, "opts.num_threads");
   const Device dev = plan.device();
+  if (cfg.compute == Compute::fp8) {
+    MOEBLAZE_UNSUPPORTED_IF(opts.mode == LayerMode::materialized,
+                            "compute fp8: the materialized baseline computes in the storage "
+                            "dtype only (use keep_h or recompute)");
+    MOEBLAZE_UNSUPPORTED_IF(dev == Device::cuda,
+                            "compute fp8: the CUDA backend has no FP8 kernels yet (the CPU "
+                            "backend emulates the recipe; issue 20)");
+  }
 #ifndef MOEBLAZE_WITH_CUDA
   for (const auto& [t, name] : {std::pair<const TensorView*, const char*>{&x, "x"}, {&w1, "w1"},
                                 {&w2, "w2"}})
@@ -179,8 +187,7 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
   check_common(cfg, plan, x, w1, w2, opts);
   check_output(out, "out", {cfg.T, cfg.d}, cfg.dtype, plan.device());
   check_biases(cfg, biases, opts.mode, plan.device());
-  const size_t h_bytes = opts.h_storage ? size_t(plan.S() * cfg.w1_rows()) * dtype_size(cfg.dtype)
-                                        : 0;
+  const size_t h_bytes = opts.h_storage ? cfg.kept_h_bytes(plan.S()) : 0;
   require_disjoint({byte_range(out, "out"), {opts.h_storage, h_bytes, "opts.h_storage"},
                     workspace_range(opts)},
                    with_plan({byte_range(x, "x"), byte_range(w1, "w1"), byte_range(w2, "w2"),
@@ -245,11 +252,11 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   MOEBLAZE_REQUIRE(Saved::S(saved) == plan.S(), "saved holds S = ", Saved::S(saved),
                    " assignments, but plan has S = ", plan.S());
   if (opts.mode == LayerMode::keep_h) {
-    const size_t want = static_cast<size_t>(plan.S() * cfg.w1_rows()) * dtype_size(cfg.dtype);
+    const size_t want = cfg.kept_h_bytes(plan.S());
     const Buffer& h = Saved::h(saved);
     MOEBLAZE_REQUIRE(h.bytes() == want && h.device() == dev, "saved.h holds ", h.bytes(),
-                     " bytes on ", device_name(h.device()),
-                     ", expected S*w1_rows*dtype_size = ", want, " on ", device_name(dev));
+                     " bytes on ", device_name(h.device()), ", expected cfg.kept_h_bytes(S) = ",
+                     want, " (compute ", compute_name(cfg.compute), ") on ", device_name(dev));
   }
 
   if (dev == Device::cuda) {

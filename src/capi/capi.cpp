@@ -700,7 +700,7 @@ int moeblaze_layer_backward_biased(const moeblaze_layer_cfg* cfg, const moeblaze
     const LayerConfig c = to_layer(cfg);
     const RoutingPlan p = borrow_plan(plan, dev);
     const LayerOptions o = to_options(cfg, stream, workspace, workspace_bytes);
-    const size_t h_bytes = size_t(p.S() * c.w1_rows()) * dtype_size(c.dtype);
+    const size_t h_bytes = c.kept_h_bytes(p.S());
     if (o.mode == LayerMode::keep_h)
       MOEBLAZE_REQUIRE(h != nullptr || h_bytes == 0, "h is NULL: keep_h backward reads H");
     else

@@ -81,6 +81,31 @@ const char* layer_mode_name(LayerMode m) {
   return "?";
 }
 
+const char* compute_name(Compute c) {
+  switch (c) {
+    case Compute::storage: return "storage";
+    case Compute::fp8: return "fp8";
+  }
+  return "?";
+}
+
+Compute parse_compute(const std::string& s) {
+  if (s == "storage" || s == "bf16" || s == "fp32") return Compute::storage;
+  if (s == "fp8" || s == "fp8-e4m3" || s == "e4m3") return Compute::fp8;
+  throw InvalidArgument("compute '" + s + "' is not one of: storage (bf16, fp32), fp8");
+}
+
+size_t LayerConfig::kept_h_scales_offset(int64_t S) const {
+  if (compute != Compute::fp8) return static_cast<size_t>(S * w1_rows()) * dtype_size(dtype);
+  return (static_cast<size_t>(S * w1_rows()) + 15) / 16 * 16;  // e4m3 codes, then 16-aligned
+}
+
+size_t LayerConfig::kept_h_bytes(int64_t S) const {
+  const size_t codes = kept_h_scales_offset(S);
+  if (compute != Compute::fp8) return codes;
+  return codes + static_cast<size_t>(S * ((w1_rows() + 127) / 128)) * sizeof(float);
+}
+
 void LayerConfig::validate() const {
   MOEBLAZE_REQUIRE(T >= 0, "T (", T, ") must be >= 0");
   MOEBLAZE_REQUIRE(d >= 1, "d (", d, ") must be >= 1");
@@ -95,6 +120,11 @@ void LayerConfig::validate() const {
   MOEBLAZE_REQUIRE(dtype == DType::f32 || dtype == DType::bf16, "dtype (",
                    dtype <= DType::f64 ? dtype_name(dtype) : std::to_string(int(dtype)),
                    ") must be fp32 or bf16");
+  MOEBLAZE_REQUIRE(compute <= Compute::fp8, "compute (", int(compute),
+                   ") is not a Compute: must be 0 (storage) or 1 (fp8)");
+  MOEBLAZE_REQUIRE(compute != Compute::fp8 || dtype == DType::bf16,
+                   "compute fp8 needs bf16 storage (dtype is ", dtype_name(dtype),
+                   "): the recipe quantizes bf16 operands");
   // int32 slot indices: S = T*K must fit.
   const int64_t S = checked_mul(T, K, "T*K");
   MOEBLAZE_REQUIRE(S < kInt32Limit, "T*K (", S,

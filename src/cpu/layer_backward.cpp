@@ -16,6 +16,9 @@
 //      db2_e = Σ_{slots of e, in slot order} s_p dO_t        (d,)  with dW2_e's row blocks
 //      db1_e = Σ_{slots of e, in slot order} dH_p            (R,)  with dW1_e's row blocks
 //    the slot sum of one output element is never split across threads.
+// With fp8 compute, dO, W2 (dA'), dH and W1 (dX~) enter their GEMMs fake-quantized
+// (cpu/fp8_operands.hpp), dH from its fp32 value; Hf is the dequantized e4m3 H (kept, or
+// recomputed and fake-quantized: both modes agree bitwise); the weight gradients stay bf16.
 #include <cstring>
 
 #include "core/parallel.hpp"
@@ -55,6 +58,19 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   const char* w1p = static_cast<const char*>(w1.data);
   const char* w2p = static_cast<const char*>(w2.data);
   const char* h_saved = Saved::h(saved).as<const char>();  // (S, R) cfg.dtype, keep_h only
+  const bool fp8 = cfg.compute == Compute::fp8;
+  const e4m3* h_codes = reinterpret_cast<const e4m3*>(h_saved);  // fp8: (S, R) e4m3 ...
+  const float* h_scales = h_saved ? reinterpret_cast<const float*>(
+                                        h_saved + cfg.kept_h_scales_offset(S))
+                                  : nullptr;  // ... and (S, ceil(R/128)) fp32
+  if (fp8) layer::prepare_fp8_operands(cfg, w1.data, w2.data, x.data, d_out.data, ws.fp8);
+  // The GEMM operands: the caller's, or their fake-quantized fp32 values.
+  const gemm::MatRef x_op = fp8 ? mat(ws.fp8.x, DType::f32, d) : mat(x.data, dt, d);
+  const gemm::MatRef do_op = fp8 ? mat(ws.fp8.d_out, DType::f32, d) : mat(d_out.data, dt, d);
+  const DType wdt = fp8 ? DType::f32 : dt;
+  const size_t wes = dtype_size(wdt);
+  const char* w1op = fp8 ? reinterpret_cast<const char*>(ws.fp8.w1) : w1p;  // (E, R, d)
+  const char* w2op = fp8 ? reinterpret_cast<const char*>(ws.fp8.w2) : w2p;  // (E, d, n)
   char* dh = static_cast<char*>(ws.dh);              // (S, R) cfg.dtype
   char* a_scaled = static_cast<char*>(ws.a_scaled);  // (S, n) cfg.dtype
   char* dx_slots = static_cast<char*>(ws.dx_slots);  // (S, d) cfg.dtype
@@ -74,21 +90,27 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
     float* dxf = daf + layer::kTileM * n;   // (m, d) fp32
     float* arow = dxf + layer::kTileM * d;  // (n,) fp32
     float* dhrow = arow + n;                // (R,) fp32
+    float* dhq = dhrow + R;                 // fp8: (m, R) fp32 fake-quantized dH
     const char* w1e = w1p + e * R * d * es;
+    const char* w1e_op = w1op + e * R * d * wes;
 
     if (recompute) {
-      gemm::gemm_nt(m, R, d, mat(x.data, dt, d, eti + slot0), mat(w1e, dt, d), hf, R, false,
-                    pack);
+      gemm::gemm_nt(m, R, d, mat(x_op.data, x_op.dtype, d, eti + slot0), mat(w1e_op, wdt, d), hf,
+                    R, false, pack);
       if (b1p)
         for (int64_t i = 0; i < m; ++i) layer::add_row(hf + i * R, b1p + e * R * es, dt, R);
-      if (dt == DType::bf16)
+      if (fp8)
+        for (int64_t i = 0; i < m; ++i) fp8::fake_quant_row(hf + i * R, R);
+      else if (dt == DType::bf16)
         for (int64_t i = 0; i < m * R; ++i) hf[i] = round_to_bf16(hf[i]);
+    } else if (fp8) {
+      dequantize_1x128(h_codes + slot0 * R, h_scales + slot0 * fp8_groups(R), m, R, hf);
     } else {
       for (int64_t i = 0; i < m; ++i)
         gemm::load_row(h_saved + (slot0 + i) * R * es, dt, R, hf + i * R);
     }
-    gemm::gemm_nn(m, n, d, mat(d_out.data, dt, d, eti + slot0), mat(w2p + e * d * n * es, dt, n),
-                  daf, n, false, pack);
+    gemm::gemm_nn(m, n, d, mat(do_op.data, do_op.dtype, d, eti + slot0),
+                  mat(w2op + e * d * n * wes, wdt, n), daf, n, false, pack);
     for (int64_t i = 0; i < m; ++i) {
       const int64_t slot = slot0 + i;
       const float s = sw[slot];
@@ -107,9 +129,18 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
       gemm::store_row(arow, n, a_scaled + slot * n * es, dt);
       activation_backward_row(act, hrow, da, n, dhrow);
       gemm::store_row(dhrow, R, dh + slot * R * es, dt);
+      if (fp8) {
+        std::memcpy(dhq + i * R, dhrow, sizeof(float) * R);
+        fp8::fake_quant_row(dhq + i * R, R);
+      }
     }
-    // dX~ reads dH back from its cfg.dtype store, as the GPU's kernel 6 does.
-    gemm::gemm_nn(m, d, R, mat(dh + slot0 * R * es, dt, R), mat(w1e, dt, d), dxf, d, false, pack);
+    // dX~ reads dH back from its cfg.dtype store, as the GPU's kernel 6 does (fp8: quantized
+    // from fp32, as the dH epilogue will).
+    if (fp8)
+      gemm::gemm_nn(m, d, R, mat(dhq, DType::f32, R), mat(w1e_op, wdt, d), dxf, d, false, pack);
+    else
+      gemm::gemm_nn(m, d, R, mat(dh + slot0 * R * es, dt, R), mat(w1e, dt, d), dxf, d, false,
+                    pack);
     for (int64_t i = 0; i < m; ++i)
       gemm::store_row(dxf + i * d, d, dx_slots + (slot0 + i) * d * es, dt);
   });

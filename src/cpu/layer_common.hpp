@@ -15,6 +15,7 @@
 #endif
 
 #include "core/parallel.hpp"
+#include "cpu/fp8_operands.hpp"
 #include "cpu/gemm_kernels.hpp"
 #include "moeblaze/config.hpp"
 #include "moeblaze/layer.hpp"
@@ -124,9 +125,28 @@ struct Carver {
 
 // Forward workspace: Y (S, d) expert outputs, consumed by the aggregation and freed on return,
 // plus per-thread tile scratch. H (keep_h) is not here: it is kept in SavedForBackward.
+// Fp8 compute's operands (cpu/fp8_operands.hpp), fp32 dequantized values; null otherwise.
+struct Fp8Operands {
+  float* x = nullptr;      // (T, d) 1x128 tiles (backward: for recompute's H)
+  float* d_out = nullptr;  // (T, d) 1x128 tiles, backward only
+  float* w1 = nullptr;     // (E, R, d) 128x128 blocks
+  float* w2 = nullptr;     // (E, d, n) 128x128 blocks
+};
+
+inline Fp8Operands take_fp8_operands(Carver& c, const LayerConfig& cfg, bool backward) {
+  Fp8Operands o;
+  if (cfg.compute != Compute::fp8) return o;
+  o.x = c.take<float>(static_cast<size_t>(cfg.T * cfg.d));
+  if (backward) o.d_out = c.take<float>(static_cast<size_t>(cfg.T * cfg.d));
+  o.w1 = c.take<float>(static_cast<size_t>(cfg.E * cfg.w1_rows() * cfg.d));
+  o.w2 = c.take<float>(static_cast<size_t>(cfg.E * cfg.d * cfg.n));
+  return o;
+}
+
 struct ForwardWorkspace {
   int64_t* tile_offsets = nullptr;  // (E+1,) int64
   void* y = nullptr;                // (S, d) cfg.dtype, grouped by expert (slot order)
+  Fp8Operands fp8;
   float* thread_scratch = nullptr;  // (threads, per_thread) fp32
   int64_t per_thread = 0;           // floats per thread: pack | Hf (M,R) | Af (M,n) | Yf (M,d)
   size_t bytes = 0;
@@ -138,6 +158,7 @@ inline ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, int
   Carver c{static_cast<char*>(base)};
   w.tile_offsets = c.take<int64_t>(static_cast<size_t>(cfg.E + 1));
   w.y = c.take<char>(static_cast<size_t>(S * cfg.d) * dtype_size(cfg.dtype));
+  w.fp8 = take_fp8_operands(c, cfg, false);
   w.per_thread = static_cast<int64_t>(
       align64(sizeof(float) * (gemm::kPackFloats +
                                kTileM * (cfg.w1_rows() + cfg.n + cfg.d))) / sizeof(float));
@@ -156,9 +177,11 @@ struct BackwardWorkspace {
   void* dh = nullptr;               // (S, R) cfg.dtype, grouped by expert
   void* a_scaled = nullptr;         // (S, n) cfg.dtype, grouped by expert: A'_p = s_p a_p
   void* dx_slots = nullptr;         // (S, d) cfg.dtype, grouped by expert: dX~ = dH W1_e
+  Fp8Operands fp8;
   float* thread_scratch = nullptr;  // (threads, per_thread) fp32
-  // per thread: pack | Hf (M,R) | dAf (M,n) | dXf (M,d) | a row (n) | dh row (R); the
-  // weight-gradient phase reuses everything after pack as its (kGradRows, max(n, d)) tile.
+  // per thread: pack | Hf (M,R) | dAf (M,n) | dXf (M,d) | a row (n) | dh row (R) | fp8 only:
+  // the tile's fake-quantized dH (M,R); the weight-gradient phase reuses everything after pack
+  // as its (kGradRows, max(n, d)) tile.
   int64_t per_thread = 0;
   size_t bytes = 0;
 };
@@ -174,7 +197,9 @@ inline BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, i
   w.dh = c.take<char>(static_cast<size_t>(S * R) * ds);
   w.a_scaled = c.take<char>(static_cast<size_t>(S * cfg.n) * ds);
   w.dx_slots = c.take<char>(static_cast<size_t>(S * cfg.d) * ds);
-  const int64_t phase1 = kTileM * (R + cfg.n + cfg.d) + cfg.n + R;
+  w.fp8 = take_fp8_operands(c, cfg, true);
+  const int64_t phase1 = kTileM * (R + cfg.n + cfg.d) + cfg.n + R +
+                         (cfg.compute == Compute::fp8 ? kTileM * R : 0);
   const int64_t phase3 = kGradRows * (cfg.n > cfg.d ? cfg.n : cfg.d);
   w.per_thread = static_cast<int64_t>(
       align64(sizeof(float) * (gemm::kPackFloats + (phase1 > phase3 ? phase1 : phase3))) /
@@ -182,6 +207,34 @@ inline BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, i
   w.thread_scratch = c.take<float>(static_cast<size_t>(threads * w.per_thread));
   w.bytes = c.used;
   return w;
+}
+
+// Fp8 compute: the weights as fake-quantized 128x128 blocks (W1 (E, R, d), W2 (E, d, n)), and
+// x and d_out (T, d; d_out null in forward) as 1x128 tiles, into o. Parallel over row bands and
+// tokens; each writes only its own rows.
+inline void prepare_fp8_operands(const LayerConfig& cfg, const void* w1, const void* w2,
+                                 const void* x, const void* d_out, const Fp8Operands& o) {
+  const int64_t R = cfg.w1_rows(), d = cfg.d, n = cfg.n, E = cfg.E, T = cfg.T;
+  const DType dt = cfg.dtype;
+  const size_t es = dtype_size(dt);
+  const int64_t b1 = fp8_groups(R), b2 = fp8_groups(d);  // row bands per expert
+  run_tasks(E * (b1 + b2), 1, 8.0 * double(E) * double(R + n) * double(d), [&](int64_t task) {
+    const bool is_w1 = task < E * b1;
+    const int64_t local = is_w1 ? task : task - E * b1, bands = is_w1 ? b1 : b2;
+    const int64_t e = local / bands, r0 = (local % bands) * kFp8Group;
+    if (is_w1)
+      fp8::fake_quant_block_rows(static_cast<const char*>(w1) + e * R * d * es, dt, R, d, r0,
+                                 o.w1 + e * R * d);
+    else
+      fp8::fake_quant_block_rows(static_cast<const char*>(w2) + e * d * n * es, dt, d, n, r0,
+                                 o.w2 + e * d * n);
+  });
+  run_tasks(T, 64, 8.0 * double(T) * double(d), [&](int64_t t) {
+    fp8::fake_quant_rows(static_cast<const char*>(x) + t * d * es, dt, 1, d, o.x + t * d);
+    if (d_out)
+      fp8::fake_quant_rows(static_cast<const char*>(d_out) + t * d * es, dt, 1, d,
+                           o.d_out + t * d);
+  });
 }
 
 // The workspace one CPU layer_forward / layer_backward call allocates for keep_h / recompute

@@ -5,6 +5,8 @@
 //     A  = act(Hf), rounded to cfg.dtype               from the fp32 Hf, as the GPU epilogue does
 //     Y[tile] = A · W2_eᵀ (+ b2_e) stored in cfg.dtype  transient (S, d)
 //   per token t, in parallel:  o_t = Σ_{pairs p of t, in pair order} s_p · Y[token_index_map[p]]
+// With fp8 compute, X, W1, W2 and A enter their GEMMs fake-quantized (cpu/fp8_operands.hpp), A
+// from the fp32 Hf (not bf16-rounded), and H is kept as e4m3 codes with 1x128 scales.
 // No (S, d) copy of x is made: each task gathers its rows while packing the GEMM operand.
 #include <cstring>
 
@@ -33,7 +35,8 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
 
   // Release the previous contents first, so that they never coexist with the new H.
   saved = SavedForBackward();
-  const size_t h_bytes = static_cast<size_t>(S * R) * es;  // (S, R) cfg.dtype
+  const bool fp8 = cfg.compute == Compute::fp8;
+  const size_t h_bytes = cfg.kept_h_bytes(S);  // (S, R) cfg.dtype, or e4m3 codes + scales
   if (keep_h)
     Saved::h(saved) = opts.h_storage ? Buffer::borrow(Device::cpu, opts.h_storage, h_bytes)
                                      : Buffer(Device::cpu, h_bytes);
@@ -52,6 +55,16 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
   const char* w2p = static_cast<const char*>(w2.data);
   char* y = static_cast<char*>(ws.y);  // (S, d) cfg.dtype
   char* h_keep = Saved::h(saved).as<char>();  // (S, R) cfg.dtype or null (recompute)
+  e4m3* h_codes = reinterpret_cast<e4m3*>(h_keep);  // fp8: (S, R) e4m3 ...
+  float* h_scales = h_keep ? reinterpret_cast<float*>(h_keep + cfg.kept_h_scales_offset(S))
+                           : nullptr;               // ... and (S, ceil(R/128)) fp32
+  if (fp8) layer::prepare_fp8_operands(cfg, w1.data, w2.data, x.data, nullptr, ws.fp8);
+  // The GEMM operands: the caller's, or their fake-quantized fp32 values.
+  const gemm::MatRef x_op = fp8 ? mat(ws.fp8.x, DType::f32, d) : mat(x.data, dt, d);
+  const DType wdt = fp8 ? DType::f32 : dt;
+  const size_t wes = dtype_size(wdt);
+  const char* w1op = fp8 ? reinterpret_cast<const char*>(ws.fp8.w1) : w1p;  // (E, R, d)
+  const char* w2op = fp8 ? reinterpret_cast<const char*>(ws.fp8.w2) : w2p;  // (E, d, n)
   const char* b1p = biases.b1.rank ? biases.b1.as<const char>() : nullptr;  // (E, R) or null
   const char* b2p = biases.b2.rank ? biases.b2.as<const char>() : nullptr;  // (E, d) or null
 
@@ -66,18 +79,24 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
     float* af = hf + layer::kTileM * R;         // (m, n) fp32 holding cfg.dtype-rounded values
     float* yf = af + layer::kTileM * n;         // (m, d) fp32
 
-    gemm::gemm_nt(m, R, d, mat(x.data, dt, d, eti + slot0),
-                  mat(w1p + e * R * d * es, dt, d), hf, R, false, pack);
+    gemm::gemm_nt(m, R, d, mat(x_op.data, x_op.dtype, d, eti + slot0),
+                  mat(w1op + e * R * d * wes, wdt, d), hf, R, false, pack);
     for (int64_t i = 0; i < m; ++i) {
       float* hrow = hf + i * R;
+      const int64_t slot = slot0 + i;
       if (b1p) layer::add_row(hrow, b1p + e * R * es, dt, R);
-      if (h_keep) gemm::store_row(hrow, R, h_keep + (slot0 + i) * R * es, dt);
+      if (h_keep && fp8)
+        quantize_1x128(hrow, 1, R, R, h_codes + slot * R, h_scales + slot * fp8_groups(R));
+      else if (h_keep)
+        gemm::store_row(hrow, R, h_keep + slot * R * es, dt);
       float* arow = af + i * n;
       activation_row(act, hrow, n, arow);
-      if (dt == DType::bf16)
+      if (fp8)
+        fp8::fake_quant_row(arow, n);
+      else if (dt == DType::bf16)
         for (int64_t j = 0; j < n; ++j) arow[j] = round_to_bf16(arow[j]);
     }
-    gemm::gemm_nt(m, d, n, mat(af, DType::f32, n), mat(w2p + e * d * n * es, dt, n), yf, d,
+    gemm::gemm_nt(m, d, n, mat(af, DType::f32, n), mat(w2op + e * d * n * wes, wdt, n), yf, d,
                   false, pack);
     for (int64_t i = 0; i < m; ++i) {
       if (b2p) layer::add_row(yf + i * d, b2p + e * d * es, dt, d);

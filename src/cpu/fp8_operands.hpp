@@ -1,0 +1,74 @@
+// FP8 compute on the CPU (LayerConfig::compute == fp8): the GEMM operands of the recipe as
+// fp32 arrays of their dequantized values, so that the ordinary fp32 GEMM kernels compute
+// Σ_k (qa_k sa)(qb_k sb): the GPU's Σ_kb sa sb Σ_{k in kb} qa_k qb_k up to fp32 summation order.
+// Quantization follows src/core/fp8.hpp's rules exactly (same scales, same codes); the values
+// are fake-quantized (quantized, then dequantized in place) instead of stored as codes, except
+// H, which is kept as codes and scales (quantize_1x128) for backward.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/fp8.hpp"
+#include "cpu/gemm_kernels.hpp"
+#include "moeblaze/dtype.hpp"
+
+namespace moeblaze::cpu::fp8 {
+
+// dst[i] = dequantize(quantize(v[i])) for one group (count values, shared scale): fp8_scale of
+// the group's amax, codes = e4m3(v / scale), values = float(code) * scale (core/fp8.hpp).
+inline void fake_quant_group(float* v, int64_t count, int64_t stride) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < count; ++i) {
+    const float a = std::fabs(v[i * stride]);
+    amax = (a > amax || std::isnan(a)) ? a : amax;  // NaN sticks, as max.NaN.f32
+  }
+  const float scale = fp8_scale(amax);
+  for (int64_t i = 0; i < count; ++i) {
+    float& x = v[i * stride];
+    x = e4m3::to_float(e4m3::from_float(x / scale)) * scale;
+  }
+}
+
+// One row of cols values, fake-quantized in 1x128 tiles along it, in place.
+inline void fake_quant_row(float* row, int64_t cols) {
+  for (int64_t c = 0; c < cols; c += kFp8Group)
+    fake_quant_group(row + c, std::min(kFp8Group, cols - c), 1);
+}
+
+// A (rows, cols) storage-dtype matrix as fp32 fake-quantized 1x128 tiles along its rows
+// (activations, dO): dst (rows, cols) fp32.
+inline void fake_quant_rows(const void* src, DType dt, int64_t rows, int64_t cols, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    gemm::load_row(static_cast<const char*>(src) + r * cols * int64_t(dtype_size(dt)), dt, cols,
+                   dst + r * cols);
+    fake_quant_row(dst + r * cols, cols);
+  }
+}
+
+// Rows [r0, r0 + 128) (fewer at the bottom) of a (rows, cols) weight matrix as fp32
+// fake-quantized 128x128 blocks: dst (rows, cols) fp32, that row band written.
+inline void fake_quant_block_rows(const void* src, DType dt, int64_t rows, int64_t cols,
+                                  int64_t r0, float* dst) {
+  const int64_t rb = std::min(kFp8Group, rows - r0);
+  for (int64_t r = r0; r < r0 + rb; ++r)
+    gemm::load_row(static_cast<const char*>(src) + r * cols * int64_t(dtype_size(dt)), dt, cols,
+                   dst + r * cols);
+  for (int64_t c0 = 0; c0 < cols; c0 += kFp8Group) {
+    const int64_t cb = std::min(kFp8Group, cols - c0);
+    float amax = 0.0f;
+    for (int64_t r = r0; r < r0 + rb; ++r)
+      for (int64_t c = c0; c < c0 + cb; ++c) {
+        const float a = std::fabs(dst[r * cols + c]);
+        amax = (a > amax || std::isnan(a)) ? a : amax;
+      }
+    const float scale = fp8_scale(amax);
+    for (int64_t r = r0; r < r0 + rb; ++r)
+      for (int64_t c = c0; c < c0 + cb; ++c) {
+        float& x = dst[r * cols + c];
+        x = e4m3::to_float(e4m3::from_float(x / scale)) * scale;
+      }
+  }
+}
+
+}  // namespace moeblaze::cpu::fp8
