@@ -39,21 +39,34 @@ FAMILIES = {
                          first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=24,
                          qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
                          num_key_value_heads=4)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 # bf16: one layer, so that the two implementations' rounding cannot flip a later layer's routing.
 LAYERS = {torch.float32: 2, torch.bfloat16: 1}
 
 
-def build(family, dtype, layers=2):
-    cfg_name, model_name, kw = FAMILIES[family]
-    cfg = getattr(transformers, cfg_name)(num_hidden_layers=layers, **{**COMMON, **kw})
-    model = getattr(transformers, model_name)(cfg).to(dtype)
-    return model
+def build_cfg(family, layers, **extra):
+    cfg_name, _, kw = FAMILIES[family]
+    return getattr(transformers, cfg_name)(num_hidden_layers=layers, **{**COMMON, **kw, **extra})
 
 
-def pair(family, dtype, layers=None):
-    """(moeblaze model, eager copy with the same weights)."""
-    model = build(family, dtype, layers or LAYERS[dtype])
+def build(family, dtype, layers=2, clamps=True):
+    model = getattr(transformers, FAMILIES[family][1])(build_cfg(family, layers))
+    if family == "gpt_oss":  # its expert biases start at 0; gate_up's reach the clamps (|h| > 7)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("proj_bias"):
+                    p.normal_(0, (4 if clamps else 1) if "gate_up" in name else 0.1)
+    return model.to(dtype)
+
+
+def pair(family, dtype, layers=None, clamps=None):
+    """(moeblaze model, eager copy with the same weights). gpt-oss's clamps (at 7, where bf16's
+    spacing is 1/32) are compared in fp32 only: rounded differently, a pair can fall either side."""
+    clamps = dtype == torch.float32 if clamps is None else clamps
+    model = build(family, dtype, layers or LAYERS[dtype], clamps)
     ref = copy.deepcopy(model)
     ref.set_experts_implementation("eager")
     model.set_experts_implementation("moeblaze")
@@ -84,9 +97,12 @@ def test_hf_logits_and_grads_match_eager(seed, family, dtype):
     tol = TOL[dtype] * (2 if dtype == torch.bfloat16 else 1)
     experts = [n for n in grads if "gate_up_proj" in n or "experts.down_proj" in n]
     assert experts and all(grads[n] is not None and grads[n].abs().sum() > 0 for n in experts)
-    # A key bias's exact gradient is 0 (softmax is shift invariant): both sides hold only noise.
+    # A key bias's exact gradient is 0 (softmax is shift invariant): both sides hold only noise;
+    # so do gpt-oss's attention sinks' in bf16, a sum over every token that cancels (eager's own
+    # is up to 0.2 off an fp32 run).
+    noise = ("k_proj.bias",) + (("self_attn.sinks",) if dtype == torch.bfloat16 else ())
     errs = {n: rel_err(g, ref_grads[n]) for n, g in grads.items()
-            if g is not None and not n.endswith("k_proj.bias")}
+            if g is not None and not n.endswith(noise)}
     bad = {n: e for n, e in errs.items() if not e <= tol}
     assert not bad, f"{family}: gradients above {tol}: {bad}"
 
@@ -116,15 +132,88 @@ def test_hf_save_pretrained_round_trip(seed, family, tmp_path):
         assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
-def test_hf_gpt_oss_refused_with_reason(seed):
-    cfg = transformers.GptOssConfig(num_hidden_layers=1, intermediate_size=24,
-                                    num_local_experts=4, num_experts_per_tok=2, head_dim=8,
-                                    **COMMON)
-    model = transformers.GptOssForCausalLM(cfg)
-    model.set_experts_implementation("moeblaze")
-    with pytest.raises(ValueError, match=r"GptOssExperts.*biases.*interleaved gate/up rows.*"
-                                         r"clamped SwiGLU"):
-        model(input_ids=batch()[0])
+def experts_pair(cls, make_cfg, std=None):
+    """(moeblaze, eager) instances of a v5 experts class with the same random weights (std: per
+    parameter name, 0.2 otherwise); one config each, since the module reads its config's choice."""
+    made = []
+    for impl in ("moeblaze", "eager"):
+        cfg = make_cfg()
+        cfg._experts_implementation = impl
+        made.append(cls(cfg))
+    with torch.no_grad():
+        for name, p in made[0].named_parameters():
+            p.normal_(0, (std or {}).get(name, 0.2))
+    made[1].load_state_dict(made[0].state_dict())
+    assert made[0].config._experts_implementation == "moeblaze"
+    return made
+
+
+def experts_errors(mb, ref, E, T=40, K=2):
+    """Relative errors of moeblaze against eager: output, gradients of x, of the routing weights
+    and of every parameter."""
+    x, w = torch.randn(T, mb.gate_up_proj.shape[1 if mb.is_transposed else 2]), torch.rand(T, K)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    res = []
+    for m in (mb, ref):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = m(xi, ids, wi)
+        names, params = zip(*m.named_parameters())
+        res.append((out, torch.autograd.grad(out, (xi, wi) + params, torch.ones_like(out))))
+    (out, grads), (ref_out, ref_grads) = res
+    errs = {n: rel_err(a, b) for n, a, b in zip(("x", "weights") + names, grads, ref_grads)}
+    return {"out": rel_err(out, ref_out), **errs}, x, ids
+
+
+def gpt_oss_experts(**kw):
+    """(moeblaze, eager) GptOssExperts, biases included, gate_up's large enough for the clamps."""
+    return experts_pair(transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts,
+                        lambda: build_cfg("gpt_oss", 1, **kw), {"gate_up_proj_bias": 4})
+
+
+def test_hf_gpt_oss_experts_match_eager(seed):
+    """GptOssExperts alone: transposed, interleaved gate/up weights, biases, the clamped SwiGLU;
+    output and the gradients of x, the routing weights and the four parameters."""
+    mb, ref = gpt_oss_experts()
+    errs, x, ids = experts_errors(mb, ref, E=4)
+    assert set(errs) >= {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}
+    assert all(e <= TOL[torch.float32] for e in errs.values()), errs
+    h = torch.einsum("td,tkdr->tkr", x, mb.gate_up_proj[ids]) + mb.gate_up_proj_bias[ids]
+    assert (h[..., 0::2] > 7).any() and (h[..., 1::2].abs() > 7).any()  # the clamps are exercised
+
+
+def test_hf_transposed_experts_aria(seed):
+    """AriaExperts: transposed (E, d, 2n) / (E, n, d) weights without biases, SwiGLU."""
+    mod = pytest.importorskip("transformers.models.aria.modeling_aria")
+    mb, ref = experts_pair(mod.AriaExperts, lambda: transformers.AriaTextConfig(
+        hidden_size=32, intermediate_size=24, moe_num_experts=6))
+    errs, _, _ = experts_errors(mb, ref, E=6)
+    assert all(e <= TOL[torch.float32] for e in errs.values()), errs
+
+
+def test_hf_gpt_oss_other_clamp_refused(seed):
+    """swiglu_oai is alpha 1.702, limit 7: a config with other values is refused, not run."""
+    mb, _ = gpt_oss_experts(swiglu_alpha=1.5)
+    with pytest.raises(ValueError, match=r"GptOssExperts: it uses a clamped SwiGLU other than "
+                                         r"swiglu_oai \(alpha 1.702, limit 7\)"):
+        mb(torch.randn(3, 32), torch.zeros(3, 2, dtype=torch.long), torch.rand(3, 2))
+
+
+def test_hf_unsupported_backend_error_names_module(seed, monkeypatch):
+    """On CUDA the backend refuses biases and swiglu_oai (UnsupportedError): the adapter passes
+    that on with the module's name and the implementations that run it, not a fallback."""
+    def refuse(*args, **kw):
+        raise moeblaze.UnsupportedError("b1: expert biases run on the CPU backend only for now")
+    monkeypatch.setattr(mb_hf, "moe_experts", refuse)
+    mb, _ = gpt_oss_experts()
+    with pytest.raises(moeblaze.UnsupportedError, match=r"cannot run GptOssExperts on cpu: b1: "
+                                                        r"expert biases .*'grouped_mm' or 'eager'"):
+        mb(torch.randn(3, 32), torch.zeros(3, 2, dtype=torch.long), torch.rand(3, 2))
+
+
+def test_loaders_refuse_gpt_oss(seed):
+    block = build("gpt_oss", torch.float32, 1).model.layers[0].mlp
+    with pytest.raises(ValueError, match=r"do not load GptOssExperts's expert biases"):
+        moeblaze.MoE.from_mixtral(block)
 
 
 @pytest.mark.parametrize("family,loader", [("mixtral", "from_mixtral"),
@@ -142,10 +231,10 @@ def test_loaders_read_v5_blocks(seed, family, loader):
     assert rel_err(moe(x)[0], ref) <= TOL[torch.float32]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss"])
 def test_hf_autocast_bf16_with_fp32_weights(seed, family):
     """HF Trainer's bf16=True: fp32 parameters, torch.autocast(bf16); fp32 expert gradients."""
-    model, ref = pair(family, torch.float32, LAYERS[torch.bfloat16])
+    model, ref = pair(family, torch.float32, LAYERS[torch.bfloat16], clamps=False)
     ids, labels = batch()
     seen = []  # (input, output) dtypes of the experts: transformers expects them equal
     hook = model.model.layers[0].mlp.experts.register_forward_hook(

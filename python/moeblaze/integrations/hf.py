@@ -9,18 +9,24 @@ transformers v5 keeps a block's experts as one module with fused tensors (`gate_
 (E, 2n, d), gate rows first, and `down_proj` (E, d, n): moeblaze's own w1 / w2 layout) and calls
 `forward(hidden_states (T, d), top_k_index (T, K), top_k_weights (T, K))` through its
 ExpertsInterface; the model's own router stays in charge of the selection. `register()` adds
-`experts_forward` under the name "moeblaze". Supported: experts without biases in the
-concatenated, non-transposed layout, gated SwiGLU (silu) or GeGLU (exact gelu) (Mixtral,
-Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, ...), or plain `up_proj` experts with relu, relu2,
-silu or gelu (NemotronH); anything else (gpt-oss's biased, clamped, interleaved SwiGLU;
-transformers' expert parallelism) raises ValueError naming what is not supported.
+`experts_forward` under the name "moeblaze". Supported: gated SwiGLU (silu) or GeGLU (exact
+gelu) (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, ...), plain `up_proj` experts with
+relu, relu2, silu or gelu (NemotronH), transposed (E, d, 2n) weights (Aria), and gpt-oss's
+experts: transposed, interleaved gate/up columns, biases and the clamped SwiGLU (moeblaze's
+swiglu_oai; biases and swiglu_oai run on the CPU backend only for now, on CUDA the call raises
+UnsupportedError).
+Anything else (a post-expert norm, another gating function, transformers' expert parallelism)
+raises ValueError naming what is not supported.
 
 `moe_from_block(block)` builds a moeblaze.MoE from a Mixtral- or Qwen-MoE-style sparse block
-(v5's fused experts or 4.x's per-expert modules); MoE.from_mixtral / from_qwen_moe call it.
+(v5's fused experts or 4.x's per-expert modules); MoE.from_mixtral / from_qwen_moe call it. No
+loader for gpt-oss: MoE's router has no logits bias (gpt-oss's router.bias).
 """
 import torch
 
+from .._lib import UnsupportedError
 from ..layer import moe_experts
+from ..reference import activation_fn
 
 NAME = "moeblaze"
 
@@ -45,13 +51,26 @@ def register(name=NAME):
 
 # Flags of transformers' experts modules whose value `bad` moeblaze cannot run, and what it means.
 _UNSUPPORTED = (
-    ("has_bias", True, "expert biases (gate_up_proj_bias, down_proj_bias)"),
-    ("is_concatenated", False, "interleaved gate/up rows"),
-    ("is_transposed", True, "transposed weights (gate_up_proj (E, d, 2n))"),
     ("has_post_expert_norm", True, "a post-expert norm"),
     ("_is_expert_parallel", True, "transformers' expert parallelism (use "
                                   "moeblaze.ExpertParallelMoE)"),
 )
+
+
+def _is_swiglu_oai(experts):
+    """Whether the module's own _apply_gate computes moeblaze's swiglu_oai (alpha 1.702, limit 7)
+    in the gate/up layout its is_concatenated flag declares: tried in float64 across the clamps."""
+    n, gen = 32, torch.Generator().manual_seed(0)
+    h = torch.rand(16, 2 * n, generator=gen, dtype=torch.float64) * 24 - 12  # gate cols, up cols
+    want = activation_fn("swiglu_oai", h, n)
+    if not getattr(experts, "is_concatenated", True):
+        h = torch.stack((h[:, :n], h[:, n:]), -1).reshape(16, 2 * n)
+    try:
+        with torch.no_grad():
+            got = experts._apply_gate(h)
+    except Exception:  # a gate that cannot take this probe is not one moeblaze knows
+        return False
+    return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-6, atol=1e-9))
 
 
 def _activation(experts):
@@ -59,16 +78,22 @@ def _activation(experts):
     cls = type(experts)
     missing = [what for attr, bad, what in _UNSUPPORTED
                if bool(getattr(experts, attr, not bad)) == bad]
+    act_fn = getattr(experts, "act_fn", None)
+    gated = getattr(experts, "has_gate", True)
     if getattr(cls, "_apply_gate", None) is not None and \
             getattr(cls._apply_gate, "__name__", "") != "_default_apply_gate":
-        what = "a clamped SwiGLU" if hasattr(experts, "limit") else "a custom gating function"
-        missing.append(f"{what} ({cls.__name__}._apply_gate)")
-    act_fn = getattr(experts, "act_fn", None)
-    act = _ACTS.get(type(act_fn).__name__)
-    if type(act_fn).__name__ == "GELU" and getattr(act_fn, "approximate", "") == "none":
-        act = "gelu"
-    gated = getattr(experts, "has_gate", True)
-    act = _GATED.get(act) if gated else act
+        act = "swiglu_oai" if gated and _is_swiglu_oai(experts) else None
+        if act is None:
+            what = ("a clamped SwiGLU other than swiglu_oai (alpha 1.702, limit 7)"
+                    if hasattr(experts, "limit") else "a custom gating function")
+            missing.append(f"{what} ({cls.__name__}._apply_gate)")
+    else:
+        if gated and not getattr(experts, "is_concatenated", True):
+            missing.append("interleaved gate/up rows with transformers' default (chunked) gate")
+        act = _ACTS.get(type(act_fn).__name__)
+        if type(act_fn).__name__ == "GELU" and getattr(act_fn, "approximate", "") == "none":
+            act = "gelu"
+        act = _GATED.get(act) if gated else act
     if not missing and act is None:
         kinds = "silu or exact gelu" if gated else "relu, relu2, silu or exact gelu"
         missing.append(f"the activation {type(act_fn).__name__} ({'gated' if gated else 'plain'} "
@@ -80,14 +105,38 @@ def _activation(experts):
     return act
 
 
+def _weights(experts):
+    """(w1 (E, rows, d), w2 (E, d, n), b1 or None, b2 or None) in moeblaze's layout: v5's default
+    layout as it is; transposed or interleaved weights (gpt-oss) cost one permuted copy of
+    gate_up_proj and down_proj per call (kept for the backward), their gradients flowing back
+    through the permutation to the module's own parameters."""
+    gated = getattr(experts, "has_gate", True)
+    w1 = experts.gate_up_proj if gated else experts.up_proj
+    w2, b1, b2 = experts.down_proj, None, None
+    if getattr(experts, "has_bias", False):
+        b1 = experts.gate_up_proj_bias if gated else experts.up_proj_bias
+        b2 = experts.down_proj_bias
+    if getattr(experts, "is_transposed", False):  # (E, d, rows) and (E, n, d)
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2).contiguous()
+    if gated and not getattr(experts, "is_concatenated", True):  # gate j, up j alternate
+        w1 = torch.cat((w1[:, 0::2], w1[:, 1::2]), 1)
+        b1 = None if b1 is None else torch.cat((b1[:, 0::2], b1[:, 1::2]), 1)
+    return w1.contiguous(), w2, b1, b2
+
+
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """transformers' experts forward, run by moeblaze: hidden_states (T, d), top_k_index (T, K),
     top_k_weights (T, K) (gradients flow to them, hence to the model's router)."""
     act = self.__dict__.get("_moeblaze_activation")
     if act is None:  # the checks read the module's flags once, not per call
         act = self.__dict__["_moeblaze_activation"] = _activation(self)
-    w1 = self.gate_up_proj if getattr(self, "has_gate", True) else self.up_proj
-    out = moe_experts(hidden_states, w1, self.down_proj, top_k_index, top_k_weights, act)
+    w1, w2, b1, b2 = _weights(self)
+    try:
+        out = moe_experts(hidden_states, w1, w2, top_k_index, top_k_weights, act, b1=b1, b2=b2)
+    except UnsupportedError as e:  # e.g. biases or swiglu_oai on CUDA: CPU backend only for now
+        raise UnsupportedError(f"moeblaze: experts_implementation='moeblaze' cannot run "
+                               f"{type(self).__name__} on {hidden_states.device}: {e}; use "
+                               "experts_implementation='grouped_mm' or 'eager' there") from e
     return out.to(hidden_states.dtype)  # transformers' contract, also under autocast (bf16 out)
 
 
@@ -106,19 +155,24 @@ def _router(block):
 
 
 def _expert_weights(block, gate_name, up_name, down_name):
-    """(activation, w1 (E, 2n, d), w2 (E, d, n)) of the block's experts: v5's fused tensors as
-    they are, 4.x's per-expert nn.Linear modules stacked."""
+    """(activation, w1 (E, 2n, d), w2 (E, d, n)) of the block's experts: v5's fused tensors in
+    moeblaze's layout (see _weights), 4.x's per-expert nn.Linear modules stacked."""
     experts = block.experts
     if hasattr(experts, "gate_up_proj"):
-        return _activation(experts), experts.gate_up_proj, experts.down_proj
+        act, (w1, w2, b1, b2) = _activation(experts), _weights(experts)
+        if b1 is not None or b2 is not None:
+            raise ValueError(f"moeblaze: the loaders do not load {type(experts).__name__}'s expert "
+                             "biases (nor a router bias); run the model with "
+                             "experts_implementation='moeblaze' instead")
+        return act, w1, w2
     w1 = torch.cat([torch.stack([getattr(x, gate_name).weight for x in experts]),
                     torch.stack([getattr(x, up_name).weight for x in experts])], dim=1)
     return "swiglu", w1, torch.stack([getattr(x, down_name).weight for x in experts])
 
 
 def _build(cls, block, names, renormalize, kw):
+    activation, w1, w2 = _expert_weights(block, *names)  # first: gpt-oss's block has no .gate
     gate_weight, top_k, norm = _router(block)
-    activation, w1, w2 = _expert_weights(block, *names)
     E, d = gate_weight.shape
     if renormalize is None:
         renormalize = bool(norm)
