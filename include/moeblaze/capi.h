@@ -17,7 +17,7 @@
  *    [2] non-finite value, [3] bad pair offsets, [4] bad plan contents.
  *    moeblaze_routing_flags_error() turns raised flags into the validator's message. The one
  *    exception is moeblaze_token_round, which reads its pair count back (documented there).
- *  - Codes: dtype 0 fp32, 1 bf16; device 0 cpu, 1 cuda; activation 0 swiglu, 1 geglu, 2 relu,
+ *  - Codes: dtype 0 fp32, 1 bf16; compute 0 storage, 1 fp8; device 0 cpu, 1 cuda; activation 0 swiglu, 1 geglu, 2 relu,
  *    3 silu, 4 gelu, 5 relu2, 6 swiglu_oai; router 0 softmax_topk, 1 topk_softmax,
  *    2 sigmoid_bias; mode 0 keep_h, 1 recompute; rounding 0 nr-f, 1 sr-f, 2 up, 3 down (the C++
  *    enums' values).
@@ -37,7 +37,7 @@
 extern "C" {
 #endif
 
-#define MOEBLAZE_CAPI_VERSION 1
+#define MOEBLAZE_CAPI_VERSION 2 /* 2: moeblaze_layer_cfg.compute */
 
 enum {
   MOEBLAZE_OK = 0,
@@ -55,6 +55,8 @@ typedef struct {
   int32_t mode;        /* 0 keep_h, 1 recompute, 2 keep_h whose backward writes dH over h
                           (CUDA: less workspace; h is garbage afterwards) */
   int32_t num_threads; /* CPU threads, 0 = all */
+  int32_t compute;     /* 0 storage dtype, 1 fp8 (e4m3 operands, bf16 storage; the CPU backend
+                          only for now): LayerConfig::compute */
 } moeblaze_layer_cfg;
 
 /* The router (RouterConfig without the loss coefficients). */
@@ -176,8 +178,10 @@ int moeblaze_validate_plan_sync(const moeblaze_plan* plan, int32_t device, void*
 
 /* Layer. The workspace (NULL = the library allocates its own, accounted) needs at least
  * moeblaze_layer_workspace_bytes for this call's thread count (CPU) and must be 64-byte
- * aligned. h: (S, w1_rows) cfg dtype, written by forward and read by backward in keep_h mode;
+ * aligned. h: moeblaze_layer_kept_h_bytes, 16-byte aligned ((S, w1_rows) cfg dtype; with fp8
+ * compute e4m3 codes then fp32 scales), written by forward and read by backward in keep_h mode;
  * NULL in recompute mode. */
+int moeblaze_layer_kept_h_bytes(const moeblaze_layer_cfg* cfg, int64_t S, uint64_t* bytes);
 int moeblaze_layer_workspace_bytes(const moeblaze_layer_cfg* cfg, int64_t S, int32_t device,
                                    uint64_t* bytes);
 /* One pass's workspace alone: pass 0 forward, 1 backward (mode 2 needs less there). */

@@ -9,12 +9,15 @@ import os
 
 import torch  # noqa: F401  (loads libcudart & co. before the library needs them)
 
+CAPI_VERSION = 2  # capi.h's MOEBLAZE_CAPI_VERSION
+
 # Error codes (capi.h).
 OK, ERR_INVALID_ARGUMENT, ERR_UNSUPPORTED, ERR_DEVICE, ERR_OTHER = range(5)
 
 # Enum codes shared with the C++ API.
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 ID_DTYPES = {torch.int32: 0, torch.int64: 1}  # moeblaze_plan_from_ids' ids_dtype
+COMPUTES = {"storage": 0, "fp8": 1}  # LayerCfg.compute
 ACTIVATIONS = {"swiglu": 0, "geglu": 1, "relu": 2, "silu": 3, "gelu": 4, "relu2": 5,
                "swiglu_oai": 6}
 GATED = {"swiglu", "geglu", "swiglu_oai"}
@@ -34,7 +37,7 @@ class LayerCfg(ctypes.Structure):
     _fields_ = [("T", ctypes.c_int64), ("d", ctypes.c_int64), ("n", ctypes.c_int64),
                 ("E", ctypes.c_int64), ("K", ctypes.c_int64), ("activation", ctypes.c_int32),
                 ("dtype", ctypes.c_int32), ("mode", ctypes.c_int32),
-                ("num_threads", ctypes.c_int32)]
+                ("num_threads", ctypes.c_int32), ("compute", ctypes.c_int32)]
 
 
 class RouterCfg(ctypes.Structure):
@@ -82,6 +85,8 @@ _SIGNATURES = {
                                 ctypes.POINTER(Plan), _P, _U64, _P], ctypes.c_int),
     "moeblaze_routing_flags_error": ([_P, ctypes.POINTER(Routing), _I32], ctypes.c_int),
     "moeblaze_validate_plan_sync": ([ctypes.POINTER(Plan), _I32, _P], ctypes.c_int),
+    "moeblaze_layer_kept_h_bytes": ([ctypes.POINTER(LayerCfg), _I64, ctypes.POINTER(_U64)],
+                                    ctypes.c_int),
     "moeblaze_layer_workspace_bytes": ([ctypes.POINTER(LayerCfg), _I64, _I32, ctypes.POINTER(_U64)],
                                        ctypes.c_int),
     "moeblaze_layer_pass_workspace_bytes": ([ctypes.POINTER(LayerCfg), _I64, _I32, _I32,
@@ -121,9 +126,10 @@ def lib():
             fn = getattr(handle, name)
             fn.argtypes = args
             fn.restype = res
-        if handle.moeblaze_capi_version() != 1:
+        if handle.moeblaze_capi_version() != CAPI_VERSION:
             raise ImportError(f"moeblaze: {path} has C ABI version "
-                              f"{handle.moeblaze_capi_version()}, this package expects 1")
+                              f"{handle.moeblaze_capi_version()}, this package expects "
+                              f"{CAPI_VERSION}")
         _lib = handle
     return _lib
 

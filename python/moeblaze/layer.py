@@ -125,31 +125,44 @@ def _compute_operands(x, w1, w2):
 
 
 def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, activation="swiglu",
-                         recompute=False, num_threads=0, validate=None, b1=None, b2=None):
+                         recompute=False, num_threads=0, validate=None, b1=None, b2=None,
+                         compute_dtype=None):
     """The experts over a routing in moeblaze's CSR form (pair_offsets (T+1,) int32, pair_experts
     (P,) int32, pair_weights (P,) float32, differentiable). validate=True on CUDA reads the plan
     builder's device-side flags back (a host sync) and raises ValueError naming a bad entry.
     bf16 compute (and a bf16 result) under torch.autocast(dtype=torch.bfloat16) or when x is bf16
     and w1 / w2 are fp32 (their gradients come back in fp32); float16 raises ValueError.
-    b1 (E, w1_rows) / b2 (E, d): optional expert biases, cast like w1 / w2 (CPU only for now)."""
+    b1 (E, w1_rows) / b2 (E, d): optional expert biases, cast like w1 / w2 (CPU only for now).
+    compute_dtype="fp8": the expert GEMMs on e4m3 operands with fine-grained scales and H kept
+    in e4m3 (bf16 compute only; the CPU backend emulates it, the GPU refuses it for now)."""
     x, w1, w2 = _compute_operands(x, w1, w2)
     # The biases follow the weights' cast (fp32 master biases beside bf16 compute).
     b1, b2 = (b.to(x.dtype) if b is not None and b.dtype == torch.float32 else b
               for b in (b1, b2))
     E = w2.shape[0]
-    act = _activation_code(activation)
+    act, compute = _activation_code(activation), _compute_code(compute_dtype)
     if _eager(x, w1, w2, pair_offsets, pair_experts, pair_weights, b1, b2):
         plan = ops._build_plan_impl(pair_offsets, pair_experts, pair_weights.detach(), E)
         if _check_flags_enabled(validate, x.device):
             ops.check_flags(plan[6], (pair_offsets, pair_experts, pair_weights.detach()), E)
         return _ExpertsFn.apply(x, w1, w2, pair_weights, b1, b2, plan[:6],
-                                (act, bool(recompute), int(num_threads)))
+                                (act, bool(recompute), int(num_threads), compute))
     plan = ops.build_plan(pair_offsets, pair_experts, pair_weights.detach(), E)
     if _check_flags_enabled(validate, x.device):
         ops.check_flags(plan[6], (pair_offsets, pair_experts, pair_weights.detach()), E)
     out, _h = ops.experts_forward(x, w1, w2, pair_weights, *plan[:6], act, bool(recompute),
-                                  int(num_threads), b1, b2)
+                                  int(num_threads), b1, b2, compute)
     return out
+
+
+def _compute_code(compute_dtype):
+    """LayerCfg.compute of a compute_dtype argument: None / "bf16" / "storage" compute in the
+    storage dtype, "fp8" on e4m3 operands."""
+    if compute_dtype in (None, "bf16", "storage"):
+        return 0
+    if compute_dtype == "fp8":
+        return 1
+    raise ValueError(f"moeblaze: compute_dtype {compute_dtype!r} is not None, 'bf16' or 'fp8'")
 
 
 def _eager(*tensors):
@@ -170,8 +183,9 @@ class _ExpertsFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, w2, pair_weights, b1, b2, plan, cfg):
-        act, recompute, num_threads = cfg
-        out, h = ops._experts_forward_impl(x, w1, w2, plan, act, recompute, num_threads, b1, b2)
+        act, recompute, num_threads, compute = cfg
+        out, h = ops._experts_forward_impl(x, w1, w2, plan, act, recompute, num_threads, b1, b2,
+                                           None, compute)
         ctx.save_for_backward(x, w1, w2, h, b1, b2, *plan)
         ctx.cfg = cfg
         ctx.pw = (pair_weights.shape, pair_weights.dtype)
@@ -181,9 +195,9 @@ class _ExpertsFn(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_out):
         x, w1, w2, h, b1, b2, *plan = ctx.saved_tensors
-        act, recompute, num_threads = ctx.cfg
+        act, recompute, num_threads, compute = ctx.cfg
         dx, dw1, dw2, dpw, db1, db2 = ops._experts_backward_impl(
-            g_out, x, w1, w2, h, plan, act, recompute, num_threads, True, b1, b2)
+            g_out, x, w1, w2, h, plan, act, recompute, num_threads, True, b1, b2, compute)
         if h.is_cuda and not recompute:  # CUDA wrote dH over h: a second backward must fail
             torch.autograd.graph.increment_version(h)
         shape, dtype = ctx.pw
@@ -247,14 +261,15 @@ _MOE_EXPERTS_NAMES = ("x", "w1", "w2", "expert_ids", "expert_weights")
 
 
 def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", recompute=False,
-                validate=None, b1=None, b2=None):
+                validate=None, b1=None, b2=None, compute_dtype=None):
     """Functional MoE with caller-supplied routing: expert_ids (T, K) integer, expert_weights
     (T, K) (gradients flow to them). x (T, d), w1 (E, rows, d), w2 (E, d, n), one dtype, one
     device. On the CPU a bad id (outside [0, E), of any integer dtype) raises ValueError naming
     it; on CUDA pass validate=True to check (a host sync), otherwise a bad id gives garbage but
     never an out-of-bounds write (and is never narrowed into a valid one). b1 (E, w1_rows) and
     b2 (E, d), optional, each alone or both: expert biases, h = W1_e x + b1_e and
-    y = W2_e a + b2_e (gpt-oss), with gradients; the CPU backend only for now."""
+    y = W2_e a + b2_e (gpt-oss), with gradients; the CPU backend only for now. compute_dtype:
+    as experts_from_routing's ("fp8": e4m3 operands, CPU emulation for now)."""
     if expert_ids.dim() != 2 or expert_weights.shape != expert_ids.shape:
         raise ValueError(f"moeblaze: expert_ids and expert_weights must both be (T, K), got "
                          f"{tuple(expert_ids.shape)} and {tuple(expert_weights.shape)}")
@@ -269,16 +284,17 @@ def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", reco
     if (K > 0 and expert_ids.dtype in _lib.ID_DTYPES and not (validate and x.is_cuda)
             and _eager(x, w1, w2, expert_ids, expert_weights, b1, b2)):
         return _moe_experts_eager(x, w1, w2, expert_ids, expert_weights, activation, recompute,
-                                  b1, b2)
+                                  b1, b2, compute_dtype)
     offsets = _fixed_k_offsets(T, K, x)
     check_range = x.device.type == "cpu" or bool(validate)  # on CUDA a host sync: opt-in
     experts = ops.expert_ids_int32(expert_ids, w2.shape[0], check_range).reshape(-1)
     weights = expert_weights.to(torch.float32).reshape(-1)
     return experts_from_routing(x, w1, w2, offsets, experts, weights, activation, recompute,
-                                validate=validate, b1=b1, b2=b2)
+                                validate=validate, b1=b1, b2=b2, compute_dtype=compute_dtype)
 
 
-def _moe_experts_eager(x, w1, w2, expert_ids, expert_weights, activation, recompute, b1, b2):
+def _moe_experts_eager(x, w1, w2, expert_ids, expert_weights, activation, recompute, b1, b2,
+                       compute_dtype):
     """moe_experts in eager mode: the plan straight from the (T, K) ids and weights in one C call
     (ops.plan_from_ids), then _ExpertsFn; d_pair_weights comes back in expert_weights' shape and
     dtype."""
@@ -290,7 +306,8 @@ def _moe_experts_eager(x, w1, w2, expert_ids, expert_weights, activation, recomp
         w = w.to(torch.float32)
     plan = ops.plan_from_ids(expert_ids, w, w2.shape[0])
     return _ExpertsFn.apply(x, w1, w2, expert_weights, b1, b2, plan[:6],
-                            (_activation_code(activation), bool(recompute), 0))
+                            (_activation_code(activation), bool(recompute), 0,
+                             _compute_code(compute_dtype)))
 
 
 def _init_moe_module(m, hidden_size, intermediate_size, num_experts, top_k, activation, router,
@@ -353,13 +370,18 @@ class MoE(nn.Module):
     experts (shared_expert_gate=True: Qwen2-MoE's sigmoid gate). last_expert_counts: the
     per-expert pair counts of the last forward (on the device); update_expert_bias applies
     DeepSeek-V3's auxiliary-loss-free balancing to the sigmoid_bias router. bias=True adds
-    expert biases b1 (E, w1_rows) and b2 (E, d), zeros-initialised (gpt-oss; CPU backend only)."""
+    expert biases b1 (E, w1_rows) and b2 (E, d), zeros-initialised (gpt-oss; CPU backend only).
+    compute_dtype="fp8": the expert GEMMs on e4m3 operands with DeepSeek-V3's fine-grained
+    scales, H kept in e4m3 (bf16 compute; the CPU backend emulates it, the GPU refuses it for
+    now: docs/FP8.md)."""
 
     def __init__(self, hidden_size, intermediate_size, num_experts, top_k, activation="swiglu",
                  router="softmax_topk", renormalize=False, token_rounding=None, m_tile=128,
                  recompute=False, aux_loss_coef=0.0, z_loss_coef=0.0, device=None, dtype=None,
-                 shared_expert_size=0, shared_expert_gate=False, bias=False):
+                 shared_expert_size=0, shared_expert_gate=False, bias=False, compute_dtype=None):
         super().__init__()
+        _compute_code(compute_dtype)  # a bad value fails here, not at the first forward
+        self.compute_dtype = compute_dtype
         _init_moe_module(self, hidden_size, intermediate_size, num_experts, top_k, activation,
                          router, renormalize, recompute, aux_loss_coef, z_loss_coef,
                          num_experts, device, dtype)
@@ -424,7 +446,8 @@ class MoE(nn.Module):
         x2 = x.reshape(-1, self.hidden_size)
         logits, offsets, experts, weights = self.route(x2)
         out = experts_from_routing(x2, self.w1, self.w2, offsets, experts, weights,
-                                   self.activation, self.recompute, b1=self.b1, b2=self.b2)
+                                   self.activation, self.recompute, b1=self.b1, b2=self.b2,
+                                   compute_dtype=self.compute_dtype)
         return self._finish(x2, out, logits, experts, shape)
 
     def _finish(self, x2, out, logits, experts, shape):

@@ -19,9 +19,10 @@ Ops (namespace moeblaze):
       -> (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
           token_expert_indices, token_index_map, flags)
   experts_forward(x, w1, w2, pair_weights, *plan, activation, recompute, num_threads,
-                  b1=None, b2=None) -> (out, h)
+                  b1=None, b2=None, compute=0) -> (out, h)   [compute 1: fp8; h then uint8]
   experts_backward(d_out, x, w1, w2, h, *plan, activation, recompute, num_threads, b1=None,
-                   b2=None) -> (dx, dw1, dw2, d_pair_weights, db1, db2)  [db: (0,) without b]
+                   b2=None, compute=0) -> (dx, dw1, dw2, d_pair_weights, db1, db2)
+                   [db: (0,) without b]
   experts_backward_dh_over_h(...)  the same; on CUDA keep_h writes dH over h (mutates h)
 route, token_round and experts_forward have autograd formulas (router_backward /
 experts_backward); pair_weights is an input of experts_forward only so that its gradient
@@ -479,7 +480,7 @@ def _(pair_offsets, pair_experts, pair_weights, num_experts):
 _MODE_KEEP_H, _MODE_RECOMPUTE, _MODE_DH_OVER_H = 0, 1, 2
 
 
-def _experts_args(x, w1, w2, plan, activation, num_threads, mode, backward):
+def _experts_args(x, w1, w2, plan, activation, num_threads, mode, backward, compute=0):
     """(config, workspace bytes, device, x, w1, w2, plan struct) of an experts call, checked, the
     tensors contiguous."""
     dev = _storage_device("x", x)
@@ -493,6 +494,7 @@ def _experts_args(x, w1, w2, plan, activation, num_threads, mode, backward):
     dt = _float_code(x, "x")
     _code("activation", activation, _lib.ACTIVATIONS)
     _int("num_threads", num_threads, 0, MAX_THREADS)
+    _code("compute", compute, _lib.COMPUTES)
     if w1.dtype != x.dtype:
         _fail(f"w1 has dtype {w1.dtype} but x has {x.dtype}")
     if w2.dtype != x.dtype:
@@ -509,12 +511,12 @@ def _experts_args(x, w1, w2, plan, activation, num_threads, mode, backward):
     w2 = _arg("w2", w2, x.dtype, (E, d, n), dev)
     p = _plan_struct(T, E, plan, dev)
     cfg, ws_bytes = _layer_cfg(T, d, n, E, p.S, activation, dt, mode, num_threads, backward,
-                               x.is_cuda)
+                               x.is_cuda, compute)
     return cfg, ws_bytes, dev, x, w1, w2, p
 
 
 @functools.lru_cache(maxsize=256)
-def _layer_cfg(T, d, n, E, S, activation, dt, mode, num_threads, backward, cuda):
+def _layer_cfg(T, d, n, E, S, activation, dt, mode, num_threads, backward, cuda, compute=0):
     """(LayerCfg, workspace bytes of the pass) of an experts call: functions of the sizes alone
     (and of MOEBLAZE_KERNELS, which the library reads once per process; the C ABI cannot change
     the kernel choice), so built once per shape (C only reads the struct). The workspace is
@@ -522,13 +524,31 @@ def _layer_cfg(T, d, n, E, S, activation, dt, mode, num_threads, backward, cuda)
     the CPU backend allocates its own (0 here)."""
     # K only enters the C++ config's checks (1 <= K <= E): token rounding varies it per token.
     K = min(max(S // T if T > 0 else 1, 1), max(E, 1))
-    cfg = _lib.LayerCfg(T, d, n, E, K, activation, dt, mode, num_threads)
+    cfg = _lib.LayerCfg(T, d, n, E, K, activation, dt, mode, num_threads, compute)
     if not cuda:
         return cfg, 0
     nbytes = ctypes.c_uint64()
     check(lib().moeblaze_layer_pass_workspace_bytes(ctypes.byref(cfg), S, 1, int(backward),
                                                     ctypes.byref(nbytes)))
     return cfg, nbytes.value
+
+
+@functools.lru_cache(maxsize=256)
+def _kept_h_bytes(cfg_key, S):
+    """Bytes of the kept H of an fp8-compute call (e4m3 codes, then fp32 scales): asked once per
+    shape. cfg_key: the LayerCfg's fields."""
+    n = ctypes.c_uint64()
+    check(lib().moeblaze_layer_kept_h_bytes(ctypes.byref(_lib.LayerCfg(*cfg_key)), S,
+                                            ctypes.byref(n)))
+    return n.value
+
+
+def _h_shape(cfg, S, activation):
+    """(shape, dtype) of the kept H: (S, w1_rows) in x's dtype, or fp8 compute's bytes."""
+    if cfg.compute == 0:
+        return (S, _w1_rows(activation, cfg.n)), None
+    key = (cfg.T, cfg.d, cfg.n, cfg.E, cfg.K, cfg.activation, cfg.dtype, 0, 0, cfg.compute)
+    return (_kept_h_bytes(key, S),), torch.uint8
 
 
 def _workspace(nbytes, dev):
@@ -545,27 +565,27 @@ def experts_forward(x: Tensor, w1: Tensor, w2: Tensor, pair_weights: Tensor,
                     slot_weights: Tensor, token_pair_offsets: Tensor, token_expert_indices: Tensor,
                     token_index_map: Tensor, activation: int, recompute: bool,
                     num_threads: int, b1: Optional[Tensor] = None,
-                    b2: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                    b2: Optional[Tensor] = None, compute: int = 0) -> Tuple[Tensor, Tensor]:
     plan = (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
             token_expert_indices, token_index_map)
     return _experts_forward_impl(x, w1, w2, plan, activation, recompute, num_threads, b1, b2,
-                                pair_weights)
+                                pair_weights, compute)
 
 
 def _experts_forward_impl(x, w1, w2, plan, activation, recompute, num_threads, b1=None, b2=None,
-                         pair_weights=None):
+                         pair_weights=None, compute=0):
     """The body of moeblaze::experts_forward, callable without the op's dispatch (eager paths):
     (out, h); pair_weights, if given, is only checked (the kernels read slot_weights)."""
     mode = _MODE_RECOMPUTE if recompute else _MODE_KEEP_H
     cfg, ws_bytes, dev, x, w1, w2, p = _experts_args(x, w1, w2, plan, activation, num_threads,
-                                                     mode, False)
+                                                     mode, False, compute)
     b1, b2 = _biases(b1, b2, x, cfg, activation, dev)
     S = p.S
     if pair_weights is not None:  # not read by the kernels: it only carries d_pair_weights back
         _arg("pair_weights", pair_weights, _F32, (S,), dev)
     out = torch.empty_like(x)
-    rows = _w1_rows(activation, cfg.n)
-    h = x.new_empty((0, rows) if recompute else (S, rows))
+    shape, hdt = _h_shape(cfg, 0 if recompute else S, activation)
+    h = x.new_empty(shape, dtype=hdt)  # recompute: empty
     ws = _workspace(ws_bytes, dev)
     _run(x, lib().moeblaze_layer_forward_biased, ctypes.byref(cfg), ctypes.byref(p),
          device_code(x), stream_of(x), ptr(x), ptr(w1), ptr(w2), ptr(b1), ptr(b2), ptr(out),
@@ -586,21 +606,25 @@ def _biases(b1, b2, x, cfg, activation, dev):
 
 @experts_forward.register_fake
 def _(x, w1, w2, pair_weights, eto, eti, sw, tpo, tei, tim, activation, recompute, num_threads,
-      b1=None, b2=None):
+      b1=None, b2=None, compute=0):
     _one_device(("x", "w1", "w2", "pair_weights") + _PLAN_NAMES + ("b1", "b2"), x, w1, w2,
                 pair_weights, eto, eti, sw, tpo, tei, tim, b1, b2)
     S = eti.shape[0]
     rows = _w1_rows(activation, w2.shape[2])
-    return torch.empty_like(x), x.new_empty((0, rows) if recompute else (S, rows))
+    if compute == 0:
+        return torch.empty_like(x), x.new_empty((0, rows) if recompute else (S, rows))
+    key = (x.shape[0], x.shape[1], w2.shape[2], w2.shape[0], 1, activation, 1, 0, 0, compute)
+    return torch.empty_like(x), x.new_empty(0 if recompute else _kept_h_bytes(key, S),
+                                            dtype=torch.uint8)
 
 
 def _experts_backward_impl(d_out, x, w1, w2, h, plan, activation, recompute, num_threads,
-                           dh_over_h, b1, b2):
+                           dh_over_h, b1, b2, compute=0):
     # dH over h: keep_h on CUDA only (the mode enters the cached config, so it is chosen first).
     mode = (_MODE_RECOMPUTE if recompute else
             _MODE_DH_OVER_H if dh_over_h and x.is_cuda else _MODE_KEEP_H)
     cfg, ws_bytes, dev, x, w1, w2, p = _experts_args(x, w1, w2, plan, activation, num_threads,
-                                                     mode, True)
+                                                     mode, True, compute)
     b1, b2 = _biases(b1, b2, x, cfg, activation, dev)
     S = p.S
     # An upstream gradient: any float dtype autograd hands over, read in x's dtype.
@@ -608,7 +632,8 @@ def _experts_backward_impl(d_out, x, w1, w2, h, plan, activation, recompute, num
         _fail(f"d_out must be floating point, got {d_out.dtype}")
     d_out = _arg("d_out", d_out.to(x.dtype), x.dtype, x.shape, dev)
     if not recompute:
-        h = _arg("h", h, x.dtype, (S, _w1_rows(activation, cfg.n)), dev)
+        shape, hdt = _h_shape(cfg, S, activation)
+        h = _arg("h", h, hdt or x.dtype, shape, dev)
     dx, dw1, dw2 = torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
     dpw = torch.empty(S, dtype=_F32, device=dev)
     # A bias's gradient, or an empty (0,) tensor standing for none (an op's outputs are tensors).
@@ -629,13 +654,13 @@ def experts_backward(d_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor
                      slot_weights: Tensor, token_pair_offsets: Tensor,
                      token_expert_indices: Tensor, token_index_map: Tensor, activation: int,
                      recompute: bool, num_threads: int, b1: Optional[Tensor] = None,
-                     b2: Optional[Tensor] = None
+                     b2: Optional[Tensor] = None, compute: int = 0
                      ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, dw1, dw2, d_pair_weights, db1, db2); db1 / db2 are empty (0,) without their bias."""
     plan = (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
             token_expert_indices, token_index_map)
     return _experts_backward_impl(d_out, x, w1, w2, h, plan, activation, recompute, num_threads,
-                                  False, b1, b2)
+                                  False, b1, b2, compute)
 
 
 # The same, but on CUDA keep_h writes dH over h (S * w1_rows * 2 bytes less workspace). Declared
@@ -647,17 +672,18 @@ def experts_backward_dh_over_h(d_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor,
                                slot_weights: Tensor, token_pair_offsets: Tensor,
                                token_expert_indices: Tensor, token_index_map: Tensor,
                                activation: int, recompute: bool, num_threads: int,
-                               b1: Optional[Tensor] = None, b2: Optional[Tensor] = None
+                               b1: Optional[Tensor] = None, b2: Optional[Tensor] = None,
+                               compute: int = 0
                                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     plan = (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
             token_expert_indices, token_index_map)
     return _experts_backward_impl(d_out, x, w1, w2, h, plan, activation, recompute, num_threads,
-                                  True, b1, b2)
+                                  True, b1, b2, compute)
 
 
 @experts_backward.register_fake
 def _experts_backward_fake(d_out, x, w1, w2, h, eto, eti, sw, tpo, tei, tim, activation,
-                           recompute, num_threads, b1=None, b2=None):
+                           recompute, num_threads, b1=None, b2=None, compute=0):
     _one_device(("d_out", "x", "w1", "w2", "h") + _PLAN_NAMES + ("b1", "b2"), d_out, x, w1, w2, h,
                 eto, eti, sw, tpo, tei, tim, b1, b2)
     return (torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2),
@@ -679,19 +705,20 @@ def _experts_setup(ctx, inputs, output):
     ctx.has_bias = (b1 is not None, b2 is not None)
     ctx.save_for_backward(x, w1, w2, output[1], b1, b2, *plan)
     ctx.cfg = inputs[10:13]
+    ctx.compute = inputs[15] if len(inputs) > 15 else 0
 
 
 def _experts_backward(ctx, g_out, g_h):
     x, w1, w2, h, b1, b2, *plan = ctx.saved_tensors
     if g_out is None:
-        return (None,) * 15
+        return (None,) * 16
     # Eager: dH over the saved H (it is dead after this). Traced (torch.compile, export): the
     # non-mutating op, since a mutated saved activation is not something the partitioner takes.
     eager = type(h) is torch.Tensor and not torch.compiler.is_compiling()
     op = experts_backward_dh_over_h if eager else experts_backward
-    dx, dw1, dw2, dpw, db1, db2 = op(g_out, x, w1, w2, h, *plan, *ctx.cfg, b1, b2)
+    dx, dw1, dw2, dpw, db1, db2 = op(g_out, x, w1, w2, h, *plan, *ctx.cfg, b1, b2, ctx.compute)
     return ((dx, dw1, dw2, dpw) + (None,) * 9 + (db1 if ctx.has_bias[0] else None,
-                                                 db2 if ctx.has_bias[1] else None))
+                                                 db2 if ctx.has_bias[1] else None, None))
 
 
 experts_forward.register_autograd(_experts_backward, setup_context=_experts_setup)

@@ -163,6 +163,9 @@ LayerConfig to_layer(const moeblaze_layer_cfg* c) {
   cfg.K = c->K;
   cfg.activation = static_cast<Activation>(c->activation);
   cfg.dtype = to_float_dtype(c->dtype, "layer");
+  MOEBLAZE_REQUIRE(c->compute == 0 || c->compute == 1, "compute (", c->compute,
+                   ") must be 0 (storage) or 1 (fp8)");
+  cfg.compute = static_cast<Compute>(c->compute);
   cfg.validate();
   require_thread_count(c->num_threads, "num_threads");
   return cfg;
@@ -618,6 +621,15 @@ int moeblaze_validate_plan_sync(const moeblaze_plan* plan, int32_t device, void*
 #else
     (void)stream;
 #endif
+  });
+}
+
+int moeblaze_layer_kept_h_bytes(const moeblaze_layer_cfg* cfg, int64_t S, uint64_t* bytes) {
+  return guarded([&] {
+    const LayerConfig c = to_layer(cfg);
+    require_ptr(bytes, "bytes");
+    MOEBLAZE_REQUIRE(S >= 0 && S < (int64_t(1) << 31), "S (", S, ") must be in [0, 2^31)");
+    *bytes = c.kept_h_bytes(S);
   });
 }
 

@@ -1,0 +1,83 @@
+"""compute_dtype="fp8" through the PyTorch front end (CPU emulation of the FP8 recipe, issue 20):
+within the e4m3 bound of the float64 reference, eager and traced paths bitwise equal, H kept as
+e4m3 codes and scales (about half bf16's bytes), and clear errors where it cannot run."""
+import pytest
+import torch
+
+import moeblaze
+from moeblaze import ops
+from moeblaze.layer import _activation_code
+from moeblaze.reference import dense_reference
+
+from helpers import rel_err
+
+BF16 = torch.bfloat16
+# tests/cpu/test_layer_fp8.cpp's bound: e4m3's 3 mantissa bits, two quantized GEMMs in series.
+FP8_TOL = 0.1
+
+
+def _inputs(T=61, d=160, n=96, E=5, K=2):
+    x = torch.randn(T, d).to(BF16).requires_grad_()
+    w1 = (torch.randn(E, 2 * n, d) / d ** 0.5).to(BF16).requires_grad_()
+    w2 = (torch.randn(E, d, n) / n ** 0.5).to(BF16).requires_grad_()
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    wts = torch.rand(T, K, requires_grad=True)
+    return x, w1, w2, ids, wts
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_fp8_matches_float64_within_the_e4m3_bound(seed, recompute):
+    x, w1, w2, ids, wts = _inputs()
+    out = moeblaze.moe_experts(x, w1, w2, ids, wts, recompute=recompute, compute_dtype="fp8")
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [x, w1, w2, wts], g)
+    ins = [t.detach().double().requires_grad_() for t in (x, w1, w2, wts)]
+    ref = dense_reference(ins[0], ins[1], ins[2], ids, ins[3])
+    ref_grads = torch.autograd.grad(ref, ins, g.double())
+    assert rel_err(out, ref) <= FP8_TOL
+    for name, a, r in zip(("dx", "dw1", "dw2", "d_weights"), grads, ref_grads):
+        assert rel_err(a, r) <= FP8_TOL, name
+    # The fp8 path, not the bf16 one: an order of magnitude further from float64.
+    plain = moeblaze.moe_experts(x, w1, w2, ids, wts, recompute=recompute)
+    assert rel_err(out, ref) > 3 * rel_err(plain, ref)
+
+
+def test_fp8_eager_and_traced_paths_agree_bitwise_and_keep_half_the_bytes(seed):
+    x, w1, w2, ids, wts = _inputs()
+    T, K = ids.shape
+    out = moeblaze.moe_experts(x, w1, w2, ids, wts, compute_dtype="fp8")
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [x, w1, w2, wts], g)
+    offsets = torch.arange(0, T * K + 1, K, dtype=torch.int32)
+    pw = wts.reshape(-1)
+    plan = ops.build_plan(offsets, ids.to(torch.int32).reshape(-1), pw.detach(), 5)
+    ref, h = ops.experts_forward(x, w1, w2, pw, *plan[:6], _activation_code("swiglu"), False, 0,
+                                 None, None, 1)
+    ref_grads = torch.autograd.grad(ref, [x, w1, w2, wts], g)
+    assert torch.equal(out, ref)
+    for name, a, r in zip(("dx", "dw1", "dw2", "d_weights"), grads, ref_grads):
+        assert torch.equal(a, r), name
+    S, R = T * K, w1.shape[1]
+    assert h.dtype == torch.uint8 and h.numel() == (S * R + 15) // 16 * 16 + S * 2 * 4
+    assert h.numel() <= 0.55 * S * R * 2
+
+
+def test_fp8_module_trains_and_errors_are_clear(seed):
+    moe = moeblaze.MoE(128, 64, 4, 2, dtype=BF16, compute_dtype="fp8")
+    x = torch.randn(33, 128, dtype=BF16, requires_grad=True)
+    out, _ = moe(x)
+    out.float().square().mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad.float()).all()
+               for p in (moe.w1, moe.w2, moe.gate.weight))
+    with pytest.raises(ValueError, match="compute_dtype 'fp4'"):
+        moeblaze.MoE(128, 64, 4, 2, compute_dtype="fp4")
+    fp32 = moeblaze.MoE(128, 64, 4, 2, dtype=torch.float32, compute_dtype="fp8")
+    with pytest.raises(ValueError, match="compute fp8 needs bf16 storage"):
+        fp32(torch.randn(8, 128))
+
+
+@pytest.mark.gpu
+def test_fp8_on_the_gpu_is_refused_with_the_reason(seed):
+    x, w1, w2, ids, wts = (t.detach().cuda() for t in _inputs(T=64, d=128, n=128, E=4, K=2))
+    with pytest.raises(moeblaze.UnsupportedError, match="compute fp8: the CUDA backend"):
+        moeblaze.moe_experts(x, w1, w2, ids, wts, compute_dtype="fp8")
