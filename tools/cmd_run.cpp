@@ -1,7 +1,8 @@
 // `moeblaze run`: forward+backward of one MoE layer on the CPU backend, for each implementation
-// (moeblaze keep-H, moeblaze recompute, the materialized baseline), with time, memory kept for
-// backward, peak memory and the error against the float64 reference. With no flags it runs the
-// embedded default config (cpu-default) and prints the table the README shows.
+// (moeblaze keep-H, moeblaze recompute, the materialized baseline, and the two moeblaze modes with
+// FP8 compute), with time, memory kept for backward, peak memory and the error against the
+// float64 reference. With no flags it runs the embedded default config (cpu-default) and prints
+// the table the README shows.
 #include <CLI/CLI.hpp>
 #include <unistd.h>
 
@@ -36,6 +37,45 @@ using Clock = std::chrono::steady_clock;
 // minute; above, it is skipped with a notice (--no-reference skips it always).
 constexpr double kReferenceMaxSnd = 4.0e9;
 
+// ---- implementations -------------------------------------------------------------------------
+
+// What one --impl name runs: a layer mode and the precision of its GEMMs. DESIGN's `impl` names;
+// FP8 compute adds "-fp8" to a moeblaze name.
+struct Impl {
+  LayerMode mode;
+  Compute compute;
+  const char* name;  // the --impl name, the table's row, the JSON row's "impl"
+  const char* help;  // --impl's help text
+};
+
+// The one place that maps names to (mode, compute) and back.
+constexpr Impl kImpls[] = {
+    {LayerMode::keep_h, Compute::storage, "moeblaze",
+     "keeps H and the plan; atomic-free plan build"},
+    {LayerMode::recompute, Compute::storage, "moeblaze-recompute",
+     "keeps only the plan; recomputes H in backward"},
+    {LayerMode::materialized, Compute::storage, "materialized",
+     "baseline: sort-based plan, copies x to (S, d), keeps every intermediate"},
+    {LayerMode::keep_h, Compute::fp8, "moeblaze-fp8",
+     "moeblaze with FP8 compute: e4m3 operands with 1x128 / 128x128 scales for the four data "
+     "GEMMs, H kept as e4m3 codes + scales, weight gradients in bf16; bf16 storage only"},
+    {LayerMode::recompute, Compute::fp8, "moeblaze-fp8-recompute",
+     "moeblaze-recompute with FP8 compute"},
+};
+
+// "moeblaze, moeblaze-recompute, ..."
+std::string impl_names() {
+  std::string s;
+  for (const Impl& i : kImpls) s += std::string(s.empty() ? "" : ", ") + i.name;
+  return s;
+}
+
+const Impl& parse_impl(const std::string& s) {
+  for (const Impl& i : kImpls)
+    if (s == i.name) return i;
+  throw InvalidArgument("impl '" + s + "' is not one of: " + impl_names());
+}
+
 // ---- flags -----------------------------------------------------------------------------------
 
 struct RunFlags {
@@ -65,7 +105,7 @@ struct RunSetup {
   RouterConfig router;
   bool token_rounding = false;
   TokenRoundingConfig rounding;
-  std::vector<LayerMode> impls;
+  std::vector<const Impl*> impls;
   int threads = 0;
   int reps = 5;
   uint64_t seed = 0;
@@ -74,13 +114,6 @@ struct RunSetup {
   bool json = false;
   bool check = false;
 };
-
-LayerMode parse_impl(const std::string& s) {
-  for (LayerMode m : {LayerMode::keep_h, LayerMode::recompute, LayerMode::materialized})
-    if (s == layer_mode_name(m)) return m;
-  throw InvalidArgument("impl '" + s +
-                        "' is not one of: moeblaze, moeblaze-recompute, materialized");
-}
 
 // Bytes of memory the system can still give us (MemAvailable), or 0 when unknown.
 size_t available_memory_bytes() {
@@ -138,14 +171,21 @@ RunSetup resolve(const RunFlags& f) {
 
   for (const std::string& name : split_commas(f.impl)) {
     MOEBLAZE_REQUIRE(!name.empty(), "impl list '", f.impl, "' has an empty entry");
-    const LayerMode m = parse_impl(name);
-    MOEBLAZE_REQUIRE(std::find(s.impls.begin(), s.impls.end(), m) == s.impls.end(), "impl '",
+    const Impl* impl = &parse_impl(name);
+    MOEBLAZE_REQUIRE(std::find(s.impls.begin(), s.impls.end(), impl) == s.impls.end(), "impl '",
                      name, "' is listed twice");
-    s.impls.push_back(m);
+    // The library's rules for this impl's compute (fp8: bf16 storage only), before anything runs.
+    LayerConfig ic = s.cfg;
+    ic.compute = impl->compute;
+    try {
+      ic.validate();
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument("impl '" + name + "': " + e.what());
+    }
+    s.impls.push_back(impl);
   }
   MOEBLAZE_REQUIRE(!s.impls.empty(), "--impl '", f.impl,
-                   "' names no implementation: give one or more of moeblaze, "
-                   "moeblaze-recompute, materialized");
+                   "' names no implementation: give one or more of ", impl_names());
 
   // Inputs, outputs and gradients the command holds (x, out, dx, d_out; w1, w2 and their
   // gradients) plus what keep-H saves (H): a lower bound of the run's memory. Refuse up front
@@ -393,7 +433,7 @@ struct Outputs {
 };
 
 struct ImplResult {
-  LayerMode mode = LayerMode::keep_h;
+  const Impl* impl = nullptr;
   int64_t S = 0;
   double fwd_ms = 0, bwd_ms = 0, total_ms = 0;
   size_t kept_bytes = 0, peak_bytes = 0;
@@ -427,12 +467,14 @@ bool same_bits(const HostTensor& t, const std::vector<uint8_t>& snap) {
   return snap.size() == t.bytes() && std::equal(snap.begin(), snap.end(), t.data.get());
 }
 
-ImplResult run_impl(const RunSetup& s, LayerMode mode, const Inputs& in, const Routing& routing,
-                    const Reference* ref, Progress& progress) {
-  const LayerConfig& c = s.cfg;
-  const std::string name = layer_mode_name(mode);
+ImplResult run_impl(const RunSetup& s, const Impl& impl, const Inputs& in,
+                    const Routing& routing, const Reference* ref, Progress& progress) {
+  LayerConfig c = s.cfg;
+  c.compute = impl.compute;
+  const LayerMode mode = impl.mode;
+  const std::string name = impl.name;
   ImplResult r;
-  r.mode = mode;
+  r.impl = &impl;
   LayerOptions opts;
   opts.mode = mode;
   opts.num_threads = s.threads;
@@ -520,8 +562,14 @@ ImplResult run_impl(const RunSetup& s, LayerMode mode, const Inputs& in, const R
 
 // Error bound of --check: bf16 storage rounds every stored value (x, w, H, out, gradients) to
 // 8 significant bits, ~2^-9 relative each, compounded over a few roundings; fp32 storage leaves
-// only fp32 accumulation error over sums of length d, n or S/E.
-double check_tolerance(DType dtype) { return dtype == DType::bf16 ? 2e-2 : 1e-4; }
+// only fp32 accumulation error over sums of length d, n or S/E. FP8 compute: e4m3's 3-bit
+// mantissa gives ~0.036 per quantized operand, out and dx pass two quantized GEMMs in series;
+// 0.1 bounds them with margin (kFp8Tol of tests/cpu/test_layer_fp8.cpp, which says why) and stays
+// far below a broken path (a wrong scale or a missed operand is O(1)).
+double check_tolerance(const Impl& impl, DType dtype) {
+  if (impl.compute == Compute::fp8) return 0.1;
+  return dtype == DType::bf16 ? 2e-2 : 1e-4;
+}
 
 std::string routing_name(const RunSetup& s) {
   std::string r = router_name(s.router.kind);
@@ -575,13 +623,13 @@ void run_command(const RunFlags& f) {
   }
 
   std::vector<ImplResult> results;
-  for (LayerMode m : s.impls)
-    results.push_back(run_impl(s, m, in, routing, s.reference ? &ref : nullptr, progress));
+  for (const Impl* impl : s.impls)
+    results.push_back(run_impl(s, *impl, in, routing, s.reference ? &ref : nullptr, progress));
   progress.clear();
 
   size_t materialized_kept = 0;
   for (const ImplResult& r : results)
-    if (r.mode == LayerMode::materialized) materialized_kept = r.kept_bytes;
+    if (r.impl->mode == LayerMode::materialized) materialized_kept = r.kept_bytes;
 
   if (s.json) {
     const std::string gpu = "cpu: " + cpu_model();
@@ -590,7 +638,7 @@ void run_command(const RunFlags& f) {
     for (const ImplResult& r : results) {
       const double ff = forward_flops(c, r.S), bf = backward_flops(c, r.S);
       JsonLine j;
-      j.add("bench", "layer").add("config", s.config_name).add("impl", layer_mode_name(r.mode));
+      j.add("bench", "layer").add("config", s.config_name).add("impl", r.impl->name);
       j.add("T", c.T).add("d", c.d).add("n", c.n).add("E", c.E).add("K", c.K);
       j.add("activation", activation_name(c.activation)).add("routing", routing_name(s));
       j.add("fwd_ms", r.fwd_ms).add("bwd_ms", r.bwd_ms).add("total_ms", r.total_ms);
@@ -602,7 +650,8 @@ void run_command(const RunFlags& f) {
       else j.add("max_rel_err", r.max_rel_err);
       j.add("gpu", gpu).add("commit", commit).add("date", date);
       // Beyond DESIGN's common fields: what else fixes the result.
-      j.add("dtype", dtype_name(c.dtype)).add("S", r.S).add("threads", threads);
+      j.add("dtype", dtype_name(c.dtype)).add("compute", compute_name(r.impl->compute));
+      j.add("S", r.S).add("threads", threads);
       j.add("reps", s.reps).add("seed", s.seed).add("deterministic", r.deterministic);
       std::cout << j.str() << "\n";
     }
@@ -626,7 +675,7 @@ void run_command(const RunFlags& f) {
       }
       std::string err = "-";
       if (!std::isnan(r.max_rel_err)) err = scientific(r.max_rel_err, 1) + " (" + r.worst + ")";
-      t.add_row({layer_mode_name(r.mode), fixed(r.fwd_ms, 2), fixed(r.bwd_ms, 2),
+      t.add_row({r.impl->name, fixed(r.fwd_ms, 2), fixed(r.bwd_ms, 2),
                  fixed(r.total_ms, 2), fixed(flops / (r.total_ms * 1e6), 1), kept,
                  human_bytes(r.peak_bytes), err});
     }
@@ -637,14 +686,16 @@ void run_command(const RunFlags& f) {
   bool failed = false;
   for (const ImplResult& r : results) {
     if (!r.deterministic) {
-      std::cerr << "[moeblaze] warning: " << layer_mode_name(r.mode)
+      std::cerr << "[moeblaze] warning: " << r.impl->name
                 << ": repetitions did not reproduce the warm-up's out/dx/dw1 bit for bit\n";
       failed = true;
     }
-    if (s.check && !(r.max_rel_err <= check_tolerance(c.dtype))) {
-      std::cerr << "[moeblaze] check failed: " << layer_mode_name(r.mode) << ": max rel err "
+    const double tol = check_tolerance(*r.impl, c.dtype);
+    if (s.check && !(r.max_rel_err <= tol)) {
+      std::cerr << "[moeblaze] check failed: " << r.impl->name << ": max rel err "
                 << scientific(r.max_rel_err, 2) << " (" << r.worst << ") exceeds "
-                << scientific(check_tolerance(c.dtype), 0) << " for " << dtype_name(c.dtype)
+                << scientific(tol, 0) << " for "
+                << (r.impl->compute == Compute::fp8 ? "fp8 compute" : dtype_name(c.dtype))
                 << "\n";
       failed = true;
     }
@@ -713,12 +764,10 @@ void add_run_command(CLI::App& app) {
                                "of this")
                    ->capture_default_str()
                    ->check(integer_in(1, INT32_MAX));
-  run->add_option("--impl", f->impl,
-                  "comma-separated implementations to run: moeblaze (keeps H and the plan; "
-                  "atomic-free plan build), moeblaze-recompute (keeps only the plan; recomputes "
-                  "H in backward), materialized (baseline: sort-based plan, copies x to (S, d), "
-                  "keeps every intermediate)")
-      ->capture_default_str();
+  std::string impl_help = "comma-separated implementations to run:";
+  for (const Impl& i : kImpls)
+    impl_help += std::string(&i == kImpls ? " " : ", ") + i.name + " (" + i.help + ")";
+  run->add_option("--impl", f->impl, impl_help)->capture_default_str();
   run->add_flag("--no-reference", f->no_reference,
                 "skip the float64 reference (max rel err shows '-'); skipped automatically, with "
                 "a notice, when S*n*d exceeds 4e9");
@@ -726,11 +775,13 @@ void add_run_command(CLI::App& app) {
                 "print one JSON line per implementation (DESIGN's layer-row fields: bench, "
                 "config, impl, T, d, n, E, K, activation, routing, fwd_ms, bwd_ms, total_ms, "
                 "fwd_tflops, bwd_tflops, total_tflops, kept_bytes, peak_bytes, max_rel_err, "
-                "gpu, commit, date; plus dtype, S, threads, reps, seed, deterministic) instead of "
-                "the table; the config line goes to stderr");
+                "gpu, commit, date; plus dtype, compute (storage or fp8), S, threads, reps, seed, "
+                "deterministic) instead of the table; the config line goes to stderr");
   run->add_flag("--check", f->check,
-                "exit with status 1 if an implementation's max rel err exceeds 2e-2 (bf16) or "
-                "1e-4 (fp32), or if repetitions are not bitwise reproducible");
+                "exit with status 1 if an implementation's max rel err exceeds 2e-2 (bf16), "
+                "1e-4 (fp32) or 0.1 (the -fp8 impls: e4m3 operands, ~0.036 relative error per "
+                "quantized operand, two in series for out and dx), or if repetitions are not "
+                "bitwise reproducible");
   run->footer(
       "What is measured:\n"
       "  fwd ms      routing-plan build (atomic-free; sort for materialized) + layer_forward;\n"
@@ -741,6 +792,7 @@ void add_run_command(CLI::App& app) {
       "  GFLOP/s     DESIGN's count, 18*S*n*d (gated) or 12*S*n*d per forward+backward, over\n"
       "              total ms (recompute's extra up-projection is not counted)\n"
       "  kept        bytes kept from forward to backward: SavedForBackward + routing plan\n"
+      "              (the -fp8 impls keep H as e4m3 codes + fp32 scales per 128 values)\n"
       "  peak        highest library-allocated bytes above the inputs during one whole step:\n"
       "              routing (route, token rounding), plan build, forward, backward and\n"
       "              router backward; the inputs, outputs and gradients are the caller's\n"
