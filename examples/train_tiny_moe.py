@@ -82,7 +82,8 @@ class Block(nn.Module):
         extra = {}
         if a.impl == "moeblaze":
             extra = dict(token_rounding=None if a.token_rounding == "none" else a.token_rounding,
-                         m_tile=a.m_tile, recompute=a.recompute)
+                         m_tile=a.m_tile, recompute=a.recompute,
+                         compute_dtype=None if a.compute == "bf16" else a.compute)
         self.moe = cls(a.d, a.n, a.E, a.K, activation="swiglu", aux_loss_coef=a.aux_loss_coef,
                        **extra, **kw)
 
@@ -242,7 +243,8 @@ def train(a):
         print(f"train_tiny_moe: impl={a.impl} device={device} dtype={a.dtype} "
               f"layers={a.layers} steps={a.steps} "
               f"d={a.d} E={a.E} K={a.K} n={a.n} token_rounding={a.token_rounding} "
-              f"recompute={a.recompute} params={nparams / 1e6:.1f}M batch={a.batch}x{a.seq} "
+              f"recompute={a.recompute} compute={a.compute} params={nparams / 1e6:.1f}M "
+              f"batch={a.batch}x{a.seq} "
               f"corpus={len(train_data) / 1e6:.2f}M+{len(val_data) / 1e6:.2f}M bytes", flush=True)
     curve, val_curve, step_times = [], [], []
     reset_peak(device)
@@ -289,7 +291,8 @@ def train(a):
     result = {
         "impl": a.impl, "device": str(device), "dtype": a.dtype, "layers": a.layers, "d": a.d,
         "E": a.E, "K": a.K, "n": a.n, "batch": a.batch, "seq": a.seq, "steps": len(curve),
-        "token_rounding": a.token_rounding, "recompute": a.recompute, "params": nparams,
+        "token_rounding": a.token_rounding, "recompute": a.recompute, "compute": a.compute,
+        "params": nparams,
         "train_loss": curve, "val_loss": val_curve,
         "final_train_loss_avg20": sum(curve[-20:]) / max(len(curve[-20:]), 1),
         "final_val_loss": val_curve[-1][1] if val_curve else None,
@@ -335,6 +338,9 @@ def parser():
                    default="none")
     p.add_argument("--m-tile", type=int, default=128)
     p.add_argument("--recompute", action="store_true")
+    p.add_argument("--compute", choices=["bf16", "fp8"], default="bf16",
+                   help="the experts' GEMMs: in the storage dtype, or fp8 (e4m3 operands, "
+                        "docs/FP8.md; needs --dtype bf16; CPU emulation only for now)")
     p.add_argument("--seed", type=int, default=0, help="parameter init")
     p.add_argument("--data-seed", type=int, default=1, help="batch order")
     p.add_argument("--val-every", type=int)
@@ -360,6 +366,10 @@ def parse_args(argv=None):
 
 if __name__ == "__main__":
     args = parse_args()
-    if args.impl == "torch" and (args.token_rounding != "none" or args.recompute):
-        parser().error("--token-rounding and --recompute are moeblaze features (--impl moeblaze)")
+    if args.impl == "torch" and (args.token_rounding != "none" or args.recompute or
+                                 args.compute != "bf16"):
+        parser().error("--token-rounding, --recompute and --compute fp8 are moeblaze features "
+                       "(--impl moeblaze)")
+    if args.compute == "fp8" and args.dtype != "bf16":
+        parser().error("--compute fp8 needs --dtype bf16 (FP8 operands are quantized from bf16)")
     train(args)
