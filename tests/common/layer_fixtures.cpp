@@ -172,6 +172,14 @@ bool bitwise_equal(const HostTensor& a, const HostTensor& b) {
   return a.dtype == b.dtype && a.shape == b.shape && a.bytes == b.bytes;
 }
 
+void expect_same_results(const LayerTensors& a, const LayerTensors& b) {
+  EXPECT_TRUE(bitwise_equal(a.out, b.out)) << "out";
+  EXPECT_TRUE(bitwise_equal(a.dx, b.dx)) << "dx";
+  EXPECT_TRUE(bitwise_equal(a.dw1, b.dw1)) << "dw1";
+  EXPECT_TRUE(bitwise_equal(a.dw2, b.dw2)) << "dw2";
+  EXPECT_TRUE(bitwise_equal(a.d_pair_weights, b.d_pair_weights)) << "d_pair_weights";
+}
+
 double layer_tol(DType dt) { return dt == DType::bf16 ? 1e-2 : 1e-5; }
 
 void expect_close(const char* what, const HostTensor& got, const std::vector<double>& ref,

@@ -66,6 +66,8 @@ void run_layer(const LayerConfig& cfg, const RoutingPlan& plan, LayerTensors& t,
 
 // Bitwise equality of two host tensors (same dtype and shape).
 bool bitwise_equal(const HostTensor& a, const HostTensor& b);
+// A test failure for each of out, dx, dw1, dw2, d_pair_weights that differs in any bit.
+void expect_same_results(const LayerTensors& a, const LayerTensors& b);
 
 // ||a - ref||_F / ||ref||_F with ref in float64; 0 when both are empty, and exact-zero check
 // when ref is all zero (returns +inf if a is not all zero).

@@ -127,11 +127,7 @@ TEST(CpuLayer, ForwardBackwardMatchFloat64Reference) {
         test::run_layer(cfg, plan, rec, {LayerMode::recompute, 0});
 
         // Both modes compute the same H bit for bit, so every result is identical.
-        EXPECT_TRUE(test::bitwise_equal(keep.out, rec.out));
-        EXPECT_TRUE(test::bitwise_equal(keep.dx, rec.dx));
-        EXPECT_TRUE(test::bitwise_equal(keep.dw1, rec.dw1));
-        EXPECT_TRUE(test::bitwise_equal(keep.dw2, rec.dw2));
-        EXPECT_TRUE(test::bitwise_equal(keep.d_pair_weights, rec.d_pair_weights));
+        test::expect_same_results(keep, rec);
 
         const reference::LayerReference ref = reference::reference_layer(
             cfg, routing.view(), keep.x.view(), keep.w1.view(), keep.w2.view(),
@@ -275,11 +271,7 @@ TEST(CpuLayer, BitwiseDeterministicAcrossRunsAndThreadCounts) {
         again.dw2.fill_pattern();
         again.d_pair_weights.fill_pattern();
         test::run_layer(cfg, plan, again, {mode, threads});
-        EXPECT_TRUE(test::bitwise_equal(first.out, again.out));
-        EXPECT_TRUE(test::bitwise_equal(first.dx, again.dx));
-        EXPECT_TRUE(test::bitwise_equal(first.dw1, again.dw1));
-        EXPECT_TRUE(test::bitwise_equal(first.dw2, again.dw2));
-        EXPECT_TRUE(test::bitwise_equal(first.d_pair_weights, again.d_pair_weights));
+        test::expect_same_results(first, again);
       }
     }
   }

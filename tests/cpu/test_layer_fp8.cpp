@@ -58,11 +58,7 @@ TEST(Fp8Layer, MatchesFloat64WithinTheE4m3BoundInBothModes) {
     test::run_layer(cfg, plan, keep, {LayerMode::keep_h, 0});
     test::run_layer(cfg, plan, rec, {LayerMode::recompute, 0});
     // Recompute fake-quantizes its H as keep_h quantizes the kept one: the same bits.
-    EXPECT_TRUE(test::bitwise_equal(keep.out, rec.out));
-    EXPECT_TRUE(test::bitwise_equal(keep.dx, rec.dx));
-    EXPECT_TRUE(test::bitwise_equal(keep.dw1, rec.dw1));
-    EXPECT_TRUE(test::bitwise_equal(keep.dw2, rec.dw2));
-    EXPECT_TRUE(test::bitwise_equal(keep.d_pair_weights, rec.d_pair_weights));
+    test::expect_same_results(keep, rec);
 
     const reference::LayerReference ref = reference::reference_layer(
         cfg, routing.view(), keep.x.view(), keep.w1.view(), keep.w2.view(), keep.d_out.view());
@@ -98,11 +94,7 @@ TEST(Fp8Layer, BitwiseIndependentOfTheThreadCount) {
     again.dw1.fill_pattern();
     again.dw2.fill_pattern();
     test::run_layer(cfg, plan, again, {LayerMode::keep_h, threads});
-    EXPECT_TRUE(test::bitwise_equal(first.out, again.out));
-    EXPECT_TRUE(test::bitwise_equal(first.dx, again.dx));
-    EXPECT_TRUE(test::bitwise_equal(first.dw1, again.dw1));
-    EXPECT_TRUE(test::bitwise_equal(first.dw2, again.dw2));
-    EXPECT_TRUE(test::bitwise_equal(first.d_pair_weights, again.d_pair_weights));
+    test::expect_same_results(first, again);
   }
 }
 

@@ -73,11 +73,7 @@ TEST(TokenRoundedLayer, ForwardBackwardMatchFloat64Reference) {
       test::LayerTensors rec = keep;
       test::run_layer(cfg, plan, keep, {LayerMode::keep_h, 0});
       test::run_layer(cfg, plan, rec, {LayerMode::recompute, 0});
-      EXPECT_TRUE(test::bitwise_equal(keep.out, rec.out));
-      EXPECT_TRUE(test::bitwise_equal(keep.dx, rec.dx));
-      EXPECT_TRUE(test::bitwise_equal(keep.dw1, rec.dw1));
-      EXPECT_TRUE(test::bitwise_equal(keep.dw2, rec.dw2));
-      EXPECT_TRUE(test::bitwise_equal(keep.d_pair_weights, rec.d_pair_weights));
+      test::expect_same_results(keep, rec);
 
       const reference::LayerReference ref = reference::reference_layer(
           cfg, rounded.view(), keep.x.view(), keep.w1.view(), keep.w2.view(),
