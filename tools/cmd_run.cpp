@@ -432,6 +432,9 @@ struct Outputs {
   HostTensor d_logits;        // (T, E) fp32
 };
 
+// The tensors compared with the float64 reference, in the order of ImplResult::rel_err.
+constexpr const char* kErrTensors[6] = {"out", "dx", "dw1", "dw2", "d_pair_weights", "d_logits"};
+
 struct ImplResult {
   const Impl* impl = nullptr;
   int64_t S = 0;
@@ -439,6 +442,7 @@ struct ImplResult {
   size_t kept_bytes = 0, peak_bytes = 0;
   double max_rel_err = NAN;  // NaN when the reference was skipped
   std::string worst;         // which tensor gave max_rel_err
+  double rel_err[6] = {NAN, NAN, NAN, NAN, NAN, NAN};  // per tensor, as kErrTensors
   bool deterministic = true;  // repetitions reproduced the warm-up bit for bit
 };
 
@@ -542,20 +546,22 @@ ImplResult run_impl(const RunSetup& s, const Impl& impl, const Inputs& in,
 
   if (ref) {
     progress.step(name + ": error against the float64 reference");
-    const std::pair<const char*, double> errs[] = {
-        {"out", rel_frobenius(o.out, ref->out)},
-        {"dx", rel_frobenius(o.dx, ref->dx)},
-        {"dw1", rel_frobenius(o.dw1, ref->dw1)},
-        {"dw2", rel_frobenius(o.dw2, ref->dw2)},
-        {"d_pair_weights", rel_frobenius(o.d_pair_weights, ref->d_pair_weights)},
-        {"d_logits", ref->has_d_logits ? rel_frobenius(o.d_logits, ref->d_logits) : 0.0},
+    const double errs[6] = {
+        rel_frobenius(o.out, ref->out),
+        rel_frobenius(o.dx, ref->dx),
+        rel_frobenius(o.dw1, ref->dw1),
+        rel_frobenius(o.dw2, ref->dw2),
+        rel_frobenius(o.d_pair_weights, ref->d_pair_weights),
+        ref->has_d_logits ? rel_frobenius(o.d_logits, ref->d_logits) : 0.0,
     };
     r.max_rel_err = -1;
-    for (const auto& e : errs)
-      if (!(e.second <= r.max_rel_err)) {  // NaN/inf wins, so a broken tensor is never hidden
-        r.max_rel_err = e.second;
-        r.worst = e.first;
+    for (int i = 0; i < 6; ++i) {
+      r.rel_err[i] = errs[i];
+      if (!(errs[i] <= r.max_rel_err)) {  // NaN/inf wins, so a broken tensor is never hidden
+        r.max_rel_err = errs[i];
+        r.worst = kErrTensors[i];
       }
+    }
   }
   return r;
 }
@@ -653,6 +659,11 @@ void run_command(const RunFlags& f) {
       j.add("dtype", dtype_name(c.dtype)).add("compute", compute_name(r.impl->compute));
       j.add("S", r.S).add("threads", threads);
       j.add("reps", s.reps).add("seed", s.seed).add("deterministic", r.deterministic);
+      for (int i = 0; i < 6; ++i) {  // null when the reference was skipped
+        const std::string key = std::string("rel_err_") + kErrTensors[i];
+        if (std::isnan(r.rel_err[i])) j.add_null(key);
+        else j.add(key, r.rel_err[i]);
+      }
       std::cout << j.str() << "\n";
     }
   } else {
@@ -776,7 +787,9 @@ void add_run_command(CLI::App& app) {
                 "config, impl, T, d, n, E, K, activation, routing, fwd_ms, bwd_ms, total_ms, "
                 "fwd_tflops, bwd_tflops, total_tflops, kept_bytes, peak_bytes, max_rel_err, "
                 "gpu, commit, date; plus dtype, compute (storage or fp8), S, threads, reps, seed, "
-                "deterministic) instead of the table; the config line goes to stderr");
+                "deterministic, and rel_err_out, rel_err_dx, rel_err_dw1, rel_err_dw2, "
+                "rel_err_d_pair_weights, rel_err_d_logits: each tensor's error behind max_rel_err) "
+                "instead of the table; the config line goes to stderr");
   run->add_flag("--check", f->check,
                 "exit with status 1 if an implementation's max rel err exceeds 2e-2 (bf16), "
                 "1e-4 (fp32) or 0.1 (the -fp8 impls: e4m3 operands, ~0.036 relative error per "
