@@ -34,6 +34,10 @@ LayerConfig fp8_config(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K, Ac
 // (~0.036 sqrt(2)), the weight gradients inherit one from dA' and H: 0.1 bounds all of them with
 // margin, and stays far below a broken path (a wrong scale or a missed operand is O(1)).
 constexpr double kFp8Tol = 0.1;
+// relu's step derivative turns every h whose sign the FP8 up-projection gets wrong (~1 % of H at
+// cpu-default) into a whole error of dH, so dx and dw1 reach ~0.16
+// (docs/experiments/2026-12-01-fp8-cpu-layer.md); the other outputs keep kFp8Tol.
+constexpr double kFp8ReluDhTol = 0.25;
 
 TEST(Fp8Layer, MatchesFloat64WithinTheE4m3BoundInBothModes) {
   const uint64_t seed = test::fresh_seed();
@@ -43,10 +47,12 @@ TEST(Fp8Layer, MatchesFloat64WithinTheE4m3BoundInBothModes) {
     int64_t T, d, n, E, K;
     Activation act;
   };
+  auto dh_tol = [](Activation a) { return a == Activation::relu ? kFp8ReluDhTol : kFp8Tol; };
   // Whole 128-tiles, and partial ones at the edges of d, n and 2n.
   for (const Case& c : {Case{300, 256, 128, 6, 2, Activation::swiglu},
                         Case{257, 160, 96, 5, 3, Activation::gelu},
-                        Case{200, 128, 200, 4, 2, Activation::swiglu_oai}}) {
+                        Case{200, 128, 200, 4, 2, Activation::swiglu_oai},
+                        Case{256, 128, 128, 4, 2, Activation::relu}}) {
     SCOPED_TRACE("T=" + std::to_string(c.T) + " d=" + std::to_string(c.d) + " n=" +
                  std::to_string(c.n) + " " + activation_name(c.act));
     const HostRouting routing = test::random_routing({c.T, c.E, c.K, 1, false}, rng());
@@ -63,8 +69,8 @@ TEST(Fp8Layer, MatchesFloat64WithinTheE4m3BoundInBothModes) {
     const reference::LayerReference ref = reference::reference_layer(
         cfg, routing.view(), keep.x.view(), keep.w1.view(), keep.w2.view(), keep.d_out.view());
     test::expect_close("out", keep.out, ref.out, kFp8Tol);
-    test::expect_close("dx", keep.dx, ref.dx, kFp8Tol);
-    test::expect_close("dw1", keep.dw1, ref.dw1, kFp8Tol);
+    test::expect_close("dx", keep.dx, ref.dx, dh_tol(c.act));
+    test::expect_close("dw1", keep.dw1, ref.dw1, dh_tol(c.act));
     test::expect_close("dw2", keep.dw2, ref.dw2, kFp8Tol);
     EXPECT_LE(test::scaled_error(keep.d_pair_weights, ref.d_pair_weights, ref.d_pair_weights_abs),
               kFp8Tol);
