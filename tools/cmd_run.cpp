@@ -59,7 +59,7 @@ constexpr Impl kImpls[] = {
     {LayerMode::keep_h, Compute::fp8, "moeblaze-fp8",
      "moeblaze with FP8 compute: e4m3 operands with 1x128 / 128x128 scales for the four data "
      "GEMMs, H kept as e4m3 codes + scales, weight gradients in bf16; bf16 storage only"},
-    {LayerMode::recompute, Compute::fp8, "moeblaze-fp8-recompute",
+    {LayerMode::recompute, Compute::fp8, "moeblaze-recompute-fp8",
      "moeblaze-recompute with FP8 compute"},
 };
 
