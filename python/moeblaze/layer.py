@@ -396,7 +396,7 @@ class MoE(nn.Module):
                              "and > 0 when shared_expert_gate is set")
         self.shared_expert = SharedExpert(hidden_size, shared_expert_size, shared_expert_gate,
                                           device, dtype) if shared_expert_size else None
-        self.last_expert_counts = None
+        self._last_experts, self._counts = None, None  # see last_expert_counts
         if token_rounding is not None and token_rounding not in _lib.ROUNDINGS:
             raise ValueError(f"moeblaze: token_rounding {token_rounding!r} is not None, nr-f, "
                              "sr-f, up or down")
@@ -450,11 +450,20 @@ class MoE(nn.Module):
                                    compute_dtype=self.compute_dtype)
         return self._finish(x2, out, logits, experts, shape)
 
+    @property
+    def last_expert_counts(self):
+        """(num_experts,) int64 pair counts of the last forward, on its device (None before one):
+        counted when first read, from the routing the forward kept, so a forward whose counts
+        nobody reads launches nothing for them."""
+        if self._counts is None and self._last_experts is not None:
+            self._counts = expert_counts(self._last_experts, self.num_experts)
+        return self._counts
+
     def _finish(self, x2, out, logits, experts, shape):
         """The shared expert's output added, the expert counts kept, the router losses."""
         if self.shared_expert is not None:
             out = out + self.shared_expert(x2)
-        self.last_expert_counts = expert_counts(experts, self.num_experts)
+        self._last_experts, self._counts = experts.detach(), None
         losses = router_losses(logits, experts, self.num_experts, self.router, self.aux_loss_coef,
                                self.z_loss_coef)
         return out.reshape(shape), losses
