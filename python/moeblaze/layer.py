@@ -142,10 +142,10 @@ def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, ac
     E = w2.shape[0]
     act, compute = _activation_code(activation), _compute_code(compute_dtype)
     if _eager(x, w1, w2, pair_offsets, pair_experts, pair_weights, b1, b2):
-        plan = ops._build_plan_impl(pair_offsets, pair_experts, pair_weights.detach(), E)
+        plan, flags = ops._build_plan_built(pair_offsets, pair_experts, pair_weights.detach(), E)
         if _check_flags_enabled(validate, x.device):
-            ops.check_flags(plan[6], (pair_offsets, pair_experts, pair_weights.detach()), E)
-        return _ExpertsFn.apply(x, w1, w2, pair_weights, b1, b2, plan[:6],
+            ops.check_flags(flags, (pair_offsets, pair_experts, pair_weights.detach()), E)
+        return _ExpertsFn.apply(x, w1, w2, pair_weights, b1, b2, plan,
                                 (act, bool(recompute), int(num_threads), compute))
     plan = ops.build_plan(pair_offsets, pair_experts, pair_weights.detach(), E)
     if _check_flags_enabled(validate, x.device):
@@ -187,7 +187,7 @@ class _ExpertsFn(torch.autograd.Function):
         out, h = ops._experts_forward_impl(x, w1, w2, plan, act, recompute, num_threads, b1, b2,
                                            None, compute)
         ctx.save_for_backward(x, w1, w2, h, b1, b2, *plan)
-        ctx.cfg = cfg
+        ctx.cfg, ctx.plan_struct = cfg, getattr(plan, "struct", None)
         ctx.pw = (pair_weights.shape, pair_weights.dtype)
         return out
 
@@ -195,6 +195,8 @@ class _ExpertsFn(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_out):
         x, w1, w2, h, b1, b2, *plan = ctx.saved_tensors
+        if ctx.plan_struct is not None:  # the arrays the plan build filled: not checked again
+            plan = ops.BuiltPlan(plan, ctx.plan_struct)
         act, recompute, num_threads, compute = ctx.cfg
         dx, dw1, dw2, dpw, db1, db2 = ops._experts_backward_impl(
             g_out, x, w1, w2, h, plan, act, recompute, num_threads, True, b1, b2, compute)
@@ -304,8 +306,8 @@ def _moe_experts_eager(x, w1, w2, expert_ids, expert_weights, activation, recomp
     w = expert_weights.detach()
     if w.dtype not in _lib.DTYPES:
         w = w.to(torch.float32)
-    plan = ops.plan_from_ids(expert_ids, w, w2.shape[0])
-    return _ExpertsFn.apply(x, w1, w2, expert_weights, b1, b2, plan[:6],
+    plan, _flags = ops._plan_from_ids_built(expert_ids, w, w2.shape[0])
+    return _ExpertsFn.apply(x, w1, w2, expert_weights, b1, b2, plan,
                             (_activation_code(activation), bool(recompute), 0,
                              _compute_code(compute_dtype)))
 

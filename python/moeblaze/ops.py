@@ -191,7 +191,20 @@ _PLAN_NAMES = ("expert_token_offsets", "expert_token_indices", "slot_weights",
                "token_pair_offsets", "token_expert_indices", "token_index_map")
 
 
+class BuiltPlan(tuple):
+    """The six arrays of a plan a library call just filled, with their ctypes struct (.struct):
+    the eager paths hand it from the plan build to forward and backward, which then skip
+    re-checking arrays the library made itself (the plan stays internal to those paths)."""
+
+    def __new__(cls, arrays, struct):
+        p = super().__new__(cls, arrays)
+        p.struct = struct
+        return p
+
+
 def _plan_struct(T, E, plan, device):
+    if type(plan) is BuiltPlan and plan.struct.T == T and plan.struct.E == E:
+        return plan.struct  # made by _build_plan_built / _plan_from_ids_built: shapes are right
     eto, eti, sw, tpo, tei, tim = plan
     S = eti.numel()
     arrays = (_arg("expert_token_offsets", eto, _I32, (E + 1,), device),
@@ -393,7 +406,13 @@ def build_plan(pair_offsets: Tensor, pair_experts: Tensor, pair_weights: Tensor,
 
 
 def _build_plan_impl(pair_offsets, pair_experts, pair_weights, num_experts):
-    """The body of moeblaze::build_plan, callable without the op's dispatch (eager paths)."""
+    """The body of moeblaze::build_plan: the six arrays and flags."""
+    plan, flags = _build_plan_built(pair_offsets, pair_experts, pair_weights, num_experts)
+    return (*plan, flags)
+
+
+def _build_plan_built(pair_offsets, pair_experts, pair_weights, num_experts):
+    """(BuiltPlan, flags) of a routing, without the op's dispatch (eager paths)."""
     dev = _storage_device("pair_offsets", pair_offsets)
     if pair_offsets.dim() != 1 or pair_offsets.numel() < 1:
         _fail(f"pair_offsets must be (T+1,) with T >= 0, got shape {tuple(pair_offsets.shape)}")
@@ -413,7 +432,7 @@ def _build_plan_impl(pair_offsets, pair_experts, pair_weights, num_experts):
     plan = _struct(_lib.Plan, (eto, eti, sw, tpo, tei, tim), T, E, S)  # fresh: nothing to check
     _run(pair_offsets, lib().moeblaze_build_plan, ctypes.byref(r), dcode, stream_of(pair_offsets),
          ctypes.byref(plan), ptr(ws), ws_bytes, flags.data_ptr())
-    return eto, eti, sw, tpo, tei, tim, flags
+    return BuiltPlan((eto, eti, sw, tpo, tei, tim), plan), flags
 
 
 def plan_from_ids(expert_ids: Tensor, expert_weights: Tensor, num_experts: int):
@@ -422,6 +441,12 @@ def plan_from_ids(expert_ids: Tensor, expert_weights: Tensor, num_experts: int):
     converting them and calling build_plan gives, bit for bit, in one C call (no torch kernels).
     An eager-mode helper, not an op: traced code converts and calls build_plan. The CPU raises
     ValueError naming a bad id as expert_ids[t, k]; CUDA raises the flags (check_flags)."""
+    plan, flags = _plan_from_ids_built(expert_ids, expert_weights, num_experts)
+    return (*plan, flags)
+
+
+def _plan_from_ids_built(expert_ids, expert_weights, num_experts):
+    """plan_from_ids as (BuiltPlan, flags)."""
     T, K = expert_ids.shape
     E = num_experts
     dev = expert_ids.device
@@ -442,11 +467,10 @@ def plan_from_ids(expert_ids: Tensor, expert_weights: Tensor, num_experts: int):
     flags = torch.empty(4, dtype=_I32, device=dev) if dcode else torch.zeros(4, dtype=_I32)
     ws_bytes = _ids_workspace_bytes(T, K, E, dcode)
     ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None
-    plan = _lib.Plan(T, E, S, eto.data_ptr(), eti.data_ptr(), sw.data_ptr(), tpo.data_ptr(),
-                     tei.data_ptr(), tim.data_ptr())
+    plan = _struct(_lib.Plan, (eto, eti, sw, tpo, tei, tim), T, E, S)
     _run(ids, lib().moeblaze_plan_from_ids, ptr(ids), icode, ptr(w), wcode, T, K, E, dcode,
          stream_of(ids), ctypes.byref(plan), ptr(ws), ws_bytes, flags.data_ptr())
-    return eto, eti, sw, tpo, tei, tim, flags
+    return BuiltPlan((eto, eti, sw, tpo, tei, tim), plan), flags
 
 
 @functools.lru_cache(maxsize=256)
