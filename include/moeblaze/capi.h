@@ -22,8 +22,9 @@
  *    2 sigmoid_bias; mode 0 keep_h, 1 recompute; rounding 0 nr-f, 1 sr-f, 2 up, 3 down (the C++
  *    enums' values).
  *  - No output may overlap an input or another output (including h, the workspace and the
- *    plan's arrays): the layer calls reject any overlap with MOEBLAZE_ERR_INVALID_ARGUMENT
- *    naming both arguments (in-place gradients would be wrong, not merely slow).
+ *    plan's arrays): the layer calls and the plan builds reject any overlap with
+ *    MOEBLAZE_ERR_INVALID_ARGUMENT naming both arguments (in-place results would be wrong, not
+ *    merely slow).
  *  - The auxiliary losses (load balancing, z-loss) are not computed here: a caller with autograd
  *    computes them from the logits itself (their coefficients do not reach the router).
  */

@@ -171,3 +171,30 @@ def test_moe_module_eager_matches_the_ops_bitwise_cpu(seed, router):
     assert torch.equal(out, ref)
     for name, a, r in zip(("dx", "d_gate", "dw1", "dw2"), grads, ref_grads):
         assert torch.equal(a, r), name
+
+
+@pytest.mark.parametrize("entry", ["plan_from_ids", "build_plan"])
+def test_plan_builds_reject_outputs_overlapping_inputs_untouched(entry):
+    import ctypes
+    from moeblaze._lib import Plan, Routing, lib
+    T, K, E = 4, 2, 3
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2]], dtype=torch.int32)
+    w = torch.rand(T, K)
+    offsets = torch.arange(0, T * K + 1, K, dtype=torch.int32)
+    arrays = [torch.full((n,), -7, dtype=torch.int32) for n in (E + 1, T * K, T * K, T + 1,
+                                                                  T * K, T * K)]
+    # token_index_map (the last array) laid over the ids: a build would overwrite its input.
+    ptrs = [a.data_ptr() for a in arrays[:5]] + [ids.data_ptr()]
+    plan = Plan(T, E, T * K, *ptrs)
+    if entry == "plan_from_ids":
+        rc = lib().moeblaze_plan_from_ids(ids.data_ptr(), 0, w.data_ptr(), 0, T, K, E, 0, None,
+                                          ctypes.byref(plan), None, 0, None)
+        name = "expert_ids"
+    else:
+        r = Routing(T, E, T * K, offsets.data_ptr(), ids.data_ptr(), w.data_ptr())
+        rc = lib().moeblaze_build_plan(ctypes.byref(r), 0, None, ctypes.byref(plan), None, 0, None)
+        name = "routing.pair_experts"
+    msg = lib().moeblaze_last_error().decode()
+    assert rc == 1 and "plan.token_index_map overlaps " + name in msg, msg
+    assert all(bool((a == -7).all()) for a in arrays[:5])
+    assert ids.tolist() == [[0, 1], [1, 2], [2, 0], [0, 2]]

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "core/aliasing.hpp"
 #include "core/checked_math.hpp"
 #include "core/parallel.hpp"
 #include "core/plan_validation.hpp"
@@ -147,6 +148,21 @@ RoutingPlan borrow_plan(const moeblaze_plan* p, Device dev) {
   // Sizes and pointers here (later size arithmetic relies on them); contents in the layer API.
   validate_routing_plan_header(plan.view());
   return plan;
+}
+
+// The byte ranges a plan build writes: the plan's six arrays, the flags (CUDA: 4 int32) and the
+// workspace; none may overlap another or the build's inputs (they are read while written).
+std::vector<ByteRange> plan_build_outputs(const moeblaze_plan* p, const int32_t* flags,
+                                          const void* workspace, uint64_t workspace_bytes) {
+  const size_t S = size_t(p->S) * 4, T1 = size_t(p->T + 1) * 4, E1 = size_t(p->E + 1) * 4;
+  return {{p->expert_token_offsets, E1, "plan.expert_token_offsets"},
+          {p->expert_token_indices, S, "plan.expert_token_indices"},
+          {p->slot_weights, S, "plan.slot_weights"},
+          {p->token_pair_offsets, T1, "plan.token_pair_offsets"},
+          {p->token_expert_indices, S, "plan.token_expert_indices"},
+          {p->token_index_map, S, "plan.token_index_map"},
+          {flags, flags ? sizeof(int32_t) * 4 : 0, "flags"},
+          {workspace, workspace ? size_t(workspace_bytes) : 0, "workspace"}};
 }
 
 LayerConfig to_layer(const moeblaze_layer_cfg* c) {
@@ -454,6 +470,12 @@ int moeblaze_build_plan(const moeblaze_routing* routing, int32_t device, void* s
     MOEBLAZE_REQUIRE(p.T() == rv.T && p.E() == rv.E && p.S() == rv.P, "plan has (T, E, S) = (",
                      p.T(), ", ", p.E(), ", ", p.S(), "), the routing has (T, E, P) = (", rv.T,
                      ", ", rv.E, ", ", rv.P, ")");
+    require_disjoint(plan_build_outputs(plan, dev == Device::cuda ? flags : nullptr,
+                                        dev == Device::cuda ? workspace : nullptr,
+                                        workspace_bytes),
+                     {{rv.pair_offsets, size_t(rv.T + 1) * 4, "routing.pair_offsets"},
+                      {rv.pair_experts, size_t(rv.P) * 4, "routing.pair_experts"},
+                      {rv.pair_weights, size_t(rv.P) * 4, "routing.pair_weights"}});
     if (dev == Device::cpu) {
       build_routing_plan(rv, PlanBuilder::atomic_free, p);  // fills the borrowed arrays in place
       MOEBLAZE_REQUIRE(p.view().expert_token_offsets == plan->expert_token_offsets,
@@ -502,6 +524,11 @@ int moeblaze_plan_from_ids(const void* expert_ids, int32_t ids_dtype, const void
     MOEBLAZE_REQUIRE(p.T() == T && p.E() == E && p.S() == P, "plan has (T, E, S) = (", p.T(),
                      ", ", p.E(), ", ", p.S(), "), the ids give (T, E, T*K) = (", T, ", ", E,
                      ", ", P, ")");
+    require_disjoint(plan_build_outputs(plan, dev == Device::cuda ? flags : nullptr,
+                                        dev == Device::cuda ? workspace : nullptr,
+                                        workspace_bytes),
+                     {{expert_ids, size_t(P) * (wide ? 8 : 4), "expert_ids"},
+                      {expert_weights, size_t(P) * dtype_size(wdt), "expert_weights"}});
     RoutingView rv;
     rv.T = T;
     rv.E = E;
