@@ -98,6 +98,16 @@ void quantize_128x128(const bf16* x, int64_t rows, int64_t cols, int64_t ld, e4m
   quantize_128x128_impl(x, rows, cols, ld, q, scales);
 }
 
+void fake_quantize_group(float* x, int64_t ld, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  const float scale = fp8_scale(group_amax(x, ld, r0, r1, c0, c1));
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t c = c0; c < c1; ++c) {
+      float& v = x[r * ld + c];
+      // A NaN scale turns every value NaN, as quantize_group's all-NaN codes dequantize.
+      v = std::isnan(scale) ? scale : e4m3::to_float(e4m3::from_float(v / scale)) * scale;
+    }
+}
+
 void dequantize_1x128(const e4m3* q, const float* scales, int64_t rows, int64_t cols, float* x) {
   check_dims("dequantize_1x128", rows, cols, cols);
   const int64_t kb = fp8_groups(cols);

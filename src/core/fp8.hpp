@@ -137,6 +137,12 @@ void dequantize_128x128(const e4m3* q /*(rows, cols)*/,
                         const float* scales /*(ceil(rows/128), ceil(cols/128))*/, int64_t rows,
                         int64_t cols, float* x /*(rows, cols)*/);
 
+// The rule applied in place: rows [r0, r1) x columns [c0, c1) of x (fp32, row stride ld), one
+// group, become the values their codes and scale stand for, float(code) * scale — what
+// dequantizing quantize_*'s output gives, without storing the codes (the CPU backend's FP8
+// operands).
+void fake_quantize_group(float* x, int64_t ld, int64_t r0, int64_t r1, int64_t c0, int64_t c1);
+
 // Reference FP8 GEMM, C = A · Bᵀ with A in 1x128 tiles along K and B in 128x128 blocks, in the
 // order of the GPU recipe. For each (m, n), with KB = ceil(K/128):
 //   acc = 0

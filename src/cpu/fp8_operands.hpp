@@ -6,7 +6,7 @@
 // H, which is kept as codes and scales (quantize_1x128) for backward.
 #pragma once
 
-#include <cmath>
+#include <algorithm>
 #include <cstdint>
 
 #include "core/fp8.hpp"
@@ -15,25 +15,10 @@
 
 namespace moeblaze::cpu::fp8 {
 
-// dst[i] = dequantize(quantize(v[i])) for one group (count values, shared scale): fp8_scale of
-// the group's amax, codes = e4m3(v / scale), values = float(code) * scale (core/fp8.hpp).
-inline void fake_quant_group(float* v, int64_t count, int64_t stride) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < count; ++i) {
-    const float a = std::fabs(v[i * stride]);
-    amax = (a > amax || std::isnan(a)) ? a : amax;  // NaN sticks, as max.NaN.f32
-  }
-  const float scale = fp8_scale(amax);
-  for (int64_t i = 0; i < count; ++i) {
-    float& x = v[i * stride];
-    x = e4m3::to_float(e4m3::from_float(x / scale)) * scale;
-  }
-}
-
 // One row of cols values, fake-quantized in 1x128 tiles along it, in place.
 inline void fake_quant_row(float* row, int64_t cols) {
   for (int64_t c = 0; c < cols; c += kFp8Group)
-    fake_quant_group(row + c, std::min(kFp8Group, cols - c), 1);
+    fake_quantize_group(row, cols, 0, 1, c, std::min(cols, c + kFp8Group));
 }
 
 // A (rows, cols) storage-dtype matrix as fp32 fake-quantized 1x128 tiles along its rows
@@ -54,21 +39,8 @@ inline void fake_quant_block_rows(const void* src, DType dt, int64_t rows, int64
   for (int64_t r = r0; r < r0 + rb; ++r)
     gemm::load_row(static_cast<const char*>(src) + r * cols * int64_t(dtype_size(dt)), dt, cols,
                    dst + r * cols);
-  for (int64_t c0 = 0; c0 < cols; c0 += kFp8Group) {
-    const int64_t cb = std::min(kFp8Group, cols - c0);
-    float amax = 0.0f;
-    for (int64_t r = r0; r < r0 + rb; ++r)
-      for (int64_t c = c0; c < c0 + cb; ++c) {
-        const float a = std::fabs(dst[r * cols + c]);
-        amax = (a > amax || std::isnan(a)) ? a : amax;
-      }
-    const float scale = fp8_scale(amax);
-    for (int64_t r = r0; r < r0 + rb; ++r)
-      for (int64_t c = c0; c < c0 + cb; ++c) {
-        float& x = dst[r * cols + c];
-        x = e4m3::to_float(e4m3::from_float(x / scale)) * scale;
-      }
-  }
+  for (int64_t c0 = 0; c0 < cols; c0 += kFp8Group)
+    fake_quantize_group(dst, cols, r0, r0 + rb, c0, std::min(cols, c0 + kFp8Group));
 }
 
 }  // namespace moeblaze::cpu::fp8

@@ -1,10 +1,19 @@
 #include "common/test_util.hpp"
 
+#include <cinttypes>
+#include <cstdio>
+
 namespace moeblaze::test {
 
 uint64_t fresh_seed() {
   std::random_device rd;
   return (uint64_t(rd()) << 32) ^ rd();
+}
+
+uint64_t printed_seed(const char* test) {
+  const uint64_t seed = fresh_seed();
+  std::printf("[ seed ] %s %" PRIu64 "\n", test, seed);
+  return seed;
 }
 
 std::vector<float> random_normal(size_t count, uint64_t seed, float stddev) {

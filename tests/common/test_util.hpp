@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -16,6 +17,21 @@ namespace moeblaze::test {
 // A fresh seed per call (std::random_device), printed on failure through SCOPED_TRACE by callers
 // that want to reproduce a run.
 uint64_t fresh_seed();
+
+// fresh_seed(), printed with the test's name so that a failing run can be replayed.
+uint64_t printed_seed(const char* test);
+
+// The bits of a float and back (bit-exact comparisons; NaN payloads included).
+inline uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 // Normal(0, stddev) values; none is exactly zero.
 std::vector<float> random_normal(size_t count, uint64_t seed, float stddev = 1.0f);

@@ -24,24 +24,11 @@
 namespace moeblaze {
 namespace {
 
-uint32_t bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-float float_of(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-bool is_nan_code(uint8_t b) { return (b & 0x7f) == 0x7f; }
+using test::bits_of;
+using test::float_of;
+using test::printed_seed;
 
-// A fresh seed, printed so that a failing run can be replayed.
-uint64_t printed_seed(const char* test) {
-  const uint64_t seed = test::fresh_seed();
-  std::printf("[ fp8 ] %s seed %" PRIu64 "\n", test, seed);
-  return seed;
-}
+bool is_nan_code(uint8_t b) { return (b & 0x7f) == 0x7f; }
 
 // ---- the independent e4m3 reference -------------------------------------------------------
 
@@ -307,6 +294,34 @@ TEST(Fp8Quantize, Blocks128x128RandomWithPartialEdges) {
   check_128x128(x.data(), rows, cols, ld);
   check_128x128(x.data(), 128, 128, ld);
   check_128x128(x.data(), 1, 7, ld);
+}
+
+// fake_quantize_group (the CPU backend's FP8 operands) equals quantizing then dequantizing, bit
+// for bit, for tiles and blocks, including a NaN group.
+TEST(Fp8Quantize, FakeQuantizeEqualsDequantizedCodes) {
+  const uint64_t seed = printed_seed("FakeQuantizeEqualsDequantizedCodes");
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const int64_t rows = 150, cols = 300;
+  std::vector<float> x = spread_data(rows, cols, seed);
+  x[5 * cols + 140] = NAN;  // row 5's second tile
+  std::vector<e4m3> q(x.size());
+  std::vector<float> s(static_cast<size_t>(rows * fp8_groups(cols))), want(x.size());
+  quantize_1x128(x.data(), rows, cols, cols, q.data(), s.data());
+  dequantize_1x128(q.data(), s.data(), rows, cols, want.data());
+  std::vector<float> got = x;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; c += kFp8Group)
+      fake_quantize_group(got.data(), cols, r, r + 1, c, std::min(cols, c + kFp8Group));
+  for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(bits_of(got[i]), bits_of(want[i])) << i;
+  s.assign(static_cast<size_t>(fp8_groups(rows) * fp8_groups(cols)), 0.0f);
+  quantize_128x128(x.data(), rows, cols, cols, q.data(), s.data());
+  dequantize_128x128(q.data(), s.data(), rows, cols, want.data());
+  got = x;
+  for (int64_t r = 0; r < rows; r += kFp8Group)
+    for (int64_t c = 0; c < cols; c += kFp8Group)
+      fake_quantize_group(got.data(), cols, r, std::min(rows, r + kFp8Group), c,
+                          std::min(cols, c + kFp8Group));
+  for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(bits_of(got[i]), bits_of(want[i])) << i;
 }
 
 TEST(Fp8Quantize, Bf16InputsEqualTheirFloatValues) {

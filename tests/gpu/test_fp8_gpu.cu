@@ -38,23 +38,6 @@ namespace f8 = moeblaze::cuda::fp8;
 
 constexpr size_t kGuard = 64;  // bytes after each output that must stay 0xFF
 
-uint32_t bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-float float_of(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-uint64_t printed_seed(const char* test) {
-  const uint64_t seed = fresh_seed();
-  std::printf("[ fp8 gpu ] %s seed %" PRIu64 "\n", test, seed);
-  return seed;
-}
-
 // ---- input elements: fp32 and bf16 -------------------------------------------------------
 
 template <typename T>
