@@ -217,10 +217,6 @@ LayerBiases biases_of(const LayerConfig& c, Device dev, const void* b1, const vo
   return b;
 }
 
-}  // namespace
-
-namespace {
-
 // Checks of moeblaze_plan_from_ids's sizes and codes; returns whether ids are int64.
 bool check_ids_args(int64_t T, int64_t K, int64_t E, int32_t ids_dtype) {
   MOEBLAZE_REQUIRE(T >= 0, "T (", T, ") must be >= 0");
@@ -511,8 +507,9 @@ int moeblaze_plan_from_ids_workspace_bytes(int64_t T, int64_t K, int64_t E, int3
 
 int moeblaze_plan_from_ids(const void* expert_ids, int32_t ids_dtype, const void* expert_weights,
                            int32_t weights_dtype, int64_t T, int64_t K, int64_t E,
-                           int32_t device, void* stream, const moeblaze_plan* plan,
-                           void* workspace, uint64_t workspace_bytes, int32_t* flags) {
+                           int32_t device, [[maybe_unused]] void* stream,
+                           const moeblaze_plan* plan, void* workspace, uint64_t workspace_bytes,
+                           int32_t* flags) {
   return guarded([&] {
     const Device dev = to_device(device);
     const bool wide = check_ids_args(T, K, E, ids_dtype);
@@ -567,11 +564,6 @@ int moeblaze_plan_from_ids(const void* expert_ids, int32_t ids_dtype, const void
     rv.pair_weights = r.pair_weights;
     cuda::build_plan_async(rv, PlanBuilder::atomic_free, p, base + ws.build,
                            size_t(workspace_bytes - ws.build), flags, s);
-#else
-    (void)stream;
-    (void)workspace;
-    (void)workspace_bytes;
-    (void)flags;
 #endif
   });
 }
