@@ -63,7 +63,9 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   const float* h_scales = h_saved ? reinterpret_cast<const float*>(
                                         h_saved + cfg.kept_h_scales_offset(S))
                                   : nullptr;  // ... and (S, ceil(R/128)) fp32
-  if (fp8) layer::prepare_fp8_operands(cfg, w1.data, w2.data, x.data, d_out.data, ws.fp8);
+  if (fp8)  // X only for recompute's up-projection
+    layer::prepare_fp8_operands(cfg, w1.data, w2.data, recompute ? x.data : nullptr, d_out.data,
+                                ws.fp8);
   // The GEMM operands: the caller's, or their fake-quantized fp32 values.
   const gemm::MatRef x_op = fp8 ? mat(ws.fp8.x, DType::f32, d) : mat(x.data, dt, d);
   const gemm::MatRef do_op = fp8 ? mat(ws.fp8.d_out, DType::f32, d) : mat(d_out.data, dt, d);

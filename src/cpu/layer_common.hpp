@@ -210,8 +210,8 @@ inline BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, i
 }
 
 // Fp8 compute: the weights as fake-quantized 128x128 blocks (W1 (E, R, d), W2 (E, d, n)), and
-// x and d_out (T, d; d_out null in forward) as 1x128 tiles, into o. Parallel over row bands and
-// tokens; each writes only its own rows.
+// x and d_out (T, d; null: not needed, d_out in forward, x in keep_h's backward) as 1x128
+// tiles, into o. Parallel over row bands and tokens; each writes only its own rows.
 inline void prepare_fp8_operands(const LayerConfig& cfg, const void* w1, const void* w2,
                                  const void* x, const void* d_out, const Fp8Operands& o) {
   const int64_t R = cfg.w1_rows(), d = cfg.d, n = cfg.n, E = cfg.E, T = cfg.T;
@@ -230,7 +230,7 @@ inline void prepare_fp8_operands(const LayerConfig& cfg, const void* w1, const v
                                  o.w2 + e * d * n);
   });
   run_tasks(T, 64, 8.0 * double(T) * double(d), [&](int64_t t) {
-    fp8::fake_quant_rows(static_cast<const char*>(x) + t * d * es, dt, 1, d, o.x + t * d);
+    if (x) fp8::fake_quant_rows(static_cast<const char*>(x) + t * d * es, dt, 1, d, o.x + t * d);
     if (d_out)
       fp8::fake_quant_rows(static_cast<const char*>(d_out) + t * d * es, dt, 1, d,
                            o.d_out + t * d);
