@@ -109,10 +109,11 @@ def _check_flags_enabled(validate, device):
     return bool(validate) and device.type == "cuda"
 
 
-def _compute_operands(x, w1, w2):
-    """x, w1, w2 in the dtype the kernels compute in: autocast's when it is on for x's device
-    (bf16 only), else x's; fp32 weights beside bf16 x are cast down (fp32 master weights: autograd
-    casts their gradients back to fp32). The kernels store bf16 or fp32 only, so fp16 is refused."""
+def _compute_operands(x, w1, w2, b1=None, b2=None):
+    """x, w1, w2 (and the optional biases b1, b2) in the dtype the kernels compute in: autocast's
+    when it is on for x's device (bf16 only), else x's; fp32 weights and biases beside bf16 x are
+    cast down (fp32 master weights: autograd casts their gradients back to fp32). The kernels
+    store bf16 or fp32 only, so fp16 is refused."""
     dev = x.device.type
     dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     if dt == torch.float16 or torch.float16 in (x.dtype, w1.dtype, w2.dtype):
@@ -121,7 +122,9 @@ def _compute_operands(x, w1, w2):
                          "use torch.autocast(..., dtype=torch.bfloat16) or bf16 tensors")
     if dt == torch.bfloat16:
         x, w1, w2 = (t.to(dt) if t.dtype == torch.float32 else t for t in (x, w1, w2))
-    return x, w1, w2
+    b1, b2 = (b.to(x.dtype) if b is not None and b.dtype == torch.float32 else b
+              for b in (b1, b2))
+    return x, w1, w2, b1, b2
 
 
 def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, activation="swiglu",
@@ -135,10 +138,7 @@ def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, ac
     b1 (E, w1_rows) / b2 (E, d): optional expert biases, cast like w1 / w2 (CPU only for now).
     compute_dtype="fp8": the expert GEMMs on e4m3 operands with fine-grained scales and H kept
     in e4m3 (bf16 compute only; the CPU backend emulates it, the GPU refuses it for now)."""
-    x, w1, w2 = _compute_operands(x, w1, w2)
-    # The biases follow the weights' cast (fp32 master biases beside bf16 compute).
-    b1, b2 = (b.to(x.dtype) if b is not None and b.dtype == torch.float32 else b
-              for b in (b1, b2))
+    x, w1, w2, b1, b2 = _compute_operands(x, w1, w2, b1, b2)
     E = w2.shape[0]
     act, compute = _activation_code(activation), _compute_code(compute_dtype)
     if _eager(x, w1, w2, pair_offsets, pair_experts, pair_weights, b1, b2):
@@ -200,7 +200,7 @@ class _ExpertsFn(torch.autograd.Function):
         act, recompute, num_threads, compute = ctx.cfg
         dx, dw1, dw2, dpw, db1, db2 = ops._experts_backward_impl(
             g_out, x, w1, w2, h, plan, act, recompute, num_threads, True, b1, b2, compute)
-        if h.is_cuda and not recompute:  # CUDA wrote dH over h: a second backward must fail
+        if ops._writes_dh_over_h(x, recompute, True):  # a second backward must fail, not read dH
             torch.autograd.graph.increment_version(h)
         shape, dtype = ctx.pw
         dpw = dpw.view(shape) if dtype is torch.float32 else dpw.view(shape).to(dtype)
@@ -300,9 +300,7 @@ def _moe_experts_eager(x, w1, w2, expert_ids, expert_weights, activation, recomp
     """moe_experts in eager mode: the plan straight from the (T, K) ids and weights in one C call
     (ops.plan_from_ids), then _ExpertsFn; d_pair_weights comes back in expert_weights' shape and
     dtype."""
-    x, w1, w2 = _compute_operands(x, w1, w2)
-    b1, b2 = (b.to(x.dtype) if b is not None and b.dtype == torch.float32 else b
-              for b in (b1, b2))
+    x, w1, w2, b1, b2 = _compute_operands(x, w1, w2, b1, b2)
     w = expert_weights.detach()
     if w.dtype not in _lib.DTYPES:
         w = w.to(torch.float32)

@@ -558,21 +558,20 @@ def _layer_cfg(T, d, n, E, S, activation, dt, mode, num_threads, backward, cuda,
 
 
 @functools.lru_cache(maxsize=256)
-def _kept_h_bytes(cfg_key, S):
-    """Bytes of the kept H of an fp8-compute call (e4m3 codes, then fp32 scales): asked once per
-    shape. cfg_key: the LayerCfg's fields."""
-    n = ctypes.c_uint64()
-    check(lib().moeblaze_layer_kept_h_bytes(ctypes.byref(_lib.LayerCfg(*cfg_key)), S,
-                                            ctypes.byref(n)))
-    return n.value
+def _kept_h_bytes(T, d, n, E, activation, compute, S):
+    """Bytes of the kept H of a bf16 call (e4m3 codes, then fp32 scales with fp8 compute), as the
+    library lays it out: asked once per shape (K does not enter it)."""
+    nbytes = ctypes.c_uint64()
+    cfg = _lib.LayerCfg(T, d, n, E, 1, activation, _lib.DTYPES[torch.bfloat16], 0, 0, compute)
+    check(lib().moeblaze_layer_kept_h_bytes(ctypes.byref(cfg), S, ctypes.byref(nbytes)))
+    return nbytes.value
 
 
 def _h_shape(cfg, S, activation):
     """(shape, dtype) of the kept H: (S, w1_rows) in x's dtype, or fp8 compute's bytes."""
     if cfg.compute == 0:
         return (S, _w1_rows(activation, cfg.n)), None
-    key = (cfg.T, cfg.d, cfg.n, cfg.E, cfg.K, cfg.activation, cfg.dtype, 0, 0, cfg.compute)
-    return (_kept_h_bytes(key, S),), torch.uint8
+    return (_kept_h_bytes(cfg.T, cfg.d, cfg.n, cfg.E, activation, cfg.compute, S),), torch.uint8
 
 
 def _workspace(nbytes, dev):
@@ -637,16 +636,21 @@ def _(x, w1, w2, pair_weights, eto, eti, sw, tpo, tei, tim, activation, recomput
     rows = _w1_rows(activation, w2.shape[2])
     if compute == 0:
         return torch.empty_like(x), x.new_empty((0, rows) if recompute else (S, rows))
-    key = (x.shape[0], x.shape[1], w2.shape[2], w2.shape[0], 1, activation, 1, 0, 0, compute)
-    return torch.empty_like(x), x.new_empty(0 if recompute else _kept_h_bytes(key, S),
-                                            dtype=torch.uint8)
+    nbytes = 0 if recompute else _kept_h_bytes(x.shape[0], x.shape[1], w2.shape[2], w2.shape[0],
+                                               activation, compute, S)
+    return torch.empty_like(x), x.new_empty(nbytes, dtype=torch.uint8)
+
+
+def _writes_dh_over_h(x, recompute, dh_over_h):
+    """Whether a backward asked for dh_over_h writes dH over the saved h: keep_h on CUDA only."""
+    return dh_over_h and not recompute and x.is_cuda
 
 
 def _experts_backward_impl(d_out, x, w1, w2, h, plan, activation, recompute, num_threads,
                            dh_over_h, b1, b2, compute=0):
-    # dH over h: keep_h on CUDA only (the mode enters the cached config, so it is chosen first).
+    # The mode enters the cached config, so it is chosen first.
     mode = (_MODE_RECOMPUTE if recompute else
-            _MODE_DH_OVER_H if dh_over_h and x.is_cuda else _MODE_KEEP_H)
+            _MODE_DH_OVER_H if _writes_dh_over_h(x, recompute, dh_over_h) else _MODE_KEEP_H)
     cfg, ws_bytes, dev, x, w1, w2, p = _experts_args(x, w1, w2, plan, activation, num_threads,
                                                      mode, True, compute)
     b1, b2 = _biases(b1, b2, x, cfg, activation, dev)
