@@ -1,7 +1,8 @@
 // `moeblaze bench kernels`: the kernel each grouped GEMM of the layer runs for a config
 // (cuda::gemm::choose_kernels), field by field, with the rule that chose it. Needs a CUDA build,
 // not a GPU: the choice is a host-side function of (S, E, d, n) and the kernel overrides
-// (--kernels, else MOEBLAZE_KERNELS).
+// (--kernels, else MOEBLAZE_KERNELS). A second table gives the layer's token chunks of Y and dX̃
+// (cuda/layer/token_chunks.hpp), which follow from the same choice.
 #include <CLI/CLI.hpp>
 
 #include <iostream>
@@ -12,6 +13,7 @@
 #include "commands.hpp"
 #include "configs.hpp"
 #include "cuda/gemm/dispatch/kernel_config.hpp"
+#include "cuda/layer/token_chunks.hpp"
 #include "moeblaze/error.hpp"
 #include "table.hpp"
 
@@ -51,6 +53,26 @@ void run_kernels(const KernelsFlags& f) {
     }
   }
   table.print(std::cout);
+
+  Table chunks({{"config", Align::left}, {"S"}, {"pass", Align::left}, {"chunks"},
+                {"rows per chunk"}, {"rule", Align::left}});
+  for (const NamedConfig* c : configs) {
+    const int64_t S = c->T * c->K;
+    LayerConfig lc;
+    lc.T = c->T;
+    lc.d = c->d;
+    lc.n = c->n;
+    lc.E = c->E;
+    lc.K = c->K;
+    const cuda::LayerChunks lch = cuda::choose_token_chunks(
+        lc, S, gg::choose_kernels({S, c->E, c->d, c->n}, o), o.token_chunks);
+    for (const auto& [pass, tc] : {std::pair{"forward (Y)", lch.forward},
+                                   std::pair{"backward (dX~)", lch.backward}})
+      chunks.add_row({c->name, std::to_string(S), pass, std::to_string(tc.count),
+                      std::to_string(tc.rows), tc.rule});
+  }
+  std::cout << "\n";
+  chunks.print(std::cout);
 }
 
 }  // namespace

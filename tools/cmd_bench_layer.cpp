@@ -357,10 +357,12 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
     const cuda::GemmOps& gm = cuda::gemm_ops();
     const int64_t cols = gm.ds_partials_cols(c.n);
     Buffer h(Device::cuda, size_t(S * R) * 2);
-    Buffer fws(Device::cuda, cuda::forward_workspace(c, S, nullptr).bytes);
-    Buffer bws(Device::cuda, cuda::backward_workspace(c, S, LayerMode::keep_h, cols, nullptr).bytes);
-    const cuda::ForwardWorkspace fw = cuda::forward_workspace(c, S, fws.data());
-    const cuda::BackwardWorkspace bw = cuda::backward_workspace(c, S, LayerMode::keep_h, cols, bws.data());
+    // Whole-step (S, d) Y and dX̃: each GEMM once over every slot (the layer may chunk them).
+    const cuda::TokenChunks whole = cuda::TokenChunks::none(S);
+    Buffer fws(Device::cuda, cuda::forward_workspace(c, S, whole, nullptr).bytes);
+    Buffer bws(Device::cuda, cuda::backward_workspace(c, S, LayerMode::keep_h, cols, whole, nullptr).bytes);
+    const cuda::ForwardWorkspace fw = cuda::forward_workspace(c, S, whole, fws.data());
+    const cuda::BackwardWorkspace bw = cuda::backward_workspace(c, S, LayerMode::keep_h, cols, whole, bws.data());
     const RoutingPlanView pv = plan.view();
     const bf16* X = x.as<bf16>();
     const bf16* W1 = w1.as<bf16>();

@@ -17,12 +17,14 @@
 #include <cstdio>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "common/test_util.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/layer/token_chunks.hpp"
 #include "gpu/gpu_test_util.hpp"
 #include "moeblaze/error.hpp"
 #include "reference/reference_layer.hpp"
@@ -706,6 +708,59 @@ TEST(GroupedGemmChecks, KernelChoiceIsTotalAndDeterministic) {
   EXPECT_EQ(shapes, 9 * 9 * 9 * 6);
 }
 
+// The token-chunk rule (cuda/layer/token_chunks.hpp) on the named configs and over the choice
+// grid: one chunk off the TMA path and for d <= n, else min(ceil(d / n), S / (512 E)) chunks of
+// ceil(S / count) + E rows; total, deterministic, and the override replaces the count.
+TEST(GroupedGemmChecks, TokenChunksFollowTheRule) {
+  const gg::KernelOverrides none;
+  auto chunks = [&](int64_t S, int64_t E, int64_t d, int64_t n, std::optional<int> o = {}) {
+    LayerConfig c;
+    c.d = d, c.n = n, c.E = E, c.T = S, c.K = 1;
+    return cuda::choose_token_chunks(c, S, gg::choose_kernels({S, E, d, n}, none), o);
+  };
+  // sm-default: d / n = 4 and 2048 rows per expert: 4 chunks in both passes.
+  const cuda::LayerChunks sm = chunks(262144, 128, 4096, 1024);
+  EXPECT_EQ(sm.forward, (cuda::TokenChunks{4, 65536 + 128}));
+  EXPECT_EQ(sm.backward, sm.forward);
+  // sm-7B-n256: d / n = 6, but 1536 rows per expert allow 3 chunks of >= 512.
+  EXPECT_EQ(chunks(196608, 128, 1536, 256).backward.count, 3);
+  EXPECT_EQ(chunks(131072, 64, 2048, 1024).backward.count, 2);  // olmoe: d / n = 2
+  EXPECT_EQ(chunks(262144, 16, 1024, 4096).backward.count, 1);  // mb-conf3: d < n
+  EXPECT_EQ(chunks(1000, 8, 512, 256).backward.count, 1);       // off the TMA path
+  EXPECT_EQ(chunks(0, 8, 512, 128).forward, cuda::TokenChunks::none(0));
+  // The override: any count on the TMA path (also for d <= n), still one chunk off it.
+  EXPECT_EQ(chunks(4096, 8, 256, 512, 5).backward, (cuda::TokenChunks{5, 820 + 8}));
+  EXPECT_EQ(chunks(1000, 8, 512, 256, 5).backward.count, 1);
+  EXPECT_EQ(chunks(4096, 8, 256, 128, 1).backward.count, 1);
+  EXPECT_EQ(gg::parse_kernel_overrides("chunks=7").token_chunks, 7);
+  EXPECT_EQ(cuda::describe(sm.backward),
+            "4 chunks of <= 65664 rows (ceil(d / n): a chunk buffer no larger than A's (S, n))");
+  int shapes = 0;
+  for (const int64_t d : {64, 512, 1536, 4096, 7168})
+    for (const int64_t n : {64, 192, 320, 1024, 8192})
+      for (const int64_t E : {1, 8, 128, 512, 5000})
+        for (const int64_t S : {int64_t(0), int64_t(1), E * 127, E * 128, E * 1000, E * 8192}) {
+          const cuda::LayerChunks a = chunks(S, E, d, n), b = chunks(S, E, d, n);
+          ASSERT_TRUE(a.forward == b.forward && a.backward == b.backward)
+              << "d " << d << " n " << n << " E " << E << " S " << S;
+          for (const cuda::TokenChunks& c : {a.forward, a.backward}) {
+            EXPECT_GE(c.count, 1);
+            EXPECT_STRNE(c.rule, "");
+            if (c.count == 1) {
+              EXPECT_EQ(c.rows, S);
+            } else {
+              EXPECT_GT(d, n);
+              EXPECT_LE(c.count, (d + n - 1) / n);
+              EXPECT_GE(S / (E * c.count), cuda::kChunkMinRowsPerExpert);
+              EXPECT_EQ(c.rows, (S + c.count - 1) / c.count + E);
+              EXPECT_LT(c.rows, S);
+            }
+          }
+          ++shapes;
+        }
+  EXPECT_EQ(shapes, 5 * 5 * 5 * 6);
+}
+
 // One override hook: parsed field by field, applied by choose_kernels, refused with a message
 // naming the item where a kernel cannot take it.
 TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
@@ -740,6 +795,7 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   refused("up.colour=red", "unknown field 'colour'");
   refused("wx.family=ws", "unknown key 'wx.family'");
   refused("dh", "expected key=value");
+  refused("chunks=0", "[1, 1024]");
   try {
     gg::choose_kernels({1 << 20, 5000, 4096, 1024}, gg::parse_kernel_overrides("dh.family=ws"));
     ADD_FAILURE() << "ws_gather with E = 5000 was accepted";

@@ -19,7 +19,9 @@
 #include "common/test_util.hpp"
 #include "core/parallel.hpp"
 #include "cuda/cuda_backend.hpp"
+#include "cuda/gemm/dispatch/kernel_config.hpp"
 #include "cuda/layer/layer_cuda.hpp"
+#include "cuda/layer/token_chunks.hpp"
 #include "gpu/gpu_test_util.hpp"
 #include "moeblaze/moeblaze.hpp"
 #include "reference/reference_layer.hpp"
@@ -580,6 +582,109 @@ TEST(LayerGpu, DhOverSavedHIsBitwiseEqualAndSmaller) {
                                       LayerPass::backward, false));
     }
   }
+}
+
+// Token chunks of Y and dX̃ (cuda/layer/token_chunks.hpp) give the whole step's bits, for any
+// chunk count, in both modes, on balanced, skewed (empty experts) and rounded (0 .. K+2 pairs
+// per token) plans, with smaller forward and backward workspaces.
+TEST(LayerGpu, TokenChunksGiveTheWholeStepsBits) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  struct Restore {
+    ~Restore() { cuda::gemm::clear_kernel_overrides(); }
+  } restore;
+  for (const RouteKind route : {RouteKind::balanced, RouteKind::skewed, RouteKind::rounded})
+    for (const LayerMode mode : {LayerMode::keep_h, LayerMode::recompute}) {
+      // S >= 128 E: down_proj and dx_proj on the TMA path, the one that takes row ranges.
+      const Inputs in = make_inputs({1500, 512, 128, 8, 3, Activation::swiglu, mode, route}, seed);
+      const int64_t S = in.plans.dev.S();
+      SCOPED_TRACE(std::string(route_name(route)) + " " + layer_mode_name(mode) + " S " +
+                   std::to_string(S));
+      cuda::gemm::set_kernel_overrides(cuda::gemm::parse_kernel_overrides("chunks=1"));
+      ASSERT_EQ(cuda::layer_chunks(in.cfg, S).backward.count, 1);
+      const size_t whole_fwd = layer_workspace_bytes(in.cfg, S, mode, Device::cuda,
+                                                     LayerPass::forward, false);
+      const size_t whole_bwd = layer_workspace_bytes(in.cfg, S, mode, Device::cuda,
+                                                     LayerPass::backward, false);
+      const GpuResult whole = run_gpu(in, mode);
+      for (const int count : {2, 3, 7, 16}) {
+        SCOPED_TRACE("chunks " + std::to_string(count));
+        cuda::gemm::set_kernel_overrides(
+            cuda::gemm::parse_kernel_overrides("chunks=" + std::to_string(count)));
+        const cuda::LayerChunks ch = cuda::layer_chunks(in.cfg, S);
+        ASSERT_EQ(ch.forward.count, count) << cuda::describe(ch.forward);
+        ASSERT_EQ(ch.backward.count, count) << cuda::describe(ch.backward);
+        expect_same_bits(whole, run_gpu(in, mode));
+        expect_same_bits(whole, run_gpu(in, mode, false, /*fresh_threads=*/true));
+        EXPECT_LT(layer_workspace_bytes(in.cfg, S, mode, Device::cuda, LayerPass::forward, false),
+                  whole_fwd);
+        EXPECT_LT(layer_workspace_bytes(in.cfg, S, mode, Device::cuda, LayerPass::backward, false),
+                  whole_bwd);
+      }
+    }
+}
+
+// The chunk maps against the host's reading of the same definition, bit for bit: bounds, per-
+// expert ranges, packed bases and every pair's row (below the chunk buffer's rows).
+TEST(LayerGpu, TokenChunkMapsMatchTheirDefinition) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (const RouteKind route : {RouteKind::balanced, RouteKind::skewed, RouteKind::rounded})
+    for (const int64_t count : {2, 5, 64}) {
+      SCOPED_TRACE(std::string(route_name(route)) + " chunks " + std::to_string(count));
+      const HostRouting r = make_routing(900, 12, 3, route, seed + count);
+      Plans p;
+      make_plans(r, p);
+      const int64_t T = p.host.T(), E = p.host.E(), S = p.host.S(), C = count;
+      const cuda::TokenChunks ch{C, (S + C - 1) / C + E, "test"};
+      DevMem bounds(4 * (C + 1)), lo(4 * (C + 1) * E), base(4 * C * E), rows(4 * S);
+      cuda::build_chunk_maps(p.dev.view(), ch,
+                             {bounds.as<int32_t>(), lo.as<int32_t>(), base.as<int32_t>(),
+                              rows.as<int32_t>()},
+                             nullptr);
+      MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
+      const int32_t* po = p.host.token_pair_offsets();
+      const int32_t* off = p.host.expert_token_offsets();
+      const int32_t* tok = p.host.expert_token_indices();
+      const int32_t* tim = p.host.token_index_map();
+      const int64_t B = (S + C - 1) / C;
+      std::vector<int32_t> t_c(C + 1), lo_h((C + 1) * E), base_h(C * E), rows_h(S);
+      for (int64_t c = 0; c <= C; ++c) {
+        int64_t t = 0;
+        while (t < T && po[t] < c * B) ++t;
+        t_c[c] = int32_t(c == C ? T : t);
+        for (int64_t e = 0; e < E; ++e) {
+          int64_t s = off[e];
+          while (s < off[e + 1] && tok[s] < t_c[c]) ++s;
+          lo_h[c * E + e] = int32_t(s);
+        }
+      }
+      for (int64_t c = 0; c < C; ++c) {
+        int32_t sum = 0;
+        for (int64_t e = 0; e < E; ++e) {
+          base_h[c * E + e] = sum;
+          sum += lo_h[(c + 1) * E + e] - lo_h[c * E + e];
+        }
+        EXPECT_LT(sum, ch.rows) << "chunk " << c << " overflows its buffer";
+      }
+      for (int64_t t = 0; t < T; ++t) {
+        int64_t c = 0;
+        while (t_c[c + 1] <= t) ++c;
+        for (int64_t q = po[t]; q < po[t + 1]; ++q) {
+          const int64_t slot = tim[q];
+          int64_t e = 0;
+          while (off[e + 1] <= slot) ++e;
+          rows_h[q] = int32_t(base_h[c * E + e] + slot - lo_h[c * E + e]);
+          ASSERT_LT(rows_h[q], ch.rows);
+        }
+      }
+      EXPECT_EQ(bounds.download<int32_t>(), t_c);
+      EXPECT_EQ(lo.download<int32_t>(), lo_h);
+      EXPECT_EQ(base.download<int32_t>(), base_h);
+      EXPECT_EQ(rows.download<int32_t>(), rows_h);
+    }
 }
 
 TEST(LayerGpu, MaterializedBaselineMatchesReferenceAndKeepsItsTensors) {

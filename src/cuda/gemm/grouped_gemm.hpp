@@ -26,6 +26,7 @@
 //     tma_gemm_scratch_bytes and layer_gemm_scratch_bytes size it.
 //   * up_proj, dh_proj, dw2_proj and dw1_proj take an optional GatherKernel (default: automatic).
 //   * GatherKernel::ping_pong.
+//   * ExpertRows, down_proj_rows, dx_proj_rows (token chunks).
 //   * The automatic choice is kernel_config.hpp's choose_kernels (a value; replaces use_tma_gemm,
 //     use_ws_gather, use_ws_dh, describe_kernels and the MOEBLAZE_GEMM_* switches).
 #pragma once
@@ -70,6 +71,20 @@ size_t tma_gemm_scratch_bytes(int64_t E);
 // the TMA path for S slots over E experts, else 0 (and it passes no scratch).
 size_t layer_gemm_scratch_bytes(int64_t S, int64_t E);
 
+// Which rows of A a contiguous-A GEMM (down_proj, dx_proj) multiplies and where it writes them:
+// expert e's A rows [begin[e], end[e]) go to D rows [out[e], out[e] + end[e] - begin[e]).
+// Device arrays (E,) int32. The whole step is begin = out = off, end = off + 1; one token chunk
+// (cuda/layer/token_chunks.hpp) reads its rows in place and writes them packed into a
+// chunk-sized D.
+struct ExpertRows {
+  const int32_t* begin = nullptr;
+  const int32_t* end = nullptr;
+  const int32_t* out = nullptr;
+  static ExpertRows whole(const RoutingPlanView& plan) {
+    return {plan.expert_token_offsets, plan.expert_token_offsets + 1, plan.expert_token_offsets};
+  }
+};
+
 // ---- the kernels of the gathered GEMMs ------------------------------------------------------
 // Two implementations compute the same contract (bitwise different: different tile shapes):
 //   two_cta: sm90_varlen_m.cuh / dw_proj.cu, 128 x 128 tiles, every thread loads and
@@ -103,6 +118,14 @@ void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h
 // TMA path; it is in use until the GEMM has run on `stream`.
 void down_proj(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16* y, int64_t d,
                int64_t n, cudaStream_t stream, GemmScratch scratch = {});
+
+// down_proj over the rows `rows` names (one token chunk): y_rows[rows.out[e] + i, :] =
+// W2_e a[rows.begin[e] + i, :]. The TMA path only, so scratch is required (Unsupported without):
+// the cp.async kernel takes its row ranges from expert_token_offsets. y_rows holds at least
+// max over e of rows.out[e] + rows.end[e] - rows.begin[e] rows of d; a as for down_proj.
+void down_proj_rows(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* a,
+                    const bf16* w2, bf16* y_rows, int64_t d, int64_t n, cudaStream_t stream,
+                    GemmScratch scratch);
 
 // ---- backward ------------------------------------------------------------------------------
 
@@ -138,6 +161,12 @@ void dw2_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scal
 // scratch as for down_proj.
 void dx_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* dx_slots,
              int64_t d, int64_t n, Activation act, cudaStream_t stream, GemmScratch scratch = {});
+
+// dx_proj over the rows `rows` names (one token chunk), as down_proj_rows: dx_rows[rows.out[e] +
+// i, :] = W1_eᵀ dh[rows.begin[e] + i, :]; TMA path only (scratch required).
+void dx_proj_rows(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* dh,
+                  const bf16* w1, bf16* dx_rows, int64_t d, int64_t n, Activation act,
+                  cudaStream_t stream, GemmScratch scratch);
 
 // (8) dW1, varlen-K: dw1[e] = sum over slots r of e of dh[r, :]ᵀ ⊗ x[token(r), :]  (w1_rows, d)
 // dh (S, w1_rows); x (T, d) gathered; dw1 (E, w1_rows, d). An expert with no slot gets zeros.

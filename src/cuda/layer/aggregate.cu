@@ -16,9 +16,11 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/cuda_backend.hpp"
+#include "cuda/layer/token_chunks.hpp"
 #include "moeblaze/error.hpp"
 
 namespace moeblaze::cuda {
@@ -74,22 +76,21 @@ __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
 template <>
 __device__ __forceinline__ float from_f<float>(float v) { return v; }
 
-// rows (S, d) T, out (T, d) T; d a multiple of Vec<T>::kElems and both 16-byte aligned.
-// Thread (t, q) owns chunks q + k * Q (k < C, below `chunks`), Q = ceil(chunks / C).
-template <typename T, bool kWeighted, int C, int kBatch>
-__global__ void __launch_bounds__(kThreads, 3)  // <= 85 registers: 768 threads per SM, no spill
-    aggregate_vec_kernel(const int32_t* __restrict__ token_pair_offsets,  // (T+1,)
-                         const int32_t* __restrict__ token_index_map,     // (S,) pair → slot
-                         const float* __restrict__ slot_weights,          // (S,) by slot
-                         const T* __restrict__ rows, T* __restrict__ out, int64_t num_tokens,
-                         int64_t d) {
+// Token t's chunks q + k * Q (k < C, below `chunks`, Q = ceil(chunks / C)) of
+// out[t, :] = sum over its pairs p of w_p * rows[row_map[p], :], w_p by slot token_index_map[p].
+// rows (*, d) T, out (T, d) T; d a multiple of Vec<T>::kElems and both 16-byte aligned.
+// row_map (kChunk) is a chunk's pair_rows into its buffer (token_chunks.hpp), else the rows are
+// the whole step's (S, d), row = slot: the sum is the same either way.
+template <typename T, bool kWeighted, bool kChunk, int C, int kBatch>
+__device__ __forceinline__ void aggregate_token(int64_t t, int64_t q, int64_t quarter_chunks,
+                                                const int32_t* __restrict__ token_pair_offsets,
+                                                const int32_t* __restrict__ token_index_map,
+                                                const int32_t* __restrict__ row_map,
+                                                const float* __restrict__ slot_weights,
+                                                const T* __restrict__ rows, T* __restrict__ out,
+                                                int64_t d) {
   constexpr int V = Vec<T>::kElems;
   const int64_t chunks = d / V;
-  const int64_t quarter_chunks = (chunks + C - 1) / C;
-  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
-  if (i >= num_tokens * quarter_chunks) return;
-  const int64_t t = i / quarter_chunks;
-  const int64_t q = i - t * quarter_chunks;
   const int p0 = token_pair_offsets[t], p1 = token_pair_offsets[t + 1];
 
   float acc[C][V];
@@ -106,7 +107,8 @@ __global__ void __launch_bounds__(kThreads, 3)  // <= 85 registers: 768 threads 
       if (p + b < p1) {
         const int64_t slot = token_index_map[p + b];
         w[b] = kWeighted ? slot_weights[slot] : 1.0f;
-        const uint4* row = reinterpret_cast<const uint4*>(rows + slot * d);
+        const int64_t r = kChunk ? int64_t(row_map[p + b]) : slot;
+        const uint4* row = reinterpret_cast<const uint4*>(rows + r * d);
 #pragma unroll
         for (int k = 0; k < C; ++k) {
           const int64_t c = q + k * quarter_chunks;
@@ -135,6 +137,47 @@ __global__ void __launch_bounds__(kThreads, 3)  // <= 85 registers: 768 threads 
   for (int k = 0; k < C; ++k) {
     const int64_t c = q + k * quarter_chunks;
     if (c < chunks) out_row[c] = Vec<T>::pack(acc[k]);
+  }
+}
+
+// rows (S, d) T, out (T, d) T: one (token, quarter) per thread.
+template <typename T, bool kWeighted, int C, int kBatch>
+__global__ void __launch_bounds__(kThreads, 3)  // <= 85 registers: 768 threads per SM, no spill
+    aggregate_vec_kernel(const int32_t* __restrict__ token_pair_offsets,  // (T+1,)
+                         const int32_t* __restrict__ token_index_map,     // (S,) pair → slot
+                         const float* __restrict__ slot_weights,          // (S,) by slot
+                         const T* __restrict__ rows, T* __restrict__ out, int64_t num_tokens,
+                         int64_t d) {
+  const int64_t quarter_chunks = (d / Vec<T>::kElems + C - 1) / C;
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= num_tokens * quarter_chunks) return;
+  const int64_t t = i / quarter_chunks;
+  aggregate_token<T, kWeighted, false, C, kBatch>(t, i - t * quarter_chunks, quarter_chunks,
+                                                  token_pair_offsets, token_index_map, nullptr,
+                                                  slot_weights, rows, out, d);
+}
+
+// One token chunk: tokens [token_bounds[c], token_bounds[c + 1]) (on the device), rows the
+// chunk's buffer addressed through pair_rows; a grid-stride loop, as the host does not know how
+// many tokens the chunk holds.
+template <typename T, bool kWeighted, int C, int kBatch>
+__global__ void __launch_bounds__(kThreads, 3)
+    aggregate_chunk_kernel(const int32_t* __restrict__ token_pair_offsets,  // (T+1,)
+                           const int32_t* __restrict__ token_index_map,     // (S,) pair → slot
+                           const int32_t* __restrict__ pair_rows,           // (S,) pair → row
+                           const int32_t* __restrict__ token_bounds,        // (chunks+1,)
+                           int64_t c, const float* __restrict__ slot_weights,
+                           const T* __restrict__ rows, T* __restrict__ out, int64_t d) {
+  const int64_t quarter_chunks = (d / Vec<T>::kElems + C - 1) / C;
+  const int64_t t0 = token_bounds[c];
+  const int64_t items = (token_bounds[c + 1] - t0) * quarter_chunks;
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < items;
+       i += int64_t(gridDim.x) * kThreads) {
+    const int64_t k = i / quarter_chunks;
+    aggregate_token<T, kWeighted, true, C, kBatch>(t0 + k, i - k * quarter_chunks,
+                                                   quarter_chunks, token_pair_offsets,
+                                                   token_index_map, pair_rows, slot_weights, rows,
+                                                   out, d);
   }
 }
 
@@ -193,6 +236,32 @@ void launch_aggregate(const RoutingPlanView& plan, const void* rows, const float
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 
+// Chunk c with the (C, B) shape launch_aggregate would pick for the plan; the grid covers the
+// chunk's share of the tokens (T / count), the loop any more.
+template <typename T, bool kWeighted, int C, int kBatch>
+void launch_chunk(const RoutingPlanView& plan, const TokenChunks& chunks, const ChunkMaps& maps,
+                  int64_t c, const void* rows, const float* w, void* out, int64_t d,
+                  cudaStream_t stream) {
+  const int64_t tokens = (plan.T + chunks.count - 1) / chunks.count;
+  const int64_t work = tokens * ((d / Vec<T>::kElems + C - 1) / C);
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads,
+                                                                int64_t(INT32_MAX)));
+  aggregate_chunk_kernel<T, kWeighted, C, kBatch><<<unsigned(blocks), kThreads, 0, stream>>>(
+      plan.token_pair_offsets, plan.token_index_map, maps.pair_rows, maps.token_bounds, c, w,
+      static_cast<const T*>(rows), static_cast<T*>(out), d);
+  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+}
+
+template <bool kWeighted>
+void launch_chunk_by_density(const RoutingPlanView& plan, const TokenChunks& chunks,
+                             const ChunkMaps& maps, int64_t c, const void* rows, const float* w,
+                             void* out, int64_t d, cudaStream_t stream) {
+  using B16 = __nv_bfloat16;
+  if (plan.S > 6 * plan.T) launch_chunk<B16, kWeighted, 1, 4>(plan, chunks, maps, c, rows, w, out, d, stream);
+  else if (plan.S > 2 * plan.T) launch_chunk<B16, kWeighted, 2, 4>(plan, chunks, maps, c, rows, w, out, d, stream);
+  else launch_chunk<B16, kWeighted, 4, 1>(plan, chunks, maps, c, rows, w, out, d, stream);
+}
+
 __global__ void gather_pair_grads_kernel(const int32_t* __restrict__ token_index_map,  // (S,)
                                          const float* __restrict__ ds,  // (S,) by slot
                                          float* __restrict__ d_pair_weights,  // (S,) by pair
@@ -217,6 +286,22 @@ void aggregate_rows(const RoutingPlanView& plan, const void* rows, const float* 
     weighted ? launch_aggregate<float, true>(plan, rows, slot_weights, out, d, stream)
              : launch_aggregate<float, false>(plan, rows, nullptr, out, d, stream);
   }
+}
+
+void aggregate_chunk(const RoutingPlanView& plan, const TokenChunks& chunks, const ChunkMaps& maps,
+                     int64_t c, const void* rows, const float* slot_weights, void* out, int64_t d,
+                     cudaStream_t stream) {
+  MOEBLAZE_REQUIRE(c >= 0 && c < chunks.count, "aggregate_chunk: chunk ", c, " is not in [0, ",
+                   chunks.count, ")");
+  MOEBLAZE_REQUIRE(d >= 8 && d % 8 == 0, "aggregate_chunk: d (", d, ") must be a multiple of 8");
+  MOEBLAZE_REQUIRE(reinterpret_cast<uintptr_t>(rows) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(out) % 16 == 0,
+                   "aggregate_chunk: rows and out must be 16-byte aligned");
+  if (plan.T == 0) return;
+  slot_weights ? launch_chunk_by_density<true>(plan, chunks, maps, c, rows, slot_weights, out, d,
+                                               stream)
+               : launch_chunk_by_density<false>(plan, chunks, maps, c, rows, nullptr, out, d,
+                                                stream);
 }
 
 void gather_pair_grads(const RoutingPlanView& plan, const float* ds, float* d_pair_weights,

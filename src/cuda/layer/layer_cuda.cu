@@ -11,6 +11,8 @@
 //           7 aggregate             → dx_t = Σ dX̃[slot]
 //           8 dW1 (varlen-K)        ← dH, x gathered
 //             d_pair_weights[p] = ds[token_index_map[p]]
+// Y and dX̃ run in token chunks where token_chunks.hpp's rule says (bitwise the same outputs,
+// a chunk-sized buffer instead of (S, d)).
 // Kept for backward: H (keep_h) and the plan, nothing else; every temporary comes from one
 // workspace Buffer per call, sized by layer_workspace_bytes. All work is stream-ordered on
 // opts.stream, so a piece of the workspace is reused as soon as its last reader was enqueued.
@@ -97,31 +99,58 @@ const GemmOps& gemm_ops() {
 
 void set_gemm_impl(GemmImpl impl) { g_gemm_impl.store(int(impl)); }
 
-ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, void* base) {
+namespace {
+
+// The four maps of `chunks` (none for one chunk), in chunk_maps_bytes's pieces.
+ChunkMaps take_maps(Carver& c, const TokenChunks& chunks, int64_t S, int64_t E) {
+  if (chunks.count <= 1) return {};
+  ChunkMaps m;
+  m.token_bounds = c.take<int32_t>(chunks.count + 1);
+  m.expert_rows = c.take<int32_t>((chunks.count + 1) * E);
+  m.packed_base = c.take<int32_t>(chunks.count * E);
+  m.pair_rows = c.take<int32_t>(S);
+  return m;
+}
+
+}  // namespace
+
+LayerChunks layer_chunks(const LayerConfig& cfg, int64_t S) {
+  if (&gemm_ops() == &kNaiveOps) return {TokenChunks::none(S, "naive GEMMs"),
+                                         TokenChunks::none(S, "naive GEMMs")};
+  return choose_token_chunks(cfg, S);
+}
+
+ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, const TokenChunks& chunks,
+                                   void* base) {
   Carver c(base);
   ForwardWorkspace w;
+  w.chunks = chunks;
   w.a = c.take<bf16>(S * cfg.n);
-  w.y = c.take<bf16>(S * cfg.d);
+  w.y = c.take<bf16>(chunks.rows * cfg.d);
   w.scratch = take_scratch(c, S, cfg.E);
+  w.maps = take_maps(c, chunks, S, cfg.E);
   w.bytes = c.high_water();
   return w;
 }
 
 BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMode mode,
-                                     int64_t ds_cols, void* base, bool dh_over_h) {
+                                     int64_t ds_cols, const TokenChunks& chunks, void* base,
+                                     bool dh_over_h) {
   Carver c(base);
   BackwardWorkspace w;
+  w.chunks = chunks;
   // dH is written over H when H is the workspace's own (recompute) or the caller allows it.
   if (mode == LayerMode::recompute) w.h = w.dh = c.take<bf16>(S * w1_rows(cfg));
   else if (!dh_over_h) w.dh = c.take<bf16>(S * w1_rows(cfg));
   w.ds_partials = c.take<float>(S * ds_cols);
   w.ds = c.take<float>(S);
   w.scratch = take_scratch(c, S, cfg.E);
+  w.maps = take_maps(c, chunks, S, cfg.E);
   // A' dies before dX̃ is written: dX̃ takes its bytes.
   const size_t shared = c.mark();
   w.a_scaled = c.take<bf16>(S * cfg.n);
   c.rewind(shared);
-  w.dx_slots = c.take<bf16>(S * cfg.d);
+  w.dx_slots = c.take<bf16>(chunks.rows * cfg.d);
   w.bytes = c.high_water();
   return w;
 }
@@ -157,8 +186,10 @@ size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, 
                              bool dh_over_h) {
   MOEBLAZE_REQUIRE(S >= 0, "S (", S, ") must be >= 0");
   if (mode == LayerMode::materialized) return materialized_workspace_bytes(cfg, S);
-  if (forward) return forward_workspace(cfg, S, nullptr).bytes;
-  return backward_workspace(cfg, S, mode, gemm_ops().ds_partials_cols(cfg.n), nullptr, dh_over_h)
+  const LayerChunks chunks = layer_chunks(cfg, S);
+  if (forward) return forward_workspace(cfg, S, chunks.forward, nullptr).bytes;
+  return backward_workspace(cfg, S, mode, gemm_ops().ds_partials_cols(cfg.n), chunks.backward,
+                            nullptr, dh_over_h)
       .bytes;
 }
 
@@ -183,17 +214,29 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
                                     : Buffer(Device::cuda, h_bytes, opts.stream);
 
   if (cfg.T > 0) {
+    const TokenChunks chunks = layer_chunks(cfg, S).forward;
     Buffer ws = opts.workspace
                     ? Buffer::borrow(Device::cuda, opts.workspace, opts.workspace_bytes)
-                    : Buffer(Device::cuda, forward_workspace(cfg, S, nullptr).bytes, opts.stream);
-    const ForwardWorkspace w = forward_workspace(cfg, S, ws.data());
-    if (S > 0) {
+                    : Buffer(Device::cuda, forward_workspace(cfg, S, chunks, nullptr).bytes,
+                             opts.stream);
+    const ForwardWorkspace w = forward_workspace(cfg, S, chunks, ws.data());
+    if (S > 0)
       g.up_proj(pv, x.as<bf16>(), w1.as<bf16>(), Saved::h(next).as<bf16>(), w.a, cfg.d, cfg.n,
                 cfg.activation, stream);
-      g.down_proj(pv, w.a, w2.as<bf16>(), w.y, cfg.d, cfg.n, stream,
-                  tma_scratch(w.scratch, gemm::choose_kernels({S, cfg.E, cfg.d, cfg.n}).down));
+    if (chunks.count > 1) {
+      // Y one token chunk at a time into w.y, each chunk's tokens aggregated before the next.
+      build_chunk_maps(pv, chunks, w.maps, stream);
+      for (int64_t c = 0; c < chunks.count; ++c) {
+        gemm::down_proj_rows(pv, chunk_rows(w.maps, cfg.E, c), w.a, w2.as<bf16>(), w.y, cfg.d,
+                             cfg.n, stream, w.scratch);
+        aggregate_chunk(pv, chunks, w.maps, c, w.y, pv.slot_weights, out.data, cfg.d, stream);
+      }
+    } else {
+      if (S > 0)
+        g.down_proj(pv, w.a, w2.as<bf16>(), w.y, cfg.d, cfg.n, stream,
+                    tma_scratch(w.scratch, gemm::choose_kernels({S, cfg.E, cfg.d, cfg.n}).down));
+      aggregate_rows(pv, w.y, pv.slot_weights, out.data, cfg.d, DType::bf16, stream);
     }
-    aggregate_rows(pv, w.y, pv.slot_weights, out.data, cfg.d, DType::bf16, stream);
     // The workspace is freed when `ws` goes out of scope, in stream order after the kernels
     // above (Buffer is stream-ordered on opts.stream).
   }
@@ -235,12 +278,16 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
 
   const int64_t ds_cols = g.ds_partials_cols(cfg.n);
   const bool dh_over_h = opts.mode == LayerMode::keep_h && opts.dh_over_h;
+  const TokenChunks chunks = layer_chunks(cfg, S).backward;
   Buffer ws = opts.workspace
                   ? Buffer::borrow(Device::cuda, opts.workspace, opts.workspace_bytes)
                   : Buffer(Device::cuda,
-                           backward_workspace(cfg, S, opts.mode, ds_cols, nullptr, dh_over_h).bytes,
+                           backward_workspace(cfg, S, opts.mode, ds_cols, chunks, nullptr,
+                                              dh_over_h)
+                               .bytes,
                            opts.stream);
-  const BackwardWorkspace w = backward_workspace(cfg, S, opts.mode, ds_cols, ws.data(), dh_over_h);
+  const BackwardWorkspace w =
+      backward_workspace(cfg, S, opts.mode, ds_cols, chunks, ws.data(), dh_over_h);
   const bf16* h = Saved::h(saved).as<bf16>();
   // (S, w1_rows): dH, over H where backward_workspace put no room for it.
   bf16* dh = dh_over_h ? const_cast<bf16*>(h) : w.dh;
@@ -253,9 +300,19 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
             cfg.n, cfg.activation, stream);
   g.reduce_ds(w.ds_partials, w.ds, S, cfg.n, stream);
   g.dw2_proj(pv, d_out.as<bf16>(), w.a_scaled, grads.dw2.as<bf16>(), cfg.d, cfg.n, stream);
-  g.dx_proj(pv, dh, w1.as<bf16>(), w.dx_slots, cfg.d, cfg.n, cfg.activation, stream,
-            tma_scratch(w.scratch, gemm::choose_kernels({S, cfg.E, cfg.d, cfg.n}).dx));
-  aggregate_rows(pv, w.dx_slots, nullptr, grads.dx.data, cfg.d, DType::bf16, stream);
+  if (chunks.count > 1) {
+    // dX̃ one token chunk at a time into w.dx_slots, each chunk's tokens summed into dx.
+    build_chunk_maps(pv, chunks, w.maps, stream);
+    for (int64_t c = 0; c < chunks.count; ++c) {
+      gemm::dx_proj_rows(pv, chunk_rows(w.maps, cfg.E, c), dh, w1.as<bf16>(), w.dx_slots, cfg.d,
+                         cfg.n, cfg.activation, stream, w.scratch);
+      aggregate_chunk(pv, chunks, w.maps, c, w.dx_slots, nullptr, grads.dx.data, cfg.d, stream);
+    }
+  } else {
+    g.dx_proj(pv, dh, w1.as<bf16>(), w.dx_slots, cfg.d, cfg.n, cfg.activation, stream,
+              tma_scratch(w.scratch, gemm::choose_kernels({S, cfg.E, cfg.d, cfg.n}).dx));
+    aggregate_rows(pv, w.dx_slots, nullptr, grads.dx.data, cfg.d, DType::bf16, stream);
+  }
   g.dw1_proj(pv, dh, x.as<bf16>(), grads.dw1.as<bf16>(), cfg.d, cfg.n, cfg.activation, stream);
   gather_pair_grads(pv, w.ds, grads.d_pair_weights.as<float>(), stream);
 }

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/layer/token_chunks.hpp"
 #include "moeblaze/config.hpp"
 #include "moeblaze/layer.hpp"
 #include "moeblaze/memory.hpp"
@@ -73,8 +74,11 @@ class Carver {
 // Workspace pieces of one forward / backward call (pointers null when only counting).
 struct ForwardWorkspace {
   bf16* a = nullptr;  // (S, n)  activation output, input of the down-projection
-  bf16* y = nullptr;  // (S, d)  expert outputs, aggregated into out
+  bf16* y = nullptr;  // (chunks.rows, d)  expert outputs of one token chunk (all S slots when
+                      //                   one chunk), aggregated into out
   gemm::GemmScratch scratch;  // down_proj's (GemmOps::scratch_bytes; empty: none)
+  TokenChunks chunks;         // the forward's chunking (layer_chunks)
+  ChunkMaps maps;             // its device maps (count > 1 only)
   size_t bytes = 0;
 };
 struct BackwardWorkspace {
@@ -82,17 +86,26 @@ struct BackwardWorkspace {
                                 //               written over the saved H)
   bf16* h = nullptr;            // (S, w1_rows)  recompute mode only: H recomputed, then dH over it
   bf16* a_scaled = nullptr;     // (S, n)        A' = s·A, second operand of dW2
-  bf16* dx_slots = nullptr;     // (S, d)        dX̃; reuses the bytes of A' (dead by then)
+  bf16* dx_slots = nullptr;     // (chunks.rows, d) dX̃ of one token chunk (all S slots when one
+                                //               chunk); reuses the bytes of A' (dead by then)
   float* ds_partials = nullptr;  // (S, ds_partials_cols(n)) per-N-tile partial sums of ds
   float* ds = nullptr;          // (S,) fp32 gate gradient by slot, gathered to pair order last
   gemm::GemmScratch scratch;    // dx_proj's (GemmOps::scratch_bytes; empty: none)
+  TokenChunks chunks;           // the backward's chunking (layer_chunks)
+  ChunkMaps maps;               // its device maps (count > 1 only)
   size_t bytes = 0;
 };
-ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, void* base);
+// The chunking the layer runs for S slots: choose_token_chunks, or one chunk on the naive oracle
+// (it has no row-range GEMMs).
+LayerChunks layer_chunks(const LayerConfig& cfg, int64_t S);
+// `chunks`: layer_chunks(cfg, S).forward, or TokenChunks::none(S) for an (S, d) Y.
+ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, const TokenChunks& chunks,
+                                   void* base);
 // dh_over_h (keep_h): no room for dH, which the caller writes over the saved H. In recompute mode
-// dH always goes over the recomputed H.
+// dH always goes over the recomputed H. `chunks`: layer_chunks(cfg, S).backward or none(S).
 BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMode mode,
-                                     int64_t ds_cols, void* base, bool dh_over_h = false);
+                                     int64_t ds_cols, const TokenChunks& chunks, void* base,
+                                     bool dh_over_h = false);
 
 // Checks what only the GPU path needs (storage dtype bf16, dims the GEMM kernels take, tensors
 // and plan on the device, 16-byte aligned data) and throws Unsupported / InvalidArgument naming

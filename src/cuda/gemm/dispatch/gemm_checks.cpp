@@ -41,6 +41,12 @@ void check_ptr(const char* fn, const void* p, const char* name, bool needed) {
   MOEBLAZE_REQUIRE(!needed || p != nullptr, fn, ": ", name, " must not be null");
 }
 
+void check_rows(const char* fn, const ExpertRows& rows, bool needed) {
+  check_ptr(fn, rows.begin, "rows.begin", needed);
+  check_ptr(fn, rows.end, "rows.end", needed);
+  check_ptr(fn, rows.out, "rows.out", needed);
+}
+
 void check_gpu_activation(const char* fn, Activation act) {
   MOEBLAZE_UNSUPPORTED_IF(act == Activation::swiglu_oai, fn, ": activation ", activation_name(act),
                           " runs on the CPU backend only for now (the fused GPU epilogues do not "

@@ -6,6 +6,10 @@
 #include "moeblaze/config.hpp"  // Activation
 #include "moeblaze/routing_plan.hpp"
 
+namespace moeblaze::cuda::gemm {
+struct ExpertRows;
+}
+
 namespace moeblaze::cuda::gemm::detail {
 
 // InvalidArgument unless the plan lives on the GPU, E >= 1, S >= 0 and S fits int32, and the
@@ -16,6 +20,10 @@ void check_plan(const char* fn, const RoutingPlanView& plan, bool gathers, bool 
 // InvalidArgument "fn: name must not be null" when p is null and `needed` (an empty operand of
 // an S = 0 call may be null).
 void check_ptr(const char* fn, const void* p, const char* name, bool needed = true);
+
+// InvalidArgument naming the missing array unless rows.begin, rows.end and rows.out are all set
+// (when `needed`).
+void check_rows(const char* fn, const ExpertRows& rows, bool needed = true);
 
 // InvalidArgument unless d, n are positive and below 2^30, then check_gemm_shape (Unsupported).
 void check_dims(const char* fn, int64_t d, int64_t n);

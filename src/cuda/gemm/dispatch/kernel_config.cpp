@@ -227,6 +227,10 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
       o.tma_swizzle = z;
       continue;
     }
+    if (key == "chunks") {
+      o.token_chunks = parse_int(item, v, 1, 1024);
+      continue;
+    }
     if (key == "impl") {
       MOEBLAZE_REQUIRE(v == "sm90" || v == "naive", "kernel override '", item,
                        "': sm90 or naive");
@@ -239,7 +243,7 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
       if (key.compare(0, dot, kShort[i]) == 0 && dot == std::string(kShort[i]).size()) g = i;
     MOEBLAZE_REQUIRE(g >= 0, "kernel override '", item, "': unknown key '", key,
                      "' (<gemm>.family|schedule|cluster|b_tma with <gemm> one of up, down, dh, "
-                     "dw2, dx, dw1; raster; tma.order; tma.swizzle; impl)");
+                     "dw2, dx, dw1; raster; tma.order; tma.swizzle; chunks; impl)");
     const std::string field = key.substr(dot + 1);
     GemmOverride& go = o.gemm[g];
     if (field == "family") {

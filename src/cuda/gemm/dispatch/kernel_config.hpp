@@ -82,6 +82,8 @@ struct KernelShape {
 //   up.b_tma         0 | 1                   (up on two_cta)
 //   raster           1..65536                (every varlen kernel's band height)
 //   tma.order        m | n,  tma.swizzle 1 | 2 | 4 | 8   (down, dx on tma)
+//   chunks           1..1024                 (token chunks of the layer's Y and dX̃; 1: none;
+//                                            cuda/layer/token_chunks.hpp)
 //   impl             sm90 | naive            (the layer's GEMMs on the naive oracle: tests)
 struct GemmOverride {
   std::optional<KernelFamily> family;
@@ -94,6 +96,7 @@ struct KernelOverrides {
   std::optional<int> raster_group;
   std::optional<bool> tma_along_n;
   std::optional<int> tma_swizzle;
+  std::optional<int> token_chunks;
   bool naive = false;
   std::string spec;  // the text it was parsed from ("" = none)
 };

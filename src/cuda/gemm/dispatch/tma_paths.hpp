@@ -24,11 +24,13 @@ TmaTileOrder tma_tile_order();
 size_t down_proj_tma_scratch_bytes(int E);
 size_t dx_proj_tma_scratch_bytes(int E);
 
-// y (S, d) = per expert a (S, n) · w2_eᵀ, w2 (E, d, n).
-void down_proj_tma(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16* y,
-                   int64_t d, int64_t n, GemmScratch scratch, cudaStream_t stream);
-// dx_slots (S, d) = per expert dh (S, w1_rows) · w1_e, w1 (E, w1_rows, d).
-void dx_proj_tma(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* dx_slots,
-                 int64_t d, int64_t w1_rows, GemmScratch scratch, cudaStream_t stream);
+// y (rows, d) = per expert a (S, n) · w2_eᵀ over `rows`, w2 (E, d, n).
+void down_proj_tma(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* a,
+                   const bf16* w2, bf16* y, int64_t d, int64_t n, GemmScratch scratch,
+                   cudaStream_t stream);
+// dx_slots (rows, d) = per expert dh (S, w1_rows) · w1_e over `rows`, w1 (E, w1_rows, d).
+void dx_proj_tma(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* dh,
+                 const bf16* w1, bf16* dx_slots, int64_t d, int64_t w1_rows, GemmScratch scratch,
+                 cudaStream_t stream);
 
 }  // namespace moeblaze::cuda::gemm::detail

@@ -12,12 +12,13 @@ size_t down_proj_tma_scratch_bytes(int E) {
   return DownGemm::scratch_bytes(E, {o.along_n, o.swizzle});
 }
 
-void down_proj_tma(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16* y,
-                   int64_t d, int64_t n, GemmScratch scratch, cudaStream_t stream) {
+void down_proj_tma(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* a,
+                   const bf16* w2, bf16* y, int64_t d, int64_t n, GemmScratch scratch,
+                   cudaStream_t stream) {
   if (plan.S == 0) return;
   const TmaTileOrder order = tma_tile_order();
-  // a (S, n): lda = n; w2 (E, d, n): d * n per expert, ldb = n; y (S, d): ldd = d.
-  tma::run<DownGemm>("down_proj", plan.expert_token_offsets, static_cast<int>(plan.E), a, n, w2,
+  // a (S, n): lda = n; w2 (E, d, n): d * n per expert, ldb = n; y (rows, d): ldd = d.
+  tma::run<DownGemm>("down_proj", rows, static_cast<int>(plan.E), a, n, w2,
                      d * n, n, y, d, static_cast<int>(d), static_cast<int>(n), scratch.data,
                      scratch.bytes, {order.along_n, order.swizzle}, stream);
 }

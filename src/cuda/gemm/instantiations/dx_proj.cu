@@ -20,7 +20,8 @@ void dx_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* 
   detail::check_ptr(fn, dx_slots, "dx_slots", plan.S > 0);
   const int64_t w1_rows = is_gated(act) ? 2 * n : n;
   if (scratch.data) {  // TMA path (tma_paths.hpp): the caller chose it (choose_kernels)
-    detail::dx_proj_tma(plan, dh, w1, dx_slots, d, w1_rows, scratch, stream);
+    detail::dx_proj_tma(plan, ExpertRows::whole(plan), dh, w1, dx_slots, d, w1_rows, scratch,
+                        stream);
     return;
   }
 
@@ -41,6 +42,22 @@ void dx_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* 
                                  static_cast<int>(d)};
   sm90::launch_varlen_m<sm90::GMajor::MN, sm90::StoreEpilogue>(p, ep, plan.S,
                                                                 sm90::raster_group(), stream);
+}
+
+void dx_proj_rows(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* dh,
+                  const bf16* w1, bf16* dx_rows, int64_t d, int64_t n, Activation act,
+                  cudaStream_t stream, GemmScratch scratch) {
+  constexpr const char* fn = "dx_proj_rows";
+  detail::check_plan(fn, plan, /*gathers=*/false, /*weights=*/false);
+  detail::check_dims(fn, d, n);
+  detail::check_rows(fn, rows, plan.S > 0);
+  detail::check_ptr(fn, dh, "dh", plan.S > 0);
+  detail::check_ptr(fn, w1, "w1", plan.S > 0);
+  detail::check_ptr(fn, dx_rows, "dx_rows", plan.S > 0);
+  MOEBLAZE_UNSUPPORTED_IF(plan.S > 0 && !scratch.data, fn, ": row ranges run on the TMA path "
+                          "only, which needs a scratch (tma_gemm_scratch_bytes)");
+  detail::dx_proj_tma(plan, rows, dh, w1, dx_rows, d, is_gated(act) ? 2 * n : n, scratch,
+                      stream);
 }
 
 }  // namespace moeblaze::cuda::gemm

@@ -12,12 +12,13 @@ size_t dx_proj_tma_scratch_bytes(int E) {
   return DxGemm::scratch_bytes(E, {o.along_n, o.swizzle});
 }
 
-void dx_proj_tma(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* dx_slots,
-                 int64_t d, int64_t w1_rows, GemmScratch scratch, cudaStream_t stream) {
+void dx_proj_tma(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* dh,
+                 const bf16* w1, bf16* dx_slots, int64_t d, int64_t w1_rows, GemmScratch scratch,
+                 cudaStream_t stream) {
   if (plan.S == 0) return;
   const TmaTileOrder order = tma_tile_order();
-  // dh (S, w1_rows): lda = w1_rows; w1 (E, w1_rows, d): ldb = d; dx_slots (S, d): ldd = d.
-  tma::run<DxGemm>("dx_proj", plan.expert_token_offsets, static_cast<int>(plan.E), dh, w1_rows,
+  // dh (S, w1_rows): lda = w1_rows; w1 (E, w1_rows, d): ldb = d; dx_slots (rows, d): ldd = d.
+  tma::run<DxGemm>("dx_proj", rows, static_cast<int>(plan.E), dh, w1_rows,
                    w1, w1_rows * d, d, dx_slots, d, static_cast<int>(d),
                    static_cast<int>(w1_rows), scratch.data, scratch.bytes,
                    {order.along_n, order.swizzle}, stream);

@@ -1,7 +1,9 @@
 // Varlen-M grouped GEMM with a CONTIGUOUS A operand, built from CUTLASS's Hopper pointer-array
 // kernel (TMA loads of both operands, a producer warp and two cooperative consumer warpgroups,
 // persistent group tile scheduler, TMA store epilogue; CUTLASS example 57):
-//   for every expert e: D[off[e] + i, :] = A[off[e] + i, :] · B_e      i < count_e
+//   for every expert e: D[rows.out[e] + i, :] = A[rows.begin[e] + i, :] · B_e
+//                       i < rows.end[e] - rows.begin[e]
+// (ExpertRows, grouped_gemm.hpp: the whole step's off[e] ranges, or one token chunk's).
 // Used by down_proj (A = act, B_e = w2_eᵀ) and dx_proj (A = dH, B_e = w1_e) when the experts'
 // row ranges are long enough for its 128 x 256 tiles (choose_kernels). Up-proj, dH and the weight
 // gradients gather an operand row by row, which a TMA descriptor cannot express (affine strides
@@ -30,6 +32,7 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include "cuda/cuda_backend.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"  // ExpertRows
 #include "cuda/gemm/pipeline/sm90_tma_desc.cuh"  // bind_current_context
 #include "moeblaze/error.hpp"
 
@@ -162,20 +165,20 @@ __host__ __device__ Stride packed_stride(int64_t ld) {
 }
 
 // One thread per expert: sizes, operand pointers and strides of group e.
-//   offsets (E+1,) int32 expert_token_offsets; a (S, lda); b (E, ...) with b_stride elements per
-//   expert and leading dimension ldb; d (S, ldd).
+//   a (rows, lda); b (E, ...) with b_stride elements per expert and leading dimension ldb;
+//   d (rows, ldd).
 template <class G>
-__global__ void build_group_args(typename G::GroupArrays g, const int32_t* __restrict__ offsets,
-                                 int E, const typename G::ElemT* a, int64_t lda,
+__global__ void build_group_args(typename G::GroupArrays g, ExpertRows rows, int E,
+                                 const typename G::ElemT* a, int64_t lda,
                                  const typename G::ElemT* b, int64_t b_stride, int64_t ldb,
                                  typename G::ElemT* d, int64_t ldd, int N, int K) {
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= E) return;
-  const int begin = offsets[e];
-  g.shapes[e] = typename G::Shape3{offsets[e + 1] - begin, N, K};
+  const int begin = rows.begin[e];
+  g.shapes[e] = typename G::Shape3{rows.end[e] - begin, N, K};
   g.ptr_a[e] = a + int64_t(begin) * lda;
   g.ptr_b[e] = b + int64_t(e) * b_stride;
-  g.ptr_d[e] = d + int64_t(begin) * ldd;
+  g.ptr_d[e] = d + int64_t(rows.out[e]) * ldd;
   g.stride_a[e] = packed_stride<typename G::StrideA>(lda);
   g.stride_b[e] = packed_stride<typename G::StrideB>(ldb);
   g.stride_d[e] = packed_stride<typename G::StrideD>(ldd);
@@ -184,7 +187,7 @@ __global__ void build_group_args(typename G::GroupArrays g, const int32_t* __res
 // Enqueues the argument build and the GEMM on `stream`. scratch: scratch_bytes(E, sc) bytes,
 // 256-byte aligned, not used by anything else until the GEMM has run (stream order).
 template <class G>
-void run(const char* fn, const int32_t* offsets, int E, const void* a, int64_t lda, const void* b,
+void run(const char* fn, ExpertRows rows, int E, const void* a, int64_t lda, const void* b,
          int64_t b_stride, int64_t ldb, void* d, int64_t ldd, int N, int K, void* scratch,
          size_t scratch_bytes, SchedulerChoice sc, cudaStream_t stream) {
   sm90::bind_current_context();  // CUTLASS's initialize encodes TMA descriptors (driver API)
@@ -197,7 +200,7 @@ void run(const char* fn, const int32_t* offsets, int E, const void* a, int64_t l
                    " the TMA grouped GEMM needs (tma_gemm_scratch_bytes)");
   using Elem = typename G::ElemT;
   build_group_args<G><<<(E + 127) / 128, 128, 0, stream>>>(
-      g, offsets, E, static_cast<const Elem*>(a), lda, static_cast<const Elem*>(b), b_stride, ldb,
+      g, rows, E, static_cast<const Elem*>(a), lda, static_cast<const Elem*>(b), b_stride, ldb,
       static_cast<Elem*>(d), ldd, N, K);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
   typename G::Gemm gemm;

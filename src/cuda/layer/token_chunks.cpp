@@ -1,0 +1,53 @@
+// The token-chunk rule (token_chunks.hpp): host code only, testable without a GPU.
+#include "cuda/layer/token_chunks.hpp"
+
+#include <algorithm>
+
+namespace moeblaze::cuda {
+
+namespace {
+
+TokenChunks pass_chunks(const LayerConfig& cfg, int64_t S, const gemm::GemmKernel& gemm,
+                        std::optional<int> override) {
+  if (S == 0) return TokenChunks::none(S, "nothing routed");
+  if (gemm.family != gemm::KernelFamily::tma_grouped)
+    return TokenChunks::none(S, "the GEMM is off the TMA path, which alone takes row ranges");
+  int64_t count = 1;
+  const char* rule = "override";
+  if (override) {
+    count = *override;
+  } else if (cfg.d <= cfg.n) {
+    return TokenChunks::none(S, "d <= n: an (S, d) buffer is no larger than A's (S, n)");
+  } else {
+    const int64_t by_width = (cfg.d + cfg.n - 1) / cfg.n;
+    const int64_t by_rows = S / (cfg.E * kChunkMinRowsPerExpert);
+    count = std::max<int64_t>(1, std::min(by_width, by_rows));
+    rule = by_width <= by_rows ? "ceil(d / n): a chunk buffer no larger than A's (S, n)"
+                               : "S / (512 E): at least 512 rows per expert per chunk";
+  }
+  const int64_t rows = (S + count - 1) / count + cfg.E;
+  if (count <= 1) return TokenChunks::none(S, rule);
+  if (rows >= S) return TokenChunks::none(S, "a chunk would be as large as the step");
+  return {count, rows, rule};
+}
+
+}  // namespace
+
+LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S,
+                                const gemm::LayerKernels& kernels, std::optional<int> override) {
+  return {pass_chunks(cfg, S, kernels.down, override), pass_chunks(cfg, S, kernels.dx, override)};
+}
+
+LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S) {
+  const gemm::KernelOverrides o = gemm::kernel_overrides();
+  return choose_token_chunks(cfg, S, gemm::choose_kernels({S, cfg.E, cfg.d, cfg.n}, o),
+                             o.token_chunks);
+}
+
+std::string describe(const TokenChunks& c) {
+  if (c.count == 1) return "1 chunk (" + std::string(c.rule) + ")";
+  return std::to_string(c.count) + " chunks of <= " + std::to_string(c.rows) + " rows (" +
+         c.rule + ")";
+}
+
+}  // namespace moeblaze::cuda
