@@ -54,8 +54,8 @@ void run_kernels(const KernelsFlags& f) {
   }
   table.print(std::cout);
 
-  Table chunks({{"config", Align::left}, {"S"}, {"pass", Align::left}, {"chunks"},
-                {"rows per chunk"}, {"rule", Align::left}});
+  Table chunks({{"config", Align::left}, {"S"}, {"mode", Align::left}, {"pass", Align::left},
+                {"chunks"}, {"rows per chunk"}, {"rule", Align::left}});
   for (const NamedConfig* c : configs) {
     const int64_t S = c->T * c->K;
     LayerConfig lc;
@@ -64,12 +64,15 @@ void run_kernels(const KernelsFlags& f) {
     lc.n = c->n;
     lc.E = c->E;
     lc.K = c->K;
-    const cuda::LayerChunks lch = cuda::choose_token_chunks(
-        lc, S, gg::choose_kernels({S, c->E, c->d, c->n}, o), o.token_chunks);
-    for (const auto& [pass, tc] : {std::pair{"forward (Y)", lch.forward},
-                                   std::pair{"backward (dX~)", lch.backward}})
-      chunks.add_row({c->name, std::to_string(S), pass, std::to_string(tc.count),
-                      std::to_string(tc.rows), tc.rule});
+    for (const LayerMode mode : {LayerMode::keep_h, LayerMode::recompute}) {
+      const cuda::LayerChunks lch = cuda::choose_token_chunks(
+          lc, S, mode, gg::choose_kernels({S, c->E, c->d, c->n}, o), o.token_chunks);
+      for (const auto& [pass, tc] : {std::pair{"forward (Y)", lch.forward},
+                                     std::pair{"backward (dX~)", lch.backward}})
+        chunks.add_row({c->name, std::to_string(S),
+                        mode == LayerMode::keep_h ? "keep_h" : "recompute", pass,
+                        std::to_string(tc.count), std::to_string(tc.rows), tc.rule});
+    }
   }
   std::cout << "\n";
   chunks.print(std::cout);

@@ -709,27 +709,35 @@ TEST(GroupedGemmChecks, KernelChoiceIsTotalAndDeterministic) {
 }
 
 // The token-chunk rule (cuda/layer/token_chunks.hpp) on the named configs and over the choice
-// grid: one chunk off the TMA path and for d <= n, else min(ceil(d / n), S / (512 E)) chunks of
-// ceil(S / count) + E rows; total, deterministic, and the override replaces the count.
+// grid: one chunk in keep_h, off the TMA path and for d <= n; in recompute min(ceil(d / n),
+// S / (512 E)) chunks of ceil(S / count) + E rows; total, deterministic, and the override
+// replaces the count in both modes.
 TEST(GroupedGemmChecks, TokenChunksFollowTheRule) {
   const gg::KernelOverrides none;
-  auto chunks = [&](int64_t S, int64_t E, int64_t d, int64_t n, std::optional<int> o = {}) {
+  auto chunks = [&](int64_t S, int64_t E, int64_t d, int64_t n, std::optional<int> o = {},
+                    LayerMode mode = LayerMode::recompute) {
     LayerConfig c;
     c.d = d, c.n = n, c.E = E, c.T = S, c.K = 1;
-    return cuda::choose_token_chunks(c, S, gg::choose_kernels({S, E, d, n}, none), o);
+    return cuda::choose_token_chunks(c, S, mode, gg::choose_kernels({S, E, d, n}, none), o);
   };
   // sm-default: d / n = 4 and 2048 rows per expert: 4 chunks in both passes.
   const cuda::LayerChunks sm = chunks(262144, 128, 4096, 1024);
   EXPECT_EQ(sm.forward, (cuda::TokenChunks{4, 65536 + 128}));
   EXPECT_EQ(sm.backward, sm.forward);
+  // keep_h runs the whole step.
+  const cuda::LayerChunks keep = chunks(262144, 128, 4096, 1024, {}, LayerMode::keep_h);
+  EXPECT_EQ(keep.forward, cuda::TokenChunks::none(262144));
+  EXPECT_EQ(keep.backward, cuda::TokenChunks::none(262144));
   // sm-7B-n256: d / n = 6, but 1536 rows per expert allow 3 chunks of >= 512.
   EXPECT_EQ(chunks(196608, 128, 1536, 256).backward.count, 3);
   EXPECT_EQ(chunks(131072, 64, 2048, 1024).backward.count, 2);  // olmoe: d / n = 2
   EXPECT_EQ(chunks(262144, 16, 1024, 4096).backward.count, 1);  // mb-conf3: d < n
   EXPECT_EQ(chunks(1000, 8, 512, 256).backward.count, 1);       // off the TMA path
   EXPECT_EQ(chunks(0, 8, 512, 128).forward, cuda::TokenChunks::none(0));
-  // The override: any count on the TMA path (also for d <= n), still one chunk off it.
+  // The override: any count on the TMA path (also for d <= n and in keep_h), still one chunk
+  // off it.
   EXPECT_EQ(chunks(4096, 8, 256, 512, 5).backward, (cuda::TokenChunks{5, 820 + 8}));
+  EXPECT_EQ(chunks(4096, 8, 256, 512, 5, LayerMode::keep_h).forward.count, 5);
   EXPECT_EQ(chunks(1000, 8, 512, 256, 5).backward.count, 1);
   EXPECT_EQ(chunks(4096, 8, 256, 128, 1).backward.count, 1);
   EXPECT_EQ(gg::parse_kernel_overrides("chunks=7").token_chunks, 7);
@@ -743,6 +751,8 @@ TEST(GroupedGemmChecks, TokenChunksFollowTheRule) {
           const cuda::LayerChunks a = chunks(S, E, d, n), b = chunks(S, E, d, n);
           ASSERT_TRUE(a.forward == b.forward && a.backward == b.backward)
               << "d " << d << " n " << n << " E " << E << " S " << S;
+          const cuda::LayerChunks k = chunks(S, E, d, n, {}, LayerMode::keep_h);
+          EXPECT_TRUE(k.forward.count == 1 && k.backward.count == 1);
           for (const cuda::TokenChunks& c : {a.forward, a.backward}) {
             EXPECT_GE(c.count, 1);
             EXPECT_STRNE(c.rule, "");

@@ -602,7 +602,7 @@ TEST(LayerGpu, TokenChunksGiveTheWholeStepsBits) {
       SCOPED_TRACE(std::string(route_name(route)) + " " + layer_mode_name(mode) + " S " +
                    std::to_string(S));
       cuda::gemm::set_kernel_overrides(cuda::gemm::parse_kernel_overrides("chunks=1"));
-      ASSERT_EQ(cuda::layer_chunks(in.cfg, S).backward.count, 1);
+      ASSERT_EQ(cuda::layer_chunks(in.cfg, S, mode).backward.count, 1);
       const size_t whole_fwd = layer_workspace_bytes(in.cfg, S, mode, Device::cuda,
                                                      LayerPass::forward, false);
       const size_t whole_bwd = layer_workspace_bytes(in.cfg, S, mode, Device::cuda,
@@ -612,7 +612,7 @@ TEST(LayerGpu, TokenChunksGiveTheWholeStepsBits) {
         SCOPED_TRACE("chunks " + std::to_string(count));
         cuda::gemm::set_kernel_overrides(
             cuda::gemm::parse_kernel_overrides("chunks=" + std::to_string(count)));
-        const cuda::LayerChunks ch = cuda::layer_chunks(in.cfg, S);
+        const cuda::LayerChunks ch = cuda::layer_chunks(in.cfg, S, mode);
         ASSERT_EQ(ch.forward.count, count) << cuda::describe(ch.forward);
         ASSERT_EQ(ch.backward.count, count) << cuda::describe(ch.backward);
         expect_same_bits(whole, run_gpu(in, mode));

@@ -11,8 +11,8 @@
 //           7 aggregate             → dx_t = Σ dX̃[slot]
 //           8 dW1 (varlen-K)        ← dH, x gathered
 //             d_pair_weights[p] = ds[token_index_map[p]]
-// Y and dX̃ run in token chunks where token_chunks.hpp's rule says (bitwise the same outputs,
-// a chunk-sized buffer instead of (S, d)).
+// Y and dX̃ run in token chunks where token_chunks.hpp's rule says (recompute mode: bitwise the
+// same outputs, a chunk-sized buffer instead of (S, d)).
 // Kept for backward: H (keep_h) and the plan, nothing else; every temporary comes from one
 // workspace Buffer per call, sized by layer_workspace_bytes. All work is stream-ordered on
 // opts.stream, so a piece of the workspace is reused as soon as its last reader was enqueued.
@@ -114,10 +114,10 @@ ChunkMaps take_maps(Carver& c, const TokenChunks& chunks, int64_t S, int64_t E) 
 
 }  // namespace
 
-LayerChunks layer_chunks(const LayerConfig& cfg, int64_t S) {
+LayerChunks layer_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode) {
   if (&gemm_ops() == &kNaiveOps) return {TokenChunks::none(S, "naive GEMMs"),
                                          TokenChunks::none(S, "naive GEMMs")};
-  return choose_token_chunks(cfg, S);
+  return choose_token_chunks(cfg, S, mode);
 }
 
 ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, const TokenChunks& chunks,
@@ -186,7 +186,7 @@ size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, 
                              bool dh_over_h) {
   MOEBLAZE_REQUIRE(S >= 0, "S (", S, ") must be >= 0");
   if (mode == LayerMode::materialized) return materialized_workspace_bytes(cfg, S);
-  const LayerChunks chunks = layer_chunks(cfg, S);
+  const LayerChunks chunks = layer_chunks(cfg, S, mode);
   if (forward) return forward_workspace(cfg, S, chunks.forward, nullptr).bytes;
   return backward_workspace(cfg, S, mode, gemm_ops().ds_partials_cols(cfg.n), chunks.backward,
                             nullptr, dh_over_h)
@@ -214,7 +214,7 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
                                     : Buffer(Device::cuda, h_bytes, opts.stream);
 
   if (cfg.T > 0) {
-    const TokenChunks chunks = layer_chunks(cfg, S).forward;
+    const TokenChunks chunks = layer_chunks(cfg, S, opts.mode).forward;
     Buffer ws = opts.workspace
                     ? Buffer::borrow(Device::cuda, opts.workspace, opts.workspace_bytes)
                     : Buffer(Device::cuda, forward_workspace(cfg, S, chunks, nullptr).bytes,
@@ -278,7 +278,7 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
 
   const int64_t ds_cols = g.ds_partials_cols(cfg.n);
   const bool dh_over_h = opts.mode == LayerMode::keep_h && opts.dh_over_h;
-  const TokenChunks chunks = layer_chunks(cfg, S).backward;
+  const TokenChunks chunks = layer_chunks(cfg, S, opts.mode).backward;
   Buffer ws = opts.workspace
                   ? Buffer::borrow(Device::cuda, opts.workspace, opts.workspace_bytes)
                   : Buffer(Device::cuda,

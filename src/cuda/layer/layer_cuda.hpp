@@ -95,14 +95,14 @@ struct BackwardWorkspace {
   ChunkMaps maps;               // its device maps (count > 1 only)
   size_t bytes = 0;
 };
-// The chunking the layer runs for S slots: choose_token_chunks, or one chunk on the naive oracle
-// (it has no row-range GEMMs).
-LayerChunks layer_chunks(const LayerConfig& cfg, int64_t S);
-// `chunks`: layer_chunks(cfg, S).forward, or TokenChunks::none(S) for an (S, d) Y.
+// The chunking the layer runs for S slots in `mode`: choose_token_chunks, or one chunk on the
+// naive oracle (it has no row-range GEMMs).
+LayerChunks layer_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode);
+// `chunks`: layer_chunks(cfg, S, mode).forward, or TokenChunks::none(S) for an (S, d) Y.
 ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, const TokenChunks& chunks,
                                    void* base);
 // dh_over_h (keep_h): no room for dH, which the caller writes over the saved H. In recompute mode
-// dH always goes over the recomputed H. `chunks`: layer_chunks(cfg, S).backward or none(S).
+// dH always goes over the recomputed H. `chunks`: layer_chunks(...).backward or none(S).
 BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMode mode,
                                      int64_t ds_cols, const TokenChunks& chunks, void* base,
                                      bool dh_over_h = false);

@@ -7,8 +7,8 @@ namespace moeblaze::cuda {
 
 namespace {
 
-TokenChunks pass_chunks(const LayerConfig& cfg, int64_t S, const gemm::GemmKernel& gemm,
-                        std::optional<int> override) {
+TokenChunks pass_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode,
+                        const gemm::GemmKernel& gemm, std::optional<int> override) {
   if (S == 0) return TokenChunks::none(S, "nothing routed");
   if (gemm.family != gemm::KernelFamily::tma_grouped)
     return TokenChunks::none(S, "the GEMM is off the TMA path, which alone takes row ranges");
@@ -16,6 +16,8 @@ TokenChunks pass_chunks(const LayerConfig& cfg, int64_t S, const gemm::GemmKerne
   const char* rule = "override";
   if (override) {
     count = *override;
+  } else if (mode != LayerMode::recompute) {
+    return TokenChunks::none(S, "keep_h: speed first (chunk edges cost partial tiles)");
   } else if (cfg.d <= cfg.n) {
     return TokenChunks::none(S, "d <= n: an (S, d) buffer is no larger than A's (S, n)");
   } else {
@@ -33,14 +35,15 @@ TokenChunks pass_chunks(const LayerConfig& cfg, int64_t S, const gemm::GemmKerne
 
 }  // namespace
 
-LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S,
+LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode,
                                 const gemm::LayerKernels& kernels, std::optional<int> override) {
-  return {pass_chunks(cfg, S, kernels.down, override), pass_chunks(cfg, S, kernels.dx, override)};
+  return {pass_chunks(cfg, S, mode, kernels.down, override),
+          pass_chunks(cfg, S, mode, kernels.dx, override)};
 }
 
-LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S) {
+LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode) {
   const gemm::KernelOverrides o = gemm::kernel_overrides();
-  return choose_token_chunks(cfg, S, gemm::choose_kernels({S, cfg.E, cfg.d, cfg.n}, o),
+  return choose_token_chunks(cfg, S, mode, gemm::choose_kernels({S, cfg.E, cfg.d, cfg.n}, o),
                              o.token_chunks);
 }
 

@@ -46,16 +46,18 @@ struct LayerChunks {
 // end in a partial 128-row tile, which stays under about an eighth of its tiles from here.
 constexpr int64_t kChunkMinRowsPerExpert = 512;
 
-// The chunking of S slots over E experts of cfg, given the kernels chosen for the shape and the
-// `chunks` kernel override (KernelOverrides::token_chunks). Total and deterministic for S >= 0.
-// Rules: one chunk unless the pass's GEMM runs on the TMA path (only it takes row ranges) and
-// d > n; then ceil(d / n) chunks (a chunk buffer no larger than A's (S, n), which the pass holds
-// anyway), fewer where an expert would get under kChunkMinRowsPerExpert rows per chunk; the
-// override replaces that count (still one chunk off the TMA path).
-LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S,
+// The chunking of S slots over E experts of cfg in `mode`, given the kernels chosen for the shape
+// and the `chunks` kernel override (KernelOverrides::token_chunks). Total and deterministic for
+// S >= 0. Rules: one chunk unless the pass's GEMM runs on the TMA path (only it takes row ranges);
+// keep_h, the speed-first mode, runs one chunk (each expert's rows end in a partial tile at every
+// chunk edge: 2-10 % of the step on the named configs); recompute, the memory-first mode, runs
+// ceil(d / n) chunks where d > n (a chunk buffer no larger than A's (S, n), which the pass holds
+// anyway), fewer where an expert would get under kChunkMinRowsPerExpert rows per chunk. The
+// override replaces the count in either mode (still one chunk off the TMA path).
+LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode,
                                 const gemm::LayerKernels& kernels, std::optional<int> override);
 // With choose_kernels for the shape and the overrides in force.
-LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S);
+LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode);
 // e.g. "4 chunks of <= 65664 rows (d / n = 4)".
 std::string describe(const TokenChunks& c);
 
