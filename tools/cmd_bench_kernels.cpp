@@ -58,12 +58,7 @@ void run_kernels(const KernelsFlags& f) {
                 {"chunks"}, {"rows per chunk"}, {"rule", Align::left}});
   for (const NamedConfig* c : configs) {
     const int64_t S = c->T * c->K;
-    LayerConfig lc;
-    lc.T = c->T;
-    lc.d = c->d;
-    lc.n = c->n;
-    lc.E = c->E;
-    lc.K = c->K;
+    const LayerConfig lc = layer_config(*c, Activation::swiglu, DType::bf16);
     for (const LayerMode mode : {LayerMode::keep_h, LayerMode::recompute}) {
       const cuda::LayerChunks lch = cuda::choose_token_chunks(
           lc, S, mode, gg::choose_kernels({S, c->E, c->d, c->n}, o), o.token_chunks);
