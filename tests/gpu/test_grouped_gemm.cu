@@ -709,7 +709,7 @@ TEST(GroupedGemmChecks, KernelChoiceIsTotalAndDeterministic) {
 }
 
 // The token-chunk rule (cuda/layer/token_chunks.hpp) on the named configs and over the choice
-// grid: one chunk in keep_h, off the TMA path and for d <= n; in recompute min(ceil(d / n),
+// grid: one chunk in keep_h, off the TMA path and for d < 2n; in recompute min(ceil(d / n),
 // S / (512 E)) chunks of ceil(S / count) + E rows; total, deterministic, and the override
 // replaces the count in both modes.
 TEST(GroupedGemmChecks, TokenChunksFollowTheRule) {
@@ -732,9 +732,11 @@ TEST(GroupedGemmChecks, TokenChunksFollowTheRule) {
   EXPECT_EQ(chunks(196608, 128, 1536, 256).backward.count, 3);
   EXPECT_EQ(chunks(131072, 64, 2048, 1024).backward.count, 2);  // olmoe: d / n = 2
   EXPECT_EQ(chunks(262144, 16, 1024, 4096).backward.count, 1);  // mb-conf3: d < n
+  EXPECT_EQ(chunks(49152, 32, 1536, 1024).backward.count, 1);   // sm-7B-n1024: d < 2n
+  EXPECT_EQ(chunks(49152, 32, 2048, 1024).backward.count, 2);   // d = 2n
   EXPECT_EQ(chunks(1000, 8, 512, 256).backward.count, 1);       // off the TMA path
   EXPECT_EQ(chunks(0, 8, 512, 128).forward, cuda::TokenChunks::none(0));
-  // The override: any count on the TMA path (also for d <= n and in keep_h), still one chunk
+  // The override: any count on the TMA path (also for d < 2n and in keep_h), still one chunk
   // off it.
   EXPECT_EQ(chunks(4096, 8, 256, 512, 5).backward, (cuda::TokenChunks{5, 820 + 8}));
   EXPECT_EQ(chunks(4096, 8, 256, 512, 5, LayerMode::keep_h).forward.count, 5);
@@ -759,7 +761,7 @@ TEST(GroupedGemmChecks, TokenChunksFollowTheRule) {
             if (c.count == 1) {
               EXPECT_EQ(c.rows, S);
             } else {
-              EXPECT_GT(d, n);
+              EXPECT_GE(d, 2 * n);
               EXPECT_LE(c.count, (d + n - 1) / n);
               EXPECT_GE(S / (E * c.count), cuda::kChunkMinRowsPerExpert);
               EXPECT_EQ(c.rows, (S + c.count - 1) / c.count + E);

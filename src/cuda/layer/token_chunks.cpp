@@ -18,8 +18,8 @@ TokenChunks pass_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode,
     count = *override;
   } else if (mode != LayerMode::recompute) {
     return TokenChunks::none(S, "keep_h: speed first (chunk edges cost partial tiles)");
-  } else if (cfg.d <= cfg.n) {
-    return TokenChunks::none(S, "d <= n: an (S, d) buffer is no larger than A's (S, n)");
+  } else if (cfg.d < 2 * cfg.n) {
+    return TokenChunks::none(S, "d < 2n: chunks would save under a third of dX~'s bytes");
   } else {
     const int64_t by_width = (cfg.d + cfg.n - 1) / cfg.n;
     const int64_t by_rows = S / (cfg.E * kChunkMinRowsPerExpert);

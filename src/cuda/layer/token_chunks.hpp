@@ -50,9 +50,10 @@ constexpr int64_t kChunkMinRowsPerExpert = 512;
 // and the `chunks` kernel override (KernelOverrides::token_chunks). Total and deterministic for
 // S >= 0. Rules: one chunk unless the pass's GEMM runs on the TMA path (only it takes row ranges);
 // keep_h, the speed-first mode, runs one chunk (each expert's rows end in a partial tile at every
-// chunk edge: 2-10 % of the step on the named configs); recompute, the memory-first mode, runs
-// ceil(d / n) chunks where d > n (a chunk buffer no larger than A's (S, n), which the pass holds
-// anyway), fewer where an expert would get under kChunkMinRowsPerExpert rows per chunk. The
+// chunk edge: 2-13 % of the step on the named configs); recompute, the memory-first mode, runs
+// ceil(d / n) chunks where d >= 2n (a chunk buffer no larger than A's (S, n), which the pass
+// holds anyway; below 2n a chunk would save under a third of dX̃'s bytes), fewer where an expert
+// would get under kChunkMinRowsPerExpert rows per chunk. The
 // override replaces the count in either mode (still one chunk off the TMA path).
 LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode,
                                 const gemm::LayerKernels& kernels, std::optional<int> override);
