@@ -525,15 +525,21 @@ def max_tokens(names, impls, args, dev, meta):
     for name in names:
         T0, d, n, E, K = shape_of(name)
         for impl in impls:
+            def probe(T):  # one line per probe: a search cut short by a timeout still says where
+                t0 = time.perf_counter()
+                ok = fits(name, impl, T, args, dev)
+                print(f"peers: {name} {impl}: T = {T}: {'fits' if ok else 'out of memory'} "
+                      f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+                return ok
             try:
                 lo, hi = 0, max(1024, T0 // 1024 * 1024)
-                while fits(name, impl, hi, args, dev):  # doubling
+                while probe(hi):  # doubling
                     lo, hi = hi, hi * 2
                     if hi > (1 << 24):
                         break
                 while hi - lo > 1024 and hi > lo * 17 // 16:  # bisection, multiples of 1024
                     mid = (lo + hi) // 2 // 1024 * 1024
-                    if fits(name, impl, mid, args, dev):
+                    if probe(mid):
                         lo = mid
                     else:
                         hi = mid

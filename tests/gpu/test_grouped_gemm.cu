@@ -718,7 +718,7 @@ TEST(GroupedGemmChecks, TokenChunksFollowTheRule) {
                     LayerMode mode = LayerMode::recompute) {
     LayerConfig c;
     c.d = d, c.n = n, c.E = E, c.T = S, c.K = 1;
-    return cuda::choose_token_chunks(c, S, mode, gg::choose_kernels({S, E, d, n}, none), o);
+    return cuda::choose_token_chunks(c, S, mode, gg::choose_kernels({S, E, d, n}, none), {o, o});
   };
   // sm-default: d / n = 4 and 2048 rows per expert: 4 chunks in both passes.
   const cuda::LayerChunks sm = chunks(262144, 128, 4096, 1024);
@@ -742,7 +742,18 @@ TEST(GroupedGemmChecks, TokenChunksFollowTheRule) {
   EXPECT_EQ(chunks(4096, 8, 256, 512, 5, LayerMode::keep_h).forward.count, 5);
   EXPECT_EQ(chunks(1000, 8, 512, 256, 5).backward.count, 1);
   EXPECT_EQ(chunks(4096, 8, 256, 128, 1).backward.count, 1);
-  EXPECT_EQ(gg::parse_kernel_overrides("chunks=7").token_chunks, 7);
+  EXPECT_EQ(gg::parse_kernel_overrides("chunks=7").token_chunks.forward, 7);
+  EXPECT_EQ(gg::parse_kernel_overrides("chunks=7").token_chunks.backward, 7);
+  const gg::KernelOverrides bwd_only = gg::parse_kernel_overrides("chunks.bwd=3");
+  EXPECT_FALSE(bwd_only.token_chunks.forward.has_value());
+  EXPECT_EQ(bwd_only.token_chunks.backward, 3);
+  LayerConfig sm_cfg;
+  sm_cfg.d = 4096, sm_cfg.n = 1024, sm_cfg.E = 128, sm_cfg.T = 32768, sm_cfg.K = 8;
+  const cuda::LayerChunks keep_bwd = cuda::choose_token_chunks(
+      sm_cfg, 262144, LayerMode::keep_h, gg::choose_kernels({262144, 128, 4096, 1024}, none),
+      bwd_only.token_chunks);
+  EXPECT_EQ(keep_bwd.forward.count, 1);
+  EXPECT_EQ(keep_bwd.backward.count, 3);
   EXPECT_EQ(cuda::describe(sm.backward),
             "4 chunks of <= 65664 rows (ceil(d / n): a chunk buffer no larger than A's (S, n))");
   int shapes = 0;
@@ -801,7 +812,9 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   refused("up.family=tma", "gathered operand cannot come by TMA");
   refused("dx.family=ws", "has no warp-specialised kernel");
   refused("dw2.schedule=pingpong", "only the ws_gather family");
-  refused("dh.cluster=2", "only dw1_proj on ws_varlen_k");
+  refused("dh.cluster=2", "only dw1_proj on ws_varlen_k and down_proj / dx_proj on tma_grouped");
+  refused("down.family=two_cta,down.cluster=1", "run on clusters");
+  EXPECT_EQ(gg::choose_kernels(sm, gg::parse_kernel_overrides("dx.cluster=1")).dx.cluster, 1);
   refused("dw1.cluster=3", "[1, 2]");
   refused("raster=0", "[1, 65536]");
   refused("up.colour=red", "unknown field 'colour'");

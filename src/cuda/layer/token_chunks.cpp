@@ -36,9 +36,10 @@ TokenChunks pass_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode,
 }  // namespace
 
 LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode,
-                                const gemm::LayerKernels& kernels, std::optional<int> override) {
-  return {pass_chunks(cfg, S, mode, kernels.down, override),
-          pass_chunks(cfg, S, mode, kernels.dx, override)};
+                                const gemm::LayerKernels& kernels,
+                                const gemm::KernelOverrides::TokenChunkOverride& override) {
+  return {pass_chunks(cfg, S, mode, kernels.down, override.forward),
+          pass_chunks(cfg, S, mode, kernels.dx, override.backward)};
 }
 
 LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode) {

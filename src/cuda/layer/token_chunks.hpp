@@ -47,7 +47,7 @@ struct LayerChunks {
 constexpr int64_t kChunkMinRowsPerExpert = 512;
 
 // The chunking of S slots over E experts of cfg in `mode`, given the kernels chosen for the shape
-// and the `chunks` kernel override (KernelOverrides::token_chunks). Total and deterministic for
+// and the `chunks` kernel overrides (KernelOverrides::token_chunks). Total and deterministic for
 // S >= 0. Rules: one chunk unless the pass's GEMM runs on the TMA path (only it takes row ranges);
 // keep_h, the speed-first mode, runs one chunk (each expert's rows end in a partial tile at every
 // chunk edge: 2-13 % of the step on the named configs); recompute, the memory-first mode, runs
@@ -56,7 +56,8 @@ constexpr int64_t kChunkMinRowsPerExpert = 512;
 // would get under kChunkMinRowsPerExpert rows per chunk. The
 // override replaces the count in either mode (still one chunk off the TMA path).
 LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode,
-                                const gemm::LayerKernels& kernels, std::optional<int> override);
+                                const gemm::LayerKernels& kernels,
+                                const gemm::KernelOverrides::TokenChunkOverride& override);
 // With choose_kernels for the shape and the overrides in force.
 LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode);
 // e.g. "4 chunks of <= 65664 rows (d / n = 4)".

@@ -120,8 +120,10 @@ void apply(int g, const GemmOverride& o, const KernelShape& s, GemmKernel& k) {
     k = ws_gather(*o.schedule, "override");
   }
   if (o.cluster) {
-    MOEBLAZE_UNSUPPORTED_IF(g != kDw1 || k.family != KernelFamily::ws_varlen_k, "kernel override ",
-                            name, ".cluster: only dw1_proj on ws_varlen_k runs on clusters");
+    const bool dw1_ws = g == kDw1 && k.family == KernelFamily::ws_varlen_k;
+    MOEBLAZE_UNSUPPORTED_IF(!dw1_ws && k.family != KernelFamily::tma_grouped, "kernel override ",
+                            name, ".cluster: only dw1_proj on ws_varlen_k and down_proj / "
+                            "dx_proj on tma_grouped run on clusters");
     k.cluster = *o.cluster;
     k.rule = "override";
   }
@@ -227,8 +229,10 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
       o.tma_swizzle = z;
       continue;
     }
-    if (key == "chunks") {
-      o.token_chunks = parse_int(item, v, 1, 1024);
+    if (key == "chunks" || key == "chunks.fwd" || key == "chunks.bwd") {
+      const int c = parse_int(item, v, 1, 1024);
+      if (key != "chunks.bwd") o.token_chunks.forward = c;
+      if (key != "chunks.fwd") o.token_chunks.backward = c;
       continue;
     }
     if (key == "impl") {
@@ -243,7 +247,7 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
       if (key.compare(0, dot, kShort[i]) == 0 && dot == std::string(kShort[i]).size()) g = i;
     MOEBLAZE_REQUIRE(g >= 0, "kernel override '", item, "': unknown key '", key,
                      "' (<gemm>.family|schedule|cluster|b_tma with <gemm> one of up, down, dh, "
-                     "dw2, dx, dw1; raster; tma.order; tma.swizzle; chunks; impl)");
+                     "dw2, dx, dw1; raster; tma.order; tma.swizzle; chunks[.fwd|.bwd]; impl)");
     const std::string field = key.substr(dot + 1);
     GemmOverride& go = o.gemm[g];
     if (field == "family") {

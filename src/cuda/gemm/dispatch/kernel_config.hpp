@@ -79,11 +79,14 @@ struct KernelShape {
 //                                            warp-specialised kernel: ws_gather or ws_varlen_k)
 //   <gemm>.schedule  cooperative | pingpong (up, dh on ws)
 //   dw1.cluster      1 | 2                   (dw1 on ws)
+//   down.cluster, dx.cluster  1 | 2          (on tma: single CTAs, or pairs sharing the weight
+//                                            tile by multicast, the automatic choice)
 //   up.b_tma         0 | 1                   (up on two_cta)
 //   raster           1..65536                (every varlen kernel's band height)
 //   tma.order        m | n,  tma.swizzle 1 | 2 | 4 | 8   (down, dx on tma)
 //   chunks           1..1024                 (token chunks of the layer's Y and dX̃; 1: none;
 //                                            cuda/layer/token_chunks.hpp)
+//   chunks.fwd, chunks.bwd  1..1024          (the same for Y or dX̃ alone)
 //   impl             sm90 | naive            (the layer's GEMMs on the naive oracle: tests)
 struct GemmOverride {
   std::optional<KernelFamily> family;
@@ -96,7 +99,9 @@ struct KernelOverrides {
   std::optional<int> raster_group;
   std::optional<bool> tma_along_n;
   std::optional<int> tma_swizzle;
-  std::optional<int> token_chunks;
+  struct TokenChunkOverride {
+    std::optional<int> forward, backward;  // Y's, dX̃'s
+  } token_chunks;
   bool naive = false;
   std::string spec;  // the text it was parsed from ("" = none)
 };
