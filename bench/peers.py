@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The side-by-side MoE layer benchmark (DESIGN's "peer rows"): moeblaze through PyTorch, the
 public peers (SonicMoE, ScatterMoE) and the torch `_grouped_mm` reference, every one handed the
-same bf16 inputs, weights and top-K routing, forward + backward of the expert layer.
+same bf16 inputs, weights and top-K routing, forward + backward of the expert layer; `torch-fp8`
+is that reference on `torch._scaled_grouped_mm` with row-wise FP8 scales (issue 20's baseline,
+bench/torch_fp8_reference.py).
 
 Rows (JSON lines, `bench: "peers"`, the layer-row fields of DESIGN):
   fwd_ms / bwd_ms / total_ms  CUDA events around the call, L2 flushed before each repetition,
@@ -51,7 +53,7 @@ EXTRA_SHAPES = {
     "dsv2-d5120": (16384, 5120, 1536, 160, 6),
 }
 DEFAULT_CONFIGS = "sm-7B-n256,sm-30B-n512,sm-default,olmoe"
-ALL_IMPLS = "moeblaze-torch,moeblaze-torch-recompute,sonicmoe,scattermoe,torch"
+ALL_IMPLS = "moeblaze-torch,moeblaze-torch-recompute,sonicmoe,scattermoe,torch,torch-fp8"
 
 
 class Skip(Exception):
@@ -151,12 +153,24 @@ def impl_torch(inp):
                                           inp.E, inp.K))
 
 
+def impl_torch_fp8(inp):
+    """Issue 20's baseline: the torch layer on torch._scaled_grouped_mm, row-wise FP8 scales."""
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        raise Skip(f"torch {torch.__version__} has no _scaled_grouped_mm")
+    if torch.cuda.get_device_capability(inp.x.device) != (9, 0):
+        raise Skip("torch's row-wise FP8 grouped GEMM runs on sm_90 (Hopper) only")
+    from torch_fp8_reference import fp8_layer
+    return as_step(inp, lambda: fp8_layer(inp.x, inp.w1, inp.w2, inp.ids, inp.weights, inp.n,
+                                          inp.E, inp.K))
+
+
 IMPLS = {
     "moeblaze-torch": lambda inp: impl_moeblaze_torch(inp, False),
     "moeblaze-torch-recompute": lambda inp: impl_moeblaze_torch(inp, True),
     "sonicmoe": impl_sonicmoe,
     "scattermoe": impl_scattermoe,
     "torch": impl_torch,
+    "torch-fp8": impl_torch_fp8,
 }
 
 

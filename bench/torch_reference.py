@@ -51,11 +51,13 @@ CONFIGS = {
 }
 
 
-def moe_layer(x, w1, w2, topk_ids, topk_w, n, E, K, pad_to=0):
+def moe_layer(x, w1, w2, topk_ids, topk_w, n, E, K, pad_to=0, grouped_mm=None):
     """What a PyTorch user writes: sort, gather, grouped GEMM, SwiGLU, grouped GEMM, weight,
     scatter-add. x (T, d) bf16, w1 (E, 2n, d), w2 (E, d, n), topk_ids (T, K) int64, topk_w (T, K)
     fp32 (requires grad). pad_to > 0 pads each expert's rows to a multiple (older _grouped_mm
-    builds need 16-row groups in backward)."""
+    builds need 16-row groups in backward). grouped_mm(a, b_t, offs): the grouped GEMM
+    (torch._grouped_mm; bench/torch_fp8_reference.py passes its FP8 one)."""
+    mm = grouped_mm or (lambda a, b_t, offs: torch._grouped_mm(a, b_t, offs=offs))
     T = x.shape[0]
     flat = topk_ids.reshape(-1)  # (T*K,)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert
@@ -74,10 +76,10 @@ def moe_layer(x, w1, w2, topk_ids, topk_w, n, E, K, pad_to=0):
     else:
         xs = x[tok]  # (S, d) gathered copy
         offs = torch.cumsum(counts, 0).to(torch.int32)
-    h = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)  # (S, 2n)
+    h = mm(xs, w1.transpose(-2, -1), offs)  # (S, 2n)
     g, u = h[:, :n], h[:, n:]
     a = F.silu(g) * u  # (S, n)
-    y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)  # (S, d)
+    y = mm(a, w2.transpose(-2, -1), offs)  # (S, d)
     if pad_to:
         y = y[dest]
     y = y * w_sorted.unsqueeze(-1).to(y.dtype)
