@@ -720,10 +720,13 @@ TEST(GroupedGemmChecks, TokenChunksFollowTheRule) {
     c.d = d, c.n = n, c.E = E, c.T = S, c.K = 1;
     return cuda::choose_token_chunks(c, S, mode, gg::choose_kernels({S, E, d, n}, none), {o, o});
   };
-  // sm-default: d / n = 4 and 2048 rows per expert: 4 chunks in both passes.
+  // sm-default: d / n = 4 and 2048 rows per expert: 4 chunks of dX̃; the forward's A and Y
+  // (S (n + d) elements) stay under backward's H/dH, A' and weight gradients: no forward chunks.
   const cuda::LayerChunks sm = chunks(262144, 128, 4096, 1024);
-  EXPECT_EQ(sm.forward, (cuda::TokenChunks{4, 65536 + 128}));
-  EXPECT_EQ(sm.backward, sm.forward);
+  EXPECT_EQ(sm.backward, (cuda::TokenChunks{4, 65536 + 128}));
+  EXPECT_EQ(sm.forward, cuda::TokenChunks::none(262144));
+  // Eight times the tokens: the forward's transients outgrow backward's, so Y is chunked too.
+  EXPECT_EQ(chunks(262144 * 8, 128, 4096, 1024).forward.count, 4);
   // keep_h runs the whole step.
   const cuda::LayerChunks keep = chunks(262144, 128, 4096, 1024, {}, LayerMode::keep_h);
   EXPECT_EQ(keep.forward, cuda::TokenChunks::none(262144));
@@ -739,6 +742,7 @@ TEST(GroupedGemmChecks, TokenChunksFollowTheRule) {
   // The override: any count on the TMA path (also for d < 2n and in keep_h), still one chunk
   // off it.
   EXPECT_EQ(chunks(4096, 8, 256, 512, 5).backward, (cuda::TokenChunks{5, 820 + 8}));
+  EXPECT_EQ(chunks(4096, 8, 256, 512, 5).forward, (cuda::TokenChunks{5, 820 + 8}));
   EXPECT_EQ(chunks(4096, 8, 256, 512, 5, LayerMode::keep_h).forward.count, 5);
   EXPECT_EQ(chunks(1000, 8, 512, 256, 5).backward.count, 1);
   EXPECT_EQ(chunks(4096, 8, 256, 128, 1).backward.count, 1);
@@ -764,6 +768,7 @@ TEST(GroupedGemmChecks, TokenChunksFollowTheRule) {
           const cuda::LayerChunks a = chunks(S, E, d, n), b = chunks(S, E, d, n);
           ASSERT_TRUE(a.forward == b.forward && a.backward == b.backward)
               << "d " << d << " n " << n << " E " << E << " S " << S;
+          EXPECT_TRUE(a.forward.count == 1 || a.forward == a.backward);
           const cuda::LayerChunks k = chunks(S, E, d, n, {}, LayerMode::keep_h);
           EXPECT_TRUE(k.forward.count == 1 && k.backward.count == 1);
           for (const cuda::TokenChunks& c : {a.forward, a.backward}) {

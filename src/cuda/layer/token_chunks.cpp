@@ -38,8 +38,20 @@ TokenChunks pass_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode,
 LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode,
                                 const gemm::LayerKernels& kernels,
                                 const gemm::KernelOverrides::TokenChunkOverride& override) {
-  return {pass_chunks(cfg, S, mode, kernels.down, override.forward),
-          pass_chunks(cfg, S, mode, kernels.dx, override.backward)};
+  LayerChunks c{pass_chunks(cfg, S, mode, kernels.down, override.forward),
+                pass_chunks(cfg, S, mode, kernels.dx, override.backward)};
+  if (!override.forward && c.forward.count > 1) {
+    // Elements: the forward's whole-step A and Y against what backward holds at its peak
+    // anyway (H/dH, A' or the dX̃ chunk, the weight gradients dW1 and dW2).
+    const double w1_rows = double(cfg.w1_rows()), n = double(cfg.n), d = double(cfg.d);
+    const double forward = double(S) * (n + d);
+    const double backward = double(S) * w1_rows +
+                            std::max(double(S) * n, double(c.backward.rows) * d) +
+                            double(cfg.E) * (w1_rows + n) * d;
+    if (forward <= backward)
+      c.forward = TokenChunks::none(S, "the forward's A and Y stay under backward's peak");
+  }
+  return c;
 }
 
 LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode) {

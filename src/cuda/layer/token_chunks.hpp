@@ -53,7 +53,10 @@ constexpr int64_t kChunkMinRowsPerExpert = 512;
 // chunk edge: 2-13 % of the step on the named configs); recompute, the memory-first mode, runs
 // ceil(d / n) chunks where d >= 2n (a chunk buffer no larger than A's (S, n), which the pass
 // holds anyway; below 2n a chunk would save under a third of dX̃'s bytes), fewer where an expert
-// would get under kChunkMinRowsPerExpert rows per chunk. The
+// would get under kChunkMinRowsPerExpert rows per chunk; the forward takes the same count only
+// where its whole-step A (S, n) and Y (S, d) would outgrow what backward holds at its peak anyway
+// (H/dH, A' or the dX̃ chunk, dW1 and dW2): elsewhere forward chunks cost time and save no peak
+// bytes. The
 // override replaces the count in either mode (still one chunk off the TMA path).
 LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode,
                                 const gemm::LayerKernels& kernels,
