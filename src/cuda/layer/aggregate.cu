@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/cuda_backend.hpp"
 #include "cuda/layer/token_chunks.hpp"
@@ -213,18 +214,27 @@ void launch_vec(const RoutingPlanView& plan, const void* rows, const float* w, v
       static_cast<T*>(out), plan.T, d);
 }
 
+// Calls f(C, B) (std::integral_constant values) with the vector layout for the plan's pairs per
+// token (the header's rule: C = 1, B = 4 above 6; C = 2, B = 4 above 2; C = 4, B = 1 otherwise).
+template <class F>
+void with_vec_layout(const RoutingPlanView& plan, F&& f) {
+  using std::integral_constant;
+  if (plan.S > 6 * plan.T) f(integral_constant<int, 1>{}, integral_constant<int, 4>{});
+  else if (plan.S > 2 * plan.T) f(integral_constant<int, 2>{}, integral_constant<int, 4>{});
+  else f(integral_constant<int, 4>{}, integral_constant<int, 1>{});
+}
+
 template <typename T, bool kWeighted>
 void launch_aggregate(const RoutingPlanView& plan, const void* rows, const float* w, void* out,
                       int64_t d, cudaStream_t stream) {
   constexpr int V = Vec<T>::kElems;
   const bool aligned = (reinterpret_cast<uintptr_t>(rows) % 16 == 0) &&
                        (reinterpret_cast<uintptr_t>(out) % 16 == 0) && d % V == 0;
-  if (aligned && plan.S > 6 * plan.T) {
-    launch_vec<T, kWeighted, 1, 4>(plan, rows, w, out, d, stream);
-  } else if (aligned && plan.S > 2 * plan.T) {
-    launch_vec<T, kWeighted, 2, 4>(plan, rows, w, out, d, stream);
-  } else if (aligned) {
-    launch_vec<T, kWeighted, 4, 1>(plan, rows, w, out, d, stream);
+  if (aligned) {
+    with_vec_layout(plan, [&](auto C, auto B) {
+      launch_vec<T, kWeighted, decltype(C)::value, decltype(B)::value>(plan, rows, w, out, d,
+                                                                       stream);
+    });
   } else {
     const int64_t blocks = (plan.T * d + kThreads - 1) / kThreads;
     MOEBLAZE_UNSUPPORTED_IF(blocks > int64_t(INT32_MAX), "aggregate: T*d (", plan.T * d,
@@ -236,8 +246,8 @@ void launch_aggregate(const RoutingPlanView& plan, const void* rows, const float
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 
-// Chunk c with the (C, B) shape launch_aggregate would pick for the plan; the grid covers the
-// chunk's share of the tokens (T / count), the loop any more.
+// Chunk c with the (C, B) layout with_vec_layout picks; the grid covers the chunk's share of the
+// tokens (T / count), the loop any more.
 template <typename T, bool kWeighted, int C, int kBatch>
 void launch_chunk(const RoutingPlanView& plan, const TokenChunks& chunks, const ChunkMaps& maps,
                   int64_t c, const void* rows, const float* w, void* out, int64_t d,
@@ -253,13 +263,13 @@ void launch_chunk(const RoutingPlanView& plan, const TokenChunks& chunks, const 
 }
 
 template <bool kWeighted>
-void launch_chunk_by_density(const RoutingPlanView& plan, const TokenChunks& chunks,
-                             const ChunkMaps& maps, int64_t c, const void* rows, const float* w,
-                             void* out, int64_t d, cudaStream_t stream) {
-  using B16 = __nv_bfloat16;
-  if (plan.S > 6 * plan.T) launch_chunk<B16, kWeighted, 1, 4>(plan, chunks, maps, c, rows, w, out, d, stream);
-  else if (plan.S > 2 * plan.T) launch_chunk<B16, kWeighted, 2, 4>(plan, chunks, maps, c, rows, w, out, d, stream);
-  else launch_chunk<B16, kWeighted, 4, 1>(plan, chunks, maps, c, rows, w, out, d, stream);
+void launch_chunk_bf16(const RoutingPlanView& plan, const TokenChunks& chunks,
+                       const ChunkMaps& maps, int64_t c, const void* rows, const float* w,
+                       void* out, int64_t d, cudaStream_t stream) {
+  with_vec_layout(plan, [&](auto C, auto B) {
+    launch_chunk<__nv_bfloat16, kWeighted, decltype(C)::value, decltype(B)::value>(
+        plan, chunks, maps, c, rows, w, out, d, stream);
+  });
 }
 
 __global__ void gather_pair_grads_kernel(const int32_t* __restrict__ token_index_map,  // (S,)
@@ -298,10 +308,9 @@ void aggregate_chunk(const RoutingPlanView& plan, const TokenChunks& chunks, con
                        reinterpret_cast<uintptr_t>(out) % 16 == 0,
                    "aggregate_chunk: rows and out must be 16-byte aligned");
   if (plan.T == 0) return;
-  slot_weights ? launch_chunk_by_density<true>(plan, chunks, maps, c, rows, slot_weights, out, d,
-                                               stream)
-               : launch_chunk_by_density<false>(plan, chunks, maps, c, rows, nullptr, out, d,
-                                                stream);
+  slot_weights
+      ? launch_chunk_bf16<true>(plan, chunks, maps, c, rows, slot_weights, out, d, stream)
+      : launch_chunk_bf16<false>(plan, chunks, maps, c, rows, nullptr, out, d, stream);
 }
 
 void gather_pair_grads(const RoutingPlanView& plan, const float* ds, float* d_pair_weights,

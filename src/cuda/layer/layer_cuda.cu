@@ -101,7 +101,7 @@ void set_gemm_impl(GemmImpl impl) { g_gemm_impl.store(int(impl)); }
 
 namespace {
 
-// The four maps of `chunks` (none for one chunk), in chunk_maps_bytes's pieces.
+// The four maps of `chunks` (none for one chunk), as ChunkMaps lays them out.
 ChunkMaps take_maps(Carver& c, const TokenChunks& chunks, int64_t S, int64_t E) {
   if (chunks.count <= 1) return {};
   ChunkMaps m;
@@ -124,7 +124,6 @@ ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, const Toke
                                    void* base) {
   Carver c(base);
   ForwardWorkspace w;
-  w.chunks = chunks;
   w.a = c.take<bf16>(S * cfg.n);
   w.y = c.take<bf16>(chunks.rows * cfg.d);
   w.scratch = take_scratch(c, S, cfg.E);
@@ -138,7 +137,6 @@ BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMod
                                      bool dh_over_h) {
   Carver c(base);
   BackwardWorkspace w;
-  w.chunks = chunks;
   // dH is written over H when H is the workspace's own (recompute) or the caller allows it.
   if (mode == LayerMode::recompute) w.h = w.dh = c.take<bf16>(S * w1_rows(cfg));
   else if (!dh_over_h) w.dh = c.take<bf16>(S * w1_rows(cfg));

@@ -77,8 +77,7 @@ struct ForwardWorkspace {
   bf16* y = nullptr;  // (chunks.rows, d)  expert outputs of one token chunk (all S slots when
                       //                   one chunk), aggregated into out
   gemm::GemmScratch scratch;  // down_proj's (GemmOps::scratch_bytes; empty: none)
-  TokenChunks chunks;         // the forward's chunking (layer_chunks)
-  ChunkMaps maps;             // its device maps (count > 1 only)
+  ChunkMaps maps;             // the forward's chunk maps (count > 1 only)
   size_t bytes = 0;
 };
 struct BackwardWorkspace {
@@ -91,8 +90,7 @@ struct BackwardWorkspace {
   float* ds_partials = nullptr;  // (S, ds_partials_cols(n)) per-N-tile partial sums of ds
   float* ds = nullptr;          // (S,) fp32 gate gradient by slot, gathered to pair order last
   gemm::GemmScratch scratch;    // dx_proj's (GemmOps::scratch_bytes; empty: none)
-  TokenChunks chunks;           // the backward's chunking (layer_chunks)
-  ChunkMaps maps;               // its device maps (count > 1 only)
+  ChunkMaps maps;               // the backward's chunk maps (count > 1 only)
   size_t bytes = 0;
 };
 // The chunking the layer runs for S slots in `mode`: choose_token_chunks, or one chunk on the

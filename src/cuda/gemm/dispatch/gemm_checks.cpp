@@ -41,10 +41,14 @@ void check_ptr(const char* fn, const void* p, const char* name, bool needed) {
   MOEBLAZE_REQUIRE(!needed || p != nullptr, fn, ": ", name, " must not be null");
 }
 
-void check_rows(const char* fn, const ExpertRows& rows, bool needed) {
-  check_ptr(fn, rows.begin, "rows.begin", needed);
-  check_ptr(fn, rows.end, "rows.end", needed);
-  check_ptr(fn, rows.out, "rows.out", needed);
+void check_rows(const char* fn, const RoutingPlanView& plan, const ExpertRows& rows,
+                bool has_scratch) {
+  if (plan.S == 0) return;
+  check_ptr(fn, rows.begin, "rows.begin");
+  check_ptr(fn, rows.end, "rows.end");
+  check_ptr(fn, rows.out, "rows.out");
+  MOEBLAZE_UNSUPPORTED_IF(!has_scratch, fn, ": row ranges run on the TMA path only, which needs "
+                          "a scratch (tma_gemm_scratch_bytes)");
 }
 
 void check_gpu_activation(const char* fn, Activation act) {

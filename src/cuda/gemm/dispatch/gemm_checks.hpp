@@ -21,9 +21,11 @@ void check_plan(const char* fn, const RoutingPlanView& plan, bool gathers, bool 
 // an S = 0 call may be null).
 void check_ptr(const char* fn, const void* p, const char* name, bool needed = true);
 
-// InvalidArgument naming the missing array unless rows.begin, rows.end and rows.out are all set
-// (when `needed`).
-void check_rows(const char* fn, const ExpertRows& rows, bool needed = true);
+// For the row-range GEMMs (down_proj_rows, dx_proj_rows) when the plan has slots: InvalidArgument
+// naming the missing array unless rows.begin, rows.end and rows.out are all set; Unsupported
+// without a scratch (row ranges run on the TMA path only).
+void check_rows(const char* fn, const RoutingPlanView& plan, const ExpertRows& rows,
+                bool has_scratch);
 
 // InvalidArgument unless d, n are positive and below 2^30, then check_gemm_shape (Unsupported).
 void check_dims(const char* fn, int64_t d, int64_t n);

@@ -36,15 +36,15 @@ void dx_proj_tma_c1(const ExpertRows& rows, int E, const bf16* dh, const bf16* w
                     bf16* dx_slots, int64_t d, int64_t w1_rows, GemmScratch scratch,
                     cudaStream_t stream);
 
-// y (rows, d) = per expert a (S, n) · w2_eᵀ over `rows`, w2 (E, d, n), on the cluster size
-// choose_kernels gives down_proj for the plan's shape.
+// y (rows, d) = per expert a (S, n) · w2_eᵀ over `rows`, w2 (E, d, n), on clusters of `cluster`
+// CTAs (1 or 2: the chosen kernel's, choose_kernels(...).down.cluster).
 void down_proj_tma(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* a,
-                   const bf16* w2, bf16* y, int64_t d, int64_t n, GemmScratch scratch,
-                   cudaStream_t stream);
-// dx_slots (rows, d) = per expert dh (S, w1_rows) · w1_e over `rows`, w1 (E, w1_rows, d); the
-// cluster size as choose_kernels gives dx_proj.
+                   const bf16* w2, bf16* y, int64_t d, int64_t n, int cluster,
+                   GemmScratch scratch, cudaStream_t stream);
+// dx_slots (rows, d) = per expert dh (S, w1_rows) · w1_e over `rows`, w1 (E, w1_rows, d); cluster
+// as above (choose_kernels(...).dx.cluster).
 void dx_proj_tma(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* dh,
-                 const bf16* w1, bf16* dx_slots, int64_t d, int64_t w1_rows, GemmScratch scratch,
-                 cudaStream_t stream);
+                 const bf16* w1, bf16* dx_slots, int64_t d, int64_t w1_rows, int cluster,
+                 GemmScratch scratch, cudaStream_t stream);
 
 }  // namespace moeblaze::cuda::gemm::detail

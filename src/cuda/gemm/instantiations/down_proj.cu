@@ -18,7 +18,8 @@ void down_proj(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16*
   detail::check_ptr(fn, w2, "w2", plan.S > 0);
   detail::check_ptr(fn, y, "y", plan.S > 0);
   if (scratch.data) {  // TMA path (tma_paths.hpp): the caller chose it (choose_kernels)
-    detail::down_proj_tma(plan, ExpertRows::whole(plan), a, w2, y, d, n, scratch, stream);
+    detail::down_proj_tma(plan, ExpertRows::whole(plan), a, w2, y, d, n,
+                          choose_kernels({plan.S, plan.E, d, n}).down.cluster, scratch, stream);
     return;
   }
 
@@ -46,13 +47,12 @@ void down_proj_rows(const RoutingPlanView& plan, const ExpertRows& rows, const b
   constexpr const char* fn = "down_proj_rows";
   detail::check_plan(fn, plan, /*gathers=*/false, /*weights=*/false);
   detail::check_dims(fn, d, n);
-  detail::check_rows(fn, rows, plan.S > 0);
   detail::check_ptr(fn, a, "a", plan.S > 0);
   detail::check_ptr(fn, w2, "w2", plan.S > 0);
   detail::check_ptr(fn, y_rows, "y_rows", plan.S > 0);
-  MOEBLAZE_UNSUPPORTED_IF(plan.S > 0 && !scratch.data, fn, ": row ranges run on the TMA path "
-                          "only, which needs a scratch (tma_gemm_scratch_bytes)");
-  detail::down_proj_tma(plan, rows, a, w2, y_rows, d, n, scratch, stream);
+  detail::check_rows(fn, plan, rows, scratch.data != nullptr);
+  detail::down_proj_tma(plan, rows, a, w2, y_rows, d, n,
+                        choose_kernels({plan.S, plan.E, d, n}).down.cluster, scratch, stream);
 }
 
 }  // namespace moeblaze::cuda::gemm

@@ -17,11 +17,11 @@ size_t down_proj_tma_scratch_bytes(int E) {
 }
 
 void down_proj_tma(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* a,
-                   const bf16* w2, bf16* y, int64_t d, int64_t n, GemmScratch scratch,
-                   cudaStream_t stream) {
+                   const bf16* w2, bf16* y, int64_t d, int64_t n, int cluster,
+                   GemmScratch scratch, cudaStream_t stream) {
   if (plan.S == 0) return;
   const int E = static_cast<int>(plan.E);
-  if (choose_kernels({plan.S, plan.E, d, n}).down.cluster == 1) {
+  if (cluster == 1) {
     down_proj_tma_c1(rows, E, a, w2, y, d, n, scratch, stream);
     return;
   }

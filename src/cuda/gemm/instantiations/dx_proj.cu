@@ -20,8 +20,8 @@ void dx_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* 
   detail::check_ptr(fn, dx_slots, "dx_slots", plan.S > 0);
   const int64_t w1_rows = is_gated(act) ? 2 * n : n;
   if (scratch.data) {  // TMA path (tma_paths.hpp): the caller chose it (choose_kernels)
-    detail::dx_proj_tma(plan, ExpertRows::whole(plan), dh, w1, dx_slots, d, w1_rows, scratch,
-                        stream);
+    detail::dx_proj_tma(plan, ExpertRows::whole(plan), dh, w1, dx_slots, d, w1_rows,
+                        choose_kernels({plan.S, plan.E, d, n}).dx.cluster, scratch, stream);
     return;
   }
 
@@ -50,14 +50,12 @@ void dx_proj_rows(const RoutingPlanView& plan, const ExpertRows& rows, const bf1
   constexpr const char* fn = "dx_proj_rows";
   detail::check_plan(fn, plan, /*gathers=*/false, /*weights=*/false);
   detail::check_dims(fn, d, n);
-  detail::check_rows(fn, rows, plan.S > 0);
   detail::check_ptr(fn, dh, "dh", plan.S > 0);
   detail::check_ptr(fn, w1, "w1", plan.S > 0);
   detail::check_ptr(fn, dx_rows, "dx_rows", plan.S > 0);
-  MOEBLAZE_UNSUPPORTED_IF(plan.S > 0 && !scratch.data, fn, ": row ranges run on the TMA path "
-                          "only, which needs a scratch (tma_gemm_scratch_bytes)");
-  detail::dx_proj_tma(plan, rows, dh, w1, dx_rows, d, is_gated(act) ? 2 * n : n, scratch,
-                      stream);
+  detail::check_rows(fn, plan, rows, scratch.data != nullptr);
+  detail::dx_proj_tma(plan, rows, dh, w1, dx_rows, d, is_gated(act) ? 2 * n : n,
+                      choose_kernels({plan.S, plan.E, d, n}).dx.cluster, scratch, stream);
 }
 
 }  // namespace moeblaze::cuda::gemm

@@ -17,12 +17,11 @@ size_t dx_proj_tma_scratch_bytes(int E) {
 }
 
 void dx_proj_tma(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* dh,
-                 const bf16* w1, bf16* dx_slots, int64_t d, int64_t w1_rows, GemmScratch scratch,
-                 cudaStream_t stream) {
+                 const bf16* w1, bf16* dx_slots, int64_t d, int64_t w1_rows, int cluster,
+                 GemmScratch scratch, cudaStream_t stream) {
   if (plan.S == 0) return;
   const int E = static_cast<int>(plan.E);
-  // The choice's n: w1_rows is 2n for gated activations, n otherwise; the TMA rule reads S, E.
-  if (choose_kernels({plan.S, plan.E, d, w1_rows}).dx.cluster == 1) {
+  if (cluster == 1) {
     dx_proj_tma_c1(rows, E, dh, w1, dx_slots, d, w1_rows, scratch, stream);
     return;
   }
