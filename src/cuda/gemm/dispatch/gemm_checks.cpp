@@ -41,6 +41,16 @@ void check_ptr(const char* fn, const void* p, const char* name, bool needed) {
   MOEBLAZE_REQUIRE(!needed || p != nullptr, fn, ": ", name, " must not be null");
 }
 
+void check_contiguous_a(const char* fn, const RoutingPlanView& plan, int64_t d, int64_t n,
+                        const void* a, const char* a_name, const void* b, const char* b_name,
+                        const void* out, const char* out_name) {
+  check_plan(fn, plan, /*gathers=*/false, /*weights=*/false);
+  check_dims(fn, d, n);
+  check_ptr(fn, a, a_name, plan.S > 0);
+  check_ptr(fn, b, b_name, plan.S > 0);
+  check_ptr(fn, out, out_name, plan.S > 0);
+}
+
 void check_rows(const char* fn, const RoutingPlanView& plan, const ExpertRows& rows,
                 bool has_scratch) {
   if (plan.S == 0) return;

@@ -21,6 +21,12 @@ void check_plan(const char* fn, const RoutingPlanView& plan, bool gathers, bool 
 // an S = 0 call may be null).
 void check_ptr(const char* fn, const void* p, const char* name, bool needed = true);
 
+// The contiguous-A GEMMs' (down_proj, dx_proj and their _rows forms) common checks: check_plan
+// (no gather, no weights), check_dims, and the operands a, b and the output present when S > 0.
+void check_contiguous_a(const char* fn, const RoutingPlanView& plan, int64_t d, int64_t n,
+                        const void* a, const char* a_name, const void* b, const char* b_name,
+                        const void* out, const char* out_name);
+
 // For the row-range GEMMs (down_proj_rows, dx_proj_rows) when the plan has slots: InvalidArgument
 // naming the missing array unless rows.begin, rows.end and rows.out are all set; Unsupported
 // without a scratch (row ranges run on the TMA path only).

@@ -11,12 +11,7 @@ namespace moeblaze::cuda::gemm {
 
 void down_proj(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16* y, int64_t d,
                int64_t n, cudaStream_t stream, GemmScratch scratch) {
-  constexpr const char* fn = "down_proj";
-  detail::check_plan(fn, plan, /*gathers=*/false, /*weights=*/false);
-  detail::check_dims(fn, d, n);
-  detail::check_ptr(fn, a, "a", plan.S > 0);
-  detail::check_ptr(fn, w2, "w2", plan.S > 0);
-  detail::check_ptr(fn, y, "y", plan.S > 0);
+  detail::check_contiguous_a("down_proj", plan, d, n, a, "a", w2, "w2", y, "y");
   if (scratch.data) {  // TMA path (tma_paths.hpp): the caller chose it (choose_kernels)
     detail::down_proj_tma(plan, ExpertRows::whole(plan), a, w2, y, d, n,
                           choose_kernels({plan.S, plan.E, d, n}).down.cluster, scratch, stream);
@@ -44,13 +39,8 @@ void down_proj(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16*
 void down_proj_rows(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* a,
                     const bf16* w2, bf16* y_rows, int64_t d, int64_t n, cudaStream_t stream,
                     GemmScratch scratch) {
-  constexpr const char* fn = "down_proj_rows";
-  detail::check_plan(fn, plan, /*gathers=*/false, /*weights=*/false);
-  detail::check_dims(fn, d, n);
-  detail::check_ptr(fn, a, "a", plan.S > 0);
-  detail::check_ptr(fn, w2, "w2", plan.S > 0);
-  detail::check_ptr(fn, y_rows, "y_rows", plan.S > 0);
-  detail::check_rows(fn, plan, rows, scratch.data != nullptr);
+  detail::check_contiguous_a("down_proj_rows", plan, d, n, a, "a", w2, "w2", y_rows, "y_rows");
+  detail::check_rows("down_proj_rows", plan, rows, scratch.data != nullptr);
   detail::down_proj_tma(plan, rows, a, w2, y_rows, d, n,
                         choose_kernels({plan.S, plan.E, d, n}).down.cluster, scratch, stream);
 }

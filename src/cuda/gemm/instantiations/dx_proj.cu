@@ -12,12 +12,7 @@ namespace moeblaze::cuda::gemm {
 
 void dx_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* dx_slots,
              int64_t d, int64_t n, Activation act, cudaStream_t stream, GemmScratch scratch) {
-  constexpr const char* fn = "dx_proj";
-  detail::check_plan(fn, plan, /*gathers=*/false, /*weights=*/false);
-  detail::check_dims(fn, d, n);
-  detail::check_ptr(fn, dh, "dh", plan.S > 0);
-  detail::check_ptr(fn, w1, "w1", plan.S > 0);
-  detail::check_ptr(fn, dx_slots, "dx_slots", plan.S > 0);
+  detail::check_contiguous_a("dx_proj", plan, d, n, dh, "dh", w1, "w1", dx_slots, "dx_slots");
   const int64_t w1_rows = is_gated(act) ? 2 * n : n;
   if (scratch.data) {  // TMA path (tma_paths.hpp): the caller chose it (choose_kernels)
     detail::dx_proj_tma(plan, ExpertRows::whole(plan), dh, w1, dx_slots, d, w1_rows,
@@ -47,13 +42,8 @@ void dx_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* 
 void dx_proj_rows(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* dh,
                   const bf16* w1, bf16* dx_rows, int64_t d, int64_t n, Activation act,
                   cudaStream_t stream, GemmScratch scratch) {
-  constexpr const char* fn = "dx_proj_rows";
-  detail::check_plan(fn, plan, /*gathers=*/false, /*weights=*/false);
-  detail::check_dims(fn, d, n);
-  detail::check_ptr(fn, dh, "dh", plan.S > 0);
-  detail::check_ptr(fn, w1, "w1", plan.S > 0);
-  detail::check_ptr(fn, dx_rows, "dx_rows", plan.S > 0);
-  detail::check_rows(fn, plan, rows, scratch.data != nullptr);
+  detail::check_contiguous_a("dx_proj_rows", plan, d, n, dh, "dh", w1, "w1", dx_rows, "dx_rows");
+  detail::check_rows("dx_proj_rows", plan, rows, scratch.data != nullptr);
   detail::dx_proj_tma(plan, rows, dh, w1, dx_rows, d, is_gated(act) ? 2 * n : n,
                       choose_kernels({plan.S, plan.E, d, n}).dx.cluster, scratch, stream);
 }
