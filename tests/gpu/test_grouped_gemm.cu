@@ -224,6 +224,11 @@ std::vector<Case> all_cases() {
 
 class GroupedGemm : public ::testing::TestWithParam<Case> {};
 
+// Back to no kernel overrides when a scope ends, also when an assertion leaves a test early.
+struct ClearOverridesOnExit {
+  ~ClearOverridesOnExit() { gg::clear_kernel_overrides(); }
+};
+
 // Inputs shared by the tests of one case.
 struct Inputs {
   Case c;
@@ -335,8 +340,20 @@ TEST_P(GroupedGemm, DownProjContiguous) {
   const TmaScratch ts(c.E);
   run_twice({&y}, [&] { gg::down_proj(dp.view, cb(a), cb(w2), mb(y), d, n, nullptr, ts.get()); });
   const double ey_tma = check_rel("y (TMA path)", download<bf16>(y), y_ref, rel_tolerance(DType::bf16));
-  std::printf("[down %s] S=%lld err y %.2e, TMA path %.2e\n", case_name(c).c_str(), (long long)S,
-              ey, ey_tma);
+  // The warp-specialised kernel with A read by slot, both schedules (the down.family=ws choice).
+  double ey_ws[2];
+  {
+    const ClearOverridesOnExit clear_on_exit;
+    for (int pp = 0; pp < 2; ++pp) {
+      gg::set_kernel_overrides(gg::parse_kernel_overrides(
+          pp ? "down.family=ws,down.schedule=pingpong" : "down.family=ws"));
+      run_twice({&y}, [&] { gg::down_proj(dp.view, cb(a), cb(w2), mb(y), d, n, nullptr); });
+      ey_ws[pp] = check_rel(pp ? "y (ws ping-pong)" : "y (ws cooperative)", download<bf16>(y),
+                            y_ref, rel_tolerance(DType::bf16));
+    }
+  }
+  std::printf("[down %s] S=%lld err y %.2e, TMA path %.2e, ws %.2e, ws-pp %.2e\n",
+              case_name(c).c_str(), (long long)S, ey, ey_tma, ey_ws[0], ey_ws[1]);
 }
 
 // ---- (4) dH with the dActivation / ds / A' epilogue, + reduce_ds ---------------------------
@@ -549,8 +566,21 @@ TEST_P(GroupedGemm, DxProjWeightNMajor) {
   });
   const double ex_tma =
       check_rel("dx_slots (TMA path)", download<bf16>(dx), dx_ref, rel_tolerance(DType::bf16));
-  std::printf("[dX  %s] S=%lld err dx %.2e, TMA path %.2e\n", case_name(c).c_str(), (long long)S,
-              ex, ex_tma);
+  double ex_ws[2];
+  {
+    const ClearOverridesOnExit clear_on_exit;
+    for (int pp = 0; pp < 2; ++pp) {
+      gg::set_kernel_overrides(gg::parse_kernel_overrides(
+          pp ? "dx.family=ws,dx.schedule=pingpong" : "dx.family=ws"));
+      run_twice({&dx}, [&] {
+        gg::dx_proj(dp.view, cb(dh), cb(w1), mb(dx), d, c.n, c.act, nullptr);
+      });
+      ex_ws[pp] = check_rel(pp ? "dx_slots (ws ping-pong)" : "dx_slots (ws cooperative)",
+                            download<bf16>(dx), dx_ref, rel_tolerance(DType::bf16));
+    }
+  }
+  std::printf("[dX  %s] S=%lld err dx %.2e, TMA path %.2e, ws %.2e, ws-pp %.2e\n",
+              case_name(c).c_str(), (long long)S, ex, ex_tma, ex_ws[0], ex_ws[1]);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, GroupedGemm, ::testing::ValuesIn(all_cases()),
@@ -815,7 +845,12 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
     }
   };
   refused("up.family=tma", "gathered operand cannot come by TMA");
-  refused("dx.family=ws", "has no warp-specialised kernel");
+  const gg::LayerKernels ws = gg::choose_kernels(
+      sm, gg::parse_kernel_overrides("down.family=ws,dx.family=ws,dx.schedule=pingpong"));
+  EXPECT_EQ(ws.down.family, KernelFamily::ws_gather);
+  EXPECT_EQ(ws.down.schedule, gg::KernelSchedule::cooperative);
+  EXPECT_EQ(ws.dx.schedule, gg::KernelSchedule::ping_pong);
+  refused("dx.schedule=pingpong", "only the ws_gather family");
   refused("dw2.schedule=pingpong", "only the ws_gather family");
   refused("dh.cluster=2", "only dw1_proj on ws_varlen_k and down_proj / dx_proj on tma_grouped");
   refused("down.family=two_cta,down.cluster=1", "run on clusters");
@@ -826,11 +861,13 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   refused("wx.family=ws", "unknown key 'wx.family'");
   refused("dh", "expected key=value");
   refused("chunks=0", "[1, 1024]");
-  try {
-    gg::choose_kernels({1 << 20, 5000, 4096, 1024}, gg::parse_kernel_overrides("dh.family=ws"));
-    ADD_FAILURE() << "ws_gather with E = 5000 was accepted";
-  } catch (const Unsupported& e) {
-    EXPECT_NE(std::string(e.what()).find("E <= 4096"), std::string::npos) << e.what();
+  for (const char* spec : {"dh.family=ws", "down.family=ws"}) {
+    try {
+      gg::choose_kernels({1 << 20, 5000, 4096, 1024}, gg::parse_kernel_overrides(spec));
+      ADD_FAILURE() << spec << " with E = 5000 was accepted";
+    } catch (const Unsupported& e) {
+      EXPECT_NE(std::string(e.what()).find("E <= 4096"), std::string::npos) << e.what();
+    }
   }
 }
 

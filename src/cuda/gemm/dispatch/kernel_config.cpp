@@ -95,10 +95,7 @@ void apply(int g, const GemmOverride& o, const KernelShape& s, GemmKernel& k) {
     const KernelFamily f = *o.family;
     MOEBLAZE_UNSUPPORTED_IF(f == KernelFamily::tma_grouped && gathered, "kernel override ", name,
                             ".family=tma: a gathered operand cannot come by TMA");
-    MOEBLAZE_UNSUPPORTED_IF(f != KernelFamily::two_cta && f != KernelFamily::tma_grouped &&
-                                !gathered,
-                            "kernel override ", name, ".family=ws: ", name,
-                            " has no warp-specialised kernel (two_cta or tma)");
+    // down / dx on ws: the gather kernel with A read by slot (no gather table).
     if (f == KernelFamily::two_cta) {
       k = two_cta("override");
       k.b_by_tma = g == kUp;
@@ -115,8 +112,9 @@ void apply(int g, const GemmOverride& o, const KernelShape& s, GemmKernel& k) {
   }
   if (o.schedule) {
     MOEBLAZE_UNSUPPORTED_IF(k.family != KernelFamily::ws_gather, "kernel override ", name,
-                            ".schedule: only the ws_gather family (up_proj, dh_proj) has "
-                            "schedules; ", name, " runs ", family_name(k.family));
+                            ".schedule: only the ws_gather family (up_proj, dh_proj; down_proj "
+                            "and dx_proj with <gemm>.family=ws) has schedules; ", name, " runs ",
+                            family_name(k.family));
     k = ws_gather(*o.schedule, "override");
   }
   if (o.cluster) {

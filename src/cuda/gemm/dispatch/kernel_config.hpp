@@ -16,6 +16,7 @@ enum class KernelFamily : uint8_t {
   two_cta,      // sm90_varlen_m.cuh, dw_proj.cu: every thread loads and multiplies, 2 CTAs per SM
   ws_gather,    // sm90_ws_gather.cuh: persistent, producer warpgroup (cp.async gather, weights by
                 //   TMA) feeding consumer warpgroups; up_proj and dh_proj, E <= kWsMaxExperts
+                //   (down_proj and dx_proj by override: A read by slot, no gather table)
   ws_varlen_k,  // sm90_ws_varlen_k.cuh: persistent varlen-K (dW2, dW1), any E
   tma_grouped,  // sm90_tma_grouped.cuh: CUTLASS pointer-array grouped GEMM, both operands by TMA
                 //   (down_proj, dx_proj: A contiguous per expert)
@@ -77,7 +78,7 @@ struct KernelShape {
 // comma-separated key=value items, e.g. "dw1.cluster=2,dh.schedule=pingpong,down.family=two_cta".
 //   <gemm>.family    two_cta | ws | tma     (<gemm>: up down dh dw2 dx dw1; ws = the family's
 //                                            warp-specialised kernel: ws_gather or ws_varlen_k)
-//   <gemm>.schedule  cooperative | pingpong (up, dh on ws)
+//   <gemm>.schedule  cooperative | pingpong (up, dh, down, dx on ws)
 //   dw1.cluster      1 | 2                   (dw1 on ws)
 //   down.cluster, dx.cluster  1 | 2          (on tma: single CTAs, or pairs sharing the weight
 //                                            tile by multicast, the automatic choice)

@@ -1,20 +1,28 @@
 // (2) down-projection: y[r, :] = W2_e a[r, :] — varlen-M, A contiguous, B = w2 K-major, plain
 // bf16 store. One instantiation: varlen_m_kernel<K-major B, StoreEpilogue>; with a scratch the
-// TMA path of down_proj_tma.cu runs instead.
+// TMA path of down_proj_tma.cu runs instead, and where the chosen kernel is ws_gather the
+// warp-specialised kernel (down_proj_ws.cu, down_proj_pp.cu).
 #include "cuda/gemm/dispatch/gemm_checks.hpp"
 #include "cuda/gemm/dispatch/raster.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/gemm/kernels/sm90_varlen_m.cuh"
 #include "cuda/gemm/dispatch/tma_paths.hpp"
+#include "cuda/gemm/dispatch/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm {
 
 void down_proj(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16* y, int64_t d,
                int64_t n, cudaStream_t stream, GemmScratch scratch) {
   detail::check_contiguous_a("down_proj", plan, d, n, a, "a", w2, "w2", y, "y");
+  const GemmKernel k = choose_kernels({plan.S, plan.E, d, n}).down;
+  if (k.family == KernelFamily::ws_gather) {
+    (k.schedule == KernelSchedule::ping_pong ? detail::down_proj_pp : detail::down_proj_ws)(
+        plan, a, w2, y, d, n, stream);
+    return;
+  }
   if (scratch.data) {  // TMA path (tma_paths.hpp): the caller chose it (choose_kernels)
-    detail::down_proj_tma(plan, ExpertRows::whole(plan), a, w2, y, d, n,
-                          choose_kernels({plan.S, plan.E, d, n}).down.cluster, scratch, stream);
+    detail::down_proj_tma(plan, ExpertRows::whole(plan), a, w2, y, d, n, k.cluster, scratch,
+                          stream);
     return;
   }
 

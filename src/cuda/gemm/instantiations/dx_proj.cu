@@ -1,12 +1,14 @@
 // (6) dX̃: dx_slots[r, :] = W1_eᵀ dh[r, :] — varlen-M, A = dh contiguous, B = w1 read N-major
 // (the reduction runs over w1's rows), plain bf16 store. One instantiation:
 // varlen_m_kernel<N-major B, StoreEpilogue>; with a scratch the TMA path of dx_proj_tma.cu runs
-// instead.
+// instead, and where the chosen kernel is ws_gather the warp-specialised kernel (dx_proj_ws.cu,
+// dx_proj_pp.cu).
 #include "cuda/gemm/dispatch/gemm_checks.hpp"
 #include "cuda/gemm/dispatch/raster.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/gemm/kernels/sm90_varlen_m.cuh"
 #include "cuda/gemm/dispatch/tma_paths.hpp"
+#include "cuda/gemm/dispatch/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm {
 
@@ -14,9 +16,15 @@ void dx_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* 
              int64_t d, int64_t n, Activation act, cudaStream_t stream, GemmScratch scratch) {
   detail::check_contiguous_a("dx_proj", plan, d, n, dh, "dh", w1, "w1", dx_slots, "dx_slots");
   const int64_t w1_rows = is_gated(act) ? 2 * n : n;
+  const GemmKernel k = choose_kernels({plan.S, plan.E, d, n}).dx;
+  if (k.family == KernelFamily::ws_gather) {
+    (k.schedule == KernelSchedule::ping_pong ? detail::dx_proj_pp : detail::dx_proj_ws)(
+        plan, dh, w1, dx_slots, d, w1_rows, stream);
+    return;
+  }
   if (scratch.data) {  // TMA path (tma_paths.hpp): the caller chose it (choose_kernels)
-    detail::dx_proj_tma(plan, ExpertRows::whole(plan), dh, w1, dx_slots, d, w1_rows,
-                        choose_kernels({plan.S, plan.E, d, n}).dx.cluster, scratch, stream);
+    detail::dx_proj_tma(plan, ExpertRows::whole(plan), dh, w1, dx_slots, d, w1_rows, k.cluster,
+                        scratch, stream);
     return;
   }
 

@@ -1,5 +1,8 @@
 // Warp-specialised, persistent varlen-M grouped GEMM with a gathered A operand (sm_90a):
 //   C[slot, :] = A[gather[slot], :] · B_eᵀ        for every slot of expert e
+// or, with kTmaA, C[slot, :] = A[slot, :] · B_eᵀ (the contiguous-A GEMMs down_proj and dx_proj:
+// A's 128 rows of a tile come by TMA like B, from one descriptor for all experts; rows past the
+// expert's end are the next expert's and feed only rows the epilogue does not store)
 // the design of DESIGN.md's GEMM section for the gathered GEMMs, which the 2-CTA kernels of
 // sm90_varlen_m.cuh approximate without warp specialisation:
 //   * one CTA per SM (persistent), 384 threads: warpgroup 0 is the producer, warpgroups 1 and 2
@@ -10,7 +13,8 @@
 //     and one of its threads loads B (the weights, K-major) by TMA, four 64 x 64 boxes per stage;
 //   * a kStages-deep shared-memory ring with two mbarriers per stage: full[s] completes when the
 //     128 producer threads' cp.async (cp.async.mbarrier.arrive.noinc) and B's TMA bytes have
-//     landed, empty[s] when all 256 consumer threads' WGMMAs that read it have retired;
+//     landed, empty[s] when the WGMMAs of every consumer warp that read it have retired (one
+//     arrival per warp);
 //   * the tile loop walks (expert, m-tile, n-tile) in raster_tile's order from a per-CTA table of
 //     each expert's first m-tile, built once from expert_token_offsets (no host sync), so the
 //     producer runs into the next tile's loads while the consumers are in this tile's epilogue.
@@ -81,7 +85,7 @@ struct Layouts {
 struct Args {
   const __nv_bfloat16* a;   // (rows, lda) bf16, rows gathered per slot
   int64_t lda;
-  const int32_t* gather;    // (S,) slot -> A row
+  const int32_t* gather;    // (S,) slot -> A row (unused with A by TMA)
   const int32_t* offsets;   // (E+1,) expert_token_offsets
   int E;
   int K;                    // reduction length, a multiple of kBK
@@ -99,6 +103,7 @@ struct Args {
   int gate_split;
   int raster_group;         // band height of raster_tile
   CUtensorMap tma_b;        // that 2D tensor, 64 x 64 boxes (set by launch_gather_gemm)
+  CUtensorMap tma_a;        // kTmaA: A (S, K) row-major, 64 x 64 boxes (set by launch_gather_gemm)
 };
 
 // The Args fields every gathered GEMM sets alike: A (rows, K) bf16 gathered per slot through the
@@ -161,7 +166,7 @@ __device__ __forceinline__ void build_tile_table(const Args& p, int* tile_start)
 template <class Sched>
 inline size_t smem_bytes(int E) { return RingOf<Sched>::kBytes + 4 * (size_t(E) + 1); }
 
-template <GMajor kMajorB, class Epi, class Sched>
+template <GMajor kMajorB, class Epi, class Sched, bool kTmaA = false>
 __global__ void __launch_bounds__(kThreads, 1)
     gather_gemm_kernel(const __grid_constant__ Args p, const typename Epi::Params ep) {
   using namespace cute;
@@ -198,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int slot = tl.m_begin + (tid >> 3) + 16 * j;
-        src[j] = slot < tl.m_end ? __ldg(p.gather + slot) : -1;
+        src[j] = !kTmaA && slot < tl.m_end ? __ldg(p.gather + slot) : -1;
       }
       // TMA box h of a stage: column b_x[h] (+ 64 kt for K-major), row b_y[h] (+ 64 kt for
       // MN-major) of the 2D view.
@@ -222,7 +227,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int stage = pos.stage;
         Barrier::wait(&ring.empty[stage], pos.phase ^ 1);  // the consumers released this stage
         if (tid == 0) {
-          Barrier::arrive_and_expect_tx(&ring.full[stage], kBoxes * kBoxBytes);
+          Barrier::arrive_and_expect_tx(&ring.full[stage],
+                                        kBoxes * kBoxBytes + (kTmaA ? kStageBytesA : 0));
           char* dst = ring.b + stage * R::kStageBytesB;
 #pragma unroll
           for (int h = 0; h < kBoxes; ++h)
@@ -231,13 +237,24 @@ __global__ void __launch_bounds__(kThreads, 1)
                                    dst + h * kBoxBytes,
                                    kMajorB == GMajor::K ? kt * kBK : b_x[h],
                                    kMajorB == GMajor::K ? b_y[h] : b_y[h] + kt * kBK);
-        }
-        const uint32_t a_stage = a_base + stage * kStageBytesA;
-        const __nv_bfloat16* a_k = p.a + kt * kBK + chunk * 8;
+          if constexpr (kTmaA) {  // the tile's 128 rows as two 64-row boxes (past S: zero fill)
+            char* a_dst = ring.a + stage * kStageBytesA;
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-          cp_async_16(a_stage + soff0 + j * 16 * 128,
-                      src[j] >= 0 ? a_k + int64_t(src[j]) * p.lda : p.a, src[j] >= 0);
+            for (int h = 0; h < kBM / kBox; ++h)
+              SM90_TMA_LOAD_2D::copy(&p.tma_a, &ring.full[stage],
+                                     static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
+                                     a_dst + h * kBoxBytes, kt * kBK, tl.m_begin + h * kBox);
+          }
+        }
+        if constexpr (!kTmaA) {
+          const uint32_t a_stage = a_base + stage * kStageBytesA;
+          const __nv_bfloat16* a_k = p.a + kt * kBK + chunk * 8;
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            cp_async_16(a_stage + soff0 + j * 16 * 128,
+                        src[j] >= 0 ? a_k + int64_t(src[j]) * p.lda : p.a, src[j] >= 0);
+        }
+        // With A by TMA no copy is pending, so this arrives at once: the barrier's count stays.
         cutlass::arch::cpasync_barrier_arrive_noinc(&ring.full[stage]);
         pos.advance();
       }
@@ -262,7 +279,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // (ceil(S / kBM) + E) * n_tiles).
 // b: the stacked weights (E * b_rows_per_expert, b_cols) behind Args::tma_b; raster_group: the
 // host's band height (dispatch/raster.hpp).
-template <GMajor kMajorB, class Epi, class Sched>
+template <GMajor kMajorB, class Epi, class Sched, bool kTmaA = false>
 void launch_gather_gemm(const Args& p, const void* b, const typename Epi::Params& ep, int64_t S,
                         int raster_group, cudaStream_t stream) {
   if (S == 0) return;
@@ -273,7 +290,11 @@ void launch_gather_gemm(const Args& p, const void* b, const typename Epi::Params
   MOEBLAZE_UNSUPPORTED_IF(b_rows > INT32_MAX, "the weight stack's ", b_rows,
                           " rows exceed the TMA coordinate range (2^31 - 1)");
   q.tma_b = make_tma_kmajor(b, b_rows, p.b_cols);  // a (b_rows, b_cols) row-major tensor
-  auto kernel = &gather_gemm_kernel<kMajorB, Epi, Sched>;
+  if constexpr (kTmaA) {
+    MOEBLAZE_UNSUPPORTED_IF(S > INT32_MAX, "S (", S, ") exceeds the TMA coordinate range");
+    q.tma_a = make_tma_kmajor(p.a, S, p.K);  // A (S, K) row-major: K-major like a weight stack
+  }
+  auto kernel = &gather_gemm_kernel<kMajorB, Epi, Sched, kTmaA>;
   const size_t smem = smem_bytes<Sched>(p.E);
   MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)));

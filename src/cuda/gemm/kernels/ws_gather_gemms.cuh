@@ -10,13 +10,20 @@
 //       mainloop), recomputes a, writes dh and s·a and one ds partial per (slot, 128 columns),
 //       the columns the 2-CTA kernel gives each partial (so reduce_ds and ds_partials_cols are
 //       shared).
+// and the two contiguous-A GEMMs on the same kernel with A by TMA (kTmaA: slot r reads A's row r)
+// and a plain store (store_epilogue.cuh): one descriptor per operand for all experts (the TMA
+// path's CUTLASS pointer-array kernel rewrites its descriptors at each expert change):
+//   (2) down-projection: A = a (S, n), B = w2 K-major (w2_e (d, n): N = d rows of K = n);
+//   (6) dX̃: A = dh (S, w1_rows), B = w1 N-major (w1_e (w1_rows, d): K rows of N = d).
 // Each .cu file that includes this instantiates one (GEMM, schedule) pair (up_proj_ws.cu,
-// up_proj_pp.cu, dh_proj_ws.cu, dh_proj_pp.cu).
+// up_proj_pp.cu, dh_proj_ws.cu, dh_proj_pp.cu, down_proj_ws.cu, down_proj_pp.cu, dx_proj_ws.cu,
+// dx_proj_pp.cu).
 #pragma once
 
 #include "cuda/gemm/epilogues/act_epilogue.cuh"
 #include "cuda/gemm/epilogues/dh_epilogue.cuh"
 #include "cuda/gemm/epilogues/quad_transpose.cuh"
+#include "cuda/gemm/epilogues/store_epilogue.cuh"
 #include "cuda/gemm/kernels/sm90_ws_gather.cuh"
 
 namespace moeblaze::cuda::gemm::sm90::ws {
@@ -29,6 +36,17 @@ struct GatherActEpilogue {
   template <class Acc>
   __device__ static void apply(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile) {
     act_epilogue<Frag>(p, acc, m_begin, m_end, n_tile);
+  }
+};
+
+// The plain store (store_epilogue.cuh) on fragment policy Frag.
+template <class Frag>
+struct GatherStoreEpilogue {
+  using Params = StoreParams;
+  __device__ static void at_tile_start(const Params&, int, int, int) {}
+  template <class Acc>
+  __device__ static void apply(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile) {
+    store_epilogue<Frag>(p, acc, m_begin, m_end, n_tile);
   }
 };
 
@@ -187,6 +205,39 @@ void dh_proj_gather(const RoutingPlanView& plan, const bf16* d_out, const bf16* 
   const DhParams ep = make_dh_params(plan, h, ds_partials, ds_cols, dh, a_scaled, n, act);
   launch_gather_gemm<GMajor::MN, GatherDhEpilogue<typename Sched::Frag>, Sched>(
       p, w2, ep, plan.S, raster_group, stream);
+}
+
+// A contiguous-A GEMM on the warp-specialised kernel: out (S, N) = per expert A (S, K) · B_e,
+// A's row r for slot r. B as Args says (kMajorB: K-major w2 for down_proj, N-major w1 for
+// dx_proj); raster_group as for up_proj_gather.
+template <GMajor kMajorB, class Sched>
+void contiguous_gemm(const RoutingPlanView& plan, const bf16* a, int64_t K, const bf16* b,
+                     int64_t N, bf16* out, int raster_group, cudaStream_t stream) {
+  Args p = gather_args(plan, a, K);  // a (S, K), rows by TMA (the gather table goes unread)
+  p.n_tiles = static_cast<int>((N + Sched::kTileN - 1) / Sched::kTileN);
+  p.b_rows_per_expert = static_cast<int>(kMajorB == GMajor::K ? N : K);
+  p.b_cols = static_cast<int>(kMajorB == GMajor::K ? K : N);
+  p.gate_split = 0;
+  const StoreParams ep{reinterpret_cast<__nv_bfloat16*>(out), static_cast<int>(N)};
+  launch_gather_gemm<kMajorB, GatherStoreEpilogue<typename Sched::Frag>, Sched, /*kTmaA=*/true>(
+      p, b, ep, plan.S, raster_group, stream);
+}
+
+// down_proj on the warp-specialised kernel with schedule Sched; same contract as down_proj:
+// y (S, d) = a (S, n) · w2_eᵀ, w2 (E, d, n).
+template <class Sched>
+void down_proj_contiguous(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16* y,
+                          int64_t d, int64_t n, int raster_group, cudaStream_t stream) {
+  contiguous_gemm<GMajor::K, Sched>(plan, a, n, w2, d, y, raster_group, stream);
+}
+
+// dx_proj on the warp-specialised kernel with schedule Sched; same contract as dx_proj:
+// dx_slots (S, d) = dh (S, w1_rows) · w1_e, w1 (E, w1_rows, d).
+template <class Sched>
+void dx_proj_contiguous(const RoutingPlanView& plan, const bf16* dh, const bf16* w1,
+                        bf16* dx_slots, int64_t d, int64_t w1_rows, int raster_group,
+                        cudaStream_t stream) {
+  contiguous_gemm<GMajor::MN, Sched>(plan, dh, w1_rows, w1, d, dx_slots, raster_group, stream);
 }
 
 }  // namespace moeblaze::cuda::gemm::sm90::ws

@@ -102,9 +102,9 @@ struct PingPong {
 // stage and the ping-pong order barrier pair.
 // kCluster > 1 (the varlen-K kernel's multicast variant): the CTAs of a cluster share B, each
 // loading a part of every stage by TMA multicast into all of them, so a stage may only be
-// refilled when the consumers of every CTA of the cluster have released it: empty[s] then counts
+// refilled when the consumers of every CTA of the cluster have released it: empty[s] counts
 // one arrival per consumer warp of each CTA (release() below, lane c of every warp arriving on
-// CTA c's barrier).
+// CTA c's barrier; without a cluster, lane 0 on its own CTA's).
 template <int kTileNB, int kStagesN, int kStageConsumers, int kCluster = 1>
 struct RingT {
   static constexpr int kStageCount = kStagesN;
@@ -132,27 +132,26 @@ struct RingT {
   __device__ char* end() const { return reinterpret_cast<char*>(order + 2); }
   // Thread 0 initialises the barriers: full[s] completes after the 128 producer threads'
   // cp.async arrivals (cp.async.mbarrier.arrive.noinc) and one more arrival by the thread that
-  // issues the stage's TMA (with its byte count); empty[s] after every arrival of the consumer
-  // threads that read the stage; order[w] after one warpgroup's 128 arrivals. The caller's next
+  // issues the stage's TMA (with its byte count); empty[s] after one arrival per consumer warp
+  // that reads the stage (per CTA of the cluster); order[w] after one warpgroup's 128 arrivals. The caller's next
   // __syncthreads publishes them.
   __device__ void init_barriers() const {
     if (threadIdx.x != 0) return;
 #pragma unroll
     for (int s = 0; s < kStagesN; ++s) {
       cutlass::arch::ClusterTransactionBarrier::init(&full[s], kProducerThreads + 1);
-      cutlass::arch::ClusterTransactionBarrier::init(
-          &empty[s], kCluster == 1 ? kStageConsumers : kStageConsumers / 32 * kCluster);
+      cutlass::arch::ClusterTransactionBarrier::init(&empty[s], kStageConsumers / 32 * kCluster);
     }
     cutlass::arch::ClusterBarrier::init(&order[0], kConsumerThreads / 2);
     cutlass::arch::ClusterBarrier::init(&order[1], kConsumerThreads / 2);
     cutlass::arch::fence_barrier_init();
   }
-  // A consumer thread's release of stage s once the MMAs that read it have retired. In a
-  // cluster, one lane per warp and CTA arrives (wgmma.wait_group is warp-aligned: when lane c
-  // gets here, every lane of its warp is done with the stage).
+  // A consumer warp's release of stage s once the MMAs that read it have retired: one lane per
+  // warp (and per CTA of a cluster) arrives, 8 arrivals a stage instead of 256 (wgmma.wait_group
+  // is warp-aligned: when lane c gets here, every lane of its warp is done with the stage).
   __device__ void release(int s) const {
     if constexpr (kCluster == 1) {
-      cutlass::arch::ClusterTransactionBarrier::arrive(&empty[s]);
+      if ((threadIdx.x & 31) == 0) cutlass::arch::ClusterTransactionBarrier::arrive(&empty[s]);
     } else {
       const uint32_t lane = threadIdx.x & 31;
       cutlass::arch::ClusterBarrier::arrive(&empty[s], lane, lane < kCluster);
