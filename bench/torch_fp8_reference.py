@@ -10,7 +10,9 @@ Hopper (written here from its description; torchao is not a dependency):
 Scales are powers of two (the largest with amax · s <= 448), codes e4m3 with saturation, fp32
 accumulation with the fast-accumulation mode torchao uses; expert groups are padded to 16 rows
 (moe_layer's pad_to). The quantization runs as plain torch ops (torchao fuses it in Triton), so
-this reference's quantization costs more than torchao's: a generous baseline for moeblaze.
+this reference's quantization costs more than torchao's: a generous baseline for moeblaze. bf16
+operands are scaled in bf16 (exact for powers of two) and per-group column maxima reduce 16-row
+block maxima, so no (M, C) float32 copy of an operand is made.
 On a CPU (the tests) the scaled GEMM is emulated in float32 from the same codes and scales.
 
   fp8_layer(x, w1, w2, ids, weights, n, E, K)   the layer, autograd through it
@@ -32,6 +34,10 @@ def pow2_scale(amax):
 
 
 def to_e4m3(x, s):
+    """e4m3 codes of x · s (s: powers of two, broadcast against x). A bf16 x is scaled in bf16:
+    x · 2^k is exact there, so the codes are the float32 path's without its (·) fp32 copy."""
+    if x.dtype == torch.bfloat16:
+        return (x * s.to(torch.bfloat16)).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return (x.float() * s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
@@ -42,16 +48,23 @@ def quant_rows(x):
     return to_e4m3(x, s.unsqueeze(-1)), s.reciprocal()
 
 
-def quant_group_columns(x, offs):
+def quant_group_columns(x, offs, block=1):
     """x (M, C), groups of rows ending at offs (G,) → (codes of xᵀ (C, M) row-major, factors
-    (G·C,) group-major): one scale per (group, column) over the group's rows."""
+    (G·C,) group-major): one scale per (group, column) over the group's rows. block: a row count
+    that divides M and every group end (the layer's groups are padded to GROUP_ROWS), so that
+    the per-group reductions run over (M / block, C) block maxima instead of (M, C) elements."""
     M, C = x.shape
     G = offs.numel()
-    group = torch.bucketize(torch.arange(M, device=x.device), offs.long(), right=True)  # (M,)
+    assert M % block == 0, f"quant_group_columns: M ({M}) is not a multiple of block ({block})"
+    nb = M // block
+    starts = torch.arange(nb, device=x.device) * block
+    group = torch.bucketize(starts, offs.long(), right=True)  # (nb,) each block's group
+    xb = x.view(nb, block, C)
     amax = torch.zeros(G + 1, C, device=x.device, dtype=torch.float32)
-    amax.scatter_reduce_(0, group.unsqueeze(1).expand(M, C), x.abs().float(), "amax")
+    amax.scatter_reduce_(0, group.unsqueeze(1).expand(nb, C), xb.abs().amax(1).float(), "amax")
     s = pow2_scale(amax)  # (G + 1, C): row G for rows past the last group (none when padded)
-    return to_e4m3(x, s[group]).t().contiguous(), s[:G].reciprocal().reshape(-1)
+    q = to_e4m3(xb, s[group].unsqueeze(1)).view(M, C)
+    return q.t().contiguous(), s[:G].reciprocal().reshape(-1)
 
 
 def scaled_grouped_mm(qa, qb_t, sa, sb, offs):
@@ -96,13 +109,16 @@ class _Fp8GroupedMM(torch.autograd.Function):
         qg, sg = quant_rows(grad_out)  # (M, N), (M,)
         qbt, sbt = quant_rows(b_t.contiguous())  # (G, K, N) over N, (G, K)
         grad_a = scaled_grouped_mm(qg, qbt.transpose(-2, -1), sg, sbt, offs)  # (M, K)
-        qaT, saT = quant_group_columns(a, offs)  # (K, M), (G·K,)
-        qgT, sgT = quant_group_columns(grad_out, offs)  # (N, M), (G·N,)
+        # Group ends are multiples of GROUP_ROWS (the layer pads them; fp8_grouped_mm's contract).
+        qaT, saT = quant_group_columns(a, offs, GROUP_ROWS)  # (K, M), (G·K,)
+        qgT, sgT = quant_group_columns(grad_out, offs, GROUP_ROWS)  # (N, M), (G·N,)
         grad_b_t = scaled_grouped_mm(qaT, qgT.t(), saT, sgT, offs)  # (G, K, N)
         return grad_a, grad_b_t, None
 
 
 def fp8_grouped_mm(a, b_t, offs):
+    """torch._grouped_mm(a, b_t, offs=offs) in FP8; every group end (and a's rows) a multiple of
+    GROUP_ROWS, as torch._scaled_grouped_mm wants."""
     return _Fp8GroupedMM.apply(a, b_t, offs)
 
 

@@ -43,6 +43,19 @@ def test_group_column_scales_follow_the_groups(seed):
         lo = hi
 
 
+def test_bf16_scaling_and_row_blocks_give_the_float32_paths_codes(seed):
+    x = (torch.randn(64, 40) * torch.logspace(-30, 30, 64).unsqueeze(1)).to(torch.bfloat16)
+    s = f8.pow2_scale(x.abs().amax(1)).unsqueeze(1)
+    assert torch.equal(f8.to_e4m3(x, s).view(torch.uint8),
+                       f8.to_e4m3(x.float(), s).view(torch.uint8))
+    offs = torch.tensor([16, 16, 48, 64], dtype=torch.int32)  # group ends on 16-row blocks
+    q1, s1 = f8.quant_group_columns(x, offs)
+    q16, s16 = f8.quant_group_columns(x, offs, block=16)
+    assert torch.equal(q1.view(torch.uint8), q16.view(torch.uint8)) and torch.equal(s1, s16)
+    with pytest.raises(AssertionError, match="multiple of block"):
+        f8.quant_group_columns(x[:40], offs, block=16)
+
+
 def test_grouped_mm_and_its_gradients_match_float64(seed):
     G, K, N = 4, 64, 48
     counts = [16, 0, 32, 48]
