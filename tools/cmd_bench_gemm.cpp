@@ -216,8 +216,8 @@ struct Kernel {
 // Every kernel variant of the six GEMMs on one shape, in pipeline order: each one's inputs are
 // the previous ones' outputs where the pipeline says so. The gathered GEMMs (up, dH, dW2, dW1)
 // run on each of their kernels (two_cta, then the warp-specialised persistent ones), the
-// contiguous-A ones (down, dX) on the cp.async kernel and on the TMA path (CUTLASS
-// pointer-array); variants of one GEMM write the same output.
+// contiguous-A ones (down, dX) on the cp.async kernel, the TMA path (CUTLASS pointer-array) and
+// the warp-specialised kernel (both schedules); variants of one GEMM write the same output.
 std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t stream,
                                   const cuda::gemm::GemmScratch& tma_scratch) {
   namespace gg = cuda::gemm;
@@ -270,6 +270,17 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
             },
             S, d, R};
   };
+  // The contiguous-A GEMMs on the warp-specialised kernel: the kernel choice's down/dx.family=ws
+  // (+ schedule), set around the launch (the entry points read the choice, not an argument).
+  auto on_ws = [](const char* spec, Kernel k) -> Kernel {
+    const gg::KernelOverrides o = gg::parse_kernel_overrides(spec);
+    k.launch = [o, inner = k.launch] {
+      gg::set_kernel_overrides(o);
+      inner();
+      gg::clear_kernel_overrides();
+    };
+    return k;
+  };
   return {up("up", GK::two_cta),
           up("up-ws", GK::warp_specialized),
           up("up-pp", GK::ping_pong),
@@ -282,6 +293,10 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
           dx("dX", {}),
           down("down-tma", tma_scratch),
           dx("dX-tma", tma_scratch),
+          on_ws("down.family=ws", down("down-ws", {})),
+          on_ws("down.family=ws,down.schedule=pingpong", down("down-pp", {})),
+          on_ws("dx.family=ws", dx("dX-ws", {})),
+          on_ws("dx.family=ws,dx.schedule=pingpong", dx("dX-pp", {})),
           dw1("dW1", GK::two_cta),
           dw1("dW1-ws", GK::warp_specialized)};
 }
@@ -369,9 +384,9 @@ SampledErrors check_samples(const ShapeData& s, const BalancedRouting& rt, std::
 
 // Each kernel's sampled error, or NaN. The sampled check sees each output as its last writer in
 // the chain left it, so the error is that kernel's; the other variants writing the same output
-// (up vs up-ws, dH vs dH-ws, down vs down-tma, dX vs dX-tma) show "-" here and are checked by
-// the GPU tests (GroupedGemm, every kernel against float64). Throws when a checked error is
-// above 2e-2: no broken kernel is timed.
+// (up vs up-ws, dH vs dH-ws, down vs down-tma / -ws, dX vs dX-tma / -ws) show "-" here and are
+// checked by the GPU tests (GroupedGemm, every kernel against float64). Throws when a checked
+// error is above 2e-2: no broken kernel is timed.
 std::vector<double> kernel_errors(const std::vector<Kernel>& kernels, const SampledErrors& e) {
   const std::pair<const char*, double> checked[] = {
       {"h", e.up}, {"y", e.down}, {"dw2", e.dw2}, {"dx", e.dx}};
@@ -537,7 +552,8 @@ void add_bench_gemm_command(CLI::App& bench) {
   sub->add_flag("--no-dense", flags->no_dense, "skip the cuBLAS same-FLOP comparison");
   sub->add_option("--only", flags->only,
                   "time only these kernels (comma list of up, up-ws, up-pp, down, dH, dH-ws, dH-pp, dW2, dW2-ws, dX, "
-                  "down-tma, dX-tma, dW1, dW1-ws); all of them still run once for the correctness check");
+                  "down-tma, dX-tma, down-ws, down-pp, dX-ws, dX-pp, dW1, dW1-ws); all of them still run once "
+                  "for the correctness check");
   sub->add_option("--out", flags->out, "append JSON lines to this file");
   sub->add_option("--md", flags->md, "write the table as Markdown to this file");
   sub->callback([flags] { run(*flags); });
