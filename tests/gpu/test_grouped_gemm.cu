@@ -739,7 +739,7 @@ TEST(GroupedGemmChecks, KernelChoiceIsTotalAndDeterministic) {
 }
 
 // The token-chunk rule (cuda/layer/token_chunks.hpp) on the named configs and over the choice
-// grid: one chunk in keep_h, off the TMA path and for d < 2n; in recompute min(ceil(d / n),
+// grid: one chunk in keep_h, on the cp.async kernel and for d < 2n; in recompute min(ceil(d / n),
 // S / (512 E)) chunks of ceil(S / count) + E rows; total, deterministic, and the override
 // replaces the count in both modes.
 TEST(GroupedGemmChecks, TokenChunksFollowTheRule) {
@@ -755,8 +755,9 @@ TEST(GroupedGemmChecks, TokenChunksFollowTheRule) {
   const cuda::LayerChunks sm = chunks(262144, 128, 4096, 1024);
   EXPECT_EQ(sm.backward, (cuda::TokenChunks{4, 65536 + 128}));
   EXPECT_EQ(sm.forward, cuda::TokenChunks::none(262144));
-  // Eight times the tokens: the forward's transients outgrow backward's, so Y is chunked too.
-  EXPECT_EQ(chunks(262144 * 8, 128, 4096, 1024).forward.count, 4);
+  // Eight times the tokens: the forward's transients outgrow backward's, so Y is chunked too,
+  // and 8 chunks (2048 rows per expert each) instead of ceil(d / n) = 4.
+  EXPECT_EQ(chunks(262144 * 8, 128, 4096, 1024).forward.count, 8);
   // keep_h runs the whole step.
   const cuda::LayerChunks keep = chunks(262144, 128, 4096, 1024, {}, LayerMode::keep_h);
   EXPECT_EQ(keep.forward, cuda::TokenChunks::none(262144));
@@ -767,10 +768,10 @@ TEST(GroupedGemmChecks, TokenChunksFollowTheRule) {
   EXPECT_EQ(chunks(262144, 16, 1024, 4096).backward.count, 1);  // mb-conf3: d < n
   EXPECT_EQ(chunks(49152, 32, 1536, 1024).backward.count, 1);   // sm-7B-n1024: d < 2n
   EXPECT_EQ(chunks(49152, 32, 2048, 1024).backward.count, 2);   // d = 2n
-  EXPECT_EQ(chunks(1000, 8, 512, 256).backward.count, 1);       // off the TMA path
+  EXPECT_EQ(chunks(1000, 8, 512, 256).backward.count, 1);       // the cp.async kernel
   EXPECT_EQ(chunks(0, 8, 512, 128).forward, cuda::TokenChunks::none(0));
   // The override: any count on the TMA path (also for d < 2n and in keep_h), still one chunk
-  // off it.
+  // on the cp.async kernel.
   EXPECT_EQ(chunks(4096, 8, 256, 512, 5).backward, (cuda::TokenChunks{5, 820 + 8}));
   EXPECT_EQ(chunks(4096, 8, 256, 512, 5).forward, (cuda::TokenChunks{5, 820 + 8}));
   EXPECT_EQ(chunks(4096, 8, 256, 512, 5, LayerMode::keep_h).forward.count, 5);
@@ -788,8 +789,26 @@ TEST(GroupedGemmChecks, TokenChunksFollowTheRule) {
       bwd_only.token_chunks);
   EXPECT_EQ(keep_bwd.forward.count, 1);
   EXPECT_EQ(keep_bwd.backward.count, 3);
+  // The warp-specialised kernel takes row ranges too (down/dx.family=ws), also at a shape whose
+  // automatic choice is the cp.async kernel.
+  const gg::KernelOverrides on_ws =
+      gg::parse_kernel_overrides("down.family=ws,dx.family=ws,chunks=5");
+  LayerConfig small = sm_cfg;
+  small.d = 512, small.n = 256, small.E = 8, small.T = 1000, small.K = 1;
+  const cuda::LayerChunks ws_chunks =
+      cuda::choose_token_chunks(small, 1000, LayerMode::keep_h,
+                                gg::choose_kernels({1000, 8, 512, 256}, on_ws), on_ws.token_chunks);
+  EXPECT_EQ(ws_chunks.forward, (cuda::TokenChunks{5, 200 + 8}));
+  EXPECT_EQ(ws_chunks.backward, (cuda::TokenChunks{5, 200 + 8}));
   EXPECT_EQ(cuda::describe(sm.backward),
             "4 chunks of <= 65664 rows (ceil(d / n): a chunk buffer no larger than A's (S, n))");
+  // At the largest T (sm-default, T = 1,310,720: S = 10,485,760) chunks of ~2048 rows per expert:
+  // the chunk buffer stops growing with T.
+  const cuda::LayerChunks big = chunks(10485760, 128, 4096, 1024);
+  EXPECT_EQ(big.backward.count, 40);
+  EXPECT_EQ(big.forward.count, 40);
+  EXPECT_STREQ(big.backward.rule, "S / (2048 E): the chunk buffer stops growing with T");
+  EXPECT_EQ(chunks(128 * 8192, 128, 1536, 512).backward.count, 4);  // 4 > ceil(d / n) = 3
   int shapes = 0;
   for (const int64_t d : {64, 512, 1536, 4096, 7168})
     for (const int64_t n : {64, 192, 320, 1024, 8192})
@@ -808,7 +827,8 @@ TEST(GroupedGemmChecks, TokenChunksFollowTheRule) {
               EXPECT_EQ(c.rows, S);
             } else {
               EXPECT_GE(d, 2 * n);
-              EXPECT_LE(c.count, (d + n - 1) / n);
+              EXPECT_LE(c.count, std::max((d + n - 1) / n,
+                                          S / (E * cuda::kChunkRowsPerExpertAtScale)));
               EXPECT_GE(S / (E * c.count), cuda::kChunkMinRowsPerExpert);
               EXPECT_EQ(c.rows, (S + c.count - 1) / c.count + E);
               EXPECT_LT(c.rows, S);

@@ -621,6 +621,23 @@ TEST(LayerGpu, TokenChunksGiveTheWholeStepsBits) {
         cuda::gemm::set_kernel_overrides(cuda::gemm::parse_kernel_overrides(
             "chunks=" + std::to_string(count) + ",down.cluster=1,dx.cluster=1"));
         expect_same_bits(whole, run_gpu(in, mode));
+        // The same GEMMs on the warp-specialised kernel (A by TMA, any row range), both
+        // schedules: each gives its own whole step's bits in chunks.
+        if (count == 2 || count == 7)
+          for (const char* ws : {"down.family=ws,dx.family=ws",
+                                 "down.family=ws,dx.family=ws,down.schedule=pingpong,"
+                                 "dx.schedule=pingpong"}) {
+            SCOPED_TRACE(ws);
+            cuda::gemm::set_kernel_overrides(
+                cuda::gemm::parse_kernel_overrides(std::string(ws) + ",chunks=1"));
+            const GpuResult whole_ws = run_gpu(in, mode);
+            cuda::gemm::set_kernel_overrides(cuda::gemm::parse_kernel_overrides(
+                std::string(ws) + ",chunks=" + std::to_string(count)));
+            ASSERT_EQ(cuda::layer_chunks(in.cfg, S, mode).backward.count, count);
+            expect_same_bits(whole_ws, run_gpu(in, mode));
+          }
+        cuda::gemm::set_kernel_overrides(
+            cuda::gemm::parse_kernel_overrides("chunks=" + std::to_string(count)));
         EXPECT_LT(layer_workspace_bytes(in.cfg, S, mode, Device::cuda, LayerPass::forward, false),
                   whole_fwd);
         EXPECT_LT(layer_workspace_bytes(in.cfg, S, mode, Device::cuda, LayerPass::backward, false),

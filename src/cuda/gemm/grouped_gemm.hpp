@@ -120,8 +120,9 @@ void down_proj(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16*
                int64_t n, cudaStream_t stream, GemmScratch scratch = {});
 
 // down_proj over the rows `rows` names (one token chunk): y_rows[rows.out[e] + i, :] =
-// W2_e a[rows.begin[e] + i, :]. The TMA path only, so scratch is required (Unsupported without):
-// the cp.async kernel takes its row ranges from expert_token_offsets. y_rows holds at least
+// W2_e a[rows.begin[e] + i, :]. On the TMA path (scratch required: Unsupported without) or, where
+// the chosen kernel is ws_gather, the warp-specialised kernel; the cp.async kernel takes its row
+// ranges from expert_token_offsets only. y_rows holds at least
 // max over e of rows.out[e] + rows.end[e] - rows.begin[e] rows of d; a as for down_proj.
 void down_proj_rows(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* a,
                     const bf16* w2, bf16* y_rows, int64_t d, int64_t n, cudaStream_t stream,

@@ -10,8 +10,9 @@ namespace {
 TokenChunks pass_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode,
                         const gemm::GemmKernel& gemm, std::optional<int> override) {
   if (S == 0) return TokenChunks::none(S, "nothing routed");
-  if (gemm.family != gemm::KernelFamily::tma_grouped)
-    return TokenChunks::none(S, "the GEMM is off the TMA path, which alone takes row ranges");
+  if (gemm.family != gemm::KernelFamily::tma_grouped &&
+      gemm.family != gemm::KernelFamily::ws_gather)
+    return TokenChunks::none(S, "the GEMM is on the cp.async kernel, which takes no row ranges");
   int64_t count = 1;
   const char* rule = "override";
   if (override) {
@@ -22,10 +23,13 @@ TokenChunks pass_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode,
     return TokenChunks::none(S, "d < 2n: chunks would save under a third of dX~'s bytes");
   } else {
     const int64_t by_width = (cfg.d + cfg.n - 1) / cfg.n;
+    const int64_t by_size = S / (cfg.E * kChunkRowsPerExpertAtScale);
     const int64_t by_rows = S / (cfg.E * kChunkMinRowsPerExpert);
-    count = std::max<int64_t>(1, std::min(by_width, by_rows));
-    rule = by_width <= by_rows ? "ceil(d / n): a chunk buffer no larger than A's (S, n)"
-                               : "S / (512 E): at least 512 rows per expert per chunk";
+    count = std::max<int64_t>(1, std::min(std::max(by_width, by_size), by_rows));
+    rule = count == by_rows && by_rows < std::max(by_width, by_size)
+               ? "S / (512 E): at least 512 rows per expert per chunk"
+           : by_size > by_width ? "S / (2048 E): the chunk buffer stops growing with T"
+                                : "ceil(d / n): a chunk buffer no larger than A's (S, n)";
   }
   const int64_t rows = (S + count - 1) / count + cfg.E;
   if (count <= 1) return TokenChunks::none(S, rule);

@@ -45,19 +45,25 @@ struct LayerChunks {
 // Fewest rows per expert a chunk is cut to by the automatic rule: each expert's range ends in a
 // partly filled tile at every chunk edge, a smaller share of its work the longer the range.
 constexpr int64_t kChunkMinRowsPerExpert = 512;
+// Rows per expert per chunk from which the rule adds chunks as S grows (recompute mode), so the
+// dX̃ / Y chunk stays ~2048 E rows instead of S / ceil(d / n) at the largest T; the partial
+// tiles at the chunk edges are then a few per cent of each chunk's rows.
+constexpr int64_t kChunkRowsPerExpertAtScale = 2048;
 
 // The chunking of S slots over E experts of cfg in `mode`, given the kernels chosen for the shape
 // and the `chunks` kernel overrides (KernelOverrides::token_chunks). Total and deterministic for
-// S >= 0. Rules: one chunk unless the pass's GEMM runs on the TMA path (only it takes row ranges);
+// S >= 0. Rules: one chunk unless the pass's GEMM runs on the TMA path or the warp-specialised
+// kernel (only they take row ranges);
 // keep_h, the speed-first mode, runs one chunk (each expert's rows end in a partial tile at every
 // chunk edge, which costs time; docs/experiments/2026-12-01-token-chunks.md); recompute, the
 // memory-first mode, runs ceil(d / n) chunks where d >= 2n (a chunk buffer no larger than A's
 // (S, n), which the pass holds anyway; below 2n a chunk would save under a third of dX̃'s
-// bytes), fewer where an expert would get under kChunkMinRowsPerExpert rows per chunk; the
+// bytes), or S / (kChunkRowsPerExpertAtScale E) where that is more (large T, where memory is
+// the limit), fewer where an expert would get under kChunkMinRowsPerExpert rows per chunk; the
 // forward takes the same count only
 // where its whole-step A (S, n) and Y (S, d) would outgrow what backward holds at its peak anyway
 // (H/dH, A' or the dX̃ chunk, dW1 and dW2): elsewhere forward chunks cost time and save no peak
-// bytes. The override replaces the count in either mode (still one chunk off the TMA path).
+// bytes. The override replaces the count in either mode (still one chunk on the cp.async kernel).
 LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode,
                                 const gemm::LayerKernels& kernels,
                                 const gemm::KernelOverrides::TokenChunkOverride& override);

@@ -52,13 +52,14 @@ void check_contiguous_a(const char* fn, const RoutingPlanView& plan, int64_t d, 
 }
 
 void check_rows(const char* fn, const RoutingPlanView& plan, const ExpertRows& rows,
-                bool has_scratch) {
+                bool can_run) {
   if (plan.S == 0) return;
   check_ptr(fn, rows.begin, "rows.begin");
   check_ptr(fn, rows.end, "rows.end");
   check_ptr(fn, rows.out, "rows.out");
-  MOEBLAZE_UNSUPPORTED_IF(!has_scratch, fn, ": row ranges run on the TMA path only, which needs "
-                          "a scratch (tma_gemm_scratch_bytes)");
+  MOEBLAZE_UNSUPPORTED_IF(!can_run, fn, ": row ranges run on the TMA path, which needs a "
+                          "scratch (tma_gemm_scratch_bytes), or on the warp-specialised kernel "
+                          "(<gemm>.family=ws)");
 }
 
 void check_gpu_activation(const char* fn, Activation act) {

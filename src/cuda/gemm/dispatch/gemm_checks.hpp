@@ -29,9 +29,9 @@ void check_contiguous_a(const char* fn, const RoutingPlanView& plan, int64_t d, 
 
 // For the row-range GEMMs (down_proj_rows, dx_proj_rows) when the plan has slots: InvalidArgument
 // naming the missing array unless rows.begin, rows.end and rows.out are all set; Unsupported
-// without a scratch (row ranges run on the TMA path only).
+// unless can_run (row ranges run on the TMA path, given a scratch, or the warp-specialised one).
 void check_rows(const char* fn, const RoutingPlanView& plan, const ExpertRows& rows,
-                bool has_scratch);
+                bool can_run);
 
 // InvalidArgument unless d, n are positive and below 2^30, then check_gemm_shape (Unsupported).
 void check_dims(const char* fn, int64_t d, int64_t n);

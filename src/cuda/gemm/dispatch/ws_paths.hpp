@@ -42,17 +42,18 @@ void dh_proj_ws(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, 
                 float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n,
                 Activation act, cudaStream_t stream);
 
-// down_proj / dx_proj on the warp-specialised kernel, A read by slot (the `down.family=ws`,
-// `dx.family=ws` choices), cooperative (_ws) or ping-pong (_pp); same contracts as down_proj and
-// dx_proj (w1_rows = 2n for gated activations, else n).
-void down_proj_ws(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16* y, int64_t d,
-                  int64_t n, cudaStream_t stream);
-void down_proj_pp(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16* y, int64_t d,
-                  int64_t n, cudaStream_t stream);
-void dx_proj_ws(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* dx_slots,
-                int64_t d, int64_t w1_rows, cudaStream_t stream);
-void dx_proj_pp(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* dx_slots,
-                int64_t d, int64_t w1_rows, cudaStream_t stream);
+// down_proj / dx_proj (and their row-range forms) on the warp-specialised kernel with A by TMA
+// (the `down.family=ws`, `dx.family=ws` choices), cooperative (_ws) or ping-pong (_pp), over
+// `rows` (ExpertRows::whole(plan) for the whole step); same contracts as down_proj_rows and
+// dx_proj_rows (w1_rows = 2n for gated activations, else n).
+void down_proj_ws(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* a,
+                  const bf16* w2, bf16* y, int64_t d, int64_t n, cudaStream_t stream);
+void down_proj_pp(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* a,
+                  const bf16* w2, bf16* y, int64_t d, int64_t n, cudaStream_t stream);
+void dx_proj_ws(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* dh,
+                const bf16* w1, bf16* dx_slots, int64_t d, int64_t w1_rows, cudaStream_t stream);
+void dx_proj_pp(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* dh,
+                const bf16* w1, bf16* dx_slots, int64_t d, int64_t w1_rows, cudaStream_t stream);
 
 // dw2_proj / dw1_proj on the warp-specialised varlen-K kernel; same contracts (w1_rows = 2n for
 // gated activations, else n). dw1_proj_ws runs the 2-CTA-cluster variant (dw1_proj_ws_cluster,

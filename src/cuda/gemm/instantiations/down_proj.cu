@@ -17,7 +17,7 @@ void down_proj(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16*
   const GemmKernel k = choose_kernels({plan.S, plan.E, d, n}).down;
   if (k.family == KernelFamily::ws_gather) {
     (k.schedule == KernelSchedule::ping_pong ? detail::down_proj_pp : detail::down_proj_ws)(
-        plan, a, w2, y, d, n, stream);
+        plan, ExpertRows::whole(plan), a, w2, y, d, n, stream);
     return;
   }
   if (scratch.data) {  // TMA path (tma_paths.hpp): the caller chose it (choose_kernels)
@@ -48,9 +48,14 @@ void down_proj_rows(const RoutingPlanView& plan, const ExpertRows& rows, const b
                     const bf16* w2, bf16* y_rows, int64_t d, int64_t n, cudaStream_t stream,
                     GemmScratch scratch) {
   detail::check_contiguous_a("down_proj_rows", plan, d, n, a, "a", w2, "w2", y_rows, "y_rows");
-  detail::check_rows("down_proj_rows", plan, rows, scratch.data != nullptr);
-  detail::down_proj_tma(plan, rows, a, w2, y_rows, d, n,
-                        choose_kernels({plan.S, plan.E, d, n}).down.cluster, scratch, stream);
+  const GemmKernel k = choose_kernels({plan.S, plan.E, d, n}).down;
+  const bool ws = k.family == KernelFamily::ws_gather;
+  detail::check_rows("down_proj_rows", plan, rows, ws || scratch.data != nullptr);
+  if (ws)
+    (k.schedule == KernelSchedule::ping_pong ? detail::down_proj_pp : detail::down_proj_ws)(
+        plan, rows, a, w2, y_rows, d, n, stream);
+  else
+    detail::down_proj_tma(plan, rows, a, w2, y_rows, d, n, k.cluster, scratch, stream);
 }
 
 }  // namespace moeblaze::cuda::gemm

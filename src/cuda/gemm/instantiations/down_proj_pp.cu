@@ -8,10 +8,10 @@
 
 namespace moeblaze::cuda::gemm::detail {
 
-void down_proj_pp(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16* y, int64_t d,
-                  int64_t n, cudaStream_t stream) {
-  sm90::ws::down_proj_contiguous<sm90::ws::PingPong>(plan, a, w2, y, d, n, sm90::raster_group(),
-                                               stream);
+void down_proj_pp(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* a,
+                  const bf16* w2, bf16* y, int64_t d, int64_t n, cudaStream_t stream) {
+  sm90::ws::down_proj_contiguous<sm90::ws::PingPong>(plan, rows, a, w2, y, d, n,
+                                                     sm90::raster_group(), stream);
 }
 
 }  // namespace moeblaze::cuda::gemm::detail

@@ -19,7 +19,7 @@ void dx_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* 
   const GemmKernel k = choose_kernels({plan.S, plan.E, d, n}).dx;
   if (k.family == KernelFamily::ws_gather) {
     (k.schedule == KernelSchedule::ping_pong ? detail::dx_proj_pp : detail::dx_proj_ws)(
-        plan, dh, w1, dx_slots, d, w1_rows, stream);
+        plan, ExpertRows::whole(plan), dh, w1, dx_slots, d, w1_rows, stream);
     return;
   }
   if (scratch.data) {  // TMA path (tma_paths.hpp): the caller chose it (choose_kernels)
@@ -51,9 +51,15 @@ void dx_proj_rows(const RoutingPlanView& plan, const ExpertRows& rows, const bf1
                   const bf16* w1, bf16* dx_rows, int64_t d, int64_t n, Activation act,
                   cudaStream_t stream, GemmScratch scratch) {
   detail::check_contiguous_a("dx_proj_rows", plan, d, n, dh, "dh", w1, "w1", dx_rows, "dx_rows");
-  detail::check_rows("dx_proj_rows", plan, rows, scratch.data != nullptr);
-  detail::dx_proj_tma(plan, rows, dh, w1, dx_rows, d, is_gated(act) ? 2 * n : n,
-                      choose_kernels({plan.S, plan.E, d, n}).dx.cluster, scratch, stream);
+  const GemmKernel k = choose_kernels({plan.S, plan.E, d, n}).dx;
+  const bool ws = k.family == KernelFamily::ws_gather;
+  detail::check_rows("dx_proj_rows", plan, rows, ws || scratch.data != nullptr);
+  const int64_t w1_rows = is_gated(act) ? 2 * n : n;
+  if (ws)
+    (k.schedule == KernelSchedule::ping_pong ? detail::dx_proj_pp : detail::dx_proj_ws)(
+        plan, rows, dh, w1, dx_rows, d, w1_rows, stream);
+  else
+    detail::dx_proj_tma(plan, rows, dh, w1, dx_rows, d, w1_rows, k.cluster, scratch, stream);
 }
 
 }  // namespace moeblaze::cuda::gemm

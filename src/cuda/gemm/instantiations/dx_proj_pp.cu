@@ -8,10 +8,10 @@
 
 namespace moeblaze::cuda::gemm::detail {
 
-void dx_proj_pp(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* dx_slots,
-                int64_t d, int64_t w1_rows, cudaStream_t stream) {
-  sm90::ws::dx_proj_contiguous<sm90::ws::PingPong>(plan, dh, w1, dx_slots, d, w1_rows,
-                                             sm90::raster_group(), stream);
+void dx_proj_pp(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* dh,
+                const bf16* w1, bf16* dx_slots, int64_t d, int64_t w1_rows, cudaStream_t stream) {
+  sm90::ws::dx_proj_contiguous<sm90::ws::PingPong>(plan, rows, dh, w1, dx_slots, d, w1_rows,
+                                                   sm90::raster_group(), stream);
 }
 
 }  // namespace moeblaze::cuda::gemm::detail

@@ -104,6 +104,11 @@ struct Args {
   int raster_group;         // band height of raster_tile
   CUtensorMap tma_b;        // that 2D tensor, 64 x 64 boxes (set by launch_gather_gemm)
   CUtensorMap tma_a;        // kTmaA: A (S, K) row-major, 64 x 64 boxes (set by launch_gather_gemm)
+  // kTmaA: expert e's A rows [rows_begin[e], rows_end[e]) go to output rows from rows_out[e]
+  // (gemm::ExpertRows: the whole step, or one token chunk); (E,) each.
+  const int32_t* rows_begin;
+  const int32_t* rows_end;
+  const int32_t* rows_out;
 };
 
 // The Args fields every gathered GEMM sets alike: A (rows, K) bf16 gathered per slot through the
@@ -119,14 +124,29 @@ inline Args gather_args(const RoutingPlanView& plan, const void* a, int64_t K) {
   return p;
 }
 
-// The tile a CTA works on: expert, its slot range [m_begin, m_end) and the n-tile.
+// The tile a CTA works on: expert, its slot range [m_begin, m_end), the n-tile, and where its
+// output rows go: slot r to row r + out_shift (0 but on a contiguous-A GEMM's token chunk).
 struct Tile {
-  int expert, m_begin, m_end, n_tile;
+  int expert, m_begin, m_end, n_tile, out_shift;
 };
+
+// Expert e's A rows: [offsets[e], offsets[e + 1]) for the gathered GEMMs, the ExpertRows range
+// for the contiguous-A ones (kRows).
+template <bool kRows>
+__device__ __forceinline__ int expert_begin(const Args& p, int e) {
+  if constexpr (kRows) return __ldg(p.rows_begin + e);
+  return p.offsets[e];
+}
+template <bool kRows>
+__device__ __forceinline__ int expert_end(const Args& p, int e) {
+  if constexpr (kRows) return __ldg(p.rows_end + e);
+  return p.offsets[e + 1];
+}
 
 // Linear tile t -> Tile, from the table tile_start[e] = first m-tile of expert e (tile_start[E]
 // = all m-tiles): the expert is the last e with tile_start[e] <= m (empty experts share their
 // successor's start and are skipped by taking the last).
+template <bool kRows>
 __device__ __forceinline__ Tile decode_tile(const Args& p, const int* tile_start, int m_total,
                                             int t) {
   int m_linear, n_tile;
@@ -138,20 +158,25 @@ __device__ __forceinline__ Tile decode_tile(const Args& p, const int* tile_start
   }
   Tile tl;
   tl.expert = lo;
-  tl.m_begin = p.offsets[lo] + (m_linear - tile_start[lo]) * kBM;
-  tl.m_end = p.offsets[lo + 1];
+  const int begin = expert_begin<kRows>(p, lo);
+  tl.m_begin = begin + (m_linear - tile_start[lo]) * kBM;
+  tl.m_end = expert_end<kRows>(p, lo);
   tl.n_tile = n_tile;
+  tl.out_shift = 0;
+  if constexpr (kRows) tl.out_shift = __ldg(p.rows_out + lo) - begin;
   return tl;
 }
 
 // tile_start[e] for e in [0, E], by all threads (block-wide scan of ceil(count_e / kBM)).
+template <bool kRows>
 __device__ __forceinline__ void build_tile_table(const Args& p, int* tile_start) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   int running = 0;
   for (int base = 0; base < p.E; base += kThreads) {
     const int e = base + static_cast<int>(threadIdx.x);
-    const int cnt = e < p.E ? (p.offsets[e + 1] - p.offsets[e] + kBM - 1) / kBM : 0;
+    const int cnt =
+        e < p.E ? (expert_end<kRows>(p, e) - expert_begin<kRows>(p, e) + kBM - 1) / kBM : 0;
     int excl, total;
     Scan(scan_tmp).ExclusiveSum(cnt, excl, total);
     if (e < p.E) tile_start[e] = running + excl;
@@ -179,7 +204,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const R ring = R::carve(smem_raw);
   int* tile_start = reinterpret_cast<int*>(ring.end());  // (E + 1,)
   ring.init_barriers();
-  build_tile_table(p, tile_start);
+  build_tile_table<kTmaA>(p, tile_start);
   __syncthreads();
   const int m_total = tile_start[p.E];
   const int num_tiles = m_total * p.n_tiles;
@@ -197,7 +222,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t a_base = smem_u32(ring.a);
     RingPosT<Sched::kStages> pos;
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      const Tile tl = decode_tile(p, tile_start, m_total, t);
+      const Tile tl = decode_tile<kTmaA>(p, tile_start, m_total, t);
       // This thread's source row of each j (an A row id), or -1 past the expert's end.
       int src[8];
 #pragma unroll
@@ -263,11 +288,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---------------- consumers ----------------
     Tile tl;
     auto begin = [&](int t) {
-      tl = decode_tile(p, tile_start, m_total, t);
+      tl = decode_tile<kTmaA>(p, tile_start, m_total, t);
       Epi::at_tile_start(ep, tl.m_begin, tl.m_end, tl.n_tile);
       return k_tiles;
     };
-    auto end = [&](int, auto& acc) { Epi::apply(ep, acc, tl.m_begin, tl.m_end, tl.n_tile); };
+    auto end = [&](int, auto& acc) {
+      Epi::apply(ep, acc, tl.m_begin + tl.out_shift, tl.m_end + tl.out_shift, tl.n_tile);
+    };
     if constexpr (Sched::kPingPong)
       pingpong_consumer_loop<L, kConsumerRegs>(ring, num_tiles, k_tiles, begin, end);
     else

@@ -24,6 +24,7 @@
 #include "cuda/gemm/epilogues/dh_epilogue.cuh"
 #include "cuda/gemm/epilogues/quad_transpose.cuh"
 #include "cuda/gemm/epilogues/store_epilogue.cuh"
+#include "cuda/gemm/grouped_gemm.hpp"  // ExpertRows
 #include "cuda/gemm/kernels/sm90_ws_gather.cuh"
 
 namespace moeblaze::cuda::gemm::sm90::ws {
@@ -207,13 +208,18 @@ void dh_proj_gather(const RoutingPlanView& plan, const bf16* d_out, const bf16* 
       p, w2, ep, plan.S, raster_group, stream);
 }
 
-// A contiguous-A GEMM on the warp-specialised kernel: out (S, N) = per expert A (S, K) · B_e,
-// A's row r for slot r. B as Args says (kMajorB: K-major w2 for down_proj, N-major w1 for
-// dx_proj); raster_group as for up_proj_gather.
+// A contiguous-A GEMM on the warp-specialised kernel, over the rows `rows` names: per expert e,
+// out[rows.out[e] + i, :] = A[rows.begin[e] + i, :] · B_e (the whole step: ExpertRows::whole).
+// B as Args says (kMajorB: K-major w2 for down_proj, N-major w1 for dx_proj); raster_group as
+// for up_proj_gather.
 template <GMajor kMajorB, class Sched>
-void contiguous_gemm(const RoutingPlanView& plan, const bf16* a, int64_t K, const bf16* b,
-                     int64_t N, bf16* out, int raster_group, cudaStream_t stream) {
+void contiguous_gemm(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* a,
+                     int64_t K, const bf16* b, int64_t N, bf16* out, int raster_group,
+                     cudaStream_t stream) {
   Args p = gather_args(plan, a, K);  // a (S, K), rows by TMA (the gather table goes unread)
+  p.rows_begin = rows.begin;
+  p.rows_end = rows.end;
+  p.rows_out = rows.out;
   p.n_tiles = static_cast<int>((N + Sched::kTileN - 1) / Sched::kTileN);
   p.b_rows_per_expert = static_cast<int>(kMajorB == GMajor::K ? N : K);
   p.b_cols = static_cast<int>(kMajorB == GMajor::K ? K : N);
@@ -223,21 +229,23 @@ void contiguous_gemm(const RoutingPlanView& plan, const bf16* a, int64_t K, cons
       p, b, ep, plan.S, raster_group, stream);
 }
 
-// down_proj on the warp-specialised kernel with schedule Sched; same contract as down_proj:
-// y (S, d) = a (S, n) · w2_eᵀ, w2 (E, d, n).
+// down_proj / down_proj_rows on the warp-specialised kernel with schedule Sched; same contract:
+// y (rows, d) = a (S, n) · w2_eᵀ over `rows`, w2 (E, d, n).
 template <class Sched>
-void down_proj_contiguous(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16* y,
-                          int64_t d, int64_t n, int raster_group, cudaStream_t stream) {
-  contiguous_gemm<GMajor::K, Sched>(plan, a, n, w2, d, y, raster_group, stream);
+void down_proj_contiguous(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* a,
+                          const bf16* w2, bf16* y, int64_t d, int64_t n, int raster_group,
+                          cudaStream_t stream) {
+  contiguous_gemm<GMajor::K, Sched>(plan, rows, a, n, w2, d, y, raster_group, stream);
 }
 
-// dx_proj on the warp-specialised kernel with schedule Sched; same contract as dx_proj:
-// dx_slots (S, d) = dh (S, w1_rows) · w1_e, w1 (E, w1_rows, d).
+// dx_proj / dx_proj_rows on the warp-specialised kernel with schedule Sched; same contract:
+// dx_slots (rows, d) = dh (S, w1_rows) · w1_e over `rows`, w1 (E, w1_rows, d).
 template <class Sched>
-void dx_proj_contiguous(const RoutingPlanView& plan, const bf16* dh, const bf16* w1,
-                        bf16* dx_slots, int64_t d, int64_t w1_rows, int raster_group,
-                        cudaStream_t stream) {
-  contiguous_gemm<GMajor::MN, Sched>(plan, dh, w1_rows, w1, d, dx_slots, raster_group, stream);
+void dx_proj_contiguous(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* dh,
+                        const bf16* w1, bf16* dx_slots, int64_t d, int64_t w1_rows,
+                        int raster_group, cudaStream_t stream) {
+  contiguous_gemm<GMajor::MN, Sched>(plan, rows, dh, w1_rows, w1, d, dx_slots, raster_group,
+                                     stream);
 }
 
 }  // namespace moeblaze::cuda::gemm::sm90::ws
