@@ -281,7 +281,7 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
     };
     return k;
   };
-  return {up("up", GK::two_cta),
+  std::vector<Kernel> all = {up("up", GK::two_cta),
           up("up-ws", GK::warp_specialized),
           up("up-pp", GK::ping_pong),
           down("down", {}),
@@ -299,6 +299,15 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
           on_ws("dx.family=ws,dx.schedule=pingpong", dx("dX-pp", {})),
           dw1("dW1", GK::two_cta),
           dw1("dW1-ws", GK::warp_specialized)};
+  // swiglu_oai's up-projection and dH have one kernel each (ws cooperative): the others refuse it.
+  if (act == Activation::swiglu_oai)
+    all.erase(std::remove_if(all.begin(), all.end(),
+                             [](const Kernel& k) {
+                               const std::string nm = k.name;
+                               return nm == "up" || nm == "up-pp" || nm == "dH" || nm == "dH-pp";
+                             }),
+              all.end());
+  return all;
 }
 
 // Dense same-FLOP operands for cuBLAS: (max(M,N) x K) random bf16 for both sides, and C.

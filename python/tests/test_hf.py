@@ -202,7 +202,7 @@ def test_hf_gpt_oss_other_clamp_refused(seed):
 
 
 def test_hf_unsupported_backend_error_names_module(seed, monkeypatch):
-    """On CUDA the backend refuses biases and swiglu_oai (UnsupportedError): the adapter passes
+    """On CUDA the backend refuses expert biases (UnsupportedError): the adapter passes
     that on with the module's name and the implementations that run it, not a fallback."""
     def refuse(*args, **kw):
         raise moeblaze.UnsupportedError("b1: expert biases run on the CPU backend only for now")

@@ -27,8 +27,8 @@ __device__ __forceinline__ void dispatch_activation(Activation act, F&& f) {
     case A::gelu: return f(std::integral_constant<A, A::gelu>{});
     case A::relu2: return f(std::integral_constant<A, A::relu2>{});
     // swiglu_oai: not here. A case in this shared switch raised the other activations' register
-    // use and spills in the fused kernels; it needs kernels of its own (the GPU path rejects it:
-    // gemm_checks.cpp check_gpu_activation).
+    // use and spills in the fused kernels; it has kernels of its own (up_proj_oai.cu,
+    // dh_proj_oai.cu), which the entry points pick for it.
     case A::swiglu_oai: return;
   }
 }

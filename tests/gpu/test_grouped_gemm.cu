@@ -206,7 +206,8 @@ std::string case_name(const Case& c) {
 
 std::vector<Case> all_cases() {
   const Activation all_acts[] = {Activation::swiglu, Activation::geglu, Activation::relu,
-                                 Activation::silu,   Activation::gelu,  Activation::relu2};
+                                 Activation::silu,   Activation::gelu,  Activation::relu2,
+                                 Activation::swiglu_oai};
   std::vector<Case> cs;
   for (Activation a : all_acts) {
     cs.push_back({8, 256, 768, 300, Pattern::random, a});
@@ -284,6 +285,12 @@ TEST_P(GroupedGemm, UpProjGatheredWithActivationEpilogue) {
                              gg::GatherKernel::ping_pong}) {
     const char* kname = gather_kernel_name(k);
     SCOPED_TRACE(kname);
+    if (c.act == Activation::swiglu_oai && k != gg::GatherKernel::warp_specialized) {
+      // Its own cooperative kernel only: the others refuse it, outputs untouched.
+      EXPECT_THROW(gg::up_proj(dp.view, cb(x), cb(w1), mb(h), mb(a), d, n, c.act, nullptr, k),
+                   Unsupported);
+      continue;
+    }
     run_twice({&h, &a}, [&] {
       gg::up_proj(dp.view, cb(x), cb(w1), mb(h), mb(a), d, n, c.act, nullptr, k);
     });
@@ -412,6 +419,12 @@ TEST_P(GroupedGemm, DhProjGatheredWithBackwardEpilogue) {
                              gg::GatherKernel::ping_pong}) {
     const char* kname = gather_kernel_name(k);
     SCOPED_TRACE(kname);
+    if (c.act == Activation::swiglu_oai && k != gg::GatherKernel::warp_specialized) {
+      EXPECT_THROW(gg::dh_proj(dp.view, cb(dO), cb(w2), cb(h), partials.as<float>(), mb(dh),
+                               mb(as), d, n, c.act, nullptr, k),
+                   Unsupported);
+      continue;
+    }
     run_twice({&partials, &ds, &dh, &as}, [&] {
       gg::dh_proj(dp.view, cb(dO), cb(w2), cb(h), partials.as<float>(), mb(dh), mb(as), d, n,
                   c.act, nullptr, k);
@@ -881,6 +894,20 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   refused("wx.family=ws", "unknown key 'wx.family'");
   refused("dh", "expected key=value");
   refused("chunks=0", "[1, 1024]");
+  // swiglu_oai: up and dh on its own ws cooperative kernels; nothing else takes it.
+  const gg::LayerKernels oai = gg::choose_kernels({196608, 128, 1536, 256, true}, gg::KernelOverrides{});
+  EXPECT_EQ(oai.dh.family, KernelFamily::ws_gather);
+  EXPECT_EQ(oai.dh.schedule, gg::KernelSchedule::cooperative);
+  EXPECT_EQ(oai.up.schedule, gg::KernelSchedule::cooperative);
+  for (const char* spec : {"dh.schedule=pingpong", "up.family=two_cta"}) {
+    try {
+      gg::choose_kernels({196608, 128, 1536, 256, true}, gg::parse_kernel_overrides(spec));
+      ADD_FAILURE() << spec << " was accepted for swiglu_oai";
+    } catch (const Unsupported& e) {
+      EXPECT_NE(std::string(e.what()).find("swiglu_oai runs on its own"), std::string::npos)
+          << e.what();
+    }
+  }
   for (const char* spec : {"dh.family=ws", "down.family=ws"}) {
     try {
       gg::choose_kernels({1 << 20, 5000, 4096, 1024}, gg::parse_kernel_overrides(spec));

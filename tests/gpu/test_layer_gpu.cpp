@@ -491,7 +491,10 @@ INSTANTIATE_TEST_SUITE_P(
         Case{1000, 1536, 768, 8, 1, Activation::gelu, LayerMode::keep_h, RouteKind::balanced},
         Case{1000, 256, 128, 128, 8, Activation::relu2, LayerMode::keep_h, RouteKind::rounded},
         Case{8192, 128, 128, 128, 8, Activation::swiglu, LayerMode::keep_h, RouteKind::skewed},
-        Case{8192, 256, 256, 8, 2, Activation::swiglu, LayerMode::recompute, RouteKind::rounded}),
+        Case{8192, 256, 256, 8, 2, Activation::swiglu, LayerMode::recompute, RouteKind::rounded},
+        Case{1000, 256, 192, 8, 2, Activation::swiglu_oai, LayerMode::keep_h, RouteKind::skewed},
+        Case{1000, 512, 256, 16, 4, Activation::swiglu_oai, LayerMode::recompute,
+             RouteKind::balanced}),
     [](const ::testing::TestParamInfo<Case>& info) {
       const Case& c = info.param;
       std::string act = activation_name(c.act);
@@ -859,17 +862,20 @@ TEST(LayerGpu, RejectsWhatTheGpuPathCannotTakeAndLeavesOutputsUntouched) {
     DType dtype;
     const char* expect;
     Activation act = Activation::swiglu;
+    int64_t E = 4;
   };
   for (const Bad& b : {Bad{100, 128, DType::bf16, "d (100)"}, Bad{128, 96, DType::bf16, "n (96)"},
                        Bad{128, 128, DType::f32, "dtype fp32: the CUDA backend stores bf16"},
-                       Bad{128, 128, DType::bf16, "activation swiglu-oai runs on the CPU backend",
-                           Activation::swiglu_oai}}) {
+                       Bad{128, 128, DType::bf16,
+                           "swiglu-oai runs on its own warp-specialised kernels only, which take "
+                           "E <= 4096 experts (got 5000)",
+                           Activation::swiglu_oai, 5000}}) {
     SCOPED_TRACE(b.expect);
     LayerConfig c;
     c.T = 16;
     c.d = b.d;
     c.n = b.n;
-    c.E = 4;
+    c.E = b.E;
     c.K = 2;
     c.dtype = b.dtype;
     c.activation = b.act;

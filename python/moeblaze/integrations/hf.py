@@ -13,7 +13,7 @@ ExpertsInterface; the model's own router stays in charge of the selection. `regi
 gelu) (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, ...), plain `up_proj` experts with
 relu, relu2, silu or gelu (NemotronH), transposed (E, d, 2n) weights (Aria), and gpt-oss's
 experts: transposed, interleaved gate/up columns, biases and the clamped SwiGLU (moeblaze's
-swiglu_oai; biases and swiglu_oai run on the CPU backend only for now, on CUDA the call raises
+swiglu_oai; its biases run on the CPU backend only for now, on CUDA the call raises
 UnsupportedError).
 Anything else (a post-expert norm, another gating function, transformers' expert parallelism)
 raises ValueError naming what is not supported.

@@ -159,7 +159,7 @@ void check_gpu_layer_args(const LayerConfig& cfg, const RoutingPlan& plan,
   MOEBLAZE_UNSUPPORTED_IF(cfg.dtype != DType::bf16, "dtype ", dtype_name(cfg.dtype),
                           ": the CUDA backend stores bf16; use the CPU backend for fp32");
   gemm::check_gemm_shape(cfg.d, cfg.n);
-  gemm::detail::check_gpu_activation("layer", cfg.activation);
+  gemm::detail::check_gpu_activation("layer", cfg.activation, cfg.E);
   MOEBLAZE_REQUIRE(plan.device() == Device::cuda, "plan is on ", device_name(plan.device()),
                    ", expected cuda");
   MOEBLAZE_REQUIRE(plan.T() == cfg.T, "plan has T = ", plan.T(), ", the layer has T = ", cfg.T);

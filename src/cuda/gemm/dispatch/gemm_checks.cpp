@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "cuda/gemm/dispatch/kernel_config.hpp"  // kWsMaxExperts
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "moeblaze/error.hpp"
 
@@ -62,10 +63,11 @@ void check_rows(const char* fn, const RoutingPlanView& plan, const ExpertRows& r
                           "(<gemm>.family=ws)");
 }
 
-void check_gpu_activation(const char* fn, Activation act) {
-  MOEBLAZE_UNSUPPORTED_IF(act == Activation::swiglu_oai, fn, ": activation ", activation_name(act),
-                          " runs on the CPU backend only for now (the fused GPU epilogues do not "
-                          "compile it yet)");
+void check_gpu_activation(const char* fn, Activation act, int64_t E) {
+  MOEBLAZE_UNSUPPORTED_IF(act == Activation::swiglu_oai && E > kWsMaxExperts, fn,
+                          ": activation ", activation_name(act), " runs on its own "
+                          "warp-specialised kernels only, which take E <= ", kWsMaxExperts,
+                          " experts (got ", E, ")");
 }
 
 void check_dims(const char* fn, int64_t d, int64_t n) {

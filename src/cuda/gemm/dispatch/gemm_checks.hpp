@@ -35,8 +35,8 @@ void check_rows(const char* fn, const RoutingPlanView& plan, const ExpertRows& r
 
 // InvalidArgument unless d, n are positive and below 2^30, then check_gemm_shape (Unsupported).
 void check_dims(const char* fn, int64_t d, int64_t n);
-// The activations the fused GPU epilogues compile (every one but swiglu_oai, which the CPU
-// backend runs): Unsupported naming it otherwise.
-void check_gpu_activation(const char* fn, Activation act);
+// Whether the fused GPU epilogues take `act` with E experts: every activation, swiglu_oai on
+// its own warp-specialised kernels only (E <= kWsMaxExperts); Unsupported naming the rule.
+void check_gpu_activation(const char* fn, Activation act, int64_t E);
 
 }  // namespace moeblaze::cuda::gemm::detail

@@ -72,6 +72,11 @@ LayerKernels automatic(const KernelShape& s) {
     k.dh = ws_gather(KernelSchedule::ping_pong, "2048 <= d < 4096: ping-pong ahead");
   else
     k.dh = ws_gather(KernelSchedule::cooperative, "d >= 4096: cooperative ahead");
+  if (s.swiglu_oai && ws) {
+    k.up = k.dh = ws_gather(KernelSchedule::cooperative,
+                            "swiglu_oai: its own cooperative kernels (the shared epilogues' "
+                            "activation switch leaves it out)");
+  }
   k.down = tma ? tma_grouped("S >= 128 E rows: the TMA path wins down to 128 rows per expert")
                : two_cta("S < 128 E rows: the TMA path's tiles would be mostly tails");
   k.dx = k.down;
@@ -301,6 +306,15 @@ void clear_kernel_overrides() {
 LayerKernels choose_kernels(const KernelShape& shape, const KernelOverrides& o) {
   LayerKernels k = automatic(shape);
   for (int i = 0; i < LayerKernels::kCount; ++i) apply(i, o.gemm[i], shape, k.at(i));
+  if (shape.swiglu_oai)
+    for (const int g : {kUp, kDh}) {
+      const GemmKernel& c = k.at(g);
+      MOEBLAZE_UNSUPPORTED_IF(
+          c.family != KernelFamily::ws_gather || c.schedule != KernelSchedule::cooperative,
+          kNames[g], ": swiglu_oai runs on its own ws_gather cooperative kernel only, which "
+          "takes E <= ", kWsMaxExperts, " and no other family or schedule override (the choice "
+          "here: ", family_name(c.family), " ", schedule_name(c.schedule), ")");
+    }
   for (int i = 0; i < LayerKernels::kCount; ++i) {
     GemmKernel& g = k.at(i);
     if (g.family == KernelFamily::tma_grouped) {

@@ -72,6 +72,7 @@ struct LayerKernels {
 // The shape the choice depends on: S slots over E experts, hidden d, expert width n.
 struct KernelShape {
   int64_t S = 0, E = 0, d = 0, n = 0;
+  bool swiglu_oai = false;  // up/dh then run swiglu_oai's own (cooperative ws) kernels
 };
 
 // Overrides of the automatic choice. Spec (MOEBLAZE_KERNELS, or parse_kernel_overrides):

@@ -32,6 +32,14 @@ void up_proj_ws(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16
 void up_proj_pp(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
                 int64_t d, int64_t n, Activation act, cudaStream_t stream);
 
+// up_proj / dh_proj for swiglu_oai: its own cooperative kernels (the shared epilogues' activation
+// switch leaves it out); same contracts with act = swiglu_oai.
+void up_proj_oai(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
+                 int64_t d, int64_t n, cudaStream_t stream);
+void dh_proj_oai(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,
+                 float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n,
+                 cudaStream_t stream);
+
 // dh_proj on the ping-pong schedule; same contract as dh_proj.
 void dh_proj_pp(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,
                 float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n,

@@ -164,7 +164,7 @@ void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, con
   constexpr const char* fn = "dh_proj";
   detail::check_plan(fn, plan, /*gathers=*/true, /*weights=*/true);
   detail::check_dims(fn, d, n);
-  detail::check_gpu_activation(fn, act);
+  detail::check_gpu_activation(fn, act, plan.E);
   const bool need = plan.S > 0;
   detail::check_ptr(fn, d_out, "d_out", need);
   detail::check_ptr(fn, w2, "w2", need);
@@ -173,8 +173,15 @@ void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, con
   detail::check_ptr(fn, dh, "dh", need);
   detail::check_ptr(fn, a_scaled, "a_scaled", need);
   using detail::GatherPath;
+  const bool oai = act == Activation::swiglu_oai;
   const GatherPath path = detail::resolve_gather_path(
-      fn, kernel, plan.E, choose_kernels({plan.S, plan.E, d, n}).dh, /*has_ping_pong=*/true);
+      fn, kernel, plan.E, choose_kernels({plan.S, plan.E, d, n, oai}).dh, /*has_ping_pong=*/true);
+  if (oai) {
+    MOEBLAZE_UNSUPPORTED_IF(path != GatherPath::cooperative, fn, ": swiglu_oai runs on its own "
+                            "warp-specialised cooperative kernel only (GatherKernel automatic or "
+                            "warp_specialized)");
+    return detail::dh_proj_oai(plan, d_out, w2, h, ds_partials, dh, a_scaled, d, n, stream);
+  }
   if (path == GatherPath::cooperative)
     return detail::dh_proj_ws(plan, d_out, w2, h, ds_partials, dh, a_scaled, d, n, act, stream);
   if (path == GatherPath::ping_pong)

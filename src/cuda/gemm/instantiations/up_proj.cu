@@ -34,15 +34,22 @@ void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h
   constexpr const char* fn = "up_proj";
   detail::check_plan(fn, plan, /*gathers=*/true, /*weights=*/false);
   detail::check_dims(fn, d, n);
-  detail::check_gpu_activation(fn, act);
+  detail::check_gpu_activation(fn, act, plan.E);
   detail::check_ptr(fn, x, "x", plan.S > 0);
   detail::check_ptr(fn, w1, "w1", plan.S > 0);
   MOEBLAZE_REQUIRE(plan.S == 0 || h != nullptr || a != nullptr, fn,
                    ": h and a must not both be null");
   using detail::GatherPath;
-  const GemmKernel chosen = choose_kernels({plan.S, plan.E, d, n}).up;
+  const bool oai = act == Activation::swiglu_oai;
+  const GemmKernel chosen = choose_kernels({plan.S, plan.E, d, n, oai}).up;
   const GatherPath path = detail::resolve_gather_path(fn, kernel, plan.E, chosen,
                                                       /*has_ping_pong=*/true);
+  if (oai) {
+    MOEBLAZE_UNSUPPORTED_IF(path != GatherPath::cooperative, fn, ": swiglu_oai runs on its own "
+                            "warp-specialised cooperative kernel only (GatherKernel automatic or "
+                            "warp_specialized)");
+    return detail::up_proj_oai(plan, x, w1, h, a, d, n, stream);
+  }
   if (path == GatherPath::cooperative) return detail::up_proj_ws(plan, x, w1, h, a, d, n, act, stream);
   if (path == GatherPath::ping_pong) return detail::up_proj_pp(plan, x, w1, h, a, d, n, act, stream);
   const bool gated = is_gated(act);

@@ -16,8 +16,8 @@
 //   (2) down-projection: A = a (S, n), B = w2 K-major (w2_e (d, n): N = d rows of K = n);
 //   (6) dX̃: A = dh (S, w1_rows), B = w1 N-major (w1_e (w1_rows, d): K rows of N = d).
 // Each .cu file that includes this instantiates one (GEMM, schedule) pair (up_proj_ws.cu,
-// up_proj_pp.cu, dh_proj_ws.cu, dh_proj_pp.cu, down_proj_ws.cu, down_proj_pp.cu, dx_proj_ws.cu,
-// dx_proj_pp.cu).
+// up_proj_pp.cu, up_proj_oai.cu, dh_proj_ws.cu, dh_proj_pp.cu, dh_proj_oai.cu, down_proj_ws.cu,
+// down_proj_pp.cu, dx_proj_ws.cu, dx_proj_pp.cu).
 #pragma once
 
 #include "cuda/gemm/epilogues/act_epilogue.cuh"
@@ -29,14 +29,19 @@
 
 namespace moeblaze::cuda::gemm::sm90::ws {
 
-// The up-projection's epilogue (act_epilogue.cuh) on fragment policy Frag.
-template <class Frag>
+// The up-projection's epilogue (act_epilogue.cuh) on fragment policy Frag. kOai: compiled for
+// swiglu_oai alone (its own kernel: in the shared activation switch it raised the other
+// activations' registers and spills; cuda/activation.cuh).
+template <class Frag, bool kOai = false>
 struct GatherActEpilogue {
   using Params = ActParams;
   __device__ static void at_tile_start(const Params&, int, int, int) {}
   template <class Acc>
   __device__ static void apply(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile) {
-    act_epilogue<Frag>(p, acc, m_begin, m_end, n_tile);
+    if constexpr (kOai)
+      act_epilogue_body<Activation::swiglu_oai, Frag>(p, acc, m_begin, m_end, n_tile);
+    else
+      act_epilogue<Frag>(p, acc, m_begin, m_end, n_tile);
   }
 };
 
@@ -51,8 +56,9 @@ struct GatherStoreEpilogue {
   }
 };
 
-// The dH epilogue (dh_epilogue.cuh's dh_pair_words per column pair) on fragment policy Frag.
-template <class Frag>
+// The dH epilogue (dh_epilogue.cuh's dh_pair_words per column pair) on fragment policy Frag;
+// kOai as for GatherActEpilogue.
+template <class Frag, bool kOai = false>
 struct GatherDhEpilogue {
   using Params = DhParams;
   static constexpr int kPartials = Frag::kTileN / 128;  // ds partials per tile row
@@ -77,8 +83,11 @@ struct GatherDhEpilogue {
 
   template <class Acc>
   __device__ static void apply(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile) {
-    dispatch_activation(p.act,
-                        [&](auto a) { body<decltype(a)::value>(p, acc, m_begin, m_end, n_tile); });
+    if constexpr (kOai)
+      body<Activation::swiglu_oai>(p, acc, m_begin, m_end, n_tile);
+    else
+      dispatch_activation(
+          p.act, [&](auto a) { body<decltype(a)::value>(p, acc, m_begin, m_end, n_tile); });
   }
 
   // Column groups go in quads (32 columns) and the arithmetic runs in group order: each lane
@@ -173,9 +182,10 @@ struct GatherDhEpilogue {
   }
 };
 
-// up_proj on the warp-specialised kernel with schedule Sched; same contract as up_proj.
-// raster_group: the host's band height (dispatch/raster.hpp).
-template <class Sched>
+// up_proj on the warp-specialised kernel with schedule Sched; same contract as up_proj (kOai:
+// the swiglu_oai kernel, act must be swiglu_oai). raster_group: the host's band height
+// (dispatch/raster.hpp).
+template <class Sched, bool kOai = false>
 void up_proj_gather(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
                     int64_t d, int64_t n, Activation act, int raster_group, cudaStream_t stream) {
   constexpr int kTileN = Sched::kTileN;
@@ -188,13 +198,14 @@ void up_proj_gather(const RoutingPlanView& plan, const bf16* x, const bf16* w1, 
   p.gate_split = gated ? static_cast<int>(n) : 0;
   ActParams ep{reinterpret_cast<__nv_bfloat16*>(h), reinterpret_cast<__nv_bfloat16*>(a),
                static_cast<int>(n), act};
-  launch_gather_gemm<GMajor::K, GatherActEpilogue<typename Sched::Frag>, Sched>(
+  launch_gather_gemm<GMajor::K, GatherActEpilogue<typename Sched::Frag, kOai>, Sched>(
       p, w1, ep, plan.S, raster_group, stream);
 }
 
-// dh_proj on the warp-specialised kernel with schedule Sched; same contract as dh_proj.
-// ds_cols: ds_partials' columns (ds_partials_cols(n)); raster_group as for up_proj_gather.
-template <class Sched>
+// dh_proj on the warp-specialised kernel with schedule Sched; same contract as dh_proj (kOai as
+// for up_proj_gather). ds_cols: ds_partials' columns (ds_partials_cols(n)); raster_group as for
+// up_proj_gather.
+template <class Sched, bool kOai = false>
 void dh_proj_gather(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,
                     float* ds_partials, int64_t ds_cols, bf16* dh, bf16* a_scaled, int64_t d,
                     int64_t n, Activation act, int raster_group, cudaStream_t stream) {
@@ -204,7 +215,7 @@ void dh_proj_gather(const RoutingPlanView& plan, const bf16* d_out, const bf16* 
   p.b_cols = static_cast<int>(n);
   p.gate_split = 0;
   const DhParams ep = make_dh_params(plan, h, ds_partials, ds_cols, dh, a_scaled, n, act);
-  launch_gather_gemm<GMajor::MN, GatherDhEpilogue<typename Sched::Frag>, Sched>(
+  launch_gather_gemm<GMajor::MN, GatherDhEpilogue<typename Sched::Frag, kOai>, Sched>(
       p, w2, ep, plan.S, raster_group, stream);
 }
 
