@@ -20,7 +20,11 @@ shape; its plan is built before the timing) when --cli names the binary.
 
 Peers are optional imports: one that is missing or fails is reported as skipped, never an error.
 SonicMoE: `../shared/peers/sonicmoe-carry.sh` packs it for a machine without network; its first
-call at a new shape autotunes for 2-3 minutes.
+call at a new shape compiles and autotunes its GEMMs (9+ minutes at sm-7B-n256 on 2026-12-02,
+1-3 minutes a shape once the kernels are compiled). With QUACK_CACHE_AUTOTUNING=1 and
+QUACK_CACHE_DIR set, QuACK keeps the compiled kernels and each search's timings there: carry that
+folder between machines to skip the search, and read its GEMMs one by one with
+bench/quack_kernels.py.
 
   python3 bench/peers.py --config sm-7B-n256,olmoe [--impl ...] [--cli build/moeblaze]
                          [--out rows.jsonl] [--md table.md] [--profile FILE]
