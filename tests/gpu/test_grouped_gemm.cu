@@ -498,9 +498,7 @@ TEST_P(GroupedGemm, WeightGradsVarlenK) {
     bool clusters;
   };
   std::vector<uint8_t> ws_dw2, ws_dw1;  // the clusters' outputs
-  struct ClearOnExit {  // also when an assertion leaves the test early
-    ~ClearOnExit() { gg::clear_kernel_overrides(); }
-  } clear_on_exit;
+  const ClearOverridesOnExit clear_on_exit;
   for (const Variant v : {Variant{gg::GatherKernel::two_cta, false},
                           Variant{gg::GatherKernel::warp_specialized, true},
                           Variant{gg::GatherKernel::warp_specialized, false}}) {

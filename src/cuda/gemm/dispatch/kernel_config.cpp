@@ -100,7 +100,7 @@ void apply(int g, const GemmOverride& o, const KernelShape& s, GemmKernel& k) {
     const KernelFamily f = *o.family;
     MOEBLAZE_UNSUPPORTED_IF(f == KernelFamily::tma_grouped && gathered, "kernel override ", name,
                             ".family=tma: a gathered operand cannot come by TMA");
-    // down / dx on ws: the gather kernel with A read by slot (no gather table).
+    // down / dx on ws: the gather kernel with A by TMA instead of the gather (kTmaA).
     if (f == KernelFamily::two_cta) {
       k = two_cta("override");
       k.b_by_tma = g == kUp;

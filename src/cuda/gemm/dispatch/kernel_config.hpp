@@ -16,7 +16,7 @@ enum class KernelFamily : uint8_t {
   two_cta,      // sm90_varlen_m.cuh, dw_proj.cu: every thread loads and multiplies, 2 CTAs per SM
   ws_gather,    // sm90_ws_gather.cuh: persistent, producer warpgroup (cp.async gather, weights by
                 //   TMA) feeding consumer warpgroups; up_proj and dh_proj, E <= kWsMaxExperts
-                //   (down_proj and dx_proj by override: A read by slot, no gather table)
+                //   (down_proj and dx_proj by override: A by TMA, no gather table)
   ws_varlen_k,  // sm90_ws_varlen_k.cuh: persistent varlen-K (dW2, dW1), any E
   tma_grouped,  // sm90_tma_grouped.cuh: CUTLASS pointer-array grouped GEMM, both operands by TMA
                 //   (down_proj, dx_proj: A contiguous per expert)

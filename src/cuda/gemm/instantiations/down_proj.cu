@@ -10,21 +10,29 @@
 #include "cuda/gemm/dispatch/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm {
+namespace {
+
+// The two paths that take row ranges: the warp-specialised kernel where the chosen kernel k is
+// ws_gather, else the TMA path (which needs the scratch).
+void down_proj_ranges(const GemmKernel& k, const RoutingPlanView& plan, const ExpertRows& rows,
+                      const bf16* a, const bf16* w2, bf16* y, int64_t d, int64_t n,
+                      GemmScratch scratch, cudaStream_t stream) {
+  if (k.family == KernelFamily::ws_gather)
+    (k.schedule == KernelSchedule::ping_pong ? detail::down_proj_pp : detail::down_proj_ws)(
+        plan, rows, a, w2, y, d, n, stream);
+  else
+    detail::down_proj_tma(plan, rows, a, w2, y, d, n, k.cluster, scratch, stream);
+}
+
+}  // namespace
 
 void down_proj(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16* y, int64_t d,
                int64_t n, cudaStream_t stream, GemmScratch scratch) {
   detail::check_contiguous_a("down_proj", plan, d, n, a, "a", w2, "w2", y, "y");
   const GemmKernel k = choose_kernels({plan.S, plan.E, d, n}).down;
-  if (k.family == KernelFamily::ws_gather) {
-    (k.schedule == KernelSchedule::ping_pong ? detail::down_proj_pp : detail::down_proj_ws)(
-        plan, ExpertRows::whole(plan), a, w2, y, d, n, stream);
-    return;
-  }
-  if (scratch.data) {  // TMA path (tma_paths.hpp): the caller chose it (choose_kernels)
-    detail::down_proj_tma(plan, ExpertRows::whole(plan), a, w2, y, d, n, k.cluster, scratch,
-                          stream);
-    return;
-  }
+  // ws_gather, or the TMA path that the caller chose by giving a scratch (choose_kernels).
+  if (k.family == KernelFamily::ws_gather || scratch.data)
+    return down_proj_ranges(k, plan, ExpertRows::whole(plan), a, w2, y, d, n, scratch, stream);
 
   sm90::VarlenMArgs p{};
   p.a = reinterpret_cast<const __nv_bfloat16*>(a);  // (S, n)
@@ -49,13 +57,9 @@ void down_proj_rows(const RoutingPlanView& plan, const ExpertRows& rows, const b
                     GemmScratch scratch) {
   detail::check_contiguous_a("down_proj_rows", plan, d, n, a, "a", w2, "w2", y_rows, "y_rows");
   const GemmKernel k = choose_kernels({plan.S, plan.E, d, n}).down;
-  const bool ws = k.family == KernelFamily::ws_gather;
-  detail::check_rows("down_proj_rows", plan, rows, ws || scratch.data != nullptr);
-  if (ws)
-    (k.schedule == KernelSchedule::ping_pong ? detail::down_proj_pp : detail::down_proj_ws)(
-        plan, rows, a, w2, y_rows, d, n, stream);
-  else
-    detail::down_proj_tma(plan, rows, a, w2, y_rows, d, n, k.cluster, scratch, stream);
+  detail::check_rows("down_proj_rows", plan, rows,
+                     k.family == KernelFamily::ws_gather || scratch.data != nullptr);
+  down_proj_ranges(k, plan, rows, a, w2, y_rows, d, n, scratch, stream);
 }
 
 }  // namespace moeblaze::cuda::gemm

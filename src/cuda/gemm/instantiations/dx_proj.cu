@@ -11,22 +11,31 @@
 #include "cuda/gemm/dispatch/ws_paths.hpp"
 
 namespace moeblaze::cuda::gemm {
+namespace {
+
+// The two paths that take row ranges: the warp-specialised kernel where the chosen kernel k is
+// ws_gather, else the TMA path (which needs the scratch).
+void dx_proj_ranges(const GemmKernel& k, const RoutingPlanView& plan, const ExpertRows& rows,
+                    const bf16* dh, const bf16* w1, bf16* dx, int64_t d, int64_t w1_rows,
+                    GemmScratch scratch, cudaStream_t stream) {
+  if (k.family == KernelFamily::ws_gather)
+    (k.schedule == KernelSchedule::ping_pong ? detail::dx_proj_pp : detail::dx_proj_ws)(
+        plan, rows, dh, w1, dx, d, w1_rows, stream);
+  else
+    detail::dx_proj_tma(plan, rows, dh, w1, dx, d, w1_rows, k.cluster, scratch, stream);
+}
+
+}  // namespace
 
 void dx_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* dx_slots,
              int64_t d, int64_t n, Activation act, cudaStream_t stream, GemmScratch scratch) {
   detail::check_contiguous_a("dx_proj", plan, d, n, dh, "dh", w1, "w1", dx_slots, "dx_slots");
   const int64_t w1_rows = is_gated(act) ? 2 * n : n;
   const GemmKernel k = choose_kernels({plan.S, plan.E, d, n}).dx;
-  if (k.family == KernelFamily::ws_gather) {
-    (k.schedule == KernelSchedule::ping_pong ? detail::dx_proj_pp : detail::dx_proj_ws)(
-        plan, ExpertRows::whole(plan), dh, w1, dx_slots, d, w1_rows, stream);
-    return;
-  }
-  if (scratch.data) {  // TMA path (tma_paths.hpp): the caller chose it (choose_kernels)
-    detail::dx_proj_tma(plan, ExpertRows::whole(plan), dh, w1, dx_slots, d, w1_rows, k.cluster,
-                        scratch, stream);
-    return;
-  }
+  // ws_gather, or the TMA path that the caller chose by giving a scratch (choose_kernels).
+  if (k.family == KernelFamily::ws_gather || scratch.data)
+    return dx_proj_ranges(k, plan, ExpertRows::whole(plan), dh, w1, dx_slots, d, w1_rows,
+                          scratch, stream);
 
   sm90::VarlenMArgs p{};
   p.a = reinterpret_cast<const __nv_bfloat16*>(dh);  // (S, w1_rows)
@@ -52,14 +61,9 @@ void dx_proj_rows(const RoutingPlanView& plan, const ExpertRows& rows, const bf1
                   cudaStream_t stream, GemmScratch scratch) {
   detail::check_contiguous_a("dx_proj_rows", plan, d, n, dh, "dh", w1, "w1", dx_rows, "dx_rows");
   const GemmKernel k = choose_kernels({plan.S, plan.E, d, n}).dx;
-  const bool ws = k.family == KernelFamily::ws_gather;
-  detail::check_rows("dx_proj_rows", plan, rows, ws || scratch.data != nullptr);
-  const int64_t w1_rows = is_gated(act) ? 2 * n : n;
-  if (ws)
-    (k.schedule == KernelSchedule::ping_pong ? detail::dx_proj_pp : detail::dx_proj_ws)(
-        plan, rows, dh, w1, dx_rows, d, w1_rows, stream);
-  else
-    detail::dx_proj_tma(plan, rows, dh, w1, dx_rows, d, w1_rows, k.cluster, scratch, stream);
+  detail::check_rows("dx_proj_rows", plan, rows,
+                     k.family == KernelFamily::ws_gather || scratch.data != nullptr);
+  dx_proj_ranges(k, plan, rows, dh, w1, dx_rows, d, is_gated(act) ? 2 * n : n, scratch, stream);
 }
 
 }  // namespace moeblaze::cuda::gemm
