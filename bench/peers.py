@@ -20,11 +20,10 @@ shape; its plan is built before the timing) when --cli names the binary.
 
 Peers are optional imports: one that is missing or fails is reported as skipped, never an error.
 SonicMoE: `../shared/peers/sonicmoe-carry.sh` packs it for a machine without network; its first
-call at a new shape compiles and autotunes its GEMMs (9+ minutes at sm-7B-n256 on 2026-12-02,
-1-3 minutes a shape once the kernels are compiled). With QUACK_CACHE_AUTOTUNING=1 and
-QUACK_CACHE_DIR set, QuACK keeps the compiled kernels and each search's timings there: carry that
-folder between machines to skip the search, and read its GEMMs one by one with
-bench/quack_kernels.py.
+call at a new shape compiles and autotunes its GEMMs for minutes (times in the 2026-12-02
+experiment note). With QUACK_CACHE_AUTOTUNING=1 and QUACK_CACHE_DIR set, QuACK keeps the compiled
+kernels and each search's timings there: carry that folder between machines to skip the search,
+and read its GEMMs one by one with bench/quack_kernels.py.
 
   python3 bench/peers.py --config sm-7B-n256,olmoe [--impl ...] [--cli build/moeblaze]
                          [--out rows.jsonl] [--md table.md] [--profile FILE]
@@ -47,15 +46,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_reference import (CONFIGS, driver_version, git_commit, median,  # noqa: E402
-                             moe_layer, reference_rows, rel_err, saved_storage_counter)
+from torch_reference import (CONFIGS, EXTRA_SHAPES, driver_version, git_commit,  # noqa: E402
+                             median, moe_layer, reference_rows, rel_err, saved_storage_counter)
 
-# Shapes off the named configs (issue 15's wide and fine-grained families; DeepSeek-V2's layer).
-EXTRA_SHAPES = {
-    "wide-d7168-E256": (16384, 7168, 2048, 256, 8),
-    "fine-n320-E512": (16384, 2048, 320, 512, 10),
-    "dsv2-d5120": (16384, 5120, 1536, 160, 6),
-}
 DEFAULT_CONFIGS = "sm-7B-n256,sm-30B-n512,sm-default,olmoe"
 ALL_IMPLS = "moeblaze-torch,moeblaze-torch-recompute,sonicmoe,scattermoe,torch,torch-fp8"
 

@@ -23,13 +23,7 @@ import sys
 import tarfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_reference import CONFIGS  # noqa: E402  (imports torch)
-
-EXTRA = {  # peers.py's EXTRA_SHAPES (peers.py is a program, not a module to import)
-    "wide-d7168-E256": (16384, 7168, 2048, 256, 8),
-    "fine-n320-E512": (16384, 2048, 320, 512, 10),
-    "dsv2-d5120": (16384, 5120, 1536, 160, 6),
-}
+from torch_reference import CONFIGS, EXTRA_SHAPES  # noqa: E402  (imports torch)
 
 
 def load_cache(path):
@@ -91,7 +85,7 @@ def name_configs(kind, S, d, x, E):
     """Every (named config, moeblaze step) whose GEMM has these sizes (two configs can share
     one: sm-default's down-proj is sm-30B-n512's dX~ in shape)."""
     out = []
-    for name, (T, cd, cn, cE, cK) in list(CONFIGS.items()) + list(EXTRA.items()):
+    for name, (T, cd, cn, cE, cK) in list(CONFIGS.items()) + list(EXTRA_SHAPES.items()):
         if T * cK != S or cd != d or (E and cE != E):
             continue
         if kind in ("1 up-proj", "4 dH") and cn == x:

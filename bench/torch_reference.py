@@ -50,6 +50,13 @@ CONFIGS = {
     "cpu-default": (2048, 256, 512, 16, 4),
 }
 
+# Shapes off the named configs (issue 15's wide and fine-grained families; DeepSeek-V2's layer).
+EXTRA_SHAPES = {
+    "wide-d7168-E256": (16384, 7168, 2048, 256, 8),
+    "fine-n320-E512": (16384, 2048, 320, 512, 10),
+    "dsv2-d5120": (16384, 5120, 1536, 160, 6),
+}
+
 
 def moe_layer(x, w1, w2, topk_ids, topk_w, n, E, K, pad_to=0, grouped_mm=None):
     """What a PyTorch user writes: sort, gather, grouped GEMM, SwiGLU, grouped GEMM, weight,
