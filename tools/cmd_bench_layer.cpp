@@ -62,6 +62,9 @@ struct BenchFlags {
   std::string shape;  // "T,d,n,E,K": one unnamed shape instead of --config
   std::string kernels;  // kernel overrides (kernel_config.hpp); "" = MOEBLAZE_KERNELS or none
   bool show_kernels = false;
+  // Expert biases b1, b2 (and db1, db2) on the moeblaze impls: rows "<impl>+bias", no error
+  // column (the sampled reference has no biases).
+  bool bias = false;
 };
 
 // The routing field of the rows: "softmax-topk" or, e.g., "softmax-topk+nr-f/128".
@@ -298,10 +301,27 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
   const SampleRef ref = reference_on_sample(c, host_plan, x.as<bf16>(), w1.as<bf16>(),
                                             w2.as<bf16>(), dout.as<bf16>(), f.sample_tokens, f.seed);
   GpuTimer timer(stream, flush);
+  // With --bias: b1 (E, w1_rows), b2 (E, d) N(0, 0.5), their gradients beside the others.
+  const int64_t Rb = f.bias ? R : 0, db = f.bias ? c.d : 0;
+  DevBuf b1(c.E * Rb * 2), b2(c.E * db * 2), db1(c.E * Rb * 2), db2(c.E * db * 2);
+  LayerBiases biases;
+  LayerGrads gb = g;
+  if (f.bias) {
+    cuda::fill_normal(b1.p, DType::bf16, c.E * R, f.seed + 5, 0.5f, stream);
+    cuda::fill_normal(b2.p, DType::bf16, c.E * c.d, f.seed + 6, 0.5f, stream);
+    MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    biases = {TensorView(b1.p, DType::bf16, Device::cuda, {c.E, R}),    // (E, w1_rows)
+              TensorView(b2.p, DType::bf16, Device::cuda, {c.E, c.d})};  // (E, d)
+    gb.db1 = TensorView(db1.p, DType::bf16, Device::cuda, {c.E, R});
+    gb.db2 = TensorView(db2.p, DType::bf16, Device::cuda, {c.E, c.d});
+  }
 
   for (const std::string& impl : impls) {
     Row r;
     r.impl = impl;
+    const bool biased = f.bias && impl != "dense-bound" && impl != "materialized";
+    if (f.bias && !biased) continue;  // no biases there: nothing to compare
+    if (biased) r.impl += "+bias";
     try {
       if (impl == "dense-bound") {
         cuda::DenseBound db(c, S, f.seed + 9, stream);
@@ -326,20 +346,21 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
           MOEBLAZE_CUDA_CHECK(cudaMemset(dx.p, 0xFF, dx.bytes));
           MOEBLAZE_CUDA_CHECK(cudaMemset(dpw.p, 0xFF, dpw.bytes));
           PeakScope peak(Device::cuda);
-          layer_forward(c, plan, xv, w1v, w2v, outv, saved, opts);
+          layer_forward(c, plan, xv, w1v, w2v, biases, outv, saved, opts);
           MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
           r.kept = saved.bytes() + plan.bytes();
-          layer_backward(c, plan, xv, w1v, w2v, doutv, saved, g, opts);
+          layer_backward(c, plan, xv, w1v, w2v, biases, doutv, saved, gb, opts);
           MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
           r.peak = peak.peak_above_start();
-          r.err = sample_error(ref, host_plan, c, out.p, dx.p, dpw.as<float>());
+          if (!biased) r.err = sample_error(ref, host_plan, c, out.p, dx.p, dpw.as<float>());
         }
         auto reset = [&] { saved = SavedForBackward(); };  // free the last H outside the timing
-        r.fwd = timer.median_ms(f.warmup, f.reps, reset,
-                                [&] { layer_forward(c, plan, xv, w1v, w2v, outv, saved, opts); });
+        r.fwd = timer.median_ms(f.warmup, f.reps, reset, [&] {
+          layer_forward(c, plan, xv, w1v, w2v, biases, outv, saved, opts);
+        });
         r.total = timer.median_ms(f.warmup, f.reps, reset, [&] {
-          layer_forward(c, plan, xv, w1v, w2v, outv, saved, opts);
-          layer_backward(c, plan, xv, w1v, w2v, doutv, saved, g, opts);
+          layer_forward(c, plan, xv, w1v, w2v, biases, outv, saved, opts);
+          layer_backward(c, plan, xv, w1v, w2v, biases, doutv, saved, gb, opts);
         });
       }
     } catch (const DeviceError& e) {  // e.g. out of device memory: the other impls still run
@@ -378,7 +399,7 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
     };
     const double agg_bytes = double(S) * c.d * 2 + double(c.T) * c.d * 2 + 4.0 * (c.T + 1) + 8.0 * S;
     const std::vector<Step> steps = {
-        {"1 up-proj", up_f, 0, [&] { gm.up_proj(pv, X, W1, h.as<bf16>(), fw.a, c.d, c.n, c.activation, stream); }},
+        {"1 up-proj", up_f, 0, [&] { gm.up_proj(pv, X, W1, h.as<bf16>(), fw.a, c.d, c.n, c.activation, stream, nullptr); }},
         {"2 down-proj", 2 * snd, 0, [&] { gm.down_proj(pv, fw.a, W2, fw.y, c.d, c.n, stream, fw.scratch); }},
         {"3 aggregate", 0, agg_bytes, [&] { cuda::aggregate_rows(pv, fw.y, pv.slot_weights, out.p, c.d, DType::bf16, stream); }},
         {"4 dH", 2 * snd, 0, [&] { gm.dh_proj(pv, DO, W2, h.as<bf16>(), bw.ds_partials, bw.dh, bw.a_scaled, c.d, c.n, c.activation, stream); }},
@@ -543,6 +564,8 @@ void add_bench_layer_command(CLI::App& bench) {
   sub->add_option("--kernels", flags->kernels,
                   "kernel overrides, e.g. dw1.cluster=1,dh.family=two_cta (default: "
                   "MOEBLAZE_KERNELS)");
+  sub->add_flag("--bias", flags->bias,
+                "expert biases b1, b2 on the moeblaze impls (rows '<impl>+bias', no error column)");
   sub->add_flag("--show-kernels", flags->show_kernels,
                 "print each config's kernel choice (as `bench kernels`) before its rows");
   sub->add_flag("--breakdown", flags->breakdown,

@@ -201,8 +201,8 @@ int moeblaze_layer_backward(const moeblaze_layer_cfg* cfg, const moeblaze_plan* 
 /* The same with expert biases (gpt-oss): b1 (E, w1_rows) added to H before the activation, b2
  * (E, d) to each expert's output before the weighted sum; cfg dtype, each may be NULL (no such
  * bias). Backward writes db1 / db2 (shaped like the bias; fp32 accumulation in slot order),
- * given exactly when the bias is (NULL otherwise). CPU keep_h / recompute only: the CUDA backend
- * and the materialized mode return MOEBLAZE_ERR_UNSUPPORTED for a bias. */
+ * given exactly when the bias is (NULL otherwise). keep_h / recompute on the CPU and CUDA
+ * backends; the materialized mode returns MOEBLAZE_ERR_UNSUPPORTED for a bias. */
 int moeblaze_layer_forward_biased(const moeblaze_layer_cfg* cfg, const moeblaze_plan* plan,
                                   int32_t device, void* stream, const void* x, const void* w1,
                                   const void* w2, const void* b1, const void* b2, void* out,

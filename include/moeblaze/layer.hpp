@@ -5,7 +5,7 @@
 //   w1  (E, 2n, d)    gated: rows [0,n) gate, [n,2n) up;  (E, n, d) non-gated
 //   w2  (E, d, n)
 //   b1  (E, w1_rows)  optional expert biases (LayerBiases): h = W1_e x + b1_e, y = W2_e a + b2_e
-//   b2  (E, d)        (gpt-oss); the CPU backend only
+//   b2  (E, d)        (gpt-oss); keep_h and recompute, CPU and CUDA
 // Backward additionally takes d_out (T, d) and writes dx (T, d), dw1, dw2 (weights' shapes) and
 // d_pair_weights (P,) fp32: the gradient of each routing pair's gate weight s_p, token-major
 // like the routing, to feed router_backward.
@@ -142,8 +142,9 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
                     const SavedForBackward& saved, const LayerGrads& grads,
                     const LayerOptions& opts = {});
 
-// The same with expert biases (the overloads above pass none). keep_h and recompute on the CPU
-// backend only: the CUDA backend and the materialized baseline throw Unsupported for a bias.
+// The same with expert biases (the overloads above pass none). keep_h and recompute on both
+// backends (CUDA: b1 in the up-projection's epilogue, b2 in the aggregation); the materialized
+// baseline throws Unsupported for a bias.
 void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
                    const TensorView& w1, const TensorView& w2, const LayerBiases& biases,
                    const TensorView& out, SavedForBackward& saved, const LayerOptions& opts = {});

@@ -135,7 +135,7 @@ def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, ac
     builder's device-side flags back (a host sync) and raises ValueError naming a bad entry.
     bf16 compute (and a bf16 result) under torch.autocast(dtype=torch.bfloat16) or when x is bf16
     and w1 / w2 are fp32 (their gradients come back in fp32); float16 raises ValueError.
-    b1 (E, w1_rows) / b2 (E, d): optional expert biases, cast like w1 / w2 (CPU only for now).
+    b1 (E, w1_rows) / b2 (E, d): optional expert biases, cast like w1 / w2 (CPU and CUDA).
     compute_dtype="fp8": the expert GEMMs on e4m3 operands with fine-grained scales and H kept
     in e4m3 (bf16 compute only; the CPU backend emulates it, the GPU refuses it for now)."""
     x, w1, w2, b1, b2 = _compute_operands(x, w1, w2, b1, b2)
@@ -270,7 +270,7 @@ def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", reco
     it; on CUDA pass validate=True to check (a host sync), otherwise a bad id gives garbage but
     never an out-of-bounds write (and is never narrowed into a valid one). b1 (E, w1_rows) and
     b2 (E, d), optional, each alone or both: expert biases, h = W1_e x + b1_e and
-    y = W2_e a + b2_e (gpt-oss), with gradients; the CPU backend only for now. compute_dtype:
+    y = W2_e a + b2_e (gpt-oss), with gradients, on the CPU and the GPU. compute_dtype:
     as experts_from_routing's ("fp8": e4m3 operands, CPU emulation for now)."""
     if expert_ids.dim() != 2 or expert_weights.shape != expert_ids.shape:
         raise ValueError(f"moeblaze: expert_ids and expert_weights must both be (T, K), got "
@@ -370,7 +370,7 @@ class MoE(nn.Module):
     experts (shared_expert_gate=True: Qwen2-MoE's sigmoid gate). last_expert_counts: the
     per-expert pair counts of the last forward (on the device); update_expert_bias applies
     DeepSeek-V3's auxiliary-loss-free balancing to the sigmoid_bias router. bias=True adds
-    expert biases b1 (E, w1_rows) and b2 (E, d), zeros-initialised (gpt-oss; CPU backend only).
+    expert biases b1 (E, w1_rows) and b2 (E, d), zeros-initialised (gpt-oss).
     compute_dtype="fp8": the expert GEMMs on e4m3 operands with DeepSeek-V3's fine-grained
     scales, H kept in e4m3 (bf16 compute; the CPU backend emulates it, the GPU refuses it for
     now: docs/FP8.md)."""

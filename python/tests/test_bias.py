@@ -1,6 +1,6 @@
 """Expert biases b1 / b2 (gpt-oss): moe_experts against a plain-torch float64 formula (output and
 every gradient), MoE(bias=True) training, and the changed custom ops under opcheck and
-torch.compile. CPU backend only (the GPU path rejects biases)."""
+torch.compile, on the CPU; on a GPU the same float64 check of the CUDA backend's biases."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,23 @@ def _inputs(T, d, n, E, K, activation, dtype, which):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_moe_experts_with_biases_matches_float64(seed, which, activation, dtype, recompute):
-    x, w1, w2, ids, w, b1, b2 = _inputs(40, 24, 16, 6, 2, activation, dtype, which)
+    _check_biased_against_float64(*_inputs(40, 24, 16, 6, 2, activation, dtype, which),
+                                  activation, recompute)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and moeblaze.has_cuda()), reason="no GPU")
+@pytest.mark.parametrize("which", ["b1", "b2", "b1b2"])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_moe_experts_with_biases_on_gpu_matches_float64(seed, which, activation, recompute):
+    inputs = _inputs(300, 128, 128, 8, 2, activation, torch.bfloat16, which)
+    _check_biased_against_float64(*(t.cuda() if t is not None else None for t in inputs),
+                                  activation, recompute)
+
+
+def _check_biased_against_float64(x, w1, w2, ids, w, b1, b2, activation, recompute):
+    """moe_experts' output and every gradient against _torch_biased in float64."""
+    dtype = x.dtype
     leaves = [t for t in (x, w1, w2, w, b1, b2) if t is not None]
     for t in leaves:
         t.requires_grad_()

@@ -84,11 +84,26 @@ def test_module_accepts_swiglu_oai(seed):
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and moeblaze.has_cuda()), reason="no GPU")
-def test_gpu_rejects_swiglu_oai_clearly():
-    x = torch.randn(16, 128, device="cuda", dtype=torch.bfloat16)
-    w1 = torch.randn(4, 256, 128, device="cuda", dtype=torch.bfloat16)
-    w2 = torch.randn(4, 128, 128, device="cuda", dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(4)[:2] for _ in range(16)]).cuda()
-    with pytest.raises(moeblaze.UnsupportedError, match="swiglu-oai runs on the CPU backend"):
-        moeblaze.moe_experts(x, w1, w2, ids, torch.rand(16, 2, device="cuda"),
-                             activation="swiglu_oai")
+def test_gpu_swiglu_oai_with_biases_matches_cpu_backend(seed):
+    """gpt-oss's experts on the GPU (swiglu_oai kernels, b1 in the up epilogue, b2 in the
+    aggregation) against the CPU backend in fp32 on the same bf16 values: out and every gradient."""
+    T, d, n, E, K = 256, 128, 128, 8, 2
+    x = torch.randn(T, d).bfloat16()
+    w1 = (torch.randn(E, 2 * n, d) / d ** 0.5).bfloat16()
+    w2 = (torch.randn(E, d, n) / n ** 0.5).bfloat16()
+    b1 = (0.5 * torch.randn(E, 2 * n)).bfloat16()
+    b2 = (0.5 * torch.randn(E, d)).bfloat16()
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    w = torch.rand(T, K) + 0.05
+    d_out = torch.randn(T, d)
+    results = []
+    for dev, dt in (("cuda", torch.bfloat16), ("cpu", torch.float32)):
+        leaves = [t.to(dev, dt if t.is_floating_point() and t is not w else t.dtype)
+                  .requires_grad_() for t in (x, w1, w2, w, b1, b2)]
+        out = moeblaze.moe_experts(leaves[0], leaves[1], leaves[2], ids.to(dev), leaves[3],
+                                   activation="swiglu_oai", b1=leaves[4], b2=leaves[5])
+        grads = torch.autograd.grad(out, leaves, d_out.to(dev, out.dtype))
+        results.append([out.float().cpu()] + [g.float().cpu() for g in grads])
+    names = ["out", "dx", "dw1", "dw2", "d_expert_weights", "db1", "db2"]
+    for name, g, c in zip(names, *results):
+        assert rel_err(g, c) < TOL[torch.bfloat16], f"{name}: {rel_err(g, c)}"

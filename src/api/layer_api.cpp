@@ -82,8 +82,8 @@ void check_output(const TensorView& t, const char* name, std::initializer_list<i
 }
 
 // Expert biases: each optional (rank 0 = none), else (E, w1_rows) / (E, d) cfg.dtype on `dev`.
-// Biases run on the CPU backend's keep_h / recompute only; the others reject them here, before
-// any output is touched.
+// Biases run in keep_h and recompute (CPU and CUDA); the materialized baseline rejects them here,
+// before any output is touched.
 bool has_bias(const LayerBiases& b) { return b.b1.rank != 0 || b.b2.rank != 0; }
 
 void check_biases(const LayerConfig& cfg, const LayerBiases& b, LayerMode mode, Device dev) {
@@ -95,9 +95,6 @@ void check_biases(const LayerConfig& cfg, const LayerBiases& b, LayerMode mode, 
                           b.b1.rank != 0 ? "b1" : "b2",
                           ": the materialized baseline takes no expert biases (use keep_h or "
                           "recompute)");
-#ifdef MOEBLAZE_WITH_CUDA
-  if (dev == Device::cuda) cuda::require_no_biases(b);
-#endif
 }
 
 // db1 / db2: given exactly when b1 / b2 is, shaped like it.
@@ -201,7 +198,7 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
     if (opts.mode == LayerMode::materialized)
       cuda::materialized_forward(cfg, plan, x, w1, w2, out, saved, opts);
     else
-      cuda::layer_forward(cfg, plan, x, w1, w2, out, saved, opts);
+      cuda::layer_forward(cfg, plan, x, w1, w2, biases, out, saved, opts);
     return;
 #else
     MOEBLAZE_UNSUPPORTED_IF(true, "plan is on cuda, but moeblaze was built without CUDA");
@@ -266,7 +263,7 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
     if (opts.mode == LayerMode::materialized)
       cuda::materialized_backward(cfg, plan, x, w1, w2, d_out, saved, grads, opts);
     else
-      cuda::layer_backward(cfg, plan, x, w1, w2, d_out, saved, grads, opts);
+      cuda::layer_backward(cfg, plan, x, w1, w2, biases, d_out, saved, grads, opts);
     return;
 #else
     MOEBLAZE_UNSUPPORTED_IF(true, "plan is on cuda, but moeblaze was built without CUDA");

@@ -175,7 +175,7 @@ void materialized_forward(const LayerConfig& cfg, const RoutingPlan& plan, const
       check_launch();
       const RoutingPlanView iv = identity_view(plan, iota);
       g.up_proj(iv, xs.as<bf16>(), w1.as<bf16>(), h.as<bf16>(), nullptr, d, n, cfg.activation,
-                stream);
+                stream, /*b1=*/nullptr);
       activation_kernel<<<blocks_for(S * n), kThreads, 0, stream>>>(
           h.as<bf>(), act_g.as<bf>(), a.as<bf>(), S, n, cfg.activation);
       check_launch();

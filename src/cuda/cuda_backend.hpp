@@ -20,8 +20,11 @@ void check(cudaError_t err, const char* what);
 // out[t, :] = sum over pairs p of token t, in pair order, of w_p * rows[token_index_map[p], :]
 // with w_p = slot_weights[token_index_map[p]] when slot_weights != nullptr, else 1.
 // rows (S, d), out (T, d), both `dtype` (bf16 or fp32); fp32 accumulation; fixed order, no atomics.
+// b2 (E, d) bf16 or null: each pair adds w_p * b2[e_p, :] too (the expert biases; bf16, weighted,
+// d % 8 == 0 and 16-byte aligned rows only).
 void aggregate_rows(const RoutingPlanView& plan, const void* rows, const float* slot_weights,
-                    void* out, int64_t d, DType dtype, cudaStream_t stream);
+                    void* out, int64_t d, DType dtype, cudaStream_t stream,
+                    const void* b2 = nullptr);
 
 // d_pair_weights[p] = ds[token_index_map[p]]: the per-slot gate gradient back in pair order.
 // ds (S,) fp32 grouped by expert, d_pair_weights (S,) fp32 token-major.
@@ -31,15 +34,26 @@ void gather_pair_grads(const RoutingPlanView& plan, const float* ds, float* d_pa
 // ---- layer (src/cuda/layer/layer_cuda.cu): keep_h and recompute modes, bf16 storage ----
 // Arguments were validated by the public API; these check what only the GPU path needs (dtype
 // bf16, dims the GEMM kernels take) and throw Unsupported naming the dimension.
-// Expert biases (LayerBiases) have no GPU kernels yet: Unsupported naming the bias given.
-void require_no_biases(const LayerBiases& biases);
+// ---- expert biases (src/cuda/layer/expert_bias.cu) ----
+// ds[r] += <d_out[t_r, :], b2[e_r, :]> for every slot r (t_r its token, e_r its expert): the
+// gate-weight gradient's share of y_r = W2 a_r + b2_e. d_out (T, d) bf16, b2 (E, d) bf16, ds (S,)
+// fp32; one warp per slot, a fixed summation order.
+void add_bias_dots(const RoutingPlanView& plan, const void* d_out, const void* b2, float* ds,
+                   int64_t d, cudaStream_t stream);
+// out[e, c] = sum over the slots r of expert e, in a fixed order, of w_r * rows[i_r, c], fp32
+// accumulation, stored bf16: w_r = slot_weights[r] when `weighted`, else 1; i_r = the slot's token
+// (expert_token_indices[r]) when `gathered`, else r. rows (*, cols) bf16, out (E, cols) bf16;
+// cols even. db1 = (dH, not gathered, unweighted), db2 = (d_out, gathered, weighted).
+void expert_column_sums(const RoutingPlanView& plan, const void* rows, bool gathered,
+                        bool weighted, void* out, int64_t cols, cudaStream_t stream);
+// biases: each optional (validated by the API: (E, w1_rows) / (E, d) bf16 on cuda).
 void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
-                   const TensorView& w1, const TensorView& w2, const TensorView& out,
-                   SavedForBackward& saved, const LayerOptions& opts);
+                   const TensorView& w1, const TensorView& w2, const LayerBiases& biases,
+                   const TensorView& out, SavedForBackward& saved, const LayerOptions& opts);
 void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
-                    const TensorView& w1, const TensorView& w2, const TensorView& d_out,
-                    const SavedForBackward& saved, const LayerGrads& grads,
-                    const LayerOptions& opts);
+                    const TensorView& w1, const TensorView& w2, const LayerBiases& biases,
+                    const TensorView& d_out, const SavedForBackward& saved,
+                    const LayerGrads& grads, const LayerOptions& opts);
 // One pass's workspace (forward, or backward with LayerOptions::dh_over_h as given).
 size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, bool forward,
                              bool dh_over_h);

@@ -13,8 +13,7 @@ ExpertsInterface; the model's own router stays in charge of the selection. `regi
 gelu) (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, ...), plain `up_proj` experts with
 relu, relu2, silu or gelu (NemotronH), transposed (E, d, 2n) weights (Aria), and gpt-oss's
 experts: transposed, interleaved gate/up columns, biases and the clamped SwiGLU (moeblaze's
-swiglu_oai; its biases run on the CPU backend only for now, on CUDA the call raises
-UnsupportedError).
+swiglu_oai, on the CPU and the GPU).
 Anything else (a post-expert norm, another gating function, transformers' expert parallelism)
 raises ValueError naming what is not supported.
 
@@ -133,7 +132,7 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     w1, w2, b1, b2 = _weights(self)
     try:
         out = moe_experts(hidden_states, w1, w2, top_k_index, top_k_weights, act, b1=b1, b2=b2)
-    except UnsupportedError as e:  # e.g. biases or swiglu_oai on CUDA: CPU backend only for now
+    except UnsupportedError as e:  # a shape or variant the backend cannot take (named in e)
         raise UnsupportedError(f"moeblaze: experts_implementation='moeblaze' cannot run "
                                f"{type(self).__name__} on {hidden_states.device}: {e}; use "
                                "experts_implementation='grouped_mm' or 'eager' there") from e

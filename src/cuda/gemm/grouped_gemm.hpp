@@ -103,15 +103,16 @@ enum class GatherKernel { automatic, two_cta, warp_specialized, ping_pong };
 // ---- forward -------------------------------------------------------------------------------
 
 // (1) up-projection, A operand gathered: for each slot r of expert e, token t = indices[r],
-//   h[r, :] = W1_e x[t, :]              (w1_rows,)   fp32 accumulate, stored bf16
+//   h[r, :] = W1_e x[t, :] (+ b1_e)     (w1_rows,)   fp32 accumulate, stored bf16
 //   a[r, :] = act(g) * u  (gated)  or  act(h)  (plain)   (n,), computed from the fp32
 //   accumulators (not from the bf16-rounded h).
-// x (T, d); w1 (E, w1_rows, d); h (S, w1_rows); a (S, n).
+// x (T, d); w1 (E, w1_rows, d); h (S, w1_rows); a (S, n); b1 (E, w1_rows) 16-byte aligned, or
+// null: the expert biases, added in the epilogue before the activation.
 // Either h or a may be nullptr (not both) to skip that store: recompute mode's backward needs h
 // only, inference needs a only. kernel = warp_specialized with E > 4096 throws Unsupported.
 void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
              int64_t d, int64_t n, Activation act, cudaStream_t stream,
-             GatherKernel kernel = GatherKernel::automatic);
+             GatherKernel kernel = GatherKernel::automatic, const bf16* b1 = nullptr);
 
 // (2) down-projection, A operand contiguous: y[r, :] = W2_e a[r, :].
 // a (S, n); w2 (E, d, n); y (S, d). A non-empty scratch (tma_gemm_scratch_bytes(E)) selects the

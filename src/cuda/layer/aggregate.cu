@@ -81,15 +81,17 @@ __device__ __forceinline__ float from_f<float>(float v) { return v; }
 // out[t, :] = sum over its pairs p of w_p * rows[row_map[p], :], w_p by slot token_index_map[p].
 // rows (*, d) T, out (T, d) T; d a multiple of Vec<T>::kElems and both 16-byte aligned.
 // row_map (kChunk) is a chunk's pair_rows into its buffer (token_chunks.hpp), else the rows are
-// the whole step's (S, d), row = slot: the sum is the same either way.
-template <typename T, bool kWeighted, bool kChunk, int C, int kBatch>
+// the whole step's (S, d), row = slot: the sum is the same either way. kBias: each pair also adds
+// w_p * bias[e_p, :] (bias (E, d) T, e_p = pair_experts[p]: the expert biases b2).
+template <typename T, bool kWeighted, bool kChunk, int C, int kBatch, bool kBias = false>
 __device__ __forceinline__ void aggregate_token(int64_t t, int64_t q, int64_t quarter_chunks,
                                                 const int32_t* __restrict__ token_pair_offsets,
                                                 const int32_t* __restrict__ token_index_map,
                                                 const int32_t* __restrict__ row_map,
                                                 const float* __restrict__ slot_weights,
                                                 const T* __restrict__ rows, T* __restrict__ out,
-                                                int64_t d) {
+                                                int64_t d, const T* __restrict__ bias = nullptr,
+                                                const int32_t* __restrict__ pair_experts = nullptr) {
   constexpr int V = Vec<T>::kElems;
   const int64_t chunks = d / V;
   const int p0 = token_pair_offsets[t], p1 = token_pair_offsets[t + 1];
@@ -102,6 +104,7 @@ __device__ __forceinline__ void aggregate_token(int64_t t, int64_t q, int64_t qu
 
   for (int p = p0; p < p1; p += kBatch) {
     uint4 raw[kBatch][C];
+    uint4 braw[kBias ? kBatch : 1][kBias ? C : 1];
     float w[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
@@ -110,10 +113,15 @@ __device__ __forceinline__ void aggregate_token(int64_t t, int64_t q, int64_t qu
         w[b] = kWeighted ? slot_weights[slot] : 1.0f;
         const int64_t r = kChunk ? int64_t(row_map[p + b]) : slot;
         const uint4* row = reinterpret_cast<const uint4*>(rows + r * d);
+        const uint4* brow =
+            kBias ? reinterpret_cast<const uint4*>(bias + int64_t(pair_experts[p + b]) * d) : row;
 #pragma unroll
         for (int k = 0; k < C; ++k) {
           const int64_t c = q + k * quarter_chunks;
-          if (c < chunks) raw[b][k] = __ldg(row + c);
+          if (c < chunks) {
+            raw[b][k] = __ldg(row + c);
+            if constexpr (kBias) braw[b][k] = __ldg(brow + c);
+          }
         }
       }
     }
@@ -128,6 +136,12 @@ __device__ __forceinline__ void aggregate_token(int64_t t, int64_t q, int64_t qu
 #pragma unroll
             for (int j = 0; j < V; ++j)
               acc[k][j] = kWeighted ? fmaf(w[b], f[j], acc[k][j]) : acc[k][j] + f[j];
+            if constexpr (kBias) {  // the pair's y_p + b2_e, weighted like y_p
+              Vec<T>::unpack(braw[b][k], f);
+#pragma unroll
+              for (int j = 0; j < V; ++j)
+                acc[k][j] = kWeighted ? fmaf(w[b], f[j], acc[k][j]) : acc[k][j] + f[j];
+            }
           }
         }
       }
@@ -142,43 +156,45 @@ __device__ __forceinline__ void aggregate_token(int64_t t, int64_t q, int64_t qu
 }
 
 // rows (S, d) T, out (T, d) T: one (token, quarter) per thread.
-template <typename T, bool kWeighted, int C, int kBatch>
+// bias (E, d) T and pair_experts (S,) with kBias, else unread.
+template <typename T, bool kWeighted, int C, int kBatch, bool kBias>
 __global__ void __launch_bounds__(kThreads, 3)  // <= 85 registers: 768 threads per SM, no spill
     aggregate_vec_kernel(const int32_t* __restrict__ token_pair_offsets,  // (T+1,)
                          const int32_t* __restrict__ token_index_map,     // (S,) pair → slot
                          const float* __restrict__ slot_weights,          // (S,) by slot
                          const T* __restrict__ rows, T* __restrict__ out, int64_t num_tokens,
-                         int64_t d) {
+                         int64_t d, const T* __restrict__ bias,
+                         const int32_t* __restrict__ pair_experts) {
   const int64_t quarter_chunks = (d / Vec<T>::kElems + C - 1) / C;
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= num_tokens * quarter_chunks) return;
   const int64_t t = i / quarter_chunks;
-  aggregate_token<T, kWeighted, false, C, kBatch>(t, i - t * quarter_chunks, quarter_chunks,
-                                                  token_pair_offsets, token_index_map, nullptr,
-                                                  slot_weights, rows, out, d);
+  aggregate_token<T, kWeighted, false, C, kBatch, kBias>(
+      t, i - t * quarter_chunks, quarter_chunks, token_pair_offsets, token_index_map, nullptr,
+      slot_weights, rows, out, d, bias, pair_experts);
 }
 
 // One token chunk: tokens [token_bounds[c], token_bounds[c + 1]) (on the device), rows the
 // chunk's buffer addressed through pair_rows; a grid-stride loop, as the host does not know how
 // many tokens the chunk holds.
-template <typename T, bool kWeighted, int C, int kBatch>
+template <typename T, bool kWeighted, int C, int kBatch, bool kBias>
 __global__ void __launch_bounds__(kThreads, 3)
     aggregate_chunk_kernel(const int32_t* __restrict__ token_pair_offsets,  // (T+1,)
                            const int32_t* __restrict__ token_index_map,     // (S,) pair → slot
                            const int32_t* __restrict__ pair_rows,           // (S,) pair → row
                            const int32_t* __restrict__ token_bounds,        // (chunks+1,)
                            int64_t c, const float* __restrict__ slot_weights,
-                           const T* __restrict__ rows, T* __restrict__ out, int64_t d) {
+                           const T* __restrict__ rows, T* __restrict__ out, int64_t d,
+                           const T* __restrict__ bias, const int32_t* __restrict__ pair_experts) {
   const int64_t quarter_chunks = (d / Vec<T>::kElems + C - 1) / C;
   const int64_t t0 = token_bounds[c];
   const int64_t items = (token_bounds[c + 1] - t0) * quarter_chunks;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < items;
        i += int64_t(gridDim.x) * kThreads) {
     const int64_t k = i / quarter_chunks;
-    aggregate_token<T, kWeighted, true, C, kBatch>(t0 + k, i - k * quarter_chunks,
-                                                   quarter_chunks, token_pair_offsets,
-                                                   token_index_map, pair_rows, slot_weights, rows,
-                                                   out, d);
+    aggregate_token<T, kWeighted, true, C, kBatch, kBias>(
+        t0 + k, i - k * quarter_chunks, quarter_chunks, token_pair_offsets, token_index_map,
+        pair_rows, slot_weights, rows, out, d, bias, pair_experts);
   }
 }
 
@@ -202,16 +218,16 @@ __global__ void __launch_bounds__(kThreads)
   out[i] = from_f<T>(acc);
 }
 
-template <typename T, bool kWeighted, int C, int kBatch>
+template <typename T, bool kWeighted, int C, int kBatch, bool kBias = false>
 void launch_vec(const RoutingPlanView& plan, const void* rows, const float* w, void* out,
-                int64_t d, cudaStream_t stream) {
+                int64_t d, cudaStream_t stream, const void* bias = nullptr) {
   const int64_t work = plan.T * ((d / Vec<T>::kElems + C - 1) / C);
   const int64_t blocks = (work + kThreads - 1) / kThreads;
   MOEBLAZE_UNSUPPORTED_IF(blocks > int64_t(INT32_MAX), "aggregate: T*d (", plan.T * d,
                           ") is too large for one launch");
-  aggregate_vec_kernel<T, kWeighted, C, kBatch><<<unsigned(blocks), kThreads, 0, stream>>>(
+  aggregate_vec_kernel<T, kWeighted, C, kBatch, kBias><<<unsigned(blocks), kThreads, 0, stream>>>(
       plan.token_pair_offsets, plan.token_index_map, w, static_cast<const T*>(rows),
-      static_cast<T*>(out), plan.T, d);
+      static_cast<T*>(out), plan.T, d, static_cast<const T*>(bias), plan.token_expert_indices);
 }
 
 // Calls f(C, B) (std::integral_constant values) with the vector layout for the plan's pairs per
@@ -248,27 +264,28 @@ void launch_aggregate(const RoutingPlanView& plan, const void* rows, const float
 
 // Chunk c with the (C, B) layout with_vec_layout picks; the grid covers the chunk's share of the
 // tokens (T / count), the loop any more.
-template <typename T, bool kWeighted, int C, int kBatch>
+template <typename T, bool kWeighted, int C, int kBatch, bool kBias>
 void launch_chunk(const RoutingPlanView& plan, const TokenChunks& chunks, const ChunkMaps& maps,
                   int64_t c, const void* rows, const float* w, void* out, int64_t d,
-                  cudaStream_t stream) {
+                  cudaStream_t stream, const void* bias) {
   const int64_t tokens = (plan.T + chunks.count - 1) / chunks.count;
   const int64_t work = tokens * ((d / Vec<T>::kElems + C - 1) / C);
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads,
                                                                 int64_t(INT32_MAX)));
-  aggregate_chunk_kernel<T, kWeighted, C, kBatch><<<unsigned(blocks), kThreads, 0, stream>>>(
+  aggregate_chunk_kernel<T, kWeighted, C, kBatch, kBias><<<unsigned(blocks), kThreads, 0, stream>>>(
       plan.token_pair_offsets, plan.token_index_map, maps.pair_rows, maps.token_bounds, c, w,
-      static_cast<const T*>(rows), static_cast<T*>(out), d);
+      static_cast<const T*>(rows), static_cast<T*>(out), d, static_cast<const T*>(bias),
+      plan.token_expert_indices);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 
-template <bool kWeighted>
+template <bool kWeighted, bool kBias = false>
 void launch_chunk_bf16(const RoutingPlanView& plan, const TokenChunks& chunks,
                        const ChunkMaps& maps, int64_t c, const void* rows, const float* w,
-                       void* out, int64_t d, cudaStream_t stream) {
+                       void* out, int64_t d, cudaStream_t stream, const void* bias = nullptr) {
   with_vec_layout(plan, [&](auto C, auto B) {
-    launch_chunk<__nv_bfloat16, kWeighted, decltype(C)::value, decltype(B)::value>(
-        plan, chunks, maps, c, rows, w, out, d, stream);
+    launch_chunk<__nv_bfloat16, kWeighted, decltype(C)::value, decltype(B)::value, kBias>(
+        plan, chunks, maps, c, rows, w, out, d, stream, bias);
   });
 }
 
@@ -283,11 +300,25 @@ __global__ void gather_pair_grads_kernel(const int32_t* __restrict__ token_index
 }  // namespace
 
 void aggregate_rows(const RoutingPlanView& plan, const void* rows, const float* slot_weights,
-                    void* out, int64_t d, DType dtype, cudaStream_t stream) {
+                    void* out, int64_t d, DType dtype, cudaStream_t stream, const void* b2) {
   MOEBLAZE_REQUIRE(dtype == DType::bf16 || dtype == DType::f32, "aggregate_rows: dtype (",
                    dtype_name(dtype), ") must be bf16 or fp32");
   MOEBLAZE_REQUIRE(d >= 1, "aggregate_rows: d (", d, ") must be >= 1");
   if (plan.T == 0) return;
+  if (b2 != nullptr) {  // the GPU layer's case only: bf16, weighted, 16-byte rows
+    MOEBLAZE_REQUIRE(dtype == DType::bf16 && slot_weights != nullptr && d % 8 == 0 &&
+                         reinterpret_cast<uintptr_t>(rows) % 16 == 0 &&
+                         reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
+                         reinterpret_cast<uintptr_t>(b2) % 16 == 0,
+                     "aggregate_rows: b2 needs bf16, slot weights, d % 8 == 0 and 16-byte "
+                     "aligned rows, out and b2");
+    with_vec_layout(plan, [&](auto C, auto B) {
+      launch_vec<__nv_bfloat16, true, decltype(C)::value, decltype(B)::value, true>(
+          plan, rows, slot_weights, out, d, stream, b2);
+    });
+    MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   const bool weighted = slot_weights != nullptr;
   if (dtype == DType::bf16) {
     weighted ? launch_aggregate<__nv_bfloat16, true>(plan, rows, slot_weights, out, d, stream)
@@ -300,7 +331,7 @@ void aggregate_rows(const RoutingPlanView& plan, const void* rows, const float* 
 
 void aggregate_chunk(const RoutingPlanView& plan, const TokenChunks& chunks, const ChunkMaps& maps,
                      int64_t c, const void* rows, const float* slot_weights, void* out, int64_t d,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, const void* b2) {
   MOEBLAZE_REQUIRE(c >= 0 && c < chunks.count, "aggregate_chunk: chunk ", c, " is not in [0, ",
                    chunks.count, ")");
   MOEBLAZE_REQUIRE(d >= 8 && d % 8 == 0, "aggregate_chunk: d (", d, ") must be a multiple of 8");
@@ -308,6 +339,12 @@ void aggregate_chunk(const RoutingPlanView& plan, const TokenChunks& chunks, con
                        reinterpret_cast<uintptr_t>(out) % 16 == 0,
                    "aggregate_chunk: rows and out must be 16-byte aligned");
   if (plan.T == 0) return;
+  if (b2 != nullptr) {
+    MOEBLAZE_REQUIRE(slot_weights != nullptr && reinterpret_cast<uintptr_t>(b2) % 16 == 0,
+                     "aggregate_chunk: b2 needs the slot weights and 16-byte alignment");
+    return launch_chunk_bf16<true, true>(plan, chunks, maps, c, rows, slot_weights, out, d,
+                                         stream, b2);
+  }
   slot_weights
       ? launch_chunk_bf16<true>(plan, chunks, maps, c, rows, slot_weights, out, d, stream)
       : launch_chunk_bf16<false>(plan, chunks, maps, c, rows, nullptr, out, d, stream);

@@ -11,6 +11,8 @@
 //           7 aggregate             → dx_t = Σ dX̃[slot]
 //           8 dW1 (varlen-K)        ← dH, x gathered
 //             d_pair_weights[p] = ds[token_index_map[p]]
+// Expert biases (optional): b1 in the up-projection's epilogue (H keeps it), b2 in the
+// aggregation; backward adds <dO_t, b2_e> to ds and sums db1 / db2 per expert (expert_bias.cu).
 // Y and dX̃ run in token chunks where token_chunks.hpp's rule says (recompute mode: bitwise the
 // same outputs, a chunk-sized buffer instead of (S, d)).
 // Kept for backward: H (keep_h) and the plan, nothing else; every temporary comes from one
@@ -21,6 +23,8 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <initializer_list>
+#include <utility>
 
 #include "core/saved_access.hpp"
 #include "cuda/cuda_backend.hpp"
@@ -37,8 +41,8 @@ namespace {
 
 // The sm90 GEMMs with their kernel choice left automatic (grouped_gemm.hpp, GatherKernel).
 void sm90_up_proj(const RoutingPlanView& p, const bf16* x, const bf16* w1, bf16* h, bf16* a,
-                  int64_t d, int64_t n, Activation act, cudaStream_t s) {
-  gemm::up_proj(p, x, w1, h, a, d, n, act, s);
+                  int64_t d, int64_t n, Activation act, cudaStream_t s, const bf16* b1) {
+  gemm::up_proj(p, x, w1, h, a, d, n, act, s, gemm::GatherKernel::automatic, b1);
 }
 void sm90_dh_proj(const RoutingPlanView& p, const bf16* d_out, const bf16* w2, const bf16* h,
                   float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n,
@@ -173,12 +177,19 @@ void check_gpu_layer_args(const LayerConfig& cfg, const RoutingPlan& plan,
   }
 }
 
-void require_no_biases(const LayerBiases& biases) {
-  MOEBLAZE_UNSUPPORTED_IF(biases.b1.rank != 0, "b1: expert biases run on the CPU backend only "
-                                               "for now");
-  MOEBLAZE_UNSUPPORTED_IF(biases.b2.rank != 0, "b2: expert biases run on the CPU backend only "
-                                               "for now");
+namespace {
+// The data of an optional tensor (a bias or its gradient): null when not given.
+template <typename T>
+T* data_or_null(const TensorView& t) {
+  return t.rank != 0 ? static_cast<T*>(t.data) : nullptr;
 }
+// The biases and their gradients need the 16-byte alignment of every GPU operand.
+void check_bias_alignment(std::initializer_list<std::pair<const TensorView*, const char*>> ts) {
+  for (const auto& [t, name] : ts)
+    MOEBLAZE_UNSUPPORTED_IF(t->rank != 0 && reinterpret_cast<uintptr_t>(t->data) % 16 != 0, name,
+                            ": the CUDA backend needs 16-byte aligned data");
+}
+}  // namespace
 
 size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, bool forward,
                              bool dh_over_h) {
@@ -192,12 +203,15 @@ size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, 
 }
 
 void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
-                   const TensorView& w1, const TensorView& w2, const TensorView& out,
-                   SavedForBackward& saved, const LayerOptions& opts) {
+                   const TensorView& w1, const TensorView& w2, const LayerBiases& biases,
+                   const TensorView& out, SavedForBackward& saved, const LayerOptions& opts) {
   MOEBLAZE_REQUIRE(opts.mode == LayerMode::keep_h || opts.mode == LayerMode::recompute,
                    "cuda::layer_forward: mode ", layer_mode_name(opts.mode),
                    " is the materialized baseline's");
   check_gpu_layer_args(cfg, plan, {&x, &w1, &w2, &out}, {"x", "w1", "w2", "out"});
+  check_bias_alignment({{&biases.b1, "b1"}, {&biases.b2, "b2"}});
+  const bf16* b1 = data_or_null<const bf16>(biases.b1);  // (E, w1_rows): in the up epilogue
+  const bf16* b2 = data_or_null<const bf16>(biases.b2);  // (E, d): in the aggregation
   const GemmOps& g = gemm_ops();
   const cudaStream_t stream = stream_of(opts);
   const int64_t S = plan.S();
@@ -220,20 +234,21 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
     const ForwardWorkspace w = forward_workspace(cfg, S, chunks, ws.data());
     if (S > 0)
       g.up_proj(pv, x.as<bf16>(), w1.as<bf16>(), Saved::h(next).as<bf16>(), w.a, cfg.d, cfg.n,
-                cfg.activation, stream);
+                cfg.activation, stream, b1);
     if (chunks.count > 1) {
       // Y one token chunk at a time into w.y, each chunk's tokens aggregated before the next.
       build_chunk_maps(pv, chunks, w.maps, stream);
       for (int64_t c = 0; c < chunks.count; ++c) {
         gemm::down_proj_rows(pv, chunk_rows(w.maps, cfg.E, c), w.a, w2.as<bf16>(), w.y, cfg.d,
                              cfg.n, stream, w.scratch);
-        aggregate_chunk(pv, chunks, w.maps, c, w.y, pv.slot_weights, out.data, cfg.d, stream);
+        aggregate_chunk(pv, chunks, w.maps, c, w.y, pv.slot_weights, out.data, cfg.d, stream,
+                        b2);
       }
     } else {
       if (S > 0)
         g.down_proj(pv, w.a, w2.as<bf16>(), w.y, cfg.d, cfg.n, stream,
                     tma_scratch(w.scratch, gemm::choose_kernels({S, cfg.E, cfg.d, cfg.n}).down));
-      aggregate_rows(pv, w.y, pv.slot_weights, out.data, cfg.d, DType::bf16, stream);
+      aggregate_rows(pv, w.y, pv.slot_weights, out.data, cfg.d, DType::bf16, stream, b2);
     }
     // The workspace is freed when `ws` goes out of scope, in stream order after the kernels
     // above (Buffer is stream-ordered on opts.stream).
@@ -243,15 +258,21 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
 }
 
 void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
-                    const TensorView& w1, const TensorView& w2, const TensorView& d_out,
-                    const SavedForBackward& saved, const LayerGrads& grads,
-                    const LayerOptions& opts) {
+                    const TensorView& w1, const TensorView& w2, const LayerBiases& biases,
+                    const TensorView& d_out, const SavedForBackward& saved,
+                    const LayerGrads& grads, const LayerOptions& opts) {
   MOEBLAZE_REQUIRE(opts.mode == LayerMode::keep_h || opts.mode == LayerMode::recompute,
                    "cuda::layer_backward: mode ", layer_mode_name(opts.mode),
                    " is the materialized baseline's");
   check_gpu_layer_args(cfg, plan, {&x, &w1, &w2, &d_out, &grads.dx, &grads.dw1, &grads.dw2},
                        {"x", "w1", "w2", "d_out", "dx", "dw1", "dw2"});
   require_device(grads.d_pair_weights, "d_pair_weights", Device::cuda);
+  check_bias_alignment(
+      {{&biases.b1, "b1"}, {&biases.b2, "b2"}, {&grads.db1, "db1"}, {&grads.db2, "db2"}});
+  const bf16* b1 = data_or_null<const bf16>(biases.b1);  // (E, w1_rows): recompute's up-proj
+  const bf16* b2 = data_or_null<const bf16>(biases.b2);  // (E, d): its share of ds
+  bf16* db1 = data_or_null<bf16>(grads.db1);             // (E, w1_rows) or null
+  bf16* db2 = data_or_null<bf16>(grads.db2);             // (E, d) or null
   MOEBLAZE_REQUIRE(saved.valid(), "saved: not filled by layer_forward");
   MOEBLAZE_REQUIRE(saved.mode() == opts.mode, "saved was made in mode ",
                    layer_mode_name(saved.mode()), ", backward asked for ",
@@ -271,6 +292,8 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
     if (cfg.T > 0) MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(grads.dx.data, 0, grads.dx.bytes(), stream));
     MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(grads.dw1.data, 0, grads.dw1.bytes(), stream));
     MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(grads.dw2.data, 0, grads.dw2.bytes(), stream));
+    if (db1) MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(db1, 0, grads.db1.bytes(), stream));
+    if (db2) MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(db2, 0, grads.db2.bytes(), stream));
     return;
   }
 
@@ -291,12 +314,15 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   bf16* dh = dh_over_h ? const_cast<bf16*>(h) : w.dh;
   if (opts.mode == LayerMode::recompute) {
     g.up_proj(pv, x.as<bf16>(), w1.as<bf16>(), w.h, nullptr, cfg.d, cfg.n, cfg.activation,
-              stream);
+              stream, b1);
     h = w.h;
   }
   g.dh_proj(pv, d_out.as<bf16>(), w2.as<bf16>(), h, w.ds_partials, dh, w.a_scaled, cfg.d,
             cfg.n, cfg.activation, stream);
   g.reduce_ds(w.ds_partials, w.ds, S, cfg.n, stream);
+  if (b2) add_bias_dots(pv, d_out.data, b2, w.ds, cfg.d, stream);
+  if (db2) expert_column_sums(pv, d_out.data, /*gathered=*/true, /*weighted=*/true, db2, cfg.d,
+                              stream);
   g.dw2_proj(pv, d_out.as<bf16>(), w.a_scaled, grads.dw2.as<bf16>(), cfg.d, cfg.n, stream);
   if (chunks.count > 1) {
     // dX̃ one token chunk at a time into w.dx_slots, each chunk's tokens summed into dx.
@@ -312,6 +338,8 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
     aggregate_rows(pv, w.dx_slots, nullptr, grads.dx.data, cfg.d, DType::bf16, stream);
   }
   g.dw1_proj(pv, dh, x.as<bf16>(), grads.dw1.as<bf16>(), cfg.d, cfg.n, cfg.activation, stream);
+  if (db1) expert_column_sums(pv, dh, /*gathered=*/false, /*weighted=*/false, db1,
+                              cfg.w1_rows(), stream);
   gather_pair_grads(pv, w.ds, grads.d_pair_weights.as<float>(), stream);
 }
 

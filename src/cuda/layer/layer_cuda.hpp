@@ -20,8 +20,9 @@ namespace moeblaze::cuda {
 // The grouped GEMM entry points of src/cuda/gemm/grouped_gemm.hpp, as a table so the layer can
 // run on the naive oracle (src/cuda/layer/naive_grouped_gemm.hpp) for cross-checks.
 struct GemmOps {
+  // The last argument: the expert biases b1 (E, w1_rows), or null.
   void (*up_proj)(const RoutingPlanView&, const bf16*, const bf16*, bf16*, bf16*, int64_t,
-                  int64_t, Activation, cudaStream_t);
+                  int64_t, Activation, cudaStream_t, const bf16*);
   void (*down_proj)(const RoutingPlanView&, const bf16*, const bf16*, bf16*, int64_t, int64_t,
                     cudaStream_t, gemm::GemmScratch);
   void (*dh_proj)(const RoutingPlanView&, const bf16*, const bf16*, const bf16*, float*, bf16*,

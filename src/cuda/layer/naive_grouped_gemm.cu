@@ -33,8 +33,8 @@ __device__ __forceinline__ int expert_of(const int32_t* off, int E, int64_t r) {
 unsigned blocks_for(int64_t work) { return unsigned((work + kThreads - 1) / kThreads); }
 
 // grid (S, ceil(n/128)): thread = (slot r, column j of n). Slots on x: y is limited to 65535.
-__global__ void up_kernel(RoutingPlanView p, const bf16* x, const bf16* w1, bf16* h, bf16* a,
-                          int64_t d, int64_t n, Activation act) {
+__global__ void up_kernel(RoutingPlanView p, const bf16* x, const bf16* w1, const bf16* b1,
+                          bf16* h, bf16* a, int64_t d, int64_t n, Activation act) {
   const int64_t r = blockIdx.x;
   const int64_t j = int64_t(blockIdx.y) * kThreads + threadIdx.x;
   if (j >= n) return;
@@ -49,6 +49,10 @@ __global__ void up_kernel(RoutingPlanView p, const bf16* x, const bf16* w1, bf16
   if (gated) {
     const bf16* wu = w1 + (int64_t(e) * rows + n + j) * d;
     for (int64_t k = 0; k < d; ++k) u += ld(xr, k) * ld(wu, k);
+  }
+  if (b1) {
+    g += ld(b1, int64_t(e) * rows + j);
+    if (gated) u += ld(b1, int64_t(e) * rows + n + j);
   }
   if (h) {
     st(h, r * rows + j, g);
@@ -168,10 +172,11 @@ void require_grid(int64_t S, int64_t y_dim) {
 int64_t ds_partials_cols(int64_t n) { return (n + kThreads - 1) / kThreads; }
 
 void up_proj(const RoutingPlanView& p, const bf16* x, const bf16* w1, bf16* h, bf16* a, int64_t d,
-             int64_t n, Activation act, cudaStream_t stream) {
+             int64_t n, Activation act, cudaStream_t stream, const bf16* b1) {
   MOEBLAZE_REQUIRE(h || a, "up_proj: h and a are both null");
   if (p.S == 0) return;
-  up_kernel<<<dim3(unsigned(p.S), blocks_for(n)), kThreads, 0, stream>>>(p, x, w1, h, a, d, n, act);
+  up_kernel<<<dim3(unsigned(p.S), blocks_for(n)), kThreads, 0, stream>>>(p, x, w1, b1, h, a, d, n,
+                                                                        act);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -15,7 +15,7 @@
 namespace moeblaze::cuda::naive {
 
 void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
-             int64_t d, int64_t n, Activation act, cudaStream_t stream);
+             int64_t d, int64_t n, Activation act, cudaStream_t stream, const bf16* b1);
 void down_proj(const RoutingPlanView& plan, const bf16* a, const bf16* w2, bf16* y, int64_t d,
                int64_t n, cudaStream_t stream);
 void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,

@@ -94,8 +94,9 @@ inline gemm::ExpertRows chunk_rows(const ChunkMaps& maps, int64_t E, int64_t c) 
 // w_p * rows[pair_rows[p], :] (w_p = slot_weights[token_index_map[p]], or 1 when null): the
 // unchunked aggregate_rows' sum, read from the chunk buffer rows (chunks.rows, d) bf16.
 // out (T, d) bf16; d a multiple of 8, rows and out 16-byte aligned (the GPU layer's shapes).
+// b2 (E, d) bf16 or null: as for aggregate_rows (weighted only).
 void aggregate_chunk(const RoutingPlanView& plan, const TokenChunks& chunks, const ChunkMaps& maps,
                      int64_t c, const void* rows, const float* slot_weights, void* out, int64_t d,
-                     cudaStream_t stream);
+                     cudaStream_t stream, const void* b2 = nullptr);
 
 }  // namespace moeblaze::cuda

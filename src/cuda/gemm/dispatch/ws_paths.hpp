@@ -24,18 +24,18 @@ GatherPath gather_path(const GemmKernel& k);
 GatherPath resolve_gather_path(const char* fn, GatherKernel kernel, int64_t E,
                                const GemmKernel& chosen, bool has_ping_pong);
 
-// up_proj on the warp-specialised path (cooperative); same contract as up_proj.
-void up_proj_ws(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
-                int64_t d, int64_t n, Activation act, cudaStream_t stream);
+// up_proj on the warp-specialised path (cooperative); same contract as up_proj (b1 or null).
+void up_proj_ws(const RoutingPlanView& plan, const bf16* x, const bf16* w1, const bf16* b1, bf16* h,
+                bf16* a, int64_t d, int64_t n, Activation act, cudaStream_t stream);
 
 // up_proj on the warp-specialised kernel's ping-pong schedule; same contract as up_proj.
-void up_proj_pp(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
-                int64_t d, int64_t n, Activation act, cudaStream_t stream);
+void up_proj_pp(const RoutingPlanView& plan, const bf16* x, const bf16* w1, const bf16* b1, bf16* h,
+                bf16* a, int64_t d, int64_t n, Activation act, cudaStream_t stream);
 
 // up_proj / dh_proj for swiglu_oai: its own cooperative kernels (the shared epilogues' activation
 // switch leaves it out); same contracts with act = swiglu_oai.
-void up_proj_oai(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
-                 int64_t d, int64_t n, cudaStream_t stream);
+void up_proj_oai(const RoutingPlanView& plan, const bf16* x, const bf16* w1, const bf16* b1,
+                 bf16* h, bf16* a, int64_t d, int64_t n, cudaStream_t stream);
 void dh_proj_oai(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,
                  float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n,
                  cudaStream_t stream);

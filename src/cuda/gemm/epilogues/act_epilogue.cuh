@@ -22,26 +22,51 @@
 
 namespace moeblaze::cuda::gemm::sm90 {
 
-// h (S, w1_rows) and a (S, n), both bf16; either may be null.
+// h (S, w1_rows) and a (S, n), both bf16; either may be null. b1 (E, w1_rows) bf16 or null: the
+// expert biases, added to the fp32 accumulators before h is rounded and a computed.
 struct ActParams {
   __nv_bfloat16* h;
   __nv_bfloat16* a;
   int n;
   Activation act;
+  const __nv_bfloat16* b1 = nullptr;
 };
+
+// acc(i), acc(i + 1) += b[0], b[1] (bias row b at an even column, so one 4-byte load).
+template <class Acc>
+__device__ __forceinline__ void add_bias_pair(Acc& acc, int i, const __nv_bfloat16* b) {
+  const float2 v = __bfloat1622float2(__ldg(reinterpret_cast<const __nv_bfloat162*>(b)));
+  acc(i) += v.x;
+  acc(i + 1) += v.y;
+}
 
 // Column groups go in quads: the quad's lanes compute their fragment's words of four groups,
 // a quad transpose (quad_transpose.cuh) gives each lane one whole group (16 bytes), stored with
 // one vector store per lane and array: two full 32-byte sectors per row and quad instead of four
 // half-written ones. Rows past the expert's end and columns past n store nothing (the shuffles
-// need every lane, so nothing is skipped before them).
+// need every lane, so nothing is skipped before them). expert: the tile's expert (b1's row).
 template <Activation A, class Frag, class Acc>
 __device__ __forceinline__ void act_epilogue_body(const ActParams& p, Acc& acc, int m_begin,
-                                                  int m_end, int n_tile) {
+                                                  int m_end, int n_tile, int expert) {
   constexpr bool kGated = dev_is_gated(A);
   static_assert(Frag::kGroups % (kGated ? 8 : 4) == 0, "column groups come in quads");
   const int64_t w1_rows = kGated ? 2 * int64_t(p.n) : p.n;
   const int q = threadIdx.x & 3;
+  // The bias joins the accumulators once, before any row is packed (columns past n: none).
+  if (p.b1 != nullptr) {
+    const __nv_bfloat16* b1_e = p.b1 + int64_t(expert) * w1_rows;
+#pragma unroll
+    for (int i = 0; i < (kGated ? Frag::kGroups / 2 : Frag::kGroups); ++i) {
+      const int j = n_tile * (kGated ? Frag::kTileN / 2 : Frag::kTileN) + Frag::col(i);
+      if (j >= p.n) continue;
+#pragma unroll
+      for (int r = 0; r < Frag::kRows; ++r) {
+        add_bias_pair(acc, Frag::acc_index(r, i), b1_e + j);
+        if constexpr (kGated)
+          add_bias_pair(acc, Frag::acc_index(r, i + Frag::kGroups / 2), b1_e + p.n + j);
+      }
+    }
+  }
 #pragma unroll
   for (int r = 0; r < Frag::kRows; ++r) {
     const int slot = m_begin + Frag::row(r);
@@ -110,9 +135,9 @@ __device__ __forceinline__ void act_epilogue_body(const ActParams& p, Acc& acc, 
 // One straight-line body per activation: the switch runs once per tile, not per element.
 template <class Frag, class Acc>
 __device__ __forceinline__ void act_epilogue(const ActParams& p, Acc& acc, int m_begin,
-                                             int m_end, int n_tile) {
+                                             int m_end, int n_tile, int expert) {
   dispatch_activation(p.act, [&](auto a) {
-    act_epilogue_body<decltype(a)::value, Frag>(p, acc, m_begin, m_end, n_tile);
+    act_epilogue_body<decltype(a)::value, Frag>(p, acc, m_begin, m_end, n_tile, expert);
   });
 }
 

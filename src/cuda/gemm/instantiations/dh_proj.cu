@@ -79,7 +79,7 @@ struct DhEpilogue {
 
   template <class Acc>
   __device__ static void apply(const Params& p, Acc& acc, const Prefetched& pre, int m_begin,
-                               int m_end, int n_tile) {
+                               int m_end, int n_tile, int /*expert*/) {
     dispatch(p, acc, pre, m_begin, m_end, n_tile);
   }
 

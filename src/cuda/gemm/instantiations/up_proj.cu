@@ -22,21 +22,23 @@ struct ActEpilogue {
   __device__ static void prefetch(const Params&, Prefetched&, int, int, int) {}
   template <class Acc>
   __device__ static void apply(const Params& p, Acc& acc, const Prefetched&, int m_begin,
-                               int m_end, int n_tile) {
-    act_epilogue<TwoCtaFrag>(p, acc, m_begin, m_end, n_tile);
+                               int m_end, int n_tile, int expert) {
+    act_epilogue<TwoCtaFrag>(p, acc, m_begin, m_end, n_tile, expert);
   }
 };
 
 }  // namespace sm90
 
 void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
-             int64_t d, int64_t n, Activation act, cudaStream_t stream, GatherKernel kernel) {
+             int64_t d, int64_t n, Activation act, cudaStream_t stream, GatherKernel kernel,
+             const bf16* b1) {
   constexpr const char* fn = "up_proj";
   detail::check_plan(fn, plan, /*gathers=*/true, /*weights=*/false);
   detail::check_dims(fn, d, n);
   detail::check_gpu_activation(fn, act, plan.E);
   detail::check_ptr(fn, x, "x", plan.S > 0);
   detail::check_ptr(fn, w1, "w1", plan.S > 0);
+  MOEBLAZE_REQUIRE(reinterpret_cast<uintptr_t>(b1) % 16 == 0, fn, ": b1 must be 16-byte aligned");
   MOEBLAZE_REQUIRE(plan.S == 0 || h != nullptr || a != nullptr, fn,
                    ": h and a must not both be null");
   using detail::GatherPath;
@@ -48,10 +50,12 @@ void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h
     MOEBLAZE_UNSUPPORTED_IF(path != GatherPath::cooperative, fn, ": swiglu_oai runs on its own "
                             "warp-specialised cooperative kernel only (GatherKernel automatic or "
                             "warp_specialized)");
-    return detail::up_proj_oai(plan, x, w1, h, a, d, n, stream);
+    return detail::up_proj_oai(plan, x, w1, b1, h, a, d, n, stream);
   }
-  if (path == GatherPath::cooperative) return detail::up_proj_ws(plan, x, w1, h, a, d, n, act, stream);
-  if (path == GatherPath::ping_pong) return detail::up_proj_pp(plan, x, w1, h, a, d, n, act, stream);
+  if (path == GatherPath::cooperative)
+    return detail::up_proj_ws(plan, x, w1, b1, h, a, d, n, act, stream);
+  if (path == GatherPath::ping_pong)
+    return detail::up_proj_pp(plan, x, w1, b1, h, a, d, n, act, stream);
   const bool gated = is_gated(act);
   const int64_t w1_rows = gated ? 2 * n : n;
 
@@ -68,8 +72,8 @@ void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h
   p.N = static_cast<int>(n);
   p.n_tiles = static_cast<int>(gated ? n / (sm90::kBN / 2) : (n + sm90::kBN - 1) / sm90::kBN);
   p.gate_split = gated ? static_cast<int>(n) : 0;
-  sm90::ActParams ep{reinterpret_cast<__nv_bfloat16*>(h),
-                     reinterpret_cast<__nv_bfloat16*>(a), static_cast<int>(n), act};
+  sm90::ActParams ep{reinterpret_cast<__nv_bfloat16*>(h), reinterpret_cast<__nv_bfloat16*>(a),
+                     static_cast<int>(n), act, reinterpret_cast<const __nv_bfloat16*>(b1)};
   if (chosen.b_by_tma || chosen.family != KernelFamily::two_cta)
     sm90::launch_varlen_m<sm90::GMajor::K, sm90::ActEpilogue, true>(p, ep, plan.S,
                                                                     sm90::raster_group(), stream);

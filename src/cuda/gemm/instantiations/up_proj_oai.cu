@@ -8,10 +8,10 @@
 
 namespace moeblaze::cuda::gemm::detail {
 
-void up_proj_oai(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
-                 int64_t d, int64_t n, cudaStream_t stream) {
+void up_proj_oai(const RoutingPlanView& plan, const bf16* x, const bf16* w1, const bf16* b1,
+                 bf16* h, bf16* a, int64_t d, int64_t n, cudaStream_t stream) {
   sm90::ws::up_proj_gather<sm90::ws::Cooperative, /*kOai=*/true>(
-      plan, x, w1, h, a, d, n, Activation::swiglu_oai, sm90::raster_group(), stream);
+      plan, x, w1, b1, h, a, d, n, Activation::swiglu_oai, sm90::raster_group(), stream);
 }
 
 }  // namespace moeblaze::cuda::gemm::detail

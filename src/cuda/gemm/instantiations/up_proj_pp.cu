@@ -7,9 +7,9 @@
 
 namespace moeblaze::cuda::gemm::detail {
 
-void up_proj_pp(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
-                int64_t d, int64_t n, Activation act, cudaStream_t stream) {
-  sm90::ws::up_proj_gather<sm90::ws::PingPong>(plan, x, w1, h, a, d, n, act, sm90::raster_group(),
+void up_proj_pp(const RoutingPlanView& plan, const bf16* x, const bf16* w1, const bf16* b1, bf16* h,
+                bf16* a, int64_t d, int64_t n, Activation act, cudaStream_t stream) {
+  sm90::ws::up_proj_gather<sm90::ws::PingPong>(plan, x, w1, b1, h, a, d, n, act, sm90::raster_group(),
                                                stream);
 }
 

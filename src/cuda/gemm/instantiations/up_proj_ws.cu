@@ -12,9 +12,9 @@ static_assert(sm90::ws::PingPong::kStages == kWsPingPongStages, "kernel_config.h
 
 bool ws_gather_supports(int64_t E) { return E >= 1 && E <= kWsMaxExperts; }
 
-void up_proj_ws(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
-                int64_t d, int64_t n, Activation act, cudaStream_t stream) {
-  sm90::ws::up_proj_gather<sm90::ws::Cooperative>(plan, x, w1, h, a, d, n, act,
+void up_proj_ws(const RoutingPlanView& plan, const bf16* x, const bf16* w1, const bf16* b1, bf16* h,
+                bf16* a, int64_t d, int64_t n, Activation act, cudaStream_t stream) {
+  sm90::ws::up_proj_gather<sm90::ws::Cooperative>(plan, x, w1, b1, h, a, d, n, act,
                                                   sm90::raster_group(), stream);
 }
 

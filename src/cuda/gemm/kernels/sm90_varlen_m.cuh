@@ -117,11 +117,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     lb.init(tid, b_e, p.ldb, nullptr, 0, p.K, n_tile * kBN, p.N);
     mainloop<Cfg, Epi::kMmaInFlight>(smem, la, lb, p.K / kBK, acc);
   }
-  Epi::apply(ep, acc, pre, m_begin, m_end, n_tile);
+  Epi::apply(ep, acc, pre, m_begin, m_end, n_tile, expert);
 }
 
 // Epilogue policies provide Params, Prefetched (registers filled by prefetch() before the
-// mainloop), apply(params, acc, prefetched, m_begin, m_end, n_tile) and kMmaInFlight, the
+// mainloop), apply(params, acc, prefetched, m_begin, m_end, n_tile, expert) and kMmaInFlight, the
 // mainloop variant their kernel runs (sm90_gemm_core.cuh, lookahead()).
 struct NoPrefetch {};
 
@@ -137,7 +137,7 @@ struct StoreEpilogue {
   __device__ static void prefetch(const Params&, Prefetched&, int, int, int) {}
   template <class Acc>
   __device__ static void apply(const Params& p, Acc& acc, const Prefetched&, int m_begin,
-                               int m_end, int n_tile) {
+                               int m_end, int n_tile, int /*expert*/) {
     const int n0 = n_tile * kBN;
 #pragma unroll
     for (int v1 = 0; v1 < 2; ++v1) {

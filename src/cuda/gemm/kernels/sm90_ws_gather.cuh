@@ -293,7 +293,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       return k_tiles;
     };
     auto end = [&](int, auto& acc) {
-      Epi::apply(ep, acc, tl.m_begin + tl.out_shift, tl.m_end + tl.out_shift, tl.n_tile);
+      Epi::apply(ep, acc, tl.m_begin + tl.out_shift, tl.m_end + tl.out_shift, tl.n_tile,
+                 tl.expert);
     };
     if constexpr (Sched::kPingPong)
       pingpong_consumer_loop<L, kConsumerRegs>(ring, num_tiles, k_tiles, begin, end);

@@ -37,11 +37,12 @@ struct GatherActEpilogue {
   using Params = ActParams;
   __device__ static void at_tile_start(const Params&, int, int, int) {}
   template <class Acc>
-  __device__ static void apply(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile) {
+  __device__ static void apply(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile,
+                               int expert) {
     if constexpr (kOai)
-      act_epilogue_body<Activation::swiglu_oai, Frag>(p, acc, m_begin, m_end, n_tile);
+      act_epilogue_body<Activation::swiglu_oai, Frag>(p, acc, m_begin, m_end, n_tile, expert);
     else
-      act_epilogue<Frag>(p, acc, m_begin, m_end, n_tile);
+      act_epilogue<Frag>(p, acc, m_begin, m_end, n_tile, expert);
   }
 };
 
@@ -51,7 +52,8 @@ struct GatherStoreEpilogue {
   using Params = StoreParams;
   __device__ static void at_tile_start(const Params&, int, int, int) {}
   template <class Acc>
-  __device__ static void apply(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile) {
+  __device__ static void apply(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile,
+                               int /*expert*/) {
     store_epilogue<Frag>(p, acc, m_begin, m_end, n_tile);
   }
 };
@@ -82,7 +84,8 @@ struct GatherDhEpilogue {
   }
 
   template <class Acc>
-  __device__ static void apply(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile) {
+  __device__ static void apply(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile,
+                               int /*expert*/) {
     if constexpr (kOai)
       body<Activation::swiglu_oai>(p, acc, m_begin, m_end, n_tile);
     else
@@ -183,11 +186,12 @@ struct GatherDhEpilogue {
 };
 
 // up_proj on the warp-specialised kernel with schedule Sched; same contract as up_proj (kOai:
-// the swiglu_oai kernel, act must be swiglu_oai). raster_group: the host's band height
-// (dispatch/raster.hpp).
+// the swiglu_oai kernel, act must be swiglu_oai; b1 the expert biases or null). raster_group:
+// the host's band height (dispatch/raster.hpp).
 template <class Sched, bool kOai = false>
-void up_proj_gather(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
-                    int64_t d, int64_t n, Activation act, int raster_group, cudaStream_t stream) {
+void up_proj_gather(const RoutingPlanView& plan, const bf16* x, const bf16* w1, const bf16* b1,
+                    bf16* h, bf16* a, int64_t d, int64_t n, Activation act, int raster_group,
+                    cudaStream_t stream) {
   constexpr int kTileN = Sched::kTileN;
   const bool gated = is_gated(act);
   Args p = gather_args(plan, x, d);  // x (T, d), rows gathered per slot
@@ -197,7 +201,7 @@ void up_proj_gather(const RoutingPlanView& plan, const bf16* x, const bf16* w1, 
   p.b_cols = static_cast<int>(d);
   p.gate_split = gated ? static_cast<int>(n) : 0;
   ActParams ep{reinterpret_cast<__nv_bfloat16*>(h), reinterpret_cast<__nv_bfloat16*>(a),
-               static_cast<int>(n), act};
+               static_cast<int>(n), act, reinterpret_cast<const __nv_bfloat16*>(b1)};
   launch_gather_gemm<GMajor::K, GatherActEpilogue<typename Sched::Frag, kOai>, Sched>(
       p, w1, ep, plan.S, raster_group, stream);
 }
