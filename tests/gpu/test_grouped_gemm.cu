@@ -708,10 +708,19 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_TRUE(big.up.b_by_tma);
   EXPECT_EQ(big.dh.family, KernelFamily::two_cta);
   EXPECT_EQ(big.dw1.family, KernelFamily::two_cta);
-  // Few rows per expert: down/dX on the 2-CTA kernel; 128 per expert is on the TMA path.
+  // Few rows per expert: down/dX on the 2-CTA kernel below 128 per expert, the warp-specialised
+  // kernel (A by TMA; down ping-pong, dX cooperative) below 1024, the TMA path from there.
   EXPECT_EQ(choose(1000, 8, 512, 256).dx.family, KernelFamily::two_cta);
-  EXPECT_EQ(choose(32768, 256, 2048, 1024).dx.family, KernelFamily::tma_grouped);
-  EXPECT_EQ(choose(130944, 256, 4096, 1024).down.family, KernelFamily::tma_grouped);
+  const gg::LayerKernels fine = choose(32768, 256, 2048, 1024);  // 128 rows per expert
+  EXPECT_EQ(fine.down.family, KernelFamily::ws_gather);
+  EXPECT_EQ(fine.down.schedule, KernelSchedule::ping_pong);
+  EXPECT_EQ(fine.dx.family, KernelFamily::ws_gather);
+  EXPECT_EQ(fine.dx.schedule, KernelSchedule::cooperative);
+  EXPECT_EQ(choose(163840, 512, 2048, 320).down.family, KernelFamily::ws_gather);  // 320 rows
+  EXPECT_EQ(choose(262144, 256, 2048, 1024).dx.family, KernelFamily::tma_grouped);  // 1024 rows
+  EXPECT_EQ(choose(130944, 256, 4096, 1024).down.family, KernelFamily::ws_gather);
+  EXPECT_EQ(choose(1000, 8, 512, 256).dx.family, KernelFamily::two_cta);
+  EXPECT_EQ(choose(130944, 5000, 4096, 1024).dx.family, KernelFamily::two_cta);  // E > 4096
   EXPECT_EQ(gg::describe(sm.up), "ws_gather cooperative 128x256x64 stages=4 cluster=1 raster=16");
 }
 
@@ -738,8 +747,8 @@ TEST(GroupedGemmChecks, KernelChoiceIsTotalAndDeterministic) {
             EXPECT_TRUE(k.cluster == 1 || k.cluster == 2);
             EXPECT_TRUE(k.stages >= 0 && k.stages <= 8);
             EXPECT_FALSE(gathered && k.family == KernelFamily::tma_grouped);
-            EXPECT_FALSE(!gathered && (k.family == KernelFamily::ws_gather ||
-                                       k.family == KernelFamily::ws_varlen_k));
+            // down / dX (contiguous A) may run on ws_gather (A by TMA), never on varlen-K.
+            EXPECT_FALSE(!gathered && k.family == KernelFamily::ws_varlen_k);
             EXPECT_FALSE(k.family == KernelFamily::ws_gather && E > gg::kWsMaxExperts);
             EXPECT_FALSE(k.cluster == 2 && k.family == KernelFamily::two_cta);
             EXPECT_STRNE(k.rule, "");

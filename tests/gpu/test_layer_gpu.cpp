@@ -599,12 +599,14 @@ TEST(LayerGpu, TokenChunksGiveTheWholeStepsBits) {
   } restore;
   for (const RouteKind route : {RouteKind::balanced, RouteKind::skewed, RouteKind::rounded})
     for (const LayerMode mode : {LayerMode::keep_h, LayerMode::recompute}) {
-      // S >= 128 E: down_proj and dx_proj on the TMA path, the one that takes row ranges.
+      // S >= 128 E: down_proj and dx_proj on the TMA path (forced: the rule puts fewer than
+      // 1024 rows per expert on the ws kernel, tried below), both take row ranges.
       const Inputs in = make_inputs({1500, 512, 128, 8, 3, Activation::swiglu, mode, route}, seed);
       const int64_t S = in.plans.dev.S();
       SCOPED_TRACE(std::string(route_name(route)) + " " + layer_mode_name(mode) + " S " +
                    std::to_string(S));
-      cuda::gemm::set_kernel_overrides(cuda::gemm::parse_kernel_overrides("chunks=1"));
+      const std::string tma = "down.family=tma,dx.family=tma,";
+      cuda::gemm::set_kernel_overrides(cuda::gemm::parse_kernel_overrides(tma + "chunks=1"));
       ASSERT_EQ(cuda::layer_chunks(in.cfg, S, mode).backward.count, 1);
       const size_t whole_fwd = layer_workspace_bytes(in.cfg, S, mode, Device::cuda,
                                                      LayerPass::forward, false);
@@ -614,7 +616,7 @@ TEST(LayerGpu, TokenChunksGiveTheWholeStepsBits) {
       for (const int count : {2, 3, 7, 16}) {
         SCOPED_TRACE("chunks " + std::to_string(count));
         cuda::gemm::set_kernel_overrides(
-            cuda::gemm::parse_kernel_overrides("chunks=" + std::to_string(count)));
+            cuda::gemm::parse_kernel_overrides(tma + "chunks=" + std::to_string(count)));
         const cuda::LayerChunks ch = cuda::layer_chunks(in.cfg, S, mode);
         ASSERT_EQ(ch.forward.count, count) << cuda::describe(ch.forward);
         ASSERT_EQ(ch.backward.count, count) << cuda::describe(ch.backward);
@@ -622,7 +624,7 @@ TEST(LayerGpu, TokenChunksGiveTheWholeStepsBits) {
         expect_same_bits(whole, run_gpu(in, mode, false, /*fresh_threads=*/true));
         // The TMA GEMMs on single-CTA clusters: the same tiles, so the same bits.
         cuda::gemm::set_kernel_overrides(cuda::gemm::parse_kernel_overrides(
-            "chunks=" + std::to_string(count) + ",down.cluster=1,dx.cluster=1"));
+            tma + "chunks=" + std::to_string(count) + ",down.cluster=1,dx.cluster=1"));
         expect_same_bits(whole, run_gpu(in, mode));
         // The same GEMMs on the warp-specialised kernel (A by TMA, any row range), both
         // schedules: each gives its own whole step's bits in chunks.
@@ -640,7 +642,7 @@ TEST(LayerGpu, TokenChunksGiveTheWholeStepsBits) {
             expect_same_bits(whole_ws, run_gpu(in, mode));
           }
         cuda::gemm::set_kernel_overrides(
-            cuda::gemm::parse_kernel_overrides("chunks=" + std::to_string(count)));
+            cuda::gemm::parse_kernel_overrides(tma + "chunks=" + std::to_string(count)));
         EXPECT_LT(layer_workspace_bytes(in.cfg, S, mode, Device::cuda, LayerPass::forward, false),
                   whole_fwd);
         EXPECT_LT(layer_workspace_bytes(in.cfg, S, mode, Device::cuda, LayerPass::backward, false),

@@ -80,6 +80,14 @@ LayerKernels automatic(const KernelShape& s) {
   k.down = tma ? tma_grouped("S >= 128 E rows: the TMA path wins down to 128 rows per expert")
                : two_cta("S < 128 E rows: the TMA path's tiles would be mostly tails");
   k.dx = k.down;
+  if (tma && ws && s.S < s.E * kWsContiguousMaxRowsPerExpert) {
+    // Few rows per expert: the TMA path's per-expert cost shows (320 rows: step -5 %; 1536
+    // and more: within +-2 %, so the TMA path stays there).
+    k.down = ws_gather(KernelSchedule::ping_pong,
+                       "128 E <= S < 1024 E rows: the ws kernel, A by TMA, ping-pong");
+    k.dx = ws_gather(KernelSchedule::cooperative,
+                     "128 E <= S < 1024 E rows: the ws kernel, A by TMA, cooperative");
+  }
   if (!ws) {
     k.dw2 = k.dw1 = two_cta("E > 4096: the 2-CTA varlen-K kernel, as measured");
   } else {
