@@ -35,15 +35,18 @@ void gather_pair_grads(const RoutingPlanView& plan, const float* ds, float* d_pa
 // Arguments were validated by the public API; these check what only the GPU path needs (dtype
 // bf16, dims the GEMM kernels take) and throw Unsupported naming the dimension.
 // ---- expert biases (src/cuda/layer/expert_bias.cu) ----
-// ds[r] += <d_out[t_r, :], b2[e_r, :]> for every slot r (t_r its token, e_r its expert): the
-// gate-weight gradient's share of y_r = W2 a_r + b2_e. d_out (T, d) bf16, b2 (E, d) bf16, ds (S,)
-// fp32; one warp per slot, a fixed summation order.
-void add_bias_dots(const RoutingPlanView& plan, const void* d_out, const void* b2, float* ds,
-                   int64_t d, cudaStream_t stream);
+// b2's share of backward in one pass over the gathered d_out: for every slot r (t_r its token,
+// e_r its expert) ds[r] += <d_out[t_r, :], b2[e_r, :]> (y_r = W2 a_r + b2_e), and
+// db2[e, :] = sum over e's slots of s_r d_out[t_r, :]; fixed summation orders. d_out (T, d),
+// b2 and db2 (E, d) bf16, d a multiple of 8; ds (S,) fp32; scratch: bias2_scratch_floats(S, d)
+// fp32, free for the call.
+int64_t bias2_scratch_floats(int64_t S, int64_t d);
+void bias2_backward(const RoutingPlanView& plan, const void* d_out, const void* b2, float* scratch,
+                    float* ds, void* db2, int64_t d, cudaStream_t stream);
 // out[e, c] = sum over the slots r of expert e, in a fixed order, of w_r * rows[i_r, c], fp32
 // accumulation, stored bf16: w_r = slot_weights[r] when `weighted`, else 1; i_r = the slot's token
 // (expert_token_indices[r]) when `gathered`, else r. rows (*, cols) bf16, out (E, cols) bf16;
-// cols even. db1 = (dH, not gathered, unweighted), db2 = (d_out, gathered, weighted).
+// cols even. db1 = (dH, not gathered, unweighted).
 void expert_column_sums(const RoutingPlanView& plan, const void* rows, bool gathered,
                         bool weighted, void* out, int64_t cols, cudaStream_t stream);
 // biases: each optional (validated by the API: (E, w1_rows) / (E, d) bf16 on cuda).

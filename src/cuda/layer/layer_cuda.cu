@@ -273,6 +273,9 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   const bf16* b2 = data_or_null<const bf16>(biases.b2);  // (E, d): its share of ds
   bf16* db1 = data_or_null<bf16>(grads.db1);             // (E, w1_rows) or null
   bf16* db2 = data_or_null<bf16>(grads.db2);             // (E, d) or null
+  MOEBLAZE_UNSUPPORTED_IF(b2 && bias2_scratch_floats(1, cfg.d) * 4 > cfg.n * 2, "b2: d (",
+                          cfg.d, ") > 256 n (n = ", cfg.n, "): backward's bias pass keeps its "
+                          "partials in A' (S, n), too small for this shape");
   MOEBLAZE_REQUIRE(saved.valid(), "saved: not filled by layer_forward");
   MOEBLAZE_REQUIRE(saved.mode() == opts.mode, "saved was made in mode ",
                    layer_mode_name(saved.mode()), ", backward asked for ",
@@ -320,10 +323,12 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   g.dh_proj(pv, d_out.as<bf16>(), w2.as<bf16>(), h, w.ds_partials, dh, w.a_scaled, cfg.d,
             cfg.n, cfg.activation, stream);
   g.reduce_ds(w.ds_partials, w.ds, S, cfg.n, stream);
-  if (b2) add_bias_dots(pv, d_out.data, b2, w.ds, cfg.d, stream);
-  if (db2) expert_column_sums(pv, d_out.data, /*gathered=*/true, /*weighted=*/true, db2, cfg.d,
-                              stream);
   g.dw2_proj(pv, d_out.as<bf16>(), w.a_scaled, grads.dw2.as<bf16>(), cfg.d, cfg.n, stream);
+  // b2's share: A' (S, n) bf16 is dead now (dW2 read it last), so its bytes hold the pass's
+  // (S, d / 512) fp32 partials until dX̃ writes there.
+  if (b2)
+    bias2_backward(pv, d_out.data, b2, reinterpret_cast<float*>(w.a_scaled), w.ds, db2, cfg.d,
+                   stream);
   if (chunks.count > 1) {
     // dX̃ one token chunk at a time into w.dx_slots, each chunk's tokens summed into dx.
     build_chunk_maps(pv, chunks, w.maps, stream);
