@@ -193,3 +193,53 @@ def test_gpu_no_zero_filled_gradient_for_h(seed):
         out.backward(g)
     names = [e.name for e in prof.events()]
     assert "aten::zeros" not in names and "aten::zero_" not in names, sorted(set(names))
+
+
+def test_gpu_fp32_master_weights_bf16_compute_is_the_bf16_layer(seed):
+    """fp32 parameters on the GPU compute in bf16 (the Hopper kernels' dtype): the same bits as
+    the bf16 layer, gradients in fp32; with a gated shared expert beside the routed ones."""
+    lo = _moe(shared_expert_size=192, shared_expert_gate=True)
+    hi = _moe(dtype=torch.float32, shared_expert_size=192, shared_expert_gate=True)
+    hi.load_state_dict({k: v.float() for k, v in lo.state_dict().items()})
+    x = torch.randn(300, 128, device="cuda").to(BF16)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_lo, _ = lo(xa)
+    out_hi, _ = hi(xb)
+    assert out_hi.dtype == BF16 and torch.equal(out_hi, out_lo)
+    g = torch.randn_like(out_lo)
+    out_lo.backward(g)
+    out_hi.backward(g)
+    assert torch.equal(xa.grad, xb.grad)
+    for (name, p_lo), p_hi in zip(lo.named_parameters(), hi.parameters()):
+        assert p_hi.grad.dtype == torch.float32, name
+        if name == "gate.weight":  # the router computes in fp32 in both: only the storage differs
+            assert rel_err(p_lo.grad, p_hi.grad) <= TOL[BF16], name
+        else:
+            assert torch.equal(p_hi.grad, p_lo.grad.float()), name
+
+
+def test_gpu_autocast_bf16_computes_and_returns_bf16(seed):
+    moe = _moe(dtype=torch.float32)
+    x = torch.randn(300, 128, device="cuda").bfloat16().float().requires_grad_()
+    with torch.autocast("cuda", dtype=BF16):
+        out, _ = moe(x)
+    assert out.dtype == BF16
+    out.float().square().sum().backward()
+    assert x.grad.dtype == torch.float32 and moe.w1.grad.dtype == torch.float32
+    ref, _ = moe(x.detach())  # fp32 parameters outside autocast: bf16 compute on the GPU too
+    assert rel_err(out, ref) <= TOL[BF16]
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_gpu_shared_expert_adds_a_dense_swiglu(seed, gated):
+    import torch.nn.functional as F
+    moe = _moe(shared_expert_size=192, shared_expert_gate=gated)
+    plain = _moe()
+    plain.load_state_dict({k: v for k, v in moe.state_dict().items()
+                           if not k.startswith("shared_expert.")})
+    x = torch.randn(300, 128, device="cuda").to(BF16)
+    s = moe.shared_expert
+    dense = s.down_proj(F.silu(s.gate_proj(x)) * s.up_proj(x))
+    if gated:
+        dense = torch.sigmoid(s.gate(x)) * dense
+    assert rel_err(moe(x)[0], plain(x)[0] + dense) <= TOL[BF16]
