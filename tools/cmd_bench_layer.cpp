@@ -320,7 +320,11 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
     Row r;
     r.impl = impl;
     const bool biased = f.bias && impl != "dense-bound" && impl != "materialized";
-    if (f.bias && !biased) continue;  // no biases there: nothing to compare
+    if (f.bias && !biased) {  // no biases there: nothing to compare
+      std::cerr << "bench layer: " << nc.name << " " << impl << ": skipped (--bias: no expert "
+                << "biases there)\n";
+      continue;
+    }
     if (biased) r.impl += "+bias";
     try {
       if (impl == "dense-bound") {
