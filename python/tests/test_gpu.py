@@ -243,3 +243,26 @@ def test_gpu_shared_expert_adds_a_dense_swiglu(seed, gated):
     if gated:
         dense = torch.sigmoid(s.gate(x)) * dense
     assert rel_err(moe(x)[0], plain(x)[0] + dense) <= TOL[BF16]
+
+
+def test_gpu_update_expert_bias_balances(seed):
+    """DeepSeek-V3's auxiliary-loss-free balancing on the GPU: the counts come from the device
+    plan of the last forward, the update follows sign(mean - count), and the spread shrinks."""
+    E = 8
+    moe = _moe(E=E, router="sigmoid_bias", renormalize=True)
+    with torch.no_grad():
+        moe.gate.weight[0] += 0.5  # expert 0 overloaded
+    x = torch.randn(400, 128, device="cuda").to(BF16)
+    moe(x)
+    first = moe.last_expert_counts.clone()
+    assert first.device.type == "cuda" and int(first.sum()) == 400 * 2
+    mean = first.float().mean()
+    moe.update_expert_bias(0.01)
+    assert torch.equal(moe.expert_bias, 0.01 * torch.sign(mean - first.float()))
+    spread0 = int(first.max() - first.min())
+    for _ in range(200):
+        moe(x)
+        moe.update_expert_bias(0.01)
+    moe(x)
+    c = moe.last_expert_counts
+    assert int(c.max() - c.min()) < spread0 / 2, (first, c)
