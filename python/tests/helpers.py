@@ -6,6 +6,8 @@ import tempfile
 import time
 import traceback
 
+import pytest
+
 import torch
 
 from moeblaze.reference import dense_reference
@@ -207,3 +209,8 @@ def _rank_entry(rank, world, fn, seed, args, backend, tmp, errq):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+# Tests that run on both backends take `device` from DEVICES; the cuda case carries the `gpu`
+# marker (skipped without a GPU) and the GPU backend's sizes (d, n multiples of 64, bf16).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

@@ -1,30 +1,40 @@
 """Shared experts (Qwen2-MoE gated, DeepSeek ungated) and DeepSeek-V3's auxiliary-loss-free
-balancing (per-expert counts, update_expert_bias) on the CPU."""
+balancing (per-expert counts, update_expert_bias) on the CPU, and on the GPU (bf16, its sizes)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import moeblaze
-from helpers import TOL, check_against_reference, rel_err
+from helpers import DEVICES, TOL, check_against_reference, rel_err
 
 
+def _kw(device):
+    """(d, n) and the MoE arguments of a device: fp32 on the CPU, bf16 and multiples of 64 on
+    the GPU."""
+    if device == "cpu":
+        return 32, 16, {}
+    return 128, 64, {"device": "cuda", "dtype": torch.bfloat16}
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("gated", [False, True])
-def test_shared_expert_adds_a_dense_swiglu(seed, gated):
-    moe = moeblaze.MoE(32, 16, 6, 2, shared_expert_size=40, shared_expert_gate=gated)
-    plain = moeblaze.MoE(32, 16, 6, 2)
+def test_shared_expert_adds_a_dense_swiglu(seed, gated, device):
+    d, n, kw = _kw(device)
+    moe = moeblaze.MoE(d, n, 6, 2, shared_expert_size=40, shared_expert_gate=gated, **kw)
+    plain = moeblaze.MoE(d, n, 6, 2, **kw)
     plain.load_state_dict({k: v for k, v in moe.state_dict().items()
                            if not k.startswith("shared_expert.")})
-    x = torch.randn(3, 7, 32)
+    x = torch.randn(3, 7, d).to(moe.w1)
     s = moe.shared_expert
     dense = s.down_proj(F.silu(s.gate_proj(x)) * s.up_proj(x))
     if gated:
         dense = torch.sigmoid(s.gate(x)) * dense
-    assert rel_err(moe(x)[0], plain(x)[0] + dense) <= TOL[torch.float32]
-    # TorchMoE adds the same shared expert; the routed part still matches float64.
-    ref = moeblaze.TorchMoE(32, 16, 6, 2, shared_expert_size=40, shared_expert_gate=gated)
-    ref.load_state_dict(moe.state_dict())
-    assert rel_err(ref(x)[0], moe(x)[0]) <= TOL[torch.float32]
-    check_against_reference(plain, x, torch.float32)
+    assert rel_err(moe(x)[0], plain(x)[0] + dense) <= TOL[x.dtype]
+    if device == "cpu":  # TorchMoE adds the same shared expert; the routed part matches float64
+        ref = moeblaze.TorchMoE(d, n, 6, 2, shared_expert_size=40, shared_expert_gate=gated)
+        ref.load_state_dict(moe.state_dict())
+        assert rel_err(ref(x)[0], moe(x)[0]) <= TOL[torch.float32]
+        check_against_reference(plain, x, torch.float32)
 
 
 def test_shared_expert_arguments_checked():
@@ -42,14 +52,17 @@ def test_expert_counts_of_the_last_forward(seed):
     assert torch.equal(c, torch.bincount(ids.reshape(-1), minlength=8))
 
 
-def test_update_expert_bias_balances(seed):
+@pytest.mark.parametrize("device", DEVICES)
+def test_update_expert_bias_balances(seed, device):
     E = 8
-    moe = moeblaze.MoE(32, 16, E, 2, router="sigmoid_bias", renormalize=True)
+    d, n, kw = _kw(device)
+    moe = moeblaze.MoE(d, n, E, 2, router="sigmoid_bias", renormalize=True, **kw)
     with torch.no_grad():
         moe.gate.weight[0] += 0.5  # expert 0 overloaded
-    x = torch.randn(400, 32)
+    x = torch.randn(400, d).to(moe.w1)
     moe(x)
     first = moe.last_expert_counts.clone()
+    assert first.device == x.device and int(first.sum()) == 400 * 2
     mean = first.float().mean()
     moe.update_expert_bias(0.01)
     assert torch.equal(moe.expert_bias, 0.01 * torch.sign(mean - first.float()))
@@ -60,7 +73,7 @@ def test_update_expert_bias_balances(seed):
     moe(x)
     c = moe.last_expert_counts
     assert int(c.max() - c.min()) < spread0 / 2, (first, c)
-    explicit = torch.zeros(E, dtype=torch.int64)
+    explicit = torch.zeros(E, dtype=torch.int64, device=x.device)
     explicit[3] = 10
     before = moe.expert_bias.clone()
     moe.update_expert_bias(0.5, counts=explicit)
