@@ -81,8 +81,8 @@ LayerKernels automatic(const KernelShape& s) {
                : two_cta("S < 128 E rows: the TMA path's tiles would be mostly tails");
   k.dx = k.down;
   if (tma && ws && s.S < s.E * kWsContiguousMaxRowsPerExpert) {
-    // Few rows per expert: the TMA path's per-expert descriptor work shows (measured: the
-    // 2026-12-02 note), where the ws kernel has one descriptor per operand.
+    // Few rows per expert: the ws kernel (one TMA descriptor per operand) wins there and only
+    // there (the 2026-12-02 note).
     k.down = ws_gather(KernelSchedule::ping_pong,
                        "128 E <= S < 1024 E rows: the ws kernel, A by TMA, ping-pong");
     k.dx = ws_gather(KernelSchedule::cooperative,
