@@ -7,10 +7,10 @@
 //           4 dH (dO gathered)      → dH, A' = s·A, ds partials        [workspace]
 //             ds reduction (fixed order)
 //           5 dW2 (varlen-K)        ← dO gathered, A'
-//           6 dX̃                    → dX̃ (over the dead A' / H bytes)
+//             d_pair_weights[p] = ds[token_index_map[p]]
+//           6 dX̃                    → dX̃ (over the dead A', ds partials and ds)
 //           7 aggregate             → dx_t = Σ dX̃[slot]
 //           8 dW1 (varlen-K)        ← dH, x gathered
-//             d_pair_weights[p] = ds[token_index_map[p]]
 // Expert biases (optional): b1 in the up-projection's epilogue (H keeps it), b2 in the
 // aggregation; backward adds <dO_t, b2_e> to ds and sums db1 / db2 per expert (expert_bias.cu).
 // Y and dX̃ run in token chunks where token_chunks.hpp's rule says (recompute mode: bitwise the
@@ -144,13 +144,14 @@ BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMod
   // dH is written over H when H is the workspace's own (recompute) or the caller allows it.
   if (mode == LayerMode::recompute) w.h = w.dh = c.take<bf16>(S * w1_rows(cfg));
   else if (!dh_over_h) w.dh = c.take<bf16>(S * w1_rows(cfg));
-  w.ds_partials = c.take<float>(S * ds_cols);
-  w.ds = c.take<float>(S);
   w.scratch = take_scratch(c, S, cfg.E);
   w.maps = take_maps(c, chunks, S, cfg.E);
-  // A' dies before dX̃ is written: dX̃ takes its bytes.
+  // A', the ds partials and ds die before dX̃ is written (ds once gathered to pair order): dX̃
+  // takes their bytes, so where d > n + 2 ds_cols + 2 they cost no peak.
   const size_t shared = c.mark();
   w.a_scaled = c.take<bf16>(S * cfg.n);
+  w.ds_partials = c.take<float>(S * ds_cols);
+  w.ds = c.take<float>(S);
   c.rewind(shared);
   w.dx_slots = c.take<bf16>(chunks.rows * cfg.d);
   w.bytes = c.high_water();
@@ -329,6 +330,8 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   if (b2)
     bias2_backward(pv, d_out.data, b2, reinterpret_cast<float*>(w.a_scaled), w.ds, db2, cfg.d,
                    stream);
+  // ds is final: into pair order now, as dX̃ is about to write over it.
+  gather_pair_grads(pv, w.ds, grads.d_pair_weights.as<float>(), stream);
   if (chunks.count > 1) {
     // dX̃ one token chunk at a time into w.dx_slots, each chunk's tokens summed into dx.
     build_chunk_maps(pv, chunks, w.maps, stream);
@@ -345,7 +348,6 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   g.dw1_proj(pv, dh, x.as<bf16>(), grads.dw1.as<bf16>(), cfg.d, cfg.n, cfg.activation, stream);
   if (db1) expert_column_sums(pv, dh, /*gathered=*/false, /*weighted=*/false, db1,
                               cfg.w1_rows(), stream);
-  gather_pair_grads(pv, w.ds, grads.d_pair_weights.as<float>(), stream);
 }
 
 }  // namespace moeblaze::cuda

@@ -87,9 +87,11 @@ struct BackwardWorkspace {
   bf16* h = nullptr;            // (S, w1_rows)  recompute mode only: H recomputed, then dH over it
   bf16* a_scaled = nullptr;     // (S, n)        A' = s·A, second operand of dW2
   bf16* dx_slots = nullptr;     // (chunks.rows, d) dX̃ of one token chunk (all S slots when one
-                                //               chunk); reuses the bytes of A' (dead by then)
+                                //               chunk); reuses the bytes of A', ds_partials
+                                //               and ds (all dead by then)
   float* ds_partials = nullptr;  // (S, ds_partials_cols(n)) per-N-tile partial sums of ds
-  float* ds = nullptr;          // (S,) fp32 gate gradient by slot, gathered to pair order last
+  float* ds = nullptr;          // (S,) fp32 gate gradient by slot, gathered to pair order
+                                //               before dX̃
   gemm::GemmScratch scratch;    // dx_proj's (GemmOps::scratch_bytes; empty: none)
   ChunkMaps maps;               // the backward's chunk maps (count > 1 only)
   size_t bytes = 0;
