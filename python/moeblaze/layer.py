@@ -120,6 +120,11 @@ def _compute_operands(x, w1, w2, b1=None, b2=None):
         raise ValueError("moeblaze: float16 is not supported (x, w1, w2 and the autocast dtype "
                          "must be bfloat16 or float32): the kernels store bf16 or fp32 only; "
                          "use torch.autocast(..., dtype=torch.bfloat16) or bf16 tensors")
+    if dt == torch.float32 and x.device.type == "cuda":
+        raise _lib.UnsupportedError("moeblaze: x is float32 on CUDA outside autocast: the GPU kernels "
+                               "compute in bf16; pass bf16 x (fp32 weights are cast: master "
+                               "weights) or run under torch.autocast('cuda', dtype=torch.bfloat16)"
+                               "; the CPU backend computes in fp32")
     if dt == torch.bfloat16:
         x, w1, w2 = (t.to(dt) if t.dtype == torch.float32 else t for t in (x, w1, w2))
     b1, b2 = (b.to(x.dtype) if b is not None and b.dtype == torch.float32 else b
