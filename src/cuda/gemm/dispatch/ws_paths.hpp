@@ -40,6 +40,15 @@ void dh_proj_oai(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2,
                  float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n,
                  cudaStream_t stream);
 
+// dh_proj for swiglu on its own kernels, cooperative (_ws) or ping-pong (_pp); same contract as
+// dh_proj with act = swiglu.
+void dh_proj_swiglu_ws(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2,
+                       const bf16* h, float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d,
+                       int64_t n, cudaStream_t stream);
+void dh_proj_swiglu_pp(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2,
+                       const bf16* h, float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d,
+                       int64_t n, cudaStream_t stream);
+
 // dh_proj on the ping-pong schedule; same contract as dh_proj.
 void dh_proj_pp(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,
                 float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n,

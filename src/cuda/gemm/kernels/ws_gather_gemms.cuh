@@ -16,7 +16,8 @@
 //   (2) down-projection: A = a (S, n), B = w2 K-major (w2_e (d, n): N = d rows of K = n);
 //   (6) dX̃: A = dh (S, w1_rows), B = w1 N-major (w1_e (w1_rows, d): K rows of N = d).
 // Each .cu file that includes this instantiates one (GEMM, schedule) pair (up_proj_ws.cu,
-// up_proj_pp.cu, up_proj_oai.cu, dh_proj_ws.cu, dh_proj_pp.cu, dh_proj_oai.cu, down_proj_ws.cu,
+// up_proj_pp.cu, up_proj_oai.cu, dh_proj_ws.cu, dh_proj_pp.cu, dh_proj_swiglu_ws.cu,
+// dh_proj_swiglu_pp.cu, dh_proj_oai.cu, down_proj_ws.cu,
 // down_proj_pp.cu, dx_proj_ws.cu, dx_proj_pp.cu).
 #pragma once
 
@@ -58,9 +59,14 @@ struct GatherStoreEpilogue {
   }
 };
 
-// The dH epilogue (dh_epilogue.cuh's dh_pair_words per column pair) on fragment policy Frag;
-// kOai as for GatherActEpilogue.
-template <class Frag, bool kOai = false>
+// The activations a dH kernel is compiled for: kAnyActivation, the shared switch over the
+// non-oai activations, or one Activation's value (its own kernel: in the switch the dH epilogue
+// spilled 8 bytes per thread on both schedules, ptxas -v; swiglu alone and swiglu_oai alone do not).
+inline constexpr int kAnyActivation = -1;
+
+// The dH epilogue (dh_epilogue.cuh's dh_pair_words per column pair) on fragment policy Frag, for
+// the activations kActs names.
+template <class Frag, int kActs = kAnyActivation>
 struct GatherDhEpilogue {
   using Params = DhParams;
   static constexpr int kPartials = Frag::kTileN / 128;  // ds partials per tile row
@@ -86,8 +92,8 @@ struct GatherDhEpilogue {
   template <class Acc>
   __device__ static void apply(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile,
                                int /*expert*/) {
-    if constexpr (kOai)
-      body<Activation::swiglu_oai>(p, acc, m_begin, m_end, n_tile);
+    if constexpr (kActs != kAnyActivation)
+      body<static_cast<Activation>(kActs)>(p, acc, m_begin, m_end, n_tile);
     else
       dispatch_activation(
           p.act, [&](auto a) { body<decltype(a)::value>(p, acc, m_begin, m_end, n_tile); });
@@ -206,10 +212,10 @@ void up_proj_gather(const RoutingPlanView& plan, const bf16* x, const bf16* w1, 
       p, w1, ep, plan.S, raster_group, stream);
 }
 
-// dh_proj on the warp-specialised kernel with schedule Sched; same contract as dh_proj (kOai as
-// for up_proj_gather). ds_cols: ds_partials' columns (ds_partials_cols(n)); raster_group as for
-// up_proj_gather.
-template <class Sched, bool kOai = false>
+// dh_proj on the warp-specialised kernel with schedule Sched; same contract as dh_proj, act one
+// of the activations kActs names (GatherDhEpilogue). ds_cols: ds_partials' columns
+// (ds_partials_cols(n)); raster_group as for up_proj_gather.
+template <class Sched, int kActs = kAnyActivation>
 void dh_proj_gather(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,
                     float* ds_partials, int64_t ds_cols, bf16* dh, bf16* a_scaled, int64_t d,
                     int64_t n, Activation act, int raster_group, cudaStream_t stream) {
@@ -219,7 +225,7 @@ void dh_proj_gather(const RoutingPlanView& plan, const bf16* d_out, const bf16* 
   p.b_cols = static_cast<int>(n);
   p.gate_split = 0;
   const DhParams ep = make_dh_params(plan, h, ds_partials, ds_cols, dh, a_scaled, n, act);
-  launch_gather_gemm<GMajor::MN, GatherDhEpilogue<typename Sched::Frag, kOai>, Sched>(
+  launch_gather_gemm<GMajor::MN, GatherDhEpilogue<typename Sched::Frag, kActs>, Sched>(
       p, w2, ep, plan.S, raster_group, stream);
 }
 
