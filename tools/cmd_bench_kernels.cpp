@@ -30,7 +30,6 @@ void run_kernels(const KernelsFlags& f) {
   namespace gg = cuda::gemm;
   const std::vector<const NamedConfig*> configs = select_configs(f.config);
   const Activation act = parse_activation(f.activation);
-  const bool oai = act == Activation::swiglu_oai;  // its own up / dh kernels
   const gg::KernelOverrides o =
       f.kernels.empty() ? gg::kernel_overrides() : gg::parse_kernel_overrides(f.kernels);
   if (!o.spec.empty()) std::cout << "kernel overrides: " << o.spec << "\n";
@@ -39,7 +38,7 @@ void run_kernels(const KernelsFlags& f) {
                {"order", Align::left}, {"rule", Align::left}});
   for (const NamedConfig* c : configs) {
     const int64_t S = c->T * c->K;  // softmax top-K, DESIGN's benchmark routing
-    const gg::LayerKernels k = gg::choose_kernels({S, c->E, c->d, c->n, oai}, o);
+    const gg::LayerKernels k = gg::choose_kernels({S, c->E, c->d, c->n, act}, o);
     for (int i = 0; i < gg::LayerKernels::kCount; ++i) {
       const gg::GemmKernel& g = k.at(i);
       const bool tma = g.family == gg::KernelFamily::tma_grouped;
@@ -64,7 +63,7 @@ void run_kernels(const KernelsFlags& f) {
     const LayerConfig lc = layer_config(*c, act, DType::bf16);
     for (const LayerMode mode : {LayerMode::keep_h, LayerMode::recompute}) {
       const cuda::LayerChunks lch = cuda::choose_token_chunks(
-          lc, S, mode, gg::choose_kernels({S, c->E, c->d, c->n, oai}, o), o.token_chunks);
+          lc, S, mode, gg::choose_kernels({S, c->E, c->d, c->n, act}, o), o.token_chunks);
       for (const auto& [pass, tc] : {std::pair{"forward (Y)", lch.forward},
                                      std::pair{"backward (dX~)", lch.backward}})
         chunks.add_row({c->name, std::to_string(S),

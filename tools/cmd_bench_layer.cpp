@@ -274,7 +274,7 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
   const int64_t S = host_plan.S();
   if (f.show_kernels) {
     const cuda::gemm::LayerKernels k = cuda::gemm::choose_kernels(
-        {S, c.E, c.d, c.n, c.activation == Activation::swiglu_oai});
+        {S, c.E, c.d, c.n, c.activation});
     for (int i = 0; i < cuda::gemm::LayerKernels::kCount; ++i)
       std::cerr << "bench layer: " << nc.name << " " << cuda::gemm::LayerKernels::name(i) << ": "
                 << cuda::gemm::describe(k.at(i)) << " [" << k.at(i).rule << "]\n";

@@ -674,8 +674,9 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   using gg::KernelFamily;
   using gg::KernelSchedule;
   const gg::KernelOverrides none;
-  auto choose = [&](int64_t S, int64_t E, int64_t d, int64_t n) {
-    return gg::choose_kernels({S, E, d, n}, none);
+  auto choose = [&](int64_t S, int64_t E, int64_t d, int64_t n,
+                    Activation act = Activation::swiglu) {
+    return gg::choose_kernels({S, E, d, n, act}, none);
   };
   // sm-default: every gathered GEMM warp-specialised, dH cooperative (d = 4096), TMA down/dX.
   const gg::LayerKernels sm = choose(262144, 128, 4096, 1024);
@@ -692,14 +693,21 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_EQ(sm.dw1.family, KernelFamily::ws_varlen_k);
   EXPECT_EQ(sm.dw1.cluster, 1);  // 2048 rows per expert: no clusters
   EXPECT_EQ(sm.up.raster_group, gg::kDefaultRasterGroup);
-  // olmoe (d = 2048): dH on the ping-pong schedule (128-wide tiles, 6 stages).
-  const gg::LayerKernels ol = choose(131072, 64, 2048, 1024);
+  // swiglu's dH: its own ws kernels, cooperative, at every d (sm-7B-n256: d = 1536).
+  const gg::LayerKernels s7 = choose(196608, 128, 1536, 256);
+  EXPECT_EQ(s7.dh.family, KernelFamily::ws_gather);
+  EXPECT_EQ(s7.dh.schedule, KernelSchedule::cooperative);
+  EXPECT_EQ(choose(131072, 64, 2048, 1024).dh, sm.dh);  // olmoe
+  // The other activations' dH (the shared activation switch) by d: the 2-CTA kernel below
+  // 2048, ping-pong below 4096 (128-wide tiles, 6 stages), cooperative from there.
+  const Activation geglu = Activation::geglu;
+  EXPECT_EQ(choose(196608, 128, 1536, 256, geglu).dh.family, KernelFamily::two_cta);
+  const gg::LayerKernels ol = choose(131072, 64, 2048, 1024, geglu);
   EXPECT_EQ(ol.dh.schedule, KernelSchedule::ping_pong);
   EXPECT_EQ(ol.dh.tile_n, 128);
   EXPECT_EQ(ol.dh.stages, gg::kWsPingPongStages);
   EXPECT_EQ(ol.up.schedule, KernelSchedule::cooperative);
-  // sm-7B-n256 (d = 1536): dH stays on the 2-CTA kernel.
-  EXPECT_EQ(choose(196608, 128, 1536, 256).dh.family, KernelFamily::two_cta);
+  EXPECT_EQ(choose(262144, 128, 4096, 1024, geglu).dh, sm.dh);
   // dW1's clusters where experts have >= 4096 rows on average (mb-conf3).
   EXPECT_EQ(choose(262144, 16, 1024, 4096).dw1.cluster, 2);
   // E beyond the gather kernel's expert table: the 2-CTA kernels (up-proj's w1 by TMA).
@@ -731,11 +739,13 @@ TEST(GroupedGemmChecks, KernelChoiceIsTotalAndDeterministic) {
   using gg::KernelFamily;
   const gg::KernelOverrides none;
   int shapes = 0;
-  for (const int64_t d : {64, 512, 1536, 2048, 3072, 4096, 5120, 7168, 8192})
+  for (const Activation act : {Activation::swiglu, Activation::gelu, Activation::swiglu_oai})
+   for (const int64_t d : {64, 512, 1536, 2048, 3072, 4096, 5120, 7168, 8192})
     for (const int64_t n : {64, 192, 256, 320, 704, 1024, 1536, 2048, 8192})
       for (const int64_t E : {1, 4, 64, 128, 160, 256, 512, 4096, 5000})
         for (const int64_t S : {int64_t(0), int64_t(1), E * 127, E * 128, E * 4096, E * 8192}) {
-          const gg::KernelShape shape{S, E, d, n};
+          if (act == Activation::swiglu_oai && E > gg::kWsMaxExperts) continue;  // refused
+          const gg::KernelShape shape{S, E, d, n, act};
           const gg::LayerKernels a = gg::choose_kernels(shape, none);
           const gg::LayerKernels b = gg::choose_kernels(shape, none);
           ASSERT_TRUE(a == b) << "d " << d << " n " << n << " E " << E << " S " << S;
@@ -755,7 +765,7 @@ TEST(GroupedGemmChecks, KernelChoiceIsTotalAndDeterministic) {
           }
           ++shapes;
         }
-  EXPECT_EQ(shapes, 9 * 9 * 9 * 6);
+  EXPECT_EQ(shapes, (3 * 9 - 1) * 9 * 9 * 6);
 }
 
 // The token-chunk rule (cuda/layer/token_chunks.hpp) on the named configs and over the choice
@@ -902,13 +912,14 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   refused("dh", "expected key=value");
   refused("chunks=0", "[1, 1024]");
   // swiglu_oai: up and dh on its own ws cooperative kernels; nothing else takes it.
-  const gg::LayerKernels oai = gg::choose_kernels({196608, 128, 1536, 256, true}, gg::KernelOverrides{});
+  const gg::KernelShape oai_shape{196608, 128, 1536, 256, Activation::swiglu_oai};
+  const gg::LayerKernels oai = gg::choose_kernels(oai_shape, gg::KernelOverrides{});
   EXPECT_EQ(oai.dh.family, KernelFamily::ws_gather);
   EXPECT_EQ(oai.dh.schedule, gg::KernelSchedule::cooperative);
   EXPECT_EQ(oai.up.schedule, gg::KernelSchedule::cooperative);
   for (const char* spec : {"dh.schedule=pingpong", "up.family=two_cta"}) {
     try {
-      gg::choose_kernels({196608, 128, 1536, 256, true}, gg::parse_kernel_overrides(spec));
+      gg::choose_kernels(oai_shape, gg::parse_kernel_overrides(spec));
       ADD_FAILURE() << spec << " was accepted for swiglu_oai";
     } catch (const Unsupported& e) {
       EXPECT_NE(std::string(e.what()).find("swiglu_oai runs on its own"), std::string::npos)

@@ -66,13 +66,16 @@ LayerKernels automatic(const KernelShape& s) {
   if (!ws) k.up.b_by_tma = true;
   if (!ws)
     k.dh = two_cta("E > 4096: beyond the gather kernel's expert table");
+  else if (s.act == Activation::swiglu)
+    k.dh = ws_gather(KernelSchedule::cooperative,
+                     "swiglu: its own kernels (no activation switch, no spill), cooperative");
   else if (s.d < kWsDhMinD)
     k.dh = two_cta("d < 2048: the gather kernels' dH epilogue is not amortised");
   else if (s.d < kWsDhCoopMinD)
     k.dh = ws_gather(KernelSchedule::ping_pong, "2048 <= d < 4096: ping-pong ahead");
   else
     k.dh = ws_gather(KernelSchedule::cooperative, "d >= 4096: cooperative ahead");
-  if (s.swiglu_oai && ws) {
+  if (s.act == Activation::swiglu_oai && ws) {
     k.up = k.dh = ws_gather(KernelSchedule::cooperative,
                             "swiglu_oai: its own cooperative kernels (the shared epilogues' "
                             "activation switch leaves it out)");
@@ -314,7 +317,7 @@ void clear_kernel_overrides() {
 LayerKernels choose_kernels(const KernelShape& shape, const KernelOverrides& o) {
   LayerKernels k = automatic(shape);
   for (int i = 0; i < LayerKernels::kCount; ++i) apply(i, o.gemm[i], shape, k.at(i));
-  if (shape.swiglu_oai)
+  if (shape.act == Activation::swiglu_oai)
     for (const int g : {kUp, kDh}) {
       const GemmKernel& c = k.at(g);
       MOEBLAZE_UNSUPPORTED_IF(

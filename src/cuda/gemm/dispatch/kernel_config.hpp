@@ -9,6 +9,8 @@
 #include <optional>
 #include <string>
 
+#include "moeblaze/config.hpp"  // Activation
+
 namespace moeblaze::cuda::gemm {
 
 // Kernel families (one file or header each, src/cuda/gemm/):
@@ -35,8 +37,8 @@ constexpr int kDefaultRasterGroup = 16;   // CTA rasterization band (raster_tile
 // The measured thresholds of the automatic rules (docs/experiments/, docs/ARCHITECTURE.md):
 constexpr int64_t kTmaMinRowsPerExpert = 128;          // down/dx on the TMA path from here
 constexpr int64_t kWsContiguousMaxRowsPerExpert = 1024;  // below: down/dx on the ws kernel
-constexpr int64_t kWsDhMinD = 2048;                    // dH on a gather kernel from here
-constexpr int64_t kWsDhCoopMinD = 4096;                // dH cooperative (not ping-pong) from here
+constexpr int64_t kWsDhMinD = 2048;      // dH with the activation switch on a gather kernel from here
+constexpr int64_t kWsDhCoopMinD = 4096;  // ... cooperative (not ping-pong) from here
 constexpr int64_t kDw1ClusterMinRowsPerExpert = 4096;  // dW1 on 2-CTA clusters from here
 
 struct GemmKernel {
@@ -73,7 +75,9 @@ struct LayerKernels {
 // The shape the choice depends on: S slots over E experts, hidden d, expert width n.
 struct KernelShape {
   int64_t S = 0, E = 0, d = 0, n = 0;
-  bool swiglu_oai = false;  // up/dh then run swiglu_oai's own (cooperative ws) kernels
+  // up/dh run their activation's own kernels for swiglu (dh) and swiglu_oai (up, dh); the other
+  // activations share kernels with an activation switch.
+  Activation act = Activation::swiglu;
 };
 
 // Overrides of the automatic choice. Spec (MOEBLAZE_KERNELS, or parse_kernel_overrides):

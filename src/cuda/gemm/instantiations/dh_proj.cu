@@ -175,7 +175,7 @@ void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, con
   using detail::GatherPath;
   const bool oai = act == Activation::swiglu_oai;
   const GatherPath path = detail::resolve_gather_path(
-      fn, kernel, plan.E, choose_kernels({plan.S, plan.E, d, n, oai}).dh, /*has_ping_pong=*/true);
+      fn, kernel, plan.E, choose_kernels({plan.S, plan.E, d, n, act}).dh, /*has_ping_pong=*/true);
   if (oai) {
     MOEBLAZE_UNSUPPORTED_IF(path != GatherPath::cooperative, fn, ": swiglu_oai runs on its own "
                             "warp-specialised cooperative kernel only (GatherKernel automatic or "

@@ -43,7 +43,7 @@ void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h
                    ": h and a must not both be null");
   using detail::GatherPath;
   const bool oai = act == Activation::swiglu_oai;
-  const GemmKernel chosen = choose_kernels({plan.S, plan.E, d, n, oai}).up;
+  const GemmKernel chosen = choose_kernels({plan.S, plan.E, d, n, act}).up;
   const GatherPath path = detail::resolve_gather_path(fn, kernel, plan.E, chosen,
                                                       /*has_ping_pong=*/true);
   if (oai) {
