@@ -869,6 +869,38 @@ TEST(GroupedGemmChecks, TokenChunksFollowTheRule) {
   EXPECT_EQ(shapes, 5 * 5 * 5 * 6);
 }
 
+// The layer's GEMM scratch is sized from down / dX̃'s choice at placeholder d and n: the other
+// GEMMs' overrides must not enter it (a dh override that cannot apply at d = 64 once made every
+// layer call with it fail). The choice is host-only; the bytes ask the device.
+TEST(GroupedGemmChecks, ContiguousChoiceReadsOnlyDownAndDxOverrides) {
+  const int64_t S = 262144, E = 128;  // 2048 rows per expert: down / dX̃ on the TMA path
+  const gg::LayerKernels automatic = gg::contiguous_kernels(S, E, gg::KernelOverrides{});
+  EXPECT_EQ(automatic.down.family, gg::KernelFamily::tma_grouped);
+  // Refused by choose_kernels at any shape (a schedule on the 2-CTA kernel), ignored here.
+  const gg::LayerKernels other =
+      gg::contiguous_kernels(S, E, gg::parse_kernel_overrides("dh.family=two_cta,dh.schedule=pingpong"));
+  EXPECT_EQ(other.down, automatic.down);
+  EXPECT_EQ(other.dx, automatic.dx);
+  const gg::LayerKernels two_cta =
+      gg::contiguous_kernels(S, E, gg::parse_kernel_overrides("down.family=two_cta,dx.cluster=1"));
+  EXPECT_EQ(two_cta.down.family, gg::KernelFamily::two_cta);
+  EXPECT_EQ(two_cta.dx.cluster, 1);
+}
+
+TEST(GroupedGemmChecks, ScratchSizeReadsOnlyDownAndDxOverrides) {
+  MOEBLAZE_REQUIRE_GPU();
+  struct Restore {
+    ~Restore() { gg::clear_kernel_overrides(); }
+  } restore;
+  const int64_t S = 262144, E = 128;
+  const size_t automatic = gg::layer_gemm_scratch_bytes(S, E);
+  EXPECT_GT(automatic, 0u);
+  gg::set_kernel_overrides(gg::parse_kernel_overrides("dh.family=two_cta,dh.schedule=pingpong"));
+  EXPECT_EQ(gg::layer_gemm_scratch_bytes(S, E), automatic);
+  gg::set_kernel_overrides(gg::parse_kernel_overrides("down.family=two_cta,dx.family=two_cta"));
+  EXPECT_EQ(gg::layer_gemm_scratch_bytes(S, E), 0u);
+}
+
 // One override hook: parsed field by field, applied by choose_kernels, refused with a message
 // naming the item where a kernel cannot take it.
 TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {

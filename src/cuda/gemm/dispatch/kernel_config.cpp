@@ -17,7 +17,8 @@ namespace {
 constexpr const char* kNames[LayerKernels::kCount] = {"up_proj",  "down_proj", "dh_proj",
                                                       "dw2_proj", "dx_proj",   "dw1_proj"};
 constexpr const char* kShort[LayerKernels::kCount] = {"up", "down", "dh", "dw2", "dx", "dw1"};
-enum Gemm { kUp, kDown, kDh, kDw2, kDx, kDw1 };
+constexpr int kUp = LayerKernels::kUp, kDown = LayerKernels::kDown, kDh = LayerKernels::kDh,
+              kDw2 = LayerKernels::kDw2, kDx = LayerKernels::kDx, kDw1 = LayerKernels::kDw1;
 
 GemmKernel two_cta(const char* rule) {
   GemmKernel k;
@@ -340,6 +341,13 @@ LayerKernels choose_kernels(const KernelShape& shape, const KernelOverrides& o) 
 
 LayerKernels choose_kernels(const KernelShape& shape) {
   return choose_kernels(shape, kernel_overrides());
+}
+
+LayerKernels contiguous_kernels(int64_t S, int64_t E, const KernelOverrides& overrides) {
+  KernelOverrides o = overrides;
+  for (int i = 0; i < LayerKernels::kCount; ++i)
+    if (i != kDown && i != kDx) o.gemm[i] = {};
+  return choose_kernels({S, E, 64, 64}, o);
 }
 
 }  // namespace moeblaze::cuda::gemm

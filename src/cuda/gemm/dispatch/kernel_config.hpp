@@ -65,6 +65,7 @@ struct GemmKernel {
 // The six GEMMs in pipeline order (DESIGN's steps 1, 2, 4, 5, 6, 8).
 struct LayerKernels {
   GemmKernel up, down, dh, dw2, dx, dw1;
+  enum : int { kUp, kDown, kDh, kDw2, kDx, kDw1 };  // at()'s index of each
   static constexpr int kCount = 6;
   static const char* name(int i);  // "up_proj", "down_proj", "dh_proj", "dw2_proj", ...
   const GemmKernel& at(int i) const;
@@ -127,6 +128,10 @@ void clear_kernel_overrides();  // back to MOEBLAZE_KERNELS / none
 // take (e.g. ws_gather with E > kWsMaxExperts, ping_pong on a varlen-K GEMM).
 LayerKernels choose_kernels(const KernelShape& shape, const KernelOverrides& overrides);
 LayerKernels choose_kernels(const KernelShape& shape);  // with kernel_overrides()
+// down's and dx's choice (.down, .dx) for S slots over E experts, where d and n are not at hand:
+// their rule reads S and E only; the other GEMMs get placeholder dimensions and none of their
+// overrides (which may apply only at the real d, e.g. a dh schedule).
+LayerKernels contiguous_kernels(int64_t S, int64_t E, const KernelOverrides& overrides);
 
 // Field by field, e.g. "ws_gather cooperative 128x256x64 stages=4 cluster=1 raster=16".
 std::string describe(const GemmKernel& k);

@@ -47,8 +47,7 @@ size_t tma_gemm_scratch_bytes(int64_t E) {
 }
 
 size_t layer_gemm_scratch_bytes(int64_t S, int64_t E) {
-  // down/dx's rule reads S and E only; d and n are placeholders.
-  const LayerKernels k = choose_kernels({S, E, 64, 64});
+  const LayerKernels k = contiguous_kernels(S, E, kernel_overrides());
   const bool tma = k.down.family == KernelFamily::tma_grouped ||
                    k.dx.family == KernelFamily::tma_grouped;
   return tma && E > 0 ? tma_gemm_scratch_bytes(E) : 0;
