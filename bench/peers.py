@@ -431,6 +431,40 @@ def run_config(name, impls, args, dev, flush, meta):
     return rows
 
 
+def trace_curve(events, top=40):
+    """From torch's allocator trace (`_snapshot()["device_traces"]` events, each with action, addr,
+    size and optionally time_us and frames): the bytes live after each alloc / free as
+    [(ms from the first event, bytes)], and the blocks live at the peak, largest first (at most
+    `top`), each {"bytes", "where"}: the innermost frame outside torch, so that two
+    implementations' peaks can be told apart block by block."""
+    live, blocks, points, best, at_peak = 0, {}, [(0.0, 0)], 0, []
+    # Event time where the trace records it (torch >= 2.1), else the event's index.
+    when = [e.get("time_us", i * 1e3) for i, e in enumerate(events)]
+    for e, t in zip(events, when):
+        if e["action"] == "alloc":
+            live += e["size"]
+            blocks[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            live -= e["size"]
+            blocks.pop(e["addr"], None)
+        else:
+            continue
+        points.append(((t - when[0]) / 1e3, live))
+        if live > best:
+            best, at_peak = live, list(blocks.values())
+    at_peak.sort(key=lambda e: -e["size"])
+    return points, [{"bytes": e["size"], "where": _where(e)} for e in at_peak[:top]]
+
+
+def _where(event):
+    """The innermost stack frame of an allocation that is not torch's own ("?" without frames)."""
+    for f in event.get("frames") or []:
+        name = f.get("filename", "")
+        if "/torch/" not in name and not name.startswith("<"):
+            return f"{os.path.basename(name)}:{f.get('line', '?')} {f.get('name', '')}"
+    return "?"
+
+
 def memory_timeline(names, impls, args, dev, path):
     """Bytes allocated over one forward+backward per implementation (torch's allocator trace), one
     panel per config, written as a PNG (matplotlib) and the sampled curves as JSON beside it."""
@@ -451,19 +485,10 @@ def memory_timeline(names, impls, args, dev, path):
                 snap = torch.cuda.memory._snapshot()
                 torch.cuda.memory._record_memory_history(enabled=None)
                 del out
-                live, points = 0, [(0.0, 0)]
                 events = [e for trace in snap["device_traces"] for e in trace]
-                # Event time where the trace records it (torch >= 2.1), else the event's index.
-                when = [e.get("time_us", i * 1e3) for i, e in enumerate(events)]
-                for e, t in zip(events, when):
-                    if e["action"] == "alloc":
-                        live += e["size"]
-                    elif e["action"] == "free_completed":
-                        live -= e["size"]
-                    else:
-                        continue
-                    points.append(((t - when[0]) / 1e3, live))
-                curves[f"{name} {impl}"] = {"base_bytes": base, "ms_bytes": points}
+                points, at_peak = trace_curve(events)
+                curves[f"{name} {impl}"] = {"base_bytes": base, "ms_bytes": points,
+                                            "live_at_peak": at_peak}
                 print(f"peers: {name} {impl}: timeline of {len(points)} events, peak "
                       f"{max(b for _, b in points) / 2**20:.0f} MiB above the inputs",
                       file=sys.stderr)

@@ -1,0 +1,36 @@
+"""bench/peers.py's reading of torch's allocator trace (trace_curve): the bytes live over a step
+and the blocks live at its peak, on a made-up trace (no GPU needed)."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+import peers  # noqa: E402
+
+
+def _ev(action, addr, size, t, where=None):
+    frames = [{"filename": "/x/site-packages/torch/cuda/memory.py", "line": 1, "name": "alloc"}]
+    if where:
+        frames.append({"filename": f"/work/{where[0]}", "line": where[1], "name": where[2]})
+    return {"action": action, "addr": addr, "size": size, "time_us": t, "frames": frames}
+
+
+def test_trace_curve_follows_allocs_and_frees_and_lists_the_blocks_at_the_peak():
+    events = [
+        _ev("alloc", 0x100, 1000, 10, ("layer.py", 7, "forward")),
+        _ev("alloc", 0x200, 300, 20, ("ops.py", 9, "plan")),
+        _ev("free_requested", 0x200, 300, 25),  # not yet free: only free_completed counts
+        _ev("free_completed", 0x200, 300, 30),
+        _ev("alloc", 0x300, 500, 40),  # no frame outside torch
+        _ev("alloc", 0x400, 50, 50, ("ops.py", 11, "flags")),
+        _ev("free_completed", 0x100, 1000, 60),
+    ]
+    points, at_peak = peers.trace_curve(events)
+    assert [b for _, b in points] == [0, 1000, 1300, 1000, 1500, 1550, 550]
+    assert points[1][0] == 0.0 and points[-1][0] == (60 - 10) / 1e3
+    assert at_peak == [{"bytes": 1000, "where": "layer.py:7 forward"},
+                       {"bytes": 500, "where": "?"},
+                       {"bytes": 50, "where": "ops.py:11 flags"}]
+
+
+def test_trace_curve_of_no_events_is_flat():
+    assert peers.trace_curve([]) == ([(0.0, 0)], [])
