@@ -740,32 +740,34 @@ TEST(GroupedGemmChecks, KernelChoiceIsTotalAndDeterministic) {
   const gg::KernelOverrides none;
   int shapes = 0;
   for (const Activation act : {Activation::swiglu, Activation::gelu, Activation::swiglu_oai})
-   for (const int64_t d : {64, 512, 1536, 2048, 3072, 4096, 5120, 7168, 8192})
-    for (const int64_t n : {64, 192, 256, 320, 704, 1024, 1536, 2048, 8192})
-      for (const int64_t E : {1, 4, 64, 128, 160, 256, 512, 4096, 5000})
-        for (const int64_t S : {int64_t(0), int64_t(1), E * 127, E * 128, E * 4096, E * 8192}) {
-          if (act == Activation::swiglu_oai && E > gg::kWsMaxExperts) continue;  // refused
-          const gg::KernelShape shape{S, E, d, n, act};
-          const gg::LayerKernels a = gg::choose_kernels(shape, none);
-          const gg::LayerKernels b = gg::choose_kernels(shape, none);
-          ASSERT_TRUE(a == b) << "d " << d << " n " << n << " E " << E << " S " << S;
-          for (int i = 0; i < gg::LayerKernels::kCount; ++i) {
-            const gg::GemmKernel& k = a.at(i);
-            SCOPED_TRACE(std::string(gg::LayerKernels::name(i)) + " " + gg::describe(k));
-            const bool gathered = i == 0 || i == 2 || i == 3 || i == 5;
-            EXPECT_TRUE(k.tile_m == 128 && (k.tile_n == 128 || k.tile_n == 256) && k.tile_k == 64);
-            EXPECT_TRUE(k.cluster == 1 || k.cluster == 2);
-            EXPECT_TRUE(k.stages >= 0 && k.stages <= 8);
-            EXPECT_FALSE(gathered && k.family == KernelFamily::tma_grouped);
-            // down / dX (contiguous A) may run on ws_gather (A by TMA), never on varlen-K.
-            EXPECT_FALSE(!gathered && k.family == KernelFamily::ws_varlen_k);
-            EXPECT_FALSE(k.family == KernelFamily::ws_gather && E > gg::kWsMaxExperts);
-            EXPECT_FALSE(k.cluster == 2 && k.family == KernelFamily::two_cta);
-            EXPECT_STRNE(k.rule, "");
+    for (const int64_t d : {64, 512, 1536, 2048, 3072, 4096, 5120, 7168, 8192})
+      for (const int64_t n : {64, 192, 256, 320, 704, 1024, 1536, 2048, 8192})
+        for (const int64_t E : {1, 4, 64, 128, 160, 256, 512, 4096, 5000})
+          for (const int64_t S : {int64_t(0), int64_t(1), E * 127, E * 128, E * 4096, E * 8192}) {
+            if (act == Activation::swiglu_oai && E > gg::kWsMaxExperts) continue;  // refused
+            const gg::KernelShape shape{S, E, d, n, act};
+            const gg::LayerKernels a = gg::choose_kernels(shape, none);
+            const gg::LayerKernels b = gg::choose_kernels(shape, none);
+            ASSERT_TRUE(a == b) << "act " << int(act) << " d " << d << " n " << n << " E " << E
+                                << " S " << S;
+            for (int i = 0; i < gg::LayerKernels::kCount; ++i) {
+              const gg::GemmKernel& k = a.at(i);
+              SCOPED_TRACE(std::string(gg::LayerKernels::name(i)) + " " + gg::describe(k));
+              const bool gathered = i == 0 || i == 2 || i == 3 || i == 5;
+              EXPECT_TRUE(k.tile_m == 128 && (k.tile_n == 128 || k.tile_n == 256) &&
+                          k.tile_k == 64);
+              EXPECT_TRUE(k.cluster == 1 || k.cluster == 2);
+              EXPECT_TRUE(k.stages >= 0 && k.stages <= 8);
+              EXPECT_FALSE(gathered && k.family == KernelFamily::tma_grouped);
+              // down / dX (contiguous A) may run on ws_gather (A by TMA), never on varlen-K.
+              EXPECT_FALSE(!gathered && k.family == KernelFamily::ws_varlen_k);
+              EXPECT_FALSE(k.family == KernelFamily::ws_gather && E > gg::kWsMaxExperts);
+              EXPECT_FALSE(k.cluster == 2 && k.family == KernelFamily::two_cta);
+              EXPECT_STRNE(k.rule, "");
+            }
+            ++shapes;
           }
-          ++shapes;
-        }
-  EXPECT_EQ(shapes, (3 * 9 - 1) * 9 * 9 * 6);
+  EXPECT_EQ(shapes, (9 + 9 + 8) * 9 * 9 * 6);  // E values per activation (swiglu_oai: E <= 4096)
 }
 
 // The token-chunk rule (cuda/layer/token_chunks.hpp) on the named configs and over the choice
@@ -877,8 +879,8 @@ TEST(GroupedGemmChecks, ContiguousChoiceReadsOnlyDownAndDxOverrides) {
   const gg::LayerKernels automatic = gg::contiguous_kernels(S, E, gg::KernelOverrides{});
   EXPECT_EQ(automatic.down.family, gg::KernelFamily::tma_grouped);
   // Refused by choose_kernels at any shape (a schedule on the 2-CTA kernel), ignored here.
-  const gg::LayerKernels other =
-      gg::contiguous_kernels(S, E, gg::parse_kernel_overrides("dh.family=two_cta,dh.schedule=pingpong"));
+  const gg::LayerKernels other = gg::contiguous_kernels(
+      S, E, gg::parse_kernel_overrides("dh.family=two_cta,dh.schedule=pingpong"));
   EXPECT_EQ(other.down, automatic.down);
   EXPECT_EQ(other.dx, automatic.dx);
   const gg::LayerKernels two_cta =

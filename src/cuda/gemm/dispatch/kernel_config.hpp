@@ -37,8 +37,9 @@ constexpr int kDefaultRasterGroup = 16;   // CTA rasterization band (raster_tile
 // The measured thresholds of the automatic rules (docs/experiments/, docs/ARCHITECTURE.md):
 constexpr int64_t kTmaMinRowsPerExpert = 128;          // down/dx on the TMA path from here
 constexpr int64_t kWsContiguousMaxRowsPerExpert = 1024;  // below: down/dx on the ws kernel
-constexpr int64_t kWsDhMinD = 2048;      // dH with the activation switch on a gather kernel from here
-constexpr int64_t kWsDhCoopMinD = 4096;  // ... cooperative (not ping-pong) from here
+// dH of the activations that share the switch kernel (not swiglu's, not swiglu_oai's):
+constexpr int64_t kWsDhMinD = 2048;      // on a gather kernel from here
+constexpr int64_t kWsDhCoopMinD = 4096;  // cooperative (not ping-pong) from here
 constexpr int64_t kDw1ClusterMinRowsPerExpert = 4096;  // dW1 on 2-CTA clusters from here
 
 struct GemmKernel {

@@ -61,7 +61,8 @@ struct GatherStoreEpilogue {
 
 // The activations a dH kernel is compiled for: kAnyActivation, the shared switch over the
 // non-oai activations, or one Activation's value (its own kernel: in the switch the dH epilogue
-// spilled 8 bytes per thread on both schedules, ptxas -v; swiglu alone and swiglu_oai alone do not).
+// spilled 8 bytes per thread on both schedules, ptxas -v; swiglu alone and swiglu_oai alone
+// do not).
 inline constexpr int kAnyActivation = -1;
 
 // The dH epilogue (dh_epilogue.cuh's dh_pair_words per column pair) on fragment policy Frag, for
