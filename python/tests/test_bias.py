@@ -91,7 +91,11 @@ def test_moe_with_bias_trains_one_step(seed):
     out, _ = moe(x)
     # Zero biases: the unbiased layer's output.
     assert torch.allclose(out, plain(x)[0], rtol=1e-6, atol=1e-6)
-    opt = torch.optim.SGD(moe.parameters(), lr=0.1)
+    # The step moves the experts (w1, w2, b1, b2), not the router: a router step can change which
+    # experts a token picks, and the loss may jump (seed 281458001 did at lr 0.1). At lr 0.02 the
+    # loss fell on 3000 of 3000 seeds tried (by at least 10 %).
+    experts = [p for name, p in moe.named_parameters() if not name.startswith("gate")]
+    opt = torch.optim.SGD(experts, lr=0.02)
     out.square().sum().backward()
     assert moe.b1.grad is not None and moe.b2.grad is not None
     assert moe.b1.grad.abs().sum() > 0 and moe.b2.grad.abs().sum() > 0
