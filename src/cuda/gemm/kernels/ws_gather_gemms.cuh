@@ -17,8 +17,8 @@
 //   (6) dX̃: A = dh (S, w1_rows), B = w1 N-major (w1_e (w1_rows, d): K rows of N = d).
 // Each .cu file that includes this instantiates one (GEMM, schedule) pair (up_proj_ws.cu,
 // up_proj_pp.cu, up_proj_oai.cu, dh_proj_ws.cu, dh_proj_pp.cu, dh_proj_swiglu_ws.cu,
-// dh_proj_swiglu_pp.cu, dh_proj_oai.cu, down_proj_ws.cu,
-// down_proj_pp.cu, dx_proj_ws.cu, dx_proj_pp.cu).
+// dh_proj_swiglu_pp.cu, dh_proj_oai.cu, down_proj_ws.cu, down_proj_pp.cu, dx_proj_ws.cu,
+// dx_proj_pp.cu).
 #pragma once
 
 #include "cuda/gemm/epilogues/act_epilogue.cuh"
