@@ -192,6 +192,8 @@ int moeblaze_layer_forward(const moeblaze_layer_cfg* cfg, const moeblaze_plan* p
                            int32_t device, void* stream, const void* x, const void* w1,
                            const void* w2, void* out, void* h, void* workspace,
                            uint64_t workspace_bytes);
+/* Backward on CUDA in mode 0, 1 or 2 takes plan->token_expert_indices = NULL (it never reads
+ * that array, so a caller may free it after forward); the CPU, and opts.check_plan, need it. */
 int moeblaze_layer_backward(const moeblaze_layer_cfg* cfg, const moeblaze_plan* plan,
                             int32_t device, void* stream, const void* x, const void* w1,
                             const void* w2, const void* d_out, const void* h, void* dx,

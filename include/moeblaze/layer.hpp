@@ -137,6 +137,8 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
                    SavedForBackward& saved, const LayerOptions& opts = {});
 
 // Runs backward from `saved` (which must come from layer_forward with the same arguments).
+// On CUDA in keep_h / recompute mode the plan's token_expert_indices may be null (a RoutingPlan
+// borrowed without it): backward never reads it, so the caller need not keep it after forward.
 void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
                     const TensorView& w1, const TensorView& w2, const TensorView& d_out,
                     const SavedForBackward& saved, const LayerGrads& grads,

@@ -191,6 +191,8 @@ class _ExpertsFn(torch.autograd.Function):
         act, recompute, num_threads, compute = cfg
         out, h = ops._experts_forward_impl(x, w1, w2, plan, act, recompute, num_threads, b1, b2,
                                            None, compute)
+        if x.is_cuda and type(plan) is ops.BuiltPlan:  # backward there never reads it
+            plan = ops.without_token_experts(plan)
         ctx.save_for_backward(x, w1, w2, h, b1, b2, *plan)
         ctx.cfg, ctx.plan_struct = cfg, getattr(plan, "struct", None)
         ctx.pw = (pair_weights.shape, pair_weights.dtype)

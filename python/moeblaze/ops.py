@@ -202,6 +202,16 @@ class BuiltPlan(tuple):
         return p
 
 
+def without_token_experts(plan):
+    """A BuiltPlan whose token_expert_indices is None (its struct's pointer NULL) and no longer
+    referenced: what an eager CUDA forward keeps for backward, which never reads that array
+    (S int32 fewer bytes held through the step). The C library refuses it wherever it is read."""
+    s = type(plan.struct).from_buffer_copy(plan.struct)
+    s.token_expert_indices = None
+    s._keep = tuple(t for t in plan.struct._keep if t is not plan[4])
+    return BuiltPlan(plan[:4] + (None,) + plan[5:], s)
+
+
 def _plan_struct(T, E, plan, device):
     if type(plan) is BuiltPlan and plan.struct.T == T and plan.struct.E == E:
         return plan.struct  # made by _build_plan_built / _plan_from_ids_built: shapes are right
@@ -459,9 +469,11 @@ def _plan_from_ids_built(expert_ids, expert_weights, num_experts):
     ids, w = expert_ids.contiguous(), expert_weights.contiguous()
     S = T * K
     dcode = device_code(ids)
-    # One int32 allocation holds the five int32 arrays and the fp32 slot weights (same width).
-    buf = torch.empty(E + 1 + T + 1 + 4 * S, dtype=_I32, device=dev)
-    eto, tpo, eti, sw, tei, tim = buf.split((E + 1, T + 1, S, S, S, S))
+    # One int32 allocation holds four int32 arrays and the fp32 slot weights (same width);
+    # token_expert_indices has its own, so a CUDA backward can let it go (without_token_experts).
+    buf = torch.empty(E + 1 + T + 1 + 3 * S, dtype=_I32, device=dev)
+    eto, tpo, eti, sw, tim = buf.split((E + 1, T + 1, S, S, S))
+    tei = torch.empty(S, dtype=_I32, device=dev)
     sw = sw.view(_F32)
     # CUDA's C call zeroes the flags; the CPU raises instead of flagging.
     flags = torch.empty(4, dtype=_I32, device=dev) if dcode else torch.zeros(4, dtype=_I32)

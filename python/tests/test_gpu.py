@@ -53,6 +53,35 @@ def test_gpu_functional_supplied_routing(seed):
         assert rel_err(a, r) <= TOL[BF16], name
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_gpu_eager_path_keeps_h_and_the_plan_less_token_expert_indices(seed, recompute):
+    """Between forward and backward the eager path holds H (keep_h) and the plan without
+    token_expert_indices, which a CUDA backward never reads; the gradients stay right."""
+    T, d, n, E, K = 1024, 256, 128, 16, 4
+    S = T * K
+    x = torch.randn(T, d, device="cuda", dtype=BF16, requires_grad=True)
+    w1 = (torch.randn(E, 2 * n, d, device="cuda") / d ** 0.5).to(BF16).requires_grad_()
+    w2 = (torch.randn(E, d, n, device="cuda") / n ** 0.5).to(BF16).requires_grad_()
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).cuda()
+    wts = torch.rand(T, K, device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = moeblaze.moe_experts(x, w1, w2, ids, wts, recompute=recompute)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
+    h_bytes = 0 if recompute else S * 2 * n * 2
+    plan_bytes = (E + 1 + T + 1 + 3 * S) * 4  # token_expert_indices (S * 4 more) let go
+    assert h_bytes + plan_bytes <= held <= h_bytes + plan_bytes + 2048, (held, h_bytes, plan_bytes)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [x, w1, w2, wts], g)
+    ins = [t.detach().double().requires_grad_() for t in (x, w1, w2, wts)]
+    ref = moeblaze.dense_reference(ins[0], ins[1], ins[2], ids, ins[3])
+    ref_grads = torch.autograd.grad(ref, ins, g.double())
+    assert rel_err(out, ref) <= TOL[BF16]
+    for name, a, r in zip(("dx", "dw1", "dw2", "d_weights"), grads, ref_grads):
+        assert rel_err(a, r) <= TOL[BF16], name
+
+
 def test_gpu_bad_ids_raise_with_validate():
     x = torch.randn(4, 64, device="cuda", dtype=BF16)
     w1 = torch.randn(4, 128, 64, device="cuda", dtype=BF16)

@@ -42,13 +42,14 @@ void check_tensor(const TensorView& t, const char* name, std::initializer_list<i
 }
 
 void check_common(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
-                  const TensorView& w1, const TensorView& w2, const LayerOptions& opts) {
+                  const TensorView& w1, const TensorView& w2, const LayerOptions& opts,
+                  bool token_experts_optional = false) {
   cfg.validate();
   MOEBLAZE_REQUIRE(plan.T() == cfg.T, "plan has T = ", plan.T(), " tokens, expected cfg.T = ",
                    cfg.T);
   MOEBLAZE_REQUIRE(plan.E() == cfg.E, "plan has E = ", plan.E(), " experts, expected cfg.E = ",
                    cfg.E);
-  require_valid_plan(plan);
+  require_valid_plan(plan, token_experts_optional);
   check_slot_extents(cfg, plan.S());
   require_layer_mode(opts.mode, "opts.mode");
   require_thread_count(opts.num_threads, "opts.num_threads");
@@ -152,7 +153,8 @@ std::vector<ByteRange> with_plan(std::vector<ByteRange> inputs, const RoutingPla
                                {v.expert_token_indices, s, "plan.expert_token_indices"},
                                {v.slot_weights, s, "plan.slot_weights"},
                                {v.token_pair_offsets, t1, "plan.token_pair_offsets"},
-                               {v.token_expert_indices, s, "plan.token_expert_indices"},
+                               {v.token_expert_indices, v.token_expert_indices ? s : 0,
+                                "plan.token_expert_indices"},
                                {v.token_index_map, s, "plan.token_index_map"}});
   return inputs;
 }
@@ -223,7 +225,18 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
                     const TensorView& w1, const TensorView& w2, const LayerBiases& biases,
                     const TensorView& d_out, const SavedForBackward& saved,
                     const LayerGrads& grads, const LayerOptions& opts) {
-  check_common(cfg, plan, x, w1, w2, opts);
+  // A CUDA backward in keep_h / recompute never reads token_expert_indices, so a caller may drop
+  // it after forward (S int32 fewer kept bytes); the materialized baseline and the device plan
+  // check read it.
+  check_common(cfg, plan, x, w1, w2, opts, /*token_experts_optional=*/true);
+  if (plan.S() > 0 && plan.view().token_expert_indices == nullptr) {
+    MOEBLAZE_REQUIRE(opts.mode != LayerMode::materialized,
+                     "plan.token_expert_indices has no data (null pointer): the materialized "
+                     "baseline's backward reads it (keep_h and recompute do not)");
+    MOEBLAZE_REQUIRE(!opts.check_plan,
+                     "plan.token_expert_indices has no data (null pointer): opts.check_plan "
+                     "validates every plan array");
+  }
   const Device dev = plan.device();
   check_output(d_out, "d_out", {cfg.T, cfg.d}, cfg.dtype, dev);
   check_output(grads.dx, "dx", {cfg.T, cfg.d}, cfg.dtype, dev);

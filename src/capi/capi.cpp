@@ -139,14 +139,16 @@ RoutingView routing_view(const moeblaze_routing* r, Device dev, const char* name
   return v;
 }
 
-RoutingPlan borrow_plan(const moeblaze_plan* p, Device dev) {
+// token_experts_optional: a NULL token_expert_indices passes here (layer backward; the layer API
+// says where it may be NULL).
+RoutingPlan borrow_plan(const moeblaze_plan* p, Device dev, bool token_experts_optional = false) {
   require_ptr(p, "plan");
   RoutingPlan plan = RoutingPlan::borrow(dev, p->T, p->E, p->S, p->expert_token_offsets,
                                          p->expert_token_indices, p->slot_weights,
                                          p->token_pair_offsets, p->token_expert_indices,
                                          p->token_index_map);
   // Sizes and pointers here (later size arithmetic relies on them); contents in the layer API.
-  validate_routing_plan_header(plan.view());
+  validate_routing_plan_header(plan.view(), token_experts_optional);
   return plan;
 }
 
@@ -729,7 +731,7 @@ int moeblaze_layer_backward_biased(const moeblaze_layer_cfg* cfg, const moeblaze
   return guarded([&] {
     const Device dev = to_device(device);
     const LayerConfig c = to_layer(cfg);
-    const RoutingPlan p = borrow_plan(plan, dev);
+    const RoutingPlan p = borrow_plan(plan, dev, /*token_experts_optional=*/true);
     const LayerOptions o = to_options(cfg, stream, workspace, workspace_bytes);
     const size_t h_bytes = c.kept_h_bytes(p.S());
     if (o.mode == LayerMode::keep_h)

@@ -26,7 +26,7 @@ void require_csr_offsets(const int32_t* off, int64_t count, int64_t total, const
 
 }  // namespace
 
-void validate_routing_plan_header(const RoutingPlanView& p) {
+void validate_routing_plan_header(const RoutingPlanView& p, bool token_experts_optional) {
   MOEBLAZE_REQUIRE(p.device == Device::cpu || p.device == Device::cuda, "plan.device (",
                    int(p.device), ") must be cpu or cuda");
   MOEBLAZE_REQUIRE(p.T >= 0 && p.T < kInt32Limit, "plan.T (", p.T, ") must be in [0, 2^31)");
@@ -40,9 +40,11 @@ void validate_routing_plan_header(const RoutingPlanView& p) {
   for (const auto& [ptr, name] :
        {std::pair<const void*, const char*>{p.expert_token_indices, "expert_token_indices"},
         {p.slot_weights, "slot_weights"},
-        {p.token_expert_indices, "token_expert_indices"},
         {p.token_index_map, "token_index_map"}})
     MOEBLAZE_REQUIRE(ptr != nullptr, "plan.", name, " has no data (null pointer)");
+  MOEBLAZE_REQUIRE(p.token_expert_indices != nullptr || token_experts_optional,
+                   "plan.token_expert_indices has no data (null pointer); only a CUDA layer "
+                   "backward in keep_h or recompute mode runs without it");
 }
 
 void validate_routing_plan(const RoutingPlanView& p) {
@@ -93,9 +95,9 @@ void validate_routing_plan(const RoutingPlanView& p) {
     }
 }
 
-void require_valid_plan(const RoutingPlan& plan) {
+void require_valid_plan(const RoutingPlan& plan, bool token_experts_optional) {
   const RoutingPlanView v = plan.view();
-  validate_routing_plan_header(v);
+  validate_routing_plan_header(v, token_experts_optional && plan.device() == Device::cuda);
   if (plan.device() == Device::cpu && !plan.library_built()) validate_routing_plan(v);
 }
 

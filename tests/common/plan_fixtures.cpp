@@ -20,8 +20,7 @@ HostPlan::HostPlan(const RoutingPlan& built) : T(built.T()), E(built.E()), S(bui
 RoutingPlan HostPlan::borrow() {
   return RoutingPlan::borrow(Device::cpu, T, E, S, expert_token_offsets.data(),
                              expert_token_indices.data(), slot_weights.data(),
-                             token_pair_offsets.data(), token_expert_indices.data(),
-                             token_index_map.data());
+                             token_pair_offsets.data(), tei(), token_index_map.data());
 }
 
 moeblaze_plan HostPlan::c_plan() {
@@ -32,7 +31,7 @@ moeblaze_plan HostPlan::c_plan() {
                        expert_token_indices.data(),
                        slot_weights.data(),
                        token_pair_offsets.data(),
-                       token_expert_indices.data(),
+                       tei(),
                        token_index_map.data()};
 }
 

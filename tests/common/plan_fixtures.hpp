@@ -21,12 +21,13 @@ struct HostPlan {
   std::vector<int32_t> expert_token_indices;  // (S,)
   std::vector<float> slot_weights;            // (S,)
   std::vector<int32_t> token_pair_offsets;    // (T+1,)
-  std::vector<int32_t> token_expert_indices;  // (S,)
+  std::vector<int32_t> token_expert_indices;  // (S,); cleared: borrowed as a null pointer
   std::vector<int32_t> token_index_map;       // (S,)
 
   explicit HostPlan(const RoutingPlan& built);  // a copy of a CPU plan's arrays
   RoutingPlan borrow();                         // RoutingPlan::borrow over these arrays
   moeblaze_plan c_plan();                       // the C ABI struct over these arrays
+  int32_t* tei() { return token_expert_indices.empty() ? nullptr : token_expert_indices.data(); }
 };
 
 // The C ABI layer config of a LayerConfig (mode 0 keep_h / 1 recompute).

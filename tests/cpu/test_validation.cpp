@@ -165,6 +165,27 @@ TEST(PlanValidation, CorruptedPlansRejectedByCAbiOutputsUntouched) {
   });
 }
 
+// Only a CUDA backward in keep_h / recompute runs without token_expert_indices: on the CPU every
+// entry refuses a null one by name, through both APIs, and writes nothing.
+TEST(PlanValidation, NullTokenExpertIndicesRefusedOnTheCpu) {
+  Fixture f;
+  HostPlan copy(f.built);
+  copy.token_expert_indices.clear();
+  const RoutingPlan plan = copy.borrow();
+  const std::vector<HostTensor> before = f.snapshot();
+  const std::string msg = "plan.token_expert_indices has no data (null pointer)";
+  expect_invalid([&] { f.forward(plan); }, msg);
+  expect_invalid([&] { f.backward(plan); }, msg);
+  expect_invalid([&] { f.backward(plan, LayerMode::recompute); }, msg);
+  expect_invalid([&] { f.backward(plan, LayerMode::materialized); }, msg);
+  for (int rc : {f.c_forward(copy), f.c_backward(copy)}) {
+    EXPECT_EQ(rc, MOEBLAZE_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(moeblaze_last_error()).find(msg), std::string::npos)
+        << moeblaze_last_error();
+  }
+  f.expect_untouched(before);
+}
+
 // The CPU behaviour of the device plan check's entries: a valid plan passes, no workspace is
 // needed, and LayerOptions::check_plan (a CUDA option) changes nothing on the CPU.
 TEST(PlanValidation, DeviceCheckEntriesOnCpuMatchTheHostValidator) {

@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/plan_fixtures.hpp"
 #include "common/test_util.hpp"
 #include "core/parallel.hpp"
 #include "cuda/cuda_backend.hpp"
@@ -282,12 +283,25 @@ void on_fresh_thread(Fn fn) {
   if (err) std::rethrow_exception(err);
 }
 
+// The device plan's arrays borrowed without token_expert_indices (null), as a caller that frees
+// it after forward hands them to backward.
+RoutingPlan without_token_experts(const RoutingPlan& p) {
+  const RoutingPlanView v = p.view();
+  const auto m = [](const int32_t* a) { return const_cast<int32_t*>(a); };
+  return RoutingPlan::borrow(Device::cuda, v.T, v.E, v.S, m(v.expert_token_offsets),
+                             m(v.expert_token_indices), const_cast<float*>(v.slot_weights),
+                             m(v.token_pair_offsets), nullptr, m(v.token_index_map));
+}
+
 // fresh_threads: forward and backward each run on a new thread with caller-given H and
 // workspaces, so that the library's own calls are the thread's first CUDA calls (PyTorch's
-// autograd thread calls backward like that).
+// autograd thread calls backward like that). drop_tei: backward gets the plan without
+// token_expert_indices.
 GpuResult run_gpu(const Inputs& in, LayerMode mode, bool dh_over_h = false,
-                  bool fresh_threads = false) {
+                  bool fresh_threads = false, bool drop_tei = false) {
   const LayerConfig& c = in.cfg;
+  const RoutingPlan no_tei = without_token_experts(in.plans.dev);
+  const RoutingPlan& bwd_plan = drop_tei ? no_tei : in.plans.dev;
   const int64_t S = in.plans.dev.S(), R = c.w1_rows();
   DevMem x(in.x.size() * 2), w1(in.w1.size() * 2), w2(in.w2.size() * 2), dout(in.dout.size() * 2);
   x.upload(in.x);
@@ -328,7 +342,7 @@ GpuResult run_gpu(const Inputs& in, LayerMode mode, bool dh_over_h = false,
     b.workspace = bws.p, b.workspace_bytes = bwd_ws;
     on_fresh_thread([&] { layer_forward(c, in.plans.dev, xv, w1v, w2v, outv, saved, f); });
     MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
-    on_fresh_thread([&] { layer_backward(c, in.plans.dev, xv, w1v, w2v, doutv, saved, g, b); });
+    on_fresh_thread([&] { layer_backward(c, bwd_plan, xv, w1v, w2v, doutv, saved, g, b); });
     MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
   } else {
     const size_t before = memory_stats(Device::cuda).current;
@@ -342,7 +356,7 @@ GpuResult run_gpu(const Inputs& in, LayerMode mode, bool dh_over_h = false,
     res.saved_bytes = saved.bytes();
     {
       PeakScope peak(Device::cuda);
-      layer_backward(c, in.plans.dev, xv, w1v, w2v, doutv, saved, g, opts);
+      layer_backward(c, bwd_plan, xv, w1v, w2v, doutv, saved, g, opts);
       MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
       res.bwd_peak = peak.peak_above_start();
     }
@@ -474,7 +488,9 @@ TEST_P(LayerGpuGrid, MatchesCpuBackendAndFloat64Reference) {
   // sum), each piece rounded up to 256 bytes.
   const size_t ds_bytes = size_t(S) * 4 * ((cfg.n + 127) / 128 + 1);
   const size_t shared = std::max(size_t(S * cfg.n) * 2 + ds_bytes, size_t(S * cfg.d) * 2);
-  EXPECT_LE(gpu.bwd_peak, h_bytes + shared + 6 * 256 + scratch) << "backward peak";
+  // dX̃'s TMA scratch lives in dw1's bytes wherever they hold it (backward_scratch_in_dw1).
+  const size_t bwd_scratch = cuda::backward_scratch_in_dw1(cfg, S) ? 0 : scratch;
+  EXPECT_LE(gpu.bwd_peak, h_bytes + shared + 6 * 256 + bwd_scratch) << "backward peak";
   EXPECT_LE(gpu.bwd_peak, layer_workspace_bytes(cfg, S, c.mode, Device::cuda));
 }
 
@@ -557,6 +573,39 @@ TEST(LayerGpu, FreshThreadWithCallerMemoryGivesTheSameBits) {
     const GpuResult b = run_gpu(in, LayerMode::keep_h, dh_over_h, true);
     expect_same_bits(a, b);
   }
+}
+
+// A CUDA backward never reads token_expert_indices: without it (null) both modes give the same
+// bits, on the TMA path (S >= 128 E, its scratch in dw1's bytes) and below it, with or without
+// token chunks; the materialized baseline and opts.check_plan, which read it, refuse it by name.
+TEST(LayerGpu, BackwardWithoutTokenExpertIndicesGivesTheSameBits) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (const int64_t T : {96, 2048})
+  for (LayerMode mode : {LayerMode::keep_h, LayerMode::recompute}) {
+    SCOPED_TRACE("T " + std::to_string(T) + " " + layer_mode_name(mode));
+    const Inputs in = make_inputs({T, 256, 128, 8, 2, Activation::swiglu, mode,
+                                   RouteKind::skewed}, seed);
+    expect_same_bits(run_gpu(in, mode), run_gpu(in, mode, false, false, true));
+  }
+  const Inputs in = make_inputs({64, 128, 128, 4, 2, Activation::swiglu, LayerMode::keep_h,
+                                 RouteKind::balanced}, seed);
+  const RoutingPlan no_tei = without_token_experts(in.plans.dev);
+  const TensorView none;
+  SavedForBackward saved;
+  LayerOptions materialized, checked;
+  materialized.mode = LayerMode::materialized;
+  checked.check_plan = true;
+  test::expect_invalid([&] { layer_backward(in.cfg, no_tei, none, none, none, none, saved, {},
+                                      materialized); },
+                 "plan.token_expert_indices has no data (null pointer): the materialized");
+  test::expect_invalid([&] { layer_backward(in.cfg, no_tei, none, none, none, none, saved, {},
+                                      checked); },
+                 "plan.token_expert_indices has no data (null pointer): opts.check_plan");
+  SavedForBackward fwd;
+  test::expect_invalid([&] { layer_forward(in.cfg, no_tei, none, none, none, none, fwd, {}); },
+                 "plan.token_expert_indices has no data (null pointer)");
 }
 
 // dH written over the saved H (LayerOptions::dh_over_h) must give the same bits as dH in the

@@ -136,6 +136,11 @@ ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, const Toke
   return w;
 }
 
+bool backward_scratch_in_dw1(const LayerConfig& cfg, int64_t S) {
+  const size_t bytes = gemm_ops().scratch_bytes(S, cfg.E);
+  return bytes > 0 && bytes + 256 <= size_t(cfg.E * w1_rows(cfg) * cfg.d) * 2;
+}
+
 BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMode mode,
                                      int64_t ds_cols, const TokenChunks& chunks, void* base,
                                      bool dh_over_h) {
@@ -144,7 +149,7 @@ BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMod
   // dH is written over H when H is the workspace's own (recompute) or the caller allows it.
   if (mode == LayerMode::recompute) w.h = w.dh = c.take<bf16>(S * w1_rows(cfg));
   else if (!dh_over_h) w.dh = c.take<bf16>(S * w1_rows(cfg));
-  w.scratch = take_scratch(c, S, cfg.E);
+  if (!backward_scratch_in_dw1(cfg, S)) w.scratch = take_scratch(c, S, cfg.E);
   w.maps = take_maps(c, chunks, S, cfg.E);
   // A', the ds partials and ds die before dX̃ is written (ds once gathered to pair order): dX̃
   // takes their bytes, so where d > n + 2 ds_cols + 2 they cost no peak.
@@ -311,8 +316,13 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
                                               dh_over_h)
                                .bytes,
                            opts.stream);
-  const BackwardWorkspace w =
+  BackwardWorkspace w =
       backward_workspace(cfg, S, opts.mode, ds_cols, chunks, ws.data(), dh_over_h);
+  if (backward_scratch_in_dw1(cfg, S)) {
+    // dX̃'s scratch in dW1's bytes (dW1 runs last), from the first 256-byte boundary.
+    const uintptr_t at = (reinterpret_cast<uintptr_t>(grads.dw1.data) + 255) / 256 * 256;
+    w.scratch = {reinterpret_cast<void*>(at), g.scratch_bytes(S, cfg.E)};
+  }
   const bf16* h = Saved::h(saved).as<bf16>();
   // (S, w1_rows): dH, over H where backward_workspace put no room for it.
   bf16* dh = dh_over_h ? const_cast<bf16*>(h) : w.dh;

@@ -92,7 +92,8 @@ struct BackwardWorkspace {
   float* ds_partials = nullptr;  // (S, ds_partials_cols(n)) per-N-tile partial sums of ds
   float* ds = nullptr;          // (S,) fp32 gate gradient by slot, gathered to pair order
                                 //               before dX̃
-  gemm::GemmScratch scratch;    // dx_proj's (GemmOps::scratch_bytes; empty: none)
+  gemm::GemmScratch scratch;    // dx_proj's (GemmOps::scratch_bytes; empty: none, or in
+                                //               dW1's bytes: backward_scratch_in_dw1)
   ChunkMaps maps;               // the backward's chunk maps (count > 1 only)
   size_t bytes = 0;
 };
@@ -102,6 +103,10 @@ LayerChunks layer_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode);
 // `chunks`: layer_chunks(cfg, S, mode).forward, or TokenChunks::none(S) for an (S, d) Y.
 ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, const TokenChunks& chunks,
                                    void* base);
+// Whether backward puts dX̃'s TMA scratch in the bytes of the caller's dw1 (E, w1_rows, d), which
+// dW1, the last GEMM, writes only after dX̃: then the scratch costs no workspace bytes. True
+// whenever there is a scratch and dw1 holds it after aligning its start to 256 bytes.
+bool backward_scratch_in_dw1(const LayerConfig& cfg, int64_t S);
 // dh_over_h (keep_h): no room for dH, which the caller writes over the saved H. In recompute mode
 // dH always goes over the recomputed H. `chunks`: layer_chunks(...).backward or none(S).
 BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMode mode,
