@@ -58,7 +58,9 @@ RoutingPlan RoutingPlan::borrow(Device device, int64_t T, int64_t E, int64_t S,
   p.expert_token_indices_ = Buffer::borrow(device, expert_token_indices, n(S));
   p.slot_weights_ = Buffer::borrow(device, slot_weights, sizeof(float) * static_cast<size_t>(S));
   p.token_pair_offsets_ = Buffer::borrow(device, token_pair_offsets, n(T + 1));
-  p.token_expert_indices_ = Buffer::borrow(device, token_expert_indices, n(S));
+  // Null only where nothing reads it (a CUDA layer backward; the layer API checks).
+  p.token_expert_indices_ =
+      Buffer::borrow(device, token_expert_indices, token_expert_indices ? n(S) : 0);
   p.token_index_map_ = Buffer::borrow(device, token_index_map, n(S));
   return p;
 }
