@@ -592,20 +592,25 @@ TEST(LayerGpu, BackwardWithoutTokenExpertIndicesGivesTheSameBits) {
   const Inputs in = make_inputs({64, 128, 128, 4, 2, Activation::swiglu, LayerMode::keep_h,
                                  RouteKind::balanced}, seed);
   const RoutingPlan no_tei = without_token_experts(in.plans.dev);
-  const TensorView none;
+  const LayerConfig& c = in.cfg;
+  DevMem x(c.T * c.d * 2), w1(c.E * c.w1_rows() * c.d * 2), w2(c.E * c.d * c.n * 2),
+      out(c.T * c.d * 2);
+  const TensorView xv(x.p, DType::bf16, Device::cuda, {c.T, c.d});
+  const TensorView w1v(w1.p, DType::bf16, Device::cuda, {c.E, c.w1_rows(), c.d});
+  const TensorView w2v(w2.p, DType::bf16, Device::cuda, {c.E, c.d, c.n});
+  const TensorView outv(out.p, DType::bf16, Device::cuda, {c.T, c.d});
   SavedForBackward saved;
   LayerOptions materialized, checked;
   materialized.mode = LayerMode::materialized;
   checked.check_plan = true;
-  test::expect_invalid([&] { layer_backward(in.cfg, no_tei, none, none, none, none, saved, {},
-                                      materialized); },
-                 "plan.token_expert_indices has no data (null pointer): the materialized");
-  test::expect_invalid([&] { layer_backward(in.cfg, no_tei, none, none, none, none, saved, {},
-                                      checked); },
-                 "plan.token_expert_indices has no data (null pointer): opts.check_plan");
+  test::expect_invalid(
+      [&] { layer_backward(c, no_tei, xv, w1v, w2v, outv, saved, {}, materialized); },
+      "plan.token_expert_indices has no data (null pointer): the materialized");
+  test::expect_invalid([&] { layer_backward(c, no_tei, xv, w1v, w2v, outv, saved, {}, checked); },
+                       "plan.token_expert_indices has no data (null pointer): opts.check_plan");
   SavedForBackward fwd;
-  test::expect_invalid([&] { layer_forward(in.cfg, no_tei, none, none, none, none, fwd, {}); },
-                 "plan.token_expert_indices has no data (null pointer)");
+  test::expect_invalid([&] { layer_forward(c, no_tei, xv, w1v, w2v, outv, fwd, {}); },
+                       "plan.token_expert_indices has no data (null pointer)");
 }
 
 // dH written over the saved H (LayerOptions::dh_over_h) must give the same bits as dH in the
