@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -486,10 +487,14 @@ TEST_P(LayerGpuGrid, MatchesCpuBackendAndFloat64Reference) {
   // Backward bound: dH (S, w1_rows) (over the recomputed H in recompute mode) + the larger of
   // {A' (S, n), ds partials and ds (fp32)} and dX̃ (S, d), whose bytes they share (not their
   // sum), each piece rounded up to 256 bytes.
+  // A', ds, dX̃ and the TMA scratch take no workspace where dw1's bytes hold them
+  // (backward_dw1_reuse).
+  const cuda::Dw1Reuse reuse = cuda::backward_dw1_reuse(
+      cfg, S, cuda::gemm::ds_partials_cols(cfg.n), cuda::layer_chunks(cfg, S, c.mode).backward);
   const size_t ds_bytes = size_t(S) * 4 * ((cfg.n + 127) / 128 + 1);
-  const size_t shared = std::max(size_t(S * cfg.n) * 2 + ds_bytes, size_t(S * cfg.d) * 2);
-  // dX̃'s TMA scratch lives in dw1's bytes wherever they hold it (backward_scratch_in_dw1).
-  const size_t bwd_scratch = cuda::backward_scratch_in_dw1(cfg, S) ? 0 : scratch;
+  const size_t shared =
+      reuse.shared ? 0 : std::max(size_t(S * cfg.n) * 2 + ds_bytes, size_t(S * cfg.d) * 2);
+  const size_t bwd_scratch = reuse.scratch ? 0 : scratch;
   EXPECT_LE(gpu.bwd_peak, h_bytes + shared + 6 * 256 + bwd_scratch) << "backward peak";
   EXPECT_LE(gpu.bwd_peak, layer_workspace_bytes(cfg, S, c.mode, Device::cuda));
 }
@@ -611,6 +616,49 @@ TEST(LayerGpu, BackwardWithoutTokenExpertIndicesGivesTheSameBits) {
   SavedForBackward fwd;
   test::expect_invalid([&] { layer_forward(c, no_tei, xv, w1v, w2v, outv, fwd, {}); },
                        "plan.token_expert_indices has no data (null pointer)");
+}
+
+// A', ds, dX̃ and the TMA scratch in dw1's bytes (backward_dw1_reuse) give the bits of the same
+// pieces in the workspace, in both modes, with and without token chunks, and backward's
+// workspace shrinks by their bytes.
+TEST(LayerGpu, BackwardPiecesInDw1GiveTheWorkspacesBits) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  struct Restore {
+    ~Restore() { cuda::set_backward_dw1_reuse(true); }
+  } restore;
+  // (T, d, n, E, K): on the TMA path with dX̃ exactly dw1's size (S = 2 n E), the scratch then in
+  // the workspace; only the scratch in dw1 (S > 2 n E); the cp.async path (no scratch); 8 token
+  // chunks in recompute with the region in dw1 (keep_h: only the scratch).
+  for (const auto& [T, d, n, E, K] : {std::array<int64_t, 5>{1024, 512, 128, 8, 2},
+                                      std::array<int64_t, 5>{4096, 256, 128, 8, 4},
+                                      std::array<int64_t, 5>{96, 256, 128, 8, 2},
+                                      std::array<int64_t, 5>{15360, 4096, 512, 4, 2}})
+  for (LayerMode mode : {LayerMode::keep_h, LayerMode::recompute}) {
+    SCOPED_TRACE("T " + std::to_string(T) + " d " + std::to_string(d) + " n " +
+                 std::to_string(n) + " E " + std::to_string(E) + " K " + std::to_string(K) +
+                 " " + layer_mode_name(mode));
+    const Inputs in = make_inputs({T, d, n, E, K, Activation::swiglu, mode, RouteKind::skewed},
+                                  seed);
+    const int64_t S = in.plans.dev.S();
+    cuda::set_backward_dw1_reuse(true);
+    const cuda::Dw1Reuse reuse = cuda::backward_dw1_reuse(
+        in.cfg, S, cuda::gemm::ds_partials_cols(n), cuda::layer_chunks(in.cfg, S, mode).backward);
+    const size_t with = layer_workspace_bytes(in.cfg, S, mode, Device::cuda, LayerPass::backward);
+    const GpuResult a = run_gpu(in, mode);
+    cuda::set_backward_dw1_reuse(false);
+    const size_t without =
+        layer_workspace_bytes(in.cfg, S, mode, Device::cuda, LayerPass::backward);
+    const GpuResult b = run_gpu(in, mode);
+    expect_same_bits(a, b);
+    if (reuse.shared) EXPECT_GE(without, with + size_t(S * d) * 2) << "dX̃ left the workspace";
+    if (reuse.shared || reuse.scratch) EXPECT_LT(with, without);
+    else EXPECT_EQ(with, without);
+    if (T == 1024) EXPECT_TRUE(reuse.shared && !reuse.scratch) << "S = 2 n E: dX̃ fills dw1";
+    if (T == 15360 && mode == LayerMode::recompute)
+      EXPECT_TRUE(reuse.shared && cuda::layer_chunks(in.cfg, S, mode).backward.count == 8);
+  }
 }
 
 // dH written over the saved H (LayerOptions::dh_over_h) must give the same bits as dH in the

@@ -136,29 +136,62 @@ ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, const Toke
   return w;
 }
 
-bool backward_scratch_in_dw1(const LayerConfig& cfg, int64_t S) {
-  const size_t bytes = gemm_ops().scratch_bytes(S, cfg.E);
-  return bytes > 0 && bytes + 256 <= size_t(cfg.E * w1_rows(cfg) * cfg.d) * 2;
-}
+namespace {
 
-BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMode mode,
-                                     int64_t ds_cols, const TokenChunks& chunks, void* base,
-                                     bool dh_over_h) {
-  Carver c(base);
-  BackwardWorkspace w;
-  // dH is written over H when H is the workspace's own (recompute) or the caller allows it.
-  if (mode == LayerMode::recompute) w.h = w.dh = c.take<bf16>(S * w1_rows(cfg));
-  else if (!dh_over_h) w.dh = c.take<bf16>(S * w1_rows(cfg));
-  if (!backward_scratch_in_dw1(cfg, S)) w.scratch = take_scratch(c, S, cfg.E);
-  w.maps = take_maps(c, chunks, S, cfg.E);
-  // A', the ds partials and ds die before dX̃ is written (ds once gathered to pair order): dX̃
-  // takes their bytes, so where d > n + 2 ds_cols + 2 they cost no peak.
+std::atomic<bool> g_dw1_reuse{true};
+
+// Carves A', the ds partials, ds and dx_slots into `c` from its current offset. A', the ds
+// partials and ds die before dX̃ is written (ds once gathered to pair order): dX̃ takes their
+// bytes, so where d > n + 2 ds_cols + 2 they cost no peak.
+void take_shared(Carver& c, BackwardWorkspace& w, const LayerConfig& cfg, int64_t S,
+                 int64_t ds_cols, const TokenChunks& chunks) {
   const size_t shared = c.mark();
   w.a_scaled = c.take<bf16>(S * cfg.n);
   w.ds_partials = c.take<float>(S * ds_cols);
   w.ds = c.take<float>(S);
   c.rewind(shared);
   w.dx_slots = c.take<bf16>(chunks.rows * cfg.d);
+}
+
+}  // namespace
+
+void set_backward_dw1_reuse(bool on) { g_dw1_reuse.store(on); }
+
+Dw1Reuse backward_dw1_reuse(const LayerConfig& cfg, int64_t S, int64_t ds_cols,
+                            const TokenChunks& chunks) {
+  Dw1Reuse r;
+  if (!g_dw1_reuse.load()) return r;
+  const size_t dw1_bytes = size_t(cfg.E * w1_rows(cfg) * cfg.d) * 2;
+  Carver count;
+  BackwardWorkspace unused;
+  take_shared(count, unused, cfg, S, ds_cols, chunks);
+  r.shared = count.high_water() <= dw1_bytes;
+  const size_t used = r.shared ? count.high_water() : 0;
+  const size_t scratch = gemm_ops().scratch_bytes(S, cfg.E);
+  r.scratch = scratch > 0 && used + 256 + scratch <= dw1_bytes;
+  r.scratch_at = used;
+  return r;
+}
+
+BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMode mode,
+                                     int64_t ds_cols, const TokenChunks& chunks, void* base,
+                                     bool dh_over_h, void* dw1) {
+  const Dw1Reuse reuse = backward_dw1_reuse(cfg, S, ds_cols, chunks);
+  Carver c(base);
+  BackwardWorkspace w;
+  // dH is written over H when H is the workspace's own (recompute) or the caller allows it.
+  if (mode == LayerMode::recompute) w.h = w.dh = c.take<bf16>(S * w1_rows(cfg));
+  else if (!dh_over_h) w.dh = c.take<bf16>(S * w1_rows(cfg));
+  if (!reuse.scratch) w.scratch = take_scratch(c, S, cfg.E);
+  w.maps = take_maps(c, chunks, S, cfg.E);
+  // dw1 is only 16-byte aligned (check_gpu_layer_args), which is all these pieces need.
+  Carver in_dw1(dw1);
+  take_shared(reuse.shared ? in_dw1 : c, w, cfg, S, ds_cols, chunks);
+  if (reuse.scratch && dw1 != nullptr) {
+    // dX̃'s TMA scratch (CUtensorMaps want 64-byte alignment) at the next 256-byte boundary.
+    const uintptr_t at = (reinterpret_cast<uintptr_t>(dw1) + reuse.scratch_at + 255) / 256 * 256;
+    w.scratch = {reinterpret_cast<void*>(at), gemm_ops().scratch_bytes(S, cfg.E)};
+  }
   w.bytes = c.high_water();
   return w;
 }
@@ -316,13 +349,9 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
                                               dh_over_h)
                                .bytes,
                            opts.stream);
-  BackwardWorkspace w =
-      backward_workspace(cfg, S, opts.mode, ds_cols, chunks, ws.data(), dh_over_h);
-  if (backward_scratch_in_dw1(cfg, S)) {
-    // dX̃'s scratch in dW1's bytes (dW1 runs last), from the first 256-byte boundary.
-    const uintptr_t at = (reinterpret_cast<uintptr_t>(grads.dw1.data) + 255) / 256 * 256;
-    w.scratch = {reinterpret_cast<void*>(at), g.scratch_bytes(S, cfg.E)};
-  }
+  // A', ds and dX̃ (and the TMA scratch) in dw1's bytes where they fit: dW1 writes it last.
+  const BackwardWorkspace w = backward_workspace(cfg, S, opts.mode, ds_cols, chunks, ws.data(),
+                                                 dh_over_h, grads.dw1.data);
   const bf16* h = Saved::h(saved).as<bf16>();
   // (S, w1_rows): dH, over H where backward_workspace put no room for it.
   bf16* dh = dh_over_h ? const_cast<bf16*>(h) : w.dh;

@@ -89,11 +89,13 @@ struct BackwardWorkspace {
   bf16* dx_slots = nullptr;     // (chunks.rows, d) dX̃ of one token chunk (all S slots when one
                                 //               chunk); reuses the bytes of A', ds_partials
                                 //               and ds (all dead by then)
+                                // A', ds_partials, ds and dx_slots: in dw1's bytes where they
+                                //               fit (Dw1Reuse::shared), else in the workspace
   float* ds_partials = nullptr;  // (S, ds_partials_cols(n)) per-N-tile partial sums of ds
   float* ds = nullptr;          // (S,) fp32 gate gradient by slot, gathered to pair order
                                 //               before dX̃
-  gemm::GemmScratch scratch;    // dx_proj's (GemmOps::scratch_bytes; empty: none, or in
-                                //               dW1's bytes: backward_scratch_in_dw1)
+  gemm::GemmScratch scratch;    // dx_proj's (GemmOps::scratch_bytes; empty: none), in the
+                                //               workspace or dw1's bytes (Dw1Reuse::scratch)
   ChunkMaps maps;               // the backward's chunk maps (count > 1 only)
   size_t bytes = 0;
 };
@@ -103,15 +105,28 @@ LayerChunks layer_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode);
 // `chunks`: layer_chunks(cfg, S, mode).forward, or TokenChunks::none(S) for an (S, d) Y.
 ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, const TokenChunks& chunks,
                                    void* base);
-// Whether backward puts dX̃'s TMA scratch in the bytes of the caller's dw1 (E, w1_rows, d), which
-// dW1, the last GEMM, writes only after dX̃: then the scratch costs no workspace bytes. True
-// whenever there is a scratch and dw1 holds it after aligning its start to 256 bytes.
-bool backward_scratch_in_dw1(const LayerConfig& cfg, int64_t S);
+// What backward keeps in the bytes of the caller's dw1 (E, w1_rows, d) instead of its workspace:
+// dW1, the last GEMM, writes dw1 only after every one of these pieces is dead.
+//   shared: A', the ds partials, ds and dX̃ (their region, as the workspace would lay it out,
+//           from dw1's first byte) when the region fits in dw1;
+//   scratch: dX̃'s TMA scratch, after the region (or from dw1's start), at a 256-byte boundary,
+//            when there is one and it fits there too.
+// A function of the sizes alone, so the workspace size needs no pointer. set_backward_dw1_reuse
+// (false) turns it off for the whole process (tests compare the two placements).
+struct Dw1Reuse {
+  bool shared = false;
+  bool scratch = false;
+  size_t scratch_at = 0;  // byte offset in dw1 the scratch starts at or after (then aligned)
+};
+Dw1Reuse backward_dw1_reuse(const LayerConfig& cfg, int64_t S, int64_t ds_cols,
+                            const TokenChunks& chunks);
+void set_backward_dw1_reuse(bool on);
 // dh_over_h (keep_h): no room for dH, which the caller writes over the saved H. In recompute mode
 // dH always goes over the recomputed H. `chunks`: layer_chunks(...).backward or none(S).
+// dw1: the caller's dw1 data (null while only counting bytes).
 BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMode mode,
                                      int64_t ds_cols, const TokenChunks& chunks, void* base,
-                                     bool dh_over_h = false);
+                                     bool dh_over_h = false, void* dw1 = nullptr);
 
 // Checks what only the GPU path needs (storage dtype bf16, dims the GEMM kernels take, tensors
 // and plan on the device, 16-byte aligned data) and throws Unsupported / InvalidArgument naming

@@ -46,7 +46,8 @@ LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S, LayerMode mod
                 pass_chunks(cfg, S, mode, kernels.dx, override.backward)};
   if (!override.forward && c.forward.count > 1) {
     // Elements: the forward's whole-step A and Y against what backward holds at its peak
-    // anyway (H/dH, A' or the dX̃ chunk, the weight gradients dW1 and dW2).
+    // anyway (H/dH, A' or the dX̃ chunk, the weight gradients dW1 and dW2). An upper bound
+    // where dw1's bytes hold A' and the chunk (backward_dw1_reuse).
     const double w1_rows = double(cfg.w1_rows()), n = double(cfg.n), d = double(cfg.d);
     const double forward = double(S) * (n + d);
     const double backward = double(S) * w1_rows +
