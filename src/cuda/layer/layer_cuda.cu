@@ -138,7 +138,8 @@ ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, const Toke
 
 namespace {
 
-std::atomic<bool> g_dw1_reuse{true};
+// Off until the GPU tests have run the dw1 placement (written 2026-12-02 without a device).
+std::atomic<bool> g_dw1_reuse{false};
 
 // Carves A', the ds partials, ds and dx_slots into `c` from its current offset. A', the ds
 // partials and ds die before dX̃ is written (ds once gathered to pair order): dX̃ takes their

@@ -112,7 +112,8 @@ ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, const Toke
 //   scratch: dX̃'s TMA scratch, after the region (or from dw1's start), at a 256-byte boundary,
 //            when there is one and it fits there too.
 // A function of the sizes alone, so the workspace size needs no pointer. set_backward_dw1_reuse
-// (false) turns it off for the whole process (tests compare the two placements).
+// switches it for the whole process (tests compare the two placements); off by default until the
+// GPU tests have run it.
 struct Dw1Reuse {
   bool shared = false;
   bool scratch = false;
