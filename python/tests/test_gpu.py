@@ -35,14 +35,18 @@ def test_gpu_matches_torch_reference_module(seed):
     assert rel_err(moe(x)[0], ref(x)[0]) < TOL[BF16]
 
 
-def test_gpu_functional_supplied_routing(seed):
-    T, d, n, E, K = 200, 128, 64, 8, 2
+def _supplied_routing_inputs(T, d, n, E, K):
+    """x, w1, w2 (bf16, requiring grad), ids (T, K) distinct per row and weights (T, K) fp32."""
     x = torch.randn(T, d, device="cuda", dtype=BF16, requires_grad=True)
     w1 = (torch.randn(E, 2 * n, d, device="cuda") / d ** 0.5).to(BF16).requires_grad_()
     w2 = (torch.randn(E, d, n, device="cuda") / n ** 0.5).to(BF16).requires_grad_()
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).cuda()
     wts = torch.rand(T, K, device="cuda", requires_grad=True)
-    out = moeblaze.moe_experts(x, w1, w2, ids, wts, validate=True)
+    return x, w1, w2, ids, wts
+
+
+def _check_grads_against_float64(out, x, w1, w2, ids, wts):
+    """out and its gradients (x, w1, w2, the routing weights) against dense_reference in float64."""
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, [x, w1, w2, wts], g)
     ins = [t.detach().double().requires_grad_() for t in (x, w1, w2, wts)]
@@ -51,6 +55,12 @@ def test_gpu_functional_supplied_routing(seed):
     assert rel_err(out, ref) <= TOL[BF16]
     for name, a, r in zip(("dx", "dw1", "dw2", "d_weights"), grads, ref_grads):
         assert rel_err(a, r) <= TOL[BF16], name
+
+
+def test_gpu_functional_supplied_routing(seed):
+    x, w1, w2, ids, wts = _supplied_routing_inputs(200, 128, 64, 8, 2)
+    out = moeblaze.moe_experts(x, w1, w2, ids, wts, validate=True)
+    _check_grads_against_float64(out, x, w1, w2, ids, wts)
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -59,11 +69,7 @@ def test_gpu_eager_path_keeps_h_and_the_plan_less_token_expert_indices(seed, rec
     token_expert_indices, which a CUDA backward never reads; the gradients stay right."""
     T, d, n, E, K = 1024, 256, 128, 16, 4
     S = T * K
-    x = torch.randn(T, d, device="cuda", dtype=BF16, requires_grad=True)
-    w1 = (torch.randn(E, 2 * n, d, device="cuda") / d ** 0.5).to(BF16).requires_grad_()
-    w2 = (torch.randn(E, d, n, device="cuda") / n ** 0.5).to(BF16).requires_grad_()
-    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).cuda()
-    wts = torch.rand(T, K, device="cuda", requires_grad=True)
+    x, w1, w2, ids, wts = _supplied_routing_inputs(T, d, n, E, K)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     out = moeblaze.moe_experts(x, w1, w2, ids, wts, recompute=recompute)
@@ -72,14 +78,7 @@ def test_gpu_eager_path_keeps_h_and_the_plan_less_token_expert_indices(seed, rec
     h_bytes = 0 if recompute else S * 2 * n * 2
     plan_bytes = (E + 1 + T + 1 + 3 * S) * 4  # token_expert_indices (S * 4 more) let go
     assert h_bytes + plan_bytes <= held <= h_bytes + plan_bytes + 2048, (held, h_bytes, plan_bytes)
-    g = torch.randn_like(out)
-    grads = torch.autograd.grad(out, [x, w1, w2, wts], g)
-    ins = [t.detach().double().requires_grad_() for t in (x, w1, w2, wts)]
-    ref = moeblaze.dense_reference(ins[0], ins[1], ins[2], ids, ins[3])
-    ref_grads = torch.autograd.grad(ref, ins, g.double())
-    assert rel_err(out, ref) <= TOL[BF16]
-    for name, a, r in zip(("dx", "dw1", "dw2", "d_weights"), grads, ref_grads):
-        assert rel_err(a, r) <= TOL[BF16], name
+    _check_grads_against_float64(out, x, w1, w2, ids, wts)
 
 
 def test_gpu_bad_ids_raise_with_validate():
