@@ -4,9 +4,12 @@
 # short table last.
 #
 #   scripts/gpu_check.sh OUT [PART ...]
-#     PART: all (default) | tests | routing-tests | routing | layer | gemm | ep | python | peers
-#           | sanitize
+#     PART: all (default) | tests | gpu-tests | routing-tests | routing | layer | gemm | ep | python
+#           | peers | sanitize
 #       tests          ctest, every test (CPU and GPU)          → OUT/ctest.log
+#       gpu-tests      (not in `all`) the quick GPU check: moeblaze_gpu_tests (GTEST_FILTER picks
+#                      some) and the CUDA pytests (python/tests -k "gpu or cuda")
+#                                                               → OUT/gpu_tests.log, gpu_pytest.log
 #       routing-tests  only the GPU routing tests (gtest filter) → OUT/routing_tests.log
 #       routing        moeblaze bench routing                   → OUT/routing.jsonl, routing.md
 #       layer          moeblaze bench layer + bench/torch_reference.py → OUT/layer.jsonl
@@ -26,7 +29,11 @@
 #                      the machine's Python lacks it (pip download pytest -d DIR/wheels).
 #                      PYTHON_ALLOW_CPU=1 accepts a CPU-only library (to try the part without a GPU).
 #       peers          bench/peers.py: moeblaze through PyTorch, SonicMoE (SONICMOE_CARRY), torch, and
-#                      the C++ path, same inputs → OUT/peers.jsonl, peers.md; PEERS_ARGS adds flags
+#                      the C++ path, same inputs → OUT/peers.jsonl, peers.md; PEERS_ARGS adds flags.
+#                      SonicMoE's autotune results (its first call at a shape otherwise searches
+#                      for minutes) are restored from bench/results/sonicmoe-autotune-h200.tgz and
+#                      written back, with this run's additions, to OUT/sonicmoe-autotune-h200.tgz
+#                      (commit that file over the old one).
 #       sanitize       compute-sanitizer (not in `all`: ~5 min): --tool memcheck over the small-shape
 #                      GPU tests (SANITIZE_FILTER below; no EP/NCCL, no big grids: sanitized
 #                      kernels run 10-100x slower), then over moeblaze bench layer --shape
@@ -37,7 +44,10 @@
 #   scripts/gpu_check.sh --pack-deps
 #     copies GoogleTest and CLI11 (headers, static libs) from this machine into
 #     third_party/gpudeps, for a GPU machine that has a CUDA toolkit but no such packages; the
-#     check uses them when the machine lacks its own. Carry third_party/ to the GPU machine.
+#     check uses them when the machine lacks its own. Carry third_party/ to the GPU machine, or
+#     (the device tool's 64 MiB carry limit, with SonicMoE's 58 MB beside it) the 0.9 MB
+#     .device/third_party.tar.xz this also writes (CUTLASS's headers only): the check unpacks it
+#     where third_party/ is missing.
 #
 # Environment: PACK=1 (leave only gpu_check.tgz, summary.txt and the *.md / *.png tables in OUT),
 # ROUTING_BENCH_ARGS (extra flags for bench routing, e.g. "--quick"),
@@ -61,7 +71,15 @@ if [ "${1:-}" = "--pack-deps" ]; then
   python3 -m pip download -q -d "$dst/wheels" pytest >/dev/null 2>&1 ||
     echo "gpu_check: could not download the pytest wheels (the python part needs pytest there)"
   echo "gpu_check: packed $(du -sh "$dst" | cut -f1) into $dst"
+  # CUTLASS's headers alone (the project's H200 image has GoogleTest, CLI11 and pytest): 0.9 MB.
+  mkdir -p .device
+  tar cf - -C third_party cutlass/cutlass_library/source/include | xz -T0 -9e \
+    >.device/third_party.tar.xz
+  echo "gpu_check: and $(du -sh .device/third_party.tar.xz | cut -f1) into .device/third_party.tar.xz"
   exit 0
+fi
+if [ ! -d third_party/cutlass ] && [ -f .device/third_party.tar.xz ]; then
+  mkdir -p third_party && tar xJf .device/third_party.tar.xz -C third_party
 fi
 
 OUT=${1:?usage: scripts/gpu_check.sh OUT [all|tests|routing-tests|routing|layer|sanitize ...]}
@@ -109,6 +127,7 @@ if [ -z "${PREBUILT:-}" ]; then
   # ---- build only what the requested parts need ----
   targets=(moeblaze_cli)
   if want tests; then targets+=(moeblaze_tests moeblaze_gpu_tests); fi
+  if want_named gpu-tests; then targets+=(moeblaze_gpu_tests moeblaze_capi); fi
   if want routing-tests; then targets+=(moeblaze_gpu_tests); fi
   if want ep; then targets+=(moeblaze_gpu_tests); fi
   if want_named sanitize; then targets+=(moeblaze_gpu_tests); fi
@@ -120,7 +139,9 @@ else
   # Only the binaries the requested parts run (a carried build folder stays small).
   need=()
   if want tests; then need+=(moeblaze_tests moeblaze_gpu_tests); fi
-  if want routing-tests || want ep || want_named sanitize; then need+=(moeblaze_gpu_tests); fi
+  if want routing-tests || want ep || want_named sanitize || want_named gpu-tests; then
+    need+=(moeblaze_gpu_tests)
+  fi
   if want routing || want layer || want gemm || want ep || want_named sanitize; then need+=(moeblaze); fi
   for b in "${need[@]}"; do
     [ -x "$BUILD/$b" ] || { echo "gpu_check: PREBUILT set but $BUILD/$b is missing"; exit 1; }
@@ -161,6 +182,19 @@ if want routing-tests && ! want tests; then
     status=1
     grep -E "Failure|FAILED|error|what\(\)" "$OUT/routing_tests.log" | head -30 || true
     summary+=("routing tests: FAILED (see routing_tests.log)")
+  fi
+fi
+
+# ---- gpu-tests: the GPU gtests alone, then (after the package install below) the CUDA pytests ----
+if want_named gpu-tests; then
+  t0=$(date +%s)
+  if timeout 600 "$BUILD/moeblaze_gpu_tests" ${GTEST_FILTER:+--gtest_filter="$GTEST_FILTER"} \
+      >"$OUT/gpu_tests.log" 2>&1; then
+    summary+=("gpu gtests: $(grep -E '^\[  PASSED  \]' "$OUT/gpu_tests.log") [$(( $(date +%s) - t0 )) s]")
+  else
+    status=1
+    grep -E "^\[  FAILED  \]|Failure" "$OUT/gpu_tests.log" | head -30 || true
+    summary+=("gpu gtests: FAILED (see gpu_tests.log)")
   fi
 fi
 
@@ -326,6 +360,22 @@ install_python() {
   return "$python_installed"
 }
 
+# ---- gpu-tests, second half: the CUDA pytests of every file, from outside the repository ----
+if want_named gpu-tests && install_python; then
+  t0=$(date +%s)
+  rc=0
+  tests_dir=$(pwd)/python/tests
+  (cd /tmp && timeout 600 python3 -X faulthandler -m pytest -q -rs -p no:cacheprovider \
+    -k "gpu or cuda" "$tests_dir") >"$OUT/gpu_pytest.log" 2>&1 || rc=$?
+  if [ $rc -eq 0 ]; then
+    summary+=("gpu pytests: $(tail -1 "$OUT/gpu_pytest.log") [$(( $(date +%s) - t0 )) s]")
+  else
+    status=1
+    grep -E "^FAILED|^ERROR|Fatal Python error" "$OUT/gpu_pytest.log" | head -20 || true
+    summary+=("gpu pytests: FAILED rc $rc (see gpu_pytest.log)")
+  fi
+fi
+
 # ---- python: the package's pytest suite, then the training proofs ----
 if want python && install_python; then
   repo=$(pwd)
@@ -375,6 +425,12 @@ if want peers && install_python; then
   if [ -n "${SONICMOE_CARRY:-}" ]; then
     # shellcheck disable=SC1091
     source "$SONICMOE_CARRY/install.sh" >>"$OUT/peers.log" 2>&1 || echo "gpu_check: SonicMoE install failed" >>"$OUT/peers.log"
+    # Its autotuner's results and compiled kernels in one folder; the results saved below.
+    export QUACK_CACHE_DIR=/tmp/quack-cache QUACK_CACHE_AUTOTUNING=1
+    export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}
+    mkdir -p "$QUACK_CACHE_DIR"
+    [ -f bench/results/sonicmoe-autotune-h200.tgz ] &&
+      tar xzf bench/results/sonicmoe-autotune-h200.tgz -C "$QUACK_CACHE_DIR"
   fi
   cli="$BUILD/moeblaze"
   # shellcheck disable=SC2086
@@ -385,6 +441,11 @@ if want peers && install_python; then
     status=1
     tail -20 "$OUT/peers.log"
     summary+=("bench peers: FAILED (see peers.log)")
+  fi
+  if [ -n "${QUACK_CACHE_DIR:-}" ]; then
+    (cd "$QUACK_CACHE_DIR" && find . -name '*.autotune.json' -print0 |
+       tar czf "$OUT/sonicmoe-autotune-h200.tgz" --null -T -) 2>/dev/null &&
+      summary+=("sonicmoe autotune results: $(tar tzf "$OUT/sonicmoe-autotune-h200.tgz" | grep -c json) in sonicmoe-autotune-h200.tgz")
   fi
 fi
 
