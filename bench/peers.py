@@ -17,6 +17,11 @@ Rows (JSON lines, `bench: "peers"`, the layer-row fields of DESIGN):
                               token sample), d weights (same sample) and dw1, dw2 (two experts)
 `moeblaze` / `moeblaze-recompute` rows come from the C++ path (`moeblaze bench layer`, the same
 shape; its plan is built before the timing) when --cli names the binary.
+`moeblaze-capi` / `moeblaze-capi-recompute` make the eager path's C calls (plan from the ids,
+forward, backward with dH over H) from this process on tensors allocated once, without autograd:
+with --alternate (every impl's repetitions interleaved, round by round, so that clock and
+temperature drift fall on all alike) their time against moeblaze-torch's is what the PyTorch
+path itself costs.
 
 Peers are optional imports: one that is missing or fails is reported as skipped, never an error.
 SonicMoE: `../shared/peers/sonicmoe-carry.sh` packs it for a machine without network; its first
@@ -119,6 +124,69 @@ def impl_moeblaze_torch(inp, recompute):
                                                      inp.weights, "swiglu", recompute=recompute))
 
 
+class CapiStep:
+    """moeblaze through its C ABI from Python, without autograd: the eager path's three C calls
+    (plan from the ids, layer forward, layer backward writing dH over H) on outputs, H and
+    workspaces allocated once. step(backward) -> out, and the leaves' .grad are the gradients,
+    as after out.backward(dout). no_autograd tells measure_memory to time the whole step."""
+
+    no_autograd = True
+
+    def __init__(self, inp, recompute):
+        import ctypes
+        from moeblaze import _lib, ops
+        self.ctypes, self.lib, self.ops, self.inp = ctypes, _lib, ops, inp
+        self.recompute = recompute
+        self.act = _lib.ACTIVATIONS["swiglu"]
+        x = inp.x.detach()
+        plan, _ = ops._plan_from_ids_built(inp.ids, inp.weights.detach(), inp.E)
+        fwd_mode = ops._MODE_RECOMPUTE if recompute else ops._MODE_KEEP_H
+        bwd_mode = (ops._MODE_RECOMPUTE if recompute else  # dH over H where the eager path does
+                    ops._MODE_DH_OVER_H if ops._writes_dh_over_h(x, False, True) else
+                    ops._MODE_KEEP_H)
+        self.cfg_f, ws_f, *_ = ops._experts_args(x, inp.w1.detach(), inp.w2.detach(), plan,
+                                                 self.act, 0, fwd_mode, False)
+        self.cfg_b, ws_b, *_ = ops._experts_args(x, inp.w1.detach(), inp.w2.detach(), plan,
+                                                 self.act, 0, bwd_mode, True)
+        S = plan.struct.S
+        self.out = torch.empty_like(x)
+        self.h = x.new_empty((0, 2 * inp.n) if recompute else (S, 2 * inp.n))
+        self.ws_f = ops._workspace(ws_f, x.device)
+        self.ws_b = ops._workspace(ws_b, x.device)
+        self.ws_f_bytes, self.ws_b_bytes = ws_f, ws_b
+        self.dx, self.dw1, self.dw2 = (torch.empty_like(t.detach())
+                                       for t in (inp.x, inp.w1, inp.w2))
+        self.dpw = torch.empty(S, dtype=torch.float32, device=x.device)
+        self.kept_bytes = self.h.numel() * self.h.element_size()
+
+    def __call__(self, backward):
+        inp, ops, lib, byref = self.inp, self.ops, self.lib.lib(), self.ctypes.byref
+        x, w1, w2 = inp.x.detach(), inp.w1.detach(), inp.w2.detach()
+        plan, _ = ops._plan_from_ids_built(inp.ids, inp.weights.detach(), inp.E)
+        dev, stream, ptr = self.lib.device_code(x), self.lib.stream_of(x), self.lib.ptr
+        h = None if self.recompute else ptr(self.h)
+        ops._run(x, lib.moeblaze_layer_forward_biased, byref(self.cfg_f), byref(plan.struct),
+                 dev, stream, ptr(x), ptr(w1), ptr(w2), None, None, ptr(self.out), h,
+                 ptr(self.ws_f), self.ws_f_bytes)
+        if backward:
+            bplan = ops.without_token_experts(plan) if x.is_cuda else plan
+            ops._run(x, lib.moeblaze_layer_backward_biased, byref(self.cfg_b),
+                     byref(bplan.struct), dev, stream, ptr(x), ptr(w1), ptr(w2), None, None,
+                     ptr(inp.dout), h, ptr(self.dx), ptr(self.dw1), ptr(self.dw2),
+                     ptr(self.dpw), None, None, ptr(self.ws_b), self.ws_b_bytes)
+            inp.x.grad, inp.w1.grad, inp.w2.grad = self.dx, self.dw1, self.dw2
+            inp.weights.grad = self.dpw.view(inp.weights.shape)
+        return self.out
+
+
+def impl_moeblaze_capi(inp, recompute):
+    try:
+        import moeblaze  # noqa: F401
+    except ImportError as err:
+        raise Skip(f"moeblaze is not importable ({err})")
+    return CapiStep(inp, recompute)
+
+
 def impl_sonicmoe(inp):
     try:
         from sonicmoe.enums import ActivationType
@@ -164,6 +232,8 @@ def impl_torch_fp8(inp):
 IMPLS = {
     "moeblaze-torch": lambda inp: impl_moeblaze_torch(inp, False),
     "moeblaze-torch-recompute": lambda inp: impl_moeblaze_torch(inp, True),
+    "moeblaze-capi": lambda inp: impl_moeblaze_capi(inp, False),
+    "moeblaze-capi-recompute": lambda inp: impl_moeblaze_capi(inp, True),
     "sonicmoe": impl_sonicmoe,
     "scattermoe": impl_scattermoe,
     "torch": impl_torch,
@@ -234,6 +304,12 @@ def measure_memory(inp, step):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
+    if getattr(step, "no_autograd", False):  # its outputs were allocated before `base`
+        step(True)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        inp.clear_grads()
+        return step.kept_bytes, peak
     saved, pack = saved_storage_counter(inp.leaves)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -246,26 +322,40 @@ def measure_memory(inp, step):
     return sum(saved.values()), peak
 
 
+def time_once(inp, step, backward, i, flush):
+    """(GPU ms between events, host ms to issue) of one repetition i."""
+    flush.fill_(float(i & 127))  # evicts L2; not timed
+    inp.clear_grads()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    out = step(backward)
+    t1 = time.perf_counter()
+    stop.record()
+    torch.cuda.synchronize()
+    del out
+    return start.elapsed_time(stop), (t1 - t0) * 1e3
+
+
 def time_step(inp, step, backward, warmup, reps, flush):
     """(median GPU ms between events, median host ms to issue the step): where the second nears
     the first, the step is bound by the host's issuing, not by the GPU."""
-    times, issue = [], []
+    return time_steps([(inp, step)], backward, warmup, reps, flush)[0]
+
+
+def time_steps(pairs, backward, warmup, reps, flush):
+    """time_step of each (inp, step), their repetitions interleaved: repetition i of every step,
+    then i + 1 (--alternate: drift in clocks and temperature falls on all of them alike)."""
+    times = [([], []) for _ in pairs]
     for i in range(warmup + reps):
-        flush.fill_(float(i & 127))  # evicts L2; not timed
+        for (inp, step), (t, issue) in zip(pairs, times):
+            ms, host = time_once(inp, step, backward, i, flush)
+            if i >= warmup:
+                t.append(ms)
+                issue.append(host)
+    for inp, _ in pairs:
         inp.clear_grads()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
-        out = step(backward)
-        t1 = time.perf_counter()
-        stop.record()
-        torch.cuda.synchronize()
-        del out
-        if i >= warmup:
-            times.append(start.elapsed_time(stop))
-            issue.append((t1 - t0) * 1e3)
-    inp.clear_grads()
-    return median(times), median(issue)
+    return [(median(t), median(issue)) for t, issue in times]
 
 
 def profile_step(name, impl, step, inp, path):
@@ -373,36 +463,55 @@ def run_config(name, impls, args, dev, flush, meta):
     T, d, n, E, K = shape_of(name)
     S = T * K
     flops_fwd, flops_bwd = 6.0 * S * n * d, 12.0 * S * n * d
-    rows = []
+    rows, ready = [], []  # ready: (impl, inp, step, err, worst, kept, peak) awaiting --alternate
+
+    def skipped(impl, why):
+        print(f"peers: {name} {impl}: skipped: {why}", file=sys.stderr)
+        rows.append({"bench": "peers", "config": name, "impl": impl, "skipped": why})
+        emit(rows[-1], args.out)
+
+    def finish(impl, err, worst, kept, peak, fwd, total, issue):
+        bwd = total - fwd
+        row = {"bench": "peers", "config": name, "impl": impl, "T": T, "d": d, "n": n, "E": E,
+               "K": K, "activation": "swiglu", "routing": "softmax-topk", "fwd_ms": fwd,
+               "bwd_ms": bwd, "total_ms": total, "fwd_tflops": flops_fwd / fwd / 1e9,
+               "bwd_tflops": flops_bwd / bwd / 1e9 if bwd > 0 else None,
+               "total_tflops": (flops_fwd + flops_bwd) / total / 1e9, "kept_bytes": int(kept),
+               "peak_bytes": int(peak), "max_rel_err": err, "max_rel_err_of": worst,
+               "host_issue_ms": issue, "alternated": bool(args.alternate)}
+        row.update(meta)
+        rows.append(row)
+        emit(row, args.out)
+
     for impl in impls:
         inp, step = Inputs(T, d, n, E, K, args.seed, dev), None
         gen = torch.Generator(device=dev).manual_seed(args.seed + 1)
+        keep = False
         try:
             step = IMPLS[impl](inp)
             print(f"peers: {name} {impl}: first call (peers may compile or autotune) ...",
                   file=sys.stderr, flush=True)
             err, worst = measure_error(inp, step, gen)
             kept, peak = measure_memory(inp, step)
-            fwd, _ = time_step(inp, step, False, args.warmup, args.reps, flush)
-            total, issue = time_step(inp, step, True, args.warmup, args.reps, flush)
             if args.profile:
                 profile_step(name, impl, step, inp, args.profile)
             if args.trace:
                 try:
                     trace_step(name, impl, step, inp, args.trace)
-                except Exception as err:  # a diagnostic: the row stands without it
-                    print(f"peers: {name} {impl}: trace failed: {type(err).__name__}: {err}",
+                except Exception as why:  # a diagnostic: the row stands without it
+                    print(f"peers: {name} {impl}: trace failed: {type(why).__name__}: {why}",
                           file=sys.stderr)
+            if args.alternate:
+                ready.append((impl, inp, step, err, worst, kept, peak))
+                keep = True
+                continue
+            fwd, _ = time_step(inp, step, False, args.warmup, args.reps, flush)
+            total, issue = time_step(inp, step, True, args.warmup, args.reps, flush)
         except Skip as why:
-            print(f"peers: {name} {impl}: skipped: {why}", file=sys.stderr)
-            rows.append({"bench": "peers", "config": name, "impl": impl, "skipped": str(why)})
-            emit(rows[-1], args.out)
+            skipped(impl, str(why))
             continue
         except torch.OutOfMemoryError:
-            print(f"peers: {name} {impl}: skipped: out of memory", file=sys.stderr)
-            rows.append({"bench": "peers", "config": name, "impl": impl,
-                         "skipped": "out of memory"})
-            emit(rows[-1], args.out)
+            skipped(impl, "out of memory")
             continue
         except Exception as err:  # a peer that breaks at this shape is reported, not fatal
             print(f"peers: {name} {impl}: failed: {type(err).__name__}: {err}", file=sys.stderr)
@@ -411,19 +520,21 @@ def run_config(name, impls, args, dev, flush, meta):
             emit(rows[-1], args.out)
             continue
         finally:
-            del inp, step  # the step's closure holds the inputs
-            torch.cuda.empty_cache()
-        bwd = total - fwd
-        row = {"bench": "peers", "config": name, "impl": impl, "T": T, "d": d, "n": n, "E": E,
-               "K": K, "activation": "swiglu", "routing": "softmax-topk", "fwd_ms": fwd,
-               "bwd_ms": bwd, "total_ms": total, "fwd_tflops": flops_fwd / fwd / 1e9,
-               "bwd_tflops": flops_bwd / bwd / 1e9 if bwd > 0 else None,
-               "total_tflops": (flops_fwd + flops_bwd) / total / 1e9, "kept_bytes": int(kept),
-               "peak_bytes": int(peak), "max_rel_err": err, "max_rel_err_of": worst,
-               "host_issue_ms": issue}
-        row.update(meta)
-        rows.append(row)
-        emit(row, args.out)
+            if not keep:
+                del inp, step  # the step's closure holds the inputs
+                torch.cuda.empty_cache()
+        finish(impl, err, worst, kept, peak, fwd, total, issue)
+    if ready:
+        pairs = [(inp, step) for _, inp, step, *_ in ready]
+        print(f"peers: {name}: timing {', '.join(r[0] for r in ready)} alternately",
+              file=sys.stderr, flush=True)
+        fwds = time_steps(pairs, False, args.warmup, args.reps, flush)
+        totals = time_steps(pairs, True, args.warmup, args.reps, flush)
+        for (impl, _, _, err, worst, kept, peak), (fwd, _), (total, issue) in zip(ready, fwds,
+                                                                                   totals):
+            finish(impl, err, worst, kept, peak, fwd, total, issue)
+        del pairs, ready
+        torch.cuda.empty_cache()
     if args.cli:
         for r in cpp_rows(args.cli, name, (T, d, n, E, K), args.reps):
             rows.append(r)
@@ -625,6 +736,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--alternate", action="store_true",
+                    help="interleave the impls' timed repetitions (all impls' inputs held at once)")
     ap.add_argument("--cli", default="", help="the moeblaze binary: add the C++ path's rows")
     ap.add_argument("--out", default="", help="append the JSON lines here")
     ap.add_argument("--md", default="", help="write the Markdown table here")
@@ -643,7 +756,7 @@ def main():
     impls = [i for i in args.impl.split(",") if i]
     for i in impls:
         if i not in IMPLS:
-            ap.error(f"unknown impl '{i}'; one of {ALL_IMPLS}")
+            ap.error(f"unknown impl '{i}'; one of {', '.join(IMPLS)}")
     names = [c for c in (args.config.split(";") if ";" in args.config else
                          args.config.split(",")) if c]
     for c in names:
