@@ -701,15 +701,28 @@ def max_tokens(names, impls, args, dev, meta):
     return rows
 
 
+def baseline_of(r, rows):
+    """The row a moeblaze-torch row's time is compared with: in-process C ABI (moeblaze-capi, same
+    mode) when measured, else the C++ path's (bench layer, same mode); None for other impls."""
+    impl = r.get("impl", "")
+    if r.get("bench") != "peers" or not impl.startswith("moeblaze-torch"):
+        return None
+    mode = "-recompute" if impl.endswith("-recompute") else ""
+    by = {(x["config"], x["impl"], x.get("bench")): x for x in rows if "total_ms" in x}
+    return (by.get((r["config"], "moeblaze-capi" + mode, "peers")) or
+            by.get((r["config"], "moeblaze" + mode, "layer")))
+
+
 def markdown(rows):
     lines = ["| config | impl | fwd ms | bwd ms | total ms | host issue ms | TFLOPS | peak MiB | "
-             "kept MiB | max rel err | × sonicmoe (total) | bwd × sonicmoe | of dense bound |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "kept MiB | max rel err | × sonicmoe (total) | bwd × sonicmoe | of dense bound | "
+             "× C path |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     sonic = {r["config"]: r for r in rows if r.get("impl") == "sonicmoe" and "total_ms" in r}
     dense = {r["config"]: r for r in rows if r.get("impl") == "dense-bound" and "total_ms" in r}
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['config']} | {r['impl']} | skipped: {r['skipped']} |||||||||||")
+            lines.append(f"| {r['config']} | {r['impl']} | skipped: {r['skipped']} ||||||||||||")
             continue
         s = sonic.get(r["config"])
         ratio = f"{r['total_ms'] / s['total_ms']:.3f}" if s else "—"
@@ -719,11 +732,14 @@ def markdown(rows):
         db = dense.get(r["config"])
         of_dense = f"{100 * db['total_ms'] / r['total_ms']:.0f} %" if db else "—"
         err = "—" if r.get("max_rel_err") is None else f"{r['max_rel_err']:.1e}"
+        base = baseline_of(r, rows)
+        vs_c = (f"{r['total_ms'] / base['total_ms']:.3f} ({base['impl']}"
+                f"{' C++' if base.get('bench') == 'layer' else ''})") if base else "—"
         lines.append(
             f"| {r['config']} | {r['impl']}{' (C++)' if r.get('bench') == 'layer' else ''} | "
             f"{r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | {r['total_ms']:.3f} | {issue} | "
             f"{r['total_tflops']:.0f} | {peak} | {r['kept_bytes'] / 2**20:.1f} | "
-            f"{err} | {ratio} | {bratio} | {of_dense} |")
+            f"{err} | {ratio} | {bratio} | {of_dense} | {vs_c} |")
     return "\n".join(lines) + "\n"
 
 

@@ -30,3 +30,18 @@ def test_capi_step_gives_the_eager_paths_bits(recompute):
         inp.clear_grads()
     assert capi(False) is capi.out and inp.x.grad is None  # forward alone writes no gradient
     assert capi.kept_bytes == (0 if recompute else 96 * 2 * 2 * 32 * 2)
+
+
+def test_the_c_path_column_prefers_the_in_process_c_abi_then_the_cpp_rows():
+    def row(impl, ms, bench="peers"):
+        return {"bench": bench, "config": "c", "impl": impl, "total_ms": ms}
+    torch_row, rec = row("moeblaze-torch", 11.0), row("moeblaze-torch-recompute", 13.0)
+    cpp, cpp_rec = row("moeblaze", 10.0, "layer"), row("moeblaze-recompute", 12.0, "layer")
+    capi = row("moeblaze-capi", 10.5)
+    rows = [torch_row, rec, cpp, cpp_rec]
+    assert peers.baseline_of(torch_row, rows) is cpp
+    assert peers.baseline_of(rec, rows) is cpp_rec
+    assert peers.baseline_of(torch_row, rows + [capi]) is capi
+    assert peers.baseline_of(rec, rows + [capi]) is cpp_rec  # capi's keep_h is not recompute's
+    assert peers.baseline_of(cpp, rows) is None and peers.baseline_of(capi, rows) is None
+    assert "| 1.048 (moeblaze-capi) |" in peers.markdown(rows + [capi])
