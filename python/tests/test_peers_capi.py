@@ -34,7 +34,8 @@ def test_capi_step_gives_the_eager_paths_bits(recompute):
 
 def test_the_c_path_column_prefers_the_in_process_c_abi_then_the_cpp_rows():
     def row(impl, ms, bench="peers"):
-        return {"bench": bench, "config": "c", "impl": impl, "total_ms": ms}
+        return {"bench": bench, "config": "c", "impl": impl, "total_ms": ms, "fwd_ms": ms / 3,
+                "bwd_ms": ms * 2 / 3, "total_tflops": 1.0, "kept_bytes": 0, "peak_bytes": 0}
     torch_row, rec = row("moeblaze-torch", 11.0), row("moeblaze-torch-recompute", 13.0)
     cpp, cpp_rec = row("moeblaze", 10.0, "layer"), row("moeblaze-recompute", 12.0, "layer")
     capi = row("moeblaze-capi", 10.5)
