@@ -618,6 +618,53 @@ TEST(LayerGpu, BackwardWithoutTokenExpertIndicesGivesTheSameBits) {
                        "plan.token_expert_indices has no data (null pointer)");
 }
 
+// The dw1 placement rule and the region's bytes, on the host (no GPU needed): where the region
+// fits (olmoe's and sm-default's dX̃ is exactly dw1's size; recompute's chunk at olmoe and
+// sm-30B-n512) and where it does not (sm-7B-n256: dX̃ 3x dw1; its recompute chunk by E rows).
+TEST(LayerGpu, Dw1ReuseRuleAndRegionBytes) {
+  const cuda::Dw1Reuse a = cuda::dw1_reuse_rule(512, 0, 512);
+  EXPECT_TRUE(a.shared && !a.scratch);
+  const cuda::Dw1Reuse b = cuda::dw1_reuse_rule(512, 100, 1024);
+  EXPECT_TRUE(b.shared && b.scratch && b.scratch_at == 512);
+  const cuda::Dw1Reuse c = cuda::dw1_reuse_rule(512, 300, 1024);  // 512 + 256 + 300 > 1024
+  EXPECT_TRUE(c.shared && !c.scratch);
+  const cuda::Dw1Reuse d = cuda::dw1_reuse_rule(2048, 100, 1024);
+  EXPECT_TRUE(!d.shared && d.scratch && d.scratch_at == 0);
+  struct Named {
+    const char* name;
+    int64_t T, d, n, E, K;
+    LayerMode mode;
+    bool fits;
+  };
+  for (const Named& x : {Named{"olmoe", 16384, 2048, 1024, 64, 8, LayerMode::keep_h, true},
+                         Named{"olmoe", 16384, 2048, 1024, 64, 8, LayerMode::recompute, true},
+                         Named{"sm-default", 32768, 4096, 1024, 128, 8, LayerMode::keep_h, true},
+                         Named{"sm-30B-n512", 32768, 4096, 512, 128, 8, LayerMode::keep_h, false},
+                         Named{"sm-30B-n512", 32768, 4096, 512, 128, 8, LayerMode::recompute,
+                               true},
+                         Named{"sm-7B-n256", 24576, 1536, 256, 128, 8, LayerMode::keep_h, false},
+                         Named{"sm-7B-n256", 24576, 1536, 256, 128, 8, LayerMode::recompute,
+                               false},
+                         Named{"sm-7B-n1024", 24576, 1536, 1024, 32, 2, LayerMode::keep_h,
+                               true}}) {
+    SCOPED_TRACE(std::string(x.name) + " " + layer_mode_name(x.mode));
+    LayerConfig cfg;
+    cfg.T = x.T, cfg.d = x.d, cfg.n = x.n, cfg.E = x.E, cfg.K = x.K;
+    cfg.activation = Activation::swiglu;
+    cfg.dtype = DType::bf16;
+    const int64_t S = x.T * x.K;
+    const int64_t cols = cuda::gemm::ds_partials_cols(x.n);
+    const cuda::TokenChunks chunks = cuda::layer_chunks(cfg, S, x.mode).backward;
+    const auto r256 = [](int64_t b) { return size_t((b + 255) / 256 * 256); };
+    const size_t region = std::max(r256(S * x.n * 2) + r256(S * cols * 4) + r256(S * 4),
+                                   r256(chunks.rows * x.d * 2));
+    const size_t shared = cuda::backward_shared_bytes(cfg, S, cols, chunks);
+    EXPECT_EQ(shared, region);
+    const size_t dw1 = size_t(x.E * 2 * x.n * x.d) * 2;
+    EXPECT_EQ(cuda::dw1_reuse_rule(shared, 0, dw1).shared, x.fits) << shared << " vs " << dw1;
+  }
+}
+
 // A', ds, dX̃ and the TMA scratch in dw1's bytes (backward_dw1_reuse) give the bits of the same
 // pieces in the workspace, in both modes, with and without token chunks, and backward's
 // workspace shrinks by their bytes.

@@ -158,20 +158,29 @@ void take_shared(Carver& c, BackwardWorkspace& w, const LayerConfig& cfg, int64_
 
 void set_backward_dw1_reuse(bool on) { g_dw1_reuse.store(on); }
 
-Dw1Reuse backward_dw1_reuse(const LayerConfig& cfg, int64_t S, int64_t ds_cols,
-                            const TokenChunks& chunks) {
-  Dw1Reuse r;
-  if (!g_dw1_reuse.load()) return r;
-  const size_t dw1_bytes = size_t(cfg.E * w1_rows(cfg) * cfg.d) * 2;
+size_t backward_shared_bytes(const LayerConfig& cfg, int64_t S, int64_t ds_cols,
+                             const TokenChunks& chunks) {
   Carver count;
   BackwardWorkspace unused;
   take_shared(count, unused, cfg, S, ds_cols, chunks);
-  r.shared = count.high_water() <= dw1_bytes;
-  const size_t used = r.shared ? count.high_water() : 0;
-  const size_t scratch = gemm_ops().scratch_bytes(S, cfg.E);
-  r.scratch = scratch > 0 && used + 256 + scratch <= dw1_bytes;
-  r.scratch_at = used;
+  return count.high_water();
+}
+
+Dw1Reuse dw1_reuse_rule(size_t shared_bytes, size_t scratch_bytes, size_t dw1_bytes) {
+  Dw1Reuse r;
+  r.shared = shared_bytes <= dw1_bytes;
+  r.scratch_at = r.shared ? shared_bytes : 0;
+  // + 256: the scratch starts at the next 256-byte boundary of dw1 (only 16-byte aligned).
+  r.scratch = scratch_bytes > 0 && r.scratch_at + 256 + scratch_bytes <= dw1_bytes;
   return r;
+}
+
+Dw1Reuse backward_dw1_reuse(const LayerConfig& cfg, int64_t S, int64_t ds_cols,
+                            const TokenChunks& chunks) {
+  if (!g_dw1_reuse.load()) return {};
+  return dw1_reuse_rule(backward_shared_bytes(cfg, S, ds_cols, chunks),
+                        gemm_ops().scratch_bytes(S, cfg.E),
+                        size_t(cfg.E * w1_rows(cfg) * cfg.d) * 2);
 }
 
 BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMode mode,

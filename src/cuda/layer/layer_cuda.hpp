@@ -122,6 +122,11 @@ struct Dw1Reuse {
 Dw1Reuse backward_dw1_reuse(const LayerConfig& cfg, int64_t S, int64_t ds_cols,
                             const TokenChunks& chunks);
 void set_backward_dw1_reuse(bool on);
+// Its two host-only parts (testable without a GPU): the region's bytes as the workspace lays it
+// out (each piece rounded to 256 bytes), and the placement given the three sizes.
+size_t backward_shared_bytes(const LayerConfig& cfg, int64_t S, int64_t ds_cols,
+                             const TokenChunks& chunks);
+Dw1Reuse dw1_reuse_rule(size_t shared_bytes, size_t scratch_bytes, size_t dw1_bytes);
 // dh_over_h (keep_h): no room for dH, which the caller writes over the saved H. In recompute mode
 // dH always goes over the recomputed H. `chunks`: layer_chunks(...).backward or none(S).
 // dw1: the caller's dw1 data (null while only counting bytes).
