@@ -17,6 +17,9 @@ Rows (JSON lines, `bench: "peers"`, the layer-row fields of DESIGN):
                               token sample), d weights (same sample) and dw1, dw2 (two experts)
 `moeblaze` / `moeblaze-recompute` rows come from the C++ path (`moeblaze bench layer`, the same
 shape; its plan is built before the timing) when --cli names the binary.
+`moeblaze-torch-routed` / `moeblaze-torch-nrf` route from the logits with moeblaze's router (and
+NR-f token rounding to 128-row tiles) before the experts: the top-K and rounded steps, router
+included, side by side (no error column: the rounded routing is not the shared one).
 `moeblaze-capi` / `moeblaze-capi-recompute` make the eager path's C calls (plan from the ids,
 forward, backward with dH over H) from this process on tensors allocated once, without autograd:
 with --alternate (every impl's repetitions interleaved, round by round, so that clock and
@@ -90,6 +93,7 @@ class Inputs:
         self.w2 = torch.randn(E, d, n, device=dev, generator=gen, dtype=bf).div_(math.sqrt(n))
         self.w2.requires_grad_()
         logits = torch.randn(T, E, device=dev, generator=gen)
+        self.logits = logits  # (T, E) fp32: the routed impls route from it
         w, ids = torch.topk(torch.softmax(logits, dim=-1), K, dim=-1)
         self.ids = ids  # (T, K) int64
         self.weights = w.detach().requires_grad_()  # (T, K) fp32
@@ -187,6 +191,31 @@ def impl_moeblaze_capi(inp, recompute):
     return CapiStep(inp, recompute)
 
 
+def impl_moeblaze_torch_routed(inp, rounding):
+    """moeblaze's router (softmax top-K of inp.logits, as Inputs draws the routing), then, with
+    `rounding` ("nr-f" ...), token rounding to multiples of 128 rows per expert, then the experts
+    through PyTorch: the two routings' steps side by side (issue 16's rounded-step target). Their
+    routing is their own (the rounded one differs), so no error against inp's routing."""
+    try:
+        import moeblaze
+        from moeblaze import _lib, ops
+    except ImportError as err:
+        raise Skip(f"moeblaze is not importable ({err})")
+    kind = _lib.ROUTERS["softmax_topk"]
+
+    def forward():
+        offsets, experts, weights, _ = ops.route(inp.logits, None, kind, inp.K, False)
+        if rounding:
+            offsets, experts, weights = ops.token_round(inp.logits, None, offsets, experts,
+                                                        weights, kind, inp.K, False, 128,
+                                                        _lib.ROUNDINGS[rounding], 0)
+        return moeblaze.experts_from_routing(inp.x, inp.w1, inp.w2, offsets, experts, weights,
+                                             "swiglu")
+    step = as_step(inp, forward)
+    step.own_routing = True
+    return step
+
+
 def impl_sonicmoe(inp):
     try:
         from sonicmoe.enums import ActivationType
@@ -232,6 +261,8 @@ def impl_torch_fp8(inp):
 IMPLS = {
     "moeblaze-torch": lambda inp: impl_moeblaze_torch(inp, False),
     "moeblaze-torch-recompute": lambda inp: impl_moeblaze_torch(inp, True),
+    "moeblaze-torch-routed": lambda inp: impl_moeblaze_torch_routed(inp, None),
+    "moeblaze-torch-nrf": lambda inp: impl_moeblaze_torch_routed(inp, "nr-f"),
     "moeblaze-capi": lambda inp: impl_moeblaze_capi(inp, False),
     "moeblaze-capi-recompute": lambda inp: impl_moeblaze_capi(inp, True),
     "sonicmoe": impl_sonicmoe,
@@ -264,6 +295,8 @@ def reference_expert_grads(inp, experts):
 
 
 def measure_error(inp, step, gen):
+    if getattr(step, "own_routing", False):
+        return None, "its own routing"
     inp.clear_grads()
     out = step(True)
     torch.cuda.synchronize()
@@ -702,13 +735,18 @@ def max_tokens(names, impls, args, dev, meta):
 
 
 def baseline_of(r, rows):
-    """The row a moeblaze-torch row's time is compared with: in-process C ABI (moeblaze-capi, same
-    mode) when measured, else the C++ path's (bench layer, same mode); None for other impls."""
+    """The row another row's time is read against, or None: moeblaze-torch (-recompute) against
+    the in-process C ABI of the same mode when measured (moeblaze-capi), else the C++ path's
+    rows; moeblaze-torch-nrf against moeblaze-torch-routed (top-K, router included)."""
     impl = r.get("impl", "")
-    if r.get("bench") != "peers" or not impl.startswith("moeblaze-torch"):
+    by = {(x["config"], x["impl"], x.get("bench")): x for x in rows if "total_ms" in x}
+    if r.get("bench") != "peers":
+        return None
+    if impl == "moeblaze-torch-nrf":
+        return by.get((r["config"], "moeblaze-torch-routed", "peers"))
+    if impl not in ("moeblaze-torch", "moeblaze-torch-recompute"):
         return None
     mode = "-recompute" if impl.endswith("-recompute") else ""
-    by = {(x["config"], x["impl"], x.get("bench")): x for x in rows if "total_ms" in x}
     return (by.get((r["config"], "moeblaze-capi" + mode, "peers")) or
             by.get((r["config"], "moeblaze" + mode, "layer")))
 
@@ -716,7 +754,7 @@ def baseline_of(r, rows):
 def markdown(rows):
     lines = ["| config | impl | fwd ms | bwd ms | total ms | host issue ms | TFLOPS | peak MiB | "
              "kept MiB | max rel err | × sonicmoe (total) | bwd × sonicmoe | of dense bound | "
-             "× C path |",
+             "× its baseline |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     sonic = {r["config"]: r for r in rows if r.get("impl") == "sonicmoe" and "total_ms" in r}
     dense = {r["config"]: r for r in rows if r.get("impl") == "dense-bound" and "total_ms" in r}

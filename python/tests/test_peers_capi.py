@@ -32,7 +32,7 @@ def test_capi_step_gives_the_eager_paths_bits(recompute):
     assert capi.kept_bytes == (0 if recompute else 96 * 2 * 2 * 32 * 2)
 
 
-def test_the_c_path_column_prefers_the_in_process_c_abi_then_the_cpp_rows():
+def test_the_baseline_column_prefers_the_in_process_c_abi_then_the_cpp_rows():
     def row(impl, ms, bench="peers"):
         return {"bench": bench, "config": "c", "impl": impl, "total_ms": ms, "fwd_ms": ms / 3,
                 "bwd_ms": ms * 2 / 3, "total_tflops": 1.0, "kept_bytes": 0, "peak_bytes": 0}
@@ -45,4 +45,23 @@ def test_the_c_path_column_prefers_the_in_process_c_abi_then_the_cpp_rows():
     assert peers.baseline_of(torch_row, rows + [capi]) is capi
     assert peers.baseline_of(rec, rows + [capi]) is cpp_rec  # capi's keep_h is not recompute's
     assert peers.baseline_of(cpp, rows) is None and peers.baseline_of(capi, rows) is None
+    routed, nrf = row("moeblaze-torch-routed", 12.0), row("moeblaze-torch-nrf", 11.4)
+    assert peers.baseline_of(nrf, rows + [routed, nrf]) is routed
+    assert peers.baseline_of(routed, rows + [routed, nrf]) is None
     assert "| 1.048 (moeblaze-capi) |" in peers.markdown(rows + [capi])
+
+
+def test_routed_steps_run_the_router_and_rounding_and_skip_the_error_column():
+    cpu = torch.device("cpu")
+    inp = peers.Inputs(256, 64, 32, 4, 2, seed=7, dev=cpu)
+    routed = peers.impl_moeblaze_torch_routed(inp, None)
+    plain = peers.as_step(inp, lambda: moeblaze.moe_experts(inp.x, inp.w1, inp.w2, inp.ids,
+                                                            inp.weights, "swiglu"))
+    # The router's softmax top-K is Inputs' routing: the same output up to the weights' rounding.
+    a, b = routed(False).float(), plain(False).float()
+    assert (a - b).norm() <= 1e-2 * b.norm()
+    nrf = peers.impl_moeblaze_torch_routed(inp, "nr-f")
+    out = nrf(True)
+    assert out.shape == inp.x.shape and bool(torch.isfinite(out.float()).all())
+    assert inp.x.grad is not None and inp.w1.grad is not None
+    assert peers.measure_error(inp, nrf, None) == (None, "its own routing")
