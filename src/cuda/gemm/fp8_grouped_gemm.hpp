@@ -1,0 +1,32 @@
+// FP8 grouped GEMMs on e4m3 operands with DeepSeek-V3's fine-grained scales (issue 20): the
+// contract of the GEMM folder's FP8 entry points. Internal to the CUDA backend; the layer does not
+// call them yet (it refuses compute fp8 on CUDA), the GPU tests do.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/gemm/grouped_gemm.hpp"  // ExpertRows
+#include "moeblaze/dtype.hpp"
+
+namespace moeblaze::cuda::gemm::fp8 {
+
+// Scratch bytes of contiguous() for E experts on the current device (argument arrays and
+// CUTLASS's per-SM TMA descriptors).
+size_t contiguous_scratch_bytes(int64_t E);
+
+// For every expert e and i < rows.end[e] - rows.begin[e] (row r = rows.begin[e] + i):
+//   d[rows.out[e] + i, n] = Σ_kb sa[r, kb] · sb[e, n / 128, kb] · Σ_{k in kb} qa[r, k] · qb[e, n, k]
+// with fp32 sums, the tensor cores' partial sums promoted every 128 of K.
+//   qa (rows, K) e4m3 codes, sa (rows, K / 128) fp32: cuda/fp8/quantize.hpp's 1x128 tiles;
+//   qb (E, N, K) codes, sb (E, N / 128, K / 128): its 128x128 blocks; d (rows, N) bf16.
+// The down-projection's shape (a = the activation, b = W2): B is read K-major, as FP8 WGMMA
+// needs. N and K must be multiples of 128, E >= 1, pointers 16-byte aligned (Unsupported /
+// InvalidArgument naming the argument, nothing enqueued). No host sync; stream-ordered.
+void contiguous(ExpertRows rows, int64_t E, const uint8_t* qa, const float* sa, const uint8_t* qb,
+                const float* sb, bf16* d, int64_t N, int64_t K, void* scratch,
+                size_t scratch_bytes, cudaStream_t stream);
+
+}  // namespace moeblaze::cuda::gemm::fp8
