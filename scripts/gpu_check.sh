@@ -173,29 +173,25 @@ if want tests; then
     grep -E "\(Failed\)|\(SEGFAULT\)|\(Timeout\)|Exception" "$OUT/ctest.log" | head -20 || true
   fi
 fi
-if want routing-tests && ! want tests; then
+# One run of the GPU gtests: LABEL FILTER LOG SECONDS (empty FILTER: all of them).
+run_gpu_gtests() {
+  local label=$1 filter=$2 log=$3 secs=$4 t0
   t0=$(date +%s)
-  if "$BUILD/moeblaze_gpu_tests" --gtest_filter='RoutingPlanGpu*:RouterGpu*:TokenRoundingGpu*' \
-      >"$OUT/routing_tests.log" 2>&1; then
-    summary+=("routing tests: $(grep -E '^\[  PASSED  \]' "$OUT/routing_tests.log") [$(( $(date +%s) - t0 )) s]")
+  if timeout "$secs" "$BUILD/moeblaze_gpu_tests" ${filter:+--gtest_filter="$filter"} \
+      >"$OUT/$log" 2>&1; then
+    summary+=("$label: $(grep -E '^\[  PASSED  \]' "$OUT/$log") [$(( $(date +%s) - t0 )) s]")
   else
     status=1
-    grep -E "Failure|FAILED|error|what\(\)" "$OUT/routing_tests.log" | head -30 || true
-    summary+=("routing tests: FAILED (see routing_tests.log)")
+    grep -E "^\[  FAILED  \]|Failure|what\(\)" "$OUT/$log" | head -30 || true
+    summary+=("$label: FAILED (see $log)")
   fi
+}
+if want routing-tests && ! want tests; then
+  run_gpu_gtests "routing tests" 'RoutingPlanGpu*:RouterGpu*:TokenRoundingGpu*' routing_tests.log 600
 fi
-
 # ---- gpu-tests: the GPU gtests alone, then (after the package install below) the CUDA pytests ----
 if want_named gpu-tests; then
-  t0=$(date +%s)
-  if timeout 600 "$BUILD/moeblaze_gpu_tests" ${GTEST_FILTER:+--gtest_filter="$GTEST_FILTER"} \
-      >"$OUT/gpu_tests.log" 2>&1; then
-    summary+=("gpu gtests: $(grep -E '^\[  PASSED  \]' "$OUT/gpu_tests.log") [$(( $(date +%s) - t0 )) s]")
-  else
-    status=1
-    grep -E "^\[  FAILED  \]|Failure" "$OUT/gpu_tests.log" | head -30 || true
-    summary+=("gpu gtests: FAILED (see gpu_tests.log)")
-  fi
+  run_gpu_gtests "gpu gtests" "${GTEST_FILTER:-}" gpu_tests.log 600
 fi
 
 # ---- benchmarks ----

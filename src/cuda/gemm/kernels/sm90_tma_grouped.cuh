@@ -55,6 +55,63 @@ struct SchedulerChoice {
   int swizzle;
 };
 
+// Takes E-element arrays one after another from the front of a scratch, each rounded up to 256
+// bytes, or (base null) only counts their bytes: the per-expert argument arrays of the pointer-
+// array kernels (here and sm90_tma_grouped_fp8.cuh).
+struct ArrayTaker {
+  char* base;
+  size_t bytes = 0;
+  template <class T>
+  T* take(int E) {
+    T* at = base ? reinterpret_cast<T*>(base + bytes) : nullptr;
+    bytes += (sizeof(T) * size_t(E) + 255) / 256 * 256;
+    return at;
+  }
+};
+
+inline cutlass::KernelHardwareInfo current_hw_info() {
+  cutlass::KernelHardwareInfo hw;
+  MOEBLAZE_CUDA_CHECK(cudaGetDevice(&hw.device_id));
+  MOEBLAZE_CUDA_CHECK(
+      cudaDeviceGetAttribute(&hw.sm_count, cudaDevAttrMultiProcessorCount, hw.device_id));
+  return hw;
+}
+
+// The CUTLASS kernel's checks, initialisation (TMA descriptors into `workspace`) and launch,
+// after the caller enqueued the argument build on `stream`; errors name fn and `what`.
+template <class Gemm>
+void initialize_and_run(const char* fn, const char* what, const typename Gemm::Arguments& args,
+                        int N, int K, void* workspace, cudaStream_t stream) {
+  Gemm gemm;
+  MOEBLAZE_UNSUPPORTED_IF(gemm.can_implement(args) != cutlass::Status::kSuccess, fn,
+                          ": CUTLASS's ", what, " rejects N = ", N, ", K = ", K);
+  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess)
+    throw DeviceError(std::string(fn) + ": CUTLASS " + what + " initialisation failed");
+  const cutlass::Status st = gemm.run(stream);
+  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+  if (st != cutlass::Status::kSuccess)
+    throw DeviceError(std::string(fn) + ": CUTLASS " + what + " launch failed");
+}
+
+// The pointer-array epilogue both kernels use: D = A·B stored row-major in ElemD, no C operand.
+template <class Tile, class Cluster, class ElemD, int kAlignD>
+using PlainEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
+    cutlass::layout::RowMajor*, kAlignD, ElemD, cutlass::layout::RowMajor*, kAlignD,
+    cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+    cutlass::epilogue::fusion::LinearCombination<ElemD, float>>::CollectiveOp;
+// Its arguments: alpha 1, beta 0, no C, D per group.
+template <class Args, class PtrD, class StrideD>
+void set_plain_epilogue(Args& args, PtrD ptr_d, StrideD* stride_d) {
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = nullptr;
+  args.epilogue.ptr_D = ptr_d;
+  args.epilogue.dD = stride_d;
+}
+
 // LayoutB: ColumnMajor = B_e stored (N, K), K contiguous (w2_e (d, n) for the down-projection);
 //          RowMajor    = B_e stored (K, N), N contiguous (w1_e (w1_rows, d) for dX̃).
 // Tile and Cluster are template parameters (defaulted) so that both builders are dependent types:
@@ -64,12 +121,7 @@ struct GroupedGemm {
   using ElemT = tma::ElemT;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K)
   using LayoutA = cutlass::layout::RowMajor;  // (M, K), K contiguous
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, LayoutD*, kAlign,  // no C operand: D = A·B
-      ElemT, LayoutD*, kAlign, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-      cutlass::epilogue::fusion::LinearCombination<ElemT, float>>::CollectiveOp;
+  using Epilogue = PlainEpilogue<Tile, Cluster, ElemT, kAlign>;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElemT, LayoutA*, kAlign, ElemT,
       LayoutB*, kAlign, float, Tile, Cluster,
@@ -97,31 +149,17 @@ struct GroupedGemm {
     size_t bytes;          // total, 256-byte aligned
   };
   static GroupArrays carve(void* base, int E) {
-    char* p = static_cast<char*>(base);
-    size_t off = 0;
-    auto take = [&](size_t bytes) {
-      char* at = p ? p + off : nullptr;
-      off += (bytes + 255) / 256 * 256;
-      return at;
-    };
+    ArrayTaker t{static_cast<char*>(base)};
     GroupArrays g;
-    g.shapes = reinterpret_cast<Shape3*>(take(sizeof(Shape3) * E));
-    g.ptr_a = reinterpret_cast<const ElemT**>(take(sizeof(void*) * E));
-    g.ptr_b = reinterpret_cast<const ElemT**>(take(sizeof(void*) * E));
-    g.ptr_d = reinterpret_cast<ElemT**>(take(sizeof(void*) * E));
-    g.stride_a = reinterpret_cast<StrideA*>(take(sizeof(StrideA) * E));
-    g.stride_b = reinterpret_cast<StrideB*>(take(sizeof(StrideB) * E));
-    g.stride_d = reinterpret_cast<StrideD*>(take(sizeof(StrideD) * E));
-    g.bytes = off;
+    g.shapes = t.take<Shape3>(E);
+    g.ptr_a = t.take<const ElemT*>(E);
+    g.ptr_b = t.take<const ElemT*>(E);
+    g.ptr_d = t.take<ElemT*>(E);
+    g.stride_a = t.take<StrideA>(E);
+    g.stride_b = t.take<StrideB>(E);
+    g.stride_d = t.take<StrideD>(E);
+    g.bytes = t.bytes;
     return g;
-  }
-
-  static cutlass::KernelHardwareInfo hw_info() {
-    cutlass::KernelHardwareInfo hw;
-    MOEBLAZE_CUDA_CHECK(cudaGetDevice(&hw.device_id));
-    MOEBLAZE_CUDA_CHECK(
-        cudaDeviceGetAttribute(&hw.sm_count, cudaDevAttrMultiProcessorCount, hw.device_id));
-    return hw;
   }
 
   static typename Gemm::Arguments arguments(const GroupArrays& g, int E,
@@ -131,12 +169,7 @@ struct GroupedGemm {
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
     args.problem_shape = {E, g.shapes, nullptr};  // sizes on the device only
     args.mainloop = {g.ptr_a, g.stride_a, g.ptr_b, g.stride_b};
-    args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = 0.0f;
-    args.epilogue.ptr_C = nullptr;
-    args.epilogue.dC = nullptr;
-    args.epilogue.ptr_D = g.ptr_d;
-    args.epilogue.dD = g.stride_d;
+    set_plain_epilogue(args, g.ptr_d, g.stride_d);
     args.hw_info = hw;
     args.scheduler.raster_order = sc.along_n ? RasterOptions::AlongN : RasterOptions::AlongM;
     args.scheduler.max_swizzle_size = sc.swizzle;
@@ -147,7 +180,8 @@ struct GroupedGemm {
   // (per-SM TMA descriptors, which the kernel rewrites for each group it visits).
   static size_t scratch_bytes(int E, SchedulerChoice sc) {
     const GroupArrays g = carve(nullptr, E);
-    return g.bytes + (Gemm::get_workspace_size(arguments(g, E, hw_info(), sc)) + 255) / 256 * 256;
+    return g.bytes +
+           (Gemm::get_workspace_size(arguments(g, E, current_hw_info(), sc)) + 255) / 256 * 256;
   }
 };
 
@@ -192,8 +226,7 @@ void run(const char* fn, ExpertRows rows, int E, const void* a, int64_t lda, con
          size_t scratch_bytes, SchedulerChoice sc, cudaStream_t stream) {
   sm90::bind_current_context();  // CUTLASS's initialize encodes TMA descriptors (driver API)
   const typename G::GroupArrays g = G::carve(scratch, E);
-  const cutlass::KernelHardwareInfo hw = G::hw_info();
-  const typename G::Gemm::Arguments args = G::arguments(g, E, hw, sc);
+  const typename G::Gemm::Arguments args = G::arguments(g, E, current_hw_info(), sc);
   const size_t ws_bytes = G::Gemm::get_workspace_size(args);
   MOEBLAZE_REQUIRE(scratch_bytes >= g.bytes + ws_bytes, fn, ": scratch of ", scratch_bytes,
                    " bytes is smaller than the ", g.bytes + ws_bytes,
@@ -203,16 +236,8 @@ void run(const char* fn, ExpertRows rows, int E, const void* a, int64_t lda, con
       g, rows, E, static_cast<const Elem*>(a), lda, static_cast<const Elem*>(b), b_stride, ldb,
       static_cast<Elem*>(d), ldd, N, K);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
-  typename G::Gemm gemm;
-  MOEBLAZE_UNSUPPORTED_IF(gemm.can_implement(args) != cutlass::Status::kSuccess, fn,
-                          ": CUTLASS's grouped GEMM rejects N = ", N, ", K = ", K);
-  void* workspace = static_cast<char*>(scratch) + g.bytes;
-  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess)
-    throw DeviceError(std::string(fn) + ": CUTLASS grouped GEMM initialisation failed");
-  const cutlass::Status st = gemm.run(stream);
-  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
-  if (st != cutlass::Status::kSuccess)
-    throw DeviceError(std::string(fn) + ": CUTLASS grouped GEMM launch failed");
+  initialize_and_run<typename G::Gemm>(fn, "grouped GEMM", args, N, K,
+                                       static_cast<char*>(scratch) + g.bytes, stream);
 }
 
 }  // namespace moeblaze::cuda::gemm::tma

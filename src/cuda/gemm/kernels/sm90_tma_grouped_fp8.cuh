@@ -32,7 +32,7 @@
 
 #include "cuda/cuda_backend.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"            // ExpertRows
-#include "cuda/gemm/kernels/sm90_tma_grouped.cuh"  // packed_stride
+#include "cuda/gemm/kernels/sm90_tma_grouped.cuh"  // packed_stride, ArrayTaker, PlainEpilogue, ...
 #include "cuda/gemm/pipeline/sm90_tma_desc.cuh"    // bind_current_context
 #include "moeblaze/error.hpp"
 
@@ -51,17 +51,12 @@ struct Fp8GroupedGemm {
   using ElemD = cutlass::bfloat16_t;
   using LayoutA = cutlass::layout::RowMajor;     // (M, K), K contiguous
   using LayoutB = cutlass::layout::ColumnMajor;  // B_e (N, K), K contiguous
-  using LayoutD = cutlass::layout::RowMajor;     // (M, N)
   using LayoutSFA = decltype(Fp8ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(Fp8ScaleConfig::deduce_layoutSFB());
   static constexpr int kAlignAB = 16;  // e4m3 elements per 16 bytes
   static constexpr int kAlignD = 8;    // bf16
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K)
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD,
-      ElemD, LayoutD*, kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-      cutlass::epilogue::fusion::LinearCombination<ElemD, float>>::CollectiveOp;
+  using Epilogue = PlainEpilogue<Tile, Cluster, ElemD, kAlignD>;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElemAB,
       cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB, ElemAB, cute::tuple<LayoutB*, LayoutSFB*>,
@@ -92,26 +87,20 @@ struct Fp8GroupedGemm {
     size_t bytes;                // total, 256-byte aligned
   };
   static GroupArrays carve(void* base, int E) {
-    char* p = static_cast<char*>(base);
-    size_t off = 0;
-    auto take = [&](size_t bytes) {
-      char* at = p ? p + off : nullptr;
-      off += (bytes + 255) / 256 * 256;
-      return at;
-    };
+    ArrayTaker t{static_cast<char*>(base)};
     GroupArrays g;
-    g.shapes = reinterpret_cast<Shape3*>(take(sizeof(Shape3) * E));
-    g.ptr_a = reinterpret_cast<const ElemAB**>(take(sizeof(void*) * E));
-    g.ptr_b = reinterpret_cast<const ElemAB**>(take(sizeof(void*) * E));
-    g.ptr_d = reinterpret_cast<ElemD**>(take(sizeof(void*) * E));
-    g.ptr_sfa = reinterpret_cast<const float**>(take(sizeof(void*) * E));
-    g.ptr_sfb = reinterpret_cast<const float**>(take(sizeof(void*) * E));
-    g.stride_a = reinterpret_cast<StrideA*>(take(sizeof(StrideA) * E));
-    g.stride_b = reinterpret_cast<StrideB*>(take(sizeof(StrideB) * E));
-    g.stride_d = reinterpret_cast<StrideD*>(take(sizeof(StrideD) * E));
-    g.layout_sfa = reinterpret_cast<LayoutSFA*>(take(sizeof(LayoutSFA) * E));
-    g.layout_sfb = reinterpret_cast<LayoutSFB*>(take(sizeof(LayoutSFB) * E));
-    g.bytes = off;
+    g.shapes = t.take<Shape3>(E);
+    g.ptr_a = t.take<const ElemAB*>(E);
+    g.ptr_b = t.take<const ElemAB*>(E);
+    g.ptr_d = t.take<ElemD*>(E);
+    g.ptr_sfa = t.take<const float*>(E);
+    g.ptr_sfb = t.take<const float*>(E);
+    g.stride_a = t.take<StrideA>(E);
+    g.stride_b = t.take<StrideB>(E);
+    g.stride_d = t.take<StrideD>(E);
+    g.layout_sfa = t.take<LayoutSFA>(E);
+    g.layout_sfb = t.take<LayoutSFB>(E);
+    g.bytes = t.bytes;
     return g;
   }
 
@@ -122,28 +111,16 @@ struct Fp8GroupedGemm {
     args.problem_shape = {E, g.shapes, nullptr};  // sizes on the device only
     args.mainloop = {g.ptr_a, g.stride_a, g.ptr_b, g.stride_b,
                      g.ptr_sfa, g.layout_sfa, g.ptr_sfb, g.layout_sfb};
-    args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = 0.0f;
-    args.epilogue.ptr_C = nullptr;
-    args.epilogue.dC = nullptr;
-    args.epilogue.ptr_D = g.ptr_d;
-    args.epilogue.dD = g.stride_d;
+    set_plain_epilogue(args, g.ptr_d, g.stride_d);
     args.hw_info = hw;
     return args;
-  }
-
-  static cutlass::KernelHardwareInfo hw_info() {
-    cutlass::KernelHardwareInfo hw;
-    MOEBLAZE_CUDA_CHECK(cudaGetDevice(&hw.device_id));
-    MOEBLAZE_CUDA_CHECK(
-        cudaDeviceGetAttribute(&hw.sm_count, cudaDevAttrMultiProcessorCount, hw.device_id));
-    return hw;
   }
 
   // The argument arrays + CUTLASS's workspace (per-SM TMA descriptors) for E experts.
   static size_t scratch_bytes(int E) {
     const GroupArrays g = carve(nullptr, E);
-    return g.bytes + (Gemm::get_workspace_size(arguments(g, E, hw_info())) + 255) / 256 * 256;
+    return g.bytes +
+           (Gemm::get_workspace_size(arguments(g, E, current_hw_info())) + 255) / 256 * 256;
   }
 };
 
@@ -179,7 +156,7 @@ void run_fp8(const char* fn, ExpertRows rows, int E, const void* qa, const float
              size_t scratch_bytes, cudaStream_t stream) {
   sm90::bind_current_context();  // CUTLASS's initialize encodes TMA descriptors (driver API)
   const typename G::GroupArrays g = G::carve(scratch, E);
-  const typename G::Gemm::Arguments args = G::arguments(g, E, G::hw_info());
+  const typename G::Gemm::Arguments args = G::arguments(g, E, current_hw_info());
   const size_t ws_bytes = G::Gemm::get_workspace_size(args);
   MOEBLAZE_REQUIRE(scratch_bytes >= g.bytes + ws_bytes, fn, ": scratch of ", scratch_bytes,
                    " bytes is smaller than the ", g.bytes + ws_bytes, " the FP8 GEMM needs");
@@ -188,16 +165,8 @@ void run_fp8(const char* fn, ExpertRows rows, int E, const void* qa, const float
       g, rows, E, static_cast<const AB*>(qa), sa, static_cast<const AB*>(qb), sb,
       static_cast<typename G::ElemD*>(d), N, K);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
-  typename G::Gemm gemm;
-  MOEBLAZE_UNSUPPORTED_IF(gemm.can_implement(args) != cutlass::Status::kSuccess, fn,
-                          ": CUTLASS's FP8 grouped GEMM rejects N = ", N, ", K = ", K);
-  void* workspace = static_cast<char*>(scratch) + g.bytes;
-  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess)
-    throw DeviceError(std::string(fn) + ": CUTLASS FP8 grouped GEMM initialisation failed");
-  const cutlass::Status st = gemm.run(stream);
-  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
-  if (st != cutlass::Status::kSuccess)
-    throw DeviceError(std::string(fn) + ": CUTLASS FP8 grouped GEMM launch failed");
+  initialize_and_run<typename G::Gemm>(fn, "FP8 grouped GEMM", args, N, K,
+                                       static_cast<char*>(scratch) + g.bytes, stream);
 }
 
 }  // namespace moeblaze::cuda::gemm::tma
