@@ -11,6 +11,10 @@
 //
 // FLOPs: up 2·S·w1_rows·d, down 2·S·d·n, dH 2·S·d·n, dW2 2·S·d·n, dX 2·S·w1_rows·d,
 // dW1 2·S·w1_rows·d (their sum is DESIGN's 6·S·n·d forward + 12·S·n·d backward for gated).
+// down-fp8 (issue 20; where d and n are multiples of 128): the down-projection on e4m3 operands
+// with DeepSeek-V3's scales (cuda/gemm/fp8_grouped_gemm.hpp), its operands quantized once before
+// the timing (the layer will quantize A in the up-projection's epilogue and cache W2's codes);
+// its output is checked by the GPU tests, not here.
 #ifdef MOEBLAZE_WITH_CUDA
 
 #include <CLI/CLI.hpp>
@@ -35,6 +39,8 @@
 #include "configs.hpp"
 #include "flags.hpp"
 #include "cuda/cuda_backend.hpp"
+#include "cuda/fp8/quantize.hpp"
+#include "cuda/gemm/fp8_grouped_gemm.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "moeblaze/moeblaze.hpp"
 #include "table.hpp"
@@ -182,6 +188,16 @@ struct ShapeData {
   Dev off, tok, wts, x, w1, w2, dO;
   Dev h, a, y, parts, dh, as, dx, dw1, dw2;
   RoutingPlanView plan;
+  // down-fp8's operands and output: A (S, n) and W2 (E, d, n) as codes and scales, Y (S, d).
+  struct Fp8Down {
+    Dev qa, sa, qw, sw, y, scratch;
+    bool quantized = false;  // A is quantized at the first launch, after up-proj wrote it
+    Fp8Down(int64_t S, int64_t d, int64_t n, int64_t E)
+        : qa(size_t(S * n)), sa(size_t(S * (n / 128)) * 4), qw(size_t(E * d * n)),
+          sw(size_t(E * (d / 128) * (n / 128)) * 4), y(size_t(S * d) * 2),
+          scratch(cuda::gemm::fp8::contiguous_scratch_bytes(E)) {}
+  };
+  std::unique_ptr<Fp8Down> fp8;  // null where d or n is not a multiple of 128
 
   ShapeData(const Shape& sh, Activation act, uint64_t seed, const BalancedRouting& rt)
       : T(sh.T), d(sh.d), n(sh.n), E(sh.E), K(sh.K), S(sh.T * sh.K),
@@ -195,6 +211,7 @@ struct ShapeData {
         parts(size_t(S * cuda::gemm::ds_partials_cols(n)) * 4), dh(size_t(S * R) * 2),
         as(size_t(S * n) * 2), dx(size_t(S * d) * 2), dw1(size_t(E * R * d) * 2),
         dw2(size_t(E * d * n) * 2) {
+    if (d % 128 == 0 && n % 128 == 0) fp8 = std::make_unique<Fp8Down>(S, d, n, E);
     plan.T = T;
     plan.E = E;
     plan.S = S;
@@ -281,6 +298,25 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
     };
     return k;
   };
+  // down-fp8: W2 quantized here, A at the first launch (the chain's up-proj has written it).
+  auto down_fp8 = [&]() -> Kernel {
+    ShapeData::Fp8Down& q = *s.fp8;
+    cuda::fp8::quantize_128x128_async(B(s.w2), s.E, s.d * s.n, s.d, s.n, s.n,
+                                      q.qw.as<uint8_t>(), q.sw.as<float>(), stream);
+    return {"down-fp8", "y-fp8", down_flops,
+            [&s, &q, stream, B] {
+              if (!q.quantized) {
+                cuda::fp8::quantize_1x128_async(B(s.a), s.S, s.n, s.n, q.qa.as<uint8_t>(),
+                                                q.sa.as<float>(), stream);
+                q.quantized = true;
+              }
+              gg::fp8::contiguous(gg::ExpertRows::whole(s.plan), s.E, q.qa.as<uint8_t>(),
+                                  q.sa.as<float>(), q.qw.as<uint8_t>(), q.sw.as<float>(),
+                                  q.y.as<bf16>(), s.d, s.n, q.scratch.p, q.scratch.bytes,
+                                  stream);
+            },
+            S, d, n};
+  };
   std::vector<Kernel> all = {up("up", GK::two_cta),
           up("up-ws", GK::warp_specialized),
           up("up-pp", GK::ping_pong),
@@ -299,6 +335,7 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
           on_ws("dx.family=ws,dx.schedule=pingpong", dx("dX-pp", {})),
           dw1("dW1", GK::two_cta),
           dw1("dW1-ws", GK::warp_specialized)};
+  if (s.fp8) all.insert(all.begin() + 3, down_fp8());  // after the up-projections
   // swiglu_oai's up-projection and dH have one kernel each (ws cooperative): the others refuse it.
   if (act == Activation::swiglu_oai)
     all.erase(std::remove_if(all.begin(), all.end(),
@@ -561,7 +598,7 @@ void add_bench_gemm_command(CLI::App& bench) {
   sub->add_flag("--no-dense", flags->no_dense, "skip the cuBLAS same-FLOP comparison");
   sub->add_option("--only", flags->only,
                   "time only these kernels (comma list of up, up-ws, up-pp, down, dH, dH-ws, dH-pp, dW2, dW2-ws, dX, "
-                  "down-tma, dX-tma, down-ws, down-pp, dX-ws, dX-pp, dW1, dW1-ws); all of them still run once "
+                  "down-tma, dX-tma, down-ws, down-pp, dX-ws, dX-pp, dW1, dW1-ws, down-fp8); all of them still run once "
                   "for the correctness check");
   sub->add_option("--out", flags->out, "append JSON lines to this file");
   sub->add_option("--md", flags->md, "write the table as Markdown to this file");
