@@ -642,6 +642,49 @@ TEST(Fp8QuantizeGpu, EmptyInputsLaunchNothing) {
   for (uint8_t b : ds.download<uint8_t>()) ASSERT_EQ(b, 0xFF);
 }
 
+// transpose_blocks_async turns each matrix's codes and block scales round: bit for bit the
+// 128x128 quantization of the transposed matrix (core quantizer on both sides), with guard bytes
+// after each output left untouched.
+TEST(Fp8QuantizeGpu, TransposedBlocksAreTheTransposesQuantization) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const int64_t batch = 3, rows = 256, cols = 384, rb = rows / 128, cb = cols / 128;
+  std::vector<float> x = random_normal(size_t(batch * rows * cols), seed);
+  for (int64_t b = 0; b < batch; ++b)  // each matrix, and each block row, at its own scale
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        x[(b * rows + r) * cols + c] *= std::ldexp(1.0f, int(3 * b + r / 128 - c / 128));
+  std::vector<float> xt(x.size());
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        xt[(b * cols + c) * rows + r] = x[(b * rows + r) * cols + c];
+  std::vector<e4m3> q(x.size()), want_q(x.size());
+  std::vector<float> sc(size_t(batch * rb * cb)), want_s(sc.size());
+  for (int64_t b = 0; b < batch; ++b) {
+    quantize_128x128(x.data() + b * rows * cols, rows, cols, cols, q.data() + b * rows * cols,
+                     sc.data() + b * rb * cb);
+    quantize_128x128(xt.data() + b * rows * cols, cols, rows, rows,
+                     want_q.data() + b * rows * cols, want_s.data() + b * rb * cb);
+  }
+  std::vector<uint8_t> qb(q.size());
+  for (size_t i = 0; i < q.size(); ++i) qb[i] = q[i].bits;
+  DevMem dq(qb), ds(sc), dqt(qb.size() + kGuard), dst(sc.size() * 4 + kGuard);
+  dqt.poison();
+  dst.poison();
+  f8::transpose_blocks_async(dq.as<uint8_t>(), ds.as<float>(), batch, rows, cols,
+                             dqt.as<uint8_t>(), dst.as<float>(), nullptr);
+  const std::vector<uint8_t> got_q = dqt.download<uint8_t>(), got_s = dst.download<uint8_t>();
+  for (size_t i = 0; i < want_q.size(); ++i) ASSERT_EQ(got_q[i], want_q[i].bits) << "code " << i;
+  ASSERT_EQ(std::memcmp(got_s.data(), want_s.data(), want_s.size() * 4), 0) << "scales";
+  for (size_t i = want_q.size(); i < got_q.size(); ++i) ASSERT_EQ(got_q[i], 0xFF) << "guard";
+  for (size_t i = want_s.size() * 4; i < got_s.size(); ++i) ASSERT_EQ(got_s[i], 0xFF) << "guard";
+  EXPECT_THROW(f8::transpose_blocks_async(dq.as<uint8_t>(), ds.as<float>(), 1, 200, 128,
+                                          dqt.as<uint8_t>(), dst.as<float>(), nullptr),
+               InvalidArgument);
+}
+
 // Argument checks run on the host before any CUDA call: no GPU needed.
 TEST(Fp8QuantizeGpuChecks, BadArgumentsThrowBeforeLaunch) {
   const bf16* xb = reinterpret_cast<const bf16*>(uintptr_t(256));  // never dereferenced

@@ -44,4 +44,13 @@ void quantize_128x128_async(const float* x, int64_t batch, int64_t batch_stride,
                             int64_t cols, int64_t ld, uint8_t* q, float* scales,
                             cudaStream_t stream);
 
+// The 128x128-block quantization of each stacked matrix's transpose, from its own (transpose.cu):
+// codes (batch, rows, cols) -> qt (batch, cols, rows), scales (batch, rows/128, cols/128) -> st
+// (batch, cols/128, rows/128). A block's scale is its amax / 448 either way round, so this is
+// bit for bit quantize_128x128 of the transposed matrix: FP8 WGMMA reads its operands K-major,
+// and a weight used both ways (W1 in the up-projection and in dX̃) needs both. rows and cols
+// multiples of 128 (InvalidArgument otherwise, nothing written); q, qt 16-byte aligned.
+void transpose_blocks_async(const uint8_t* q, const float* scales, int64_t batch, int64_t rows,
+                            int64_t cols, uint8_t* qt, float* scales_t, cudaStream_t stream);
+
 }  // namespace moeblaze::cuda::fp8
