@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdint>
 #include <initializer_list>
 #include <utility>
 
@@ -75,9 +76,8 @@ const GemmOps kNaiveOps = {naive::up_proj,  naive_down_proj, naive::dh_proj,
                            naive::reduce_ds, naive::dw2_proj, naive_dx_proj,
                            naive::dw1_proj, naive::ds_partials_cols, no_scratch, "naive"};
 
-// A Carver piece of gemm_ops().scratch_bytes(S, E) bytes; empty when that is 0.
-gemm::GemmScratch take_scratch(Carver& c, int64_t S, int64_t E) {
-  const size_t bytes = gemm_ops().scratch_bytes(S, E);
+// A Carver piece of `bytes` (gemm_ops().scratch_bytes); empty when that is 0.
+gemm::GemmScratch take_scratch(Carver& c, size_t bytes) {
   if (bytes == 0) return {};
   return {c.take<char>(static_cast<int64_t>(bytes)), bytes};
 }
@@ -130,7 +130,7 @@ ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, const Toke
   ForwardWorkspace w;
   w.a = c.take<bf16>(S * cfg.n);
   w.y = c.take<bf16>(chunks.rows * cfg.d);
-  w.scratch = take_scratch(c, S, cfg.E);
+  w.scratch = take_scratch(c, gemm_ops().scratch_bytes(S, cfg.E));
   w.maps = take_maps(c, chunks, S, cfg.E);
   w.bytes = c.high_water();
   return w;
@@ -138,7 +138,7 @@ ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, const Toke
 
 namespace {
 
-// Off until the GPU tests have run the dw1 placement (written 2026-12-02 without a device).
+// The region's placement in dw1: off until the GPU tests have run it (written without a device).
 std::atomic<bool> g_dw1_reuse{false};
 
 // Carves A', the ds partials, ds and dx_slots into `c` from its current offset. A', the ds
@@ -175,24 +175,33 @@ Dw1Reuse dw1_reuse_rule(size_t shared_bytes, size_t scratch_bytes, size_t dw1_by
   return r;
 }
 
+namespace {
+// backward_dw1_reuse for a known scratch size. With the switch off the region never fits, so
+// only the scratch goes to dw1, from its start.
+Dw1Reuse dw1_reuse(const LayerConfig& cfg, int64_t S, int64_t ds_cols, const TokenChunks& chunks,
+                   size_t scratch_bytes) {
+  const size_t region =
+      g_dw1_reuse.load() ? backward_shared_bytes(cfg, S, ds_cols, chunks) : SIZE_MAX;
+  return dw1_reuse_rule(region, scratch_bytes, size_t(cfg.E * w1_rows(cfg) * cfg.d) * 2);
+}
+}  // namespace
+
 Dw1Reuse backward_dw1_reuse(const LayerConfig& cfg, int64_t S, int64_t ds_cols,
                             const TokenChunks& chunks) {
-  if (!g_dw1_reuse.load()) return {};
-  return dw1_reuse_rule(backward_shared_bytes(cfg, S, ds_cols, chunks),
-                        gemm_ops().scratch_bytes(S, cfg.E),
-                        size_t(cfg.E * w1_rows(cfg) * cfg.d) * 2);
+  return dw1_reuse(cfg, S, ds_cols, chunks, gemm_ops().scratch_bytes(S, cfg.E));
 }
 
 BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMode mode,
                                      int64_t ds_cols, const TokenChunks& chunks, void* base,
                                      bool dh_over_h, void* dw1) {
-  const Dw1Reuse reuse = backward_dw1_reuse(cfg, S, ds_cols, chunks);
+  const size_t scratch_bytes = gemm_ops().scratch_bytes(S, cfg.E);
+  const Dw1Reuse reuse = dw1_reuse(cfg, S, ds_cols, chunks, scratch_bytes);
   Carver c(base);
   BackwardWorkspace w;
   // dH is written over H when H is the workspace's own (recompute) or the caller allows it.
   if (mode == LayerMode::recompute) w.h = w.dh = c.take<bf16>(S * w1_rows(cfg));
   else if (!dh_over_h) w.dh = c.take<bf16>(S * w1_rows(cfg));
-  if (!reuse.scratch) w.scratch = take_scratch(c, S, cfg.E);
+  if (!reuse.scratch) w.scratch = take_scratch(c, scratch_bytes);
   w.maps = take_maps(c, chunks, S, cfg.E);
   // dw1 is only 16-byte aligned (check_gpu_layer_args), which is all these pieces need.
   Carver in_dw1(dw1);
@@ -200,7 +209,7 @@ BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMod
   if (reuse.scratch && dw1 != nullptr) {
     // dX̃'s TMA scratch (CUtensorMaps want 64-byte alignment) at the next 256-byte boundary.
     const uintptr_t at = (reinterpret_cast<uintptr_t>(dw1) + reuse.scratch_at + 255) / 256 * 256;
-    w.scratch = {reinterpret_cast<void*>(at), gemm_ops().scratch_bytes(S, cfg.E)};
+    w.scratch = {reinterpret_cast<void*>(at), scratch_bytes};
   }
   w.bytes = c.high_water();
   return w;

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/carver.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/layer/token_chunks.hpp"
 #include "moeblaze/config.hpp"
@@ -46,31 +47,9 @@ enum class GemmImpl : uint8_t { sm90, naive };
 const GemmOps& gemm_ops();
 void set_gemm_impl(GemmImpl impl);
 
-// Carves 256-byte-aligned pieces out of one workspace allocation, or (base == nullptr) only
-// counts the bytes, so the size reported before a call and the carving share one code path.
-class Carver {
- public:
-  explicit Carver(void* base = nullptr) : base_(static_cast<char*>(base)) {}
-  template <typename T>
-  T* take(int64_t count) {
-    const size_t at = offset_;
-    offset_ += (static_cast<size_t>(count) * sizeof(T) + 255) / 256 * 256;
-    return base_ ? reinterpret_cast<T*>(base_ + at) : nullptr;
-  }
-  // Marks the current offset; rewind() returns to it, so later takes reuse the bytes of the
-  // pieces taken since (for buffers whose lifetimes do not overlap). high_water() is the size.
-  size_t mark() const { return offset_; }
-  void rewind(size_t mark) {
-    if (offset_ > high_) high_ = offset_;
-    offset_ = mark;
-  }
-  size_t high_water() const { return offset_ > high_ ? offset_ : high_; }
+// Carver (core/carver.hpp) lays out the workspaces below.
+using ::moeblaze::Carver;
 
- private:
-  char* base_;
-  size_t offset_ = 0;
-  size_t high_ = 0;
-};
 
 // Workspace pieces of one forward / backward call (pointers null when only counting).
 struct ForwardWorkspace {
@@ -112,8 +91,8 @@ ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, const Toke
 //   scratch: dX̃'s TMA scratch, after the region (or from dw1's start), at a 256-byte boundary,
 //            when there is one and it fits there too.
 // A function of the sizes alone, so the workspace size needs no pointer. set_backward_dw1_reuse
-// switches it for the whole process (tests compare the two placements); off by default until the
-// GPU tests have run it.
+// switches the region's placement for the whole process (tests compare the two); it is off by
+// default until the GPU tests have run it, and then the scratch alone goes to dw1's start.
 struct Dw1Reuse {
   bool shared = false;
   bool scratch = false;

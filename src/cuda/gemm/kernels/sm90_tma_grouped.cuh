@@ -31,6 +31,7 @@
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
+#include "core/carver.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"  // ExpertRows
 #include "cuda/gemm/pipeline/sm90_tma_desc.cuh"  // bind_current_context
@@ -53,20 +54,6 @@ using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
 struct SchedulerChoice {
   bool along_n;
   int swizzle;
-};
-
-// Takes E-element arrays one after another from the front of a scratch, each rounded up to 256
-// bytes, or (base null) only counts their bytes: the per-expert argument arrays of the pointer-
-// array kernels (here and sm90_tma_grouped_fp8.cuh).
-struct ArrayTaker {
-  char* base;
-  size_t bytes = 0;
-  template <class T>
-  T* take(int E) {
-    T* at = base ? reinterpret_cast<T*>(base + bytes) : nullptr;
-    bytes += (sizeof(T) * size_t(E) + 255) / 256 * 256;
-    return at;
-  }
 };
 
 inline cutlass::KernelHardwareInfo current_hw_info() {
@@ -149,7 +136,7 @@ struct GroupedGemm {
     size_t bytes;          // total, 256-byte aligned
   };
   static GroupArrays carve(void* base, int E) {
-    ArrayTaker t{static_cast<char*>(base)};
+    Carver t(base);
     GroupArrays g;
     g.shapes = t.take<Shape3>(E);
     g.ptr_a = t.take<const ElemT*>(E);
@@ -158,7 +145,7 @@ struct GroupedGemm {
     g.stride_a = t.take<StrideA>(E);
     g.stride_b = t.take<StrideB>(E);
     g.stride_d = t.take<StrideD>(E);
-    g.bytes = t.bytes;
+    g.bytes = t.high_water();
     return g;
   }
 

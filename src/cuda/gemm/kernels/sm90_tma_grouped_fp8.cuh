@@ -32,7 +32,7 @@
 
 #include "cuda/cuda_backend.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"            // ExpertRows
-#include "cuda/gemm/kernels/sm90_tma_grouped.cuh"  // packed_stride, ArrayTaker, PlainEpilogue, ...
+#include "cuda/gemm/kernels/sm90_tma_grouped.cuh"  // packed_stride, PlainEpilogue, ...
 #include "cuda/gemm/pipeline/sm90_tma_desc.cuh"    // bind_current_context
 #include "moeblaze/error.hpp"
 
@@ -87,7 +87,7 @@ struct Fp8GroupedGemm {
     size_t bytes;                // total, 256-byte aligned
   };
   static GroupArrays carve(void* base, int E) {
-    ArrayTaker t{static_cast<char*>(base)};
+    Carver t(base);
     GroupArrays g;
     g.shapes = t.take<Shape3>(E);
     g.ptr_a = t.take<const ElemAB*>(E);
@@ -100,7 +100,7 @@ struct Fp8GroupedGemm {
     g.stride_d = t.take<StrideD>(E);
     g.layout_sfa = t.take<LayoutSFA>(E);
     g.layout_sfb = t.take<LayoutSFB>(E);
-    g.bytes = t.bytes;
+    g.bytes = t.high_water();
     return g;
   }
 
