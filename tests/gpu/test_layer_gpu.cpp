@@ -673,7 +673,7 @@ TEST(LayerGpu, BackwardPiecesInDw1GiveTheWorkspacesBits) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   struct Restore {
-    ~Restore() { cuda::set_backward_dw1_reuse(false); }  // the library's default
+    ~Restore() { cuda::set_backward_dw1_reuse(true); }  // the library's default
   } restore;
   // (T, d, n, E, K): on the TMA path with dX̃ exactly dw1's size (S = 2 n E), the scratch then in
   // the workspace; the region too large for dw1 (S > 2 n E: both runs alike); the cp.async path

@@ -138,8 +138,9 @@ ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, const Toke
 
 namespace {
 
-// The region's placement in dw1: off until the GPU tests have run it (written without a device).
-std::atomic<bool> g_dw1_reuse{false};
+// The region's placement in dw1: on by default (it takes S·(n + 4 ds_cols + 4) bytes off the peak);
+// tests switch it off to compare the two placements bit for bit.
+std::atomic<bool> g_dw1_reuse{true};
 
 // Carves A', the ds partials, ds and dx_slots into `c` from its current offset. A', the ds
 // partials and ds die before dX̃ is written (ds once gathered to pair order): dX̃ takes their

@@ -91,8 +91,8 @@ ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, const Toke
 //   scratch: dX̃'s TMA scratch, after the region (or from dw1's start), at a 256-byte boundary,
 //            when there is one and it fits there too.
 // A function of the sizes alone, so the workspace size needs no pointer. set_backward_dw1_reuse
-// switches the region's placement for the whole process (tests compare the two); it is off by
-// default until the GPU tests have run it, and then the scratch alone goes to dw1's start.
+// switches the region's placement for the whole process (tests compare the two); it is on by
+// default, and when off the scratch alone goes to dw1's start.
 struct Dw1Reuse {
   bool shared = false;
   bool scratch = false;
