@@ -33,7 +33,8 @@
 #                      SonicMoE's autotune results (its first call at a shape otherwise searches
 #                      for minutes) are restored from bench/results/sonicmoe-autotune-h200.tgz and
 #                      written back, with this run's additions, to OUT/sonicmoe-autotune-h200.tgz
-#                      (commit that file over the old one).
+#                      (commit that file over the old one; PEERS_TIMEOUT=S stops peers.py after S
+#                      seconds so the file is still written when autotuning outlasts the call).
 #       sanitize       compute-sanitizer (not in `all`: ~5 min): --tool memcheck over the small-shape
 #                      GPU tests (SANITIZE_FILTER below; no EP/NCCL, no big grids: sanitized
 #                      kernels run 10-100x slower), then over moeblaze bench layer --shape
@@ -430,8 +431,10 @@ if want peers && install_python; then
   fi
   cli="$BUILD/moeblaze"
   # shellcheck disable=SC2086
-  if PYTHONUNBUFFERED=1 python3 bench/peers.py --cli "$cli" --out "$OUT/peers.jsonl" \
-      --md "$OUT/peers.md" ${PEERS_ARGS:-} >>"$OUT/peers.log" 2>&1; then
+  # PEERS_TIMEOUT (seconds, default none): stop peers.py in time for the autotune results below
+  # to be packed even when SonicMoE's first call at a shape outlasts the device call.
+  if PYTHONUNBUFFERED=1 timeout "${PEERS_TIMEOUT:-0}" python3 bench/peers.py --cli "$cli" \
+      --out "$OUT/peers.jsonl" --md "$OUT/peers.md" ${PEERS_ARGS:-} >>"$OUT/peers.log" 2>&1; then
     summary+=("bench peers: $(grep -c '"bench": "peers"' "$OUT/peers.jsonl") rows [$(( $(date +%s) - t0 )) s]")
   else
     status=1
