@@ -38,7 +38,7 @@
 extern "C" {
 #endif
 
-#define MOEBLAZE_CAPI_VERSION 2 /* 2: moeblaze_layer_cfg.compute */
+#define MOEBLAZE_CAPI_VERSION 3 /* 2: moeblaze_layer_cfg.compute; 3: two-call token rounding */
 
 enum {
   MOEBLAZE_OK = 0,
@@ -120,6 +120,22 @@ int moeblaze_token_round(const moeblaze_router_cfg* cfg, int32_t m_tile, int32_t
                          const moeblaze_routing* topk, void** handle, int64_t* rounded_pairs);
 int moeblaze_routing_take(void* handle, const moeblaze_routing* out, void* stream);
 void moeblaze_routing_free(void* handle);
+
+/* The same token rounding in two calls, CUDA only, on the caller's stream over a caller workspace
+ * of moeblaze_token_round_workspace_bytes (it must live until the fill is done): count validates
+ * topk and the logits and returns P' with one synchronisation (its only one: no allocation, no
+ * copy through the default stream); fill writes the rounded routing into `out` (P = P') without
+ * one. A bad topk or a NaN/Inf logit fails count with the CPU's message. */
+int moeblaze_token_round_workspace_bytes(int64_t T, int64_t E, int32_t device, uint64_t* bytes);
+int moeblaze_token_round_count(const moeblaze_router_cfg* cfg, int32_t m_tile, int32_t rounding,
+                               uint64_t seed, const void* logits, int32_t logits_dtype,
+                               int64_t T, int64_t E, const float* bias, int32_t device,
+                               void* stream, const moeblaze_routing* topk, void* workspace,
+                               uint64_t workspace_bytes, int64_t* rounded_pairs);
+int moeblaze_token_round_fill(const moeblaze_router_cfg* cfg, const void* logits,
+                              int32_t logits_dtype, int64_t T, int64_t E, int32_t device,
+                              void* stream, const void* workspace, uint64_t workspace_bytes,
+                              const moeblaze_routing* out);
 
 /* Routing plan (atomic-free builder) over caller storage. The CPU validates the routing (error
  * naming the first bad entry); CUDA raises `flags` instead. */

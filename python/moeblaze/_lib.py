@@ -9,7 +9,7 @@ import os
 
 import torch  # noqa: F401  (loads libcudart & co. before the library needs them)
 
-CAPI_VERSION = 2  # capi.h's MOEBLAZE_CAPI_VERSION
+CAPI_VERSION = 3  # capi.h's MOEBLAZE_CAPI_VERSION
 
 # Error codes (capi.h).
 OK, ERR_INVALID_ARGUMENT, ERR_UNSUPPORTED, ERR_DEVICE, ERR_OTHER = range(5)
@@ -76,6 +76,13 @@ _SIGNATURES = {
                               ctypes.POINTER(_I64)], ctypes.c_int),
     "moeblaze_routing_take": ([_P, ctypes.POINTER(Routing), _P], ctypes.c_int),
     "moeblaze_routing_free": ([_P], None),
+    "moeblaze_token_round_workspace_bytes": ([_I64, _I64, _I32, ctypes.POINTER(_U64)],
+                                             ctypes.c_int),
+    "moeblaze_token_round_count": ([ctypes.POINTER(RouterCfg), _I32, _I32, _U64, _P, _I32, _I64,
+                                    _I64, _P, _I32, _P, ctypes.POINTER(Routing), _P, _U64,
+                                    ctypes.POINTER(_I64)], ctypes.c_int),
+    "moeblaze_token_round_fill": ([ctypes.POINTER(RouterCfg), _P, _I32, _I64, _I64, _I32, _P, _P,
+                                   _U64, ctypes.POINTER(Routing)], ctypes.c_int),
     "moeblaze_plan_workspace_bytes": ([_I64, _I64, _I64, _I32, ctypes.POINTER(_U64)], ctypes.c_int),
     "moeblaze_build_plan": ([ctypes.POINTER(Routing), _I32, _P, ctypes.POINTER(Plan), _P, _U64, _P],
                             ctypes.c_int),

@@ -5,7 +5,7 @@ Everything an op keeps for backward (H, the routing, the routing plan) is a tens
 allocated by PyTorch's allocator; workspaces are PyTorch tensors too on CUDA (the CPU backend
 allocates its own, counted by moeblaze.memory_stats("cpu")). CUDA ops run on PyTorch's current
 stream and never synchronise with the host, except token_round (its pair count sizes its
-outputs). Device-side input checks raise a `flags` tensor (4 int32) instead of an error; see
+outputs: one sync, on CUDA the only one). Device-side input checks raise a `flags` tensor (4 int32) instead of an error; see
 check_flags. A plan filled by the caller (not build_plan) is checked by validate_plan (on CUDA:
 the device check and one host sync); the CUDA experts ops do not read-check plan contents.
 
@@ -365,16 +365,37 @@ def token_round(logits: Tensor, bias: Optional[Tensor], pair_offsets: Tensor, pa
     _int("seed", seed, 0, (1 << 63) - 1)  # the schema's int is int64: larger never gets here
     cfg = _lib.RouterCfg(kind, top_k, int(renormalize))
     topk = _routing_struct(T, E, pair_offsets, pair_experts, pair_weights, dev)
-    handle, P = ctypes.c_void_p(), ctypes.c_int64()
-    _run(logits, lib().moeblaze_token_round, ctypes.byref(cfg), m_tile, mode, seed, ptr(logits),
-         dt, T, E, ptr(bias), device_code(logits), stream_of(logits), ctypes.byref(topk),
-         ctypes.byref(handle), ctypes.byref(P))
+    P = ctypes.c_int64()
+    if logits.is_cuda:
+        # Two calls on the current stream, the workspace from torch's allocator: one host sync.
+        nbytes = _round_workspace_bytes(T, E, device_code(logits))
+        ws = _workspace(nbytes, dev)
+        _run(logits, lib().moeblaze_token_round_count, ctypes.byref(cfg), m_tile, mode, seed,
+             ptr(logits), dt, T, E, ptr(bias), device_code(logits), stream_of(logits),
+             ctypes.byref(topk), ptr(ws), nbytes, ctypes.byref(P))
+    else:
+        handle = ctypes.c_void_p()
+        _run(logits, lib().moeblaze_token_round, ctypes.byref(cfg), m_tile, mode, seed,
+             ptr(logits), dt, T, E, ptr(bias), device_code(logits), stream_of(logits),
+             ctypes.byref(topk), ctypes.byref(handle), ctypes.byref(P))
     offsets = torch.empty(T + 1, dtype=_I32, device=dev)
     experts = torch.empty(P.value, dtype=_I32, device=dev)
     weights = torch.empty(P.value, dtype=_F32, device=dev)
     out = _struct(_lib.Routing, (offsets, experts, weights), T, E, P.value)
-    _run(logits, lib().moeblaze_routing_take, handle, ctypes.byref(out), stream_of(logits))
+    if logits.is_cuda:
+        _run(logits, lib().moeblaze_token_round_fill, ctypes.byref(cfg), ptr(logits), dt, T, E,
+             device_code(logits), stream_of(logits), ptr(ws), nbytes, ctypes.byref(out))
+    else:
+        _run(logits, lib().moeblaze_routing_take, handle, ctypes.byref(out), stream_of(logits))
     return offsets, experts, weights
+
+
+@functools.lru_cache(maxsize=256)
+def _round_workspace_bytes(T, E, dcode):
+    """The two-call token rounding's workspace bytes, asked once per (T, E)."""
+    nbytes = ctypes.c_uint64()
+    check(lib().moeblaze_token_round_workspace_bytes(T, E, dcode, ctypes.byref(nbytes)))
+    return nbytes.value
 
 
 @token_round.register_fake

@@ -124,6 +124,36 @@ def test_gpu_token_rounding(seed):
     assert torch.isfinite(x.grad.float()).all() and torch.isfinite(moe.gate.weight.grad.float()).all()
 
 
+@pytest.mark.parametrize("mode", [0, 1, 2, 3])
+def test_gpu_token_round_ops_match_cpu_on_a_side_stream(seed, mode):
+    # The CUDA op's two calls (count with its one sync, then fill) on a non-default stream, the
+    # workspace from torch's allocator: the CPU's ids and weights, and no moeblaze allocation.
+    T, E, K = 1500, 24, 3
+    logits = torch.randn(T, E)
+    off, exp, w, _ = moeblaze.ops.route(logits, None, 0, K, False)
+    want = moeblaze.ops.token_round(logits, None, off, exp, w, 0, K, False, 16, mode, seed)
+    moeblaze.reset_peak("cuda")
+    before = moeblaze.memory_stats("cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        got = moeblaze.ops.token_round(logits.cuda(), None, off.cuda(), exp.cuda(), w.cuda(), 0,
+                                       K, False, 16, mode, seed)
+    side.synchronize()
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    torch.testing.assert_close(got[2].cpu(), want[2], rtol=2**-22, atol=0)
+    assert moeblaze.memory_stats("cuda")["peak"] == before["current"]
+
+
+def test_gpu_token_round_bad_topk_names_the_entry():
+    T, E, K = 64, 8, 2
+    logits = torch.randn(T, E, device="cuda")
+    off, exp, w, _ = moeblaze.ops.route(logits, None, 0, K, False)
+    exp = exp.clone()
+    exp[2 * 10 + 1] = 99
+    with pytest.raises(ValueError, match=r"expert id 99 of token 10"):
+        moeblaze.ops.token_round(logits, None, off, exp, w, 0, K, False, 4, 0, 0)
+
+
 def test_gpu_everything_lives_in_torch_memory():
     moeblaze.reset_peak("cuda")
     before = moeblaze.memory_stats("cuda")

@@ -441,6 +441,103 @@ int moeblaze_routing_take(void* handle, const moeblaze_routing* out, void* strea
 
 void moeblaze_routing_free(void* handle) { delete static_cast<Routing*>(handle); }
 
+namespace {
+// The two-call token rounding's shared checks: CUDA only (the CPU has no synchronisation to
+// save: moeblaze_token_round), the rounding parameters, topk's sizes against the logits'.
+TokenRoundingConfig round_args(Device dev, int32_t m_tile, int32_t rounding, uint64_t seed) {
+  MOEBLAZE_UNSUPPORTED_IF(dev != Device::cuda, "device (", int(dev),
+                          "): the two-call token rounding is CUDA-only; on the CPU call "
+                          "moeblaze_token_round");
+  MOEBLAZE_REQUIRE(m_tile >= 1, "m_tile (", m_tile, ") must be >= 1");
+  MOEBLAZE_REQUIRE(rounding >= 0 && rounding <= 3, "rounding (", rounding,
+                   ") must be 0 (nr-f), 1 (sr-f), 2 (up) or 3 (down)");
+  TokenRoundingConfig tc;
+  tc.m_tile = m_tile;
+  tc.mode = static_cast<RoundingMode>(rounding);
+  tc.seed = seed;
+  return tc;
+}
+}  // namespace
+
+int moeblaze_token_round_workspace_bytes(int64_t T, int64_t E, int32_t device, uint64_t* bytes) {
+  return guarded([&] {
+    const Device dev = to_device(device);
+    require_ptr(bytes, "bytes");
+    MOEBLAZE_REQUIRE(T >= 0 && E >= 1, "T (", T, "), E (", E, ") must be >= 0, >= 1");
+    round_args(dev, 1, 0, 0);
+#ifdef MOEBLAZE_WITH_CUDA
+    *bytes = cuda::token_round_workspace_bytes(T, E);
+#endif
+  });
+}
+
+int moeblaze_token_round_count(const moeblaze_router_cfg* cfg, int32_t m_tile, int32_t rounding,
+                               uint64_t seed, const void* logits, int32_t logits_dtype,
+                               int64_t T, int64_t E, const float* bias, int32_t device,
+                               void* stream, const moeblaze_routing* topk, void* workspace,
+                               uint64_t workspace_bytes, int64_t* rounded_pairs) {
+  return guarded([&] {
+    const Device dev = to_device(device);
+    const TokenRoundingConfig tc = round_args(dev, m_tile, rounding, seed);
+    const RouterConfig r = to_router(cfg, E);
+    const RouterArgs a = router_args(r, logits, logits_dtype, T, E, bias, dev);
+    const RoutingView tv = routing_view(topk, dev, "topk");
+    MOEBLAZE_REQUIRE(tv.T == T && tv.E == E, "topk has (T, E) = (", tv.T, ", ", tv.E,
+                     "), logits are (", T, ", ", E, ")");
+    require_ptr(rounded_pairs, "rounded_pairs");
+#ifdef MOEBLAZE_WITH_CUDA
+    const size_t need = cuda::token_round_workspace_bytes(T, E);
+    MOEBLAZE_REQUIRE(workspace_bytes >= need, "workspace_bytes (", workspace_bytes,
+                     ") is below moeblaze_token_round_workspace_bytes (", need, ")");
+    require_ptr(workspace, "workspace");
+    int32_t h[2 * cuda::kRoutingFlagCount];
+    const int64_t S = cuda::token_round_count(r, tc, a.logits, a.bias.as<const float>(), tv,
+                                              workspace, h, as_stream(stream));
+    cuda::throw_if_token_round_flags(h, r, tc, a.logits, a.bias, tv);
+    *rounded_pairs = S;
+#else
+    (void)stream;
+    (void)workspace;
+    (void)workspace_bytes;
+    (void)tc;
+    (void)a;
+#endif
+  });
+}
+
+int moeblaze_token_round_fill(const moeblaze_router_cfg* cfg, const void* logits,
+                              int32_t logits_dtype, int64_t T, int64_t E, int32_t device,
+                              void* stream, const void* workspace, uint64_t workspace_bytes,
+                              const moeblaze_routing* out) {
+  return guarded([&] {
+    const Device dev = to_device(device);
+    round_args(dev, 1, 0, 0);
+    const RouterConfig r = to_router(cfg, E);
+    // The bias is not read here (the pair weights use the logits alone).
+    MOEBLAZE_REQUIRE(T >= 0 && E >= 1, "T (", T, "), E (", E, ") must be >= 0, >= 1");
+    const TensorView lv(const_cast<void*>(logits), to_float_dtype(logits_dtype, "logits"), dev,
+                        {T, E});
+    require_data(lv, "logits");
+    const RoutingView o = routing_view(out, dev, "out");
+    MOEBLAZE_REQUIRE(o.T == T && o.E == E, "out has (T, E) = (", o.T, ", ", o.E,
+                     "), logits are (", T, ", ", E, ")");
+#ifdef MOEBLAZE_WITH_CUDA
+    const size_t need = cuda::token_round_workspace_bytes(T, E);
+    MOEBLAZE_REQUIRE(workspace_bytes >= need, "workspace_bytes (", workspace_bytes,
+                     ") is below moeblaze_token_round_workspace_bytes (", need, ")");
+    require_ptr(workspace, "workspace");
+    cuda::token_round_fill_async(r, lv, workspace, out->pair_offsets, out->pair_experts,
+                                 out->pair_weights, o.P, as_stream(stream));
+#else
+    (void)stream;
+    (void)workspace;
+    (void)workspace_bytes;
+    (void)lv;
+    (void)r;
+#endif
+  });
+}
+
 int moeblaze_plan_workspace_bytes(int64_t T, int64_t E, int64_t P, int32_t device,
                                   uint64_t* bytes) {
   return guarded([&] {

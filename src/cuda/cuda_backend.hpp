@@ -113,6 +113,11 @@ void build_plan_async(const RoutingView& routing, PlanBuilder builder, RoutingPl
 // Throws InvalidArgument naming the first bad entry (the CPU validator's message, run on a host
 // copy of the routing) when any of h_flags (host copy of the device flags) is raised.
 void throw_if_routing_flags(const int32_t* h_flags, const RoutingView& routing);
+// The same for token_round_count's 2 * kRoutingFlagCount flags (token_rounding.cu): topk's with
+// the CPU validator's message, then the logits' with the CPU token rounding's.
+void throw_if_token_round_flags(const int32_t* h_flags, const RouterConfig& router,
+                                const TokenRoundingConfig& cfg, const TensorView& logits,
+                                const TensorView& bias, const RoutingView& topk);
 
 // ---- a fixed-K routing from framework ids (src/cuda/routing/routing_from_ids.cu) ----
 // Device arrays of a routing with K pairs per token (P = T*K).

@@ -821,5 +821,56 @@ TEST(TokenRoundingGpu, TiesAndSmallBatches) {
   }
 }
 
+// The one-sync path checks topk on the device while it already runs: a broken topk or a
+// non-finite logit must still throw the CPU's message, read nothing out of bounds (the
+// sanitize part runs this test) and leave `out` untouched.
+TEST(TokenRoundingGpu, BadTopkOrNonFiniteLogitsThrowTheCpusMessage) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const int64_t T = 2000, E = 8;
+  std::vector<float> values = test::random_normal(size_t(T * E), seed);
+  const HostRouting good = random_topk(T, E, 2, seed + 1, false);
+  struct Case {
+    const char* name;
+    const char* message;
+    void (*mutate)(HostRouting&, std::vector<float>&);
+  };
+  const Case cases[] = {
+      {"out of range", "is out of range [0, 8)",
+       [](HostRouting& h, std::vector<float>&) { h.experts[2 * 1234 + 1] = 1 << 20; }},
+      {"negative", "is out of range [0, 8)",
+       [](HostRouting& h, std::vector<float>&) { h.experts[2 * 17] = -3; }},
+      {"repeated", "is repeated in token 500",
+       [](HostRouting& h, std::vector<float>&) { h.experts[2 * 500 + 1] = h.experts[2 * 500]; }},
+      {"offsets past P", "pair_offsets must be non-decreasing: token",
+       [](HostRouting& h, std::vector<float>&) { h.offsets[300] = 1 << 30; }},
+      {"nan logit", "logits[77, 3] (token 77, expert 3) is nan",
+       [](HostRouting&, std::vector<float>& v) { v[77 * 8 + 3] = NAN; }},
+  };
+  RouterConfig cfg;
+  cfg.top_k = 2;
+  TokenRoundingConfig tr;
+  tr.m_tile = 16;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    HostRouting bad = good;
+    std::vector<float> v = values;
+    c.mutate(bad, v);
+    const Logits lg = make_logits(T, E, DType::f32, v);
+    const Routing d = to_device(bad);
+    Routing out = to_device(good);
+    const void* before_ptr = out.view().pair_experts;
+    try {
+      token_round(cfg, tr, lg.device(), TensorView(), d.view(), out);
+      ADD_FAILURE() << "no exception";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(c.message), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(out.view().pair_experts, before_ptr);
+    EXPECT_TRUE(same_bits("untouched experts", to_host(out).experts, good.experts));
+  }
+}
+
 }  // namespace
 }  // namespace moeblaze

@@ -36,10 +36,21 @@ void router_backward_async(const RouterConfig& cfg, const TensorView& logits, co
 // Raises d_flags for a bad routing (src/cuda/routing/routing_validate.cu); no host sync.
 void validate_routing_async(const RoutingView& r, int32_t* d_flags, cudaStream_t stream);
 
-// Token rounding with the one host read it needs (the rounded pair count S sizes `out`).
-// d_flags are raised for non-finite logits/bias; the caller checks them.
-void token_round_sync(const RouterConfig& router, const TokenRoundingConfig& cfg,
-                      const TensorView& logits, const float* bias, const RoutingView& topk,
-                      Routing& out, int32_t* d_flags, cudaStream_t stream);
+// Token rounding in two calls on the caller's stream over one caller workspace of
+// token_round_workspace_bytes(T, E) (it refuses T*E >= 2^31), which must live from the first
+// call to the end of the second:
+//   token_round_count: validates topk and ranks the scores, returns the rounded pair count S
+//     with the one host synchronisation; h_flags (2 * kRoutingFlagCount) receive topk's routing
+//     flags, then the logits' (non-finite logits or bias). With a flag raised S is meaningless
+//     and the caller throws (nothing read out of bounds on the way).
+//   token_round_fill_async: the rounded routing into caller arrays (offsets (T+1,), experts and
+//     weights (P,), P = the count's S); no sync.
+size_t token_round_workspace_bytes(int64_t T, int64_t E);
+int64_t token_round_count(const RouterConfig& router, const TokenRoundingConfig& cfg,
+                          const TensorView& logits, const float* bias, const RoutingView& topk,
+                          void* workspace, int32_t* h_flags, cudaStream_t stream);
+void token_round_fill_async(const RouterConfig& router, const TensorView& logits,
+                            const void* workspace, int32_t* pair_offsets, int32_t* pair_experts,
+                            float* pair_weights, int64_t P, cudaStream_t stream);
 
 }  // namespace moeblaze::cuda

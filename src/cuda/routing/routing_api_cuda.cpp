@@ -232,25 +232,33 @@ void router_backward(const RouterConfig& cfg, const TensorView& logits, const Te
   MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
+void throw_if_token_round_flags(const int32_t* h_flags, const RouterConfig& router,
+                                const TokenRoundingConfig& cfg, const TensorView& logits,
+                                const TensorView& bias, const RoutingView& topk) {
+  throw_if_routing_flags(h_flags, topk);
+  const int32_t* logit_flags = h_flags + kRoutingFlagCount;
+  if (!any_flag(logit_flags)) return;
+  HostTensor hl = to_host(logits), hb = to_host(bias);
+  HostRouting hr = to_host(topk);
+  Routing scratch;
+  cpu::token_round(router, cfg, hl.view, hb.view, hr.view, scratch);
+  flags_without_message("token_round", logit_flags);
+}
+
 void token_round(const RouterConfig& router, const TokenRoundingConfig& cfg,
                  const TensorView& logits, const TensorView& bias, const RoutingView& topk,
                  Routing& out) {
   const cudaStream_t stream = nullptr;
-  check_routing_on_device(topk, stream);
-  Buffer flags;
-  int32_t* d_flags = clear_flags(flags, stream);
+  const int64_t T = logits.dim(0), E = logits.dim(1);
+  Buffer ws(Device::cuda, token_round_workspace_bytes(T, E));
   const float* b = router.kind == RouterKind::sigmoid_bias ? bias.as<const float>() : nullptr;
-  Routing fresh;
-  token_round_sync(router, cfg, logits, b, topk, fresh, d_flags, stream);
-  int32_t h[kRoutingFlagCount];
-  read_flags(flags, h, stream);
-  if (any_flag(h)) {
-    HostTensor hl = to_host(logits), hb = to_host(bias);
-    HostRouting hr = to_host(topk);
-    Routing scratch;
-    cpu::token_round(router, cfg, hl.view, hb.view, hr.view, scratch);
-    flags_without_message("token_round", h);
-  }
+  int32_t h[2 * kRoutingFlagCount];
+  const int64_t S = token_round_count(router, cfg, logits, b, topk, ws.data(), h, stream);
+  throw_if_token_round_flags(h, router, cfg, logits, bias, topk);
+  Routing fresh(Device::cuda, T, E, S);
+  token_round_fill_async(router, logits, ws.data(), fresh.pair_offsets(), fresh.pair_experts(),
+                         fresh.pair_weights(), S, stream);
+  MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(stream));
   out = std::move(fresh);
 }
 

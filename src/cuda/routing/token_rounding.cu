@@ -7,7 +7,8 @@
 //  1. scores (E, T): softmax probability / logit / sigmoid + bias, one thread per token
 //     (router_math.cuh: bitwise the CPU's values), -0 folded into +0 so that the radix order
 //     below agrees with the CPU's '>' comparison;
-//  2. chosen (E, T) flags from the top-K routing, c_e by the atomic-free histogram;
+//  2. chosen (E, T) flags from the top-K routing (checked on the device in the same pass of
+//     the stream, its broken entries skipped so nothing reads out of bounds), c_e = row sums;
 //  3. one CUB radix sort of 64-bit keys (expert, descending score) with token values: stable,
 //     so equal scores keep ascending token order, the CPU's tie rule;
 //  4. per expert (one block), a fixed-order scan down its sorted tokens keeps the first
@@ -15,9 +16,11 @@
 //     every token-choice pair outranks every expert-choice one, so this is exactly the CPU's
 //     "drop the lowest / pad with the best" rule;
 //  5. per token, the kept experts in ascending order; one exclusive scan gives the offsets;
-//     S is read back (the one host synchronisation: it sizes the output routing);
-//  6. weights per token by the router's rule.
+//     S and the flags are read back together (token_round_count: the one host synchronisation,
+//     on the caller's stream; S sizes the output routing);
+//  6. weights per token by the router's rule, into the caller's arrays (token_round_fill_async).
 // No atomics anywhere; every step is a function of the inputs alone.
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
@@ -86,13 +89,34 @@ rounding_scores_kernel(const InT* __restrict__ logits, const float* __restrict__
   }
 }
 
-// chosen[e*T + t] = 1 for every pair of the top-K routing (one writer per entry).
+// chosen[e*T + t] = 1 for every pair of the top-K routing (one writer per entry). The routing is
+// validated on the same stream without a sync, so offsets are clamped to [0, P] and ids outside
+// [0, E) skipped: a broken routing (flagged, then thrown on the host) never writes out of bounds.
 __global__ void mark_chosen_kernel(const int32_t* __restrict__ offsets,
-                                   const int32_t* __restrict__ experts, int64_t T,
-                                   uint8_t* __restrict__ chosen) {
+                                   const int32_t* __restrict__ experts, int64_t T, int64_t P,
+                                   int E, uint8_t* __restrict__ chosen) {
   const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= T) return;
-  for (int32_t p = offsets[t]; p < offsets[t + 1]; ++p) chosen[int64_t(experts[p]) * T + t] = 1;
+  const int64_t b = max(int64_t(0), min(int64_t(offsets[t]), P));
+  const int64_t end = max(b, min(int64_t(offsets[t + 1]), P));
+  for (int64_t p = b; p < end; ++p) {
+    const int32_t e = experts[p];
+    if (e >= 0 && e < E) chosen[int64_t(e) * T + t] = 1;
+  }
+}
+
+// c_e = the number of tokens that chose expert e: one block per expert sums its chosen row in a
+// fixed order (the top-K histogram of a valid routing, which has no repeated pair).
+__global__ void __launch_bounds__(kThreads)
+chosen_counts_kernel(const uint8_t* __restrict__ chosen, int64_t T,  // (E, T)
+                     int32_t* __restrict__ counts) {                 // (E,)
+  using Reduce = cub::BlockReduce<int, kThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  const uint8_t* row = chosen + int64_t(blockIdx.x) * T;
+  int c = 0;
+  for (int64_t i = threadIdx.x; i < T; i += kThreads) c += row[i];
+  c = Reduce(tmp).Sum(c);
+  if (threadIdx.x == 0) counts[blockIdx.x] = c;
 }
 
 __device__ __forceinline__ uint64_t splitmix64_finalize(uint64_t z) {
@@ -173,10 +197,12 @@ template <typename InT>
 __global__ void __launch_bounds__(kThreads)
 fill_rounded_kernel(const uint8_t* __restrict__ keep, const int32_t* __restrict__ offsets,
                     const InT* __restrict__ logits, int64_t T, int E, RouterKind kind,
-                    bool renormalize, int32_t* __restrict__ experts, float* __restrict__ weights) {
+                    bool renormalize, int64_t P, int32_t* __restrict__ experts,  // (P,)
+                    float* __restrict__ weights) {                                // (P,)
   const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= T) return;
   const int32_t begin = offsets[t];
+  if (offsets[t + 1] > P) return;  // not the count's P (the C ABI's caller broke its contract)
   int32_t* ids = experts + begin;
   int n = 0;
   for (int e = 0; e < E; ++e)
@@ -199,98 +225,133 @@ size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
 
 int grid_of(int64_t n) { return int(std::max<int64_t>(1, (n + kThreads - 1) / kThreads)); }
 
-}  // namespace
+// The workspace's pieces, from T and E alone (both calls lay it out the same way).
+struct RoundLayout {
+  size_t kin, kout, vin, vout, chosen, keep, counts, nkept, offsets, flags, temp, total;
+  size_t sort_bytes, scan_bytes;
+  int end_bit;
+};
 
-void token_round_sync(const RouterConfig& router, const TokenRoundingConfig& cfg,
-                      const TensorView& logits, const float* bias, const RoutingView& topk,
-                      Routing& out, int32_t* d_flags, cudaStream_t stream) {
-  const int64_t T = logits.dim(0), E = logits.dim(1), ET = T * E;
-  MOEBLAZE_UNSUPPORTED_IF(ET >= (int64_t(1) << 31), "token rounding on the GPU needs T*E (", ET,
-                          ") below 2^31 (it ranks every (expert, token) score)");
-  const int Ei = int(E);
-  // Workspace, all (E, T) except the counts: keys 2×8 B, tokens 2×4 B, chosen and keep 1 B each.
-  const size_t n = size_t(ET);
-  size_t sort_bytes = 0;
-  int end_bit = 32;
-  while ((int64_t(1) << (end_bit - 32)) < E) ++end_bit;
+RoundLayout round_layout(int64_t T, int64_t E) {
+  RoundLayout l{};
+  const size_t n = size_t(T * E);
+  l.end_bit = 32;
+  while ((int64_t(1) << (l.end_bit - 32)) < E) ++l.end_bit;
   MOEBLAZE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-      nullptr, sort_bytes, static_cast<const uint64_t*>(nullptr), static_cast<uint64_t*>(nullptr),
-      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), int(n), 0, end_bit));
-  size_t scan_bytes = 0;
-  MOEBLAZE_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes,
+      nullptr, l.sort_bytes, static_cast<const uint64_t*>(nullptr),
+      static_cast<uint64_t*>(nullptr), static_cast<const int32_t*>(nullptr),
+      static_cast<int32_t*>(nullptr), int(n), 0, l.end_bit));
+  MOEBLAZE_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, l.scan_bytes,
                                                     static_cast<int32_t*>(nullptr),
                                                     static_cast<int32_t*>(nullptr), int(T + 1)));
-  const size_t hist_bytes = expert_counts_workspace_bytes(topk.P, E);
   size_t off = 0;
   auto take = [&off](size_t bytes) { const size_t at = off; off += align_up(bytes); return at; };
-  const size_t o_kin = take(8 * n), o_kout = take(8 * n), o_vin = take(4 * n),
-               o_vout = take(4 * n), o_chosen = take(n), o_keep = take(n),
-               o_counts = take(sizeof(int32_t) * size_t(E)), o_hist = take(hist_bytes),
-               o_nkept = take(sizeof(int32_t) * size_t(T + 1)),
-               o_offsets = take(sizeof(int32_t) * size_t(T + 1)),
-               o_temp = take(std::max(sort_bytes, scan_bytes));
-  Buffer ws(Device::cuda, off);
-  char* w = ws.as<char>();
-  uint64_t* kin = reinterpret_cast<uint64_t*>(w + o_kin);    // (E*T,) (expert, desc score)
-  uint64_t* kout = reinterpret_cast<uint64_t*>(w + o_kout);  // (E*T,) sorted
-  int32_t* vin = reinterpret_cast<int32_t*>(w + o_vin);      // (E*T,) token
-  int32_t* vout = reinterpret_cast<int32_t*>(w + o_vout);    // (E*T,) token, best first per e
-  uint8_t* chosen = reinterpret_cast<uint8_t*>(w + o_chosen);  // (E, T)
-  uint8_t* keep = reinterpret_cast<uint8_t*>(w + o_keep);      // (E, T)
-  int32_t* counts = reinterpret_cast<int32_t*>(w + o_counts);  // (E,) c_e
-  int32_t* hist = reinterpret_cast<int32_t*>(w + o_hist);
-  int32_t* nkept = reinterpret_cast<int32_t*>(w + o_nkept);      // (T+1,) pairs per token
-  int32_t* offsets = reinterpret_cast<int32_t*>(w + o_offsets);  // (T+1,) exclusive scan
-  void* temp = w + o_temp;
+  l.kin = take(8 * n);
+  l.kout = take(8 * n);
+  l.vin = take(4 * n);
+  l.vout = take(4 * n);
+  l.chosen = take(n);
+  l.keep = take(n);
+  l.counts = take(sizeof(int32_t) * size_t(E));
+  l.nkept = take(sizeof(int32_t) * size_t(T + 1));
+  l.offsets = take(sizeof(int32_t) * size_t(T + 1));
+  l.flags = take(sizeof(int32_t) * 2 * kRoutingFlagCount);
+  l.temp = take(std::max(l.sort_bytes, l.scan_bytes));
+  l.total = off;
+  return l;
+}
 
+}  // namespace
+
+size_t token_round_workspace_bytes(int64_t T, int64_t E) {
+  MOEBLAZE_UNSUPPORTED_IF(T * E >= (int64_t(1) << 31), "token rounding on the GPU needs T*E (",
+                          T * E, ") below 2^31 (it ranks every (expert, token) score)");
+  return round_layout(T, E).total;
+}
+
+int64_t token_round_count(const RouterConfig& router, const TokenRoundingConfig& cfg,
+                          const TensorView& logits, const float* bias, const RoutingView& topk,
+                          void* workspace, int32_t* h_flags, cudaStream_t stream) {
+  const int64_t T = logits.dim(0), E = logits.dim(1), n = T * E;
+  const RoundLayout l = round_layout(T, E);
+  const int Ei = int(E);
+  char* w = static_cast<char*>(workspace);
+  uint64_t* kin = reinterpret_cast<uint64_t*>(w + l.kin);      // (E*T,) (expert, desc score)
+  uint64_t* kout = reinterpret_cast<uint64_t*>(w + l.kout);    // (E*T,) sorted
+  int32_t* vin = reinterpret_cast<int32_t*>(w + l.vin);        // (E*T,) token
+  int32_t* vout = reinterpret_cast<int32_t*>(w + l.vout);      // (E*T,) token, best first per e
+  uint8_t* chosen = reinterpret_cast<uint8_t*>(w + l.chosen);  // (E, T)
+  uint8_t* keep = reinterpret_cast<uint8_t*>(w + l.keep);      // (E, T)
+  int32_t* counts = reinterpret_cast<int32_t*>(w + l.counts);  // (E,) c_e
+  int32_t* nkept = reinterpret_cast<int32_t*>(w + l.nkept);      // (T+1,) pairs per token
+  int32_t* offsets = reinterpret_cast<int32_t*>(w + l.offsets);  // (T+1,) exclusive scan
+  int32_t* flags = reinterpret_cast<int32_t*>(w + l.flags);  // (2, 4): topk's, the logits'
+  void* temp = w + l.temp;
+
+  MOEBLAZE_CUDA_CHECK(
+      cudaMemsetAsync(flags, 0, sizeof(int32_t) * 2 * kRoutingFlagCount, stream));
+  validate_routing_async(topk, flags, stream);
   if (T > 0) {
+    int32_t* logit_flags = flags + kRoutingFlagCount;
     if (logits.dtype == DType::bf16)
       rounding_scores_kernel<uint16_t><<<grid_of(T), kThreads, 0, stream>>>(
-          static_cast<const uint16_t*>(logits.data), router.kind == RouterKind::sigmoid_bias ? bias : nullptr,
-          T, Ei, router.kind, kin, vin, d_flags);
+          static_cast<const uint16_t*>(logits.data),
+          router.kind == RouterKind::sigmoid_bias ? bias : nullptr, T, Ei, router.kind, kin, vin,
+          logit_flags);
     else
       rounding_scores_kernel<float><<<grid_of(T), kThreads, 0, stream>>>(
-          static_cast<const float*>(logits.data), router.kind == RouterKind::sigmoid_bias ? bias : nullptr,
-          T, Ei, router.kind, kin, vin, d_flags);
+          static_cast<const float*>(logits.data),
+          router.kind == RouterKind::sigmoid_bias ? bias : nullptr, T, Ei, router.kind, kin, vin,
+          logit_flags);
     MOEBLAZE_CUDA_CHECK(cudaGetLastError());
-    MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(chosen, 0, n, stream));
-    MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(keep, 0, n, stream));
+    MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(chosen, 0, size_t(n), stream));
+    MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(keep, 0, size_t(n), stream));
     mark_chosen_kernel<<<grid_of(T), kThreads, 0, stream>>>(topk.pair_offsets, topk.pair_experts,
-                                                            T, chosen);
+                                                            T, topk.P, Ei, chosen);
     MOEBLAZE_CUDA_CHECK(cudaGetLastError());
-    expert_counts_async(topk.pair_experts, topk.P, Ei, hist, counts, nullptr, stream);
-    size_t tb = sort_bytes;
+    chosen_counts_kernel<<<Ei, kThreads, 0, stream>>>(chosen, T, counts);
+    MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+    size_t tb = l.sort_bytes;
     MOEBLAZE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, tb, kin, kout, vin, vout, int(n), 0,
-                                                        end_bit, stream));
+                                                        l.end_bit, stream));
     select_kept_kernel<<<Ei, kThreads, 0, stream>>>(vout, chosen, counts, T, cfg.mode,
                                                     cfg.m_tile, cfg.seed, keep);
     MOEBLAZE_CUDA_CHECK(cudaGetLastError());
   }
   count_kept_kernel<<<grid_of(T + 1), kThreads, 0, stream>>>(keep, T, Ei, nkept);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
-  size_t sb = scan_bytes;
-  MOEBLAZE_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp, sb, nkept, offsets, int(T + 1), stream));
+  size_t sb = l.scan_bytes;
+  MOEBLAZE_CUDA_CHECK(
+      cub::DeviceScan::ExclusiveSum(temp, sb, nkept, offsets, int(T + 1), stream));
   int32_t S = 0;
   MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(&S, offsets + T, sizeof(int32_t), cudaMemcpyDeviceToHost,
                                       stream));
+  MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(h_flags, flags, sizeof(int32_t) * 2 * kRoutingFlagCount,
+                                      cudaMemcpyDeviceToHost, stream));
   MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return S;
+}
 
-  Routing r(Device::cuda, T, E, S);
-  MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(r.pair_offsets(), offsets, sizeof(int32_t) * size_t(T + 1),
+void token_round_fill_async(const RouterConfig& router, const TensorView& logits,
+                            const void* workspace, int32_t* pair_offsets, int32_t* pair_experts,
+                            float* pair_weights, int64_t P, cudaStream_t stream) {
+  const int64_t T = logits.dim(0), E = logits.dim(1);
+  const RoundLayout l = round_layout(T, E);
+  const char* w = static_cast<const char*>(workspace);
+  const uint8_t* keep = reinterpret_cast<const uint8_t*>(w + l.keep);      // (E, T)
+  const int32_t* offsets = reinterpret_cast<const int32_t*>(w + l.offsets);  // (T+1,)
+  MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(pair_offsets, offsets, sizeof(int32_t) * size_t(T + 1),
                                       cudaMemcpyDeviceToDevice, stream));
-  if (T > 0) {
-    if (logits.dtype == DType::bf16)
-      fill_rounded_kernel<uint16_t><<<grid_of(T), kThreads, 0, stream>>>(
-          keep, offsets, static_cast<const uint16_t*>(logits.data), T, Ei, router.kind,
-          router.renormalize, r.pair_experts(), r.pair_weights());
-    else
-      fill_rounded_kernel<float><<<grid_of(T), kThreads, 0, stream>>>(
-          keep, offsets, static_cast<const float*>(logits.data), T, Ei, router.kind,
-          router.renormalize, r.pair_experts(), r.pair_weights());
-    MOEBLAZE_CUDA_CHECK(cudaGetLastError());
-  }
-  MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  out = std::move(r);
+  if (T == 0) return;
+  if (logits.dtype == DType::bf16)
+    fill_rounded_kernel<uint16_t><<<grid_of(T), kThreads, 0, stream>>>(
+        keep, offsets, static_cast<const uint16_t*>(logits.data), T, int(E), router.kind,
+        router.renormalize, P, pair_experts, pair_weights);
+  else
+    fill_rounded_kernel<float><<<grid_of(T), kThreads, 0, stream>>>(
+        keep, offsets, static_cast<const float*>(logits.data), T, int(E), router.kind,
+        router.renormalize, P, pair_experts, pair_weights);
+  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace moeblaze::cuda
