@@ -374,6 +374,42 @@ TEST(EnumRanges, OutOfRangeEnumsAreRejectedBeforeAnyWork) {
   EXPECT_NE(std::string(moeblaze_last_error()).find("activation (7)"), std::string::npos);
 }
 
+// The two-call token rounding is CUDA-only (the CPU has no sync to save): each of its three C
+// functions refuses the CPU by name, and its arguments are checked before the device is touched.
+TEST(TokenRoundingCAbi, TwoCallPathRefusesTheCpuAndBadArguments) {
+  uint64_t bytes = 0;
+  EXPECT_EQ(moeblaze_token_round_workspace_bytes(8, 4, 0, &bytes), MOEBLAZE_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(moeblaze_last_error()).find("CUDA-only"), std::string::npos)
+      << moeblaze_last_error();
+  EXPECT_EQ(bytes, 0u);
+  EXPECT_EQ(moeblaze_token_round_workspace_bytes(8, 0, 1, &bytes), MOEBLAZE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moeblaze_last_error()).find("E (0)"), std::string::npos);
+  std::vector<float> logits(8 * 4, 0.5f);
+  std::vector<int32_t> offsets(9, 0);
+  moeblaze_router_cfg rc{};
+  rc.top_k = 2;
+  moeblaze_routing topk{8, 4, 0, offsets.data(), nullptr, nullptr};
+  int64_t P = -1;
+  std::vector<char> ws(64);
+  EXPECT_EQ(moeblaze_token_round_count(&rc, 4, 0, 0, logits.data(), 0 /* fp32 */, 8, 4,
+                                       nullptr, 0, nullptr, &topk, ws.data(), ws.size(), &P),
+            MOEBLAZE_ERR_UNSUPPORTED);
+  EXPECT_EQ(P, -1);
+  EXPECT_EQ(moeblaze_token_round_count(&rc, 0, 0, 0, logits.data(), 0 /* fp32 */, 8, 4,
+                                       nullptr, 1, nullptr, &topk, ws.data(), ws.size(), &P),
+            MOEBLAZE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moeblaze_last_error()).find("m_tile (0) must be >= 1"), std::string::npos)
+      << moeblaze_last_error();
+  EXPECT_EQ(moeblaze_token_round_count(&rc, 4, 7, 0, logits.data(), 0 /* fp32 */, 8, 4,
+                                       nullptr, 1, nullptr, &topk, ws.data(), ws.size(), &P),
+            MOEBLAZE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moeblaze_last_error()).find("rounding (7)"), std::string::npos);
+  EXPECT_EQ(P, -1);
+  EXPECT_EQ(moeblaze_token_round_fill(&rc, logits.data(), 0 /* fp32 */, 8, 4, 0, nullptr,
+                                      ws.data(), ws.size(), &topk),
+            MOEBLAZE_ERR_UNSUPPORTED);
+}
+
 // ---- aliasing (issue 19 item 7) ----
 
 TEST(Aliasing, OutputsOverlappingInputsOrEachOtherAreRejected) {
