@@ -374,6 +374,20 @@ int moeblaze_router_backward(const moeblaze_router_cfg* cfg, const void* logits,
   });
 }
 
+namespace {
+// The rounding parameters of both token-rounding entry points, checked.
+TokenRoundingConfig to_rounding(int32_t m_tile, int32_t rounding, uint64_t seed) {
+  MOEBLAZE_REQUIRE(m_tile >= 1, "m_tile (", m_tile, ") must be >= 1");
+  MOEBLAZE_REQUIRE(rounding >= 0 && rounding <= 3, "rounding (", rounding,
+                   ") must be 0 (nr-f), 1 (sr-f), 2 (up) or 3 (down)");
+  TokenRoundingConfig tc;
+  tc.m_tile = m_tile;
+  tc.mode = static_cast<RoundingMode>(rounding);
+  tc.seed = seed;
+  return tc;
+}
+}  // namespace
+
 int moeblaze_token_round(const moeblaze_router_cfg* cfg, int32_t m_tile, int32_t rounding,
                          uint64_t seed, const void* logits, int32_t logits_dtype, int64_t T,
                          int64_t E, const float* bias, int32_t device, void* stream,
@@ -385,12 +399,7 @@ int moeblaze_token_round(const moeblaze_router_cfg* cfg, int32_t m_tile, int32_t
     const RoutingView tv = routing_view(topk, dev, "topk");
     require_ptr(handle, "handle");
     require_ptr(rounded_pairs, "rounded_pairs");
-    MOEBLAZE_REQUIRE(rounding >= 0 && rounding <= 3, "rounding (", rounding,
-                     ") must be 0 (nr-f), 1 (sr-f), 2 (up) or 3 (down)");
-    TokenRoundingConfig tc;
-    tc.m_tile = m_tile;
-    tc.mode = static_cast<RoundingMode>(rounding);
-    tc.seed = seed;
+    const TokenRoundingConfig tc = to_rounding(m_tile, rounding, seed);
 #ifdef MOEBLAZE_WITH_CUDA
     // The public GPU path runs on the legacy default stream; order it after the caller's stream
     // (a non-blocking stream does not synchronise with it implicitly). This call syncs anyway.
@@ -442,20 +451,12 @@ int moeblaze_routing_take(void* handle, const moeblaze_routing* out, void* strea
 void moeblaze_routing_free(void* handle) { delete static_cast<Routing*>(handle); }
 
 namespace {
-// The two-call token rounding's shared checks: CUDA only (the CPU has no synchronisation to
-// save: moeblaze_token_round), the rounding parameters, topk's sizes against the logits'.
-TokenRoundingConfig round_args(Device dev, int32_t m_tile, int32_t rounding, uint64_t seed) {
-  MOEBLAZE_UNSUPPORTED_IF(dev != Device::cuda, "device (", int(dev),
+// The two-call token rounding is CUDA-only: the CPU has no synchronisation to save
+// (moeblaze_token_round).
+void require_two_call_device(Device dev) {
+  MOEBLAZE_UNSUPPORTED_IF(dev != Device::cuda, "device (", device_name(dev),
                           "): the two-call token rounding is CUDA-only; on the CPU call "
                           "moeblaze_token_round");
-  MOEBLAZE_REQUIRE(m_tile >= 1, "m_tile (", m_tile, ") must be >= 1");
-  MOEBLAZE_REQUIRE(rounding >= 0 && rounding <= 3, "rounding (", rounding,
-                   ") must be 0 (nr-f), 1 (sr-f), 2 (up) or 3 (down)");
-  TokenRoundingConfig tc;
-  tc.m_tile = m_tile;
-  tc.mode = static_cast<RoundingMode>(rounding);
-  tc.seed = seed;
-  return tc;
 }
 }  // namespace
 
@@ -464,7 +465,7 @@ int moeblaze_token_round_workspace_bytes(int64_t T, int64_t E, int32_t device, u
     const Device dev = to_device(device);
     require_ptr(bytes, "bytes");
     MOEBLAZE_REQUIRE(T >= 0 && E >= 1, "T (", T, "), E (", E, ") must be >= 0, >= 1");
-    round_args(dev, 1, 0, 0);
+    require_two_call_device(dev);
 #ifdef MOEBLAZE_WITH_CUDA
     *bytes = cuda::token_round_workspace_bytes(T, E);
 #endif
@@ -478,7 +479,8 @@ int moeblaze_token_round_count(const moeblaze_router_cfg* cfg, int32_t m_tile, i
                                uint64_t workspace_bytes, int64_t* rounded_pairs) {
   return guarded([&] {
     const Device dev = to_device(device);
-    const TokenRoundingConfig tc = round_args(dev, m_tile, rounding, seed);
+    require_two_call_device(dev);
+    const TokenRoundingConfig tc = to_rounding(m_tile, rounding, seed);
     const RouterConfig r = to_router(cfg, E);
     const RouterArgs a = router_args(r, logits, logits_dtype, T, E, bias, dev);
     const RoutingView tv = routing_view(topk, dev, "topk");
@@ -511,7 +513,7 @@ int moeblaze_token_round_fill(const moeblaze_router_cfg* cfg, const void* logits
                               const moeblaze_routing* out) {
   return guarded([&] {
     const Device dev = to_device(device);
-    round_args(dev, 1, 0, 0);
+    require_two_call_device(dev);
     const RouterConfig r = to_router(cfg, E);
     // The bias is not read here (the pair weights use the logits alone).
     MOEBLAZE_REQUIRE(T >= 0 && E >= 1, "T (", T, "), E (", E, ") must be >= 0, >= 1");
