@@ -382,8 +382,6 @@ TEST(TokenRoundingCAbi, TwoCallPathRefusesTheCpuAndBadArguments) {
   EXPECT_NE(std::string(moeblaze_last_error()).find("CUDA-only"), std::string::npos)
       << moeblaze_last_error();
   EXPECT_EQ(bytes, 0u);
-  EXPECT_EQ(moeblaze_token_round_workspace_bytes(8, 0, 1, &bytes), MOEBLAZE_ERR_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(moeblaze_last_error()).find("E (0)"), std::string::npos);
   std::vector<float> logits(8 * 4, 0.5f);
   std::vector<int32_t> offsets(9, 0);
   moeblaze_router_cfg rc{};
@@ -395,6 +393,12 @@ TEST(TokenRoundingCAbi, TwoCallPathRefusesTheCpuAndBadArguments) {
                                        nullptr, 0, nullptr, &topk, ws.data(), ws.size(), &P),
             MOEBLAZE_ERR_UNSUPPORTED);
   EXPECT_EQ(P, -1);
+  EXPECT_EQ(moeblaze_token_round_fill(&rc, logits.data(), 0 /* fp32 */, 8, 4, 0, nullptr,
+                                      ws.data(), ws.size(), &topk),
+            MOEBLAZE_ERR_UNSUPPORTED);
+  if (!moeblaze_has_cuda()) return;  // a CPU-only build refuses device 1 before any of this
+  EXPECT_EQ(moeblaze_token_round_workspace_bytes(8, 0, 1, &bytes), MOEBLAZE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moeblaze_last_error()).find("E (0)"), std::string::npos);
   EXPECT_EQ(moeblaze_token_round_count(&rc, 0, 0, 0, logits.data(), 0 /* fp32 */, 8, 4,
                                        nullptr, 1, nullptr, &topk, ws.data(), ws.size(), &P),
             MOEBLAZE_ERR_INVALID_ARGUMENT);
@@ -405,9 +409,6 @@ TEST(TokenRoundingCAbi, TwoCallPathRefusesTheCpuAndBadArguments) {
             MOEBLAZE_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(moeblaze_last_error()).find("rounding (7)"), std::string::npos);
   EXPECT_EQ(P, -1);
-  EXPECT_EQ(moeblaze_token_round_fill(&rc, logits.data(), 0 /* fp32 */, 8, 4, 0, nullptr,
-                                      ws.data(), ws.size(), &topk),
-            MOEBLAZE_ERR_UNSUPPORTED);
 }
 
 // ---- aliasing (issue 19 item 7) ----
