@@ -215,6 +215,34 @@ class _ExpertsFn(torch.autograd.Function):
                 db2 if b2 is not None else None, None, None)
 
 
+class _RoundFn(torch.autograd.Function):
+    """Token rounding in eager mode: moeblaze::token_round's body and its backward
+    (router_backward over the rounded pairs) without the custom op's dispatch and autograd
+    wrapping (as _ExpertsFn). Outputs (offsets, experts, weights); only the weights carry a
+    gradient, into the logits: every rounded weight is recomputed from them."""
+
+    @staticmethod
+    def forward(ctx, logits, bias, offsets, experts, weights, cfg):
+        kind, top_k, renormalize, m_tile, mode, seed = cfg
+        out = ops._token_round_impl(logits, bias, offsets, experts, weights, kind, top_k,
+                                    renormalize, m_tile, mode, seed)
+        ctx.save_for_backward(logits, bias, *out)
+        ctx.cfg = (kind, top_k, renormalize)
+        ctx.mark_non_differentiable(out[0], out[1])
+        ctx.set_materialize_grads(False)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_offsets, g_experts, g_weights):
+        if g_weights is None:
+            return (None,) * 6
+        logits, bias, offsets, experts, weights = ctx.saved_tensors
+        d_logits = ops._router_backward_impl(logits, bias, offsets, experts, weights, g_weights,
+                                             *ctx.cfg)
+        return (d_logits.to(logits.dtype),) + (None,) * 5
+
+
 class _RouteFn(torch.autograd.Function):
     """The router in eager mode: moeblaze::route's and router_backward's bodies without the
     custom ops' dispatch (as _ExpertsFn). Outputs (offsets, experts, weights, flags); only the
@@ -440,9 +468,14 @@ class MoE(nn.Module):
                                                          self.renormalize)
         self.last_flags = flags
         if self.token_rounding is not None:
-            offsets, experts, weights = ops.token_round(
-                logits, bias, offsets, experts, weights, self._kind, self.top_k, self.renormalize,
-                self.m_tile, _lib.ROUNDINGS[self.token_rounding], self.rounding_seed)
+            cfg = (self._kind, self.top_k, self.renormalize, self.m_tile,
+                   _lib.ROUNDINGS[self.token_rounding], self.rounding_seed)
+            if _eager(logits, bias):
+                offsets, experts, weights = _RoundFn.apply(logits, bias, offsets, experts,
+                                                           weights, cfg)
+            else:
+                offsets, experts, weights = ops.token_round(logits, bias, offsets, experts,
+                                                            weights, *cfg)
         return logits, offsets, experts, weights
 
     def forward(self, x):

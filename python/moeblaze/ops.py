@@ -359,6 +359,13 @@ route.register_autograd(_route_backward, setup_context=_route_setup)
 def token_round(logits: Tensor, bias: Optional[Tensor], pair_offsets: Tensor, pair_experts: Tensor,
                 pair_weights: Tensor, kind: int, top_k: int, renormalize: bool, m_tile: int,
                 mode: int, seed: int) -> Tuple[Tensor, Tensor, Tensor]:
+    return _token_round_impl(logits, bias, pair_offsets, pair_experts, pair_weights, kind, top_k,
+                             renormalize, m_tile, mode, seed)
+
+
+def _token_round_impl(logits, bias, pair_offsets, pair_experts, pair_weights, kind, top_k,
+                      renormalize, m_tile, mode, seed):
+    """The body of moeblaze::token_round, callable without the op's dispatch (eager paths)."""
     logits, bias, T, E, dev, dt = _router_args(logits, bias, kind, top_k)
     _int("m_tile", m_tile, 1, _INT32_MAX)
     _code("mode", mode, _lib.ROUNDINGS)

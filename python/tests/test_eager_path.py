@@ -173,6 +173,31 @@ def test_moe_module_eager_matches_the_ops_bitwise_cpu(seed, router):
         assert torch.equal(a, r), name
 
 
+@pytest.mark.parametrize("mode", ["nr-f", "up"])
+def test_moe_module_eager_token_rounding_matches_the_ops_bitwise_cpu(seed, mode):
+    # The module's eager rounding (_RoundFn) against moeblaze::token_round and its registered
+    # autograd: the same routing, output and gradients, the gate's through the rounded weights.
+    E, K, m_tile = 6, 2, 8
+    moe = moeblaze.MoE(32, 16, E, K, token_rounding=mode, m_tile=m_tile, dtype=torch.float32)
+    x = torch.randn(45, 32, requires_grad=True)
+    params = [x, moe.gate.weight, moe.w1, moe.w2]
+    out, _ = moe(x)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, params, g)
+    logits = moeblaze.layer.router_logits(x, moe.gate.weight)
+    offsets, experts, weights, _ = ops.route(logits, None, moe._kind, K, moe.renormalize)
+    offsets, experts, weights = ops.token_round(logits, None, offsets, experts, weights, moe._kind,
+                                                K, moe.renormalize, m_tile,
+                                                moeblaze._lib.ROUNDINGS[mode], 0)
+    plan = ops.build_plan(offsets, experts, weights.detach(), E)
+    ref, _ = ops.experts_forward(x, moe.w1, moe.w2, weights, *plan[:6], moe._act, False, 0)
+    ref_grads = torch.autograd.grad(ref, params, g)
+    assert torch.equal(out, ref)
+    for name, a, r in zip(("dx", "d_gate", "dw1", "dw2"), grads, ref_grads):
+        assert torch.equal(a, r), name
+    assert moe.gate.weight.grad is None and grads[1].abs().sum() > 0
+
+
 @pytest.mark.parametrize("entry", ["plan_from_ids", "build_plan"])
 def test_plan_builds_reject_outputs_overlapping_inputs_untouched(entry):
     import ctypes
