@@ -152,12 +152,11 @@ def test_plan_from_ids_c_abi_rejects_bad_arguments_untouched():
     assert call()[0] == 0
 
 
-@pytest.mark.parametrize("router", ["softmax_topk", "sigmoid_bias"])
-def test_moe_module_eager_matches_the_ops_bitwise_cpu(seed, router):
-    moe = moeblaze.MoE(32, 16, 6, 2, router=router, dtype=torch.float32)
-    if moe.expert_bias is not None:
-        moe.expert_bias.copy_(torch.randn(6) / 10)
-    x = torch.randn(29, 32, requires_grad=True)
+def _module_matches_the_ops(moe, x, routing):
+    """moe(x) in eager mode against the ops traced code runs: moeblaze::route, then
+    routing(logits, offsets, experts, weights) (e.g. moeblaze::token_round), build_plan and
+    experts_forward with their registered autograd. Output and gradients bit for bit."""
+    E = moe.num_experts
     params = [x, moe.gate.weight, moe.w1, moe.w2]
     out, _ = moe(x)
     g = torch.randn_like(out)
@@ -165,30 +164,7 @@ def test_moe_module_eager_matches_the_ops_bitwise_cpu(seed, router):
     logits = moeblaze.layer.router_logits(x, moe.gate.weight)
     offsets, experts, weights, _ = ops.route(logits, moe.expert_bias, moe._kind, moe.top_k,
                                              moe.renormalize)
-    plan = ops.build_plan(offsets, experts, weights.detach(), 6)
-    ref, _ = ops.experts_forward(x, moe.w1, moe.w2, weights, *plan[:6], moe._act, False, 0)
-    ref_grads = torch.autograd.grad(ref, params, g)
-    assert torch.equal(out, ref)
-    for name, a, r in zip(("dx", "d_gate", "dw1", "dw2"), grads, ref_grads):
-        assert torch.equal(a, r), name
-
-
-@pytest.mark.parametrize("mode", ["nr-f", "up"])
-def test_moe_module_eager_token_rounding_matches_the_ops_bitwise_cpu(seed, mode):
-    # The module's eager rounding (_RoundFn) against moeblaze::token_round and its registered
-    # autograd: the same routing, output and gradients, the gate's through the rounded weights.
-    E, K, m_tile = 6, 2, 8
-    moe = moeblaze.MoE(32, 16, E, K, token_rounding=mode, m_tile=m_tile, dtype=torch.float32)
-    x = torch.randn(45, 32, requires_grad=True)
-    params = [x, moe.gate.weight, moe.w1, moe.w2]
-    out, _ = moe(x)
-    g = torch.randn_like(out)
-    grads = torch.autograd.grad(out, params, g)
-    logits = moeblaze.layer.router_logits(x, moe.gate.weight)
-    offsets, experts, weights, _ = ops.route(logits, None, moe._kind, K, moe.renormalize)
-    offsets, experts, weights = ops.token_round(logits, None, offsets, experts, weights, moe._kind,
-                                                K, moe.renormalize, m_tile,
-                                                moeblaze._lib.ROUNDINGS[mode], 0)
+    offsets, experts, weights = routing(logits, offsets, experts, weights)
     plan = ops.build_plan(offsets, experts, weights.detach(), E)
     ref, _ = ops.experts_forward(x, moe.w1, moe.w2, weights, *plan[:6], moe._act, False, 0)
     ref_grads = torch.autograd.grad(ref, params, g)
@@ -196,6 +172,28 @@ def test_moe_module_eager_token_rounding_matches_the_ops_bitwise_cpu(seed, mode)
     for name, a, r in zip(("dx", "d_gate", "dw1", "dw2"), grads, ref_grads):
         assert torch.equal(a, r), name
     assert moe.gate.weight.grad is None and grads[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("router", ["softmax_topk", "sigmoid_bias"])
+def test_moe_module_eager_matches_the_ops_bitwise_cpu(seed, router):
+    moe = moeblaze.MoE(32, 16, 6, 2, router=router, dtype=torch.float32)
+    if moe.expert_bias is not None:
+        moe.expert_bias.copy_(torch.randn(6) / 10)
+    _module_matches_the_ops(moe, torch.randn(29, 32, requires_grad=True),
+                            lambda logits, *routing: routing)
+
+
+@pytest.mark.parametrize("mode", ["nr-f", "up"])
+def test_moe_module_eager_token_rounding_matches_the_ops_bitwise_cpu(seed, mode):
+    # The module's eager rounding (_RoundFn) against moeblaze::token_round and its registered
+    # autograd: the same routing, output and gradients, the gate's through the rounded weights.
+    K, m_tile = 2, 8
+    moe = moeblaze.MoE(32, 16, 6, K, token_rounding=mode, m_tile=m_tile, dtype=torch.float32)
+    _module_matches_the_ops(
+        moe, torch.randn(45, 32, requires_grad=True),
+        lambda logits, *routing: ops.token_round(logits, None, *routing, moe._kind, K,
+                                                 moe.renormalize, m_tile,
+                                                 moeblaze._lib.ROUNDINGS[mode], 0))
 
 
 @pytest.mark.parametrize("entry", ["plan_from_ids", "build_plan"])
