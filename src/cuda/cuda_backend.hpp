@@ -172,9 +172,9 @@ void route_async(const RouterConfig& cfg, const TensorView& logits, const Tensor
                  cudaStream_t stream);
 
 // The public API's GPU paths (arguments already checked by src/api/routing_api.cpp). Each runs
-// on the default stream and synchronises once at the end to read its flags (and the losses, or
-// token rounding's pair count); bad values throw InvalidArgument with the CPU's message and leave
-// the outputs untouched.
+// on the default stream and synchronises once at the end to read its flags (and the losses);
+// token rounding reads its flags with its pair count (token_round_count) and syncs at the end
+// too. Bad values throw InvalidArgument with the CPU's message and leave the outputs untouched.
 RouterLosses route(const RouterConfig& cfg, const TensorView& logits, const TensorView& bias,
                    Routing& out);
 void router_backward(const RouterConfig& cfg, const TensorView& logits, const TensorView& bias,
