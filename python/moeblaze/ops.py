@@ -6,8 +6,9 @@ allocated by PyTorch's allocator; workspaces are PyTorch tensors too on CUDA (th
 allocates its own, counted by moeblaze.memory_stats("cpu")). CUDA ops run on PyTorch's current
 stream and never synchronise with the host, except token_round (its pair count sizes its
 outputs: one sync). Device-side input checks raise a `flags` tensor (4 int32) instead of an
-error; see check_flags. A plan filled by the caller (not build_plan) is checked by validate_plan (on CUDA:
-the device check and one host sync); the CUDA experts ops do not read-check plan contents.
+error; see check_flags. A plan filled by the caller (not build_plan) is checked by
+validate_plan (on CUDA: the device check and one host sync); the CUDA experts ops do not
+read-check plan contents.
 
 Ops (namespace moeblaze):
   route(logits, bias, kind, top_k, renormalize) -> (pair_offsets, pair_experts, pair_weights, flags)
