@@ -10,6 +10,7 @@
 #       gpu-tests      (not in `all`) the quick GPU check: moeblaze_gpu_tests (GTEST_FILTER picks
 #                      some) and the CUDA pytests (python/tests -k "gpu or cuda")
 #                                                               → OUT/gpu_tests.log, gpu_pytest.log
+#                      (GPU_PYTESTS=0: the gtests alone)
 #       routing-tests  only the GPU routing tests (gtest filter) → OUT/routing_tests.log
 #       routing        moeblaze bench routing                   → OUT/routing.jsonl, routing.md
 #       layer          moeblaze bench layer + bench/torch_reference.py → OUT/layer.jsonl
@@ -358,7 +359,7 @@ install_python() {
 }
 
 # ---- gpu-tests, second half: the CUDA pytests of every file, from outside the repository ----
-if want_named gpu-tests && install_python; then
+if want_named gpu-tests && [ "${GPU_PYTESTS:-1}" != 0 ] && install_python; then
   t0=$(date +%s)
   rc=0
   tests_dir=$(pwd)/python/tests
