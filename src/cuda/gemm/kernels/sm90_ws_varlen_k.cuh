@@ -8,9 +8,8 @@
 // warpgroups on a 128 x 256 tile, a 4-stage mbarrier ring), with both operands MN-major (one
 // slot is one K row of 128 (P) or 256 (Q) contiguous elements):
 //   * P, 128 columns per tile, is copied by the producer warpgroup's cp.async, its row ids loaded
-//     kIdsAhead stages ahead (a copy's addresses wait on its ids: loaded one stage ahead, the
-//     producer could issue only one stage per L2 latency, about a stage's MMA time, and the ring
-//     never filled), rows past the expert's slots zero-filled;
+//     one stage ahead (so their latency hides behind the copies of the stage before), rows past
+//     the expert's slots zero-filled;
 //   * Q, 256 columns per tile, comes by TMA (64-column x 64-slot boxes of the 2D (S, N) view),
 //     except in an expert's last, partial K step: there its rows past the expert's end would be
 //     the next expert's, so the producer copies that step with cp.async and zero fill instead
@@ -86,12 +85,9 @@ template <int kCluster>
 using VarlenKRing = RingT<kBN, kStages, kConsumerThreads, kCluster>;
 
 // Registers after setmaxnreg: 128 x 88 + 256 x 208 = 64512. The producer holds 8 row ids
-// for each of kIdsAhead stages; the consumers' epilogue is a plain store.
+// of the next stage besides the current ones; the consumers' epilogue is a plain store.
 constexpr int kVkProducerRegs = 88;
 constexpr int kVkConsumerRegs = 208;
-// Stages whose gathered row ids the producer has in flight: enough that one L2 latency covers
-// several stages' copies, so the producer fills the ring faster than the MMAs drain it.
-constexpr int kIdsAhead = 3;
 
 // Copies one stage's share of an MN-major operand of kCols columns (128 or 256) by cp.async:
 // thread t copies chunk t % (kCols / 8) of k-rows t / (kCols / 8) + j * (1024 / kCols) ... i.e.
@@ -226,18 +222,16 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
       const int g_col0 = m_tile * kBM, c_col0 = n_tile * kBN;
       const bool g_col_ok = g_col0 + CopyG::chunk() * 8 < p.M;
       const bool c_col_ok = c_col0 + CopyC::chunk() * 8 < p.N;
-      // grow[a]: gathered rows of stage kt + a (-1: zero fill); grow[0] is copied next.
-      int grow[kIdsAhead][CopyG::kRows];
-      auto fetch = [&](int kt, int (&rows)[CopyG::kRows]) {
+      int grow[CopyG::kRows];  // gathered rows of the stage about to be copied (-1: zero fill)
+      auto fetch = [&](int kt) {
         const int k0 = k_begin + kt * kBK;
 #pragma unroll
         for (int j = 0; j < CopyG::kRows; ++j) {
           const int k = k0 + CopyG::first_row() + CopyG::kStep * j;
-          rows[j] = (g_col_ok && k < k_end) ? __ldg(p.gather + k) : -1;
+          grow[j] = (g_col_ok && k < k_end) ? __ldg(p.gather + k) : -1;
         }
       };
-#pragma unroll
-      for (int a = 0; a < kIdsAhead; ++a) fetch(a, grow[a]);
+      if (k_tiles > 0) fetch(0);
       for (int kt = 0; kt < k_tiles; ++kt) {
         const int stage = pos.stage;
         Barrier::wait(&ring.empty[stage], pos.phase ^ 1);
@@ -272,13 +266,9 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
           CopyC::copy(sb, p.q, p.N, c_col0, crow);
           if (threadIdx.x == 0) Barrier::arrive(&ring.full[stage]);
         }
-        CopyG::copy(sa, p.p, p.M, g_col0, grow[0]);
+        CopyG::copy(sa, p.p, p.M, g_col0, grow);
         cutlass::arch::cpasync_barrier_arrive_noinc(&ring.full[stage]);
-#pragma unroll
-        for (int a = 0; a + 1 < kIdsAhead; ++a)
-#pragma unroll
-          for (int j = 0; j < CopyG::kRows; ++j) grow[a][j] = grow[a + 1][j];
-        fetch(kt + kIdsAhead, grow[kIdsAhead - 1]);  // past the expert's slots: -1, no load
+        if (kt + 1 < k_tiles) fetch(kt + 1);
         pos.advance();
       }
     }
