@@ -9,7 +9,10 @@
 // slot is one K row of 128 (P) or 256 (Q) contiguous elements):
 //   * P, 128 columns per tile, is copied by the producer warpgroup's cp.async, its row ids loaded
 //     one stage ahead (so their latency hides behind the copies of the stage before), rows past
-//     the expert's slots zero-filled;
+//     the expert's slots zero-filled. The producer issues every one of a stage's copies, so its
+//     instructions per stage bound the stage rate: a whole stage takes one 32-bit multiply-add
+//     per row for the address (row bytes < 2^31) and smem offsets fixed per thread
+//     (lean_copy_p); only an expert's partial last stage takes the predicated, zero-filling copy;
 //   * Q, 256 columns per tile, comes by TMA (64-column x 64-slot boxes of the 2D (S, N) view),
 //     except in an expert's last, partial K step: there its rows past the expert's end would be
 //     the next expert's, so the producer copies that step with cp.async and zero fill instead
@@ -108,6 +111,30 @@ struct MnCopy {
                   row[j] >= 0 ? src + int64_t(row[j]) * ld + col0 + c * 8 : src, row[j] >= 0);
   }
 };
+
+// A whole stage of P (every row of it valid): thread t's row j, at k-row first_row() + kStep j,
+// lands at chunk_off + j * kStep * 128 (kStep = 8: the swizzle, k % 8, is the same for every j)
+// and comes from src_col + row[j] * row_bytes, src_col the thread's 16-byte column chunk.
+__device__ __forceinline__ void cp_async_16_whole(uint32_t smem_addr, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem)
+               : "memory");
+}
+// a * b as one 32 x 32 -> 64-bit signed multiply (C++'s int64_t product of the two leaves a
+// 64 x 64 one in the SASS: five instructions instead of one IMAD.WIDE with the add).
+__device__ __forceinline__ int64_t mul_wide(int a, int b) {
+  int64_t r;
+  asm("mul.wide.s32 %0, %1, %2;" : "=l"(r) : "r"(a), "r"(b));
+  return r;
+}
+template <class Copy>
+__device__ __forceinline__ void lean_copy_p(uint32_t stage, uint32_t chunk_off, const char* src_col,
+                                            int row_bytes, const int (&row)[Copy::kRows]) {
+  static_assert(Copy::kStep % 8 == 0, "one swizzle phase for all of a thread's rows");
+#pragma unroll
+  for (int j = 0; j < Copy::kRows; ++j)
+    cp_async_16_whole(stage + chunk_off + j * Copy::kStep * 128,
+                      src_col + mul_wide(row[j], row_bytes));
+}
 
 // movmatrix: the 8 x 8 bf16 matrix a warp holds in the MMA fragment layout (lane l: row l / 4,
 // columns 2 (l % 4), + 1, one 32-bit word) transposed, in the same layout.
@@ -213,6 +240,8 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
   if (threadIdx.x < kProducerThreads) {
     cutlass::arch::warpgroup_reg_dealloc<kVkProducerRegs>();
     const uint32_t a_base = smem_u32(ring.a), b_base = smem_u32(ring.b);
+    const uint32_t g_chunk_off = kfirst_offset(CopyG::chunk() * 8, CopyG::first_row());
+    const int g_row_bytes = p.M * 2;  // < 2^31 (launch_varlen_k_ws)
     RingPos pos;
     for (int t = first; t < num_tiles; t += stride) {
       int expert, m_tile, n_tile;
@@ -222,13 +251,24 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
       const int g_col0 = m_tile * kBM, c_col0 = n_tile * kBN;
       const bool g_col_ok = g_col0 + CopyG::chunk() * 8 < p.M;
       const bool c_col_ok = c_col0 + CopyC::chunk() * 8 < p.N;
+      // This thread's ids start at k-row first_row() of each stage; its row j of stage kt exists
+      // when kStep j < rows_after - kt kBK.
+      const int32_t* ids = p.gather + k_begin + CopyG::first_row();
+      const int rows_after = k_end - k_begin - CopyG::first_row();
+      const char* g_src = reinterpret_cast<const char*>(p.p + g_col0 + CopyG::chunk() * 8);
       int grow[CopyG::kRows];  // gathered rows of the stage about to be copied (-1: zero fill)
+      bool g_whole = false;    // all of them exist (lean_copy_p)
       auto fetch = [&](int kt) {
-        const int k0 = k_begin + kt * kBK;
+        const int left = rows_after - kt * kBK;
+        const int32_t* src = ids + kt * kBK;
+        g_whole = g_col_ok && CopyG::kStep * (CopyG::kRows - 1) < left;
+        if (g_whole) {  // no predicate per row
 #pragma unroll
-        for (int j = 0; j < CopyG::kRows; ++j) {
-          const int k = k0 + CopyG::first_row() + CopyG::kStep * j;
-          grow[j] = (g_col_ok && k < k_end) ? __ldg(p.gather + k) : -1;
+          for (int j = 0; j < CopyG::kRows; ++j) grow[j] = __ldg(src + CopyG::kStep * j);
+        } else {
+#pragma unroll
+          for (int j = 0; j < CopyG::kRows; ++j)
+            grow[j] = (g_col_ok && CopyG::kStep * j < left) ? __ldg(src + CopyG::kStep * j) : -1;
         }
       };
       if (k_tiles > 0) fetch(0);
@@ -266,7 +306,10 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
           CopyC::copy(sb, p.q, p.N, c_col0, crow);
           if (threadIdx.x == 0) Barrier::arrive(&ring.full[stage]);
         }
-        CopyG::copy(sa, p.p, p.M, g_col0, grow);
+        if (g_whole)
+          lean_copy_p<CopyG>(sa, g_chunk_off, g_src, g_row_bytes, grow);
+        else
+          CopyG::copy(sa, p.p, p.M, g_col0, grow);
         cutlass::arch::cpasync_barrier_arrive_noinc(&ring.full[stage]);
         if (kt + 1 < k_tiles) fetch(kt + 1);
         pos.advance();
@@ -296,6 +339,8 @@ void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, int raster_group, cudaS
   const int64_t tiles = int64_t(a.E) * m_groups * q.n_tiles;
   MOEBLAZE_UNSUPPORTED_IF(tiles > int64_t(INT32_MAX), "weight-gradient GEMM of ", tiles,
                           " tiles exceeds 2^31 - 1");
+  MOEBLAZE_UNSUPPORTED_IF(int64_t(a.M) * 2 > int64_t(INT32_MAX), "weight-gradient GEMM: rows of ",
+                          a.M, " bf16 elements exceed the gathered copy's 32-bit row stride");
   q.raster_group = clamp_raster_group(raster_group, m_groups);
   // q: rows = slots. With S = 0 every expert is empty and nothing is read
   // (its operands may be null), but a descriptor needs a valid address: the output's first
