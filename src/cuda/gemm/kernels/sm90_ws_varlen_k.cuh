@@ -115,25 +115,14 @@ struct MnCopy {
 // A whole stage of P (every row of it valid): thread t's row j, at k-row first_row() + kStep j,
 // lands at chunk_off + j * kStep * 128 (kStep = 8: the swizzle, k % 8, is the same for every j)
 // and comes from src_col + row[j] * row_bytes, src_col the thread's 16-byte column chunk.
-__device__ __forceinline__ void cp_async_16_whole(uint32_t smem_addr, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem)
-               : "memory");
-}
-// a * b as one 32 x 32 -> 64-bit signed multiply (C++'s int64_t product of the two leaves a
-// 64 x 64 one in the SASS: five instructions instead of one IMAD.WIDE with the add).
-__device__ __forceinline__ int64_t mul_wide(int a, int b) {
-  int64_t r;
-  asm("mul.wide.s32 %0, %1, %2;" : "=l"(r) : "r"(a), "r"(b));
-  return r;
-}
 template <class Copy>
 __device__ __forceinline__ void lean_copy_p(uint32_t stage, uint32_t chunk_off, const char* src_col,
                                             int row_bytes, const int (&row)[Copy::kRows]) {
   static_assert(Copy::kStep % 8 == 0, "one swizzle phase for all of a thread's rows");
 #pragma unroll
   for (int j = 0; j < Copy::kRows; ++j)
-    cp_async_16_whole(stage + chunk_off + j * Copy::kStep * 128,
-                      src_col + mul_wide(row[j], row_bytes));
+    cp_async_16(stage + chunk_off + j * Copy::kStep * 128, src_col + mul_wide(row[j], row_bytes),
+                true);
 }
 
 // movmatrix: the 8 x 8 bf16 matrix a warp holds in the MMA fragment layout (lane l: row l / 4,

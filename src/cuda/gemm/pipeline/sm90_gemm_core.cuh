@@ -98,6 +98,13 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem
                "r"(src_bytes)
                : "memory");
 }
+// a * b as one 32 x 32 -> 64-bit multiply (IMAD.WIDE): C++'s int64_t product of two ints
+// compiles to a 64 x 64 one.
+__device__ __forceinline__ int64_t mul_wide(int a, int b) {
+  int64_t r;
+  asm("mul.wide.s32 %0, %1, %2;" : "=l"(r) : "r"(a), "r"(b));
+  return r;
+}
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
