@@ -290,7 +290,7 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
   // A kernel under a kernel-choice override set around its launch (the entry points read the
   // choice, not an argument): the contiguous-A GEMMs on the warp-specialised kernel
   // (down/dx.family=ws, + schedule), dW1 on 2-CTA clusters.
-  auto on_ws = [](const char* spec, Kernel k) -> Kernel {
+  auto with_overrides = [](const char* spec, Kernel k) -> Kernel {
     const gg::KernelOverrides o = gg::parse_kernel_overrides(spec);
     k.launch = [o, inner = k.launch] {
       gg::set_kernel_overrides(o);
@@ -330,15 +330,15 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
           dx("dX", {}),
           down("down-tma", tma_scratch),
           dx("dX-tma", tma_scratch),
-          on_ws("down.family=ws", down("down-ws", {})),
-          on_ws("down.family=ws,down.schedule=pingpong", down("down-pp", {})),
-          on_ws("dx.family=ws", dx("dX-ws", {})),
-          on_ws("dx.family=ws,dx.schedule=pingpong", dx("dX-pp", {})),
+          with_overrides("down.family=ws", down("down-ws", {})),
+          with_overrides("down.family=ws,down.schedule=pingpong", down("down-pp", {})),
+          with_overrides("dx.family=ws", dx("dX-ws", {})),
+          with_overrides("dx.family=ws,dx.schedule=pingpong", dx("dX-pp", {})),
           dw1("dW1", GK::two_cta),
           dw1("dW1-ws", GK::warp_specialized),
           // the 2-CTA cluster variant at every shape (the rule takes it only at >= 4096 rows
           // per expert), to time against dW1-ws
-          on_ws("dw1.family=ws,dw1.cluster=2", dw1("dW1-mc", GK::warp_specialized))};
+          with_overrides("dw1.family=ws,dw1.cluster=2", dw1("dW1-mc", GK::warp_specialized))};
   if (s.fp8) all.insert(all.begin() + 3, down_fp8());  // after the up-projections
   // swiglu_oai's up-projection and dH have one kernel each (ws cooperative): the others refuse it.
   if (act == Activation::swiglu_oai)
@@ -601,9 +601,10 @@ void add_bench_gemm_command(CLI::App& bench) {
       ->check(unsigned_integer());
   sub->add_flag("--no-dense", flags->no_dense, "skip the cuBLAS same-FLOP comparison");
   sub->add_option("--only", flags->only,
-                  "time only these kernels (comma list of up, up-ws, up-pp, down, dH, dH-ws, dH-pp, dW2, dW2-ws, dX, "
-                  "down-tma, dX-tma, down-ws, down-pp, dX-ws, dX-pp, dW1, dW1-ws, dW1-mc, down-fp8); all of them still run once "
-                  "for the correctness check");
+                  "time only these kernels (comma list of up, up-ws, up-pp, down, dH, dH-ws, "
+                  "dH-pp, dW2, dW2-ws, dX, down-tma, dX-tma, down-ws, down-pp, dX-ws, dX-pp, "
+                  "dW1, dW1-ws, dW1-mc, down-fp8); all of them still run once for the "
+                  "correctness check");
   sub->add_option("--out", flags->out, "append JSON lines to this file");
   sub->add_option("--md", flags->md, "write the table as Markdown to this file");
   sub->callback([flags] { run(*flags); });

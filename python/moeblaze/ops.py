@@ -501,8 +501,7 @@ def _plan_from_ids_built(expert_ids, expert_weights, num_experts):
     # One int32 allocation holds four int32 arrays and the fp32 slot weights (same width);
     # token_expert_indices has its own, so a CUDA backward can let it go (without_token_experts).
     buf = torch.empty(E + 1 + T + 1 + 3 * S, dtype=_I32, device=dev)
-    # split_with_sizes: Tensor.split's Python wrapper costs ~5 µs more per call, before the first
-    # kernel of a step.
+    # split_with_sizes: Tensor.split's Python wrapper is host time before the step's first kernel.
     eto, tpo, eti, sw, tim = buf.split_with_sizes([E + 1, T + 1, S, S, S])
     tei = torch.empty(S, dtype=_I32, device=dev)
     sw = sw.view(_F32)
