@@ -4,13 +4,13 @@
 # short table last.
 #
 #   scripts/gpu_check.sh OUT [PART ...]
-#     PART: all (default) | tests | gpu-tests | routing-tests | routing | layer | gemm | ep | python
-#           | peers | sanitize
+#     PART: all (default) | tests | gpu-tests | gpu-gtests | routing-tests | routing | layer | gemm
+#           | ep | python | peers | sanitize
 #       tests          ctest, every test (CPU and GPU)          → OUT/ctest.log
 #       gpu-tests      (not in `all`) the quick GPU check: moeblaze_gpu_tests (GTEST_FILTER picks
 #                      some) and the CUDA pytests (python/tests -k "gpu or cuda")
 #                                                               → OUT/gpu_tests.log, gpu_pytest.log
-#                      (GPU_PYTESTS=0: the gtests alone)
+#       gpu-gtests     (not in `all`) gpu-tests' gtests alone, no package install and pytests
 #       routing-tests  only the GPU routing tests (gtest filter) → OUT/routing_tests.log
 #       routing        moeblaze bench routing                   → OUT/routing.jsonl, routing.md
 #       layer          moeblaze bench layer + bench/torch_reference.py → OUT/layer.jsonl
@@ -130,6 +130,7 @@ if [ -z "${PREBUILT:-}" ]; then
   targets=(moeblaze_cli)
   if want tests; then targets+=(moeblaze_tests moeblaze_gpu_tests); fi
   if want_named gpu-tests; then targets+=(moeblaze_gpu_tests moeblaze_capi); fi
+  if want_named gpu-gtests; then targets+=(moeblaze_gpu_tests); fi
   if want routing-tests; then targets+=(moeblaze_gpu_tests); fi
   if want ep; then targets+=(moeblaze_gpu_tests); fi
   if want_named sanitize; then targets+=(moeblaze_gpu_tests); fi
@@ -141,7 +142,8 @@ else
   # Only the binaries the requested parts run (a carried build folder stays small).
   need=()
   if want tests; then need+=(moeblaze_tests moeblaze_gpu_tests); fi
-  if want routing-tests || want ep || want_named sanitize || want_named gpu-tests; then
+  if want routing-tests || want ep || want_named sanitize || want_named gpu-tests ||
+      want_named gpu-gtests; then
     need+=(moeblaze_gpu_tests)
   fi
   if want routing || want layer || want gemm || want ep || want_named sanitize; then need+=(moeblaze); fi
@@ -192,7 +194,7 @@ if want routing-tests && ! want tests; then
   run_gpu_gtests "routing tests" 'RoutingPlanGpu*:RouterGpu*:TokenRoundingGpu*' routing_tests.log 600
 fi
 # ---- gpu-tests: the GPU gtests alone, then (after the package install below) the CUDA pytests ----
-if want_named gpu-tests; then
+if want_named gpu-tests || want_named gpu-gtests; then
   run_gpu_gtests "gpu gtests" "${GTEST_FILTER:-}" gpu_tests.log 600
 fi
 
@@ -359,7 +361,7 @@ install_python() {
 }
 
 # ---- gpu-tests, second half: the CUDA pytests of every file, from outside the repository ----
-if want_named gpu-tests && [ "${GPU_PYTESTS:-1}" != 0 ] && install_python; then
+if want_named gpu-tests && install_python; then
   t0=$(date +%s)
   rc=0
   tests_dir=$(pwd)/python/tests
