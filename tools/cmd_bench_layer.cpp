@@ -386,9 +386,13 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
     // Whole-step (S, d) Y and dX̃: each GEMM once over every slot (the layer may chunk them).
     const cuda::TokenChunks whole = cuda::TokenChunks::none(S);
     Buffer fws(Device::cuda, cuda::forward_workspace(c, S, whole, nullptr).bytes);
-    Buffer bws(Device::cuda, cuda::backward_workspace(c, S, LayerMode::keep_h, cols, whole, nullptr).bytes);
+    // The layer's placement: A', the ds partials and ds in dW1's bytes where they fit.
+    void* dw1_bytes = dw1.as<bf16>();
+    Buffer bws(Device::cuda,
+               cuda::backward_workspace(c, S, LayerMode::keep_h, cols, whole, nullptr, false, dw1_bytes).bytes);
     const cuda::ForwardWorkspace fw = cuda::forward_workspace(c, S, whole, fws.data());
-    const cuda::BackwardWorkspace bw = cuda::backward_workspace(c, S, LayerMode::keep_h, cols, whole, bws.data());
+    const cuda::BackwardWorkspace bw =
+        cuda::backward_workspace(c, S, LayerMode::keep_h, cols, whole, bws.data(), false, dw1_bytes);
     const RoutingPlanView pv = plan.view();
     const bf16* X = x.as<bf16>();
     const bf16* W1 = w1.as<bf16>();

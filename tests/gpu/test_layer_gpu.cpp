@@ -665,6 +665,31 @@ TEST(LayerGpu, Dw1ReuseRuleAndRegionBytes) {
   }
 }
 
+// A carved backward workspace whose region goes to dw1 refuses a null dw1 (its A', ds partials
+// and ds would be null: `bench layer --breakdown` once passed none and dH failed on a null
+// pointer); counting bytes (no base) needs no dw1. Host only: the carve touches no memory.
+TEST(LayerGpu, BackwardWorkspaceWithTheRegionInDw1NeedsDw1) {
+  LayerConfig cfg;
+  cfg.T = 1024, cfg.d = 512, cfg.n = 128, cfg.E = 8, cfg.K = 2;  // S = 2 n E: the region fits
+  cfg.activation = Activation::swiglu;
+  cfg.dtype = DType::bf16;
+  const int64_t S = cfg.T * cfg.K;
+  const int64_t cols = cuda::gemm::ds_partials_cols(cfg.n);
+  const cuda::TokenChunks chunks = cuda::layer_chunks(cfg, S, LayerMode::keep_h).backward;
+  ASSERT_TRUE(cuda::backward_dw1_reuse(cfg, S, cols, chunks).shared);
+  const size_t bytes =
+      cuda::backward_workspace(cfg, S, LayerMode::keep_h, cols, chunks, nullptr).bytes;
+  std::vector<unsigned char> ws(bytes + 256), dw1(size_t(cfg.E * 2 * cfg.n * cfg.d) * 2 + 256);
+  test::expect_invalid([&] {
+    (void)cuda::backward_workspace(cfg, S, LayerMode::keep_h, cols, chunks, ws.data());
+  }, "backward_workspace: dw1 must not be null when the ds region is placed in it");
+  const cuda::BackwardWorkspace w = cuda::backward_workspace(cfg, S, LayerMode::keep_h, cols,
+                                                             chunks, ws.data(), false, dw1.data());
+  EXPECT_NE(w.ds_partials, nullptr);
+  EXPECT_NE(w.a_scaled, nullptr);
+  EXPECT_NE(w.ds, nullptr);
+}
+
 // A', ds, dX̃ and the TMA scratch in dw1's bytes (backward_dw1_reuse) give the bits of the same
 // pieces in the workspace, in both modes, with and without token chunks, and backward's
 // workspace shrinks by their bytes.

@@ -197,6 +197,9 @@ BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMod
                                      bool dh_over_h, void* dw1) {
   const size_t scratch_bytes = gemm_ops().scratch_bytes(S, cfg.E);
   const Dw1Reuse reuse = dw1_reuse(cfg, S, ds_cols, chunks, scratch_bytes);
+  // A carved workspace (base given) with the region in dw1 needs dw1's bytes, else its pieces are null.
+  MOEBLAZE_REQUIRE(base == nullptr || !reuse.shared || dw1 != nullptr,
+                   "backward_workspace: dw1 must not be null when the ds region is placed in it");
   Carver c(base);
   BackwardWorkspace w;
   // dH is written over H when H is the workspace's own (recompute) or the caller allows it.
