@@ -288,8 +288,8 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
             S, d, R};
   };
   // A kernel under a kernel-choice override set around its launch (the entry points read the
-  // choice, not an argument): the contiguous-A GEMMs on the warp-specialised kernel
-  // (down/dx.family=ws, + schedule), dW1 on 2-CTA clusters.
+  // choice, not an argument): the TMA path's other tiles, the contiguous-A GEMMs on the
+  // warp-specialised kernel (down/dx.family=ws, + schedule), dW1 on 2-CTA clusters.
   auto with_overrides = [](const char* spec, Kernel k) -> Kernel {
     const gg::KernelOverrides o = gg::parse_kernel_overrides(spec);
     k.launch = [o, inner = k.launch] {
@@ -330,6 +330,11 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
           dx("dX", {}),
           down("down-tma", tma_scratch),
           dx("dX-tma", tma_scratch),
+          // the TMA path's other built kernels (kTmaVariants)
+          with_overrides("down.tile=256x128", down("down-tma256", tma_scratch)),
+          with_overrides("down.tile=192x128", down("down-tmapp", tma_scratch)),
+          with_overrides("dx.tile=256x128", dx("dX-tma256", tma_scratch)),
+          with_overrides("dx.tile=192x128", dx("dX-tmapp", tma_scratch)),
           with_overrides("down.family=ws", down("down-ws", {})),
           with_overrides("down.family=ws,down.schedule=pingpong", down("down-pp", {})),
           with_overrides("dx.family=ws", dx("dX-ws", {})),
@@ -602,7 +607,8 @@ void add_bench_gemm_command(CLI::App& bench) {
   sub->add_flag("--no-dense", flags->no_dense, "skip the cuBLAS same-FLOP comparison");
   sub->add_option("--only", flags->only,
                   "time only these kernels (comma list of up, up-ws, up-pp, down, dH, dH-ws, "
-                  "dH-pp, dW2, dW2-ws, dX, down-tma, dX-tma, down-ws, down-pp, dX-ws, dX-pp, "
+                  "dH-pp, dW2, dW2-ws, dX, down-tma, dX-tma, down-tma256, down-tmapp, dX-tma256, "
+                  "dX-tmapp, down-ws, down-pp, dX-ws, dX-pp, "
                   "dW1, dW1-ws, dW1-mc, down-fp8); all of them still run once for the "
                   "correctness check");
   sub->add_option("--out", flags->out, "append JSON lines to this file");

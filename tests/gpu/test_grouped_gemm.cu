@@ -347,6 +347,16 @@ TEST_P(GroupedGemm, DownProjContiguous) {
   const TmaScratch ts(c.E);
   run_twice({&y}, [&] { gg::down_proj(dp.view, cb(a), cb(w2), mb(y), d, n, nullptr, ts.get()); });
   const double ey_tma = check_rel("y (TMA path)", download<bf16>(y), y_ref, rel_tolerance(DType::bf16));
+  // The TMA path's other built kernels (kTmaVariants), same scratch.
+  {
+    const ClearOverridesOnExit clear_on_exit;
+    for (const char* spec : {"down.cluster=1", "down.tile=256x128", "down.tile=192x128"}) {
+      gg::set_kernel_overrides(gg::parse_kernel_overrides(spec));
+      run_twice({&y}, [&] { gg::down_proj(dp.view, cb(a), cb(w2), mb(y), d, n, nullptr, ts.get()); });
+      check_rel((std::string("y (TMA path, ") + spec + ")").c_str(), download<bf16>(y), y_ref,
+                rel_tolerance(DType::bf16));
+    }
+  }
   // The warp-specialised kernel with A read by slot, both schedules (the down.family=ws choice).
   double ey_ws[2];
   {
@@ -577,6 +587,17 @@ TEST_P(GroupedGemm, DxProjWeightNMajor) {
   });
   const double ex_tma =
       check_rel("dx_slots (TMA path)", download<bf16>(dx), dx_ref, rel_tolerance(DType::bf16));
+  {
+    const ClearOverridesOnExit clear_on_exit;
+    for (const char* spec : {"dx.cluster=1", "dx.tile=256x128", "dx.tile=192x128"}) {
+      gg::set_kernel_overrides(gg::parse_kernel_overrides(spec));
+      run_twice({&dx}, [&] {
+        gg::dx_proj(dp.view, cb(dh), cb(w1), mb(dx), d, c.n, c.act, nullptr, ts.get());
+      });
+      check_rel((std::string("dx_slots (TMA path, ") + spec + ")").c_str(), download<bf16>(dx),
+                dx_ref, rel_tolerance(DType::bf16));
+    }
+  }
   double ex_ws[2];
   {
     const ClearOverridesOnExit clear_on_exit;
@@ -763,6 +784,8 @@ TEST(GroupedGemmChecks, KernelChoiceIsTotalAndDeterministic) {
               EXPECT_FALSE(!gathered && k.family == KernelFamily::ws_varlen_k);
               EXPECT_FALSE(k.family == KernelFamily::ws_gather && E > gg::kWsMaxExperts);
               EXPECT_FALSE(k.cluster == 2 && k.family == KernelFamily::two_cta);
+              // a TMA-path choice is one of the built kernels
+              EXPECT_TRUE(k.family != KernelFamily::tma_grouped || gg::tma_variant(k) >= 0);
               EXPECT_STRNE(k.rule, "");
             }
             ++shapes;
@@ -934,7 +957,23 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   EXPECT_EQ(ws.down.family, KernelFamily::ws_gather);
   EXPECT_EQ(ws.down.schedule, gg::KernelSchedule::cooperative);
   EXPECT_EQ(ws.dx.schedule, gg::KernelSchedule::ping_pong);
-  refused("dx.schedule=pingpong", "only the ws_gather family");
+  // On tma the fields not given come from the first built variant with the given ones.
+  const gg::LayerKernels pp = gg::choose_kernels(sm, gg::parse_kernel_overrides("dx.schedule=pingpong"));
+  EXPECT_EQ(pp.dx.family, KernelFamily::tma_grouped);
+  EXPECT_EQ(pp.dx.tile_m, 192);
+  EXPECT_EQ(pp.dx.tile_n, 128);
+  EXPECT_EQ(pp.dx.cluster, 2);
+  EXPECT_EQ(gg::tma_variant(pp.dx), 3);
+  const gg::LayerKernels wide = gg::choose_kernels(sm, gg::parse_kernel_overrides("down.tile=256x128"));
+  EXPECT_EQ(gg::tma_variant(wide.down), 2);
+  EXPECT_EQ(wide.down.schedule, gg::KernelSchedule::cooperative);
+  EXPECT_EQ(gg::tma_variant(wide.dx), 0);  // the automatic choice, untouched
+  EXPECT_EQ(gg::tma_variant(gg::choose_kernels(sm, gg::parse_kernel_overrides("dx.cluster=1")).dx), 1);
+  refused("dx.tile=192x128,dx.cluster=1", "no built kernel has tile 192x128 cluster 1");
+  refused("down.tile=256x256", "(built: 128x256 cooperative cluster 2,");
+  refused("dx.tile=12", "the tile must be MxN");
+  refused("up.tile=128x128", "only down_proj and dx_proj on tma_grouped have a tile choice");
+  refused("down.family=ws,down.tile=256x128", "only down_proj and dx_proj on tma_grouped");
   refused("dw2.schedule=pingpong", "only the ws_gather family");
   refused("dh.cluster=2", "only dw1_proj on ws_varlen_k and down_proj / dx_proj on tma_grouped");
   refused("down.family=two_cta,down.cluster=1", "run on clusters");

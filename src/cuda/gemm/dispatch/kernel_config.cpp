@@ -103,6 +103,31 @@ LayerKernels automatic(const KernelShape& s) {
   return k;
 }
 
+// A tma_grouped kernel's schedule / cluster / tile overrides: the first built variant with the
+// given fields (kTmaVariants' order), else Unsupported listing the built ones.
+void apply_tma(const char* name, const GemmOverride& o, GemmKernel& k) {
+  for (const TmaVariant& v : kTmaVariants) {
+    if ((o.tile_m && (*o.tile_m != v.tile_m || *o.tile_n != v.tile_n)) ||
+        (o.schedule && *o.schedule != v.schedule) || (o.cluster && *o.cluster != v.cluster))
+      continue;
+    k.tile_m = v.tile_m;
+    k.tile_n = v.tile_n;
+    k.schedule = v.schedule;
+    k.cluster = v.cluster;
+    k.rule = "override";
+    return;
+  }
+  std::string built;
+  for (const TmaVariant& v : kTmaVariants)
+    built += detail::concat(built.empty() ? "" : ", ", v.tile_m, "x", v.tile_n, " ",
+                            schedule_name(v.schedule), " cluster ", v.cluster);
+  MOEBLAZE_UNSUPPORTED_IF(true, "kernel override of ", name, " on tma_grouped: no built kernel "
+                          "has ", o.tile_m ? detail::concat("tile ", *o.tile_m, "x", *o.tile_n, " ") : "",
+                          o.schedule ? detail::concat("schedule ", schedule_name(*o.schedule), " ") : "",
+                          o.cluster ? detail::concat("cluster ", *o.cluster, " ") : "",
+                          "(built: ", built, ")");
+}
+
 // Applies GEMM g's override to its chosen kernel k (g in LayerKernels order).
 void apply(int g, const GemmOverride& o, const KernelShape& s, GemmKernel& k) {
   const char* name = kNames[g];
@@ -127,11 +152,18 @@ void apply(int g, const GemmOverride& o, const KernelShape& s, GemmKernel& k) {
       k = ws_gather(KernelSchedule::cooperative, "override");
     }
   }
+  if (k.family == KernelFamily::tma_grouped && (o.schedule || o.cluster || o.tile_m)) {
+    apply_tma(name, o, k);
+    return;
+  }
+  MOEBLAZE_UNSUPPORTED_IF(o.tile_m.has_value(), "kernel override ", name,
+                          ".tile: only down_proj and dx_proj on tma_grouped have a tile choice; ",
+                          name, " runs ", family_name(k.family));
   if (o.schedule) {
     MOEBLAZE_UNSUPPORTED_IF(k.family != KernelFamily::ws_gather, "kernel override ", name,
                             ".schedule: only the ws_gather family (up_proj, dh_proj; down_proj "
-                            "and dx_proj with <gemm>.family=ws) has schedules; ", name, " runs ",
-                            family_name(k.family));
+                            "and dx_proj with <gemm>.family=ws or tma) has schedules; ", name,
+                            " runs ", family_name(k.family));
     k = ws_gather(*o.schedule, "override");
   }
   if (o.cluster) {
@@ -180,6 +212,16 @@ bool LayerKernels::operator==(const LayerKernels& o) const {
   for (int i = 0; i < kCount; ++i)
     if (at(i) != o.at(i)) return false;
   return true;
+}
+
+int tma_variant(const GemmKernel& k) {
+  for (int i = 0; i < kTmaVariantCount; ++i) {
+    const TmaVariant& v = kTmaVariants[i];
+    if (k.tile_m == v.tile_m && k.tile_n == v.tile_n && k.schedule == v.schedule &&
+        k.cluster == v.cluster)
+      return i;
+  }
+  return -1;
 }
 
 const char* family_name(KernelFamily f) {
@@ -261,7 +303,7 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
     for (int i = 0; i < LayerKernels::kCount && dot != std::string::npos; ++i)
       if (key.compare(0, dot, kShort[i]) == 0 && dot == std::string(kShort[i]).size()) g = i;
     MOEBLAZE_REQUIRE(g >= 0, "kernel override '", item, "': unknown key '", key,
-                     "' (<gemm>.family|schedule|cluster|b_tma with <gemm> one of up, down, dh, "
+                     "' (<gemm>.family|schedule|cluster|b_tma|tile with <gemm> one of up, down, dh, "
                      "dw2, dx, dw1; raster; tma.order; tma.swizzle; chunks[.fwd|.bwd]; impl)");
     const std::string field = key.substr(dot + 1);
     GemmOverride& go = o.gemm[g];
@@ -281,9 +323,15 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
       go.cluster = c;
     } else if (field == "b_tma") {
       go.b_by_tma = parse_int(item, v, 0, 1) == 1;
+    } else if (field == "tile") {
+      const size_t x = v.find('x');
+      MOEBLAZE_REQUIRE(x != std::string::npos, "kernel override '", item,
+                       "': the tile must be MxN (e.g. 256x128)");
+      go.tile_m = parse_int(item, v.substr(0, x), 1, 1024);
+      go.tile_n = parse_int(item, v.substr(x + 1), 1, 1024);
     } else {
       MOEBLAZE_REQUIRE(false, "kernel override '", item, "': unknown field '", field,
-                       "' (family, schedule, cluster, b_tma)");
+                       "' (family, schedule, cluster, b_tma, tile)");
     }
   }
   return o;

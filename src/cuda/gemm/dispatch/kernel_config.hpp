@@ -63,6 +63,24 @@ struct GemmKernel {
   bool operator!=(const GemmKernel& o) const { return !(*this == o); }
 };
 
+// The TMA path's built kernels (tma_grouped's tile, schedule and cluster), one instantiation each
+// per GEMM (dispatch/tma_paths.hpp). A cluster of 2 multicasts the weight panel on the 256-wide
+// tile (CTAs along M) and the activation panel on the 128-wide tiles (CTAs along N).
+struct TmaVariant {
+  int tile_m, tile_n;
+  KernelSchedule schedule;
+  int cluster;
+};
+inline constexpr TmaVariant kTmaVariants[] = {
+    {128, 256, KernelSchedule::cooperative, 2},  // the automatic choice
+    {128, 256, KernelSchedule::cooperative, 1},
+    {256, 128, KernelSchedule::cooperative, 2},
+    {192, 128, KernelSchedule::ping_pong, 2},
+};
+constexpr int kTmaVariantCount = int(sizeof(kTmaVariants) / sizeof(kTmaVariants[0]));
+// The index in kTmaVariants of a tma_grouped kernel's tile, schedule and cluster; -1 if not built.
+int tma_variant(const GemmKernel& k);
+
 // The six GEMMs in pipeline order (DESIGN's steps 1, 2, 4, 5, 6, 8).
 struct LayerKernels {
   GemmKernel up, down, dh, dw2, dx, dw1;
@@ -86,10 +104,13 @@ struct KernelShape {
 // comma-separated key=value items, e.g. "dw1.cluster=2,dh.schedule=pingpong,down.family=two_cta".
 //   <gemm>.family    two_cta | ws | tma     (<gemm>: up down dh dw2 dx dw1; ws = the family's
 //                                            warp-specialised kernel: ws_gather or ws_varlen_k)
-//   <gemm>.schedule  cooperative | pingpong (up, dh, down, dx on ws)
+//   <gemm>.schedule  cooperative | pingpong (up, dh, down, dx on ws; down, dx on tma)
 //   dw1.cluster      1 | 2                   (dw1 on ws)
-//   down.cluster, dx.cluster  1 | 2          (on tma: single CTAs, or pairs sharing the weight
-//                                            tile by multicast, the automatic choice)
+//   down.cluster, dx.cluster  1 | 2          (on tma: single CTAs, or pairs sharing a tile by
+//                                            multicast, the automatic choice)
+//   down.tile, dx.tile  MxN                  (on tma: 128x256, 256x128, 192x128)
+//   On tma, the fields not given come from the first of kTmaVariants that has the given ones
+//   (dx.tile=192x128 is ping-pong on clusters of 2); a combination not built is refused.
 //   up.b_tma         0 | 1                   (up on two_cta)
 //   raster           1..65536                (every varlen kernel's band height)
 //   tma.order        m | n,  tma.swizzle 1 | 2 | 4 | 8   (down, dx on tma)
@@ -102,6 +123,7 @@ struct GemmOverride {
   std::optional<KernelSchedule> schedule;
   std::optional<int> cluster;
   std::optional<bool> b_by_tma;
+  std::optional<int> tile_m, tile_n;  // tma_grouped's tile
 };
 struct KernelOverrides {
   GemmOverride gemm[LayerKernels::kCount];  // in LayerKernels order

@@ -21,7 +21,7 @@ void down_proj_ranges(const GemmKernel& k, const RoutingPlanView& plan, const Ex
     (k.schedule == KernelSchedule::ping_pong ? detail::down_proj_pp : detail::down_proj_ws)(
         plan, rows, a, w2, y, d, n, stream);
   else
-    detail::down_proj_tma(plan, rows, a, w2, y, d, n, k.cluster, scratch, stream);
+    detail::down_proj_tma(plan, rows, a, w2, y, d, n, k, scratch, stream);
 }
 
 }  // namespace

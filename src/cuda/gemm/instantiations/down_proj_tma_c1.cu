@@ -1,24 +1,23 @@
-// (2) down-projection on the TMA path with single-CTA clusters (the `down.cluster=1` kernel
-// override): tma::GroupedGemm<ColumnMajor> with a 1x1x1 cluster, as down_proj_tma.cu otherwise.
+// (2) down-projection on the TMA path, variant 1 of kTmaVariants (dispatch/tma_paths.hpp): y = a ·
+// w2_eᵀ per expert, B = w2_e (d, n) is (N, K) with K contiguous (CUTLASS ColumnMajor); 128x256
+// cooperative on single CTAs (the `<gemm>.cluster=1` override).
 #include "cuda/gemm/kernels/sm90_tma_grouped.cuh"
 #include "cuda/gemm/dispatch/tma_paths.hpp"
 
 namespace moeblaze::cuda::gemm::detail {
 
-using DownGemm1 = tma::GroupedGemm<cutlass::layout::ColumnMajor, tma::TileShape,
-                                   cute::Shape<cute::_1, cute::_1, cute::_1>>;
+using DownGemm1 =
+    tma::GroupedGemm<cutlass::layout::ColumnMajor, tma::TileShape,
+                     cute::Shape<cute::_1, cute::_1, cute::_1>, tma::Cooperative>;
 
-size_t down_proj_tma_c1_scratch_bytes(int E) {
-  const TmaTileOrder o = tma_tile_order();
-  return DownGemm1::scratch_bytes(E, {o.along_n, o.swizzle});
+template <>
+size_t down_tma_scratch_bytes<1>(int E, TmaTileOrder order) {
+  return tma::scratch_bytes<DownGemm1>(E, order);
 }
 
-void down_proj_tma_c1(const ExpertRows& rows, int E, const bf16* a, const bf16* w2, bf16* y,
-                      int64_t d, int64_t n, GemmScratch scratch, cudaStream_t stream) {
-  const TmaTileOrder order = tma_tile_order();
-  tma::run<DownGemm1>("down_proj", rows, E, a, n, w2, d * n, n, y, d, static_cast<int>(d),
-                      static_cast<int>(n), scratch.data, scratch.bytes,
-                      {order.along_n, order.swizzle}, stream);
+template <>
+void down_tma_run<1>(const TmaCall& call) {
+  tma::run<DownGemm1>(call);
 }
 
 }  // namespace moeblaze::cuda::gemm::detail

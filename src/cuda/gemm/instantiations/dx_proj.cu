@@ -22,7 +22,7 @@ void dx_proj_ranges(const GemmKernel& k, const RoutingPlanView& plan, const Expe
     (k.schedule == KernelSchedule::ping_pong ? detail::dx_proj_pp : detail::dx_proj_ws)(
         plan, rows, dh, w1, dx, d, w1_rows, stream);
   else
-    detail::dx_proj_tma(plan, rows, dh, w1, dx, d, w1_rows, k.cluster, scratch, stream);
+    detail::dx_proj_tma(plan, rows, dh, w1, dx, d, w1_rows, k, scratch, stream);
 }
 
 }  // namespace

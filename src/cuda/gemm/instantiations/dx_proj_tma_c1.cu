@@ -1,25 +1,23 @@
-// (6) dX̃ on the TMA path with single-CTA clusters (the `dx.cluster=1` kernel override):
-// tma::GroupedGemm<RowMajor> with a 1x1x1 cluster, as dx_proj_tma.cu otherwise.
+// (6) dX̃ on the TMA path, variant 1 of kTmaVariants (dispatch/tma_paths.hpp): dx_slots = dh · w1_e
+// per expert, B = w1_e (w1_rows, d) is (K, N) with N contiguous (CUTLASS RowMajor); 128x256
+// cooperative on single CTAs (the `<gemm>.cluster=1` override).
 #include "cuda/gemm/kernels/sm90_tma_grouped.cuh"
 #include "cuda/gemm/dispatch/tma_paths.hpp"
 
 namespace moeblaze::cuda::gemm::detail {
 
-using DxGemm1 = tma::GroupedGemm<cutlass::layout::RowMajor, tma::TileShape,
-                                 cute::Shape<cute::_1, cute::_1, cute::_1>>;
+using DxGemm1 =
+    tma::GroupedGemm<cutlass::layout::RowMajor, tma::TileShape,
+                     cute::Shape<cute::_1, cute::_1, cute::_1>, tma::Cooperative>;
 
-size_t dx_proj_tma_c1_scratch_bytes(int E) {
-  const TmaTileOrder o = tma_tile_order();
-  return DxGemm1::scratch_bytes(E, {o.along_n, o.swizzle});
+template <>
+size_t dx_tma_scratch_bytes<1>(int E, TmaTileOrder order) {
+  return tma::scratch_bytes<DxGemm1>(E, order);
 }
 
-void dx_proj_tma_c1(const ExpertRows& rows, int E, const bf16* dh, const bf16* w1,
-                    bf16* dx_slots, int64_t d, int64_t w1_rows, GemmScratch scratch,
-                    cudaStream_t stream) {
-  const TmaTileOrder order = tma_tile_order();
-  tma::run<DxGemm1>("dx_proj", rows, E, dh, w1_rows, w1, w1_rows * d, d, dx_slots, d,
-                    static_cast<int>(d), static_cast<int>(w1_rows), scratch.data, scratch.bytes,
-                    {order.along_n, order.swizzle}, stream);
+template <>
+void dx_tma_run<1>(const TmaCall& call) {
+  tma::run<DxGemm1>(call);
 }
 
 }  // namespace moeblaze::cuda::gemm::detail

@@ -33,6 +33,7 @@
 
 #include "core/carver.hpp"
 #include "cuda/cuda_backend.hpp"
+#include "cuda/gemm/dispatch/tma_paths.hpp"  // TmaCall
 #include "cuda/gemm/grouped_gemm.hpp"  // ExpertRows
 #include "cuda/gemm/pipeline/sm90_tma_desc.cuh"  // bind_current_context
 #include "moeblaze/error.hpp"
@@ -80,13 +81,25 @@ void initialize_and_run(const char* fn, const char* what, const typename Gemm::A
     throw DeviceError(std::string(fn) + ": CUTLASS " + what + " launch failed");
 }
 
+// The consumers' schedule, as CUTLASS's pair of mainloop and epilogue policies:
+//   Cooperative: both consumer warpgroups on one tile (each takes half its rows);
+//   PingPong:    each warpgroup on its own tile, one's epilogue under the other's mainloop.
+struct Cooperative {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct PingPong {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
 // The pointer-array epilogue both kernels use: D = A·B stored row-major in ElemD, no C operand.
-template <class Tile, class Cluster, class ElemD, int kAlignD>
+template <class Tile, class Cluster, class ElemD, int kAlignD, class Schedule = Cooperative>
 using PlainEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
     cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
     cutlass::layout::RowMajor*, kAlignD, ElemD, cutlass::layout::RowMajor*, kAlignD,
-    cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+    typename Schedule::Epilogue,
     cutlass::epilogue::fusion::LinearCombination<ElemD, float>>::CollectiveOp;
 // Its arguments: alpha 1, beta 0, no C, D per group.
 template <class Args, class PtrD, class StrideD>
@@ -103,18 +116,19 @@ void set_plain_epilogue(Args& args, PtrD ptr_d, StrideD* stride_d) {
 //          RowMajor    = B_e stored (K, N), N contiguous (w1_e (w1_rows, d) for dX̃).
 // Tile and Cluster are template parameters (defaulted) so that both builders are dependent types:
 // with non-dependent builders inside a class template nvcc's host pass fails to compile them.
-template <class LayoutB, class Tile = TileShape, class Cluster = ClusterShape>
+template <class LayoutB, class Tile = TileShape, class Cluster = ClusterShape,
+          class Schedule = Cooperative>
 struct GroupedGemm {
   using ElemT = tma::ElemT;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K)
   using LayoutA = cutlass::layout::RowMajor;  // (M, K), K contiguous
-  using Epilogue = PlainEpilogue<Tile, Cluster, ElemT, kAlign>;
+  using Epilogue = PlainEpilogue<Tile, Cluster, ElemT, kAlign, Schedule>;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElemT, LayoutA*, kAlign, ElemT,
       LayoutB*, kAlign, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename Schedule::Kernel>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -225,6 +239,17 @@ void run(const char* fn, ExpertRows rows, int E, const void* a, int64_t lda, con
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
   initialize_and_run<typename G::Gemm>(fn, "grouped GEMM", args, N, K,
                                        static_cast<char*>(scratch) + g.bytes, stream);
+}
+
+// run() with a call's operands (dispatch/tma_paths.hpp), and the scratch G needs for its order.
+template <class G>
+void run(const detail::TmaCall& c) {
+  run<G>(c.fn, c.rows, c.E, c.a, c.lda, c.b, c.b_stride, c.ldb, c.d, c.ldd, c.N, c.K,
+         c.scratch.data, c.scratch.bytes, {c.order.along_n, c.order.swizzle}, c.stream);
+}
+template <class G>
+size_t scratch_bytes(int E, detail::TmaTileOrder order) {
+  return G::scratch_bytes(E, {order.along_n, order.swizzle});
 }
 
 }  // namespace moeblaze::cuda::gemm::tma
