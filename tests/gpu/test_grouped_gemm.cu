@@ -707,9 +707,17 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_EQ(sm.up.stages, gg::kWsCooperativeStages);
   EXPECT_EQ(sm.dh.family, KernelFamily::ws_gather);
   EXPECT_EQ(sm.dh.schedule, KernelSchedule::cooperative);
+  // TMA down / dX̃: 192x128 ping-pong, but dX̃ 128x256 cooperative at d 4096 with K = 2n = 2048.
   EXPECT_EQ(sm.down.family, KernelFamily::tma_grouped);
+  EXPECT_EQ(gg::tma_variant(sm.down), gg::kTmaPingPong);
   EXPECT_EQ(sm.down.cluster, 2);
-  EXPECT_EQ(sm.dx, sm.down);
+  EXPECT_EQ(sm.dx.family, KernelFamily::tma_grouped);
+  EXPECT_EQ(gg::tma_variant(sm.dx), 0);
+  const gg::LayerKernels s30 = choose(262144, 128, 4096, 512);  // sm-30B-n512: K = 1024
+  EXPECT_EQ(gg::tma_variant(s30.dx), gg::kTmaPingPong);
+  EXPECT_EQ(gg::tma_variant(choose(131072, 64, 2048, 1024).dx), gg::kTmaPingPong);  // olmoe
+  EXPECT_EQ(gg::tma_variant(choose(262144, 128, 4096, 1024, Activation::gelu).dx),
+            gg::kTmaPingPong);  // K = n = 1024
   EXPECT_EQ(sm.dw2.family, KernelFamily::ws_varlen_k);
   EXPECT_EQ(sm.dw1.family, KernelFamily::ws_varlen_k);
   EXPECT_EQ(sm.dw1.cluster, 1);  // 2048 rows per expert: no clusters
@@ -775,7 +783,8 @@ TEST(GroupedGemmChecks, KernelChoiceIsTotalAndDeterministic) {
               const gg::GemmKernel& k = a.at(i);
               SCOPED_TRACE(std::string(gg::LayerKernels::name(i)) + " " + gg::describe(k));
               const bool gathered = i == 0 || i == 2 || i == 3 || i == 5;
-              EXPECT_TRUE(k.tile_m == 128 && (k.tile_n == 128 || k.tile_n == 256) &&
+              EXPECT_TRUE((k.family == KernelFamily::tma_grouped ||
+                           (k.tile_m == 128 && (k.tile_n == 128 || k.tile_n == 256))) &&
                           k.tile_k == 64);
               EXPECT_TRUE(k.cluster == 1 || k.cluster == 2);
               EXPECT_TRUE(k.stages >= 0 && k.stages <= 8);

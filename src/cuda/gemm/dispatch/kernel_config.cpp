@@ -44,13 +44,15 @@ GemmKernel ws_varlen_k(int cluster, const char* rule) {
   k.rule = rule;
   return k;
 }
-GemmKernel tma_grouped(const char* rule) {
+// kTmaVariants[v] (0: 128x256 cooperative on clusters of 2, the overrides' starting point).
+GemmKernel tma_grouped(const char* rule, int v = 0) {
   GemmKernel k;
   k.family = KernelFamily::tma_grouped;
-  k.schedule = KernelSchedule::cooperative;
-  k.tile_n = 256;
+  k.schedule = kTmaVariants[v].schedule;
+  k.tile_m = kTmaVariants[v].tile_m;
+  k.tile_n = kTmaVariants[v].tile_n;
   k.stages = 0;
-  k.cluster = 2;
+  k.cluster = kTmaVariants[v].cluster;
   k.raster_group = 0;
   k.rule = rule;
   return k;
@@ -81,9 +83,16 @@ LayerKernels automatic(const KernelShape& s) {
                             "swiglu_oai: its own cooperative kernels (the shared epilogues' "
                             "activation switch leaves it out)");
   }
-  k.down = tma ? tma_grouped("S >= 128 E rows: the TMA path wins down to 128 rows per expert")
+  // On the TMA path, 192x128 ping-pong (one warpgroup's epilogue under the other's mainloop)
+  // led 128x256 cooperative by 2-13 % or was level, except dX̃ at d 4096 with K = 2n = 2048.
+  const int64_t w1_rows = is_gated(s.act) ? 2 * s.n : s.n;
+  k.down = tma ? tma_grouped("S >= 128 E rows: the TMA path, 192x128 ping-pong", kTmaPingPong)
                : two_cta("S < 128 E rows: the TMA path's tiles would be mostly tails");
-  k.dx = k.down;
+  k.dx = !tma ? k.down
+         : s.d >= 4096 && w1_rows >= 2048
+             ? tma_grouped("S >= 128 E rows, d >= 4096 and K >= 2048: the TMA path, 128x256 "
+                           "cooperative ahead of ping-pong")
+             : tma_grouped("S >= 128 E rows: the TMA path, 192x128 ping-pong", kTmaPingPong);
   if (tma && ws && s.S < s.E * kWsContiguousMaxRowsPerExpert) {
     // Few rows per expert: the ws kernel (one TMA descriptor per operand) wins there and only
     // there (the 2026-12-02 note).
@@ -103,9 +112,19 @@ LayerKernels automatic(const KernelShape& s) {
   return k;
 }
 
-// A tma_grouped kernel's schedule / cluster / tile overrides: the first built variant with the
-// given fields (kTmaVariants' order), else Unsupported listing the built ones.
+// A tma_grouped kernel's schedule / cluster / tile overrides: k with the given fields where that
+// kernel is built, else the first built variant with them (kTmaVariants' order), else
+// Unsupported listing the built ones.
 void apply_tma(const char* name, const GemmOverride& o, GemmKernel& k) {
+  GemmKernel c = k;
+  if (o.tile_m) c.tile_m = *o.tile_m, c.tile_n = *o.tile_n;
+  if (o.schedule) c.schedule = *o.schedule;
+  if (o.cluster) c.cluster = *o.cluster;
+  if (tma_variant(c) >= 0) {
+    k = c;
+    k.rule = "override";
+    return;
+  }
   for (const TmaVariant& v : kTmaVariants) {
     if ((o.tile_m && (*o.tile_m != v.tile_m || *o.tile_n != v.tile_n)) ||
         (o.schedule && *o.schedule != v.schedule) || (o.cluster && *o.cluster != v.cluster))

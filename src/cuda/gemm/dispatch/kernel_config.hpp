@@ -72,12 +72,13 @@ struct TmaVariant {
   int cluster;
 };
 inline constexpr TmaVariant kTmaVariants[] = {
-    {128, 256, KernelSchedule::cooperative, 2},  // the automatic choice
+    {128, 256, KernelSchedule::cooperative, 2},
     {128, 256, KernelSchedule::cooperative, 1},
     {256, 128, KernelSchedule::cooperative, 2},
     {192, 128, KernelSchedule::ping_pong, 2},
 };
 constexpr int kTmaVariantCount = int(sizeof(kTmaVariants) / sizeof(kTmaVariants[0]));
+constexpr int kTmaPingPong = 3;  // kTmaVariants' 192x128 ping-pong
 // The index in kTmaVariants of a tma_grouped kernel's tile, schedule and cluster; -1 if not built.
 int tma_variant(const GemmKernel& k);
 
@@ -109,8 +110,9 @@ struct KernelShape {
 //   down.cluster, dx.cluster  1 | 2          (on tma: single CTAs, or pairs sharing a tile by
 //                                            multicast, the automatic choice)
 //   down.tile, dx.tile  MxN                  (on tma: 128x256, 256x128, 192x128)
-//   On tma, the fields not given come from the first of kTmaVariants that has the given ones
-//   (dx.tile=192x128 is ping-pong on clusters of 2); a combination not built is refused.
+//   On tma, the fields not given stay as chosen where that kernel is built, else come from the
+//   first of kTmaVariants with the given ones (dx.tile=256x128: cooperative on clusters of 2);
+//   a combination not built is refused.
 //   up.b_tma         0 | 1                   (up on two_cta)
 //   raster           1..65536                (every varlen kernel's band height)
 //   tma.order        m | n,  tma.swizzle 1 | 2 | 4 | 8   (down, dx on tma)

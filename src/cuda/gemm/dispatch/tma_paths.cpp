@@ -28,7 +28,10 @@ size_t largest(const ScratchFn (&fns)[kTmaVariantCount], int E) {
 }
 
 // k's variant; the overrides and the automatic rule only make built ones (kernel_config.cpp).
+// A caller that gives a scratch where the rule chose another family (few rows per expert) gets
+// the single-CTA kernel, whose 128-row tiles waste least on short experts.
 int variant_of(const char* fn, const GemmKernel& k) {
+  if (k.family != KernelFamily::tma_grouped) return 1;
   const int v = tma_variant(k);
   MOEBLAZE_UNSUPPORTED_IF(v < 0, fn, ": no TMA-path kernel is built for ", describe(k));
   return v;
