@@ -350,7 +350,9 @@ TEST_P(GroupedGemm, DownProjContiguous) {
   // The TMA path's other built kernels (kTmaVariants), same scratch.
   {
     const ClearOverridesOnExit clear_on_exit;
-    for (const char* spec : {"down.cluster=1", "down.tile=256x128", "down.tile=192x128"}) {
+    for (const char* spec : {"down.family=tma", "down.family=tma,down.cluster=1",
+                             "down.family=tma,down.tile=256x128",
+                             "down.family=tma,down.tile=192x128"}) {
       gg::set_kernel_overrides(gg::parse_kernel_overrides(spec));
       run_twice({&y}, [&] { gg::down_proj(dp.view, cb(a), cb(w2), mb(y), d, n, nullptr, ts.get()); });
       check_rel((std::string("y (TMA path, ") + spec + ")").c_str(), download<bf16>(y), y_ref,
@@ -589,7 +591,8 @@ TEST_P(GroupedGemm, DxProjWeightNMajor) {
       check_rel("dx_slots (TMA path)", download<bf16>(dx), dx_ref, rel_tolerance(DType::bf16));
   {
     const ClearOverridesOnExit clear_on_exit;
-    for (const char* spec : {"dx.cluster=1", "dx.tile=256x128", "dx.tile=192x128"}) {
+    for (const char* spec : {"dx.family=tma", "dx.family=tma,dx.cluster=1",
+                             "dx.family=tma,dx.tile=256x128", "dx.family=tma,dx.tile=192x128"}) {
       gg::set_kernel_overrides(gg::parse_kernel_overrides(spec));
       run_twice({&dx}, [&] {
         gg::dx_proj(dp.view, cb(dh), cb(w1), mb(dx), d, c.n, c.act, nullptr, ts.get());
@@ -707,17 +710,12 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_EQ(sm.up.stages, gg::kWsCooperativeStages);
   EXPECT_EQ(sm.dh.family, KernelFamily::ws_gather);
   EXPECT_EQ(sm.dh.schedule, KernelSchedule::cooperative);
-  // TMA down / dX̃: 192x128 ping-pong, but dX̃ 128x256 cooperative at d 4096 with K = 2n = 2048.
+  // TMA down / dX̃: 192x128 ping-pong on clusters of 2.
   EXPECT_EQ(sm.down.family, KernelFamily::tma_grouped);
   EXPECT_EQ(gg::tma_variant(sm.down), gg::kTmaPingPong);
   EXPECT_EQ(sm.down.cluster, 2);
-  EXPECT_EQ(sm.dx.family, KernelFamily::tma_grouped);
-  EXPECT_EQ(gg::tma_variant(sm.dx), 0);
-  const gg::LayerKernels s30 = choose(262144, 128, 4096, 512);  // sm-30B-n512: K = 1024
-  EXPECT_EQ(gg::tma_variant(s30.dx), gg::kTmaPingPong);
+  EXPECT_EQ(sm.dx, sm.down);
   EXPECT_EQ(gg::tma_variant(choose(131072, 64, 2048, 1024).dx), gg::kTmaPingPong);  // olmoe
-  EXPECT_EQ(gg::tma_variant(choose(262144, 128, 4096, 1024, Activation::gelu).dx),
-            gg::kTmaPingPong);  // K = n = 1024
   EXPECT_EQ(sm.dw2.family, KernelFamily::ws_varlen_k);
   EXPECT_EQ(sm.dw1.family, KernelFamily::ws_varlen_k);
   EXPECT_EQ(sm.dw1.cluster, 1);  // 2048 rows per expert: no clusters
@@ -967,7 +965,10 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   EXPECT_EQ(ws.down.schedule, gg::KernelSchedule::cooperative);
   EXPECT_EQ(ws.dx.schedule, gg::KernelSchedule::ping_pong);
   // On tma the fields not given come from the first built variant with the given ones.
-  const gg::LayerKernels pp = gg::choose_kernels(sm, gg::parse_kernel_overrides("dx.schedule=pingpong"));
+  const gg::LayerKernels co = gg::choose_kernels(sm, gg::parse_kernel_overrides("dx.schedule=cooperative"));
+  EXPECT_EQ(gg::tma_variant(co.dx), 0);  // 192x128 cooperative is not built: the first cooperative
+  const gg::LayerKernels pp = gg::choose_kernels(
+      sm, gg::parse_kernel_overrides("dx.family=tma,dx.schedule=pingpong"));
   EXPECT_EQ(pp.dx.family, KernelFamily::tma_grouped);
   EXPECT_EQ(pp.dx.tile_m, 192);
   EXPECT_EQ(pp.dx.tile_n, 128);
@@ -976,7 +977,7 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   const gg::LayerKernels wide = gg::choose_kernels(sm, gg::parse_kernel_overrides("down.tile=256x128"));
   EXPECT_EQ(gg::tma_variant(wide.down), 2);
   EXPECT_EQ(wide.down.schedule, gg::KernelSchedule::cooperative);
-  EXPECT_EQ(gg::tma_variant(wide.dx), 0);  // the automatic choice, untouched
+  EXPECT_EQ(gg::tma_variant(wide.dx), gg::kTmaPingPong);  // the automatic choice, untouched
   EXPECT_EQ(gg::tma_variant(gg::choose_kernels(sm, gg::parse_kernel_overrides("dx.cluster=1")).dx), 1);
   refused("dx.tile=192x128,dx.cluster=1", "no built kernel has tile 192x128 cluster 1");
   refused("down.tile=256x256", "(built: 128x256 cooperative cluster 2,");

@@ -83,16 +83,11 @@ LayerKernels automatic(const KernelShape& s) {
                             "swiglu_oai: its own cooperative kernels (the shared epilogues' "
                             "activation switch leaves it out)");
   }
-  // On the TMA path, 192x128 ping-pong (one warpgroup's epilogue under the other's mainloop)
-  // led 128x256 cooperative by 2-13 % or was level, except dX̃ at d 4096 with K = 2n = 2048.
-  const int64_t w1_rows = is_gated(s.act) ? 2 * s.n : s.n;
+  // On the TMA path, 192x128 ping-pong (one warpgroup's epilogue under the other's mainloop):
+  // ahead of 128x256 cooperative in the layer at the four TMA-path configs measured.
   k.down = tma ? tma_grouped("S >= 128 E rows: the TMA path, 192x128 ping-pong", kTmaPingPong)
                : two_cta("S < 128 E rows: the TMA path's tiles would be mostly tails");
-  k.dx = !tma ? k.down
-         : s.d >= 4096 && w1_rows >= 2048
-             ? tma_grouped("S >= 128 E rows, d >= 4096 and K >= 2048: the TMA path, 128x256 "
-                           "cooperative ahead of ping-pong")
-             : tma_grouped("S >= 128 E rows: the TMA path, 192x128 ping-pong", kTmaPingPong);
+  k.dx = k.down;
   if (tma && ws && s.S < s.E * kWsContiguousMaxRowsPerExpert) {
     // Few rows per expert: the ws kernel (one TMA descriptor per operand) wins there and only
     // there (the 2026-12-02 note).
