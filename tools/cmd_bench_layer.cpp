@@ -33,6 +33,7 @@
 #include "flags.hpp"
 #include "core/parallel.hpp"
 #include "cuda/cuda_backend.hpp"
+#include "cuda/gemm/dispatch/kernel_config.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/layer/layer_cuda.hpp"
 #include "moeblaze/moeblaze.hpp"
@@ -229,6 +230,7 @@ void emit(const BenchFlags& f, const Meta& m, const NamedConfig& nc, const Layer
   j.add("kept_bytes", uint64_t(r.kept)).add("peak_bytes", uint64_t(r.peak));
   if (std::isnan(r.err)) j.add_null("max_rel_err"); else j.add("max_rel_err", r.err);
   j.add("err_tokens", std::isnan(r.err) ? 0 : ns).add("reps", f.reps);
+  j.add("kernels", cuda::gemm::kernel_overrides().spec);  // the overrides in force ("" = none)
   j.add("gpu", m.gpu).add("driver", m.driver).add("commit", m.commit).add("date", m.date);
   const std::string line = j.str();
   if (f.json) std::cout << line << "\n" << std::flush;
