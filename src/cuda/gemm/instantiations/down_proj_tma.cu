@@ -12,7 +12,7 @@ using DownGemm0 =
 
 template <>
 size_t down_tma_scratch_bytes<0>(int E, TmaTileOrder order) {
-  return tma::scratch_bytes<DownGemm0>(E, order);
+  return DownGemm0::scratch_bytes(E, order);
 }
 
 template <>

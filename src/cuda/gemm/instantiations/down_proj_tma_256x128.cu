@@ -12,7 +12,7 @@ using DownGemm2 =
 
 template <>
 size_t down_tma_scratch_bytes<2>(int E, TmaTileOrder order) {
-  return tma::scratch_bytes<DownGemm2>(E, order);
+  return DownGemm2::scratch_bytes(E, order);
 }
 
 template <>

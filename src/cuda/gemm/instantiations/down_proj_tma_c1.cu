@@ -12,7 +12,7 @@ using DownGemm1 =
 
 template <>
 size_t down_tma_scratch_bytes<1>(int E, TmaTileOrder order) {
-  return tma::scratch_bytes<DownGemm1>(E, order);
+  return DownGemm1::scratch_bytes(E, order);
 }
 
 template <>

@@ -13,7 +13,7 @@ using DownGemm3 =
 
 template <>
 size_t down_tma_scratch_bytes<3>(int E, TmaTileOrder order) {
-  return tma::scratch_bytes<DownGemm3>(E, order);
+  return DownGemm3::scratch_bytes(E, order);
 }
 
 template <>

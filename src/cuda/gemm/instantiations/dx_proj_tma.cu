@@ -12,7 +12,7 @@ using DxGemm0 =
 
 template <>
 size_t dx_tma_scratch_bytes<0>(int E, TmaTileOrder order) {
-  return tma::scratch_bytes<DxGemm0>(E, order);
+  return DxGemm0::scratch_bytes(E, order);
 }
 
 template <>

@@ -12,7 +12,7 @@ using DxGemm2 =
 
 template <>
 size_t dx_tma_scratch_bytes<2>(int E, TmaTileOrder order) {
-  return tma::scratch_bytes<DxGemm2>(E, order);
+  return DxGemm2::scratch_bytes(E, order);
 }
 
 template <>

@@ -12,7 +12,7 @@ using DxGemm1 =
 
 template <>
 size_t dx_tma_scratch_bytes<1>(int E, TmaTileOrder order) {
-  return tma::scratch_bytes<DxGemm1>(E, order);
+  return DxGemm1::scratch_bytes(E, order);
 }
 
 template <>

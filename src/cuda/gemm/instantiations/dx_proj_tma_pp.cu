@@ -13,7 +13,7 @@ using DxGemm3 =
 
 template <>
 size_t dx_tma_scratch_bytes<3>(int E, TmaTileOrder order) {
-  return tma::scratch_bytes<DxGemm3>(E, order);
+  return DxGemm3::scratch_bytes(E, order);
 }
 
 template <>

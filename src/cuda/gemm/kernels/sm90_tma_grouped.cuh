@@ -1,11 +1,11 @@
 // Varlen-M grouped GEMM with a CONTIGUOUS A operand, built from CUTLASS's Hopper pointer-array
-// kernel (TMA loads of both operands, a producer warp and two cooperative consumer warpgroups,
-// persistent group tile scheduler, TMA store epilogue; CUTLASS example 57):
+// kernel (TMA loads of both operands, a producer warp and two consumer warpgroups, cooperative
+// or ping-pong, persistent group tile scheduler, TMA store epilogue; CUTLASS example 57):
 //   for every expert e: D[rows.out[e] + i, :] = A[rows.begin[e] + i, :] · B_e
 //                       i < rows.end[e] - rows.begin[e]
 // (ExpertRows, grouped_gemm.hpp: the whole step's off[e] ranges, or one token chunk's).
 // Used by down_proj (A = act, B_e = w2_eᵀ) and dx_proj (A = dH, B_e = w1_e) when the experts'
-// row ranges are long enough for its 128 x 256 tiles (choose_kernels). Up-proj, dH and the weight
+// row ranges are long enough for its tiles (choose_kernels, kTmaVariants). Up-proj, dH and the weight
 // gradients gather an operand row by row, which a TMA descriptor cannot express (affine strides
 // only), so they stay on the cp.async kernels of sm90_varlen_m.cuh / dw_proj.cu.
 //
@@ -13,7 +13,7 @@
 // build_group_args from expert_token_offsets into the caller's scratch, and CUTLASS is given no
 // host problem shapes (its scheduler then launches one persistent CTA per SM and reads the sizes
 // on the device). Experts with no rows have zero tiles and are skipped by the scheduler.
-// Included by exactly one .cu file per B layout (down_proj_tma.cu, dx_proj_tma.cu): each
+// Included by one .cu file per GEMM and variant (dispatch/tma_paths.hpp's table): each
 // instantiation costs ~80 s of nvcc on one core.
 #pragma once
 
@@ -52,10 +52,7 @@ using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
 // consecutive CTAs share A row panels (pairs of N-tiles), which is faster on the coarse configs
 // (docs/experiments/2026-11-29-tma-paths.md). The host passes the order in force
 // (dispatch/tma_paths.hpp, tma_tile_order: the tma.order / tma.swizzle overrides or those).
-struct SchedulerChoice {
-  bool along_n;
-  int swizzle;
-};
+using SchedulerChoice = detail::TmaTileOrder;
 
 inline cutlass::KernelHardwareInfo current_hw_info() {
   cutlass::KernelHardwareInfo hw;
@@ -241,15 +238,11 @@ void run(const char* fn, ExpertRows rows, int E, const void* a, int64_t lda, con
                                        static_cast<char*>(scratch) + g.bytes, stream);
 }
 
-// run() with a call's operands (dispatch/tma_paths.hpp), and the scratch G needs for its order.
+// run() with a call's operands (dispatch/tma_paths.hpp).
 template <class G>
 void run(const detail::TmaCall& c) {
   run<G>(c.fn, c.rows, c.E, c.a, c.lda, c.b, c.b_stride, c.ldb, c.d, c.ldd, c.N, c.K,
-         c.scratch.data, c.scratch.bytes, {c.order.along_n, c.order.swizzle}, c.stream);
-}
-template <class G>
-size_t scratch_bytes(int E, detail::TmaTileOrder order) {
-  return G::scratch_bytes(E, {order.along_n, order.swizzle});
+         c.scratch.data, c.scratch.bytes, c.order, c.stream);
 }
 
 }  // namespace moeblaze::cuda::gemm::tma
