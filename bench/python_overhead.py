@@ -168,6 +168,10 @@ def cases():
         ("ops.experts_forward", lambda: ops.experts_forward(x, w1, w2, pw, *plan, 0, False, 0)),
         ("ops.experts_backward",
          lambda: ops.experts_backward(d_out, x, w1, w2, h, *plan, 0, False, 0)),
+        ("eager plan_from_ids + experts forward",
+         lambda: ops._experts_forward_impl(x, w1, w2, ops._plan_from_ids_built(ids, ew, E)[0],
+                                           0, False, 0)),
+        ("moe_experts forward", lambda: moeblaze.moe_experts(xg, w1g, w2g, ids, ewg)),
         ("moe_experts fwd+bwd", moe_experts_step),
         ("moe_experts fwd+bwd via custom ops", ops_step),
         ("MoE fwd+bwd", moe_step),
@@ -191,7 +195,7 @@ def _raw_route(logits):
     kw = {"device": DEV}
     bufs = (torch.empty(T + 1, dtype=torch.int32, **kw), torch.empty(T * K, dtype=torch.int32, **kw),
             torch.empty(T * K, **kw), torch.zeros(4, dtype=torch.int32, **kw))
-    dev = DEV.index or 0 if DEV.type == "cuda" else -1
+    dev = _lib.device_code(logits)  # the C ABI's device code (0 cpu, 1 cuda), not an index
     stream = torch.cuda.current_stream().cuda_stream if DEV.type == "cuda" else None
     r = _lib.Routing(T, E, T * K, *(b.data_ptr() for b in bufs[:3]))
     args = (ctypes.byref(cfg), logits.data_ptr(), 0, T, E, None, dev, stream, ctypes.byref(r),

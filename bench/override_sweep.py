@@ -1,0 +1,112 @@
+"""Kernel overrides side by side: `moeblaze bench gemm` (each GEMM alone) or `moeblaze bench layer`
+(--bench layer: the keep_h step's fwd+bwd) under each MOEBLAZE_KERNELS spec, in alternating rounds
+(spec order forwards, then backwards, so clock and temperature drift fall on all alike), one table
+of each GEMM's (or the step's) median ms per spec and its ratio to the first spec.
+
+A spec is what MOEBLAZE_KERNELS takes (kernel_config.hpp; "" = the automatic choice); specs are
+separated by ';' because a spec holds commas. Every row that bench prints is kept, with the
+spec in force added as `kernels` (bench layer's rows carry it themselves).
+
+    python3 bench/override_sweep.py --cli build/moeblaze --configs olmoe,sm-default \
+        --only dX-tmapp,down-tmapp --specs ";tma.order=m;tma.swizzle=4" --rounds 2 \
+        --out sweep.jsonl --md sweep.md
+    python3 bench/override_sweep.py --bench layer --configs olmoe,sm-default --specs ";raster=8" \
+        --rounds 4
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def run_once(cli, bench, configs, only, spec, reps, timeout):
+    """The rows of one `bench gemm` / `bench layer` call under MOEBLAZE_KERNELS=spec."""
+    env = dict(os.environ)
+    env.pop("MOEBLAZE_KERNELS", None)
+    if spec:
+        env["MOEBLAZE_KERNELS"] = spec
+    with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
+        if bench == "gemm":
+            cmd = [cli, "bench", "gemm", "--configs", configs, "--only", only, "--no-dense",
+                   "--reps", str(reps), "--out", f.name]
+        else:
+            cmd = [cli, "bench", "layer", "--config", configs, "--impl", "moeblaze",
+                   "--no-aggregate", "--reps", str(reps), "--out", f.name]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        if p.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} (MOEBLAZE_KERNELS={spec!r}) failed "
+                               f"({p.returncode}):\n{p.stderr[-2000:]}")
+        rows = [json.loads(line) for line in open(f.name) if line.strip()]
+    for r in rows:
+        r["kernels"] = spec
+        if bench == "layer":  # the table's columns: the step's total under its impl's name
+            r["gemm"], r["ms"] = r["impl"], r["total_ms"]
+    return rows
+
+
+def table(rows, specs):
+    """Markdown: per (config, gemm), each spec's median ms and its ratio to specs[0]'s."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["config"], r["gemm"]), {}).setdefault(r["kernels"], []).append(r["ms"])
+    head = "| config | gemm | " + " | ".join(f"`{s or 'auto'}` ms" for s in specs) + " |"
+    lines = [head, "|---|---|" + "---:|" * len(specs)]
+    for (config, gemm), per in by.items():
+        base = statistics.median(per[specs[0]]) if specs[0] in per else None
+        cells = []
+        for s in specs:
+            if s not in per:
+                cells.append("—")
+                continue
+            m = statistics.median(per[s])
+            ratio = f" ({m / base:.3f})" if base and s != specs[0] else ""
+            cells.append(f"{m:.3f}{ratio}")
+        lines.append(f"| {config} | {gemm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cli", default="build/moeblaze", help="the moeblaze binary")
+    ap.add_argument("--bench", default="gemm", choices=("gemm", "layer"), help="which benchmark")
+    ap.add_argument("--configs", required=True, help="named configs (comma list)")
+    ap.add_argument("--only", default="", help="bench gemm --only (the GEMMs to time)")
+    ap.add_argument("--specs", required=True, help="';'-separated MOEBLAZE_KERNELS specs")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (>= 1)")
+    ap.add_argument("--reps", type=int, default=20, help="bench gemm --reps (>= 20)")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per bench gemm call")
+    ap.add_argument("--out", help="append the rows (JSON lines) here")
+    ap.add_argument("--md", help="write the table here")
+    args = ap.parse_args()
+    specs = [s.strip() for s in args.specs.split(";")]
+    if args.rounds < 1 or len(specs) < 1:
+        ap.error("--rounds must be >= 1 and --specs must name at least one spec")
+    if args.bench == "gemm" and not args.only:
+        ap.error("--bench gemm needs --only (the GEMMs to time)")
+    rows = []
+    calls = args.rounds * len(specs)
+    t0 = time.time()
+    for r in range(args.rounds):
+        for i, spec in enumerate(specs if r % 2 == 0 else specs[::-1]):
+            done = r * len(specs) + i
+            print(f"override_sweep: [{done + 1}/{calls}] round {r + 1}, "
+                  f"MOEBLAZE_KERNELS={spec!r} ({time.time() - t0:.0f} s)", file=sys.stderr)
+            rows += run_once(args.cli, args.bench, args.configs, args.only, spec, args.reps,
+                             args.timeout)
+    text = table(rows, specs)
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
