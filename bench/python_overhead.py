@@ -8,7 +8,9 @@ returns 0 (the *_bytes queries stay real, so the sizes are right; route's stub z
 ids so that torch ops after it see valid ones; on the GPU route stays real), i.e. the Python / torch-dispatch time alone; and
 "real", with the library. The "eager" rows are the bodies moe_experts / MoE call in eager
 mode (layer._ExpertsFn, _RouteFn, ops.plan_from_ids); "via custom ops" is moe_experts as traced
-code runs it. Reference rows: torch's topk+softmax, the raw ctypes call of
+code runs it. The plain moe_experts rows take its C++ fast path where that is built
+(moeblaze.extension_status(), printed first), whose C calls stay real in the stubbed column too;
+the "Python path" rows turn it off (moeblaze.use_extension(False)). Reference rows: torch's topk+softmax, the raw ctypes call of
 moeblaze_route, and no-op torch.library custom ops with route's and the experts ops' schemas (the
 floor a custom op costs before its body runs).
 
@@ -26,7 +28,7 @@ import torch
 from torch import Tensor
 
 import moeblaze
-from moeblaze import _lib, ops
+from moeblaze import _ext, _lib, ops
 
 T, D, N, E, K = 8, 16, 8, 4, 2  # --shape replaces them
 DEV, DTYPE = torch.device("cpu"), torch.float32  # --device cuda: bf16 on the GPU
@@ -149,6 +151,15 @@ def cases():
 
     offsets_k = torch.arange(0, T * K + 1, K, dtype=torch.int32, device=DEV)
 
+    def python_path(fn):  # with the C++ fast path off (moeblaze.use_extension(False))
+        def call():
+            moeblaze.use_extension(False)
+            try:
+                return fn()
+            finally:
+                moeblaze.use_extension(True)
+        return call
+
     def ops_step():  # moe_experts as traced code runs it: conversions and the custom ops
         w = ewg.to(torch.float32).reshape(-1)
         p = ops.build_plan(offsets_k, ids.to(torch.int32).reshape(-1), w.detach(), E)
@@ -173,6 +184,9 @@ def cases():
                                            0, False, 0)),
         ("moe_experts forward", lambda: moeblaze.moe_experts(xg, w1g, w2g, ids, ewg)),
         ("moe_experts fwd+bwd", moe_experts_step),
+        ("moe_experts forward, Python path", python_path(
+            lambda: moeblaze.moe_experts(xg, w1g, w2g, ids, ewg))),
+        ("moe_experts fwd+bwd, Python path", python_path(moe_experts_step)),
         ("moe_experts fwd+bwd via custom ops", ops_step),
         ("MoE fwd+bwd", moe_step),
     ], [
@@ -229,6 +243,8 @@ def main():
     print(f"moeblaze Python boundary, {DEV.type}, T={T} d={D} n={N} E={E} K={K} {DTYPE}, torch "
           f"{torch.__version__}, {args.threads} thread(s); µs per call, median of "
           f"{args.repeat} x {args.inner}")
+    _ext.get()  # builds the fast path now (once), not inside a timed batch
+    print(f"moe_experts' C++ fast path: {moeblaze.extension_status()}")
     print(f"{'call (median / min)':40s} {'stubbed':>13s} {'real':>13s}")
     for name, fn in ops_cases:
         ops.lib = lambda: stub

@@ -79,6 +79,10 @@ class BuildPyWithLib(build_py):
         dst = Path(self.build_lib) / "moeblaze" / LIB
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(lib, dst)
+        # The C ABI's header beside it: _ext.py compiles csrc/ against it at first use.
+        header = Path(self.build_lib) / "moeblaze" / "include" / "moeblaze" / "capi.h"
+        header.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / "include" / "moeblaze" / "capi.h", header)
 
 
 # manylinux_2_N policies for x86_64 (auditwheel 6.8's manylinux-policy.json): the newest
@@ -145,4 +149,4 @@ class BdistWheelPy3(bdist_wheel):
 
 setup(cmdclass={"build_py": BuildPyWithLib, "bdist_wheel": BdistWheelPy3,
                 "sdist": SdistWithSources},
-      package_data={"moeblaze": [LIB]}, distclass=BinaryDistribution)
+      package_data={"moeblaze": [LIB, "csrc/*.cpp"]}, distclass=BinaryDistribution)

@@ -84,6 +84,21 @@ print("moeblaze: forward+backward vs TorchMoE, relative errors (out, dx, d gate,
       " ".join(f"{e:.1e}" for e in errs))
 assert max(errs) < 1e-4, errs
 
+# moe_experts from the wheel: the C++ fast path compiles from the package's csrc/ and capi.h
+# (where a C++ compiler is present) and gives the Python path's bits.
+ids = torch.stack([torch.randperm(8)[:2] for _ in range(24)])
+ys = []
+for use in (True, False):
+    moeblaze.use_extension(use)
+    ys.append(moeblaze.moe_experts(x[0].detach(), moe.w1.detach(), moe.w2.detach(), ids,
+                                   torch.rand(24, 2, generator=torch.Generator().manual_seed(1))))
+moeblaze.use_extension(True)
+print(f"moeblaze: moe_experts' C++ fast path: {moeblaze.extension_status()}")
+assert torch.equal(ys[0], ys[1])
+import shutil
+if shutil.which(os.environ.get("CXX", "c++")):  # a compiler here: the wheel must have what it needs
+    assert moeblaze.extension_status().startswith("loaded"), moeblaze.extension_status()
+
 example = open(sys.argv[1]).read()
 if re.search(r"^(import|from) .*\bmoeblaze\b", example, re.M):
     runpy.run_path(sys.argv[1], run_name="__main__")

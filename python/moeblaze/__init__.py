@@ -10,6 +10,7 @@ docs/PYTORCH.md describes the design (C ABI + torch.library custom ops);
 moeblaze.integrations.hf plugs it into Hugging Face transformers (experts_implementation).
 """
 from . import ops
+from ._ext import extension_status, use_extension
 from ._lib import MoeblazeError, UnsupportedError, has_cuda, library_path, memory_stats, reset_peak
 from .expert_parallel import (ExpertParallelMoE, ep_experts_from_routing, ep_moe_experts,
                               ep_shard)
@@ -23,4 +24,4 @@ __all__ = ["MoE", "TorchMoE", "SharedExpert", "RouterLosses", "moe_experts", "ex
            "router_losses", "ops", "memory_stats", "reset_peak", "has_cuda", "library_path",
            "MoeblazeError", "UnsupportedError", "dense_reference", "torch_experts",
            "torch_router", "ExpertParallelMoE", "ep_experts_from_routing", "ep_moe_experts",
-           "ep_shard"]
+           "ep_shard", "use_extension", "extension_status"]

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _lib, ops
+from . import _ext, _lib, ops
 from .reference import torch_experts, torch_router
 
 
@@ -339,10 +339,19 @@ def _moe_experts_eager(x, w1, w2, expert_ids, expert_weights, activation, recomp
     w = expert_weights.detach()
     if w.dtype not in _lib.DTYPES:
         w = w.to(torch.float32)
+    act = _activation_code(activation)
+    ext = _ext.get() if b1 is None and b2 is None and compute_dtype in (None, "bf16", "storage") else None
+    if ext is not None:  # the same C calls with the host work in C++ (_ext.py)
+        r = ext.experts_from_ids(x, w1, w2, expert_weights, expert_ids, w, act,
+                                 ops._w1_rows(act, w2.shape[2] if w2.dim() == 3 else 0),
+                                 bool(recompute))
+        if type(r) is int:
+            _lib.check(r)  # a C call refused the arguments: its message, as the Python path's
+        if r is not None:
+            return r
     plan, _flags = ops._plan_from_ids_built(expert_ids, w, w2.shape[0])
     return _ExpertsFn.apply(x, w1, w2, expert_weights, b1, b2, plan,
-                            (_activation_code(activation), bool(recompute), 0,
-                             _compute_code(compute_dtype)))
+                            (act, bool(recompute), 0, _compute_code(compute_dtype)))
 
 
 def _init_moe_module(m, hidden_size, intermediate_size, num_experts, top_k, activation, router,

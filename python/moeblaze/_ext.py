@@ -1,0 +1,131 @@
+"""The eager moe_experts step's C++ fast path (csrc/eager_experts.cpp): compiled at first use
+against the installed torch with the system's C++ compiler and cached, so the package still
+pins no torch ABI; where it cannot be built (no compiler, no torch headers) moe_experts keeps the
+Python path (layer._ExpertsFn), which makes the same C calls.
+
+    moeblaze.use_extension(False)   # the Python path only (True: the default)
+    moeblaze.extension_status()     # "loaded: <path>", "disabled", or why it is unavailable
+
+The cache folder is ~/.cache/moeblaze (XDG_CACHE_HOME honoured); one file per (source, capi.h,
+torch version, Python version), written atomically, so concurrent first uses are safe.
+"""
+import ctypes
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+from . import _lib
+
+_HERE = Path(__file__).resolve().parent
+_SOURCE = _HERE / "csrc" / "eager_experts.cpp"
+_lock = threading.Lock()
+_state = {"enabled": True, "module": None, "status": "not built yet"}
+
+
+def _include_dir():
+    """The folder holding moeblaze/capi.h: the package's copy (wheel), else the repository's."""
+    for d in (_HERE / "include", _HERE.parent.parent / "include"):
+        if (d / "moeblaze" / "capi.h").exists():
+            return d
+    return None
+
+
+def _cache_dir():
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moeblaze"
+
+
+def _build(include, out):
+    """Compiles the extension into `out` (atomically); raises RuntimeError with the compiler's
+    output when it fails."""
+    import torch
+    from torch.utils import cpp_extension
+    cxx = os.environ.get("CXX", "c++")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cmd = [cxx, "-O2", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden",
+           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+           f"-I{include}", f"-I{sysconfig.get_paths()['include']}"]
+    cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
+    libs = cpp_extension.library_paths()
+    cmd += [str(_SOURCE)] + [f"-L{p}" for p in libs] + [f"-Wl,-rpath,{p}" for p in libs]
+    cmd += ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        p = subprocess.run(cmd + ["-o", tmp], capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _load():
+    """The loaded module, building it first if its cache file is missing; None (and the reason in
+    _state['status']) where it cannot be had."""
+    import torch
+    include = _include_dir()
+    if include is None or not _SOURCE.exists():
+        _state["status"] = "unavailable: the package has no csrc/eager_experts.cpp or capi.h"
+        return None
+    h = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), (include / "moeblaze" / "capi.h").read_bytes(),
+                 torch.__version__.encode(), sys.version.encode()):
+        h.update(part)
+    out = _cache_dir() / f"moeblaze_eager-{h.hexdigest()[:16]}.so"
+    if not out.exists():
+        print(f"moeblaze: building the C++ fast path of moe_experts for torch {torch.__version__} "
+              f"(once; cached in {out.parent}) ...", file=sys.stderr, flush=True)
+        try:
+            _build(include, out)
+        except (OSError, RuntimeError) as err:
+            _state["status"] = f"unavailable: the build failed ({str(err)[:2000]})"
+            warnings.warn(f"moeblaze: the C++ fast path of moe_experts could not be built; the "
+                          f"Python path (same results, more host time per step) is used: {err}")
+            return None
+    spec = importlib.util.spec_from_file_location("moeblaze_eager", out)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if mod.capi_version != _lib.lib().moeblaze_capi_version():
+        _state["status"] = (f"unavailable: built for C ABI version {mod.capi_version}, the "
+                            f"library is {_lib.lib().moeblaze_capi_version()}")
+        return None
+    lib = _lib.lib()
+    addr = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in (
+        "moeblaze_plan_from_ids", "moeblaze_plan_from_ids_workspace_bytes",
+        "moeblaze_layer_pass_workspace_bytes", "moeblaze_layer_forward_biased",
+        "moeblaze_layer_backward_biased", "moeblaze_last_error")]
+    mod.init(*addr)
+    _state["status"] = f"loaded: {out}"
+    return mod
+
+
+def get():
+    """The extension module, or None (disabled, or not buildable here: the Python path runs)."""
+    mod = _state["module"]
+    if mod is not None or not _state["enabled"]:
+        return mod if _state["enabled"] else None
+    with _lock:
+        if _state["module"] is None and _state["status"] == "not built yet":
+            _state["module"] = _load()
+    return _state["module"]
+
+
+def use_extension(enabled=True):
+    """Whether eager moe_experts calls take the C++ fast path (default True). False: the Python
+    path only (same C calls and bits; more host time per step)."""
+    _state["enabled"] = bool(enabled)
+
+
+def extension_status():
+    """'loaded: <path>', 'disabled', 'not built yet', or 'unavailable: <why>'."""
+    return "disabled" if not _state["enabled"] else _state["status"]

@@ -1,0 +1,266 @@
+// moeblaze_eager: the eager moe_experts step with its host work in C++ (python/moeblaze/_ext.py
+// builds it at first use against the installed torch; nothing is pinned to a torch ABI at the
+// library's build). The same C ABI calls as layer._ExpertsFn (plan from the ids, layer forward,
+// layer backward writing dH over H on CUDA), reached through function pointers that the Python
+// side resolved with ctypes, so this file links against torch only. Why: on a GPU the forward
+// kernels wait for the host, and the Python checks, allocations and autograd node before their
+// launch cost ~45-90 µs per step on the H200 machine's host (docs/experiments/2026-12-03-*).
+//
+// experts_from_ids returns the output tensor, None where this fast path does not apply (the
+// Python path then runs, raising the error that names the argument), or the C ABI's error code
+// when a C call refused the arguments (Python raises it with moeblaze_last_error's message).
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+#include "moeblaze/capi.h"
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The C ABI, resolved by ctypes in Python (init()).
+struct Api {
+  decltype(&moeblaze_plan_from_ids) plan_from_ids = nullptr;
+  decltype(&moeblaze_plan_from_ids_workspace_bytes) plan_from_ids_workspace_bytes = nullptr;
+  decltype(&moeblaze_layer_pass_workspace_bytes) layer_pass_workspace_bytes = nullptr;
+  decltype(&moeblaze_layer_forward_biased) layer_forward = nullptr;
+  decltype(&moeblaze_layer_backward_biased) layer_backward = nullptr;
+  decltype(&moeblaze_last_error) last_error = nullptr;
+};
+Api g_api;
+
+// A C call's refusal inside the autograd function's forward, carried out of apply().
+struct CallFailed {
+  int rc;
+};
+
+constexpr int kModeKeepH = 0, kModeRecompute = 1, kModeDhOverH = 2;  // moeblaze_layer_cfg.mode
+
+int32_t dtype_code(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 1 : 0; }
+
+// Workspace bytes are functions of the sizes alone: asked once per key (C++ only reads the map
+// after). key: cfg fields, S, pass (0 forward, 1 backward), and -1 for the plan build's.
+using WsKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int32_t, int32_t, int32_t,
+                         int64_t, int32_t>;
+std::mutex g_ws_mutex;
+std::map<WsKey, uint64_t> g_ws_bytes;
+
+uint64_t pass_workspace_bytes(const moeblaze_layer_cfg& c, int64_t S, int32_t pass) {
+  const WsKey key{c.T, c.d, c.n, c.E, c.K, c.activation, c.dtype, c.mode, S, pass};
+  std::lock_guard<std::mutex> lock(g_ws_mutex);
+  auto it = g_ws_bytes.find(key);
+  if (it != g_ws_bytes.end()) return it->second;
+  uint64_t n = 0;
+  int rc = pass < 0 ? g_api.plan_from_ids_workspace_bytes(c.T, c.K, c.E, 1, &n)
+                    : g_api.layer_pass_workspace_bytes(&c, S, 1, pass, &n);
+  if (rc != MOEBLAZE_OK) throw CallFailed{rc};
+  g_ws_bytes.emplace(key, n);
+  return n;
+}
+
+void* data(const at::Tensor& t) { return t.defined() && t.numel() > 0 ? t.data_ptr() : nullptr; }
+
+// PyTorch's current stream on t's device (NULL on the CPU).
+void* stream_of(const at::Tensor& t) {
+  if (!t.is_cuda()) return nullptr;
+  return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(t.device())
+      .native_handle();
+}
+
+struct ExpertsFromIds : public torch::autograd::Function<ExpertsFromIds> {
+  // x (T, d), w1 (E, w1_rows, d), w2 (E, d, n): checked, contiguous, one dtype and device.
+  // pair_weights: the caller's (T, K) expert weights, only here to receive their gradient.
+  // ids (T, K) int32/int64 and kernel_weights (T, K) fp32/bf16, contiguous: what the plan reads.
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w1,
+                               const at::Tensor& w2, const at::Tensor& pair_weights,
+                               const at::Tensor& ids, const at::Tensor& kernel_weights,
+                               int64_t activation, bool recompute) {
+    const bool cuda = x.is_cuda();
+    const int32_t dev = cuda ? 1 : 0;
+    const int64_t T = ids.size(0), K = ids.size(1), E = w2.size(0), d = x.size(1),
+                  n = w2.size(2), S = T * K;
+    const c10::OptionalDeviceGuard guard(cuda ? std::optional<c10::Device>(x.device())
+                                              : std::nullopt);
+    void* stream = stream_of(x);
+    moeblaze_layer_cfg cfg{T,       d, n, E, K, int32_t(activation), dtype_code(x),
+                           recompute ? kModeRecompute : kModeKeepH, 0, 0};
+    // One int32 allocation for the plan's four int32 arrays and its fp32 slot weights, as
+    // ops._plan_from_ids_built; token_expert_indices alone (CUDA's backward never reads it).
+    const auto i32 = x.options().dtype(at::kInt);
+    at::Tensor buf = at::empty({E + 1 + T + 1 + 3 * S}, i32);                  // (E+1+T+1+3S,)
+    at::Tensor eto = buf.narrow(0, 0, E + 1);                                   // (E+1,)
+    at::Tensor tpo = buf.narrow(0, E + 1, T + 1);                               // (T+1,)
+    at::Tensor eti = buf.narrow(0, E + T + 2, S);                               // (S,)
+    at::Tensor sw = buf.narrow(0, E + T + 2 + S, S).view(at::kFloat);           // (S,) fp32
+    at::Tensor tim = buf.narrow(0, E + T + 2 + 2 * S, S);                       // (S,)
+    at::Tensor tei = at::empty({S}, i32);                                       // (S,)
+    at::Tensor flags = cuda ? at::empty({4}, i32) : at::Tensor();               // (4,) CUDA
+    // One workspace for both calls: the plan build's is dead once its kernels ran (one stream).
+    const uint64_t ws_plan = cuda ? pass_workspace_bytes(cfg, S, -1) : 0;
+    const uint64_t ws_fwd = cuda ? pass_workspace_bytes(cfg, S, 0) : 0;
+    const uint64_t ws_bytes = std::max(ws_plan, ws_fwd);
+    at::Tensor ws = ws_bytes ? at::empty({int64_t(ws_bytes)}, x.options().dtype(at::kByte))
+                             : at::Tensor();                                    // (bytes,)
+    moeblaze_plan plan{T,
+                       E,
+                       S,
+                       eto.data_ptr<int32_t>(),
+                       static_cast<int32_t*>(data(eti)),
+                       static_cast<float*>(data(sw)),
+                       tpo.data_ptr<int32_t>(),
+                       static_cast<int32_t*>(data(tei)),
+                       static_cast<int32_t*>(data(tim))};
+    int rc = g_api.plan_from_ids(data(ids), ids.scalar_type() == at::kLong ? MOEBLAZE_IDS_INT64
+                                                                           : MOEBLAZE_IDS_INT32,
+                                 data(kernel_weights), dtype_code(kernel_weights), T, K, E, dev,
+                                 stream, &plan, data(ws), ws_plan, cuda ? flags.data_ptr<int32_t>()
+                                                                        : nullptr);
+    if (rc != MOEBLAZE_OK) throw CallFailed{rc};
+    const int64_t rows = w1.size(1);
+    at::Tensor out = at::empty_like(x);                                         // (T, d)
+    at::Tensor h = at::empty({recompute ? 0 : S, rows}, x.options());           // (S, w1_rows)
+    rc = g_api.layer_forward(&cfg, &plan, dev, stream, data(x), data(w1), data(w2), nullptr,
+                             nullptr, data(out), recompute ? nullptr : data(h), data(ws), ws_fwd);
+    if (rc != MOEBLAZE_OK) throw CallFailed{rc};
+    // Backward on CUDA never reads token_expert_indices: not kept (S int32 fewer bytes held).
+    ctx->save_for_backward({x, w1, w2, h, eto, eti, sw, tpo, cuda ? at::Tensor() : tei, tim});
+    ctx->saved_data["activation"] = activation;
+    ctx->saved_data["recompute"] = recompute;
+    ctx->saved_data["K"] = K;
+    ctx->saved_data["pw_dtype"] = pair_weights.scalar_type();
+    ctx->saved_data["pw_sizes"] = pair_weights.sizes().vec();
+    return {out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w1 = saved[1], &w2 = saved[2];
+    at::Tensor h = saved[3];
+    const bool recompute = ctx->saved_data["recompute"].toBool();
+    const bool cuda = x.is_cuda();
+    const int32_t dev = cuda ? 1 : 0;
+    const int64_t T = x.size(0), d = x.size(1), E = w2.size(0), n = w2.size(2),
+                  S = saved[5].size(0);
+    const c10::OptionalDeviceGuard guard(cuda ? std::optional<c10::Device>(x.device())
+                                              : std::nullopt);
+    void* stream = stream_of(x);
+    const int32_t mode = recompute ? kModeRecompute : cuda ? kModeDhOverH : kModeKeepH;
+    moeblaze_layer_cfg cfg{T,    d,    n, E, ctx->saved_data["K"].toInt(),
+                           int32_t(ctx->saved_data["activation"].toInt()), dtype_code(x), mode, 0,
+                           0};
+    const at::Tensor d_out = grads[0].to(x.scalar_type()).contiguous();        // (T, d)
+    at::Tensor dx = at::empty_like(x);                                          // (T, d)
+    at::Tensor dw1 = at::empty_like(w1);                                        // (E, w1_rows, d)
+    at::Tensor dw2 = at::empty_like(w2);                                        // (E, d, n)
+    at::Tensor dpw = at::empty({S}, x.options().dtype(at::kFloat));             // (S,) fp32
+    const uint64_t ws_bytes = cuda ? pass_workspace_bytes(cfg, S, 1) : 0;
+    at::Tensor ws = ws_bytes ? at::empty({int64_t(ws_bytes)}, x.options().dtype(at::kByte))
+                             : at::Tensor();                                    // (bytes,)
+    moeblaze_plan plan{T,
+                       E,
+                       S,
+                       saved[4].data_ptr<int32_t>(),
+                       static_cast<int32_t*>(data(saved[5])),
+                       static_cast<float*>(data(saved[6])),
+                       saved[7].data_ptr<int32_t>(),
+                       static_cast<int32_t*>(data(saved[8])),
+                       static_cast<int32_t*>(data(saved[9]))};
+    const int rc = g_api.layer_backward(&cfg, &plan, dev, stream, data(x), data(w1), data(w2),
+                                        nullptr, nullptr, data(d_out),
+                                        recompute ? nullptr : data(h), data(dx), data(dw1),
+                                        data(dw2), static_cast<float*>(data(dpw)), nullptr,
+                                        nullptr, data(ws), ws_bytes);
+    TORCH_CHECK(rc == MOEBLAZE_OK, "moeblaze: ", g_api.last_error());
+    // dH went over h: a second backward (retain_graph) must fail on h's version, not read dH.
+    if (mode == kModeDhOverH) torch::autograd::impl::bump_version(h);
+    const auto pw_dtype = ctx->saved_data["pw_dtype"].toScalarType();
+    at::Tensor dpw_shaped = dpw.view(ctx->saved_data["pw_sizes"].toIntVector());
+    if (pw_dtype != at::kFloat) dpw_shaped = dpw_shaped.to(pw_dtype);
+    variable_list g{dx, dw1, dw2, dpw_shaped};
+    if (c10::GradMode::is_enabled()) {
+      // create_graph=True: as Python's @once_differentiable (the Python path), the gradients
+      // carry a node that raises only if something differentiates through them.
+      for (auto& t : g) {
+        t = t.detach();
+        t.set_requires_grad(true);
+      }
+      g = torch::autograd::DelayedError(
+              "trying to differentiate twice a function that was marked with "
+              "@once_differentiable",
+              4)
+              .apply(std::move(g));
+    }
+    g.resize(8);  // no gradient for ids, kernel_weights, activation, recompute
+    return g;
+  }
+};
+
+// The fast path's own conditions (each a rule the Python path checks and names on failure):
+// plain dense shapes, one dtype, ids int32/int64, weights fp32/bf16, K >= 1.
+bool fast_path_applies(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+                       const at::Tensor& ids, const at::Tensor& kw, int64_t w1_rows) {
+  if (x.dim() != 2 || w1.dim() != 3 || w2.dim() != 3 || ids.dim() != 2) return false;
+  const auto dt = x.scalar_type();
+  if (dt != at::kBFloat16 && dt != at::kFloat) return false;
+  if (x.is_cuda() && dt != at::kBFloat16) return false;
+  if (w1.scalar_type() != dt || w2.scalar_type() != dt) return false;
+  if (ids.scalar_type() != at::kInt && ids.scalar_type() != at::kLong) return false;
+  if (kw.scalar_type() != at::kFloat && kw.scalar_type() != at::kBFloat16) return false;
+  const int64_t T = x.size(0), d = x.size(1), E = w2.size(0), n = w2.size(2);
+  if (ids.size(0) != T || ids.size(1) < 1 || kw.sizes() != ids.sizes()) return false;
+  if (w2.size(1) != d || w1.size(0) != E || w1.size(1) != w1_rows || w1.size(2) != d)
+    return false;
+  return w1_rows > 0 && n > 0;
+}
+
+py::object experts_from_ids(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+                            const at::Tensor& pair_weights, const at::Tensor& ids,
+                            const at::Tensor& kernel_weights, int64_t activation, int64_t w1_rows,
+                            bool recompute) {
+  if (g_api.layer_forward == nullptr) return py::none();
+  if (!fast_path_applies(x, w1, w2, ids, kernel_weights, w1_rows)) return py::none();
+  try {
+    variable_list out = ExpertsFromIds::apply(x.contiguous(), w1.contiguous(), w2.contiguous(),
+                                              pair_weights, ids.contiguous(),
+                                              kernel_weights.contiguous(), activation, recompute);
+    return py::cast(out[0]);
+  } catch (const CallFailed& f) {
+    return py::int_(f.rc);
+  }
+}
+
+void init(uintptr_t plan_from_ids, uintptr_t plan_from_ids_workspace_bytes,
+          uintptr_t layer_pass_workspace_bytes, uintptr_t layer_forward, uintptr_t layer_backward,
+          uintptr_t last_error) {
+  g_api.plan_from_ids = reinterpret_cast<decltype(g_api.plan_from_ids)>(plan_from_ids);
+  g_api.plan_from_ids_workspace_bytes =
+      reinterpret_cast<decltype(g_api.plan_from_ids_workspace_bytes)>(
+          plan_from_ids_workspace_bytes);
+  g_api.layer_pass_workspace_bytes = reinterpret_cast<decltype(g_api.layer_pass_workspace_bytes)>(
+      layer_pass_workspace_bytes);
+  g_api.last_error = reinterpret_cast<decltype(g_api.last_error)>(last_error);
+  g_api.layer_backward = reinterpret_cast<decltype(g_api.layer_backward)>(layer_backward);
+  g_api.layer_forward = reinterpret_cast<decltype(g_api.layer_forward)>(layer_forward);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(moeblaze_eager, m) {
+  m.doc() = "moeblaze's eager moe_experts step with its host work in C++ (see _ext.py)";
+  m.def("init", &init, "the C ABI's function addresses (ctypes)");
+  m.def("experts_from_ids", &experts_from_ids,
+        "out, None (not this path's case) or a C ABI error code");
+  m.attr("capi_version") = MOEBLAZE_CAPI_VERSION;
+}

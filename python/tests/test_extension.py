@@ -1,0 +1,163 @@
+"""moe_experts' C++ fast path (moeblaze/_ext.py, csrc/eager_experts.cpp) against the Python path
+(layer._ExpertsFn), which makes the same C calls: the same bits forward and backward, the same
+errors, and the fast path really taken where a compiler can build it."""
+import os
+import shutil
+
+import pytest
+import torch
+
+import moeblaze
+from moeblaze import _ext
+
+from helpers import DEVICES
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def fast_path():
+    """The fast path on (the default) for the test, whatever an earlier test left."""
+    moeblaze.use_extension(True)
+    yield
+    moeblaze.use_extension(True)
+
+
+def _has_compiler():
+    return shutil.which(os.environ.get("CXX", "c++")) is not None and _ext._include_dir()
+
+
+def _node(out):
+    return out.grad_fn.name()
+
+
+def _inputs(T, d, n, E, K, dtype, device, rows, id_dtype, w_dtype):
+    x = torch.randn(T, d, device=device).to(dtype)
+    w1 = (torch.randn(E, rows, d, device=device) / d ** 0.5).to(dtype)
+    w2 = (torch.randn(E, d, n, device=device) / n ** 0.5).to(dtype)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).to(device, id_dtype)
+    wts = torch.rand(T, K, device=device).to(w_dtype)
+    return x, w1, w2, ids, wts
+
+
+def _step(use, x, w1, w2, ids, wts, activation, recompute, g):
+    """(out, node name, grads) of one forward+backward with the fast path on or off."""
+    moeblaze.use_extension(use)
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w2, wts)]
+    out = moeblaze.moe_experts(leaves[0], leaves[1], leaves[2], ids, leaves[3], activation,
+                               recompute=recompute)
+    name = _node(out)
+    out.backward(g)
+    return out.detach(), name, [t.grad for t in leaves]
+
+
+def test_fast_path_is_built_where_a_compiler_is(fast_path):
+    if not _has_compiler():
+        pytest.skip("no C++ compiler or capi.h here: moe_experts keeps the Python path")
+    assert _ext.get() is not None, moeblaze.extension_status()
+    assert moeblaze.extension_status().startswith("loaded: "), moeblaze.extension_status()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("activation,recompute,K,id_dtype,w_dtype", [
+    ("swiglu", False, 3, torch.int64, torch.float32),
+    ("swiglu", True, 3, torch.int32, BF16),
+    ("relu", False, 1, torch.int64, torch.float32),
+    ("geglu", False, 2, torch.int32, torch.float64),
+])
+def test_fast_path_gives_the_python_paths_bits(fast_path, seed, device, activation, recompute, K,
+                                               id_dtype, w_dtype):
+    if not _has_compiler():
+        pytest.skip("no C++ compiler here: the fast path is not built")
+    dtypes = [BF16] if device == "cuda" else [torch.float32, BF16]
+    for dtype in dtypes:
+        T, d, n, E = 45, 64, 64, 6
+        rows = 2 * n if activation in ("swiglu", "geglu") else n
+        x, w1, w2, ids, wts = _inputs(T, d, n, E, K, dtype, device, rows, id_dtype, w_dtype)
+        g = torch.randn(T, d, device=device).to(dtype)
+        fast = _step(True, x, w1, w2, ids, wts, activation, recompute, g)
+        slow = _step(False, x, w1, w2, ids, wts, activation, recompute, g)
+        assert "ExpertsFromIds" in fast[1] and "ExpertsFromIds" not in slow[1], (fast[1], slow[1])
+        assert torch.equal(fast[0], slow[0])
+        for name, a, b in zip(("dx", "dw1", "dw2", "d_weights"), fast[2], slow[2]):
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            assert torch.equal(a, b), name
+
+
+def test_fast_path_takes_strided_inputs(fast_path, seed):
+    """Non-contiguous x, w1 and ids: copied dense, as the Python path does."""
+    if not _has_compiler():
+        pytest.skip("no C++ compiler here: the fast path is not built")
+    T, d, n, E, K = 30, 32, 16, 5, 2
+    x = torch.randn(d, T).t()
+    w1 = torch.randn(E, d, 2 * n).transpose(1, 2) / d ** 0.5
+    w2 = torch.randn(E, d, n) / n ** 0.5
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).t().contiguous().t()
+    wts = torch.rand(T, K)
+    outs = []
+    for use in (True, False):
+        moeblaze.use_extension(use)
+        outs.append(moeblaze.moe_experts(x, w1, w2, ids, wts))
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("case", ["id out of range", "K above E", "w1 rows", "x dtype"])
+def test_fast_path_raises_the_python_paths_errors(fast_path, case):
+    T, d, n, E, K = 8, 16, 8, 4, 2
+    x, w1, w2 = torch.randn(T, d), torch.randn(E, 2 * n, d), torch.randn(E, d, n)
+    ids, wts = torch.stack([torch.randperm(E)[:K] for _ in range(T)]), torch.rand(T, K)
+    if case == "id out of range":
+        ids[5, 1] = E
+    elif case == "K above E":
+        ids, wts = torch.zeros(T, E + 1, dtype=torch.long), torch.rand(T, E + 1)
+    elif case == "w1 rows":
+        w1 = torch.randn(E, n, d)
+    else:
+        x = x.double()
+    errors = []
+    for use in (True, False):
+        moeblaze.use_extension(use)
+        with pytest.raises((ValueError, TypeError, RuntimeError)) as info:
+            moeblaze.moe_experts(x, w1, w2, ids, wts)
+        errors.append((type(info.value), str(info.value)))
+    assert errors[0] == errors[1]
+
+
+def test_use_extension_false_takes_the_python_path(fast_path):
+    moeblaze.use_extension(False)
+    assert moeblaze.extension_status() == "disabled"
+    x, w1, w2 = torch.randn(4, 8, requires_grad=True), torch.randn(2, 16, 8), torch.randn(2, 8, 8)
+    out = moeblaze.moe_experts(x, w1, w2, torch.tensor([[0], [1], [1], [0]]), torch.rand(4, 1))
+    assert "ExpertsFromIds" not in _node(out)
+
+
+def test_fast_path_gradients_are_once_differentiable(fast_path):
+    """create_graph=True gives gradients; differentiating through them raises, as the Python
+    path's @once_differentiable backward does."""
+    if not _has_compiler():
+        pytest.skip("no C++ compiler here: the fast path is not built")
+    x = torch.randn(6, 8, requires_grad=True)
+    w1, w2 = torch.randn(3, 16, 8, requires_grad=True), torch.randn(3, 8, 8, requires_grad=True)
+    out = moeblaze.moe_experts(x, w1, w2, torch.tensor([[0], [1], [2], [0], [1], [2]]),
+                               torch.rand(6, 1))
+    (gx,) = torch.autograd.grad(out.square().sum(), [x], create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gx.sum().backward()
+
+
+@pytest.mark.gpu
+def test_fast_path_second_backward_fails_after_dh_over_h(fast_path, seed):
+    """On CUDA backward writes dH over the kept H: a retained graph's second backward must fail
+    on H's version, never read dH as H."""
+    if not torch.cuda.is_available() or not moeblaze.has_cuda():
+        pytest.skip("needs a CUDA build and a GPU")
+    if not _has_compiler():
+        pytest.skip("no C++ compiler here: the fast path is not built")
+    T, d, n, E, K = 64, 64, 64, 4, 2
+    x, w1, w2, ids, wts = _inputs(T, d, n, E, K, BF16, "cuda", 2 * n, torch.int64, torch.float32)
+    x.requires_grad_()
+    out = moeblaze.moe_experts(x, w1, w2, ids, wts)
+    assert "ExpertsFromIds" in _node(out)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
