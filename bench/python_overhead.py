@@ -8,7 +8,7 @@ returns 0 (the *_bytes queries stay real, so the sizes are right; route's stub z
 ids so that torch ops after it see valid ones; on the GPU route stays real), i.e. the Python / torch-dispatch time alone; and
 "real", with the library. The "eager" rows are the bodies moe_experts / MoE call in eager
 mode (layer._ExpertsFn, _RouteFn, ops.plan_from_ids); "via custom ops" is moe_experts as traced
-code runs it. The plain moe_experts rows take its C++ fast path where that is built
+code runs it. The plain moe_experts and MoE rows take the C++ fast path where that is built
 (moeblaze.extension_status(), printed first), whose C calls stay real in the stubbed column too;
 the "Python path" rows turn it off (moeblaze.use_extension(False)). Reference rows: torch's topk+softmax, the raw ctypes call of
 moeblaze_route, and no-op torch.library custom ops with route's and the experts ops' schemas (the
@@ -189,6 +189,7 @@ def cases():
         ("moe_experts fwd+bwd, Python path", python_path(moe_experts_step)),
         ("moe_experts fwd+bwd via custom ops", ops_step),
         ("MoE fwd+bwd", moe_step),
+        ("MoE fwd+bwd, Python path", python_path(moe_step)),
     ], [
         ("torch topk+softmax", lambda: torch.softmax(torch.topk(logits, K).values, -1)),
         ("torch x @ w1[0].T", lambda: x @ w1[0].T),

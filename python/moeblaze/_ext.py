@@ -102,6 +102,7 @@ def _load():
     lib = _lib.lib()
     addr = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in (
         "moeblaze_plan_from_ids", "moeblaze_plan_from_ids_workspace_bytes",
+        "moeblaze_build_plan", "moeblaze_plan_workspace_bytes",
         "moeblaze_layer_pass_workspace_bytes", "moeblaze_layer_forward_biased",
         "moeblaze_layer_backward_biased", "moeblaze_last_error")]
     mod.init(*addr)

@@ -147,6 +147,17 @@ def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, ac
     E = w2.shape[0]
     act, compute = _activation_code(activation), _compute_code(compute_dtype)
     if _eager(x, w1, w2, pair_offsets, pair_experts, pair_weights, b1, b2):
+        ext = (_ext.get() if b1 is None and b2 is None and compute == 0 and num_threads == 0
+               and not _check_flags_enabled(validate, x.device) else None)
+        if ext is not None:  # the same C calls with the host work in C++ (_ext.py)
+            r = ext.experts_from_routing(x, w1, w2, pair_weights, pair_offsets, pair_experts,
+                                         pair_weights.detach(), act,
+                                         ops._w1_rows(act, w2.shape[2] if w2.dim() == 3 else 0),
+                                         bool(recompute))
+            if type(r) is int:
+                _lib.check(r)  # a C call refused the arguments: its message, as below
+            if r is not None:
+                return r
         plan, flags = ops._build_plan_built(pair_offsets, pair_experts, pair_weights.detach(), E)
         if _check_flags_enabled(validate, x.device):
             ops.check_flags(flags, (pair_offsets, pair_experts, pair_weights.detach()), E)

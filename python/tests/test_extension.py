@@ -77,7 +77,7 @@ def test_fast_path_gives_the_python_paths_bits(fast_path, seed, device, activati
         g = torch.randn(T, d, device=device).to(dtype)
         fast = _step(True, x, w1, w2, ids, wts, activation, recompute, g)
         slow = _step(False, x, w1, w2, ids, wts, activation, recompute, g)
-        assert "ExpertsFromIds" in fast[1] and "ExpertsFromIds" not in slow[1], (fast[1], slow[1])
+        assert "EagerExperts" in fast[1] and "EagerExperts" not in slow[1], (fast[1], slow[1])
         assert torch.equal(fast[0], slow[0])
         for name, a, b in zip(("dx", "dw1", "dw2", "d_weights"), fast[2], slow[2]):
             assert a.dtype == b.dtype and a.shape == b.shape, name
@@ -128,7 +128,7 @@ def test_use_extension_false_takes_the_python_path(fast_path):
     assert moeblaze.extension_status() == "disabled"
     x, w1, w2 = torch.randn(4, 8, requires_grad=True), torch.randn(2, 16, 8), torch.randn(2, 8, 8)
     out = moeblaze.moe_experts(x, w1, w2, torch.tensor([[0], [1], [1], [0]]), torch.rand(4, 1))
-    assert "ExpertsFromIds" not in _node(out)
+    assert "EagerExperts" not in _node(out)
 
 
 def test_fast_path_gradients_are_once_differentiable(fast_path):
@@ -157,7 +157,66 @@ def test_fast_path_second_backward_fails_after_dh_over_h(fast_path, seed):
     x, w1, w2, ids, wts = _inputs(T, d, n, E, K, BF16, "cuda", 2 * n, torch.int64, torch.float32)
     x.requires_grad_()
     out = moeblaze.moe_experts(x, w1, w2, ids, wts)
-    assert "ExpertsFromIds" in _node(out)
+    assert "EagerExperts" in _node(out)
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rounding,recompute", [(None, False), ("nr-f", False), (None, True)])
+def test_moe_module_fast_path_gives_the_python_paths_bits(fast_path, seed, device, rounding,
+                                                          recompute):
+    """MoE routes, then experts_from_routing over the CSR routing (token rounding: a varying
+    number of pairs per token): the fast path's plan from that routing, same bits."""
+    if not _has_compiler():
+        pytest.skip("no C++ compiler here: the fast path is not built")
+    dtype = BF16 if device == "cuda" else torch.float32
+    moe = moeblaze.MoE(64, 32, 8, 2, token_rounding=rounding, m_tile=16, recompute=recompute,
+                       aux_loss_coef=0.01, device=device, dtype=dtype)
+    x = torch.randn(3, 40, 64, device=device).to(dtype)
+    g = torch.randn(3, 40, 64, device=device).to(dtype)
+    results = []
+    for use in (True, False):
+        moeblaze.use_extension(use)
+        xs = x.clone().requires_grad_()
+        out, losses = moe(xs)
+        (out * g).sum().add(losses.total).backward()
+        params = [xs] + [p for p in moe.parameters()]
+        results.append((out.detach(), [p.grad.clone() for p in params]))
+        moe.zero_grad(set_to_none=True)
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_experts_from_routing_takes_the_fast_path(fast_path, seed, device):
+    if not _has_compiler():
+        pytest.skip("no C++ compiler here: the fast path is not built")
+    dtype = BF16 if device == "cuda" else torch.float32
+    T, d, n, E, K = 20, 64, 32, 4, 2
+    x, w1, w2, ids, _ = _inputs(T, d, n, E, K, dtype, device, 2 * n, torch.int32, torch.float32)
+    offsets = torch.arange(0, T * K + 1, K, dtype=torch.int32, device=device)
+    pw = torch.rand(T * K, device=device, requires_grad=True)
+    names = []
+    for use in (True, False):
+        moeblaze.use_extension(use)
+        out = moeblaze.experts_from_routing(x, w1, w2, offsets, ids.reshape(-1), pw)
+        names.append(_node(out))
+    assert "EagerExperts" in names[0] and "EagerExperts" not in names[1], names
+
+
+def test_experts_from_routing_fast_path_raises_the_python_paths_errors(fast_path):
+    T, d, n, E, K = 8, 16, 8, 4, 2
+    x, w1, w2 = torch.randn(T, d), torch.randn(E, 2 * n, d), torch.randn(E, d, n)
+    offsets = torch.arange(0, T * K + 1, K, dtype=torch.int32)
+    experts = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int().reshape(-1)
+    experts[7] = E
+    errors = []
+    for use in (True, False):
+        moeblaze.use_extension(use)
+        with pytest.raises(ValueError) as info:
+            moeblaze.experts_from_routing(x, w1, w2, offsets, experts, torch.rand(T * K))
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]

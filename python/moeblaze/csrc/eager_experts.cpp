@@ -6,9 +6,10 @@
 // kernels wait for the host, and the Python checks, allocations and autograd node before their
 // launch cost ~45-90 µs per step on the H200 machine's host (docs/experiments/2026-12-03-*).
 //
-// experts_from_ids returns the output tensor, None where this fast path does not apply (the
-// Python path then runs, raising the error that names the argument), or the C ABI's error code
-// when a C call refused the arguments (Python raises it with moeblaze_last_error's message).
+// experts_from_ids (moe_experts) and experts_from_routing return the output tensor, None where
+// this fast path does not apply (the Python path then runs, raising the error that names the
+// argument), or the C ABI's error code when a C call refused the arguments (Python raises it
+// with moeblaze_last_error's message).
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -16,6 +17,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -34,6 +36,8 @@ using torch::autograd::variable_list;
 struct Api {
   decltype(&moeblaze_plan_from_ids) plan_from_ids = nullptr;
   decltype(&moeblaze_plan_from_ids_workspace_bytes) plan_from_ids_workspace_bytes = nullptr;
+  decltype(&moeblaze_build_plan) build_plan = nullptr;
+  decltype(&moeblaze_plan_workspace_bytes) plan_workspace_bytes = nullptr;
   decltype(&moeblaze_layer_pass_workspace_bytes) layer_pass_workspace_bytes = nullptr;
   decltype(&moeblaze_layer_forward_biased) layer_forward = nullptr;
   decltype(&moeblaze_layer_backward_biased) layer_backward = nullptr;
@@ -51,7 +55,8 @@ constexpr int kModeKeepH = 0, kModeRecompute = 1, kModeDhOverH = 2;  // moeblaze
 int32_t dtype_code(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 1 : 0; }
 
 // Workspace bytes are functions of the sizes alone: asked once per key (C++ only reads the map
-// after). key: cfg fields, S, pass (0 forward, 1 backward), and -1 for the plan build's.
+// after). key: cfg fields, S, pass (0 forward, 1 backward; -1 the plan from (T, K) ids, -2 the
+// plan from a CSR routing of S pairs).
 using WsKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int32_t, int32_t, int32_t,
                          int64_t, int32_t>;
 std::mutex g_ws_mutex;
@@ -63,8 +68,9 @@ uint64_t pass_workspace_bytes(const moeblaze_layer_cfg& c, int64_t S, int32_t pa
   auto it = g_ws_bytes.find(key);
   if (it != g_ws_bytes.end()) return it->second;
   uint64_t n = 0;
-  int rc = pass < 0 ? g_api.plan_from_ids_workspace_bytes(c.T, c.K, c.E, 1, &n)
-                    : g_api.layer_pass_workspace_bytes(&c, S, 1, pass, &n);
+  const int rc = pass == -1   ? g_api.plan_from_ids_workspace_bytes(c.T, c.K, c.E, 1, &n)
+                 : pass == -2 ? g_api.plan_workspace_bytes(c.T, c.E, S, 1, &n)
+                              : g_api.layer_pass_workspace_bytes(&c, S, 1, pass, &n);
   if (rc != MOEBLAZE_OK) throw CallFailed{rc};
   g_ws_bytes.emplace(key, n);
   return n;
@@ -79,18 +85,35 @@ void* stream_of(const at::Tensor& t) {
       .native_handle();
 }
 
-struct ExpertsFromIds : public torch::autograd::Function<ExpertsFromIds> {
+// What the plan is built from, contiguous, on x's device: (T, K) ids (int32/int64) with their
+// weights (fp32/bf16), moeblaze_plan_from_ids; or a CSR routing (pair_offsets (T+1,) int32,
+// pair_experts (P,) int32, pair_weights (P,) fp32), moeblaze_build_plan. Not differentiable.
+struct PlanSource {
+  bool from_ids;
+  at::Tensor ids, weights;          // from_ids
+  at::Tensor offsets, experts, pw;  // otherwise
+  int64_t pairs() const { return from_ids ? ids.numel() : experts.numel(); }
+};
+
+// moe_experts' / experts_from_routing's K in the layer config (LayerConfig checks 1 <= K <= E):
+// the ids' K, or a routing's S / T clamped to [1, E] as ops._layer_cfg (rounding varies it).
+int64_t config_k(const PlanSource& src, int64_t T, int64_t E) {
+  if (src.from_ids) return src.ids.size(1);
+  const int64_t k = T > 0 ? src.pairs() / T : 1;
+  return std::min(std::max<int64_t>(k, 1), std::max<int64_t>(E, 1));
+}
+
+struct EagerExperts : public torch::autograd::Function<EagerExperts> {
   // x (T, d), w1 (E, w1_rows, d), w2 (E, d, n): checked, contiguous, one dtype and device.
-  // pair_weights: the caller's (T, K) expert weights, only here to receive their gradient.
-  // ids (T, K) int32/int64 and kernel_weights (T, K) fp32/bf16, contiguous: what the plan reads.
+  // pair_weights: the caller's expert weights ((T, K) or (P,)), only here to receive their
+  // gradient; the kernels read the plan's copy (src).
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w1,
                                const at::Tensor& w2, const at::Tensor& pair_weights,
-                               const at::Tensor& ids, const at::Tensor& kernel_weights,
-                               int64_t activation, bool recompute) {
+                               const PlanSource& src, int64_t activation, bool recompute) {
     const bool cuda = x.is_cuda();
     const int32_t dev = cuda ? 1 : 0;
-    const int64_t T = ids.size(0), K = ids.size(1), E = w2.size(0), d = x.size(1),
-                  n = w2.size(2), S = T * K;
+    const int64_t T = x.size(0), E = w2.size(0), d = x.size(1), n = w2.size(2),
+                  S = src.pairs(), K = config_k(src, T, E);
     const c10::OptionalDeviceGuard guard(cuda ? std::optional<c10::Device>(x.device())
                                               : std::nullopt);
     void* stream = stream_of(x);
@@ -108,7 +131,7 @@ struct ExpertsFromIds : public torch::autograd::Function<ExpertsFromIds> {
     at::Tensor tei = at::empty({S}, i32);                                       // (S,)
     at::Tensor flags = cuda ? at::empty({4}, i32) : at::Tensor();               // (4,) CUDA
     // One workspace for both calls: the plan build's is dead once its kernels ran (one stream).
-    const uint64_t ws_plan = cuda ? pass_workspace_bytes(cfg, S, -1) : 0;
+    const uint64_t ws_plan = cuda ? pass_workspace_bytes(cfg, S, src.from_ids ? -1 : -2) : 0;
     const uint64_t ws_fwd = cuda ? pass_workspace_bytes(cfg, S, 0) : 0;
     const uint64_t ws_bytes = std::max(ws_plan, ws_fwd);
     at::Tensor ws = ws_bytes ? at::empty({int64_t(ws_bytes)}, x.options().dtype(at::kByte))
@@ -122,11 +145,21 @@ struct ExpertsFromIds : public torch::autograd::Function<ExpertsFromIds> {
                        tpo.data_ptr<int32_t>(),
                        static_cast<int32_t*>(data(tei)),
                        static_cast<int32_t*>(data(tim))};
-    int rc = g_api.plan_from_ids(data(ids), ids.scalar_type() == at::kLong ? MOEBLAZE_IDS_INT64
-                                                                           : MOEBLAZE_IDS_INT32,
-                                 data(kernel_weights), dtype_code(kernel_weights), T, K, E, dev,
-                                 stream, &plan, data(ws), ws_plan, cuda ? flags.data_ptr<int32_t>()
-                                                                        : nullptr);
+    int32_t* flags_ptr = cuda ? flags.data_ptr<int32_t>() : nullptr;
+    int rc;
+    if (src.from_ids) {
+      rc = g_api.plan_from_ids(data(src.ids),
+                               src.ids.scalar_type() == at::kLong ? MOEBLAZE_IDS_INT64
+                                                                  : MOEBLAZE_IDS_INT32,
+                               data(src.weights), dtype_code(src.weights), T, K, E, dev, stream,
+                               &plan, data(ws), ws_plan, flags_ptr);
+    } else {
+      if (cuda) flags.zero_();  // build_plan's flags start zeroed by the caller (capi.h)
+      moeblaze_routing r{T, E, S, static_cast<int32_t*>(data(src.offsets)),
+                         static_cast<int32_t*>(data(src.experts)),
+                         static_cast<float*>(data(src.pw))};
+      rc = g_api.build_plan(&r, dev, stream, &plan, data(ws), ws_plan, flags_ptr);
+    }
     if (rc != MOEBLAZE_OK) throw CallFailed{rc};
     const int64_t rows = w1.size(1);
     at::Tensor out = at::empty_like(x);                                         // (T, d)
@@ -202,49 +235,85 @@ struct ExpertsFromIds : public torch::autograd::Function<ExpertsFromIds> {
               4)
               .apply(std::move(g));
     }
-    g.resize(8);  // no gradient for ids, kernel_weights, activation, recompute
+    g.resize(7);  // no gradient for the plan source, activation, recompute
     return g;
   }
 };
 
 // The fast path's own conditions (each a rule the Python path checks and names on failure):
-// plain dense shapes, one dtype, ids int32/int64, weights fp32/bf16, K >= 1.
-bool fast_path_applies(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
-                       const at::Tensor& ids, const at::Tensor& kw, int64_t w1_rows) {
-  if (x.dim() != 2 || w1.dim() != 3 || w2.dim() != 3 || ids.dim() != 2) return false;
+// plain dense shapes, one dtype (bf16 on CUDA, bf16 / fp32 on the CPU), all on x's device.
+bool operands_apply(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+                    int64_t w1_rows) {
+  if (x.dim() != 2 || w1.dim() != 3 || w2.dim() != 3) return false;
   const auto dt = x.scalar_type();
   if (dt != at::kBFloat16 && dt != at::kFloat) return false;
   if (x.is_cuda() && dt != at::kBFloat16) return false;
   if (w1.scalar_type() != dt || w2.scalar_type() != dt) return false;
-  if (ids.scalar_type() != at::kInt && ids.scalar_type() != at::kLong) return false;
-  if (kw.scalar_type() != at::kFloat && kw.scalar_type() != at::kBFloat16) return false;
-  const int64_t T = x.size(0), d = x.size(1), E = w2.size(0), n = w2.size(2);
-  if (ids.size(0) != T || ids.size(1) < 1 || kw.sizes() != ids.sizes()) return false;
+  if (w1.device() != x.device() || w2.device() != x.device()) return false;
+  const int64_t d = x.size(1), E = w2.size(0), n = w2.size(2);
   if (w2.size(1) != d || w1.size(0) != E || w1.size(1) != w1_rows || w1.size(2) != d)
     return false;
-  return w1_rows > 0 && n > 0;
+  return w1_rows > 0 && n > 0 && E > 0;
 }
 
-py::object experts_from_ids(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
-                            const at::Tensor& pair_weights, const at::Tensor& ids,
-                            const at::Tensor& kernel_weights, int64_t activation, int64_t w1_rows,
-                            bool recompute) {
-  if (g_api.layer_forward == nullptr) return py::none();
-  if (!fast_path_applies(x, w1, w2, ids, kernel_weights, w1_rows)) return py::none();
+py::object run(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+               const at::Tensor& pair_weights, const PlanSource& src, int64_t activation,
+               bool recompute) {
   try {
-    variable_list out = ExpertsFromIds::apply(x.contiguous(), w1.contiguous(), w2.contiguous(),
-                                              pair_weights, ids.contiguous(),
-                                              kernel_weights.contiguous(), activation, recompute);
+    variable_list out = EagerExperts::apply(x.contiguous(), w1.contiguous(), w2.contiguous(),
+                                              pair_weights, src, activation, recompute);
     return py::cast(out[0]);
   } catch (const CallFailed& f) {
     return py::int_(f.rc);
   }
 }
 
-void init(uintptr_t plan_from_ids, uintptr_t plan_from_ids_workspace_bytes,
-          uintptr_t layer_pass_workspace_bytes, uintptr_t layer_forward, uintptr_t layer_backward,
-          uintptr_t last_error) {
+// moe_experts: ids (T, K) int32/int64 with K >= 1, kernel_weights (T, K) fp32/bf16 (the
+// caller's weights, detached).
+py::object experts_from_ids(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+                            const at::Tensor& pair_weights, const at::Tensor& ids,
+                            const at::Tensor& kernel_weights, int64_t activation, int64_t w1_rows,
+                            bool recompute) {
+  if (g_api.layer_forward == nullptr || !operands_apply(x, w1, w2, w1_rows)) return py::none();
+  if (ids.dim() != 2 || ids.size(0) != x.size(0) || ids.size(1) < 1 ||
+      kernel_weights.sizes() != ids.sizes() || ids.device() != x.device() ||
+      kernel_weights.device() != x.device())
+    return py::none();
+  if (ids.scalar_type() != at::kInt && ids.scalar_type() != at::kLong) return py::none();
+  if (kernel_weights.scalar_type() != at::kFloat &&
+      kernel_weights.scalar_type() != at::kBFloat16)
+    return py::none();
+  return run(x, w1, w2, pair_weights, {true, ids.contiguous(), kernel_weights.contiguous(), {}, {}, {}},
+             activation, recompute);
+}
+
+// experts_from_routing: the CSR routing, pair_offsets (T+1,) int32, pair_experts (P,) int32,
+// kernel_weights (P,) fp32 (the caller's pair weights, detached).
+py::object experts_from_routing(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+                                const at::Tensor& pair_weights, const at::Tensor& offsets,
+                                const at::Tensor& experts, const at::Tensor& kernel_weights,
+                                int64_t activation, int64_t w1_rows, bool recompute) {
+  if (g_api.build_plan == nullptr || !operands_apply(x, w1, w2, w1_rows)) return py::none();
+  if (offsets.dim() != 1 || offsets.size(0) != x.size(0) + 1 || experts.dim() != 1 ||
+      kernel_weights.dim() != 1 || kernel_weights.size(0) != experts.size(0))
+    return py::none();
+  if (offsets.scalar_type() != at::kInt || experts.scalar_type() != at::kInt ||
+      kernel_weights.scalar_type() != at::kFloat)
+    return py::none();
+  for (const at::Tensor* t : {&offsets, &experts, &kernel_weights})
+    if (t->device() != x.device()) return py::none();
+  return run(x, w1, w2, pair_weights,
+             {false, {}, {}, offsets.contiguous(), experts.contiguous(), kernel_weights.contiguous()},
+             activation, recompute);
+}
+
+void init(uintptr_t plan_from_ids, uintptr_t plan_from_ids_workspace_bytes, uintptr_t build_plan,
+          uintptr_t plan_workspace_bytes, uintptr_t layer_pass_workspace_bytes,
+          uintptr_t layer_forward, uintptr_t layer_backward, uintptr_t last_error) {
   g_api.plan_from_ids = reinterpret_cast<decltype(g_api.plan_from_ids)>(plan_from_ids);
+  g_api.build_plan = reinterpret_cast<decltype(g_api.build_plan)>(build_plan);
+  g_api.plan_workspace_bytes =
+      reinterpret_cast<decltype(g_api.plan_workspace_bytes)>(plan_workspace_bytes);
   g_api.plan_from_ids_workspace_bytes =
       reinterpret_cast<decltype(g_api.plan_from_ids_workspace_bytes)>(
           plan_from_ids_workspace_bytes);
@@ -261,6 +330,8 @@ PYBIND11_MODULE(moeblaze_eager, m) {
   m.doc() = "moeblaze's eager moe_experts step with its host work in C++ (see _ext.py)";
   m.def("init", &init, "the C ABI's function addresses (ctypes)");
   m.def("experts_from_ids", &experts_from_ids,
-        "out, None (not this path's case) or a C ABI error code");
+        "moe_experts: out, None (not this path's case) or a C ABI error code");
+  m.def("experts_from_routing", &experts_from_routing,
+        "experts_from_routing: out, None (not this path's case) or a C ABI error code");
   m.attr("capi_version") = MOEBLAZE_CAPI_VERSION;
 }
