@@ -17,6 +17,8 @@ Rows (JSON lines, `bench: "peers"`, the layer-row fields of DESIGN):
                               token sample), d weights (same sample) and dw1, dw2 (two experts)
 `moeblaze` / `moeblaze-recompute` rows come from the C++ path (`moeblaze bench layer`, the same
 shape; its plan is built before the timing) when --cli names the binary.
+`moeblaze-torch-python` is moe_experts with its C++ fast path turned off (the Python path's
+host work: the same C calls).
 `moeblaze-torch-routed` / `moeblaze-torch-nrf` route from the logits with moeblaze's router (and
 NR-f token rounding to 128-row tiles) before the experts: the top-K and rounded steps, router
 included, side by side (no error column: the rounded routing is not the shared one).
@@ -116,7 +118,9 @@ def as_step(inp, forward):
     return step
 
 
-def impl_moeblaze_torch(inp, recompute):
+def impl_moeblaze_torch(inp, recompute, fast_path=True):
+    """moe_experts as users call it; fast_path=False (`moeblaze-torch-python`): with its C++ fast
+    path turned off (moeblaze.use_extension(False)) for the step, the Python path's time."""
     try:
         import moeblaze
     except ImportError as err:
@@ -124,8 +128,14 @@ def impl_moeblaze_torch(inp, recompute):
     if not moeblaze.has_cuda():
         raise Skip("moeblaze was built without the CUDA backend")
 
-    return as_step(inp, lambda: moeblaze.moe_experts(inp.x, inp.w1, inp.w2, inp.ids,
-                                                     inp.weights, "swiglu", recompute=recompute))
+    def forward():
+        moeblaze.use_extension(fast_path)
+        try:
+            return moeblaze.moe_experts(inp.x, inp.w1, inp.w2, inp.ids, inp.weights, "swiglu",
+                                        recompute=recompute)
+        finally:
+            moeblaze.use_extension(True)
+    return as_step(inp, forward)
 
 
 class CapiStep:
@@ -261,6 +271,7 @@ def impl_torch_fp8(inp):
 IMPLS = {
     "moeblaze-torch": lambda inp: impl_moeblaze_torch(inp, False),
     "moeblaze-torch-recompute": lambda inp: impl_moeblaze_torch(inp, True),
+    "moeblaze-torch-python": lambda inp: impl_moeblaze_torch(inp, False, fast_path=False),
     "moeblaze-torch-routed": lambda inp: impl_moeblaze_torch_routed(inp, None),
     "moeblaze-torch-nrf": lambda inp: impl_moeblaze_torch_routed(inp, "nr-f"),
     "moeblaze-capi": lambda inp: impl_moeblaze_capi(inp, False),
