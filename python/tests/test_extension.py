@@ -172,7 +172,9 @@ def test_moe_module_fast_path_gives_the_python_paths_bits(fast_path, seed, devic
     if not _has_compiler():
         pytest.skip("no C++ compiler here: the fast path is not built")
     dtype = BF16 if device == "cuda" else torch.float32
-    moe = moeblaze.MoE(64, 32, 8, 2, token_rounding=rounding, m_tile=16, recompute=recompute,
+    # n = 64: the GPU's multiple; token rounding on the GPU rounds to its 128-row M tile.
+    moe = moeblaze.MoE(64, 64, 8, 2, token_rounding=rounding,
+                       m_tile=128 if device == "cuda" else 16, recompute=recompute,
                        aux_loss_coef=0.01, device=device, dtype=dtype)
     x = torch.randn(3, 40, 64, device=device).to(dtype)
     g = torch.randn(3, 40, 64, device=device).to(dtype)
@@ -195,7 +197,7 @@ def test_experts_from_routing_takes_the_fast_path(fast_path, seed, device):
     if not _has_compiler():
         pytest.skip("no C++ compiler here: the fast path is not built")
     dtype = BF16 if device == "cuda" else torch.float32
-    T, d, n, E, K = 20, 64, 32, 4, 2
+    T, d, n, E, K = 20, 64, 64, 4, 2
     x, w1, w2, ids, _ = _inputs(T, d, n, E, K, dtype, device, 2 * n, torch.int32, torch.float32)
     offsets = torch.arange(0, T * K + 1, K, dtype=torch.int32, device=device)
     pw = torch.rand(T * K, device=device, requires_grad=True)
