@@ -147,13 +147,13 @@ def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, ac
     E = w2.shape[0]
     act, compute = _activation_code(activation), _compute_code(compute_dtype)
     if _eager(x, w1, w2, pair_offsets, pair_experts, pair_weights, b1, b2):
-        ext = (_ext.get() if b1 is None and b2 is None and compute == 0 and num_threads == 0
+        ext = (_ext.get() if compute == 0 and num_threads == 0
                and not _check_flags_enabled(validate, x.device) else None)
         if ext is not None:  # the same C calls with the host work in C++ (_ext.py)
             r = ext.experts_from_routing(x, w1, w2, pair_weights, pair_offsets, pair_experts,
                                          pair_weights.detach(), act,
                                          ops._w1_rows(act, w2.shape[2] if w2.dim() == 3 else 0),
-                                         bool(recompute))
+                                         bool(recompute), b1, b2)
             if type(r) is int:
                 _lib.check(r)  # a C call refused the arguments: its message, as below
             if r is not None:
@@ -351,11 +351,11 @@ def _moe_experts_eager(x, w1, w2, expert_ids, expert_weights, activation, recomp
     if w.dtype not in _lib.DTYPES:
         w = w.to(torch.float32)
     act = _activation_code(activation)
-    ext = _ext.get() if b1 is None and b2 is None and compute_dtype in (None, "bf16", "storage") else None
+    ext = _ext.get() if compute_dtype in (None, "bf16", "storage") else None
     if ext is not None:  # the same C calls with the host work in C++ (_ext.py)
         r = ext.experts_from_ids(x, w1, w2, expert_weights, expert_ids, w, act,
                                  ops._w1_rows(act, w2.shape[2] if w2.dim() == 3 else 0),
-                                 bool(recompute))
+                                 bool(recompute), b1, b2)
         if type(r) is int:
             _lib.check(r)  # a C call refused the arguments: its message, as the Python path's
         if r is not None:

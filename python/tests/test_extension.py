@@ -222,3 +222,30 @@ def test_experts_from_routing_fast_path_raises_the_python_paths_errors(fast_path
             moeblaze.experts_from_routing(x, w1, w2, offsets, experts, torch.rand(T * K))
         errors.append(str(info.value))
     assert errors[0] == errors[1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("which", ["b1", "b2", "both"])
+def test_fast_path_with_biases_gives_the_python_paths_bits(fast_path, seed, device, which):
+    """gpt-oss's expert biases through the fast path: out and every gradient (db1, db2 too)."""
+    if not _has_compiler():
+        pytest.skip("no C++ compiler here: the fast path is not built")
+    dtype = BF16 if device == "cuda" else torch.float32
+    T, d, n, E, K = 33, 64, 64, 4, 2
+    x, w1, w2, ids, wts = _inputs(T, d, n, E, K, dtype, device, 2 * n, torch.int64, torch.float32)
+    b1 = (torch.randn(E, 2 * n, device=device) / 4).to(dtype) if which != "b2" else None
+    b2 = (torch.randn(E, d, device=device) / 4).to(dtype) if which != "b1" else None
+    g = torch.randn(T, d, device=device).to(dtype)
+    results = []
+    for use in (True, False):
+        moeblaze.use_extension(use)
+        leaves = [t.clone().requires_grad_() if t is not None else None
+                  for t in (x, w1, w2, wts, b1, b2)]
+        out = moeblaze.moe_experts(*leaves[:3], ids, leaves[3], b1=leaves[4], b2=leaves[5])
+        out.backward(g)
+        results.append((_node(out), out.detach(),
+                        [t.grad for t in leaves if t is not None]))
+    assert "EagerExperts" in results[0][0] and "EagerExperts" not in results[1][0]
+    assert torch.equal(results[0][1], results[1][1])
+    for a, b in zip(results[0][2], results[1][2]):
+        assert torch.equal(a, b)

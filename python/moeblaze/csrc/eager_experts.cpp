@@ -106,10 +106,15 @@ int64_t config_k(const PlanSource& src, int64_t T, int64_t E) {
 struct EagerExperts : public torch::autograd::Function<EagerExperts> {
   // x (T, d), w1 (E, w1_rows, d), w2 (E, d, n): checked, contiguous, one dtype and device.
   // pair_weights: the caller's expert weights ((T, K) or (P,)), only here to receive their
-  // gradient; the kernels read the plan's copy (src).
+  // gradient; the kernels read the plan's copy (src). b1 (E, w1_rows), b2 (E, d): the optional
+  // expert biases (undefined: none), x's dtype, contiguous.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w1,
                                const at::Tensor& w2, const at::Tensor& pair_weights,
-                               const PlanSource& src, int64_t activation, bool recompute) {
+                               const std::optional<at::Tensor>& b1_opt,
+                               const std::optional<at::Tensor>& b2_opt, const PlanSource& src,
+                               int64_t activation, bool recompute) {
+    // Optional, not undefined tensors: autograd records an input's device and dtype.
+    const at::Tensor b1 = b1_opt.value_or(at::Tensor()), b2 = b2_opt.value_or(at::Tensor());
     const bool cuda = x.is_cuda();
     const int32_t dev = cuda ? 1 : 0;
     const int64_t T = x.size(0), E = w2.size(0), d = x.size(1), n = w2.size(2),
@@ -164,11 +169,12 @@ struct EagerExperts : public torch::autograd::Function<EagerExperts> {
     const int64_t rows = w1.size(1);
     at::Tensor out = at::empty_like(x);                                         // (T, d)
     at::Tensor h = at::empty({recompute ? 0 : S, rows}, x.options());           // (S, w1_rows)
-    rc = g_api.layer_forward(&cfg, &plan, dev, stream, data(x), data(w1), data(w2), nullptr,
-                             nullptr, data(out), recompute ? nullptr : data(h), data(ws), ws_fwd);
+    rc = g_api.layer_forward(&cfg, &plan, dev, stream, data(x), data(w1), data(w2), data(b1),
+                             data(b2), data(out), recompute ? nullptr : data(h), data(ws), ws_fwd);
     if (rc != MOEBLAZE_OK) throw CallFailed{rc};
     // Backward on CUDA never reads token_expert_indices: not kept (S int32 fewer bytes held).
-    ctx->save_for_backward({x, w1, w2, h, eto, eti, sw, tpo, cuda ? at::Tensor() : tei, tim});
+    ctx->save_for_backward(
+        {x, w1, w2, h, eto, eti, sw, tpo, cuda ? at::Tensor() : tei, tim, b1, b2});
     ctx->saved_data["activation"] = activation;
     ctx->saved_data["recompute"] = recompute;
     ctx->saved_data["K"] = K;
@@ -179,7 +185,8 @@ struct EagerExperts : public torch::autograd::Function<EagerExperts> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &w1 = saved[1], &w2 = saved[2];
+    const at::Tensor &x = saved[0], &w1 = saved[1], &w2 = saved[2], &b1 = saved[10],
+                     &b2 = saved[11];
     at::Tensor h = saved[3];
     const bool recompute = ctx->saved_data["recompute"].toBool();
     const bool cuda = x.is_cuda();
@@ -198,6 +205,8 @@ struct EagerExperts : public torch::autograd::Function<EagerExperts> {
     at::Tensor dw1 = at::empty_like(w1);                                        // (E, w1_rows, d)
     at::Tensor dw2 = at::empty_like(w2);                                        // (E, d, n)
     at::Tensor dpw = at::empty({S}, x.options().dtype(at::kFloat));             // (S,) fp32
+    at::Tensor db1 = b1.defined() ? at::empty_like(b1) : at::Tensor();          // (E, w1_rows)
+    at::Tensor db2 = b2.defined() ? at::empty_like(b2) : at::Tensor();          // (E, d)
     const uint64_t ws_bytes = cuda ? pass_workspace_bytes(cfg, S, 1) : 0;
     at::Tensor ws = ws_bytes ? at::empty({int64_t(ws_bytes)}, x.options().dtype(at::kByte))
                              : at::Tensor();                                    // (bytes,)
@@ -211,31 +220,32 @@ struct EagerExperts : public torch::autograd::Function<EagerExperts> {
                        static_cast<int32_t*>(data(saved[8])),
                        static_cast<int32_t*>(data(saved[9]))};
     const int rc = g_api.layer_backward(&cfg, &plan, dev, stream, data(x), data(w1), data(w2),
-                                        nullptr, nullptr, data(d_out),
+                                        data(b1), data(b2), data(d_out),
                                         recompute ? nullptr : data(h), data(dx), data(dw1),
-                                        data(dw2), static_cast<float*>(data(dpw)), nullptr,
-                                        nullptr, data(ws), ws_bytes);
+                                        data(dw2), static_cast<float*>(data(dpw)), data(db1),
+                                        data(db2), data(ws), ws_bytes);
     TORCH_CHECK(rc == MOEBLAZE_OK, "moeblaze: ", g_api.last_error());
     // dH went over h: a second backward (retain_graph) must fail on h's version, not read dH.
     if (mode == kModeDhOverH) torch::autograd::impl::bump_version(h);
     const auto pw_dtype = ctx->saved_data["pw_dtype"].toScalarType();
     at::Tensor dpw_shaped = dpw.view(ctx->saved_data["pw_sizes"].toIntVector());
     if (pw_dtype != at::kFloat) dpw_shaped = dpw_shaped.to(pw_dtype);
-    variable_list g{dx, dw1, dw2, dpw_shaped};
+    variable_list g{dx, dw1, dw2, dpw_shaped, db1, db2};
     if (c10::GradMode::is_enabled()) {
       // create_graph=True: as Python's @once_differentiable (the Python path), the gradients
       // carry a node that raises only if something differentiates through them.
       for (auto& t : g) {
+        if (!t.defined()) continue;
         t = t.detach();
         t.set_requires_grad(true);
       }
       g = torch::autograd::DelayedError(
               "trying to differentiate twice a function that was marked with "
               "@once_differentiable",
-              4)
+              int64_t(g.size()))
               .apply(std::move(g));
     }
-    g.resize(7);  // no gradient for the plan source, activation, recompute
+    g.resize(9);  // no gradient for the plan source, activation, recompute
     return g;
   }
 };
@@ -243,7 +253,7 @@ struct EagerExperts : public torch::autograd::Function<EagerExperts> {
 // The fast path's own conditions (each a rule the Python path checks and names on failure):
 // plain dense shapes, one dtype (bf16 on CUDA, bf16 / fp32 on the CPU), all on x's device.
 bool operands_apply(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
-                    int64_t w1_rows) {
+                    const at::Tensor& b1, const at::Tensor& b2, int64_t w1_rows) {
   if (x.dim() != 2 || w1.dim() != 3 || w2.dim() != 3) return false;
   const auto dt = x.scalar_type();
   if (dt != at::kBFloat16 && dt != at::kFloat) return false;
@@ -253,15 +263,27 @@ bool operands_apply(const at::Tensor& x, const at::Tensor& w1, const at::Tensor&
   const int64_t d = x.size(1), E = w2.size(0), n = w2.size(2);
   if (w2.size(1) != d || w1.size(0) != E || w1.size(1) != w1_rows || w1.size(2) != d)
     return false;
+  for (const auto& [b, cols] : {std::pair<const at::Tensor*, int64_t>{&b1, w1_rows}, {&b2, d}})
+    if (b->defined() && (b->dim() != 2 || b->size(0) != E || b->size(1) != cols ||
+                         b->scalar_type() != dt || b->device() != x.device()))
+      return false;
   return w1_rows > 0 && n > 0 && E > 0;
 }
 
+at::Tensor dense(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->contiguous() : at::Tensor();
+}
+
 py::object run(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
-               const at::Tensor& pair_weights, const PlanSource& src, int64_t activation,
-               bool recompute) {
+               const at::Tensor& pair_weights, const at::Tensor& b1, const at::Tensor& b2,
+               const PlanSource& src, int64_t activation, bool recompute) {
   try {
+    const auto opt = [](const at::Tensor& t) {
+      return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+    };
     variable_list out = EagerExperts::apply(x.contiguous(), w1.contiguous(), w2.contiguous(),
-                                              pair_weights, src, activation, recompute);
+                                            pair_weights, opt(b1), opt(b2), src, activation,
+                                            recompute);
     return py::cast(out[0]);
   } catch (const CallFailed& f) {
     return py::int_(f.rc);
@@ -273,8 +295,11 @@ py::object run(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
 py::object experts_from_ids(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
                             const at::Tensor& pair_weights, const at::Tensor& ids,
                             const at::Tensor& kernel_weights, int64_t activation, int64_t w1_rows,
-                            bool recompute) {
-  if (g_api.layer_forward == nullptr || !operands_apply(x, w1, w2, w1_rows)) return py::none();
+                            bool recompute, const std::optional<at::Tensor>& b1_,
+                            const std::optional<at::Tensor>& b2_) {
+  const at::Tensor b1 = dense(b1_), b2 = dense(b2_);
+  if (g_api.layer_forward == nullptr || !operands_apply(x, w1, w2, b1, b2, w1_rows))
+    return py::none();
   if (ids.dim() != 2 || ids.size(0) != x.size(0) || ids.size(1) < 1 ||
       kernel_weights.sizes() != ids.sizes() || ids.device() != x.device() ||
       kernel_weights.device() != x.device())
@@ -283,8 +308,9 @@ py::object experts_from_ids(const at::Tensor& x, const at::Tensor& w1, const at:
   if (kernel_weights.scalar_type() != at::kFloat &&
       kernel_weights.scalar_type() != at::kBFloat16)
     return py::none();
-  return run(x, w1, w2, pair_weights, {true, ids.contiguous(), kernel_weights.contiguous(), {}, {}, {}},
-             activation, recompute);
+  return run(x, w1, w2, pair_weights, b1, b2,
+             {true, ids.contiguous(), kernel_weights.contiguous(), {}, {}, {}}, activation,
+             recompute);
 }
 
 // experts_from_routing: the CSR routing, pair_offsets (T+1,) int32, pair_experts (P,) int32,
@@ -292,8 +318,12 @@ py::object experts_from_ids(const at::Tensor& x, const at::Tensor& w1, const at:
 py::object experts_from_routing(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
                                 const at::Tensor& pair_weights, const at::Tensor& offsets,
                                 const at::Tensor& experts, const at::Tensor& kernel_weights,
-                                int64_t activation, int64_t w1_rows, bool recompute) {
-  if (g_api.build_plan == nullptr || !operands_apply(x, w1, w2, w1_rows)) return py::none();
+                                int64_t activation, int64_t w1_rows, bool recompute,
+                                const std::optional<at::Tensor>& b1_,
+                                const std::optional<at::Tensor>& b2_) {
+  const at::Tensor b1 = dense(b1_), b2 = dense(b2_);
+  if (g_api.build_plan == nullptr || !operands_apply(x, w1, w2, b1, b2, w1_rows))
+    return py::none();
   if (offsets.dim() != 1 || offsets.size(0) != x.size(0) + 1 || experts.dim() != 1 ||
       kernel_weights.dim() != 1 || kernel_weights.size(0) != experts.size(0))
     return py::none();
@@ -302,7 +332,7 @@ py::object experts_from_routing(const at::Tensor& x, const at::Tensor& w1, const
     return py::none();
   for (const at::Tensor* t : {&offsets, &experts, &kernel_weights})
     if (t->device() != x.device()) return py::none();
-  return run(x, w1, w2, pair_weights,
+  return run(x, w1, w2, pair_weights, b1, b2,
              {false, {}, {}, offsets.contiguous(), experts.contiguous(), kernel_weights.contiguous()},
              activation, recompute);
 }
