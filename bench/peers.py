@@ -129,12 +129,9 @@ def impl_moeblaze_torch(inp, recompute, fast_path=True):
         raise Skip("moeblaze was built without the CUDA backend")
 
     def forward():
-        moeblaze.use_extension(fast_path)
-        try:
+        with moeblaze.use_extension(fast_path):
             return moeblaze.moe_experts(inp.x, inp.w1, inp.w2, inp.ids, inp.weights, "swiglu",
                                         recompute=recompute)
-        finally:
-            moeblaze.use_extension(True)
     return as_step(inp, forward)
 
 

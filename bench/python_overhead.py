@@ -151,13 +151,10 @@ def cases():
 
     offsets_k = torch.arange(0, T * K + 1, K, dtype=torch.int32, device=DEV)
 
-    def python_path(fn):  # with the C++ fast path off (moeblaze.use_extension(False))
+    def python_path(fn):  # with the C++ fast path off
         def call():
-            moeblaze.use_extension(False)
-            try:
+            with moeblaze.use_extension(False):
                 return fn()
-            finally:
-                moeblaze.use_extension(True)
         return call
 
     def ops_step():  # moe_experts as traced code runs it: conversions and the custom ops

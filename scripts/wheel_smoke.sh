@@ -89,10 +89,9 @@ assert max(errs) < 1e-4, errs
 ids = torch.stack([torch.randperm(8)[:2] for _ in range(24)])
 ys = []
 for use in (True, False):
-    moeblaze.use_extension(use)
-    ys.append(moeblaze.moe_experts(x[0].detach(), moe.w1.detach(), moe.w2.detach(), ids,
-                                   torch.rand(24, 2, generator=torch.Generator().manual_seed(1))))
-moeblaze.use_extension(True)
+    with moeblaze.use_extension(use):
+        ys.append(moeblaze.moe_experts(x[0].detach(), moe.w1.detach(), moe.w2.detach(), ids,
+                                       torch.rand(24, 2, generator=torch.Generator().manual_seed(1))))
 print(f"moeblaze: moe_experts' C++ fast path: {moeblaze.extension_status()}")
 assert torch.equal(ys[0], ys[1])
 import shutil

@@ -4,6 +4,7 @@ pins no torch ABI; where it cannot be built (no compiler, no torch headers) moe_
 Python path (layer._ExpertsFn), which makes the same C calls.
 
     moeblaze.use_extension(False)   # the Python path only (True: the default)
+    with moeblaze.use_extension(False): ...   # the same, for the block only
     moeblaze.extension_status()     # "loaded: <path>", "disabled", or why it is unavailable
 
 The cache folder is ~/.cache/moeblaze (XDG_CACHE_HOME honoured); one file per (source, capi.h,
@@ -112,19 +113,30 @@ def _load():
 
 def get():
     """The extension module, or None (disabled, or not buildable here: the Python path runs)."""
-    mod = _state["module"]
-    if mod is not None or not _state["enabled"]:
-        return mod if _state["enabled"] else None
+    if not _state["enabled"]:
+        return None
+    if _state["module"] is not None or _state["status"] != "not built yet":
+        return _state["module"]  # every call after the first: no lock
     with _lock:
         if _state["module"] is None and _state["status"] == "not built yet":
             _state["module"] = _load()
     return _state["module"]
 
 
-def use_extension(enabled=True):
-    """Whether eager moe_experts calls take the C++ fast path (default True). False: the Python
-    path only (same C calls and bits; more host time per step)."""
-    _state["enabled"] = bool(enabled)
+class use_extension:
+    """Whether eager moe_experts / experts_from_routing calls take the C++ fast path (default
+    True). False: the Python path only (same C calls and bits; more host time per step). Set at
+    the call; as a context manager, the previous setting comes back at the block's end."""
+
+    def __init__(self, enabled=True):
+        self._previous = _state["enabled"]
+        _state["enabled"] = bool(enabled)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        _state["enabled"] = self._previous
 
 
 def extension_status():

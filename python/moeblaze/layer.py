@@ -150,14 +150,11 @@ def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, ac
         ext = (_ext.get() if compute == 0 and num_threads == 0
                and not _check_flags_enabled(validate, x.device) else None)
         if ext is not None:  # the same C calls with the host work in C++ (_ext.py)
-            r = ext.experts_from_routing(x, w1, w2, pair_weights, pair_offsets, pair_experts,
-                                         pair_weights.detach(), act,
-                                         ops._w1_rows(act, w2.shape[2] if w2.dim() == 3 else 0),
-                                         bool(recompute), b1, b2)
-            if type(r) is int:
-                _lib.check(r)  # a C call refused the arguments: its message, as below
-            if r is not None:
-                return r
+            out = _fast_path_result(ext.experts_from_routing(
+                x, w1, w2, pair_weights, pair_offsets, pair_experts, pair_weights.detach(), act,
+                _w1_rows_of(act, w2), bool(recompute), b1, b2))
+            if out is not None:
+                return out
         plan, flags = ops._build_plan_built(pair_offsets, pair_experts, pair_weights.detach(), E)
         if _check_flags_enabled(validate, x.device):
             ops.check_flags(flags, (pair_offsets, pair_experts, pair_weights.detach()), E)
@@ -169,6 +166,20 @@ def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, ac
     out, _h = ops.experts_forward(x, w1, w2, pair_weights, *plan[:6], act, bool(recompute),
                                   int(num_threads), b1, b2, compute)
     return out
+
+
+def _w1_rows_of(act, w2):
+    """w1's rows for activation code act and w2 (E, d, n); 0 for a w2 of another rank, which the
+    fast path then declines (the Python path names the error)."""
+    return ops._w1_rows(act, w2.shape[2] if w2.dim() == 3 else 0)
+
+
+def _fast_path_result(r):
+    """The C++ fast path's answer: its output, None (not its case: the Python path runs), or a C
+    call's error code, raised here with the library's message as the Python path would."""
+    if type(r) is int:
+        _lib.check(r)
+    return r
 
 
 def _compute_code(compute_dtype):
@@ -353,13 +364,11 @@ def _moe_experts_eager(x, w1, w2, expert_ids, expert_weights, activation, recomp
     act = _activation_code(activation)
     ext = _ext.get() if compute_dtype in (None, "bf16", "storage") else None
     if ext is not None:  # the same C calls with the host work in C++ (_ext.py)
-        r = ext.experts_from_ids(x, w1, w2, expert_weights, expert_ids, w, act,
-                                 ops._w1_rows(act, w2.shape[2] if w2.dim() == 3 else 0),
-                                 bool(recompute), b1, b2)
-        if type(r) is int:
-            _lib.check(r)  # a C call refused the arguments: its message, as the Python path's
-        if r is not None:
-            return r
+        out = _fast_path_result(ext.experts_from_ids(
+            x, w1, w2, expert_weights, expert_ids, w, act, _w1_rows_of(act, w2),
+            bool(recompute), b1, b2))
+        if out is not None:
+            return out
     plan, _flags = ops._plan_from_ids_built(expert_ids, w, w2.shape[0])
     return _ExpertsFn.apply(x, w1, w2, expert_weights, b1, b2, plan,
                             (act, bool(recompute), 0, _compute_code(compute_dtype)))

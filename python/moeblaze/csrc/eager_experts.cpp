@@ -3,8 +3,8 @@
 // library's build). The same C ABI calls as layer._ExpertsFn (plan from the ids, layer forward,
 // layer backward writing dH over H on CUDA), reached through function pointers that the Python
 // side resolved with ctypes, so this file links against torch only. Why: on a GPU the forward
-// kernels wait for the host, and the Python checks, allocations and autograd node before their
-// launch cost ~45-90 µs per step on the H200 machine's host (docs/experiments/2026-12-03-*).
+// kernels wait for the Python checks, allocations and autograd node before their launch
+// (measured in docs/experiments/2026-12-03-pytorch-wait-and-override-sweep.md).
 //
 // experts_from_ids (moe_experts) and experts_from_routing return the output tensor, None where
 // this fast path does not apply (the Python path then runs, raising the error that names the
