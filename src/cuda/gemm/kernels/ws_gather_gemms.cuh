@@ -72,8 +72,6 @@ struct GatherDhEpilogue {
   using Params = DhParams;
   static constexpr int kPartials = Frag::kTileN / 128;  // ds partials per tile row
   static constexpr int kPartialGroups = 128 / 8;         // column groups of one partial
-  // swiglu's own kernels take the fast sigmoid (dh_pair_words): no spill there (ptxas -v).
-  static constexpr bool kFastSigmoid = kActs == static_cast<int>(Activation::swiglu);
   // The H lines this tile's epilogue reads, into L2 while the mainloop runs: a tile row needs
   // kTileN / 64 128-byte lines of g (and as many of u); the 4 lanes that share a row split them.
   __device__ static void at_tile_start(const Params& p, int m_begin, int m_end, int n_tile) {
@@ -169,10 +167,10 @@ struct GatherDhEpilogue {
           float pk = part;
 #pragma unroll
           for (int k = 0; k < 4; ++k)
-            dh_pair_words<A, kFastSigmoid>(__uint_as_float(lo[k]), __uint_as_float(hi[k]), s,
-                                           *reinterpret_cast<const __nv_bfloat162*>(&g[k]),
-                                           *reinterpret_cast<const __nv_bfloat162*>(&u[k]), dg[k],
-                                           du[k], as[k], pk);
+            dh_pair_words<A>(__uint_as_float(lo[k]), __uint_as_float(hi[k]), s,
+                             *reinterpret_cast<const __nv_bfloat162*>(&g[k]),
+                             *reinterpret_cast<const __nv_bfloat162*>(&u[k]), dg[k], du[k], as[k],
+                             pk);
           // The ds partial takes only columns < n of real rows.
           if (v_ok) {
             part = pk;
