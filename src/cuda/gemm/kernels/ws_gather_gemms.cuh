@@ -72,10 +72,6 @@ struct GatherDhEpilogue {
   using Params = DhParams;
   static constexpr int kPartials = Frag::kTileN / 128;  // ds partials per tile row
   static constexpr int kPartialGroups = 128 / 8;         // column groups of one partial
-  // swiglu's own kernels take the fast sigmoid (dh_pair_words) and load each slice's H one slice
-  // ahead (body); in the activation switch's kernels the second buffer spills (ptxas -v).
-  static constexpr bool kFastSigmoid = kActs == static_cast<int>(Activation::swiglu);
-  static constexpr bool kLoadAhead = kActs == static_cast<int>(Activation::swiglu);
   // The H lines this tile's epilogue reads, into L2 while the mainloop runs: a tile row needs
   // kTileN / 64 128-byte lines of g (and as many of u); the 4 lanes that share a row split them.
   __device__ static void at_tile_start(const Params& p, int m_begin, int m_end, int n_tile) {
@@ -121,90 +117,77 @@ struct GatherDhEpilogue {
   template <Activation A, class Acc>
   __device__ static void body(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile) {
     constexpr bool kGated = dev_is_gated(A);
-    constexpr int kQuads = kPartialGroups / 4;        // quads of column groups per partial
-    constexpr int kSlices = Frag::kRows * kPartials;  // (row, partial) pairs, in that order
     const int64_t w1_rows = kGated ? 2 * int64_t(p.n) : p.n;
     const int n0 = n_tile * Frag::kTileN;
     const int q = threadIdx.x & 3;
-    // kLoadAhead: H of two slices in registers, the next slice's loads issued before this
-    // slice's arithmetic so that their latency hides behind it (with the fast sigmoid, loading a
-    // slice when its turn came left the epilogue waiting on the loads: ncu,
-    // docs/experiments/2026-12-03-dh-epilogue-loads.md). Else one slice at a time.
-    uint4 gvs[2][kQuads], uvs[2][kQuads];  // [slice % 2][quad]: this lane's group of g, of u
-    auto load = [&](int sl, uint4(&gv)[kQuads], uint4(&uv)[kQuads]) {
-      const int r = sl / kPartials, half = sl % kPartials;
-      const int slot = m_begin + Frag::row(r);
-      const bool row_ok = slot < m_end;
-      const __nv_bfloat16* h_row = p.h + (row_ok ? slot : 0) * w1_rows;
 #pragma unroll
-      for (int t = 0; t < kQuads; ++t) {
-        const int jv = n0 + 8 * (half * kPartialGroups + 4 * t + q);
-        const bool v_ok = row_ok && jv < p.n;
-        gv[t] = v_ok ? __ldg(reinterpret_cast<const uint4*>(h_row + jv)) : make_uint4(0, 0, 0, 0);
-        uv[t] = v_ok && kGated ? __ldg(reinterpret_cast<const uint4*>(h_row + p.n + jv))
-                               : make_uint4(0, 0, 0, 0);
-      }
-    };
-    if constexpr (kLoadAhead) load(0, gvs[0], uvs[0]);
-#pragma unroll
-    for (int sl = 0; sl < kSlices; ++sl) {
-      if constexpr (kLoadAhead) {
-        if (sl + 1 < kSlices) load(sl + 1, gvs[(sl + 1) & 1], uvs[(sl + 1) & 1]);
-      } else {
-        load(sl, gvs[sl & 1], uvs[sl & 1]);
-      }
-      const int r = sl / kPartials, half = sl % kPartials;
+    for (int r = 0; r < Frag::kRows; ++r) {
       const int slot = m_begin + Frag::row(r);
       const bool row_ok = slot < m_end;
       const float s = row_ok ? __ldg(p.slot_weights + slot) : 0.0f;
       const int64_t row = row_ok ? slot : 0;
+      const __nv_bfloat16* h_row = p.h + row * w1_rows;
       __nv_bfloat16* dh_row = p.dh + row * w1_rows;
       __nv_bfloat16* as_row = p.a_scaled + row * p.n;
-      float part = 0.0f;  // this lane's share of sum_j da'_j a_j over the partial's columns
 #pragma unroll
-      for (int t = 0; t < kQuads; ++t) {
-        const int i0 = half * kPartialGroups + 4 * t;
-        // This lane's group: i0 + q, columns [jv, jv + 8) (n is a multiple of 64, so a group
-        // is wholly inside or outside).
-        const int jv = n0 + 8 * (i0 + q);
-        const bool v_ok = row_ok && jv < p.n;
-        // lo[k] / hi[k]: columns 2k and 2k + 1 of this lane's group, after the transposes.
-        uint32_t lo[4], hi[4];
+      for (int half = 0; half < kPartials; ++half) {
+        float part = 0.0f;  // this lane's share of sum_j da'_j a_j over the partial's columns
+        // All of the partial's H vectors first (kQuads loads of g and of u in flight per lane):
+        // the epilogue waits on these loads, so one round trip per row and partial.
+        constexpr int kQuads = kPartialGroups / 4;
+        uint4 gvs[kQuads], uvs[kQuads];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int idx = Frag::acc_index(r, i0 + k);
-          lo[k] = __float_as_uint(acc(idx));
-          hi[k] = __float_as_uint(acc(idx + 1));
+        for (int t = 0; t < kQuads; ++t) {
+          const int jv = n0 + 8 * (half * kPartialGroups + 4 * t + q);
+          const bool v_ok = row_ok && jv < p.n;
+          gvs[t] = v_ok ? __ldg(reinterpret_cast<const uint4*>(h_row + jv)) : make_uint4(0, 0, 0, 0);
+          uvs[t] = v_ok && kGated ? __ldg(reinterpret_cast<const uint4*>(h_row + p.n + jv))
+                                  : make_uint4(0, 0, 0, 0);
         }
-        quad_transpose(lo);
-        quad_transpose(hi);
-        const uint4 gv = gvs[sl & 1][t], uv = uvs[sl & 1][t];
-        const uint32_t g[4] = {gv.x, gv.y, gv.z, gv.w};
-        const uint32_t u[4] = {uv.x, uv.y, uv.z, uv.w};
-        uint32_t dg[4], du[4], as[4];
-        float pk = part;
 #pragma unroll
-        for (int k = 0; k < 4; ++k)
-          dh_pair_words<A, kFastSigmoid>(__uint_as_float(lo[k]), __uint_as_float(hi[k]), s,
-                                         *reinterpret_cast<const __nv_bfloat162*>(&g[k]),
-                                         *reinterpret_cast<const __nv_bfloat162*>(&u[k]), dg[k],
-                                         du[k], as[k], pk);
-        // The ds partial takes only columns < n of real rows.
-        if (v_ok) {
-          part = pk;
-          *reinterpret_cast<uint4*>(dh_row + jv) = make_uint4(dg[0], dg[1], dg[2], dg[3]);
-          if constexpr (kGated)
-            *reinterpret_cast<uint4*>(dh_row + p.n + jv) = make_uint4(du[0], du[1], du[2], du[3]);
-          *reinterpret_cast<uint4*>(as_row + jv) = make_uint4(as[0], as[1], as[2], as[3]);
+        for (int t = 0; t < kQuads; ++t) {
+          const int i0 = half * kPartialGroups + 4 * t;
+          // This lane's group: i0 + q, columns [jv, jv + 8) (n is a multiple of 64, so a group
+          // is wholly inside or outside).
+          const int jv = n0 + 8 * (i0 + q);
+          const bool v_ok = row_ok && jv < p.n;
+          // lo[k] / hi[k]: columns 2k and 2k + 1 of this lane's group, after the transposes.
+          uint32_t lo[4], hi[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const int idx = Frag::acc_index(r, i0 + k);
+            lo[k] = __float_as_uint(acc(idx));
+            hi[k] = __float_as_uint(acc(idx + 1));
+          }
+          quad_transpose(lo);
+          quad_transpose(hi);
+          const uint32_t g[4] = {gvs[t].x, gvs[t].y, gvs[t].z, gvs[t].w};
+          const uint32_t u[4] = {uvs[t].x, uvs[t].y, uvs[t].z, uvs[t].w};
+          uint32_t dg[4], du[4], as[4];
+          float pk = part;
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            dh_pair_words<A>(__uint_as_float(lo[k]), __uint_as_float(hi[k]), s,
+                             *reinterpret_cast<const __nv_bfloat162*>(&g[k]),
+                             *reinterpret_cast<const __nv_bfloat162*>(&u[k]), dg[k], du[k], as[k],
+                             pk);
+          // The ds partial takes only columns < n of real rows.
+          if (v_ok) {
+            part = pk;
+            *reinterpret_cast<uint4*>(dh_row + jv) = make_uint4(dg[0], dg[1], dg[2], dg[3]);
+            if constexpr (kGated)
+              *reinterpret_cast<uint4*>(dh_row + p.n + jv) = make_uint4(du[0], du[1], du[2], du[3]);
+            *reinterpret_cast<uint4*>(as_row + jv) = make_uint4(as[0], as[1], as[2], as[3]);
+          }
         }
+        // The 4 lanes sharing a row hold the partial's 128 columns; a fixed butterfly keeps the
+        // order fixed.
+        part += __shfl_xor_sync(0xffffffffu, part, 1);
+        part += __shfl_xor_sync(0xffffffffu, part, 2);
+        const int col = kPartials * n_tile + half;
+        if (row_ok && col < p.ds_cols && q == 0)
+          p.ds_partials[int64_t(slot) * p.ds_cols + col] = part;
       }
-      // The 4 lanes sharing a row hold the partial's 128 columns; a fixed butterfly keeps the
-      // order fixed.
-      part += __shfl_xor_sync(0xffffffffu, part, 1);
-      part += __shfl_xor_sync(0xffffffffu, part, 2);
-      const int col = kPartials * n_tile + half;
-      if (row_ok && col < p.ds_cols && q == 0)
-        p.ds_partials[int64_t(slot) * p.ds_cols + col] = part;
     }
   }
 };
