@@ -198,10 +198,9 @@ struct GatherDhEpilogue {
       float pk = part[r];
 #pragma unroll
       for (int k = 0; k < 4; ++k)
-        dh_pair_words<A, true>(__uint_as_float(lo[k]), __uint_as_float(hi[k]), s,
-                               *reinterpret_cast<const __nv_bfloat162*>(&g[k]),
-                               *reinterpret_cast<const __nv_bfloat162*>(&u[k]), dg[k], du[k],
-                               as[k], pk);
+        dh_pair_words<A>(__uint_as_float(lo[k]), __uint_as_float(hi[k]), s,
+                         *reinterpret_cast<const __nv_bfloat162*>(&g[k]),
+                         *reinterpret_cast<const __nv_bfloat162*>(&u[k]), dg[k], du[k], as[k], pk);
       if (v_ok) {
         part[r] = pk;
         __nv_bfloat16* dh_row = p.dh + row * w1_rows;
