@@ -228,6 +228,7 @@ struct Kernel {
   double flops;
   std::function<void()> launch;
   int64_t dense_m, dense_n, dense_k;
+  std::function<void()> before = [] {};  // untimed, before every launch (the check's too)
 };
 
 // Every kernel variant of the six GEMMs on one shape, in pipeline order: each one's inputs are
@@ -257,6 +258,21 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
                           M(s.as), s.d, s.n, act, stream, g);
             },
             S, n, d};
+  };
+  // dH written over H, as the layer's backward runs it: dh holds a copy of H (before(), untimed)
+  // and the kernel reads H from it and writes dH into it.
+  auto dh_over_h = [&](const char* name, GK g) -> Kernel {
+    Kernel k{name, "dh", down_flops,
+             [&s, act, stream, B, M, g] {
+               gg::dh_proj(s.plan, B(s.dO), B(s.w2), B(s.dh), s.parts.as<float>(), M(s.dh),
+                           M(s.as), s.d, s.n, act, stream, g);
+             },
+             S, n, d};
+    k.before = [&s, stream] {
+      MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(s.dh.p, s.h.p, s.h.bytes, cudaMemcpyDeviceToDevice,
+                                          stream));
+    };
+    return k;
   };
   auto dw2 = [&](const char* name, GK g) -> Kernel {
     return {name, "dw2", down_flops,
@@ -325,6 +341,7 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
           dh("dH", GK::two_cta),
           dh("dH-ws", GK::warp_specialized),
           dh("dH-pp", GK::ping_pong),
+          dh_over_h("dH-ws-ip", GK::warp_specialized),
           dw2("dW2", GK::two_cta),
           dw2("dW2-ws", GK::warp_specialized),
           dx("dX", {}),
@@ -473,7 +490,7 @@ void time_kernels(const Flags& f, const Shape& sh, const ShapeData& s,
     if (!only.empty() && std::find(only.begin(), only.end(), std::string(k.name)) == only.end())
       continue;
     Row row{sh.name, k.name, s.T, s.S, s.E, s.K, s.d, s.n, 0, 0, NAN, NAN, errs[i]};
-    row.ms = timer.median_ms(f.warmup, f.reps, k.launch);
+    row.ms = timer.median_ms(f.warmup, f.reps, k.before, k.launch);
     row.tflops = k.flops / (row.ms * 1e-3) / 1e12;
     if (!f.no_dense) {
       const float alpha = 1.0f, beta = 0.0f;
@@ -508,7 +525,10 @@ void bench_shape(const Flags& f, const Shape& sh, Activation act, cudaStream_t s
   DenseOperands dense;
   if (!f.no_dense) dense = dense_operands(kernels, f.seed);
 
-  for (const auto& k : kernels) k.launch();
+  for (const auto& k : kernels) {
+    k.before();
+    k.launch();
+  }
   MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(stream));
   const std::vector<double> errs = kernel_errors(kernels, check_samples(s, rt, rng));
   time_kernels(f, sh, s, kernels, errs, timer, blas, dense, rows);
@@ -606,7 +626,7 @@ void add_bench_gemm_command(CLI::App& bench) {
       ->check(unsigned_integer());
   sub->add_flag("--no-dense", flags->no_dense, "skip the cuBLAS same-FLOP comparison");
   sub->add_option("--only", flags->only,
-                  "time only these kernels (comma list of up, up-ws, up-pp, down, dH, dH-ws, "
+                  "time only these kernels (comma list of up, up-ws, up-pp, down, dH, dH-ws, dH-ws-ip, "
                   "dH-pp, dW2, dW2-ws, dX, down-tma, dX-tma, down-tma256, down-tmapp, dX-tma256, "
                   "dX-tmapp, down-ws, down-pp, dX-ws, dX-pp, "
                   "dW1, dW1-ws, dW1-mc, down-fp8); all of them still run once for the "
