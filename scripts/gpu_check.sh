@@ -29,7 +29,10 @@
 #                      pytest comes from BUILD_DIR/wheels or third_party/gpudeps/wheels when
 #                      the machine's Python lacks it (pip download pytest -d DIR/wheels).
 #                      PYTHON_ALLOW_CPU=1 accepts a CPU-only library (to try the part without a GPU).
-#       peers          bench/peers.py: moeblaze through PyTorch, SonicMoE (SONICMOE_CARRY), torch, and
+#       peers          bench/peers.py: moeblaze through PyTorch, SonicMoE (SONICMOE_CARRY, or
+#                      SONICMOE_SITE=/tmp/sonicmoe-site where an earlier call on the same warm
+#                      machine ran `source .sonic/install.sh`: SonicMoE's 54 MiB and the tree
+#                      with a prebuilt library no longer fit one 64 MiB carry), torch, and
 #                      the C++ path, same inputs → OUT/peers.jsonl, peers.md; PEERS_ARGS adds flags.
 #                      SonicMoE's autotune results (its first call at a shape otherwise searches
 #                      for minutes) are restored from bench/results/sonicmoe-autotune-h200.tgz and
@@ -422,9 +425,14 @@ fi
 # torch, plus the C++ path's rows; PEERS_ARGS adds flags (e.g. "--config olmoe --profile DIR") ----
 if want peers && install_python; then
   t0=$(date +%s)
-  if [ -n "${SONICMOE_CARRY:-}" ]; then
-    # shellcheck disable=SC1091
-    source "$SONICMOE_CARRY/install.sh" >>"$OUT/peers.log" 2>&1 || echo "gpu_check: SonicMoE install failed" >>"$OUT/peers.log"
+  if [ -n "${SONICMOE_CARRY:-}${SONICMOE_SITE:-}" ]; then
+    if [ -n "${SONICMOE_CARRY:-}" ]; then
+      # shellcheck disable=SC1091
+      source "$SONICMOE_CARRY/install.sh" >>"$OUT/peers.log" 2>&1 || echo "gpu_check: SonicMoE install failed" >>"$OUT/peers.log"
+    else  # installed by an earlier call on this machine (install.sh's folder): no carry needed
+      [ -d "$SONICMOE_SITE/sonicmoe" ] || echo "gpu_check: no SonicMoE in $SONICMOE_SITE" >>"$OUT/peers.log"
+      export PYTHONPATH="$SONICMOE_SITE:$SONICMOE_SITE/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}"
+    fi
     # Its autotuner's results and compiled kernels in one folder; the results saved below.
     export QUACK_CACHE_DIR=/tmp/quack-cache QUACK_CACHE_AUTOTUNING=1
     export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}
