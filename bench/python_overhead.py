@@ -49,9 +49,14 @@ class _Stub:
 
 
 def _stub_route(cfg, logits, dtype, T_, E_, bias, dev, stream, out, flags):
-    r = out._obj  # the Routing struct passed by reference: valid (zero) ids for later torch ops
+    """A valid top-K routing (token t: experts 0..K-1, weight 0) for the torch ops and the fast
+    path's real plan build after it."""
+    r = out._obj  # the Routing struct passed by reference
+    k = r.P // max(r.T, 1)
+    (ctypes.c_int32 * (r.T + 1)).from_address(r.pair_offsets)[:] = range(0, r.P + 1, k or 1)
     if r.P:
-        ctypes.memset(r.pair_experts, 0, 4 * r.P)
+        (ctypes.c_int32 * r.P).from_address(r.pair_experts)[:] = [p % k for p in range(r.P)]
+        ctypes.memset(r.pair_weights, 0, 4 * r.P)
     return 0
 
 
