@@ -149,4 +149,4 @@ class BdistWheelPy3(bdist_wheel):
 
 setup(cmdclass={"build_py": BuildPyWithLib, "bdist_wheel": BdistWheelPy3,
                 "sdist": SdistWithSources},
-      package_data={"moeblaze": [LIB, "csrc/*.cpp"]}, distclass=BinaryDistribution)
+      package_data={"moeblaze": [LIB, "csrc/*.cpp", "csrc/*.h"]}, distclass=BinaryDistribution)

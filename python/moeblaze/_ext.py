@@ -1,13 +1,14 @@
-"""The eager moe_experts step's C++ fast path (csrc/eager_experts.cpp): compiled at first use
-against the installed torch with the system's C++ compiler and cached, so the package still
-pins no torch ABI; where it cannot be built (no compiler, no torch headers) moe_experts keeps the
-Python path (layer._ExpertsFn), which makes the same C calls.
+"""The eager moe_experts step's and MoE router's C++ fast path (csrc/: eager_experts.cpp, the
+module and the experts; eager_router.cpp, the router; eager.h): compiled at first use against the
+installed torch with the system's C++ compiler and cached, so the package still pins no torch
+ABI; where it cannot be built (no compiler, no torch headers) moe_experts and MoE keep the Python
+path (layer._ExpertsFn, _RouteFn, _RoundFn), which makes the same C calls.
 
     moeblaze.use_extension(False)   # the Python path only (True: the default)
     with moeblaze.use_extension(False): ...   # the same, for the block only
     moeblaze.extension_status()     # "loaded: <path>", "disabled", or why it is unavailable
 
-The cache folder is ~/.cache/moeblaze (XDG_CACHE_HOME honoured); one file per (source, capi.h,
+The cache folder is ~/.cache/moeblaze (XDG_CACHE_HOME honoured); one file per (sources, capi.h,
 torch version, Python version), written atomically, so concurrent first uses are safe.
 """
 import ctypes
@@ -25,7 +26,7 @@ from pathlib import Path
 from . import _lib
 
 _HERE = Path(__file__).resolve().parent
-_SOURCE = _HERE / "csrc" / "eager_experts.cpp"
+_CSRC = _HERE / "csrc"
 _lock = threading.Lock()
 _state = {"enabled": True, "module": None, "status": "not built yet"}
 
@@ -43,6 +44,13 @@ def _cache_dir():
     return Path(base) / "moeblaze"
 
 
+def _sources():
+    """The translation units (each compiled on its own, at once) and every file the build reads
+    from csrc/ (the cache key)."""
+    cpp = sorted(_CSRC.glob("*.cpp"))
+    return cpp, cpp + sorted(_CSRC.glob("*.h"))
+
+
 def _build(include, out):
     """Compiles the extension into `out` (atomically); raises RuntimeError with the compiler's
     output when it fails."""
@@ -50,24 +58,37 @@ def _build(include, out):
     from torch.utils import cpp_extension
     cxx = os.environ.get("CXX", "c++")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cmd = [cxx, "-O2", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden",
-           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_API_INCLUDE_EXTENSION_H",
-           f"-I{include}", f"-I{sysconfig.get_paths()['include']}"]
-    cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
+    compile_cmd = [cxx, "-O2", "-std=c++20", "-fPIC", "-fvisibility=hidden",
+                   f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+                   f"-I{include}", f"-I{sysconfig.get_paths()['include']}"]
+    compile_cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = cpp_extension.library_paths()
-    cmd += [str(_SOURCE)] + [f"-L{p}" for p in libs] + [f"-Wl,-rpath,{p}" for p in libs]
-    cmd += ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
+    link_cmd = [cxx, "-shared"] + [f"-L{p}" for p in libs] + [f"-Wl,-rpath,{p}" for p in libs]
+    link_libs = ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        p = subprocess.run(cmd + ["-o", tmp], capture_output=True, text=True)
-        if p.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
+        with tempfile.TemporaryDirectory(dir=out.parent) as objdir:
+            srcs = _sources()[0]
+            objs = [os.path.join(objdir, f"{src.stem}.o") for src in srcs]
+            # One compiler per translation unit, all at once: each parses torch's headers.
+            _run_all([compile_cmd + ["-c", str(src), "-o", obj] for src, obj in zip(srcs, objs)])
+            _run_all([link_cmd + objs + link_libs + ["-o", tmp]])
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _run_all(cmds):
+    """Runs the commands concurrently; RuntimeError with the first failure's output."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in cmds]
+    outs = [p.communicate()[0] for p in procs]
+    for cmd, p, text in zip(cmds, procs, outs):
+        if p.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{text[-3000:]}")
 
 
 def _load():
@@ -75,22 +96,23 @@ def _load():
     _state['status']) where it cannot be had."""
     import torch
     include = _include_dir()
-    if include is None or not _SOURCE.exists():
+    if include is None or not (_CSRC / "eager_experts.cpp").exists():
         _state["status"] = "unavailable: the package has no csrc/eager_experts.cpp or capi.h"
         return None
     h = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), (include / "moeblaze" / "capi.h").read_bytes(),
-                 torch.__version__.encode(), sys.version.encode()):
+    for part in ([f.read_bytes() for f in _sources()[1]] +
+                 [(include / "moeblaze" / "capi.h").read_bytes(), torch.__version__.encode(),
+                  sys.version.encode()]):
         h.update(part)
     out = _cache_dir() / f"moeblaze_eager-{h.hexdigest()[:16]}.so"
     if not out.exists():
-        print(f"moeblaze: building the C++ fast path of moe_experts for torch {torch.__version__} "
+        print(f"moeblaze: building the C++ fast path of moe_experts and MoE for torch {torch.__version__} "
               f"(once; cached in {out.parent}) ...", file=sys.stderr, flush=True)
         try:
             _build(include, out)
         except (OSError, RuntimeError) as err:
             _state["status"] = f"unavailable: the build failed ({str(err)[:2000]})"
-            warnings.warn(f"moeblaze: the C++ fast path of moe_experts could not be built; the "
+            warnings.warn(f"moeblaze: the C++ fast path of moe_experts and MoE could not be built; the "
                           f"Python path (same results, more host time per step) is used: {err}")
             return None
     spec = importlib.util.spec_from_file_location("moeblaze_eager", out)
@@ -101,12 +123,8 @@ def _load():
                             f"library is {_lib.lib().moeblaze_capi_version()}")
         return None
     lib = _lib.lib()
-    addr = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in (
-        "moeblaze_plan_from_ids", "moeblaze_plan_from_ids_workspace_bytes",
-        "moeblaze_build_plan", "moeblaze_plan_workspace_bytes",
-        "moeblaze_layer_pass_workspace_bytes", "moeblaze_layer_forward_biased",
-        "moeblaze_layer_backward_biased", "moeblaze_last_error")]
-    mod.init(*addr)
+    mod.init({name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+              for name in mod.capi_functions})
     _state["status"] = f"loaded: {out}"
     return mod
 

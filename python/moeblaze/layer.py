@@ -489,7 +489,17 @@ class MoE(nn.Module):
         """(logits fp32 (T, E), pair_offsets, pair_experts, pair_weights) for tokens x2 (T, d)."""
         logits = router_logits(x2, self.gate.weight)
         bias = self.expert_bias
-        if _eager(logits, bias):
+        eager = _eager(logits, bias)
+        ext = _ext.get() if eager else None
+        if ext is not None:  # the same C calls with the host work in C++ (_ext.py)
+            rounding = (None, 0, 0) if self.token_rounding is None else (  # (mode, m_tile, seed)
+                _lib.ROUNDINGS[self.token_rounding], self.m_tile, self.rounding_seed)
+            r = _fast_path_result(ext.route(logits, bias, self._kind, self.top_k,
+                                            self.renormalize, *rounding))
+            if r is not None:
+                offsets, experts, weights, self.last_flags = r
+                return logits, offsets, experts, weights
+        if eager:
             offsets, experts, weights, flags = _RouteFn.apply(
                 logits, bias, (self._kind, self.top_k, self.renormalize))
         else:
@@ -499,7 +509,7 @@ class MoE(nn.Module):
         if self.token_rounding is not None:
             cfg = (self._kind, self.top_k, self.renormalize, self.m_tile,
                    _lib.ROUNDINGS[self.token_rounding], self.rounding_seed)
-            if _eager(logits, bias):
+            if eager:
                 offsets, experts, weights = _RoundFn.apply(logits, bias, offsets, experts,
                                                            weights, cfg)
             else:

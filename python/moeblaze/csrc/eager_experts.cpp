@@ -1,62 +1,32 @@
 // moeblaze_eager: the eager moe_experts step with its host work in C++ (python/moeblaze/_ext.py
 // builds it at first use against the installed torch; nothing is pinned to a torch ABI at the
-// library's build). The same C ABI calls as layer._ExpertsFn (plan from the ids, layer forward,
-// layer backward writing dH over H on CUDA), reached through function pointers that the Python
-// side resolved with ctypes, so this file links against torch only. Why: on a GPU the forward
-// kernels wait for the Python checks, allocations and autograd node before their launch
-// (measured in docs/experiments/2026-12-03-pytorch-wait-and-override-sweep.md).
+// library's build; MoE's router is eager_router.cpp, in the same module). The same C ABI calls as
+// layer._ExpertsFn (plan from the ids, layer forward, layer backward writing dH over H on CUDA),
+// reached through function pointers that the Python side resolved with ctypes, so this file links
+// against torch only. Why: on a GPU the forward kernels wait for the Python checks, allocations
+// and autograd node before their launch (measured in
+// docs/experiments/2026-12-03-pytorch-wait-and-override-sweep.md).
 //
 // experts_from_ids (moe_experts) and experts_from_routing return the output tensor, None where
 // this fast path does not apply (the Python path then runs, raising the error that names the
 // argument), or the C ABI's error code when a C call refused the arguments (Python raises it
 // with moeblaze_last_error's message).
-#include <c10/core/GradMode.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/variable.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <map>
 #include <mutex>
-#include <stdexcept>
 #include <string>
 #include <tuple>
 
-#include "moeblaze/capi.h"
+#include "eager.h"
 
-namespace {
+namespace moeblaze_eager {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-// The C ABI, resolved by ctypes in Python (init()).
-struct Api {
-  decltype(&moeblaze_plan_from_ids) plan_from_ids = nullptr;
-  decltype(&moeblaze_plan_from_ids_workspace_bytes) plan_from_ids_workspace_bytes = nullptr;
-  decltype(&moeblaze_build_plan) build_plan = nullptr;
-  decltype(&moeblaze_plan_workspace_bytes) plan_workspace_bytes = nullptr;
-  decltype(&moeblaze_layer_pass_workspace_bytes) layer_pass_workspace_bytes = nullptr;
-  decltype(&moeblaze_layer_forward_biased) layer_forward = nullptr;
-  decltype(&moeblaze_layer_backward_biased) layer_backward = nullptr;
-  decltype(&moeblaze_last_error) last_error = nullptr;
-};
 Api g_api;
 
-// A C call's refusal inside the autograd function's forward, carried out of apply().
-struct CallFailed {
-  int rc;
-};
-
-constexpr int kModeKeepH = 0, kModeRecompute = 1, kModeDhOverH = 2;  // moeblaze_layer_cfg.mode
-
-int32_t dtype_code(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 1 : 0; }
-
-// Workspace bytes are functions of the sizes alone: asked once per key (C++ only reads the map
-// after). key: cfg fields, S, pass (0 forward, 1 backward; -1 the plan from (T, K) ids, -2 the
-// plan from a CSR routing of S pairs).
+// key: cfg fields, S, pass (see eager.h). Written once per key; C++ only reads it after.
 using WsKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int32_t, int32_t, int32_t,
                          int64_t, int32_t>;
 std::mutex g_ws_mutex;
@@ -70,20 +40,39 @@ uint64_t pass_workspace_bytes(const moeblaze_layer_cfg& c, int64_t S, int32_t pa
   uint64_t n = 0;
   const int rc = pass == -1   ? g_api.plan_from_ids_workspace_bytes(c.T, c.K, c.E, 1, &n)
                  : pass == -2 ? g_api.plan_workspace_bytes(c.T, c.E, S, 1, &n)
+                 : pass == -3 ? g_api.token_round_workspace_bytes(c.T, c.E, 1, &n)
                               : g_api.layer_pass_workspace_bytes(&c, S, 1, pass, &n);
   if (rc != MOEBLAZE_OK) throw CallFailed{rc};
   g_ws_bytes.emplace(key, n);
   return n;
 }
 
-void* data(const at::Tensor& t) { return t.defined() && t.numel() > 0 ? t.data_ptr() : nullptr; }
-
-// PyTorch's current stream on t's device (NULL on the CPU).
-void* stream_of(const at::Tensor& t) {
-  if (!t.is_cuda()) return nullptr;
-  return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(t.device())
-      .native_handle();
+torch::autograd::variable_list once_differentiable(torch::autograd::variable_list g,
+                                                   const torch::autograd::variable_list& grads_in) {
+  if (!c10::GradMode::is_enabled() ||
+      std::none_of(grads_in.begin(), grads_in.end(),
+                   [](const at::Tensor& t) { return t.defined() && t.requires_grad(); }))
+    return g;
+  for (auto& t : g) {
+    if (!t.defined()) continue;
+    t = t.detach();
+    t.set_requires_grad(true);
+  }
+  return torch::autograd::DelayedError(
+             "trying to differentiate twice a function that was marked with @once_differentiable",
+             int64_t(g.size()))
+      .apply(std::move(g));
 }
+
+}  // namespace moeblaze_eager
+
+namespace {
+
+using namespace moeblaze_eager;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr int kModeKeepH = 0, kModeRecompute = 1, kModeDhOverH = 2;  // moeblaze_layer_cfg.mode
 
 // What the plan is built from, contiguous, on x's device: (T, K) ids (int32/int64) with their
 // weights (fp32/bf16), moeblaze_plan_from_ids; or a CSR routing (pair_offsets (T+1,) int32,
@@ -119,8 +108,7 @@ struct EagerExperts : public torch::autograd::Function<EagerExperts> {
     const int32_t dev = cuda ? 1 : 0;
     const int64_t T = x.size(0), E = w2.size(0), d = x.size(1), n = w2.size(2),
                   S = src.pairs(), K = config_k(src, T, E);
-    const c10::OptionalDeviceGuard guard(cuda ? std::optional<c10::Device>(x.device())
-                                              : std::nullopt);
+    const auto guard = device_guard(x);
     void* stream = stream_of(x);
     moeblaze_layer_cfg cfg{T,       d, n, E, K, int32_t(activation), dtype_code(x),
                            recompute ? kModeRecompute : kModeKeepH, 0, 0};
@@ -169,8 +157,9 @@ struct EagerExperts : public torch::autograd::Function<EagerExperts> {
     const int64_t rows = w1.size(1);
     at::Tensor out = at::empty_like(x);                                         // (T, d)
     at::Tensor h = at::empty({recompute ? 0 : S, rows}, x.options());           // (S, w1_rows)
-    rc = g_api.layer_forward(&cfg, &plan, dev, stream, data(x), data(w1), data(w2), data(b1),
-                             data(b2), data(out), recompute ? nullptr : data(h), data(ws), ws_fwd);
+    rc = g_api.layer_forward_biased(&cfg, &plan, dev, stream, data(x), data(w1), data(w2),
+                                    data(b1), data(b2), data(out), recompute ? nullptr : data(h),
+                                    data(ws), ws_fwd);
     if (rc != MOEBLAZE_OK) throw CallFailed{rc};
     // Backward on CUDA never reads token_expert_indices: not kept (S int32 fewer bytes held).
     ctx->save_for_backward(
@@ -193,8 +182,7 @@ struct EagerExperts : public torch::autograd::Function<EagerExperts> {
     const int32_t dev = cuda ? 1 : 0;
     const int64_t T = x.size(0), d = x.size(1), E = w2.size(0), n = w2.size(2),
                   S = saved[5].size(0);
-    const c10::OptionalDeviceGuard guard(cuda ? std::optional<c10::Device>(x.device())
-                                              : std::nullopt);
+    const auto guard = device_guard(x);
     void* stream = stream_of(x);
     const int32_t mode = recompute ? kModeRecompute : cuda ? kModeDhOverH : kModeKeepH;
     moeblaze_layer_cfg cfg{T,    d,    n, E, ctx->saved_data["K"].toInt(),
@@ -219,32 +207,17 @@ struct EagerExperts : public torch::autograd::Function<EagerExperts> {
                        saved[7].data_ptr<int32_t>(),
                        static_cast<int32_t*>(data(saved[8])),
                        static_cast<int32_t*>(data(saved[9]))};
-    const int rc = g_api.layer_backward(&cfg, &plan, dev, stream, data(x), data(w1), data(w2),
-                                        data(b1), data(b2), data(d_out),
-                                        recompute ? nullptr : data(h), data(dx), data(dw1),
-                                        data(dw2), static_cast<float*>(data(dpw)), data(db1),
-                                        data(db2), data(ws), ws_bytes);
+    const int rc = g_api.layer_backward_biased(
+        &cfg, &plan, dev, stream, data(x), data(w1), data(w2), data(b1), data(b2), data(d_out),
+        recompute ? nullptr : data(h), data(dx), data(dw1), data(dw2),
+        static_cast<float*>(data(dpw)), data(db1), data(db2), data(ws), ws_bytes);
     TORCH_CHECK(rc == MOEBLAZE_OK, "moeblaze: ", g_api.last_error());
     // dH went over h: a second backward (retain_graph) must fail on h's version, not read dH.
     if (mode == kModeDhOverH) torch::autograd::impl::bump_version(h);
     const auto pw_dtype = ctx->saved_data["pw_dtype"].toScalarType();
     at::Tensor dpw_shaped = dpw.view(ctx->saved_data["pw_sizes"].toIntVector());
     if (pw_dtype != at::kFloat) dpw_shaped = dpw_shaped.to(pw_dtype);
-    variable_list g{dx, dw1, dw2, dpw_shaped, db1, db2};
-    if (c10::GradMode::is_enabled()) {
-      // create_graph=True: as Python's @once_differentiable (the Python path), the gradients
-      // carry a node that raises only if something differentiates through them.
-      for (auto& t : g) {
-        if (!t.defined()) continue;
-        t = t.detach();
-        t.set_requires_grad(true);
-      }
-      g = torch::autograd::DelayedError(
-              "trying to differentiate twice a function that was marked with "
-              "@once_differentiable",
-              int64_t(g.size()))
-              .apply(std::move(g));
-    }
+    variable_list g = once_differentiable({dx, dw1, dw2, dpw_shaped, db1, db2}, grads);
     g.resize(9);  // no gradient for the plan source, activation, recompute
     return g;
   }
@@ -298,7 +271,7 @@ py::object experts_from_ids(const at::Tensor& x, const at::Tensor& w1, const at:
                             bool recompute, const std::optional<at::Tensor>& b1_,
                             const std::optional<at::Tensor>& b2_) {
   const at::Tensor b1 = dense(b1_), b2 = dense(b2_);
-  if (g_api.layer_forward == nullptr || !operands_apply(x, w1, w2, b1, b2, w1_rows))
+  if (g_api.layer_forward_biased == nullptr || !operands_apply(x, w1, w2, b1, b2, w1_rows))
     return py::none();
   if (ids.dim() != 2 || ids.size(0) != x.size(0) || ids.size(1) < 1 ||
       kernel_weights.sizes() != ids.sizes() || ids.device() != x.device() ||
@@ -333,35 +306,31 @@ py::object experts_from_routing(const at::Tensor& x, const at::Tensor& w1, const
   for (const at::Tensor* t : {&offsets, &experts, &kernel_weights})
     if (t->device() != x.device()) return py::none();
   return run(x, w1, w2, pair_weights, b1, b2,
-             {false, {}, {}, offsets.contiguous(), experts.contiguous(), kernel_weights.contiguous()},
+             {false, {}, {}, offsets.contiguous(), experts.contiguous(),
+              kernel_weights.contiguous()},
              activation, recompute);
 }
 
-void init(uintptr_t plan_from_ids, uintptr_t plan_from_ids_workspace_bytes, uintptr_t build_plan,
-          uintptr_t plan_workspace_bytes, uintptr_t layer_pass_workspace_bytes,
-          uintptr_t layer_forward, uintptr_t layer_backward, uintptr_t last_error) {
-  g_api.plan_from_ids = reinterpret_cast<decltype(g_api.plan_from_ids)>(plan_from_ids);
-  g_api.build_plan = reinterpret_cast<decltype(g_api.build_plan)>(build_plan);
-  g_api.plan_workspace_bytes =
-      reinterpret_cast<decltype(g_api.plan_workspace_bytes)>(plan_workspace_bytes);
-  g_api.plan_from_ids_workspace_bytes =
-      reinterpret_cast<decltype(g_api.plan_from_ids_workspace_bytes)>(
-          plan_from_ids_workspace_bytes);
-  g_api.layer_pass_workspace_bytes = reinterpret_cast<decltype(g_api.layer_pass_workspace_bytes)>(
-      layer_pass_workspace_bytes);
-  g_api.last_error = reinterpret_cast<decltype(g_api.last_error)>(last_error);
-  g_api.layer_backward = reinterpret_cast<decltype(g_api.layer_backward)>(layer_backward);
-  g_api.layer_forward = reinterpret_cast<decltype(g_api.layer_forward)>(layer_forward);
+// The C ABI's functions from their addresses, by name (ctypes resolved capi_functions).
+void init(const std::map<std::string, uintptr_t>& addresses) {
+#define MOEBLAZE_EAGER_INIT(name) \
+  g_api.name = reinterpret_cast<decltype(g_api.name)>(addresses.at("moeblaze_" #name));
+  MOEBLAZE_EAGER_CAPI(MOEBLAZE_EAGER_INIT)
+#undef MOEBLAZE_EAGER_INIT
 }
 
 }  // namespace
 
 PYBIND11_MODULE(moeblaze_eager, m) {
-  m.doc() = "moeblaze's eager moe_experts step with its host work in C++ (see _ext.py)";
-  m.def("init", &init, "the C ABI's function addresses (ctypes)");
+  m.doc() = "moeblaze's eager moe_experts step and MoE router with the host work in C++ (_ext.py)";
+  m.def("init", &init, "the C ABI's function addresses by name (ctypes)");
+#define MOEBLAZE_EAGER_NAME(name) "moeblaze_" #name,
+  m.attr("capi_functions") = std::vector<std::string>{MOEBLAZE_EAGER_CAPI(MOEBLAZE_EAGER_NAME)};
+#undef MOEBLAZE_EAGER_NAME
   m.def("experts_from_ids", &experts_from_ids,
         "moe_experts: out, None (not this path's case) or a C ABI error code");
   m.def("experts_from_routing", &experts_from_routing,
         "experts_from_routing: out, None (not this path's case) or a C ABI error code");
+  moeblaze_eager::register_router(m);
   m.attr("capi_version") = MOEBLAZE_CAPI_VERSION;
 }
