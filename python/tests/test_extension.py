@@ -249,3 +249,143 @@ def test_fast_path_with_biases_gives_the_python_paths_bits(fast_path, seed, devi
     assert torch.equal(results[0][1], results[1][1])
     for a, b in zip(results[0][2], results[1][2]):
         assert torch.equal(a, b)
+
+
+# ---- MoE's router (csrc/eager_router.cpp) against layer._RouteFn / _RoundFn ----------------------
+ROUTERS = ["softmax_topk", "topk_softmax", "sigmoid_bias"]
+
+
+def _moe(router, renormalize, rounding, recompute, dtype, bias=False, **kw):
+    """An MoE with random weights, biases and expert_bias (sigmoid_bias): every input fresh."""
+    moe = moeblaze.MoE(32, 16, 8, 2, router=router, renormalize=renormalize,
+                       token_rounding=rounding, m_tile=8, recompute=recompute, aux_loss_coef=0.01,
+                       z_loss_coef=0.001, dtype=dtype, bias=bias, **kw)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn_like(p) / 4)
+        if moe.expert_bias is not None:
+            moe.expert_bias.copy_(torch.randn(8) / 2)
+    return moe
+
+
+def _moe_step(use, moe, x, g):
+    """(route node name, out, losses, last_flags, grads of x and every parameter) of one
+    forward+backward of moe with the fast path on or off."""
+    moeblaze.use_extension(use)
+    xs = x.clone().requires_grad_()
+    name = moe.route(xs.reshape(-1, x.shape[-1]))[3].grad_fn.name()
+    out, losses = moe(xs)
+    (out.float() * g).sum().add(losses.total).backward()
+    grads = [xs.grad] + [p.grad for p in moe.parameters()]
+    moe.zero_grad(set_to_none=True)
+    return name, out.detach(), torch.stack(losses).detach(), moe.last_flags, grads
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("rounding", [None, "nr-f", "sr-f", "up", "down"])
+def test_moe_router_fast_path_gives_the_python_paths_bits(fast_path, seed, router, renormalize,
+                                                          rounding):
+    """Route (and token rounding) in C++: out, the losses, the flags and every gradient (x, the
+    gate, w1, w2, the biases) bit for bit; expert_bias untouched; fp32 and bf16, recompute."""
+    if not _has_compiler():
+        pytest.skip("no C++ compiler here: the fast path is not built")
+    for dtype, recompute, bias in [(torch.float32, False, True), (torch.float32, True, False),
+                                   (BF16, False, False), (BF16, True, True)]:
+        moe = _moe(router, renormalize, rounding, recompute, dtype, bias)
+        expert_bias = None if moe.expert_bias is None else moe.expert_bias.clone()
+        x = torch.randn(3, 20, 32).to(dtype)
+        g = torch.randn(3, 20, 32)
+        fast, slow = _moe_step(True, moe, x, g), _moe_step(False, moe, x, g)
+        node = "EagerRound" if rounding else "EagerRoute"
+        assert node in fast[0] and "Eager" not in slow[0], (fast[0], slow[0])
+        for name, a, b in zip(("out", "losses", "flags"), fast[1:4], slow[1:4]):
+            assert a.dtype == b.dtype and torch.equal(a, b), (name, dtype, recompute)
+        assert len(fast[4]) == len(slow[4])
+        for a, b in zip(fast[4], slow[4]):
+            assert a.dtype == b.dtype and torch.equal(a, b), (dtype, recompute)
+        if expert_bias is not None:
+            assert torch.equal(moe.expert_bias, expert_bias) and moe.expert_bias.grad is None
+
+
+def test_moe_router_fast_path_without_grad(fast_path, seed):
+    """Under no_grad (inference) the same routing and output, no autograd node."""
+    if not _has_compiler():
+        pytest.skip("no C++ compiler here: the fast path is not built")
+    moe = _moe("sigmoid_bias", True, "nr-f", False, torch.float32)
+    x = torch.randn(40, 32)
+    results = []
+    for use in (True, False):
+        moeblaze.use_extension(use)
+        with torch.no_grad():
+            routed = moe.route(x)
+            out, _ = moe(x)
+        assert routed[3].grad_fn is None and out.grad_fn is None
+        results.append(routed + (out,))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["nan logits", "m_tile 0", "top_k above E", "seed negative",
+                                  "seed bool", "expert_bias float64", "expert_bias shape",
+                                  "renormalize int"])
+def test_moe_router_fast_path_raises_the_python_paths_errors(fast_path, case):
+    rounding = "nr-f" if case.startswith(("m_tile", "seed")) else None
+    router = "sigmoid_bias" if case.startswith("expert_bias") else "softmax_topk"
+    moe = _moe(router, False, rounding, False, torch.float32)
+    x = torch.randn(12, 32)
+    if case == "nan logits":
+        x[5, 3] = float("nan")
+    elif case == "m_tile 0":
+        moe.m_tile = 0
+    elif case == "top_k above E":
+        moe.top_k = 9
+    elif case == "seed negative":
+        moe.rounding_seed = -1
+    elif case == "seed bool":
+        moe.rounding_seed = True
+    elif case == "expert_bias float64":
+        moe.expert_bias = moe.expert_bias.double()
+    elif case == "expert_bias shape":
+        moe.expert_bias = torch.zeros(7)
+    else:
+        moe.renormalize = 1
+    errors = []
+    for use in (True, False):
+        moeblaze.use_extension(use)
+        try:
+            moe(x.clone().requires_grad_())
+            errors.append(None)
+        except (ValueError, TypeError, RuntimeError) as err:
+            errors.append((type(err), str(err)))
+    assert errors[0] == errors[1]
+    assert (errors[0] is None) == (case == "renormalize int"), errors[0]
+
+
+@pytest.mark.parametrize("rounding", [None, "sr-f"])
+@pytest.mark.parametrize("square", [False, True])
+def test_moe_router_fast_path_create_graph_as_python(fast_path, seed, rounding, square):
+    """create_graph=True through the router's backward as through the Python path's
+    @once_differentiable one: gradients that need a graph carry one that raises when
+    differentiated; gradients of a loss linear in the weights carry none."""
+    if not _has_compiler():
+        pytest.skip("no C++ compiler here: the fast path is not built")
+    moe = _moe("topk_softmax", False, rounding, False, torch.float32)
+    x = torch.randn(30, 32)
+    c = torch.randn(1)
+    results = []
+    for use in (True, False):
+        moeblaze.use_extension(use)
+        weights = moe.route(x)[3]
+        loss = (weights.square() if square else weights * c).sum()
+        (gw,) = torch.autograd.grad(loss, [moe.gate.weight], create_graph=True)
+        try:
+            gw.sum().backward()
+            err = None
+        except RuntimeError as e:
+            err = str(e)
+        results.append((gw.detach(), gw.requires_grad, err))
+        moe.zero_grad(set_to_none=True)
+    assert torch.equal(results[0][0], results[1][0])
+    assert results[0][1:] == results[1][1:]
+    assert (results[0][2] is not None and "once_differentiable" in results[0][2]) == square
