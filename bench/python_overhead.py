@@ -3,16 +3,19 @@ or on the GPU (--device cuda, bf16) at a layer's d, n, E, K with few tokens, so 
 up and the time is the host's: there "real" minus "stubbed" is the library's own host time.
 
 Each entry is the median (and the minimum, steadier on a loaded machine) over --repeat batches
-of the mean time per call in a batch of --inner calls, in microseconds. Two columns: "stubbed", with every C call replaced by a function that
-returns 0 (the *_bytes queries stay real, so the sizes are right; route's stub zeroes its expert
-ids so that torch ops after it see valid ones; on the GPU route stays real), i.e. the Python / torch-dispatch time alone; and
-"real", with the library. The "eager" rows are the bodies moe_experts / MoE call in eager
-mode (layer._ExpertsFn, _RouteFn, ops.plan_from_ids); "via custom ops" is moe_experts as traced
-code runs it. The plain moe_experts and MoE rows take the C++ fast path where that is built
+of the mean time per call in a batch of --inner calls, in microseconds. Two columns: "stubbed",
+with every C call replaced by a function that returns 0 (the *_bytes queries stay real, so the
+sizes are right; route's stub writes a valid top-K routing so that what runs after it sees one;
+on the GPU route stays real), i.e. the Python / torch-dispatch time alone; and "real", with the
+library. The "eager" rows are the bodies moe_experts / MoE call in eager mode (layer._ExpertsFn,
+_RouteFn, ops.plan_from_ids); "via custom ops" is moe_experts as traced code runs it. The plain
+moe_experts and MoE rows take the C++ fast path (experts and router) where that is built
 (moeblaze.extension_status(), printed first), whose C calls stay real in the stubbed column too;
-the "Python path" rows turn it off (moeblaze.use_extension(False)). Reference rows: torch's topk+softmax, the raw ctypes call of
-moeblaze_route, and no-op torch.library custom ops with route's and the experts ops' schemas (the
-floor a custom op costs before its body runs).
+the "Python path" rows turn it off (moeblaze.use_extension(False)); "nr-f + losses" is an MoE
+with token rounding and both router losses, its loss (out * d_out).sum() + losses.total.
+Reference rows: torch's topk+softmax, the raw ctypes call of moeblaze_route, and no-op
+torch.library custom ops with route's and the experts ops' schemas (the floor a custom op costs
+before its body runs). --only NAME keeps the rows whose name contains NAME.
 
     PYTHONPATH=python MOEBLAZE_LIB=build-cpu/libmoeblaze_capi.so python bench/python_overhead.py
     python bench/python_overhead.py --device cuda --shape 256,1536,256,128,8   # on a GPU
@@ -133,7 +136,10 @@ def cases():
     ew = torch.rand(T, K, device=DEV)
     xg, w1g, w2g, ewg = (t.clone().requires_grad_() for t in (x, w1, w2, ew))
     moe = moeblaze.MoE(D, N, E, K, dtype=DTYPE).to(DEV)
-    params = list(moe.parameters())
+    # Token rounding to multiples of 4 rows (128 on the GPU) and both router losses.
+    moe_round = moeblaze.MoE(D, N, E, K, token_rounding="nr-f", m_tile=4 if DEV.type == "cpu"
+                             else 128, aux_loss_coef=0.01, z_loss_coef=0.001, dtype=DTYPE).to(DEV)
+    params = list(moe.parameters()) + list(moe_round.parameters())
     pwg = pw.clone().requires_grad_()
 
     def moe_experts_step():
@@ -144,6 +150,13 @@ def cases():
     def moe_step():
         y, _ = moe(xg)
         y.backward(d_out)
+        xg.grad = None
+        for p in params:
+            p.grad = None
+
+    def moe_round_step():
+        y, losses = moe_round(xg)
+        (y * d_out).sum().add(losses.total).backward()
         xg.grad = None
         for p in params:
             p.grad = None
@@ -192,6 +205,8 @@ def cases():
         ("moe_experts fwd+bwd via custom ops", ops_step),
         ("MoE fwd+bwd", moe_step),
         ("MoE fwd+bwd, Python path", python_path(moe_step)),
+        ("MoE fwd+bwd, nr-f + losses", moe_round_step),
+        ("MoE fwd+bwd, nr-f + losses, Python path", python_path(moe_round_step)),
     ], [
         ("torch topk+softmax", lambda: torch.softmax(torch.topk(logits, K).values, -1)),
         ("torch x @ w1[0].T", lambda: x @ w1[0].T),
@@ -232,6 +247,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     ap.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16)")
     ap.add_argument("--shape", default="", help="T,d,n,E,K (default 8,16,8,4,2)")
+    ap.add_argument("--only", default="", help="only the rows whose name contains this")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     global T, D, N, E, K, DEV, DTYPE
@@ -249,6 +265,8 @@ def main():
     _ext.get()  # builds the fast path now (once), not inside a timed batch
     print(f"moe_experts' C++ fast path: {moeblaze.extension_status()}")
     print(f"{'call (median / min)':40s} {'stubbed':>13s} {'real':>13s}")
+    ops_cases = [c for c in ops_cases if args.only in c[0]]
+    ref_cases = [c for c in ref_cases if args.only in c[0]]
     for name, fn in ops_cases:
         ops.lib = lambda: stub
         try:
