@@ -281,6 +281,20 @@ def _moe_step(use, moe, x, g):
     return name, out.detach(), torch.stack(losses).detach(), moe.last_flags, grads
 
 
+def _assert_same_step(fast, slow, rounding, moe, expert_bias, what):
+    """_moe_step's results with the fast path (fast) and without (slow): the C++ route node on
+    one side only, and out, losses, flags and every gradient bit for bit; expert_bias untouched."""
+    node = "EagerRound" if rounding else "EagerRoute"
+    assert node in fast[0] and "Eager" not in slow[0], (fast[0], slow[0])
+    for name, a, b in zip(("out", "losses", "flags"), fast[1:4], slow[1:4]):
+        assert a.dtype == b.dtype and torch.equal(a, b), (name, what)
+    assert len(fast[4]) == len(slow[4])
+    for a, b in zip(fast[4], slow[4]):
+        assert a.dtype == b.dtype and torch.equal(a, b), what
+    if expert_bias is not None:
+        assert torch.equal(moe.expert_bias, expert_bias) and moe.expert_bias.grad is None
+
+
 @pytest.mark.parametrize("router", ROUTERS)
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("rounding", [None, "nr-f", "sr-f", "up", "down"])
@@ -297,15 +311,33 @@ def test_moe_router_fast_path_gives_the_python_paths_bits(fast_path, seed, route
         x = torch.randn(3, 20, 32).to(dtype)
         g = torch.randn(3, 20, 32)
         fast, slow = _moe_step(True, moe, x, g), _moe_step(False, moe, x, g)
-        node = "EagerRound" if rounding else "EagerRoute"
-        assert node in fast[0] and "Eager" not in slow[0], (fast[0], slow[0])
-        for name, a, b in zip(("out", "losses", "flags"), fast[1:4], slow[1:4]):
-            assert a.dtype == b.dtype and torch.equal(a, b), (name, dtype, recompute)
-        assert len(fast[4]) == len(slow[4])
-        for a, b in zip(fast[4], slow[4]):
-            assert a.dtype == b.dtype and torch.equal(a, b), (dtype, recompute)
-        if expert_bias is not None:
-            assert torch.equal(moe.expert_bias, expert_bias) and moe.expert_bias.grad is None
+        _assert_same_step(fast, slow, rounding, moe, expert_bias, (dtype, recompute))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("router", ROUTERS)
+@pytest.mark.parametrize("rounding", [None, "nr-f", "sr-f", "up", "down"])
+def test_moe_router_fast_path_on_the_gpu_gives_the_python_paths_bits(fast_path, seed, router,
+                                                                     rounding):
+    """The same on CUDA (the rounding's count + fill calls there), at the GPU backend's sizes
+    (d, n multiples of 64, bf16, the 128-row M tile): out, losses, flags, every gradient."""
+    if not _has_compiler():
+        pytest.skip("no C++ compiler here: the fast path is not built")
+    for renormalize, recompute, bias in [(False, False, True), (True, True, False)]:
+        moe = moeblaze.MoE(64, 64, 8, 2, router=router, renormalize=renormalize,
+                           token_rounding=rounding, m_tile=128, recompute=recompute,
+                           aux_loss_coef=0.01, z_loss_coef=0.001, bias=bias, device="cuda",
+                           dtype=BF16)
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.copy_(torch.randn_like(p) / 4)
+            if moe.expert_bias is not None:
+                moe.expert_bias.copy_(torch.randn(8, device="cuda") / 2)
+        expert_bias = None if moe.expert_bias is None else moe.expert_bias.clone()
+        x = torch.randn(3, 100, 64, device="cuda").to(BF16)
+        g = torch.randn(3, 100, 64, device="cuda")
+        fast, slow = _moe_step(True, moe, x, g), _moe_step(False, moe, x, g)
+        _assert_same_step(fast, slow, rounding, moe, expert_bias, (renormalize, recompute))
 
 
 def test_moe_router_fast_path_without_grad(fast_path, seed):
