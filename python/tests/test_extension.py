@@ -27,8 +27,17 @@ def _has_compiler():
     return shutil.which(os.environ.get("CXX", "c++")) is not None and _ext._include_dir()
 
 
+def _fn_name(fn):
+    """An autograd node's name; its class's where name() refuses (torch 2.11 on a Python
+    Function's node)."""
+    try:
+        return fn.name()
+    except RuntimeError:
+        return type(fn).__name__
+
+
 def _node(out):
-    return out.grad_fn.name()
+    return _fn_name(out.grad_fn)
 
 
 def _inputs(T, d, n, E, K, dtype, device, rows, id_dtype, w_dtype):
@@ -273,7 +282,7 @@ def _moe_step(use, moe, x, g):
     forward+backward of moe with the fast path on or off."""
     moeblaze.use_extension(use)
     xs = x.clone().requires_grad_()
-    name = moe.route(xs.reshape(-1, x.shape[-1]))[3].grad_fn.name()
+    name = _fn_name(moe.route(xs.reshape(-1, x.shape[-1]))[3].grad_fn)
     out, losses = moe(xs)
     (out.float() * g).sum().add(losses.total).backward()
     grads = [xs.grad] + [p.grad for p in moe.parameters()]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import moeblaze
-from helpers import TOL, check_against_reference, rel_err
+from helpers import DEVICES, TOL, check_against_reference, rel_err
 from moeblaze.reference import dense_reference
 
 
@@ -102,6 +102,30 @@ def test_aux_and_z_losses_match_torch(seed):
     assert l1.aux_loss > 0 and l1.z_loss > 0
     l1.total.backward()
     assert moe.gate.weight.grad is not None and moe.gate.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_token_rounding_down_that_drops_every_pair(seed, device, bias):
+    """Rounding down with fewer tokens per expert than the M tile drops every pair: S = 0 is a
+    valid step (out zero, no bias added without a pair; zero weight gradients), not an error."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    moe = moeblaze.MoE(64, 64, 8, 2, token_rounding="down", m_tile=128, bias=bias,
+                       device=device, dtype=dtype)
+    if bias:
+        with torch.no_grad():
+            for p in (moe.b1, moe.b2):
+                p.copy_(torch.randn_like(p))
+    x = torch.randn(100, 64, device=device).to(dtype).requires_grad_()
+    with torch.no_grad():
+        offsets = moe.route(x)[1]
+    assert int(offsets[-1]) == 0
+    out, losses = moe(x)
+    assert out.shape == x.shape and not out.any()
+    (out.float().sum() + losses.total).backward()
+    assert not moe.w1.grad.any() and not moe.w2.grad.any()
+    if bias:
+        assert not moe.b1.grad.any() and not moe.b2.grad.any()
 
 
 def test_token_rounding_cpu(seed):

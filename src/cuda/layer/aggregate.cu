@@ -306,7 +306,9 @@ void aggregate_rows(const RoutingPlanView& plan, const void* rows, const float* 
   MOEBLAZE_REQUIRE(d >= 1, "aggregate_rows: d (", d, ") must be >= 1");
   if (plan.T == 0) return;
   if (b2 != nullptr) {  // the GPU layer's case only: bf16, weighted, 16-byte rows
-    MOEBLAZE_REQUIRE(dtype == DType::bf16 && slot_weights != nullptr && d % 8 == 0 &&
+    // S == 0 (token rounding dropped every pair): rows and slot weights are empty, out is zero.
+    MOEBLAZE_REQUIRE(dtype == DType::bf16 && (slot_weights != nullptr || plan.S == 0) &&
+                         d % 8 == 0 &&
                          reinterpret_cast<uintptr_t>(rows) % 16 == 0 &&
                          reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
                          reinterpret_cast<uintptr_t>(b2) % 16 == 0,
@@ -340,7 +342,8 @@ void aggregate_chunk(const RoutingPlanView& plan, const TokenChunks& chunks, con
                    "aggregate_chunk: rows and out must be 16-byte aligned");
   if (plan.T == 0) return;
   if (b2 != nullptr) {
-    MOEBLAZE_REQUIRE(slot_weights != nullptr && reinterpret_cast<uintptr_t>(b2) % 16 == 0,
+    MOEBLAZE_REQUIRE((slot_weights != nullptr || plan.S == 0) &&
+                         reinterpret_cast<uintptr_t>(b2) % 16 == 0,
                      "aggregate_chunk: b2 needs the slot weights and 16-byte alignment");
     return launch_chunk_bf16<true, true>(plan, chunks, maps, c, rows, slot_weights, out, d,
                                          stream, b2);
