@@ -69,9 +69,14 @@ LayerKernels automatic(const KernelShape& s) {
   if (!ws) k.up.b_by_tma = true;
   if (!ws)
     k.dh = two_cta("E > 4096: beyond the gather kernel's expert table");
-  else if (s.act == Activation::swiglu)
+  else if (s.act == Activation::swiglu && s.E <= kWsDhSwigluCoopMaxExperts)
     k.dh = ws_gather(KernelSchedule::cooperative,
-                     "swiglu: its own kernels (no activation switch, no spill), cooperative");
+                     "swiglu: its own kernels (no activation switch, no spill), cooperative, "
+                     "H staged in shared memory");
+  else if (s.act == Activation::swiglu)
+    k.dh = ws_gather(KernelSchedule::ping_pong,
+                     "swiglu, E > 2000: its ping-pong kernel (the cooperative one's staged H "
+                     "leaves the expert table too little shared memory)");
   else if (s.d < kWsDhMinD)
     k.dh = two_cta("d < 2048: the gather kernels' dH epilogue is not amortised");
   else if (s.d < kWsDhCoopMinD)

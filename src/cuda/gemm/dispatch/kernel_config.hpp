@@ -40,6 +40,7 @@ constexpr int64_t kWsContiguousMaxRowsPerExpert = 1024;  // below: down/dx on th
 // dH of the activations that share the switch kernel (not swiglu's, not swiglu_oai's):
 constexpr int64_t kWsDhMinD = 2048;      // on a gather kernel from here
 constexpr int64_t kWsDhCoopMinD = 4096;  // cooperative (not ping-pong) from here
+constexpr int64_t kWsDhSwigluCoopMaxExperts = 2000;  // the staged-H kernel's table room
 constexpr int64_t kDw1ClusterMinRowsPerExpert = 4096;  // dW1 on 2-CTA clusters from here
 
 struct GemmKernel {

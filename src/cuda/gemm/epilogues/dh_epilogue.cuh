@@ -42,19 +42,39 @@ inline DhParams make_dh_params(const RoutingPlanView& plan, const bf16* h, float
                   is_gated(act)};
 }
 
+// SiLU and its derivative at x from one fast sigmoid (cuda/activation.cuh's dev_sigmoid_fast,
+// the up-projection's), for the swiglu-only dH kernels.
+__device__ __forceinline__ void dev_silu_and_grad_fast(float x, float& f, float& fg) {
+  const float sg = dev_sigmoid_fast(x);
+  f = x * sg;
+  fg = sg * (1.0f + x * (1.0f - sg));
+}
+
 // Columns j, j + 1 of one slot's row: da' = (dap0, dap1) from the accumulators, H = g (and u for
 // gated activations, entering as phi(u): cuda/activation.cuh) as stored, s the slot weight.
 // Gives the words of dh[j, j+1] (dg), of dh[n + j, n + j + 1] (du, gated only) and of
 // a_scaled[j, j+1] (as); adds da'_j a_j then da'_{j+1} a_{j+1} to part (a fixed order; each
-// kernel fixes the order of the pairs).
-template <Activation A>
+// kernel fixes the order of the pairs). kFast (swiglu only): the fast sigmoid, for the kernels
+// compiled for swiglu alone (in the shared activation switch its shorter code raised spills).
+template <Activation A, bool kFast = false>
 __device__ __forceinline__ void dh_pair_words(float dap0, float dap1, float s, __nv_bfloat162 g2,
                                               __nv_bfloat162 u2, uint32_t& dg, uint32_t& du,
                                               uint32_t& as, float& part) {
   constexpr bool kGated = dev_is_gated(A);
   const float da0 = s * dap0, da1 = s * dap1;
   const float2 g = __bfloat1622float2(g2);
-  if constexpr (kGated) {
+  if constexpr (kGated && kFast && A == Activation::swiglu) {
+    const float2 u = __bfloat1622float2(u2);
+    float f0, f1, fg0, fg1;
+    dev_silu_and_grad_fast(g.x, f0, fg0);
+    dev_silu_and_grad_fast(g.y, f1, fg1);
+    const float a0 = f0 * u.x, a1 = f1 * u.y;
+    part += dap0 * a0;
+    part += dap1 * a1;
+    dg = pack_bf16x2(da0 * u.x * fg0, da1 * u.y * fg1);
+    du = pack_bf16x2(da0 * f0, da1 * f1);
+    as = pack_bf16x2(s * a0, s * a1);
+  } else if constexpr (kGated) {
     const float2 u = __bfloat1622float2(u2);
     const float f0 = dev_act(A, g.x), f1 = dev_act(A, g.y);
     const float p0 = dev_up(A, u.x), p1 = dev_up(A, u.y);  // u.x, u.y except for swiglu_oai

@@ -183,7 +183,7 @@ void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, con
     return detail::dh_proj_oai(plan, d_out, w2, h, ds_partials, dh, a_scaled, d, n, stream);
   }
   const bool swiglu = act == Activation::swiglu;  // its own kernels (no activation switch)
-  if (path == GatherPath::cooperative && swiglu)
+  if (path == GatherPath::cooperative && swiglu && plan.E <= kWsDhSwigluCoopMaxExperts)
     return detail::dh_proj_swiglu_ws(plan, d_out, w2, h, ds_partials, dh, a_scaled, d, n, stream);
   if (path == GatherPath::ping_pong && swiglu)
     return detail::dh_proj_swiglu_pp(plan, d_out, w2, h, ds_partials, dh, a_scaled, d, n, stream);

@@ -20,8 +20,10 @@
 //     producer runs into the next tile's loads while the consumers are in this tile's epilogue.
 // The epilogue policy consumes the accumulators straight from registers (Epi::apply, with the
 // fragment mapping of ws_frag_row / ws_frag_col); Epi::at_tile_start runs in the consumers before
-// a tile's mainloop (e.g. to prefetch the epilogue's inputs into L2). Each output element is computed by one thread
-// in a fixed order, so the result is bitwise independent of the tile order and of gridDim.
+// a tile's mainloop (e.g. to prefetch the epilogue's inputs into L2 or shared memory); both get
+// the epilogue's own shared-memory region of Epi::kSmemBytes (after the tile table). Each output
+// element is computed by one thread in a fixed order, so the result is bitwise independent of the
+// tile order and of gridDim.
 // Two schedules (the Sched template argument):
 //   * Cooperative: as above, both consumer warpgroups on one 128 x 256 tile; the tensor cores idle
 //     while the consumers run a tile's epilogue.
@@ -186,10 +188,18 @@ __device__ __forceinline__ void build_tile_table(const Args& p, int* tile_start)
   if (threadIdx.x == 0) tile_start[p.E] = running;
 }
 
+// Bytes of the (E + 1)-entry tile table, rounded up to 16 (the epilogue's region follows it).
+__host__ __device__ constexpr size_t tile_table_bytes(int E) { return (4 * (size_t(E) + 1) + 15) / 16 * 16; }
+
 // Shared-memory bytes of the gather kernel for E experts: the ring (1 KiB alignment slack, the
-// stages, the mbarriers) and the (E + 1)-entry tile table.
-template <class Sched>
-inline size_t smem_bytes(int E) { return RingOf<Sched>::kBytes + 4 * (size_t(E) + 1); }
+// stages, the mbarriers), the tile table and the epilogue's own region (Epi::kSmemBytes).
+template <class Sched, class Epi>
+constexpr size_t smem_bytes(int E) {
+  return RingOf<Sched>::kBytes + tile_table_bytes(E) + Epi::kSmemBytes;
+}
+
+// Dynamic shared memory a CTA may take beside the kernels' static 2 KiB (the tile scan's).
+constexpr size_t kMaxDynamicSmem = 227 * 1024 - 2048;
 
 template <GMajor kMajorB, class Epi, class Sched, bool kTmaA = false>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -203,6 +213,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ char smem_raw[];
   const R ring = R::carve(smem_raw);
   int* tile_start = reinterpret_cast<int*>(ring.end());  // (E + 1,)
+  char* epi_smem = ring.end() + tile_table_bytes(p.E);    // (Epi::kSmemBytes,)
   ring.init_barriers();
   build_tile_table<kTmaA>(p, tile_start);
   __syncthreads();
@@ -289,12 +300,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     Tile tl;
     auto begin = [&](int t) {
       tl = decode_tile<kTmaA>(p, tile_start, m_total, t);
-      Epi::at_tile_start(ep, tl.m_begin, tl.m_end, tl.n_tile);
+      Epi::at_tile_start(ep, tl.m_begin, tl.m_end, tl.n_tile, epi_smem);
       return k_tiles;
     };
     auto end = [&](int, auto& acc) {
       Epi::apply(ep, acc, tl.m_begin + tl.out_shift, tl.m_end + tl.out_shift, tl.n_tile,
-                 tl.expert);
+                 tl.expert, epi_smem);
     };
     if constexpr (Sched::kPingPong)
       pingpong_consumer_loop<L, kConsumerRegs>(ring, num_tiles, k_tiles, begin, end);
@@ -323,7 +334,9 @@ void launch_gather_gemm(const Args& p, const void* b, const typename Epi::Params
     q.tma_a = make_tma_kmajor(p.a, S, p.K);  // A (S, K) row-major: K-major like a weight stack
   }
   auto kernel = &gather_gemm_kernel<kMajorB, Epi, Sched, kTmaA>;
-  const size_t smem = smem_bytes<Sched>(p.E);
+  const size_t smem = smem_bytes<Sched, Epi>(p.E);
+  MOEBLAZE_UNSUPPORTED_IF(smem > kMaxDynamicSmem, "the gather kernel's shared memory (", smem,
+                          " bytes for E = ", p.E, ") exceeds the SM's ", kMaxDynamicSmem);
   MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)));
   kernel<<<grid, kThreads, smem, stream>>>(q, ep);

@@ -36,10 +36,11 @@ namespace moeblaze::cuda::gemm::sm90::ws {
 template <class Frag, bool kOai = false>
 struct GatherActEpilogue {
   using Params = ActParams;
-  __device__ static void at_tile_start(const Params&, int, int, int) {}
+  static constexpr int kSmemBytes = 0;
+  __device__ static void at_tile_start(const Params&, int, int, int, char*) {}
   template <class Acc>
   __device__ static void apply(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile,
-                               int expert) {
+                               int expert, char*) {
     if constexpr (kOai)
       act_epilogue_body<Activation::swiglu_oai, Frag>(p, acc, m_begin, m_end, n_tile, expert);
     else
@@ -51,10 +52,11 @@ struct GatherActEpilogue {
 template <class Frag>
 struct GatherStoreEpilogue {
   using Params = StoreParams;
-  __device__ static void at_tile_start(const Params&, int, int, int) {}
+  static constexpr int kSmemBytes = 0;
+  __device__ static void at_tile_start(const Params&, int, int, int, char*) {}
   template <class Acc>
   __device__ static void apply(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile,
-                               int /*expert*/) {
+                               int /*expert*/, char*) {
     store_epilogue<Frag>(p, acc, m_begin, m_end, n_tile);
   }
 };
@@ -66,15 +68,59 @@ struct GatherStoreEpilogue {
 inline constexpr int kAnyActivation = -1;
 
 // The dH epilogue (dh_epilogue.cuh's dh_pair_words per column pair) on fragment policy Frag, for
-// the activations kActs names.
-template <class Frag, int kActs = kAnyActivation>
+// the activations kActs names. kStageH (the cooperative swiglu kernel): H reaches the epilogue
+// through shared memory (body_staged), else by global loads (body).
+template <class Frag, int kActs = kAnyActivation, bool kStageH = false>
 struct GatherDhEpilogue {
   using Params = DhParams;
   static constexpr int kPartials = Frag::kTileN / 128;  // ds partials per tile row
   static constexpr int kPartialGroups = 128 / 8;         // column groups of one partial
+  static constexpr int kQuads = kPartialGroups / 4;      // quads of column groups per partial
+  // Staged H: a subtile is one (partial, quad, row r) of every consumer thread, i.e. its 16 bytes
+  // of g and 16 of u; kStageBufs buffers of kConsumerThreads x 32 bytes, each thread reading only
+  // what its own cp.async wrote (so no barrier); subtiles s + 1 and s + 2 are in flight while s is
+  // computed. Thread t's 16 bytes of g (u) in buffer b: b * kStageBufBytes + (0 or 4096) + 16 t.
+  static constexpr int kSubtiles = kPartials * kQuads * Frag::kRows;
+  static constexpr int kStageBufs = 3;
+  static constexpr int kStageBufBytes = kConsumerThreads * 32;
+  static constexpr int kSmemBytes = kStageH ? kStageBufs * kStageBufBytes : 0;
+  static_assert(!kStageH || kConsumerThreads * 16 == 4096, "a buffer's g half is 4 KiB");
+
+  // Subtile sb's order: partial (half), quad pair, row r, quad in the pair. The two quads of a
+  // pair are one 128-byte line of g (and of u) of row r, so they are consecutive subtiles and
+  // body_staged can wait for both before it stores into the line (dh may be written over h).
+  // The ds partial of a (row, partial) still adds its quads in ascending order, as body does.
+  static_assert(kQuads % 2 == 0, "quads go in pairs (one 128-byte line)");
+  __device__ static void subtile_coords(int sb, int& half, int& t, int& r) {
+    r = (sb / 2) % Frag::kRows;
+    t = 2 * ((sb / (2 * Frag::kRows)) % (kQuads / 2)) + sb % 2;
+    half = sb / (Frag::kRows * kQuads);
+  }
+
+  // This thread's cp.async of subtile sb's g and u into buffer sb % kStageBufs (zeros past the
+  // expert's rows and past n); one commit group per subtile, empty past the last.
+  __device__ static void stage_subtile(const Params& p, char* smem, int m_begin, int m_end,
+                                       int n_tile, int sb) {
+    if (sb < kSubtiles) {
+      int half, t, r;
+      subtile_coords(sb, half, t, r);
+      const int slot = m_begin + Frag::row(r);
+      const int jv = n_tile * Frag::kTileN + 8 * (half * kPartialGroups + 4 * t + (threadIdx.x & 3));
+      const bool ok = slot < m_end && jv < p.n;
+      const __nv_bfloat16* src = p.h + (ok ? int64_t(slot) * 2 * p.n + jv : 0);
+      const uint32_t dst = smem_u32(smem) + (sb % kStageBufs) * kStageBufBytes +
+                           16 * (threadIdx.x - kProducerThreads);
+      cp_async_16(dst, src, ok);
+      cp_async_16(dst + 4096, ok ? src + p.n : p.h, ok);
+    }
+    cp_async_commit();
+  }
+
   // The H lines this tile's epilogue reads, into L2 while the mainloop runs: a tile row needs
   // kTileN / 64 128-byte lines of g (and as many of u); the 4 lanes that share a row split them.
-  __device__ static void at_tile_start(const Params& p, int m_begin, int m_end, int n_tile) {
+  // kStageH: the first two subtiles go to shared memory now (body_staged waits for them).
+  __device__ static void at_tile_start(const Params& p, int m_begin, int m_end, int n_tile,
+                                       char* smem) {
     constexpr int kLines = Frag::kTileN / 64;
     const int64_t w1_rows = p.gated ? 2 * int64_t(p.n) : p.n;
     for (int l = threadIdx.x & 3; l < (p.gated ? 2 : 1) * kLines; l += 4) {
@@ -88,16 +134,97 @@ struct GatherDhEpilogue {
           asm volatile("prefetch.global.L2 [%0];" ::"l"(p.h + int64_t(slot) * w1_rows + col));
       }
     }
+    if constexpr (kStageH) {
+      stage_subtile(p, smem, m_begin, m_end, n_tile, 0);
+      stage_subtile(p, smem, m_begin, m_end, n_tile, 1);
+    }
   }
 
   template <class Acc>
   __device__ static void apply(const Params& p, Acc& acc, int m_begin, int m_end, int n_tile,
-                               int /*expert*/) {
-    if constexpr (kActs != kAnyActivation)
+                               int /*expert*/, char* smem) {
+    static_assert(!kStageH || (kActs == static_cast<int>(Activation::swiglu) && kPartials == 2),
+                  "staged H: the cooperative swiglu kernel (gated rows of 2n)");
+    if constexpr (kStageH)
+      body_staged<Activation::swiglu>(p, acc, m_begin, m_end, n_tile, smem);
+    else if constexpr (kActs != kAnyActivation)
       body<static_cast<Activation>(kActs)>(p, acc, m_begin, m_end, n_tile);
     else
       dispatch_activation(
           p.act, [&](auto a) { body<decltype(a)::value>(p, acc, m_begin, m_end, n_tile); });
+  }
+
+  // body with H from the shared-memory subtiles (stage_subtile): the same arithmetic, stores and
+  // ds partials in the same order per (row, partial), so the same bits; the loop runs partial,
+  // quad, row, so each of a thread's rows keeps its partial sum in part[r].
+  template <Activation A, class Acc>
+  __device__ static void body_staged(const Params& p, Acc& acc, int m_begin, int m_end,
+                                     int n_tile, char* smem) {
+    const int64_t w1_rows = 2 * int64_t(p.n);
+    const int n0 = n_tile * Frag::kTileN;
+    const int q = threadIdx.x & 3;
+    const uint32_t base = smem_u32(smem) + 16 * (threadIdx.x - kProducerThreads);
+    float part[Frag::kRows];  // this lane's share of sum_j da'_j a_j, per row, this partial
+#pragma unroll
+    for (int sb = 0; sb < kSubtiles; ++sb) {
+      int half, t, r;
+      subtile_coords(sb, half, t, r);
+      if (t == 0) part[r] = 0.0f;
+      // A line's first half: both halves have landed (no copy left in flight from a line this
+      // thread is about to store into); its second half: sb's copies have landed.
+      if (sb % 2 == 0)
+        cp_async_wait<0>();
+      else
+        cp_async_wait<1>();
+      uint4 gv, uv;
+      const uint32_t buf = base + (sb % kStageBufs) * kStageBufBytes;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(gv.x), "=r"(gv.y), "=r"(gv.z), "=r"(gv.w) : "r"(buf) : "memory");
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(uv.x), "=r"(uv.y), "=r"(uv.z), "=r"(uv.w) : "r"(buf + 4096) : "memory");
+      // Subtile sb + 2 goes to the buffer subtile sb - 1 used, which this thread has read.
+      stage_subtile(p, smem, m_begin, m_end, n_tile, sb + 2);
+      const int slot = m_begin + Frag::row(r);
+      const bool row_ok = slot < m_end;
+      const float s = row_ok ? __ldg(p.slot_weights + slot) : 0.0f;
+      const int64_t row = row_ok ? slot : 0;
+      const int i0 = half * kPartialGroups + 4 * t;
+      const int jv = n0 + 8 * (i0 + q);  // this lane's group, as in body
+      const bool v_ok = row_ok && jv < p.n;
+      uint32_t lo[4], hi[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int idx = Frag::acc_index(r, i0 + k);
+        lo[k] = __float_as_uint(acc(idx));
+        hi[k] = __float_as_uint(acc(idx + 1));
+      }
+      quad_transpose(lo);
+      quad_transpose(hi);
+      const uint32_t g[4] = {gv.x, gv.y, gv.z, gv.w};
+      const uint32_t u[4] = {uv.x, uv.y, uv.z, uv.w};
+      uint32_t dg[4], du[4], as[4];
+      float pk = part[r];
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        dh_pair_words<A, true>(__uint_as_float(lo[k]), __uint_as_float(hi[k]), s,
+                               *reinterpret_cast<const __nv_bfloat162*>(&g[k]),
+                               *reinterpret_cast<const __nv_bfloat162*>(&u[k]), dg[k], du[k],
+                               as[k], pk);
+      if (v_ok) {
+        part[r] = pk;
+        __nv_bfloat16* dh_row = p.dh + row * w1_rows;
+        *reinterpret_cast<uint4*>(dh_row + jv) = make_uint4(dg[0], dg[1], dg[2], dg[3]);
+        *reinterpret_cast<uint4*>(dh_row + p.n + jv) = make_uint4(du[0], du[1], du[2], du[3]);
+        *reinterpret_cast<uint4*>(p.a_scaled + row * p.n + jv) = make_uint4(as[0], as[1], as[2], as[3]);
+      }
+      if (t == kQuads - 1) {  // the partial's last quad: the butterfly of body
+        float pr = part[r];
+        pr += __shfl_xor_sync(0xffffffffu, pr, 1);
+        pr += __shfl_xor_sync(0xffffffffu, pr, 2);
+        const int col = kPartials * n_tile + half;
+        if (row_ok && col < p.ds_cols && q == 0) p.ds_partials[int64_t(slot) * p.ds_cols + col] = pr;
+      }
+    }
   }
 
   // Column groups go in quads (32 columns) and the arithmetic runs in group order: each lane
@@ -214,9 +341,9 @@ void up_proj_gather(const RoutingPlanView& plan, const bf16* x, const bf16* w1, 
 }
 
 // dh_proj on the warp-specialised kernel with schedule Sched; same contract as dh_proj, act one
-// of the activations kActs names (GatherDhEpilogue). ds_cols: ds_partials' columns
-// (ds_partials_cols(n)); raster_group as for up_proj_gather.
-template <class Sched, int kActs = kAnyActivation>
+// of the activations kActs names (GatherDhEpilogue; kStageH: H through shared memory). ds_cols:
+// ds_partials' columns (ds_partials_cols(n)); raster_group as for up_proj_gather.
+template <class Sched, int kActs = kAnyActivation, bool kStageH = false>
 void dh_proj_gather(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,
                     float* ds_partials, int64_t ds_cols, bf16* dh, bf16* a_scaled, int64_t d,
                     int64_t n, Activation act, int raster_group, cudaStream_t stream) {
@@ -226,7 +353,7 @@ void dh_proj_gather(const RoutingPlanView& plan, const bf16* d_out, const bf16* 
   p.b_cols = static_cast<int>(n);
   p.gate_split = 0;
   const DhParams ep = make_dh_params(plan, h, ds_partials, ds_cols, dh, a_scaled, n, act);
-  launch_gather_gemm<GMajor::MN, GatherDhEpilogue<typename Sched::Frag, kActs>, Sched>(
+  launch_gather_gemm<GMajor::MN, GatherDhEpilogue<typename Sched::Frag, kActs, kStageH>, Sched>(
       p, w2, ep, plan.S, raster_group, stream);
 }
 
