@@ -32,7 +32,9 @@
 #       peers          bench/peers.py: moeblaze through PyTorch, SonicMoE (SONICMOE_CARRY, or
 #                      SONICMOE_SITE=/tmp/sonicmoe-site where an earlier call on the same warm
 #                      machine ran `source .sonic/install.sh`: SonicMoE's 54 MiB and the tree
-#                      with a prebuilt library no longer fit one 64 MiB carry), torch, and
+#                      with a prebuilt library no longer fit one 64 MiB carry; with its
+#                      cutlass_dsl.tar.xz recompressed by `xz -9e` (52 MB) it fits beside the tree
+#                      and .device/third_party.tar.xz, building on the device), torch, and
 #                      the C++ path, same inputs → OUT/peers.jsonl, peers.md; PEERS_ARGS adds flags.
 #                      SonicMoE's autotune results (its first call at a shape otherwise searches
 #                      for minutes) are restored from bench/results/sonicmoe-autotune-h200.tgz and
