@@ -2,7 +2,8 @@
 // (cuda::gemm::choose_kernels), field by field, with the rule that chose it. Needs a CUDA build,
 // not a GPU: the choice is a host-side function of (S, E, d, n) and the kernel overrides
 // (--kernels, else MOEBLAZE_KERNELS). A second table gives the layer's token chunks of Y and dX̃
-// (cuda/layer/token_chunks.hpp), which follow from the same choice.
+// (cuda/layer/token_chunks.hpp), which follow from the same choice, and a third recompute's
+// backward in expert ranges (cuda/layer/expert_ranges.hpp) at the config's T and from which T on.
 #include <CLI/CLI.hpp>
 
 #include <iostream>
@@ -13,6 +14,7 @@
 #include "commands.hpp"
 #include "configs.hpp"
 #include "cuda/gemm/dispatch/kernel_config.hpp"
+#include "cuda/layer/expert_ranges.hpp"
 #include "cuda/layer/token_chunks.hpp"
 #include "moeblaze/error.hpp"
 #include "table.hpp"
@@ -73,6 +75,26 @@ void run_kernels(const KernelsFlags& f) {
   }
   std::cout << "\n";
   chunks.print(std::cout);
+
+  Table ranges({{"config", Align::left}, {"T"}, {"recompute backward", Align::left},
+                {"ranges from T"}});
+  for (const NamedConfig* c : configs) {
+    LayerConfig lc = layer_config(*c, act, DType::bf16);
+    const auto at = [&](int64_t T) {
+      lc.T = T;
+      return cuda::choose_expert_ranges(lc, T * c->K, LayerMode::recompute,
+                                        gg::choose_kernels({T * c->K, c->E, c->d, c->n, act}, o),
+                                        o.expert_ranges);
+    };
+    const cuda::ExpertRanges here = at(c->T);
+    // The automatic rule's threshold in tokens (the override, where given, holds at every T).
+    const int64_t per_token = c->K * (lc.w1_rows() + c->n) * 2;
+    const int64_t from = (cuda::kExpertRangesMinBytes + per_token - 1) / per_token;
+    ranges.add_row({c->name, std::to_string(c->T), cuda::describe(here),
+                    o.expert_ranges ? "override" : std::to_string(from)});
+  }
+  std::cout << "\n";
+  ranges.print(std::cout);
 }
 
 }  // namespace

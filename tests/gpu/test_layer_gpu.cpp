@@ -495,7 +495,8 @@ TEST_P(LayerGpuGrid, MatchesCpuBackendAndFloat64Reference) {
   const size_t shared =
       reuse.shared ? 0 : std::max(size_t(S * cfg.n) * 2 + ds_bytes, size_t(S * cfg.d) * 2);
   const size_t bwd_scratch = reuse.scratch ? 0 : scratch;
-  EXPECT_LE(gpu.bwd_peak, h_bytes + shared + 6 * 256 + bwd_scratch) << "backward peak";
+  const size_t dx_order = size_t(S) * 4;  // each token's slots ascending (the dx sum's order)
+  EXPECT_LE(gpu.bwd_peak, h_bytes + shared + 7 * 256 + bwd_scratch + dx_order) << "backward peak";
   EXPECT_LE(gpu.bwd_peak, layer_workspace_bytes(cfg, S, c.mode, Device::cuda));
 }
 
@@ -1283,6 +1284,203 @@ TEST(LayerGpu, RejectsUnalignedBiasesAndLeavesOutputsUntouched) {
         << e.what();
   }
   for (uint8_t b : out.download<uint8_t>()) ASSERT_EQ(b, 0xFF) << "out was written";
+}
+
+// ---- recompute's backward in expert ranges (cuda/layer/expert_ranges.hpp) -------------------
+
+// The split against its definition (host only): whole experts, in order, covering every expert
+// and slot; a range closes only before the expert that would take it past the target; an
+// expert above the target is a range of its own; one above the capacity is refused by name.
+TEST(LayerGpu, ExpertRangeSplitFollowsItsDefinition) {
+  std::mt19937 gen{unsigned(fresh_seed())};
+  for (int trial = 0; trial < 200; ++trial) {
+    const int E = 1 + int(gen() % 40);
+    std::vector<int32_t> off(size_t(E) + 1, 0);
+    int32_t most = 0;
+    for (int e = 0; e < E; ++e) {
+      const int32_t count = gen() % 4 == 0 ? 0 : int32_t(gen() % 300);  // empty experts too
+      off[size_t(e) + 1] = off[size_t(e)] + count;
+      most = std::max(most, count);
+    }
+    const int64_t S = off.back();
+    const int64_t capacity = std::max<int64_t>(most, 1) + int64_t(gen() % 200);
+    const int64_t target = 1 + int64_t(gen() % uint32_t(capacity));
+    const cuda::ExpertRanges r{true, target, capacity, "test"};
+    const std::vector<cuda::ExpertRange> list = cuda::split_expert_ranges(off, r);
+    ASSERT_FALSE(list.empty());
+    EXPECT_EQ(list.front().e0, 0);
+    EXPECT_EQ(list.back().e1, E);
+    EXPECT_EQ(list.back().hi, S);
+    for (size_t i = 0; i < list.size(); ++i) {
+      const cuda::ExpertRange& x = list[i];
+      EXPECT_LT(x.e0, x.e1);
+      EXPECT_EQ(x.lo, off[size_t(x.e0)]);
+      EXPECT_EQ(x.hi, off[size_t(x.e1)]);
+      if (i > 0) EXPECT_EQ(x.e0, list[i - 1].e1);
+      // Within the target, unless it is one expert (plus empty ones) above it.
+      const int64_t nonempty = std::count_if(off.begin() + x.e0, off.begin() + x.e1,
+                                             [&](const int32_t& o) {
+                                               const size_t e = size_t(&o - off.data());
+                                               return off[e + 1] > off[e];
+                                             });
+      EXPECT_TRUE(x.hi - x.lo <= target || nonempty == 1) << "range " << i;
+      EXPECT_LE(x.hi - x.lo, capacity);
+      // Closed only where the next expert would have taken it past the target.
+      if (i + 1 < list.size())
+        EXPECT_GT(x.hi - x.lo + (off[size_t(x.e1) + 1] - off[size_t(x.e1)]), target)
+            << "range " << i;
+    }
+  }
+  const cuda::ExpertRanges small{true, 2, 3, "test"};
+  test::expect_invalid([&] { (void)cuda::split_expert_ranges({0, 2, 6, 7}, small); },
+                       "plan: expert 1 has 4 slots, more than the expert-range buffers' 3 rows");
+}
+
+// The rule (host only): recompute only, from kExpertRangesMinBytes of whole-step H/dH and A';
+// the override in either direction; a DeepSeek-V2-size layer at the T that did not fit before.
+TEST(LayerGpu, ExpertRangeRule) {
+  LayerConfig cfg;
+  cfg.T = 1310720, cfg.d = 5120, cfg.n = 1536, cfg.E = 160, cfg.K = 6;
+  cfg.activation = Activation::swiglu;
+  cfg.dtype = DType::bf16;
+  const int64_t S = cfg.T * cfg.K;
+  const cuda::gemm::LayerKernels k = cuda::gemm::choose_kernels({S, cfg.E, cfg.d, cfg.n});
+  const cuda::ExpertRanges on = cuda::choose_expert_ranges(cfg, S, LayerMode::recompute, k, {});
+  EXPECT_TRUE(on.on) << cuda::describe(on);
+  EXPECT_EQ(on.capacity_rows, cfg.T);
+  EXPECT_EQ(on.target_rows, cfg.T);
+  EXPECT_FALSE(cuda::choose_expert_ranges(cfg, S, LayerMode::keep_h, k, {}).on);
+  EXPECT_FALSE(cuda::choose_expert_ranges(cfg, S, LayerMode::recompute, k, 1).on);
+  const cuda::ExpertRanges four = cuda::choose_expert_ranges(cfg, S, LayerMode::recompute, k, 12);
+  EXPECT_TRUE(four.on);
+  EXPECT_EQ(four.target_rows, (S + 11) / 12);
+  // The backward's workspace in ranges: H/dH, A' and dX̃ of T rows, against the whole step's.
+  const int64_t cols = cuda::gemm::ds_partials_cols(cfg.n);
+  const cuda::TokenChunks chunks = cuda::choose_token_chunks(cfg, S, LayerMode::recompute).backward;
+  const size_t ranged =
+      cuda::backward_workspace(cfg, S, LayerMode::recompute, cols, chunks, nullptr, false,
+                               nullptr, &on).bytes;
+  const size_t whole =
+      cuda::backward_workspace(cfg, S, LayerMode::recompute, cols, chunks, nullptr).bytes;
+  EXPECT_LT(double(ranged), 0.7 * double(whole)) << ranged << " vs " << whole;
+  // Below the threshold (sm-default's T): the whole step.
+  cfg.T = 32768, cfg.d = 4096, cfg.n = 1024, cfg.E = 128, cfg.K = 8;
+  const int64_t S2 = cfg.T * cfg.K;
+  EXPECT_FALSE(cuda::choose_expert_ranges(
+                   cfg, S2, LayerMode::recompute,
+                   cuda::gemm::choose_kernels({S2, cfg.E, cfg.d, cfg.n}), {})
+                   .on);
+  // K = 1: a range of T rows would hold the whole step.
+  cfg.K = 1;
+  EXPECT_FALSE(cuda::choose_expert_ranges(cfg, cfg.T, LayerMode::recompute,
+                                          cuda::gemm::choose_kernels({cfg.T, cfg.E, cfg.d, cfg.n}),
+                                          8)
+                   .on);
+}
+
+// Expert ranges give the whole step's bits: every output (dx through the fp32 carry, dW1/dW2
+// per range of experts, d_pair_weights from the range-wise ds), for 2 to 9 ranges, on balanced,
+// skewed (empty experts) and rounded routings, with dX̃ on the TMA path and on the ws kernel,
+// with and without expert biases, through the layer's own workspace and the caller's.
+TEST(LayerGpu, ExpertRangesGiveTheWholeStepsBits) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  struct Restore {
+    ~Restore() { cuda::gemm::clear_kernel_overrides(); }
+  } restore;
+  const LayerMode mode = LayerMode::recompute;
+  for (const RouteKind route : {RouteKind::balanced, RouteKind::skewed, RouteKind::rounded})
+    for (const char* dx_kernel : {"down.family=tma,dx.family=tma", "dx.family=ws"}) {
+      const Inputs in = make_inputs({1500, 512, 128, 8, 3, Activation::swiglu, mode, route}, seed);
+      const int64_t S = in.plans.dev.S();
+      SCOPED_TRACE(std::string(route_name(route)) + " " + dx_kernel + " S " + std::to_string(S));
+      const std::string base = std::string(dx_kernel) + ",";
+      cuda::gemm::set_kernel_overrides(cuda::gemm::parse_kernel_overrides(base + "ranges=1"));
+      ASSERT_FALSE(cuda::layer_ranges(in.cfg, S, mode).on);
+      const GpuResult whole = run_gpu(in, mode);
+      const size_t whole_bwd =
+          layer_workspace_bytes(in.cfg, S, mode, Device::cuda, LayerPass::backward, false);
+      for (const int count : {2, 3, 5, 9}) {
+        SCOPED_TRACE("ranges " + std::to_string(count));
+        cuda::gemm::set_kernel_overrides(
+            cuda::gemm::parse_kernel_overrides(base + "ranges=" + std::to_string(count)));
+        const cuda::ExpertRanges r = cuda::layer_ranges(in.cfg, S, mode);
+        ASSERT_TRUE(r.on) << cuda::describe(r);
+        expect_same_bits(whole, run_gpu(in, mode));
+        expect_same_bits(whole, run_gpu(in, mode, false, /*fresh_threads=*/true));
+        // The forward in token chunks beside it: the backward reads only the plan.
+        cuda::gemm::set_kernel_overrides(cuda::gemm::parse_kernel_overrides(
+            base + "chunks=3,ranges=" + std::to_string(count)));
+        expect_same_bits(whole, run_gpu(in, mode));
+        EXPECT_LT(layer_workspace_bytes(in.cfg, S, mode, Device::cuda, LayerPass::backward, false),
+                  whole_bwd);
+      }
+      // Expert biases: db1 / db2 and ds's bias share per range, bit for bit too.
+      const int64_t R = in.cfg.w1_rows();
+      const std::vector<bf16> b1 = to_bf16(random_normal(in.cfg.E * R, seed + 5, 0.5f));
+      const std::vector<bf16> b2 = to_bf16(random_normal(in.cfg.E * in.cfg.d, seed + 6, 0.5f));
+      cuda::gemm::set_kernel_overrides(cuda::gemm::parse_kernel_overrides(base + "ranges=1"));
+      const BiasedResult bw = run_biased(in, mode, 3, b1, b2, true);
+      cuda::gemm::set_kernel_overrides(cuda::gemm::parse_kernel_overrides(base + "ranges=4"));
+      const BiasedResult br = run_biased(in, mode, 3, b1, b2, true);
+      EXPECT_TRUE(bitwise_equal(bw.out, br.out)) << "biased out";
+      EXPECT_TRUE(bitwise_equal(bw.dx, br.dx)) << "biased dx";
+      EXPECT_TRUE(bitwise_equal(bw.dw1, br.dw1)) << "biased dw1";
+      EXPECT_TRUE(bitwise_equal(bw.dw2, br.dw2)) << "biased dw2";
+      EXPECT_TRUE(bitwise_equal(bw.dpw, br.dpw)) << "biased d_pair_weights";
+      EXPECT_TRUE(bitwise_equal(bw.db1, br.db1)) << "db1";
+      EXPECT_TRUE(bitwise_equal(bw.db2, br.db2)) << "db2";
+    }
+}
+
+// A CUDA graph capture cannot read the expert counts on the host: the ranged backward refuses it
+// by name (the capture is then invalid, as after any failed capture), and outputs stay untouched.
+TEST(LayerGpu, ExpertRangesRefuseAGraphCapture) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  struct Restore {
+    ~Restore() { cuda::gemm::clear_kernel_overrides(); }
+  } restore;
+  cuda::gemm::set_kernel_overrides(cuda::gemm::parse_kernel_overrides("dx.family=tma,ranges=3"));
+  const Inputs in = make_inputs({1500, 512, 128, 8, 3, Activation::swiglu, LayerMode::recompute,
+                                 RouteKind::balanced}, seed);
+  const LayerConfig& c = in.cfg;
+  const int64_t S = in.plans.dev.S(), R = c.w1_rows();
+  DevMem x(in.x), w1(in.w1), w2(in.w2), dout(in.dout), out(c.T * c.d * 2), dx(c.T * c.d * 2),
+      dw1(c.E * R * c.d * 2), dw2(c.E * c.d * c.n * 2), dpw(S * 4);
+  const auto v = [](const DevMem& m, DType dt, std::initializer_list<int64_t> dims) {
+    return TensorView(m.p, dt, Device::cuda, dims);
+  };
+  LayerOptions opts;
+  opts.mode = LayerMode::recompute;
+  SavedForBackward saved;
+  const TensorView tx = v(x, DType::bf16, {c.T, c.d}), tw1 = v(w1, DType::bf16, {c.E, R, c.d}),
+                   tw2 = v(w2, DType::bf16, {c.E, c.d, c.n});
+  layer_forward(c, in.plans.dev, tx, tw1, tw2, v(out, DType::bf16, {c.T, c.d}), saved, opts);
+  MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
+  dx.poison();
+  cudaStream_t s;
+  MOEBLAZE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  LayerOptions b = opts;
+  b.stream = s;
+  LayerGrads g{v(dx, DType::bf16, {c.T, c.d}), v(dw1, DType::bf16, {c.E, R, c.d}),
+               v(dw2, DType::bf16, {c.E, c.d, c.n}), v(dpw, DType::f32, {S})};
+  MOEBLAZE_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  try {
+    layer_backward(c, in.plans.dev, tx, tw1, tw2, v(dout, DType::bf16, {c.T, c.d}), saved, g, b);
+    ADD_FAILURE() << "a captured backward in expert ranges was not refused";
+  } catch (const Unsupported& e) {
+    EXPECT_NE(std::string(e.what()).find("reads the expert counts on the host"),
+              std::string::npos)
+        << e.what();
+  }
+  cudaGraph_t graph = nullptr;
+  (void)cudaStreamEndCapture(s, &graph);
+  if (graph) (void)cudaGraphDestroy(graph);
+  (void)cudaGetLastError();
+  MOEBLAZE_CUDA_CHECK(cudaStreamDestroy(s));
+  for (uint8_t byte : dx.download<uint8_t>()) ASSERT_EQ(byte, 0xFF) << "dx was written";
 }
 
 }  // namespace

@@ -29,6 +29,10 @@
 //   * ExpertRows, down_proj_rows, dx_proj_rows (token chunks).
 //   * The automatic choice is kernel_config.hpp's choose_kernels (a value; replaces use_tma_gemm,
 //     use_ws_gather, use_ws_dh, describe_kernels and the MOEBLAZE_GEMM_* switches).
+//   * up_proj, dh_proj, dw2_proj, dw1_proj and dx_proj_rows take an optional `kernels`: the
+//     choice made for another shape (null: choose_kernels for the plan's). The layer's expert
+//     ranges (cuda/layer/expert_ranges.hpp) run the whole step's kernels over a sub-plan, so
+//     every row and every expert's sum gets the whole step's bits.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -112,7 +116,8 @@ enum class GatherKernel { automatic, two_cta, warp_specialized, ping_pong };
 // only, inference needs a only. kernel = warp_specialized with E > 4096 throws Unsupported.
 void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
              int64_t d, int64_t n, Activation act, cudaStream_t stream,
-             GatherKernel kernel = GatherKernel::automatic, const bf16* b1 = nullptr);
+             GatherKernel kernel = GatherKernel::automatic, const bf16* b1 = nullptr,
+             const LayerKernels* kernels = nullptr);
 
 // (2) down-projection, A operand contiguous: y[r, :] = W2_e a[r, :].
 // a (S, n); w2 (E, d, n); y (S, d). A non-empty scratch (tma_gemm_scratch_bytes(E)) selects the
@@ -144,7 +149,8 @@ void down_proj_rows(const RoutingPlanView& plan, const ExpertRows& rows, const b
 // kernel as for up_proj.
 void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,
              float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n, Activation act,
-             cudaStream_t stream, GatherKernel kernel = GatherKernel::automatic);
+             cudaStream_t stream, GatherKernel kernel = GatherKernel::automatic,
+             const LayerKernels* kernels = nullptr);
 
 // ds[r] = sum over j = 0, 1, ... in order of ds_partials[r, j] (fixed order, fp32).
 // ds_partials (S, ds_partials_cols(n)) fp32; ds (S,) fp32 grouped by expert (slot order).
@@ -156,7 +162,8 @@ void reduce_ds(const float* ds_partials, float* ds, int64_t S, int64_t n, cudaSt
 // kernel: see GatherKernel above.
 void dw2_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled, bf16* dw2,
               int64_t d, int64_t n, cudaStream_t stream,
-              GatherKernel kernel = GatherKernel::automatic);
+              GatherKernel kernel = GatherKernel::automatic,
+              const LayerKernels* kernels = nullptr);
 
 // (6) dX̃, A operand contiguous, W1_e read N-major: dx_slots[r, :] = W1_eᵀ dh[r, :]   (d,)
 // dh (S, w1_rows); w1 (E, w1_rows, d); dx_slots (S, d). Summed per token by aggregate_rows.
@@ -168,13 +175,15 @@ void dx_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* 
 // i, :] = W1_eᵀ dh[rows.begin[e] + i, :]; TMA path only (scratch required).
 void dx_proj_rows(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* dh,
                   const bf16* w1, bf16* dx_rows, int64_t d, int64_t n, Activation act,
-                  cudaStream_t stream, GemmScratch scratch);
+                  cudaStream_t stream, GemmScratch scratch,
+                  const LayerKernels* kernels = nullptr);
 
 // (8) dW1, varlen-K: dw1[e] = sum over slots r of e of dh[r, :]ᵀ ⊗ x[token(r), :]  (w1_rows, d)
 // dh (S, w1_rows); x (T, d) gathered; dw1 (E, w1_rows, d). An expert with no slot gets zeros.
 // kernel as for dw2_proj.
 void dw1_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1, int64_t d,
               int64_t n, Activation act, cudaStream_t stream,
-              GatherKernel kernel = GatherKernel::automatic);
+              GatherKernel kernel = GatherKernel::automatic,
+              const LayerKernels* kernels = nullptr);
 
 }  // namespace moeblaze::cuda::gemm

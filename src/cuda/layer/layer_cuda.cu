@@ -9,12 +9,14 @@
 //           5 dW2 (varlen-K)        ← dO gathered, A'
 //             d_pair_weights[p] = ds[token_index_map[p]]
 //           6 dX̃                    → dX̃ (over the dead A', ds partials and ds)
-//           7 aggregate             → dx_t = Σ dX̃[slot]
+//           7 aggregate             → dx_t = Σ dX̃[slot], a token's slots in ascending order
 //           8 dW1 (varlen-K)        ← dH, x gathered
 // Expert biases (optional): b1 in the up-projection's epilogue (H keeps it), b2 in the
 // aggregation; backward adds <dO_t, b2_e> to ds and sums db1 / db2 per expert (expert_bias.cu).
 // Y and dX̃ run in token chunks where token_chunks.hpp's rule says (recompute mode: bitwise the
-// same outputs, a chunk-sized buffer instead of (S, d)).
+// same outputs, a chunk-sized buffer instead of (S, d)); recompute's backward runs in expert
+// ranges where expert_ranges.hpp's rule says (bitwise the same outputs, range-sized H/dH, A' and
+// dX̃ instead of (S, ·)).
 // Kept for backward: H (keep_h) and the plan, nothing else; every temporary comes from one
 // workspace Buffer per call, sized by layer_workspace_bytes. All work is stream-ordered on
 // opts.stream, so a piece of the workspace is reused as soon as its last reader was enqueued.
@@ -26,6 +28,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <utility>
+#include <vector>
 
 #include "core/saved_access.hpp"
 #include "cuda/cuda_backend.hpp"
@@ -124,6 +127,11 @@ LayerChunks layer_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode) {
   return choose_token_chunks(cfg, S, mode);
 }
 
+ExpertRanges layer_ranges(const LayerConfig& cfg, int64_t S, LayerMode mode) {
+  if (&gemm_ops() == &kNaiveOps) return ExpertRanges::off("naive GEMMs");
+  return choose_expert_ranges(cfg, S, mode);
+}
+
 ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, const TokenChunks& chunks,
                                    void* base) {
   Carver c(base);
@@ -153,6 +161,27 @@ void take_shared(Carver& c, BackwardWorkspace& w, const LayerConfig& cfg, int64_
   w.ds = c.take<float>(S);
   c.rewind(shared);
   w.dx_slots = c.take<bf16>(chunks.rows * cfg.d);
+}
+
+// The expert ranges' layout (no dw1 reuse: dW1 is written range by range). R rows per range.
+BackwardWorkspace range_workspace(const LayerConfig& cfg, int64_t S, int64_t ds_cols,
+                                  const ExpertRanges& ranges, void* base, size_t scratch_bytes) {
+  const int64_t R = ranges.capacity_rows;
+  Carver c(base);
+  BackwardWorkspace w;
+  w.h = w.dh = c.take<bf16>(R * cfg.w1_rows());
+  w.scratch = take_scratch(c, scratch_bytes);
+  w.ds = c.take<float>(S);
+  w.dx_order = c.take<int32_t>(S);
+  w.dx_carry_lo = c.take<uint16_t>(cfg.T * cfg.d);
+  w.range_offsets = c.take<int32_t>(cfg.E + 1);
+  const size_t shared = c.mark();  // A' and the ds partials die before dX̃ is written
+  w.a_scaled = c.take<bf16>(R * cfg.n);
+  w.ds_partials = c.take<float>(R * ds_cols);
+  c.rewind(shared);
+  w.dx_slots = c.take<bf16>(R * cfg.d);
+  w.bytes = c.high_water();
+  return w;
 }
 
 }  // namespace
@@ -194,8 +223,13 @@ Dw1Reuse backward_dw1_reuse(const LayerConfig& cfg, int64_t S, int64_t ds_cols,
 
 BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMode mode,
                                      int64_t ds_cols, const TokenChunks& chunks, void* base,
-                                     bool dh_over_h, void* dw1) {
+                                     bool dh_over_h, void* dw1, const ExpertRanges* ranges) {
   const size_t scratch_bytes = gemm_ops().scratch_bytes(S, cfg.E);
+  if (ranges && ranges->on) {
+    MOEBLAZE_REQUIRE(mode == LayerMode::recompute,
+                     "backward_workspace: expert ranges are recompute mode's");
+    return range_workspace(cfg, S, ds_cols, *ranges, base, scratch_bytes);
+  }
   const Dw1Reuse reuse = dw1_reuse(cfg, S, ds_cols, chunks, scratch_bytes);
   // A carved workspace (base given) with the region in dw1 needs dw1's bytes, else its pieces are null.
   MOEBLAZE_REQUIRE(base == nullptr || !reuse.shared || dw1 != nullptr,
@@ -207,6 +241,9 @@ BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMod
   else if (!dh_over_h) w.dh = c.take<bf16>(S * w1_rows(cfg));
   if (!reuse.scratch) w.scratch = take_scratch(c, scratch_bytes);
   w.maps = take_maps(c, chunks, S, cfg.E);
+  // Not in the shared region: where dX̃ is exactly dw1's size (olmoe, sm-default) it would push
+  // the region out of dw1.
+  w.dx_order = c.take<int32_t>(S);
   // dw1 is only 16-byte aligned (check_gpu_layer_args), which is all these pieces need.
   Carver in_dw1(dw1);
   take_shared(reuse.shared ? in_dw1 : c, w, cfg, S, ds_cols, chunks);
@@ -259,8 +296,9 @@ size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, 
   if (mode == LayerMode::materialized) return materialized_workspace_bytes(cfg, S);
   const LayerChunks chunks = layer_chunks(cfg, S, mode);
   if (forward) return forward_workspace(cfg, S, chunks.forward, nullptr).bytes;
+  const ExpertRanges ranges = layer_ranges(cfg, S, mode);
   return backward_workspace(cfg, S, mode, gemm_ops().ds_partials_cols(cfg.n), chunks.backward,
-                            nullptr, dh_over_h)
+                            nullptr, dh_over_h, nullptr, &ranges)
       .bytes;
 }
 
@@ -319,6 +357,70 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
   saved = std::move(next);
 }
 
+namespace {
+
+// Recompute's backward over the expert ranges of `ranges` (expert_ranges.hpp): per range, the
+// whole step's GEMMs with the whole step's kernel choice over a sub-plan of the range's experts,
+// dW1 / dW2 (and db1 / db2) of those experts complete, dX̃ summed into dx through an fp32 carry
+// (high halves in dx, low halves in w.dx_carry_lo).
+void backward_in_ranges(const LayerConfig& cfg, const RoutingPlanView& pv,
+                        const ExpertRanges& ranges, const BackwardWorkspace& w, const bf16* x,
+                        const bf16* w1, const bf16* w2, const bf16* b1, const bf16* b2,
+                        const bf16* d_out, const LayerGrads& grads, bf16* db1, bf16* db2,
+                        cudaStream_t stream) {
+  // The ranges are cut from the expert counts: the one host sync of this backward.
+  std::vector<int32_t> off(size_t(cfg.E) + 1);
+  MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(off.data(), pv.expert_token_offsets,
+                                      off.size() * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                      stream));
+  MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const std::vector<ExpertRange> list = split_expert_ranges(off, ranges);
+  // The whole step's kernels, for the bits: a range's own shape could choose others.
+  const gemm::LayerKernels k =
+      gemm::choose_kernels({pv.S, cfg.E, cfg.d, cfg.n, cfg.activation});
+  const int64_t d = cfg.d, n = cfg.n, W = cfg.w1_rows();
+  const gemm::GatherKernel automatic = gemm::GatherKernel::automatic;
+  bf16* dx = grads.dx.as<bf16>();
+  bf16* dw1 = grads.dw1.as<bf16>();
+  bf16* dw2 = grads.dw2.as<bf16>();
+  ascending_token_slots(pv, w.dx_order, stream);
+  for (size_t i = 0; i < list.size(); ++i) {
+    const ExpertRange& r = list[i];
+    RoutingPlanView sub = pv;  // the range's experts; the token view stays the step's
+    sub.E = r.e1 - r.e0;
+    sub.S = r.hi - r.lo;
+    sub.expert_token_offsets = w.range_offsets;
+    sub.expert_token_indices = pv.expert_token_indices + r.lo;
+    sub.slot_weights = pv.slot_weights + r.lo;
+    rebase_offsets(pv.expert_token_offsets, r.e0, sub.E, w.range_offsets, stream);
+    const bf16* w1_r = w1 + r.e0 * W * d;  // (E_r, W, d)
+    const bf16* w2_r = w2 + r.e0 * d * n;  // (E_r, d, n)
+    if (sub.S > 0) {
+      gemm::up_proj(sub, x, w1_r, w.h, nullptr, d, n, cfg.activation, stream, automatic,
+                    b1 ? b1 + r.e0 * W : nullptr, &k);
+      gemm::dh_proj(sub, d_out, w2_r, w.h, w.ds_partials, w.dh, w.a_scaled, d, n,
+                    cfg.activation, stream, automatic, &k);
+      gemm::reduce_ds(w.ds_partials, w.ds + r.lo, sub.S, n, stream);
+    }
+    gemm::dw2_proj(sub, d_out, w.a_scaled, dw2 + r.e0 * d * n, d, n, stream, automatic, &k);
+    if (b2)  // A'_r is dead (dW2 read it last): its bytes hold the bias pass's partials
+      bias2_backward(sub, d_out, b2 + r.e0 * d, reinterpret_cast<float*>(w.a_scaled),
+                     w.ds + r.lo, db2 + r.e0 * d, d, stream);
+    if (sub.S > 0)
+      gemm::dx_proj_rows(sub, gemm::ExpertRows::whole(sub), w.dh, w1_r, w.dx_slots, d, n,
+                         cfg.activation, stream, tma_scratch(w.scratch, k.dx), &k);
+    accumulate_range(pv, w.dx_order, r.lo, r.hi, w.dx_slots, w.dx_carry_lo, dx, d, i == 0,
+                     i + 1 == list.size(), stream);
+    gemm::dw1_proj(sub, w.dh, x, dw1 + r.e0 * W * d, d, n, cfg.activation, stream, automatic,
+                   &k);
+    if (db1) expert_column_sums(sub, w.dh, /*gathered=*/false, /*weighted=*/false,
+                                db1 + r.e0 * W, W, stream);
+  }
+  gather_pair_grads(pv, w.ds, grads.d_pair_weights.as<float>(), stream);
+}
+
+}  // namespace
+
 void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,
                     const TensorView& w1, const TensorView& w2, const LayerBiases& biases,
                     const TensorView& d_out, const SavedForBackward& saved,
@@ -365,16 +467,30 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   const int64_t ds_cols = g.ds_partials_cols(cfg.n);
   const bool dh_over_h = opts.mode == LayerMode::keep_h && opts.dh_over_h;
   const TokenChunks chunks = layer_chunks(cfg, S, opts.mode).backward;
+  const ExpertRanges ranges = layer_ranges(cfg, S, opts.mode);
+  if (ranges.on) {  // before any allocation or write: outputs untouched when refused
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    MOEBLAZE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    MOEBLAZE_UNSUPPORTED_IF(capture != cudaStreamCaptureStatusNone,
+                            "layer_backward: recompute in expert ranges (", describe(ranges),
+                            ") reads the expert counts on the host, which a CUDA graph capture "
+                            "cannot; capture with the kernel override ranges=1 or a smaller T");
+  }
   Buffer ws = opts.workspace
                   ? Buffer::borrow(Device::cuda, opts.workspace, opts.workspace_bytes)
                   : Buffer(Device::cuda,
                            backward_workspace(cfg, S, opts.mode, ds_cols, chunks, nullptr,
-                                              dh_over_h)
+                                              dh_over_h, nullptr, &ranges)
                                .bytes,
                            opts.stream);
   // A', ds and dX̃ (and the TMA scratch) in dw1's bytes where they fit: dW1 writes it last.
   const BackwardWorkspace w = backward_workspace(cfg, S, opts.mode, ds_cols, chunks, ws.data(),
-                                                 dh_over_h, grads.dw1.data);
+                                                 dh_over_h, grads.dw1.data, &ranges);
+  if (ranges.on) {
+    backward_in_ranges(cfg, pv, ranges, w, x.as<bf16>(), w1.as<bf16>(), w2.as<bf16>(), b1, b2,
+                       d_out.as<bf16>(), grads, db1, db2, stream);
+    return;
+  }
   const bf16* h = Saved::h(saved).as<bf16>();
   // (S, w1_rows): dH, over H where backward_workspace put no room for it.
   bf16* dh = dh_over_h ? const_cast<bf16*>(h) : w.dh;
@@ -392,20 +508,25 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   if (b2)
     bias2_backward(pv, d_out.data, b2, reinterpret_cast<float*>(w.a_scaled), w.ds, db2, cfg.d,
                    stream);
-  // ds is final: into pair order now, as dX̃ is about to write over it.
+  // ds is final: into pair order now, as dX̃ and dx_order are about to write over it.
   gather_pair_grads(pv, w.ds, grads.d_pair_weights.as<float>(), stream);
+  // dx sums each token's slots in ascending order, the order expert ranges can keep too.
+  ascending_token_slots(pv, w.dx_order, stream);
+  RoutingPlanView by_slot = pv;  // the token view walked in that order (unweighted sums only)
+  by_slot.token_index_map = w.dx_order;
   if (chunks.count > 1) {
     // dX̃ one token chunk at a time into w.dx_slots, each chunk's tokens summed into dx.
-    build_chunk_maps(pv, chunks, w.maps, stream);
+    build_chunk_maps(by_slot, chunks, w.maps, stream);
     for (int64_t c = 0; c < chunks.count; ++c) {
       gemm::dx_proj_rows(pv, chunk_rows(w.maps, cfg.E, c), dh, w1.as<bf16>(), w.dx_slots, cfg.d,
                          cfg.n, cfg.activation, stream, w.scratch);
-      aggregate_chunk(pv, chunks, w.maps, c, w.dx_slots, nullptr, grads.dx.data, cfg.d, stream);
+      aggregate_chunk(by_slot, chunks, w.maps, c, w.dx_slots, nullptr, grads.dx.data, cfg.d,
+                      stream);
     }
   } else {
     g.dx_proj(pv, dh, w1.as<bf16>(), w.dx_slots, cfg.d, cfg.n, cfg.activation, stream,
               tma_scratch(w.scratch, gemm::choose_kernels({S, cfg.E, cfg.d, cfg.n}).dx));
-    aggregate_rows(pv, w.dx_slots, nullptr, grads.dx.data, cfg.d, DType::bf16, stream);
+    aggregate_rows(by_slot, w.dx_slots, nullptr, grads.dx.data, cfg.d, DType::bf16, stream);
   }
   g.dw1_proj(pv, dh, x.as<bf16>(), grads.dw1.as<bf16>(), cfg.d, cfg.n, cfg.activation, stream);
   if (db1) expert_column_sums(pv, dh, /*gathered=*/false, /*weighted=*/false, db1,

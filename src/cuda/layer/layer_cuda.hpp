@@ -10,6 +10,7 @@
 
 #include "core/carver.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/layer/expert_ranges.hpp"
 #include "cuda/layer/token_chunks.hpp"
 #include "moeblaze/config.hpp"
 #include "moeblaze/layer.hpp"
@@ -60,6 +61,11 @@ struct ForwardWorkspace {
   ChunkMaps maps;             // the forward's chunk maps (count > 1 only)
   size_t bytes = 0;
 };
+// In expert ranges (ExpertRanges::on, recompute only) the S-row pieces h/dh, a_scaled,
+// ds_partials and dx_slots hold one range's rows, R = ranges.capacity_rows; ds and dx_order stay
+// whole-step, and dx's fp32 sums are carried from range to range in two halves (the high ones in
+// dx itself, the low ones in dx_carry_lo). Nothing goes to dw1's bytes then (dW1 is written range
+// by range).
 struct BackwardWorkspace {
   bf16* dh = nullptr;           // (S, w1_rows)  dSwiGLU output, read by dX̃ and dW1 (null:
                                 //               written over the saved H)
@@ -70,9 +76,13 @@ struct BackwardWorkspace {
                                 //               and ds (all dead by then)
                                 // A', ds_partials, ds and dx_slots: in dw1's bytes where they
                                 //               fit (Dw1Reuse::shared), else in the workspace
+  int32_t* dx_order = nullptr;  // (S,) each token's slots ascending: the order dx sums them in
   float* ds_partials = nullptr;  // (S, ds_partials_cols(n)) per-N-tile partial sums of ds
   float* ds = nullptr;          // (S,) fp32 gate gradient by slot, gathered to pair order
                                 //               before dX̃
+  uint16_t* dx_carry_lo = nullptr;  // (T, d) expert ranges only: the low halves of dx's fp32
+                                    //   partial sums (the high halves sit in dx itself)
+  int32_t* range_offsets = nullptr;  // (E+1,) expert ranges only: a range's rebased offsets
   gemm::GemmScratch scratch;    // dx_proj's (GemmOps::scratch_bytes; empty: none), in the
                                 //               workspace or dw1's bytes (Dw1Reuse::scratch)
   ChunkMaps maps;               // the backward's chunk maps (count > 1 only)
@@ -81,6 +91,9 @@ struct BackwardWorkspace {
 // The chunking the layer runs for S slots in `mode`: choose_token_chunks, or one chunk on the
 // naive oracle (it has no row-range GEMMs).
 LayerChunks layer_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode);
+// The backward's expert ranges for S slots in `mode`: choose_expert_ranges, or off on the naive
+// oracle. When on, the backward runs no token chunks.
+ExpertRanges layer_ranges(const LayerConfig& cfg, int64_t S, LayerMode mode);
 // `chunks`: layer_chunks(cfg, S, mode).forward, or TokenChunks::none(S) for an (S, d) Y.
 ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, const TokenChunks& chunks,
                                    void* base);
@@ -108,10 +121,12 @@ size_t backward_shared_bytes(const LayerConfig& cfg, int64_t S, int64_t ds_cols,
 Dw1Reuse dw1_reuse_rule(size_t shared_bytes, size_t scratch_bytes, size_t dw1_bytes);
 // dh_over_h (keep_h): no room for dH, which the caller writes over the saved H. In recompute mode
 // dH always goes over the recomputed H. `chunks`: layer_chunks(...).backward or none(S).
-// dw1: the caller's dw1 data (null while only counting bytes).
+// dw1: the caller's dw1 data (null while only counting bytes). ranges: layer_ranges(...) (null:
+// off; when on, `chunks` is not read).
 BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMode mode,
                                      int64_t ds_cols, const TokenChunks& chunks, void* base,
-                                     bool dh_over_h = false, void* dw1 = nullptr);
+                                     bool dh_over_h = false, void* dw1 = nullptr,
+                                     const ExpertRanges* ranges = nullptr);
 
 // Checks what only the GPU path needs (storage dtype bf16, dims the GEMM kernels take, tensors
 // and plan on the device, 16-byte aligned data) and throws Unsupported / InvalidArgument naming

@@ -311,6 +311,10 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
       if (key != "chunks.fwd") o.token_chunks.backward = c;
       continue;
     }
+    if (key == "ranges") {
+      o.expert_ranges = parse_int(item, v, 1, 1024);
+      continue;
+    }
     if (key == "impl") {
       MOEBLAZE_REQUIRE(v == "sm90" || v == "naive", "kernel override '", item,
                        "': sm90 or naive");
@@ -323,7 +327,7 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
       if (key.compare(0, dot, kShort[i]) == 0 && dot == std::string(kShort[i]).size()) g = i;
     MOEBLAZE_REQUIRE(g >= 0, "kernel override '", item, "': unknown key '", key,
                      "' (<gemm>.family|schedule|cluster|b_tma|tile with <gemm> one of up, down, dh, "
-                     "dw2, dx, dw1; raster; tma.order; tma.swizzle; chunks[.fwd|.bwd]; impl)");
+                     "dw2, dx, dw1; raster; tma.order; tma.swizzle; chunks[.fwd|.bwd]; ranges; impl)");
     const std::string field = key.substr(dot + 1);
     GemmOverride& go = o.gemm[g];
     if (field == "family") {

@@ -120,6 +120,9 @@ struct KernelShape {
 //   chunks           1..1024                 (token chunks of the layer's Y and dX̃; 1: none;
 //                                            cuda/layer/token_chunks.hpp)
 //   chunks.fwd, chunks.bwd  1..1024          (the same for Y or dX̃ alone)
+//   ranges           1..1024                 (recompute's backward in expert ranges of about
+//                                            S / ranges slots each; 1: the whole step;
+//                                            cuda/layer/expert_ranges.hpp)
 //   impl             sm90 | naive            (the layer's GEMMs on the naive oracle: tests)
 struct GemmOverride {
   std::optional<KernelFamily> family;
@@ -136,6 +139,7 @@ struct KernelOverrides {
   struct TokenChunkOverride {
     std::optional<int> forward, backward;  // Y's, dX̃'s
   } token_chunks;
+  std::optional<int> expert_ranges;  // ranges' count (1: none)
   bool naive = false;
   std::string spec;  // the text it was parsed from ("" = none)
 };

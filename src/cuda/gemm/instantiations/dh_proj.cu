@@ -160,7 +160,7 @@ __global__ void reduce_ds_kernel(const float* __restrict__ partials, float* __re
 
 void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,
              float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d, int64_t n, Activation act,
-             cudaStream_t stream, GatherKernel kernel) {
+             cudaStream_t stream, GatherKernel kernel, const LayerKernels* kernels) {
   constexpr const char* fn = "dh_proj";
   detail::check_plan(fn, plan, /*gathers=*/true, /*weights=*/true);
   detail::check_dims(fn, d, n);
@@ -175,7 +175,8 @@ void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, con
   using detail::GatherPath;
   const bool oai = act == Activation::swiglu_oai;
   const GatherPath path = detail::resolve_gather_path(
-      fn, kernel, plan.E, choose_kernels({plan.S, plan.E, d, n, act}).dh, /*has_ping_pong=*/true);
+      fn, kernel, plan.E, (kernels ? *kernels : choose_kernels({plan.S, plan.E, d, n, act})).dh,
+      /*has_ping_pong=*/true);
   if (oai) {
     MOEBLAZE_UNSUPPORTED_IF(path != GatherPath::cooperative, fn, ": swiglu_oai runs on its own "
                             "warp-specialised cooperative kernel only (GatherKernel automatic or "

@@ -89,7 +89,8 @@ void launch_varlen_k(const VarlenKArgs& a, int64_t E, cudaStream_t stream) {
 }  // namespace sm90
 
 void dw2_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled, bf16* dw2,
-              int64_t d, int64_t n, cudaStream_t stream, GatherKernel kernel) {
+              int64_t d, int64_t n, cudaStream_t stream, GatherKernel kernel,
+              const LayerKernels* kernels) {
   constexpr const char* fn = "dw2_proj";
   detail::check_plan(fn, plan, /*gathers=*/true, /*weights=*/false);
   detail::check_dims(fn, d, n);
@@ -99,7 +100,8 @@ void dw2_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scal
   // Any E: this kernel has no per-CTA expert table.
   if (kernel == GatherKernel::ping_pong || kernel == GatherKernel::warp_specialized ||
       (kernel == GatherKernel::automatic &&
-       choose_kernels({plan.S, plan.E, d, n}).dw2.family == KernelFamily::ws_varlen_k)) {
+       (kernels ? *kernels : choose_kernels({plan.S, plan.E, d, n})).dw2.family ==
+           KernelFamily::ws_varlen_k)) {
     MOEBLAZE_UNSUPPORTED_IF(kernel == GatherKernel::ping_pong, fn,
                             ": GatherKernel::ping_pong is implemented for up_proj and dh_proj only");
     detail::dw2_proj_ws(plan, d_out, a_scaled, dw2, d, n, stream);
@@ -119,7 +121,8 @@ void dw2_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scal
 }
 
 void dw1_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1, int64_t d,
-              int64_t n, Activation act, cudaStream_t stream, GatherKernel kernel) {
+              int64_t n, Activation act, cudaStream_t stream, GatherKernel kernel,
+              const LayerKernels* kernels) {
   constexpr const char* fn = "dw1_proj";
   detail::check_plan(fn, plan, /*gathers=*/true, /*weights=*/false);
   detail::check_dims(fn, d, n);
@@ -127,7 +130,7 @@ void dw1_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* 
   detail::check_ptr(fn, x, "x", plan.S > 0);
   detail::check_ptr(fn, dw1, "dw1");
   const int64_t w1_rows = is_gated(act) ? 2 * n : n;
-  const GemmKernel chosen = choose_kernels({plan.S, plan.E, d, n}).dw1;
+  const GemmKernel chosen = (kernels ? *kernels : choose_kernels({plan.S, plan.E, d, n})).dw1;
   // Any E: this kernel has no per-CTA expert table.
   if (kernel == GatherKernel::ping_pong || kernel == GatherKernel::warp_specialized ||
       (kernel == GatherKernel::automatic && chosen.family == KernelFamily::ws_varlen_k)) {

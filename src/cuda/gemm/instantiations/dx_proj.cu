@@ -58,9 +58,9 @@ void dx_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* w1, bf16* 
 
 void dx_proj_rows(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* dh,
                   const bf16* w1, bf16* dx_rows, int64_t d, int64_t n, Activation act,
-                  cudaStream_t stream, GemmScratch scratch) {
+                  cudaStream_t stream, GemmScratch scratch, const LayerKernels* kernels) {
   detail::check_contiguous_a("dx_proj_rows", plan, d, n, dh, "dh", w1, "w1", dx_rows, "dx_rows");
-  const GemmKernel k = choose_kernels({plan.S, plan.E, d, n}).dx;
+  const GemmKernel k = (kernels ? *kernels : choose_kernels({plan.S, plan.E, d, n})).dx;
   detail::check_rows("dx_proj_rows", plan, rows,
                      k.family == KernelFamily::ws_gather || scratch.data != nullptr);
   dx_proj_ranges(k, plan, rows, dh, w1, dx_rows, d, is_gated(act) ? 2 * n : n, scratch, stream);

@@ -31,7 +31,7 @@ struct ActEpilogue {
 
 void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h, bf16* a,
              int64_t d, int64_t n, Activation act, cudaStream_t stream, GatherKernel kernel,
-             const bf16* b1) {
+             const bf16* b1, const LayerKernels* kernels) {
   constexpr const char* fn = "up_proj";
   detail::check_plan(fn, plan, /*gathers=*/true, /*weights=*/false);
   detail::check_dims(fn, d, n);
@@ -43,7 +43,7 @@ void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h
                    ": h and a must not both be null");
   using detail::GatherPath;
   const bool oai = act == Activation::swiglu_oai;
-  const GemmKernel chosen = choose_kernels({plan.S, plan.E, d, n, act}).up;
+  const GemmKernel chosen = (kernels ? *kernels : choose_kernels({plan.S, plan.E, d, n, act})).up;
   const GatherPath path = detail::resolve_gather_path(fn, kernel, plan.E, chosen,
                                                       /*has_ping_pong=*/true);
   if (oai) {
