@@ -64,8 +64,11 @@ void run_kernels(const KernelsFlags& f) {
     const int64_t S = c->T * c->K;
     const LayerConfig lc = layer_config(*c, act, DType::bf16);
     for (const LayerMode mode : {LayerMode::keep_h, LayerMode::recompute}) {
-      const cuda::LayerChunks lch = cuda::choose_token_chunks(
-          lc, S, mode, gg::choose_kernels({S, c->E, c->d, c->n, act}, o), o.token_chunks);
+      const gg::LayerKernels k = gg::choose_kernels({S, c->E, c->d, c->n, act}, o);
+      const cuda::ExpertRanges ranges =
+          cuda::choose_expert_ranges(lc, S, mode, k, o.expert_ranges);
+      const cuda::LayerChunks lch = cuda::choose_token_chunks(lc, S, mode, k, o.token_chunks,
+                                                              &ranges);
       for (const auto& [pass, tc] : {std::pair{"forward (Y)", lch.forward},
                                      std::pair{"backward (dX~)", lch.backward}})
         chunks.add_row({c->name, std::to_string(S),

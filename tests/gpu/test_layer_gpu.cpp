@@ -1363,6 +1363,19 @@ TEST(LayerGpu, ExpertRangeRule) {
   const size_t whole =
       cuda::backward_workspace(cfg, S, LayerMode::recompute, cols, chunks, nullptr).bytes;
   EXPECT_LT(double(ranged), 0.7 * double(whole)) << ranged << " vs " << whole;
+  // A fifth of that T: ranges still on, and the forward's whole-step A and Y (S (n + d)) now
+  // outgrow the ranged backward, so Y is chunked too (with the whole-step backward it was not:
+  // its H/dH and A' were larger than the forward's A and Y).
+  cfg.T = 262144;
+  const int64_t S1 = cfg.T * cfg.K;
+  const cuda::gemm::LayerKernels k1 = cuda::gemm::choose_kernels({S1, cfg.E, cfg.d, cfg.n});
+  const cuda::ExpertRanges on1 = cuda::choose_expert_ranges(cfg, S1, LayerMode::recompute, k1, {});
+  const cuda::ExpertRanges off1 = cuda::choose_expert_ranges(cfg, S1, LayerMode::recompute, k1, 1);
+  ASSERT_TRUE(on1.on);
+  EXPECT_GT(cuda::choose_token_chunks(cfg, S1, LayerMode::recompute, k1, {}, &on1).forward.count,
+            1);
+  EXPECT_EQ(cuda::choose_token_chunks(cfg, S1, LayerMode::recompute, k1, {}, &off1).forward.count,
+            1);
   // Below the threshold (sm-default's T): the whole step.
   cfg.T = 32768, cfg.d = 4096, cfg.n = 1024, cfg.E = 128, cfg.K = 8;
   const int64_t S2 = cfg.T * cfg.K;

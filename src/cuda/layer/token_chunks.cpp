@@ -41,7 +41,8 @@ TokenChunks pass_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode,
 
 LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode,
                                 const gemm::LayerKernels& kernels,
-                                const gemm::KernelOverrides::TokenChunkOverride& override) {
+                                const gemm::KernelOverrides::TokenChunkOverride& override,
+                                const ExpertRanges* ranges) {
   LayerChunks c{pass_chunks(cfg, S, mode, kernels.down, override.forward),
                 pass_chunks(cfg, S, mode, kernels.dx, override.backward)};
   if (!override.forward && c.forward.count > 1) {
@@ -50,9 +51,16 @@ LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S, LayerMode mod
     // where dw1's bytes hold A' and the chunk (backward_dw1_reuse).
     const double w1_rows = double(cfg.w1_rows()), n = double(cfg.n), d = double(cfg.d);
     const double forward = double(S) * (n + d);
-    const double backward = double(S) * w1_rows +
-                            std::max(double(S) * n, double(c.backward.rows) * d) +
-                            double(cfg.E) * (w1_rows + n) * d;
+    const double weight_grads = double(cfg.E) * (w1_rows + n) * d;
+    // In expert ranges: H/dH and A' or dX̃ of one range (R rows), dx's carry (T, d) 2-byte, ds
+    // and the slot order (8 bytes per slot).
+    const double R = ranges && ranges->on ? double(ranges->capacity_rows) : 0.0;
+    const double backward =
+        ranges && ranges->on
+            ? R * w1_rows + R * std::max(n, d) + double(cfg.T) * d + 4.0 * double(S) +
+                  weight_grads
+            : double(S) * w1_rows + std::max(double(S) * n, double(c.backward.rows) * d) +
+                  weight_grads;
     if (forward <= backward)
       c.forward = TokenChunks::none(S, "the forward's A and Y stay under backward's peak");
   }
@@ -61,8 +69,9 @@ LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S, LayerMode mod
 
 LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode) {
   const gemm::KernelOverrides o = gemm::kernel_overrides();
-  return choose_token_chunks(cfg, S, mode, gemm::choose_kernels({S, cfg.E, cfg.d, cfg.n}, o),
-                             o.token_chunks);
+  const gemm::LayerKernels k = gemm::choose_kernels({S, cfg.E, cfg.d, cfg.n}, o);
+  const ExpertRanges ranges = choose_expert_ranges(cfg, S, mode, k, o.expert_ranges);
+  return choose_token_chunks(cfg, S, mode, k, o.token_chunks, &ranges);
 }
 
 std::string describe(const TokenChunks& c) {

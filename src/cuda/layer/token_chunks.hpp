@@ -22,6 +22,7 @@
 
 #include "cuda/gemm/dispatch/kernel_config.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"  // ExpertRows
+#include "cuda/layer/expert_ranges.hpp"
 #include "moeblaze/config.hpp"
 #include "moeblaze/layer.hpp"
 #include "moeblaze/routing_plan.hpp"
@@ -62,12 +63,15 @@ constexpr int64_t kChunkRowsPerExpertAtScale = 2048;
 // the limit), fewer where an expert would get under kChunkMinRowsPerExpert rows per chunk; the
 // forward takes the same count only
 // where its whole-step A (S, n) and Y (S, d) would outgrow what backward holds at its peak anyway
-// (H/dH, A' or the dX̃ chunk, dW1 and dW2): elsewhere forward chunks cost time and save no peak
+// (H/dH, A' or the dX̃ chunk, dW1 and dW2; with `ranges` on, the expert ranges' range-sized
+// pieces, dx's carry and dW1 and dW2): elsewhere forward chunks cost time and save no peak
 // bytes. The override replaces the count in either mode (still one chunk on the cp.async kernel).
+// ranges: the backward's expert ranges (null: off).
 LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode,
                                 const gemm::LayerKernels& kernels,
-                                const gemm::KernelOverrides::TokenChunkOverride& override);
-// With choose_kernels for the shape and the overrides in force.
+                                const gemm::KernelOverrides::TokenChunkOverride& override,
+                                const ExpertRanges* ranges = nullptr);
+// With choose_kernels for the shape, the overrides in force and choose_expert_ranges.
 LayerChunks choose_token_chunks(const LayerConfig& cfg, int64_t S, LayerMode mode);
 // e.g. "4 chunks of <= 65664 rows (ceil(d / n): ...)", "1 chunk (keep_h: ...)".
 std::string describe(const TokenChunks& c);
