@@ -56,7 +56,8 @@
 #     .device/third_party.tar.xz this also writes (CUTLASS's headers only): the check unpacks it
 #     where third_party/ is missing.
 #
-# Environment: PACK=1 (leave only gpu_check.tgz, summary.txt and the *.md / *.png tables in OUT),
+# Environment: PACK=1 (leave only gpu_check.tgz, summary.txt, the *.md / *.png tables and SonicMoE's
+# autotune file in OUT),
 # ROUTING_BENCH_ARGS (extra flags for bench routing, e.g. "--quick"),
 # MOEBLAZE_COMMIT (commit recorded in result rows; set it when the tree was copied with a .git
 # that is not the tree's own — the device tool's copy keeps the session's first HEAD — else
@@ -553,11 +554,13 @@ if want peers && [ -s "$OUT/peers.md" ]; then
   cat "$OUT/peers.md"
 fi
 # ---- PACK=1: everything in OUT into one archive beside the summary and the Markdown tables (a
-# machine that hands back only a few files, such as the project's device tool) ----
+# machine that hands back only a few files, such as the project's device tool); SonicMoE's
+# autotune file stays beside them, whole (it is committed as it is) ----
 if [ -n "${PACK:-}" ]; then
   printf '%s\n' "${summary[@]}" >"$OUT/summary.txt"
   (cd "$OUT" && tar czf /tmp/gpu_check_pack.tgz --exclude='*.tgz' . && mv /tmp/gpu_check_pack.tgz gpu_check.tgz &&
-     find . -maxdepth 1 -type f ! -name gpu_check.tgz ! -name summary.txt ! -name '*.md' ! -name '*.png' -delete)
+     find . -maxdepth 1 -type f ! -name gpu_check.tgz ! -name summary.txt ! -name '*.md' ! -name '*.png' \
+       ! -name sonicmoe-autotune-h200.tgz -delete)
 fi
 
 exit $status
