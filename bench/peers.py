@@ -42,7 +42,8 @@ and read its GEMMs one by one with bench/quack_kernels.py.
 
 --max-tokens writes DESIGN's `bench: "max-tokens"` rows: the largest T (a multiple of 1024, found
 by doubling then bisecting to within 1/16) whose inputs, weights and one forward+backward fit on
-the GPU.
+the GPU. --fits-at T1,T2,... instead probes those T only (`bench: "fits"` rows with fits true or
+false): a bracket for a peer whose every new T costs a search of its own (SonicMoE autotunes).
 """
 import argparse
 import datetime
@@ -812,7 +813,15 @@ def main():
                     help="render a --memory-timeline JSON to the PNG --memory-timeline names")
     ap.add_argument("--max-tokens", action="store_true",
                     help="find the largest T whose forward+backward fits, per impl (no timing)")
+    ap.add_argument("--fits-at", default="",
+                    help="comma list of T: whether a forward+backward fits at each, per impl")
     args = ap.parse_args()
+    try:
+        fits_at = [int(t) for t in args.fits_at.split(",") if t]
+    except ValueError:
+        ap.error(f"--fits-at '{args.fits_at}': expected a comma list of token counts")
+    if any(t < 1 for t in fits_at):
+        ap.error("--fits-at: every T must be >= 1")
     if args.reps < 1 or args.warmup < 0:
         ap.error("--reps must be >= 1 and --warmup >= 0")
     impls = [i for i in args.impl.split(",") if i]
@@ -838,6 +847,24 @@ def main():
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
     if args.memory_timeline:
         memory_timeline(names, impls, args, dev, args.memory_timeline)
+        return 0
+    if fits_at:
+        for name in names:
+            _, d, n, E, K = shape_of(name)
+            for impl in impls:
+                for T in fits_at:
+                    t0 = time.perf_counter()
+                    try:
+                        ok = fits(name, impl, T, args, dev)
+                    except Skip as why:
+                        print(f"peers: {name} {impl}: skipped: {why}", file=sys.stderr)
+                        break
+                    print(f"peers: {name} {impl}: T = {T}: {'fits' if ok else 'out of memory'} "
+                          f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+                    row = {"bench": "fits", "config": name, "impl": impl, "d": d, "n": n, "E": E,
+                           "K": K, "T": T, "fits": ok}
+                    row.update(meta)
+                    emit(row, args.out)
         return 0
     if args.max_tokens:
         rows = max_tokens(names, impls, args, dev, meta)

@@ -432,12 +432,18 @@ bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
+// The kernel overrides a test sets, cleared when it ends (passed or failed).
+struct ClearOverridesAtExit {
+  ~ClearOverridesAtExit() { cuda::gemm::clear_kernel_overrides(); }
+};
+
 // ---- the grid ---------------------------------------------------------------------------------
 
 class LayerGpuGrid : public ::testing::TestWithParam<Case> {};
 
-// Every output of two runs, bit for bit.
-void expect_same_bits(const GpuResult& a, const GpuResult& b) {
+// Every output of two runs, bit for bit (GpuResult, or BiasedResult's unbiased outputs).
+template <class Result>
+void expect_same_bits(const Result& a, const Result& b) {
   EXPECT_TRUE(bitwise_equal(a.out, b.out)) << "out";
   EXPECT_TRUE(bitwise_equal(a.dx, b.dx)) << "dx";
   EXPECT_TRUE(bitwise_equal(a.dw1, b.dw1)) << "dw1";
@@ -780,9 +786,7 @@ TEST(LayerGpu, TokenChunksGiveTheWholeStepsBits) {
   MOEBLAZE_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  struct Restore {
-    ~Restore() { cuda::gemm::clear_kernel_overrides(); }
-  } restore;
+  const ClearOverridesAtExit restore;
   for (const RouteKind route : {RouteKind::balanced, RouteKind::skewed, RouteKind::rounded})
     for (const LayerMode mode : {LayerMode::keep_h, LayerMode::recompute}) {
       // S >= 128 E: down_proj and dx_proj on the TMA path (forced: the rule puts fewer than
@@ -1168,9 +1172,7 @@ TEST(LayerGpu, ExpertBiasesMatchCpuBackend) {
   MOEBLAZE_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  struct Restore {
-    ~Restore() { cuda::gemm::clear_kernel_overrides(); }
-  } restore;
+  const ClearOverridesAtExit restore;
   struct BiasCase {
     Case c;
     const char* kernels;  // kernel overrides ("" = the rules)
@@ -1399,9 +1401,7 @@ TEST(LayerGpu, ExpertRangesGiveTheWholeStepsBits) {
   MOEBLAZE_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  struct Restore {
-    ~Restore() { cuda::gemm::clear_kernel_overrides(); }
-  } restore;
+  const ClearOverridesAtExit restore;
   const LayerMode mode = LayerMode::recompute;
   for (const RouteKind route : {RouteKind::balanced, RouteKind::skewed, RouteKind::rounded})
     for (const char* dx_kernel : {"down.family=tma,dx.family=tma", "dx.family=ws"}) {
@@ -1437,11 +1437,7 @@ TEST(LayerGpu, ExpertRangesGiveTheWholeStepsBits) {
       const BiasedResult bw = run_biased(in, mode, 3, b1, b2, true);
       cuda::gemm::set_kernel_overrides(cuda::gemm::parse_kernel_overrides(base + "ranges=4"));
       const BiasedResult br = run_biased(in, mode, 3, b1, b2, true);
-      EXPECT_TRUE(bitwise_equal(bw.out, br.out)) << "biased out";
-      EXPECT_TRUE(bitwise_equal(bw.dx, br.dx)) << "biased dx";
-      EXPECT_TRUE(bitwise_equal(bw.dw1, br.dw1)) << "biased dw1";
-      EXPECT_TRUE(bitwise_equal(bw.dw2, br.dw2)) << "biased dw2";
-      EXPECT_TRUE(bitwise_equal(bw.dpw, br.dpw)) << "biased d_pair_weights";
+      expect_same_bits(bw, br);
       EXPECT_TRUE(bitwise_equal(bw.db1, br.db1)) << "db1";
       EXPECT_TRUE(bitwise_equal(bw.db2, br.db2)) << "db2";
     }
@@ -1452,9 +1448,7 @@ TEST(LayerGpu, ExpertRangesGiveTheWholeStepsBits) {
 TEST(LayerGpu, ExpertRangesRefuseAGraphCapture) {
   MOEBLAZE_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
-  struct Restore {
-    ~Restore() { cuda::gemm::clear_kernel_overrides(); }
-  } restore;
+  const ClearOverridesAtExit restore;
   cuda::gemm::set_kernel_overrides(cuda::gemm::parse_kernel_overrides("dx.family=tma,ranges=3"));
   const Inputs in = make_inputs({1500, 512, 128, 8, 3, Activation::swiglu, LayerMode::recompute,
                                  RouteKind::balanced}, seed);

@@ -474,7 +474,8 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
     MOEBLAZE_UNSUPPORTED_IF(capture != cudaStreamCaptureStatusNone,
                             "layer_backward: recompute in expert ranges (", describe(ranges),
                             ") reads the expert counts on the host, which a CUDA graph capture "
-                            "cannot; capture with the kernel override ranges=1 or a smaller T");
+                            "cannot; capture with the kernel override ranges=1 "
+                            "(MOEBLAZE_KERNELS=ranges=1) or a smaller T");
   }
   Buffer ws = opts.workspace
                   ? Buffer::borrow(Device::cuda, opts.workspace, opts.workspace_bytes)
