@@ -1,6 +1,8 @@
 // Aggregation through the plan's token view (DESIGN steps 3 and 7): out_t = sum over the pairs
 // of token t, in pair order, of w_p * rows[slot_p]. A gather-and-sum, not a scatter: every output
-// row is produced by the threads that own it, so no atomics and a fixed summation order.
+// row is produced by the threads that own it, so no atomics and a fixed summation order. (The
+// layer's dx sum hands in a token view whose map lists each token's slots in ascending order,
+// expert_ranges.hpp's ascending_token_slots: the order its expert ranges can keep.)
 //
 // Layout of the work: a thread owns C 16-byte column chunks of one token, spaced C-th of a row
 // apart (c, c + Q, c + 2Q, ...), so consecutive threads take consecutive chunks (coalesced
