@@ -709,26 +709,31 @@ def fits(name, impl, T, args, dev):
         torch.cuda.empty_cache()
 
 
+def probe(name, impl, T, args, dev):
+    """fits(), printed in one line: a search cut short by a timeout still says where it was."""
+    t0 = time.perf_counter()
+    ok = fits(name, impl, T, args, dev)
+    print(f"peers: {name} {impl}: T = {T}: {'fits' if ok else 'out of memory'} "
+          f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+    return ok
+
+
 def max_tokens(names, impls, args, dev, meta):
     rows = []
     for name in names:
         T0, d, n, E, K = shape_of(name)
         for impl in impls:
-            def probe(T):  # one line per probe: a search cut short by a timeout still says where
-                t0 = time.perf_counter()
-                ok = fits(name, impl, T, args, dev)
-                print(f"peers: {name} {impl}: T = {T}: {'fits' if ok else 'out of memory'} "
-                      f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
-                return ok
+            def probe_at(T):
+                return probe(name, impl, T, args, dev)
             try:
                 lo, hi = 0, max(1024, T0 // 1024 * 1024)
-                while probe(hi):  # doubling
+                while probe_at(hi):  # doubling
                     lo, hi = hi, hi * 2
                     if hi > (1 << 24):
                         break
                 while hi - lo > 1024 and hi > lo * 17 // 16:  # bisection, multiples of 1024
                     mid = (lo + hi) // 2 // 1024 * 1024
-                    if probe(mid):
+                    if probe_at(mid):
                         lo = mid
                     else:
                         hi = mid
@@ -853,14 +858,11 @@ def main():
             _, d, n, E, K = shape_of(name)
             for impl in impls:
                 for T in fits_at:
-                    t0 = time.perf_counter()
                     try:
-                        ok = fits(name, impl, T, args, dev)
+                        ok = probe(name, impl, T, args, dev)
                     except Skip as why:
                         print(f"peers: {name} {impl}: skipped: {why}", file=sys.stderr)
                         break
-                    print(f"peers: {name} {impl}: T = {T}: {'fits' if ok else 'out of memory'} "
-                          f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
                     row = {"bench": "fits", "config": name, "impl": impl, "d": d, "n": n, "E": E,
                            "K": K, "T": T, "fits": ok}
                     row.update(meta)

@@ -82,16 +82,12 @@ void run_kernels(const KernelsFlags& f) {
   Table ranges({{"config", Align::left}, {"T"}, {"recompute backward", Align::left},
                 {"ranges from T"}});
   for (const NamedConfig* c : configs) {
-    LayerConfig lc = layer_config(*c, act, DType::bf16);
-    const auto at = [&](int64_t T) {
-      lc.T = T;
-      return cuda::choose_expert_ranges(lc, T * c->K, LayerMode::recompute,
-                                        gg::choose_kernels({T * c->K, c->E, c->d, c->n, act}, o),
-                                        o.expert_ranges);
-    };
-    const cuda::ExpertRanges here = at(c->T);
+    const int64_t S = c->T * c->K;
+    const cuda::ExpertRanges here = cuda::choose_expert_ranges(
+        layer_config(*c, act, DType::bf16), S, LayerMode::recompute,
+        gg::choose_kernels({S, c->E, c->d, c->n, act}, o), o.expert_ranges);
     // The automatic rule's threshold in tokens (the override, where given, holds at every T).
-    const int64_t per_token = c->K * (lc.w1_rows() + c->n) * 2;
+    const int64_t per_token = c->K * (layer_config(*c, act, DType::bf16).w1_rows() + c->n) * 2;
     const int64_t from = (cuda::kExpertRangesMinBytes + per_token - 1) / per_token;
     ranges.add_row({c->name, std::to_string(c->T), cuda::describe(here),
                     o.expert_ranges ? "override" : std::to_string(from)});

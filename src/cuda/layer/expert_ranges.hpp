@@ -38,17 +38,13 @@
 
 namespace moeblaze::cuda {
 
-// The backward's expert ranges, as a value (printed by `moeblaze bench kernels`, compared in
-// tests). The ranges themselves depend on the expert counts: split_expert_ranges.
+// The backward's expert ranges, as a value (printed by `moeblaze bench kernels`, its fields
+// checked in tests). The ranges themselves depend on the expert counts: split_expert_ranges.
 struct ExpertRanges {
   bool on = false;
   int64_t target_rows = 0;    // a range closes before the expert that would take it past this
   int64_t capacity_rows = 0;  // rows of the range buffers: min(T, S), at least any expert's slots
   const char* rule = "";      // why (printed; not part of the value)
-  bool operator==(const ExpertRanges& o) const {
-    return on == o.on && target_rows == o.target_rows && capacity_rows == o.capacity_rows;
-  }
-  bool operator!=(const ExpertRanges& o) const { return !(*this == o); }
   static ExpertRanges off(const char* rule) { return {false, 0, 0, rule}; }
 };
 
@@ -74,9 +70,6 @@ std::string describe(const ExpertRanges& r);
 struct ExpertRange {
   int64_t e0 = 0, e1 = 0;  // experts [e0, e1)
   int64_t lo = 0, hi = 0;  // slots [off[e0], off[e1])
-  bool operator==(const ExpertRange& o) const {
-    return e0 == o.e0 && e1 == o.e1 && lo == o.lo && hi == o.hi;
-  }
 };
 // The ranges of a plan's expert offsets (E + 1 values, host copy), greedily: experts are added to
 // the open range while its slots stay <= r.target_rows; an expert that would take it past closes

@@ -327,7 +327,8 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
       if (key.compare(0, dot, kShort[i]) == 0 && dot == std::string(kShort[i]).size()) g = i;
     MOEBLAZE_REQUIRE(g >= 0, "kernel override '", item, "': unknown key '", key,
                      "' (<gemm>.family|schedule|cluster|b_tma|tile with <gemm> one of up, down, dh, "
-                     "dw2, dx, dw1; raster; tma.order; tma.swizzle; chunks[.fwd|.bwd]; ranges; impl)");
+                     "dw2, dx, dw1; raster; tma.order; tma.swizzle; chunks[.fwd|.bwd]; ranges; "
+                     "impl)");
     const std::string field = key.substr(dot + 1);
     GemmOverride& go = o.gemm[g];
     if (field == "family") {
