@@ -2,7 +2,11 @@
 // by DESIGN's protocol: CUDA events around one launch, warm-up first, median of --reps (>= 20)
 // repetitions, L2 flushed between repetitions (a 256 MiB write, more than 2x the H200's 60 MB L2).
 // Inputs are random N(0, 1) bf16 (weights scaled by 1/sqrt(fan-in)), never zeros; the routing is
-// near balanced (each token picks K distinct experts uniformly).
+// near balanced (each token picks K distinct experts uniformly). The GEMMs' other inputs (h, a,
+// dh, a′) are what the chain computed (--operands chain), or, with --operands random, refilled
+// with N(0, 1) after the check, so that every kernel reads operands of one distribution (the
+// tensor cores' power, and with it the clock, depends on the operands' bits: two GEMMs of one
+// shape compare fairly only on like data).
 //
 // Each row also times one dense cuBLAS bf16 GEMM with the same FLOPs (M = S, same N and K; for
 // the varlen-K weight gradients K = S) on the same card, the ceiling a grouped GEMM can approach,
@@ -42,6 +46,7 @@
 #include "cuda/fp8/quantize.hpp"
 #include "cuda/gemm/fp8_grouped_gemm.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/layer/layer_cuda.hpp"  // fill_normal
 #include "moeblaze/moeblaze.hpp"
 #include "table.hpp"
 
@@ -63,6 +68,7 @@ struct Flags {
   uint64_t seed = 20261129;
   bool no_dense = false;
   std::string only;  // comma list of kernel names to time (all when empty)
+  std::string operands = "chain";  // chain | random: the intermediates the GEMMs read (above)
   std::string out;  // append JSON lines here
   std::string md;   // write the table as Markdown here
 };
@@ -479,17 +485,18 @@ std::vector<double> kernel_errors(const std::vector<Kernel>& kernels, const Samp
 }
 
 // Times the kernels --only names (all when empty), each beside its dense same-FLOP cuBLAS GEMM
-// unless --no-dense; appends one row per kernel.
+// unless --no-dense; appends one row per kernel. refill() runs, untimed, before each row.
 void time_kernels(const Flags& f, const Shape& sh, const ShapeData& s,
                   const std::vector<Kernel>& kernels, const std::vector<double>& errs,
                   GpuTimer& timer, cublasHandle_t blas, const DenseOperands& dense,
-                  std::vector<Row>& rows) {
+                  const std::function<void()>& refill, std::vector<Row>& rows) {
   const auto only = split_commas(f.only);
   for (size_t i = 0; i < kernels.size(); ++i) {
     const auto& k = kernels[i];
     if (!only.empty() && std::find(only.begin(), only.end(), std::string(k.name)) == only.end())
       continue;
     Row row{sh.name, k.name, s.T, s.S, s.E, s.K, s.d, s.n, 0, 0, NAN, NAN, errs[i]};
+    refill();
     row.ms = timer.median_ms(f.warmup, f.reps, k.before, k.launch);
     row.tflops = k.flops / (row.ms * 1e-3) / 1e12;
     if (!f.no_dense) {
@@ -531,7 +538,16 @@ void bench_shape(const Flags& f, const Shape& sh, Activation act, cudaStream_t s
   }
   MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(stream));
   const std::vector<double> errs = kernel_errors(kernels, check_samples(s, rt, rng));
-  time_kernels(f, sh, s, kernels, errs, timer, blas, dense, rows);
+  // --operands random: before each timed row (the rows before it overwrote some of them).
+  const std::function<void()> refill = [&] {
+    if (f.operands != "random") return;
+    // h (S, w1_rows), a (S, n), dh (S, w1_rows), a′ (S, n) bf16: N(0, 1) like x and dO.
+    const std::pair<Dev*, uint64_t> bufs[] = {{&s.h, 11}, {&s.a, 12}, {&s.dh, 13}, {&s.as, 14}};
+    for (const auto& [buf, salt] : bufs)
+      cuda::fill_normal(buf->p, DType::bf16, int64_t(buf->bytes / 2), f.seed + salt, 1.0f, stream);
+    MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  };
+  time_kernels(f, sh, s, kernels, errs, timer, blas, dense, refill, rows);
 }
 
 void print_table(const std::vector<Row>& rows) {
@@ -547,7 +563,7 @@ void print_table(const std::vector<Row>& rows) {
 }
 
 void append_jsonl(const std::string& path, const std::vector<Row>& rows, Activation act,
-                  const RunInfo& info) {
+                  const std::string& operands, const RunInfo& info) {
   std::ofstream os(path, std::ios::app);
   for (const auto& r : rows) {
     JsonLine j;
@@ -556,7 +572,7 @@ void append_jsonl(const std::string& path, const std::vector<Row>& rows, Activat
     j.add("K", r.K).add("d", r.d).add("n", r.n).add("ms", r.ms).add("tflops", r.tflops);
     j.add("pct_of_dense_ceiling", 100.0 * r.tflops / kDenseCeilingTflops);
     j.add("dense_same_flop_ms", r.dense_ms).add("dense_same_flop_tflops", r.dense_tflops);
-    j.add("max_rel_err", r.max_rel_err);
+    j.add("max_rel_err", r.max_rel_err).add("operands", operands);
     j.add("gpu", info.gpu).add("driver", info.driver).add("commit", info.commit);
     j.add("date", info.date);
     os << j.str() << "\n";
@@ -564,11 +580,11 @@ void append_jsonl(const std::string& path, const std::vector<Row>& rows, Activat
 }
 
 void write_markdown(const std::string& path, const std::vector<Row>& rows, Activation act,
-                    int reps, const RunInfo& info) {
+                    int reps, const std::string& operands, const RunInfo& info) {
   std::ofstream md(path);
   md << "# moeblaze bench gemm\n\n" << info.gpu << ", driver " << info.driver << ", commit "
      << info.commit << ", " << info.date << ". Activation " << activation_name(act)
-     << "; median of " << reps
+     << "; intermediates: " << operands << "; median of " << reps
      << " reps, L2 flushed; % of the measured 760 TFLOP/s dense bf16 ceiling; cuBLAS column: "
         "one dense bf16 GEMM of the same FLOPs timed the same way.\n\n";
   md << "| config | gemm | S | E | d | n | ms | TFLOP/s | % 760 | cuBLAS TFLOP/s | x cuBLAS |\n";
@@ -605,8 +621,8 @@ void run(const Flags& f) {
   if (blas) cublasDestroy(blas);
 
   print_table(rows);
-  if (!f.out.empty()) append_jsonl(f.out, rows, act, info);
-  if (!f.md.empty()) write_markdown(f.md, rows, act, f.reps, info);
+  if (!f.out.empty()) append_jsonl(f.out, rows, act, f.operands, info);
+  if (!f.md.empty()) write_markdown(f.md, rows, act, f.reps, f.operands, info);
 }
 
 }  // namespace
@@ -631,6 +647,10 @@ void add_bench_gemm_command(CLI::App& bench) {
                   "dX-tmapp, down-ws, down-pp, dX-ws, dX-pp, "
                   "dW1, dW1-ws, dW1-mc, down-fp8); all of them still run once for the "
                   "correctness check");
+  sub->add_option("--operands", flags->operands,
+                  "what the GEMMs read as h, a, dh and a': chain (what the chain computed) or "
+                  "random (N(0, 1), like x and dO, refilled after the correctness check)")
+      ->check(CLI::IsMember({"chain", "random"}));
   sub->add_option("--out", flags->out, "append JSON lines to this file");
   sub->add_option("--md", flags->md, "write the table as Markdown to this file");
   sub->callback([flags] { run(*flags); });
