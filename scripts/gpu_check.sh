@@ -56,6 +56,9 @@
 #     .device/third_party.tar.xz this also writes (CUTLASS's headers only): the check unpacks it
 #     where third_party/ is missing.
 #
+# Every run logs the SM clock, power and temperature every 500 ms (nvidia-smi) → OUT/gpu_clocks.csv,
+# summarised in one line of the summary.
+#
 # Environment: PACK=1 (leave only gpu_check.tgz, summary.txt, the *.md / *.png tables and SonicMoE's
 # autotune file in OUT),
 # ROUTING_BENCH_ARGS (extra flags for bench routing, e.g. "--quick"),
@@ -160,6 +163,16 @@ else
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
   >"$OUT/gpu.txt" 2>/dev/null || printf 'gpu\nnone visible (nvidia-smi failed)\n' >"$OUT/gpu.txt"
+# The SM clock, power and temperature every 500 ms over the whole check (OUT/gpu_clocks.csv, one
+# summary line): the clock under the power limit depends on the work and its operands, so
+# timings from different calls compare only beside the clocks they ran at.
+clock_pid=
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits \
+    -lms 500 >"$OUT/gpu_clocks.csv" 2>/dev/null &
+  clock_pid=$!
+  trap 'kill "$clock_pid" 2>/dev/null || true' EXIT
+fi
 
 status=0
 # ---- tests ----
@@ -465,6 +478,28 @@ fi
 
 # ---- short table last ----
 echo
+if [ -n "$clock_pid" ]; then
+  kill "$clock_pid" 2>/dev/null || true
+  wait "$clock_pid" 2>/dev/null || true
+  clock_pid=
+  # Columns: timestamp, SM MHz, W, deg C. Medians and extremes over the samples.
+  clocks=$(python3 - "$OUT/gpu_clocks.csv" 2>/dev/null <<'EOF' || true
+import statistics, sys
+rows = []
+for line in open(sys.argv[1]):
+    f = [x.strip() for x in line.split(",")]
+    try:
+        rows.append((float(f[1]), float(f[2]), float(f[3])))
+    except (IndexError, ValueError):
+        pass  # a header, or "[N/A]"
+if rows:
+    c, p, t = zip(*rows)
+    print("SM clock median %d MHz (min %d), power median %.0f W (max %.0f), max %d C, %d samples"
+          % (statistics.median(c), min(c), statistics.median(p), max(p), max(t), len(rows)))
+EOF
+)
+  if [ -n "$clocks" ]; then summary+=("clocks: $clocks (gpu_clocks.csv)"); fi
+fi
 echo "== gpu_check summary ($(head -2 "$OUT/gpu.txt" 2>/dev/null | tail -1)) =="
 printf '%s\n' "${summary[@]}"
 if want routing && [ -s "$OUT/routing.jsonl" ] && command -v python3 >/dev/null; then
