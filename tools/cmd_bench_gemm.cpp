@@ -4,9 +4,9 @@
 // Inputs are random N(0, 1) bf16 (weights scaled by 1/sqrt(fan-in)), never zeros; the routing is
 // near balanced (each token picks K distinct experts uniformly). The GEMMs' other inputs (h, a,
 // dh, a′) are what the chain computed (--operands chain), or, with --operands random, refilled
-// with N(0, 1) after the check, so that every kernel reads operands of one distribution (the
-// tensor cores' power, and with it the clock, depends on the operands' bits: two GEMMs of one
-// shape compare fairly only on like data).
+// with N(0, 1) before each timed row, so that every kernel reads operands of one distribution
+// (the tensor cores' power, and with it the clock, depends on the operands' bits: two GEMMs of
+// one shape compare fairly only on like data; down-fp8 keeps the codes it quantized first).
 //
 // Each row also times one dense cuBLAS bf16 GEMM with the same FLOPs (M = S, same N and K; for
 // the varlen-K weight gradients K = S) on the same card, the ceiling a grouped GEMM can approach,
