@@ -83,11 +83,12 @@ void run_kernels(const KernelsFlags& f) {
                 {"ranges from T"}});
   for (const NamedConfig* c : configs) {
     const int64_t S = c->T * c->K;
+    const LayerConfig lc = layer_config(*c, act, DType::bf16);
     const cuda::ExpertRanges here = cuda::choose_expert_ranges(
-        layer_config(*c, act, DType::bf16), S, LayerMode::recompute,
-        gg::choose_kernels({S, c->E, c->d, c->n, act}, o), o.expert_ranges);
+        lc, S, LayerMode::recompute, gg::choose_kernels({S, c->E, c->d, c->n, act}, o),
+        o.expert_ranges);
     // The automatic rule's threshold in tokens (the override, where given, holds at every T).
-    const int64_t per_token = c->K * (layer_config(*c, act, DType::bf16).w1_rows() + c->n) * 2;
+    const int64_t per_token = cuda::whole_step_range_bytes(lc, c->K);
     const int64_t from = (cuda::kExpertRangesMinBytes + per_token - 1) / per_token;
     ranges.add_row({c->name, std::to_string(c->T), cuda::describe(here),
                     o.expert_ranges ? "override" : std::to_string(from)});

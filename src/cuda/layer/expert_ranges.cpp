@@ -24,8 +24,7 @@ ExpertRanges choose_expert_ranges(const LayerConfig& cfg, int64_t S, LayerMode m
     const int64_t target = std::min(capacity, (S + *override - 1) / *override);
     return {true, target, capacity, "override"};
   }
-  const int64_t bytes = S * (cfg.w1_rows() + cfg.n) * 2;
-  if (bytes < kExpertRangesMinBytes)
+  if (whole_step_range_bytes(cfg, S) < kExpertRangesMinBytes)
     return ExpertRanges::off("whole-step H/dH and A' under 8 GiB");
   return {true, capacity, capacity, "whole-step H/dH and A' >= 8 GiB: ranges of <= T rows"};
 }

@@ -52,6 +52,10 @@ struct ExpertRanges {
 // backward in expert ranges: below it a step's transients fit beside its inputs on any GPU the
 // layer targets, and the ranges' host sync and fp32 dx traffic would only cost time.
 constexpr int64_t kExpertRangesMinBytes = int64_t(8) << 30;
+// The bytes the automatic rule weighs against it: S·(w1_rows + n)·2.
+inline int64_t whole_step_range_bytes(const LayerConfig& cfg, int64_t S) {
+  return S * (cfg.w1_rows() + cfg.n) * 2;
+}
 
 // The rule for S slots over cfg's experts in `mode`, given the kernels chosen for the shape and
 // the `ranges` kernel override (KernelOverrides::expert_ranges). Total and deterministic.
