@@ -1,5 +1,6 @@
 // `moeblaze bench layer`: forward and backward of the MoE layer on the GPU, per named config and
-// implementation (moeblaze, moeblaze-recompute, materialized, dense-bound), by DESIGN's protocol:
+// implementation (moeblaze, moeblaze-recompute, materialized, dense-bound; moeblaze-fp8 and
+// moeblaze-fp8-recompute on request: the same layer with FP8 compute), by DESIGN's protocol:
 // CUDA events around the region, warm-up first, median of --reps (>= 20) repetitions, L2 flushed
 // between repetitions by writing a 256 MiB buffer, backward = median(fwd+bwd) - median(fwd).
 // Rows carry kept-for-backward bytes (SavedForBackward::bytes() + RoutingPlan::bytes(), read off
@@ -340,9 +341,13 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
         r.peak = db.transient_bytes();
       } else {
         LayerOptions opts;
-        opts.mode = impl == "moeblaze" ? LayerMode::keep_h
-                    : impl == "moeblaze-recompute" ? LayerMode::recompute
-                                                   : LayerMode::materialized;
+        opts.mode = impl == "moeblaze" || impl == "moeblaze-fp8" ? LayerMode::keep_h
+                    : impl == "moeblaze-recompute" || impl == "moeblaze-fp8-recompute"
+                        ? LayerMode::recompute
+                        : LayerMode::materialized;
+        // moeblaze-fp8*: the same layer with FP8 compute (docs/FP8.md), same inputs.
+        LayerConfig lc = c;
+        if (impl.rfind("moeblaze-fp8", 0) == 0) lc.compute = Compute::fp8;
         opts.stream = stream;
         opts.dh_over_h = true;  // every step runs backward once from a fresh forward
         SavedForBackward saved;
@@ -352,21 +357,21 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
           MOEBLAZE_CUDA_CHECK(cudaMemset(dx.p, 0xFF, dx.bytes));
           MOEBLAZE_CUDA_CHECK(cudaMemset(dpw.p, 0xFF, dpw.bytes));
           PeakScope peak(Device::cuda);
-          layer_forward(c, plan, xv, w1v, w2v, biases, outv, saved, opts);
+          layer_forward(lc, plan, xv, w1v, w2v, biases, outv, saved, opts);
           MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
           r.kept = saved.bytes() + plan.bytes();
-          layer_backward(c, plan, xv, w1v, w2v, biases, doutv, saved, gb, opts);
+          layer_backward(lc, plan, xv, w1v, w2v, biases, doutv, saved, gb, opts);
           MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
           r.peak = peak.peak_above_start();
-          if (!biased) r.err = sample_error(ref, host_plan, c, out.p, dx.p, dpw.as<float>());
+          if (!biased) r.err = sample_error(ref, host_plan, lc, out.p, dx.p, dpw.as<float>());
         }
         auto reset = [&] { saved = SavedForBackward(); };  // free the last H outside the timing
         r.fwd = timer.median_ms(f.warmup, f.reps, reset, [&] {
-          layer_forward(c, plan, xv, w1v, w2v, biases, outv, saved, opts);
+          layer_forward(lc, plan, xv, w1v, w2v, biases, outv, saved, opts);
         });
         r.total = timer.median_ms(f.warmup, f.reps, reset, [&] {
-          layer_forward(c, plan, xv, w1v, w2v, biases, outv, saved, opts);
-          layer_backward(c, plan, xv, w1v, w2v, biases, doutv, saved, gb, opts);
+          layer_forward(lc, plan, xv, w1v, w2v, biases, outv, saved, opts);
+          layer_backward(lc, plan, xv, w1v, w2v, biases, doutv, saved, gb, opts);
         });
       }
     } catch (const DeviceError& e) {  // e.g. out of device memory: the other impls still run
@@ -496,10 +501,11 @@ void run_bench(const BenchFlags& f) {
   const std::vector<std::string> impls = split_commas(f.impl);
   MOEBLAZE_REQUIRE(!impls.empty(), "impl list '", f.impl, "' is empty");
   for (const std::string& i : impls)
-    MOEBLAZE_REQUIRE(i == "moeblaze" || i == "moeblaze-recompute" || i == "materialized" ||
+    MOEBLAZE_REQUIRE(i == "moeblaze" || i == "moeblaze-recompute" || i == "moeblaze-fp8" ||
+                         i == "moeblaze-fp8-recompute" || i == "materialized" ||
                          i == "dense-bound",
-                     "impl '", i, "' is not one of: moeblaze, moeblaze-recompute, materialized, "
-                     "dense-bound");
+                     "impl '", i, "' is not one of: moeblaze, moeblaze-recompute, moeblaze-fp8, "
+                     "moeblaze-fp8-recompute, materialized, dense-bound");
   int devices = 0;
   MOEBLAZE_UNSUPPORTED_IF(cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0,
                           "bench layer needs a GPU; none is visible");

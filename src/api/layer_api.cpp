@@ -58,9 +58,6 @@ void check_common(const LayerConfig& cfg, const RoutingPlan& plan, const TensorV
     MOEBLAZE_UNSUPPORTED_IF(opts.mode == LayerMode::materialized,
                             "compute fp8: the materialized baseline computes in the storage "
                             "dtype only (use keep_h or recompute)");
-    MOEBLAZE_UNSUPPORTED_IF(dev == Device::cuda,
-                            "compute fp8: the CUDA backend has no FP8 kernels yet (the CPU "
-                            "backend emulates the recipe; issue 20)");
   }
 #ifndef MOEBLAZE_WITH_CUDA
   for (const auto& [t, name] : {std::pair<const TensorView*, const char*>{&x, "x"}, {&w1, "w1"},

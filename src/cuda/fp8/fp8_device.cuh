@@ -15,6 +15,7 @@
 // __nv_cvt_float2_to_fp8x2 (inline PTX cvt.rn.satfinite.e4m3x2.f32 on sm_89+, no .ftz form).
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -60,6 +61,11 @@ __device__ __forceinline__ uint16_t codes2(float x0, float x1, float scale) {
 __device__ __forceinline__ uint8_t e4m3_from_float(float x) {
   if ((__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u) return kE4m3NaN;
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+}
+
+// e4m3::to_float: exact (every e4m3 value is a half value); 0x7F / 0xFF give NaN.
+__device__ __forceinline__ float e4m3_to_float(uint8_t b) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3)));
 }
 
 }  // namespace moeblaze::cuda::fp8

@@ -105,7 +105,8 @@ __device__ __forceinline__ int chunk_len(int64_t cols, int64_t c) {
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    quantize_1x128_kernel(const T* __restrict__ x,     // (rows, ld) the input, cols used
+    quantize_1x128_kernel(const T* __restrict__ x,     // (rows or more, ld) the input
+                          const int32_t* __restrict__ gather,  // (rows,) source row, or null
                           int64_t rows, int64_t cols, int64_t ld,
                           uint8_t* __restrict__ q,     // (rows, cols) e4m3 codes
                           float* __restrict__ scales,  // (rows, kb) fp32 scales
@@ -123,8 +124,9 @@ __global__ void __launch_bounds__(kThreads)
       c = (tile - r * kb) * kFp8Group + sub * kChunk;
       n = chunk_len(cols, c);
     }
+    const int64_t src = gather != nullptr && n > 0 ? int64_t(__ldg(gather + r)) : r;
     float f[kChunk];
-    load_chunk(n > 0 ? x + r * ld + c : x, n, vec_load, f);
+    load_chunk(n > 0 ? x + src * ld + c : x, n, vec_load, f);
     uint32_t a = chunk_amax_bits(f);
 #pragma unroll
     for (int off = kThreadsPerGroup / 2; off > 0; off /= 2)
@@ -191,9 +193,9 @@ void check_ptrs(const char* fn, const void* x, const void* q, const void* scales
 }
 
 template <typename T>
-void quantize_1x128_impl(const T* x, int64_t rows, int64_t cols, int64_t ld, uint8_t* q,
-                         float* scales, cudaStream_t stream) {
-  constexpr const char* fn = "quantize_1x128_async";
+void quantize_1x128_impl(const T* x, const int32_t* gather, int64_t rows, int64_t cols,
+                         int64_t ld, uint8_t* q, float* scales, cudaStream_t stream) {
+  const char* fn = gather ? "gather_quantize_1x128_async" : "quantize_1x128_async";
   check_dims(fn, rows, cols, ld);
   if (rows == 0 || cols == 0) return;
   check_ptrs(fn, x, q, scales);
@@ -202,7 +204,7 @@ void quantize_1x128_impl(const T* x, int64_t rows, int64_t cols, int64_t ld, uin
   const bool vec_store = aligned16(q) && cols % 16 == 0;
   const int64_t ctas = std::min<int64_t>((tiles + kTilesPerCta - 1) / kTilesPerCta, 1 << 22);
   quantize_1x128_kernel<<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(
-      x, rows, cols, ld, q, scales, vec_load, vec_store);
+      x, gather, rows, cols, ld, q, scales, vec_load, vec_store);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -235,11 +237,18 @@ const uint16_t* bits(const bf16* x) { return reinterpret_cast<const uint16_t*>(x
 
 void quantize_1x128_async(const bf16* x, int64_t rows, int64_t cols, int64_t ld, uint8_t* q,
                           float* scales, cudaStream_t stream) {
-  quantize_1x128_impl(bits(x), rows, cols, ld, q, scales, stream);
+  quantize_1x128_impl(bits(x), nullptr, rows, cols, ld, q, scales, stream);
 }
 void quantize_1x128_async(const float* x, int64_t rows, int64_t cols, int64_t ld, uint8_t* q,
                           float* scales, cudaStream_t stream) {
-  quantize_1x128_impl(x, rows, cols, ld, q, scales, stream);
+  quantize_1x128_impl(x, nullptr, rows, cols, ld, q, scales, stream);
+}
+void gather_quantize_1x128_async(const bf16* x, const int32_t* rows_of, int64_t rows,
+                                 int64_t cols, int64_t ld, uint8_t* q, float* scales,
+                                 cudaStream_t stream) {
+  MOEBLAZE_REQUIRE(rows == 0 || rows_of != nullptr,
+                   "gather_quantize_1x128_async: rows_of must be a device pointer");
+  quantize_1x128_impl(bits(x), rows_of, rows, cols, ld, q, scales, stream);
 }
 void quantize_128x128_async(const bf16* x, int64_t batch, int64_t batch_stride, int64_t rows,
                             int64_t cols, int64_t ld, uint8_t* q, float* scales,

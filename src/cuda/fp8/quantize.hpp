@@ -32,6 +32,12 @@ void quantize_1x128_async(const bf16* x, int64_t rows, int64_t cols, int64_t ld,
                           float* scales, cudaStream_t stream);
 void quantize_1x128_async(const float* x, int64_t rows, int64_t cols, int64_t ld, uint8_t* q,
                           float* scales, cudaStream_t stream);
+// The same with a row gather: row r of q and scales is the quantization of x's row rows_of[r]
+// (the layer's X and dO in slot order, through the plan's expert_token_indices); the indices
+// are the caller's to keep in range (the plan's are validated).
+void gather_quantize_1x128_async(const bf16* x, const int32_t* rows_of, int64_t rows,
+                                 int64_t cols, int64_t ld, uint8_t* q, float* scales,
+                                 cudaStream_t stream);
 
 // 128x128 blocks of `batch` stacked matrices (weights: W1 (E, w1_rows, d), W2 (E, d, n)), each
 // quantized on its own: matrix b is x + b * batch_stride (elements; batch_stride >=

@@ -263,6 +263,7 @@ void check_gpu_layer_args(const LayerConfig& cfg, const RoutingPlan& plan,
                           ": the CUDA backend stores bf16; use the CPU backend for fp32");
   gemm::check_gemm_shape(cfg.d, cfg.n);
   gemm::detail::check_gpu_activation("layer", cfg.activation, cfg.E);
+  if (cfg.compute == Compute::fp8) check_fp8_gpu_shape(cfg);
   MOEBLAZE_REQUIRE(plan.device() == Device::cuda, "plan is on ", device_name(plan.device()),
                    ", expected cuda");
   MOEBLAZE_REQUIRE(plan.T() == cfg.T, "plan has T = ", plan.T(), ", the layer has T = ", cfg.T);
@@ -294,6 +295,7 @@ size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, 
                              bool dh_over_h) {
   MOEBLAZE_REQUIRE(S >= 0, "S (", S, ") must be >= 0");
   if (mode == LayerMode::materialized) return materialized_workspace_bytes(cfg, S);
+  if (cfg.compute == Compute::fp8) return fp8_workspace_bytes(cfg, S, mode, forward);
   const LayerChunks chunks = layer_chunks(cfg, S, mode);
   if (forward) return forward_workspace(cfg, S, chunks.forward, nullptr).bytes;
   const ExpertRanges ranges = layer_ranges(cfg, S, mode);
@@ -318,14 +320,22 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
   const RoutingPlanView pv = plan.view();
 
   SavedForBackward next;
-  // (S, w1_rows) bf16, slot order: the only activation kept for backward.
-  // Caller memory (LayerOptions::h_storage / workspace, checked by the API) is borrowed.
-  const size_t h_bytes = size_t(S * cfg.w1_rows()) * 2;
+  // (S, w1_rows) bf16 (fp8 compute: e4m3 codes and 1x128 scales), slot order: the only
+  // activation kept for backward. Caller memory (LayerOptions::h_storage / workspace, checked by
+  // the API) is borrowed.
+  const size_t h_bytes = cfg.kept_h_bytes(S);
   if (opts.mode == LayerMode::keep_h)
     Saved::h(next) = opts.h_storage ? Buffer::borrow(Device::cuda, opts.h_storage, h_bytes)
                                     : Buffer(Device::cuda, h_bytes, opts.stream);
 
-  if (cfg.T > 0) {
+  if (cfg.T > 0 && cfg.compute == Compute::fp8) {
+    Buffer ws = opts.workspace
+                    ? Buffer::borrow(Device::cuda, opts.workspace, opts.workspace_bytes)
+                    : Buffer(Device::cuda, fp8_workspace_bytes(cfg, S, opts.mode, true),
+                             opts.stream);
+    fp8_forward(cfg, pv, x.as<bf16>(), w1.as<bf16>(), w2.as<bf16>(), b1, b2,
+                Saved::h(next).data(), out.data, ws.data(), stream);
+  } else if (cfg.T > 0) {
     const TokenChunks chunks = layer_chunks(cfg, S, opts.mode).forward;
     Buffer ws = opts.workspace
                     ? Buffer::borrow(Device::cuda, opts.workspace, opts.workspace_bytes)
@@ -447,8 +457,9 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   MOEBLAZE_REQUIRE(Saved::S(saved) == plan.S(), "saved holds S = ", Saved::S(saved),
                    " assignments, the plan has ", plan.S());
   MOEBLAZE_REQUIRE(opts.mode != LayerMode::keep_h ||
-                       Saved::h(saved).bytes() == size_t(plan.S() * cfg.w1_rows()) * 2,
-                   "saved.h has ", Saved::h(saved).bytes(), " bytes, expected (S, w1_rows) bf16");
+                       Saved::h(saved).bytes() == cfg.kept_h_bytes(plan.S()),
+                   "saved.h has ", Saved::h(saved).bytes(), " bytes, expected cfg.kept_h_bytes(S) = ",
+                   cfg.kept_h_bytes(plan.S()));
 
   const GemmOps& g = gemm_ops();
   const cudaStream_t stream = stream_of(opts);
@@ -464,6 +475,17 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
     return;
   }
 
+  if (cfg.compute == Compute::fp8) {
+    Buffer ws = opts.workspace
+                    ? Buffer::borrow(Device::cuda, opts.workspace, opts.workspace_bytes)
+                    : Buffer(Device::cuda, fp8_workspace_bytes(cfg, S, opts.mode, false),
+                             opts.stream);
+    fp8_backward(cfg, pv, opts.mode, x.as<bf16>(), w1.as<bf16>(), w2.as<bf16>(), b1, b2,
+                 d_out.as<bf16>(), opts.mode == LayerMode::keep_h ? Saved::h(saved).data()
+                                                                 : nullptr,
+                 grads, db1, db2, ws.data(), stream);
+    return;
+  }
   const int64_t ds_cols = g.ds_partials_cols(cfg.n);
   const bool dh_over_h = opts.mode == LayerMode::keep_h && opts.dh_over_h;
   const TokenChunks chunks = layer_chunks(cfg, S, opts.mode).backward;
