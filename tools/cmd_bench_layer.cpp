@@ -347,7 +347,13 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
                         : LayerMode::materialized;
         // moeblaze-fp8*: the same layer with FP8 compute (docs/FP8.md), same inputs.
         LayerConfig lc = c;
-        if (impl.rfind("moeblaze-fp8", 0) == 0) lc.compute = Compute::fp8;
+        // Their weights' codes in a cache told before each step that the weights changed (an
+        // optimizer step per fwd+bwd): forward quantizes, backward reuses.
+        Fp8WeightCache fp8_cache;
+        if (impl.rfind("moeblaze-fp8", 0) == 0) {
+          lc.compute = Compute::fp8;
+          opts.fp8_weights = &fp8_cache;
+        }
         opts.stream = stream;
         opts.dh_over_h = true;  // every step runs backward once from a fresh forward
         SavedForBackward saved;
@@ -365,7 +371,10 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
           r.peak = peak.peak_above_start();
           if (!biased) r.err = sample_error(ref, host_plan, lc, out.p, dx.p, dpw.as<float>());
         }
-        auto reset = [&] { saved = SavedForBackward(); };  // free the last H outside the timing
+        auto reset = [&] {  // free the last H outside the timing
+          saved = SavedForBackward();
+          fp8_cache.weights_changed();
+        };
         r.fwd = timer.median_ms(f.warmup, f.reps, reset, [&] {
           layer_forward(lc, plan, xv, w1v, w2v, biases, outv, saved, opts);
         });

@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "moeblaze/config.hpp"
 #include "moeblaze/memory.hpp"
@@ -32,6 +33,31 @@ const char* layer_mode_name(LayerMode m);  // "moeblaze", "moeblaze-recompute", 
 
 // The largest thread count an entry point accepts (num_threads, the CLI's --threads).
 constexpr int kMaxThreads = 1024;
+
+// FP8 compute's weight codes kept between calls (LayerOptions::fp8_weights; the CUDA backend):
+// W1 and W2 as e4m3 codes with 128x128-block scales, as stored and transposed (FP8 WGMMA reads
+// both operands K-major, so dA' and dX~ need the transposes). The first call given the cache
+// quantizes them; later calls reuse the codes until weights_changed(). The library cannot see an
+// in-place update of the weights, so the caller says when it made one (after each optimizer
+// step); a call with other weight pointers or shapes requantizes by itself. Device memory
+// (accounted): about 2 E (w1_rows d + d n) bytes. Not thread-safe: calls sharing a cache run in
+// stream order (one stream, or synchronised). The CPU backend, which emulates the recipe,
+// quantizes on every call and ignores it.
+class Fp8WeightCache {
+ public:
+  Fp8WeightCache();
+  ~Fp8WeightCache();
+  Fp8WeightCache(const Fp8WeightCache&) = delete;
+  Fp8WeightCache& operator=(const Fp8WeightCache&) = delete;
+  void weights_changed();
+  size_t bytes() const;           // device bytes held
+  int64_t quantizations() const;  // how many times a call (re)computed the codes
+  struct State;                   // the CUDA backend's (src/core/fp8_weight_cache.hpp)
+  State& state() { return *state_; }
+
+ private:
+  std::unique_ptr<State> state_;
+};
 
 struct LayerOptions {
   LayerMode mode = LayerMode::keep_h;
@@ -64,6 +90,10 @@ struct LayerOptions {
   // CUDA path never synchronises, and an unchecked bad plan makes its kernels read out of bounds.
   // The CPU backend always checks such plans and ignores it.
   bool check_plan = false;
+
+  // compute fp8 (CUDA backend): the weights' codes from this cache instead of quantizing them in
+  // every call (see Fp8WeightCache); nullptr = quantize W1 and W2 in each forward and backward.
+  Fp8WeightCache* fp8_weights = nullptr;
 };
 
 namespace detail {

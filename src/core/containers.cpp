@@ -1,4 +1,5 @@
-// Owning containers of the routing and the routing plan.
+// Owning containers of the routing, the routing plan and FP8 compute's weight cache.
+#include "core/fp8_weight_cache.hpp"
 #include "moeblaze/layer.hpp"
 #include "moeblaze/routing.hpp"
 #include "moeblaze/routing_plan.hpp"
@@ -98,5 +99,11 @@ SavedForBackward SavedForBackward::borrow(LayerMode mode, int64_t S, Device devi
   s.h_ = Buffer::borrow(device, h, h_bytes);
   return s;
 }
+
+Fp8WeightCache::Fp8WeightCache() : state_(new State) {}
+Fp8WeightCache::~Fp8WeightCache() = default;
+void Fp8WeightCache::weights_changed() { state_->valid = false; }
+size_t Fp8WeightCache::bytes() const { return state_->codes.bytes(); }
+int64_t Fp8WeightCache::quantizations() const { return state_->quantizations; }
 
 }  // namespace moeblaze

@@ -251,5 +251,70 @@ TEST(Fp8LayerGpu, RefusesDimsThatAreNotMultiplesOf128AndLeavesOutputsUntouched) 
   }
 }
 
+// The weight cache: the same bits as quantizing in every call; one quantization serves forward
+// and backward and every later step until weights_changed() (or other weight pointers).
+TEST(Fp8LayerGpu, WeightCacheGivesTheSameBitsAndRequantizesOnlyWhenTold) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const HostRouting routing = random_routing({300, 6, 2, 1, true}, seed);
+  const RoutingPlan dev_plan = device_plan(make_plan(routing));
+  const LayerConfig cfg = fp8_config(300, 256, 128, 6, 2, Activation::swiglu);
+  LayerTensors t(cfg, dev_plan.S());
+  t.randomize(seed + 1);
+  LayerTensors other = t;
+  other.w1.fill_random(seed + 2, 0.06f);
+  other.w2.fill_random(seed + 3, 0.09f);
+  for (LayerMode mode : {LayerMode::keep_h, LayerMode::recompute}) {
+    SCOPED_TRACE(layer_mode_name(mode));
+    LayerTensors plain = t, plain_other = other;
+    run(cfg, dev_plan, plain, mode);
+    run(cfg, dev_plan, plain_other, mode);
+
+    DevTensor x(t.x), w1(t.w1), w2(t.w2), out(t.out), d_out(t.d_out), dx(t.dx), dw1(t.dw1),
+        dw2(t.dw2), dpw(t.d_pair_weights);
+    LayerGrads g;
+    g.dx = dx.v, g.dw1 = dw1.v, g.dw2 = dw2.v, g.d_pair_weights = dpw.v;
+    Fp8WeightCache cache;
+    LayerOptions opts;
+    opts.mode = mode;
+    opts.fp8_weights = &cache;
+    LayerTensors got = t;
+    const auto step = [&] {
+      poison(got);
+      for (DevTensor* o : {&out, &dx, &dw1, &dw2, &dpw}) o->mem.poison();
+      SavedForBackward saved;
+      layer_forward(cfg, dev_plan, x.v, w1.v, w2.v, out.v, saved, opts);
+      layer_backward(cfg, dev_plan, x.v, w1.v, w2.v, d_out.v, saved, g, opts);
+      out.download_into(got.out);
+      dx.download_into(got.dx);
+      dw1.download_into(got.dw1);
+      dw2.download_into(got.dw2);
+      dpw.download_into(got.d_pair_weights);
+    };
+    step();
+    expect_same_results(got, plain);
+    EXPECT_EQ(cache.quantizations(), 1) << "forward quantizes, backward reuses";
+    EXPECT_GE(cache.bytes(), size_t(2 * cfg.E * (cfg.w1_rows() * cfg.d + cfg.d * cfg.n)));
+    step();
+    expect_same_results(got, plain);
+    EXPECT_EQ(cache.quantizations(), 1) << "the next step reuses the codes";
+    // New weights written in place: the caller says so, and the next call requantizes.
+    w1.mem.upload(other.w1.bytes);
+    w2.mem.upload(other.w2.bytes);
+    cache.weights_changed();
+    step();
+    expect_same_results(got, plain_other);
+    EXPECT_EQ(cache.quantizations(), 2);
+    // Other weight pointers requantize by themselves.
+    DevTensor w1b(t.w1), w2b(t.w2);
+    SavedForBackward saved;
+    layer_forward(cfg, dev_plan, x.v, w1b.v, w2b.v, out.v, saved, opts);
+    out.download_into(got.out);
+    EXPECT_TRUE(bitwise_equal(got.out, plain.out));
+    EXPECT_EQ(cache.quantizations(), 3);
+  }
+}
+
 }  // namespace
 }  // namespace moeblaze::test

@@ -7,7 +7,7 @@
 //
 // Conventions: R = w1_rows (2n gated, n otherwise); n a multiple of 128, so every 1x128 group of
 // a row lies in one half (gate or up) of H and dH; device pointers, H and dA' rows 8-byte
-// aligned (16-byte aligned bases); one warp per slot row, fixed summation orders (the outputs do
+// aligned (16-byte aligned bases); one warp per (slot row, 128 columns of a), fixed summation orders (the outputs do
 // not depend on the launch shape); asynchronous on `stream`, no allocation, no host sync;
 // arguments checked before the launch (InvalidArgument / Unsupported, nothing written); S == 0
 // launches nothing.
@@ -36,13 +36,14 @@ void act_quantize_async(const bf16* h, int64_t S, int64_t n, Activation act, con
 // Backward, between dA' = dO W2 and dX~ = dH W1, per slot s with weight w = slot_weights[s]:
 //   h         = h_q[s] · h_s[s]            the dequantized kept (or recomputed) H, (R,)
 //   a         = act(h)
-//   ds[s]     = Σ_j dA'[s, j] a_j          fp32, (S,)
+//   ds[s]     = Σ_j dA'[s, j] a_j          fp32, (S,): per 128 columns into ds_partials
+//                                          (S, n/128), then summed in column order
 //   a_scaled  = w a                        (S, n) bf16: dW2's operand
 //   dh        = act'(h, w dA'[s])          fp32 -> dh (S, R) bf16 (dW1's operand and db1's) and
 //   dh_q (S, R) codes, dh_s (S, R/128)     its 1x128 tiles from the fp32 values (dX~'s operand)
 void dact_quantize_async(const uint8_t* h_q, const float* h_s, const bf16* da,
                          const float* slot_weights, int64_t S, int64_t n, Activation act,
-                         bf16* a_scaled, float* ds, bf16* dh, uint8_t* dh_q, float* dh_s,
-                         cudaStream_t stream);
+                         bf16* a_scaled, float* ds_partials, float* ds, bf16* dh, uint8_t* dh_q,
+                         float* dh_s, cudaStream_t stream);
 
 }  // namespace moeblaze::cuda::fp8

@@ -331,10 +331,11 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
   if (cfg.T > 0 && cfg.compute == Compute::fp8) {
     Buffer ws = opts.workspace
                     ? Buffer::borrow(Device::cuda, opts.workspace, opts.workspace_bytes)
-                    : Buffer(Device::cuda, fp8_workspace_bytes(cfg, S, opts.mode, true),
+                    : Buffer(Device::cuda,
+                             fp8_workspace_bytes(cfg, S, opts.mode, true, !opts.fp8_weights),
                              opts.stream);
     fp8_forward(cfg, pv, x.as<bf16>(), w1.as<bf16>(), w2.as<bf16>(), b1, b2,
-                Saved::h(next).data(), out.data, ws.data(), stream);
+                Saved::h(next).data(), out.data, opts.fp8_weights, ws.data(), stream);
   } else if (cfg.T > 0) {
     const TokenChunks chunks = layer_chunks(cfg, S, opts.mode).forward;
     Buffer ws = opts.workspace
@@ -478,12 +479,13 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   if (cfg.compute == Compute::fp8) {
     Buffer ws = opts.workspace
                     ? Buffer::borrow(Device::cuda, opts.workspace, opts.workspace_bytes)
-                    : Buffer(Device::cuda, fp8_workspace_bytes(cfg, S, opts.mode, false),
+                    : Buffer(Device::cuda,
+                             fp8_workspace_bytes(cfg, S, opts.mode, false, !opts.fp8_weights),
                              opts.stream);
     fp8_backward(cfg, pv, opts.mode, x.as<bf16>(), w1.as<bf16>(), w2.as<bf16>(), b1, b2,
                  d_out.as<bf16>(), opts.mode == LayerMode::keep_h ? Saved::h(saved).data()
                                                                  : nullptr,
-                 grads, db1, db2, ws.data(), stream);
+                 grads, db1, db2, opts.fp8_weights, ws.data(), stream);
     return;
   }
   const int64_t ds_cols = g.ds_partials_cols(cfg.n);

@@ -137,18 +137,21 @@ void check_gpu_layer_args(const LayerConfig& cfg, const RoutingPlan& plan,
 
 // FP8 compute (cfg.compute == fp8; layer_fp8.cu): the recipe of docs/FP8.md on the FP8 grouped
 // GEMMs. check_fp8_gpu_shape: d and n multiples of 128 (Unsupported naming the dimension).
-// fp8_forward / fp8_backward run one pass on a workspace of fp8_workspace_bytes (S slots);
-// h_keep / h_saved: the kept H (cfg.kept_h_bytes(S): codes, then scales), null in recompute.
-// Backward is called with S > 0 only (the caller zero-fills the gradients of an empty plan).
+// fp8_forward / fp8_backward run one pass on a workspace of fp8_workspace_bytes (S slots;
+// weights: with room for the weights' codes, which a call without a cache needs);
+// h_keep / h_saved: the kept H (cfg.kept_h_bytes(S): codes, then scales), null in recompute;
+// cache: LayerOptions::fp8_weights or null. Backward is called with S > 0 only (the caller
+// zero-fills the gradients of an empty plan).
 void check_fp8_gpu_shape(const LayerConfig& cfg);
-size_t fp8_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, bool forward);
+size_t fp8_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, bool forward,
+                           bool weights = true);
 void fp8_forward(const LayerConfig& cfg, const RoutingPlanView& pv, const bf16* x,
                  const bf16* w1, const bf16* w2, const bf16* b1, const bf16* b2, void* h_keep,
-                 void* out, void* workspace, cudaStream_t stream);
+                 void* out, Fp8WeightCache* cache, void* workspace, cudaStream_t stream);
 void fp8_backward(const LayerConfig& cfg, const RoutingPlanView& pv, LayerMode mode,
                   const bf16* x, const bf16* w1, const bf16* w2, const bf16* b1, const bf16* b2,
                   const bf16* d_out, const void* h_saved, const LayerGrads& grads, bf16* db1,
-                  bf16* db2, void* workspace, cudaStream_t stream);
+                  bf16* db2, Fp8WeightCache* cache, void* workspace, cudaStream_t stream);
 
 // The GPU materialized baseline's per-call workspace (src/baselines/materialized_cuda.cu).
 size_t materialized_workspace_bytes(const LayerConfig& cfg, int64_t S);
