@@ -316,5 +316,71 @@ TEST(Fp8LayerGpu, WeightCacheGivesTheSameBitsAndRequantizesOnlyWhenTold) {
   }
 }
 
+// A CUDA graph of one FP8 step (no host sync), on caller memory as the PyTorch front end captures
+// it (H and both workspaces given): replayed, it gives the eager step's bits, with the weights
+// quantized inside the graph and with a warmed cache.
+TEST(Fp8LayerGpu, GraphCapturedStepGivesTheEagerBits) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const HostRouting routing = random_routing({256, 8, 2, 1, true}, seed);
+  const RoutingPlan dev_plan = device_plan(make_plan(routing));
+  const LayerConfig cfg = fp8_config(256, 256, 128, 8, 2, Activation::swiglu);
+  LayerTensors t(cfg, dev_plan.S());
+  t.randomize(seed + 1);
+  LayerTensors eager = t;
+  run(cfg, dev_plan, eager, LayerMode::keep_h);
+
+  DevTensor x(t.x), w1(t.w1), w2(t.w2), out(t.out), d_out(t.d_out), dx(t.dx), dw1(t.dw1),
+      dw2(t.dw2), dpw(t.d_pair_weights);
+  LayerGrads g;
+  g.dx = dx.v, g.dw1 = dw1.v, g.dw2 = dw2.v, g.d_pair_weights = dpw.v;
+  cudaStream_t s = nullptr;
+  MOEBLAZE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  Fp8WeightCache cache;
+  for (bool cached : {false, true}) {
+    SCOPED_TRACE(cached ? "warmed cache" : "no cache");
+    LayerOptions opts;
+    opts.stream = s;
+    if (cached) {
+      opts.fp8_weights = &cache;
+      SavedForBackward warm;  // the cache's codes made before the capture
+      layer_forward(cfg, dev_plan, x.v, w1.v, w2.v, out.v, warm, opts);
+      MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(s));
+    }
+    for (DevTensor* o : {&out, &dx, &dw1, &dw2, &dpw}) o->mem.poison();
+    const int64_t S = dev_plan.S();
+    DevMem h(cfg.kept_h_bytes(S)),
+        fws(layer_workspace_bytes(cfg, S, LayerMode::keep_h, Device::cuda, LayerPass::forward)),
+        bws(layer_workspace_bytes(cfg, S, LayerMode::keep_h, Device::cuda, LayerPass::backward));
+    LayerOptions f = opts, b = opts;
+    f.h_storage = h.p, f.workspace = fws.p, f.workspace_bytes = fws.bytes;
+    b.workspace = bws.p, b.workspace_bytes = bws.bytes;
+    cudaGraph_t graph = nullptr;
+    MOEBLAZE_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    {
+      SavedForBackward saved;
+      layer_forward(cfg, dev_plan, x.v, w1.v, w2.v, out.v, saved, f);
+      layer_backward(cfg, dev_plan, x.v, w1.v, w2.v, d_out.v, saved, g, b);
+    }
+    MOEBLAZE_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+    cudaGraphExec_t exec = nullptr;
+    MOEBLAZE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    MOEBLAZE_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(s));
+    LayerTensors got = t;
+    out.download_into(got.out);
+    dx.download_into(got.dx);
+    dw1.download_into(got.dw1);
+    dw2.download_into(got.dw2);
+    dpw.download_into(got.d_pair_weights);
+    expect_same_results(got, eager);
+    MOEBLAZE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    MOEBLAZE_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+  EXPECT_EQ(cache.quantizations(), 1);
+  MOEBLAZE_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
 }  // namespace
 }  // namespace moeblaze::test
