@@ -40,9 +40,11 @@ constexpr int kMaxThreads = 1024;
 // quantizes them; later calls reuse the codes until weights_changed(). The library cannot see an
 // in-place update of the weights, so the caller says when it made one (after each optimizer
 // step); a call with other weight pointers or shapes requantizes by itself. Device memory
-// (accounted): about 2 E (w1_rows d + d n) bytes. Not thread-safe: calls sharing a cache run in
-// stream order (one stream, or synchronised). The CPU backend, which emulates the recipe,
-// quantizes on every call and ignores it.
+// (accounted): about 2 E (w1_rows d + d n) bytes, allocated at the first call with a shape (a
+// host sync; outside a CUDA graph capture, which it refuses by name) and freed, after a device
+// sync, when the cache is destroyed; the caller's streams may end before it. Not thread-safe:
+// calls sharing a cache run in stream order (one stream, or synchronised). The CPU backend,
+// which emulates the recipe, quantizes on every call and ignores it.
 class Fp8WeightCache {
  public:
   Fp8WeightCache();

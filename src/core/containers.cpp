@@ -1,4 +1,8 @@
 // Owning containers of the routing, the routing plan and FP8 compute's weight cache.
+#ifdef MOEBLAZE_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
 #include "core/fp8_weight_cache.hpp"
 #include "moeblaze/layer.hpp"
 #include "moeblaze/routing.hpp"
@@ -101,7 +105,13 @@ SavedForBackward SavedForBackward::borrow(LayerMode mode, int64_t S, Device devi
 }
 
 Fp8WeightCache::Fp8WeightCache() : state_(new State) {}
-Fp8WeightCache::~Fp8WeightCache() = default;
+Fp8WeightCache::~Fp8WeightCache() {
+#ifdef MOEBLAZE_WITH_CUDA
+  // The codes are freed on the legacy default stream, which is not ordered with the caller's
+  // non-blocking streams: wait for every reader first.
+  if (state_->codes.device() == Device::cuda && state_->codes.bytes() > 0) cudaDeviceSynchronize();
+#endif
+}
 void Fp8WeightCache::weights_changed() { state_->valid = false; }
 size_t Fp8WeightCache::bytes() const { return state_->codes.bytes(); }
 int64_t Fp8WeightCache::quantizations() const { return state_->quantizations; }

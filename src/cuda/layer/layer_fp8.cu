@@ -177,9 +177,19 @@ WeightCodes cached_weights(const LayerConfig& cfg, const bf16* w1, const bf16* w
   const int64_t d = cfg.d, n = cfg.n, E = cfg.E, R = cfg.w1_rows();
   const size_t bytes = carve_weights(cfg, nullptr).bytes;
   if (st.codes.bytes() != bytes || st.codes.device() != Device::cuda) {
+    // The cache outlives the caller's streams, so its codes live on the legacy default stream,
+    // with a host sync at each (re)allocation (its first call, or a new shape) and at its end.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    MOEBLAZE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    MOEBLAZE_UNSUPPORTED_IF(capture != cudaStreamCaptureStatusNone,
+                            "opts.fp8_weights: the cache allocates its codes (a host sync) at its "
+                            "first call with a shape; make that call before capturing a CUDA "
+                            "graph");
     st.valid = false;
-    st.codes = Buffer();  // the old codes go first (stream-ordered free)
-    st.codes = Buffer(Device::cuda, bytes, stream);
+    MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(stream));  // the old codes' last readers
+    st.codes = Buffer();
+    st.codes = Buffer(Device::cuda, bytes, nullptr);
+    MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(nullptr));  // allocated before `stream` uses it
   }
   const WeightCodes k = carve_weights(cfg, st.codes.data());
   const bool same = st.valid && st.w1 == w1 && st.w2 == w2 && st.E == E && st.w1_rows == R &&
