@@ -56,8 +56,8 @@ typedef struct {
   int32_t mode;        /* 0 keep_h, 1 recompute, 2 keep_h whose backward writes dH over h
                           (CUDA: less workspace; h is garbage afterwards) */
   int32_t num_threads; /* CPU threads, 0 = all */
-  int32_t compute;     /* 0 storage dtype, 1 fp8 (e4m3 operands, bf16 storage; the CPU backend
-                          only for now): LayerConfig::compute */
+  int32_t compute;     /* 0 storage dtype, 1 fp8 (e4m3 operands, bf16 storage; CUDA: d and n
+                          multiples of 128): LayerConfig::compute */
 } moeblaze_layer_cfg;
 
 /* The router (RouterConfig without the loss coefficients). */

@@ -142,7 +142,7 @@ def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, ac
     and w1 / w2 are fp32 (their gradients come back in fp32); float16 raises ValueError.
     b1 (E, w1_rows) / b2 (E, d): optional expert biases, cast like w1 / w2 (CPU and CUDA).
     compute_dtype="fp8": the expert GEMMs on e4m3 operands with fine-grained scales and H kept
-    in e4m3 (bf16 compute only; the CPU backend emulates it, the GPU refuses it for now)."""
+    in e4m3 (bf16 storage only; the GPU needs d and n multiples of 128, the CPU emulates it)."""
     x, w1, w2, b1, b2 = _compute_operands(x, w1, w2, b1, b2)
     E = w2.shape[0]
     act, compute = _activation_code(activation), _compute_code(compute_dtype)
@@ -328,7 +328,7 @@ def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", reco
     never an out-of-bounds write (and is never narrowed into a valid one). b1 (E, w1_rows) and
     b2 (E, d), optional, each alone or both: expert biases, h = W1_e x + b1_e and
     y = W2_e a + b2_e (gpt-oss), with gradients, on the CPU and the GPU. compute_dtype:
-    as experts_from_routing's ("fp8": e4m3 operands, CPU emulation for now)."""
+    as experts_from_routing's ("fp8": e4m3 operands, docs/FP8.md)."""
     if expert_ids.dim() != 2 or expert_weights.shape != expert_ids.shape:
         raise ValueError(f"moeblaze: expert_ids and expert_weights must both be (T, K), got "
                          f"{tuple(expert_ids.shape)} and {tuple(expert_weights.shape)}")
@@ -436,8 +436,8 @@ class MoE(nn.Module):
     DeepSeek-V3's auxiliary-loss-free balancing to the sigmoid_bias router. bias=True adds
     expert biases b1 (E, w1_rows) and b2 (E, d), zeros-initialised (gpt-oss).
     compute_dtype="fp8": the expert GEMMs on e4m3 operands with DeepSeek-V3's fine-grained
-    scales, H kept in e4m3 (bf16 compute; the CPU backend emulates it, the GPU refuses it for
-    now: docs/FP8.md)."""
+    scales, H kept in e4m3 (bf16 storage; the GPU needs d and n multiples of 128, the CPU
+    emulates it: docs/FP8.md)."""
 
     def __init__(self, hidden_size, intermediate_size, num_experts, top_k, activation="swiglu",
                  router="softmax_topk", renormalize=False, token_rounding=None, m_tile=128,

@@ -1,6 +1,6 @@
 // FP8 grouped GEMMs on e4m3 operands with DeepSeek-V3's fine-grained scales (issue 20): the
-// contract of the GEMM folder's FP8 entry points. Internal to the CUDA backend; the layer does not
-// call them yet (it refuses compute fp8 on CUDA), the GPU tests do.
+// contract of the GEMM folder's FP8 entry points. Internal to the CUDA backend; the FP8 layer
+// (src/cuda/layer/layer_fp8.cu) runs its four data GEMMs on contiguous().
 #pragma once
 
 #include <cuda_runtime.h>
