@@ -685,44 +685,6 @@ TEST(Fp8QuantizeGpu, TransposedBlocksAreTheTransposesQuantization) {
                InvalidArgument);
 }
 
-// The fused quantize + transpose (the FP8 layer's weights): its codes and scales are
-// quantize_128x128_async's, and its transposed ones transpose_blocks_async's of those, bit for bit.
-TEST(Fp8QuantizeGpu, QuantizeWithTransposeIsBothKernelsInOne) {
-  MOEBLAZE_REQUIRE_GPU();
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  const int64_t batch = 3, rows = 256, cols = 384, nb = batch * (rows / 128) * (cols / 128);
-  std::vector<float> x = random_normal(size_t(batch * rows * cols), seed);
-  for (size_t i = 0; i < x.size(); ++i)  // blocks at different scales, some values huge or tiny
-    x[i] *= std::ldexp(1.0f, int((i / 128) % 7) * 3 - 9);
-  const std::vector<bf16> xb = to_bf16(x);
-  const size_t codes = xb.size();
-  DevMem dx(xb), q(codes), s(nb * 4), qt(codes), st(nb * 4), q2(codes), s2(nb * 4),
-      qt2(codes + kGuard), st2(nb * 4 + kGuard);
-  for (DevMem* m : {&q2, &s2, &qt2, &st2}) m->poison();
-  f8::quantize_128x128_async(dx.as<bf16>(), batch, rows * cols, rows, cols, cols, q.as<uint8_t>(),
-                             s.as<float>(), nullptr);
-  f8::transpose_blocks_async(q.as<uint8_t>(), s.as<float>(), batch, rows, cols, qt.as<uint8_t>(),
-                             st.as<float>(), nullptr);
-  f8::quantize_128x128_transposed_async(dx.as<bf16>(), batch, rows, cols, q2.as<uint8_t>(),
-                                        s2.as<float>(), qt2.as<uint8_t>(), st2.as<float>(),
-                                        nullptr);
-  EXPECT_EQ(q.download<uint8_t>(), q2.download<uint8_t>()) << "codes";
-  EXPECT_EQ(s.download<uint8_t>(), s2.download<uint8_t>()) << "scales";
-  std::vector<uint8_t> got_qt = qt2.download<uint8_t>(), got_st = st2.download<uint8_t>();
-  const std::vector<uint8_t> want_qt = qt.download<uint8_t>(), want_st = st.download<uint8_t>();
-  for (size_t i = codes; i < got_qt.size(); ++i) ASSERT_EQ(got_qt[i], 0xFF) << "guard";
-  for (size_t i = nb * 4; i < got_st.size(); ++i) ASSERT_EQ(got_st[i], 0xFF) << "guard";
-  got_qt.resize(codes);
-  got_st.resize(nb * 4);
-  EXPECT_EQ(got_qt, want_qt) << "transposed codes";
-  EXPECT_EQ(got_st, want_st) << "transposed scales";
-  EXPECT_THROW(f8::quantize_128x128_transposed_async(dx.as<bf16>(), 1, 200, 128, q2.as<uint8_t>(),
-                                                     s2.as<float>(), qt2.as<uint8_t>(),
-                                                     st2.as<float>(), nullptr),
-               InvalidArgument);
-}
-
 // Argument checks run on the host before any CUDA call: no GPU needed.
 TEST(Fp8QuantizeGpuChecks, BadArgumentsThrowBeforeLaunch) {
   const bf16* xb = reinterpret_cast<const bf16*>(uintptr_t(256));  // never dereferenced

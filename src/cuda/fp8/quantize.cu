@@ -77,9 +77,10 @@ __device__ __forceinline__ uint32_t chunk_amax_bits(const float (&f)[kChunk]) {
   return a;
 }
 
-// The chunk's 16 codes under `scale`, packed little-endian into w (element 0 in w[0]'s low byte).
-__device__ __forceinline__ void chunk_codes(const float (&f)[kChunk], float scale,
-                                            uint32_t (&w)[4]) {
+// Codes of the chunk's first n (1..16) elements under `scale`, at p.
+__device__ __forceinline__ void store_chunk(uint8_t* p, int n, bool vec, const float (&f)[kChunk],
+                                            float scale) {
+  uint32_t w[4];
   if (is_nan_scale(scale)) {  // a NaN/Inf group: every code the NaN 0x7F (fp8.hpp)
 #pragma unroll
     for (int k = 0; k < 4; ++k) w[k] = 0x01010101u * kE4m3NaN;
@@ -89,13 +90,6 @@ __device__ __forceinline__ void chunk_codes(const float (&f)[kChunk], float scal
       w[k] = uint32_t(codes2(f[4 * k], f[4 * k + 1], scale)) |
              (uint32_t(codes2(f[4 * k + 2], f[4 * k + 3], scale)) << 16);
   }
-}
-
-// Codes of the chunk's first n (1..16) elements under `scale`, at p.
-__device__ __forceinline__ void store_chunk(uint8_t* p, int n, bool vec, const float (&f)[kChunk],
-                                            float scale) {
-  uint32_t w[4];
-  chunk_codes(f, scale, w);
   if (vec && n == kChunk) {
     *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
   } else {
@@ -143,17 +137,13 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// kTranspose: also the block's transpose, qt (batch, cols, rows) and scales_t (batch, cb, rb),
-// through a shared-memory copy of the block's codes (rows and cols multiples of 128 then).
-template <typename T, bool kTranspose = false>
+template <typename T>
 __global__ void __launch_bounds__(kThreads)
     quantize_128x128_kernel(const T* __restrict__ x,     // batch matrices (rows, ld), cols used
                             int64_t batch_stride, int64_t rows, int64_t cols, int64_t ld,
                             uint8_t* __restrict__ q,     // (batch, rows, cols) e4m3 codes
                             float* __restrict__ scales,  // (batch, rb, cb) fp32 scales
-                            int64_t rb, int64_t cb, bool vec_load, bool vec_store,
-                            uint8_t* __restrict__ qt = nullptr,
-                            float* __restrict__ scales_t = nullptr) {
+                            int64_t rb, int64_t cb, bool vec_load, bool vec_store) {
   __shared__ uint32_t warp_amax[kThreads / 32];
   const int64_t blk = blockIdx.x, per_matrix = rb * cb;
   const int64_t b = blk / per_matrix, i = (blk % per_matrix) / cb, j = blk % cb;
@@ -186,27 +176,6 @@ __global__ void __launch_bounds__(kThreads)
   for (int it = 0; it < kPasses; ++it) {
     const int64_t r = i * kFp8Group + rr + it * kRowsPerPass;
     if (r < rows && n > 0) store_chunk(qb + r * cols + c, n, vec_store, f[it], scale);
-  }
-  if constexpr (kTranspose) {
-    __shared__ alignas(16) uint8_t tile[kFp8Group][kFp8Group + 16];  // + 16: rows on other banks
-#pragma unroll
-    for (int it = 0; it < kPasses; ++it) {
-      uint32_t w[4];
-      chunk_codes(f[it], scale, w);
-      *reinterpret_cast<uint4*>(&tile[rr + it * kRowsPerPass][sub * kChunk]) =
-          make_uint4(w[0], w[1], w[2], w[3]);
-    }
-    __syncthreads();
-    // Thread (tc, half) writes transposed row j*128 + tc, bytes i*128 + 64 half .. + 64.
-    const int tc = threadIdx.x / 2, half = threadIdx.x % 2;
-    alignas(16) uint8_t out[64];
-#pragma unroll
-    for (int k = 0; k < 64; ++k) out[k] = tile[half * 64 + k][tc];
-    uint4* dst = reinterpret_cast<uint4*>(qt + b * rows * cols + (j * kFp8Group + tc) * rows +
-                                          i * kFp8Group + half * 64);
-#pragma unroll
-    for (int v = 0; v < 4; ++v) dst[v] = reinterpret_cast<const uint4*>(out)[v];
-    if (threadIdx.x == 0) scales_t[b * per_matrix + j * rb + i] = scale;  // (batch, cb, rb)
   }
 }
 
@@ -265,27 +234,6 @@ void quantize_128x128_impl(const T* x, int64_t batch, int64_t batch_stride, int6
 const uint16_t* bits(const bf16* x) { return reinterpret_cast<const uint16_t*>(x); }
 
 }  // namespace
-
-void quantize_128x128_transposed_async(const bf16* x, int64_t batch, int64_t rows, int64_t cols,
-                                       uint8_t* q, float* scales, uint8_t* qt, float* scales_t,
-                                       cudaStream_t stream) {
-  constexpr const char* fn = "quantize_128x128_transposed_async";
-  MOEBLAZE_REQUIRE(batch >= 0, fn, ": batch (", batch, ") must be >= 0");
-  MOEBLAZE_REQUIRE(rows >= 0 && cols >= 0 && rows % kFp8Group == 0 && cols % kFp8Group == 0, fn,
-                   ": rows (", rows, ") and cols (", cols, ") must be multiples of 128");
-  if (batch == 0 || rows == 0 || cols == 0) return;
-  check_ptrs(fn, x, q, scales);
-  MOEBLAZE_REQUIRE(qt != nullptr && scales_t != nullptr, fn, ": qt and scales_t must be non-null");
-  for (const void* p : {static_cast<const void*>(x), static_cast<const void*>(q),
-                        static_cast<const void*>(qt)})
-    MOEBLAZE_UNSUPPORTED_IF(!aligned16(p), fn, ": x, q and qt must be 16-byte aligned");
-  const int64_t rb = rows / kFp8Group, cb = cols / kFp8Group, blocks = batch * rb * cb;
-  MOEBLAZE_REQUIRE(blocks <= int64_t(0x7fffffff), fn, ": ", blocks,
-                   " blocks exceed one grid (2^31 - 1 CTAs)");
-  quantize_128x128_kernel<uint16_t, true><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      bits(x), rows * cols, rows, cols, cols, q, scales, rb, cb, true, true, qt, scales_t);
-  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
-}
 
 void quantize_1x128_async(const bf16* x, int64_t rows, int64_t cols, int64_t ld, uint8_t* q,
                           float* scales, cudaStream_t stream) {

@@ -50,14 +50,6 @@ void quantize_128x128_async(const float* x, int64_t batch, int64_t batch_stride,
                             int64_t cols, int64_t ld, uint8_t* q, float* scales,
                             cudaStream_t stream);
 
-// quantize_128x128_async of dense bf16 matrices (batch, rows, cols) and, from the same read, what
-// transpose_blocks_async would make of its codes: qt (batch, cols, rows), scales_t (batch,
-// cols/128, rows/128) (the FP8 layer's weights, needed both ways). rows and cols multiples of 128
-// (InvalidArgument), x, q, qt 16-byte aligned (Unsupported).
-void quantize_128x128_transposed_async(const bf16* x, int64_t batch, int64_t rows, int64_t cols,
-                                       uint8_t* q, float* scales, uint8_t* qt, float* scales_t,
-                                       cudaStream_t stream);
-
 // The 128x128-block quantization of each stacked matrix's transpose, from its own (transpose.cu):
 // codes (batch, rows, cols) -> qt (batch, cols, rows), scales (batch, rows/128, cols/128) -> st
 // (batch, cols/128, rows/128). A block's scale is its amax / 448 either way round, so this is

@@ -123,8 +123,8 @@ struct Fp8Backward {
   Codes dout;               // (S, d), (S, d/128): dO by slot
   bf16* da = nullptr;       // (S, n): dA'
   bf16* dx_slots = nullptr; // (S, d): dX̃, over the pieces above
-  // Without a weight cache: W1ᵀ, W2ᵀ, and the codes as stored that their quantization also
-  // writes (W1's first, which recompute's up-projection reads, then W2's, unread).
+  // Without a weight cache: W1ᵀ, W2ᵀ, and one weight's codes before their transpose (W1's
+  // first, which recompute's up-projection reads as they are, then W2's).
   Codes w1t, w2t, w;
   size_t bytes = 0;
 };
@@ -195,8 +195,10 @@ WeightCodes cached_weights(const LayerConfig& cfg, const bf16* w1, const bf16* w
   const bool same = st.valid && st.w1 == w1 && st.w2 == w2 && st.E == E && st.w1_rows == R &&
                     st.d == d && st.n == n;
   if (!same) {
-    fp8::quantize_128x128_transposed_async(w1, E, R, d, k.w1.q, k.w1.s, k.w1t.q, k.w1t.s, stream);
-    fp8::quantize_128x128_transposed_async(w2, E, d, n, k.w2.q, k.w2.s, k.w2t.q, k.w2t.s, stream);
+    quantize_weights(w1, E, R, d, k.w1, stream);
+    fp8::transpose_blocks_async(k.w1.q, k.w1.s, E, R, d, k.w1t.q, k.w1t.s, stream);
+    quantize_weights(w2, E, d, n, k.w2, stream);
+    fp8::transpose_blocks_async(k.w2.q, k.w2.s, E, d, n, k.w2t.q, k.w2t.s, stream);
     st.w1 = w1, st.w2 = w2, st.E = E, st.w1_rows = R, st.d = d, st.n = n;
     st.valid = true;
     ++st.quantizations;
@@ -267,13 +269,13 @@ void fp8_backward(const LayerConfig& cfg, const RoutingPlanView& pv, LayerMode m
   const Fp8Backward w = carve_backward(cfg, S, mode, workspace, cache == nullptr);
   const GemmOps& g = gemm_ops();
 
-  // The weights' codes: the cache's, or made here with their transposes in one pass each (W1's
-  // as stored land in w.w, where recompute's up-projection reads them).
+  // The weights' codes: the cache's, or W1's quantized here (recompute's up-projection reads
+  // them as they are) and both transposes made from a quantization in w.w.
   WeightCodes k;
   if (cache) {
     k = cached_weights(cfg, w1, w2, *cache, stream);
   } else {
-    fp8::quantize_128x128_transposed_async(w1, E, R, d, w.w.q, w.w.s, w.w1t.q, w.w1t.s, stream);
+    quantize_weights(w1, E, R, d, w.w, stream);
     k.w1 = w.w, k.w1t = w.w1t, k.w2t = w.w2t;
   }
   Codes h = h_saved ? kept_h(cfg, S, h_saved) : w.h;
@@ -283,8 +285,11 @@ void fp8_backward(const LayerConfig& cfg, const RoutingPlanView& pv, LayerMode m
     fp8::act_quantize_async(w.h16, S, n, cfg.activation, b1, pv.expert_token_offsets, E,
                             nullptr, nullptr, h.q, h.s, stream);
   }
-  if (!cache)  // W2's codes as stored are not read in backward: w.w is scratch for them
-    fp8::quantize_128x128_transposed_async(w2, E, d, n, w.w.q, w.w.s, w.w2t.q, w.w2t.s, stream);
+  if (!cache) {
+    fp8::transpose_blocks_async(w.w.q, w.w.s, E, R, d, w.w1t.q, w.w1t.s, stream);
+    quantize_weights(w2, E, d, n, w.w, stream);
+    fp8::transpose_blocks_async(w.w.q, w.w.s, E, d, n, w.w2t.q, w.w2t.s, stream);
+  }
 
   fp8::gather_quantize_1x128_async(d_out, pv.expert_token_indices, S, d, d, w.dout.q, w.dout.s,
                                    stream);
