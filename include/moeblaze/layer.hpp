@@ -95,6 +95,7 @@ struct LayerOptions {
 
   // compute fp8 (CUDA backend): the weights' codes from this cache instead of quantizing them in
   // every call (see Fp8WeightCache); nullptr = quantize W1 and W2 in each forward and backward.
+  // Given with storage compute: InvalidArgument.
   Fp8WeightCache* fp8_weights = nullptr;
 };
 

@@ -59,6 +59,10 @@ void check_common(const LayerConfig& cfg, const RoutingPlan& plan, const TensorV
                             "compute fp8: the materialized baseline computes in the storage "
                             "dtype only (use keep_h or recompute)");
   }
+  // A cache of FP8 codes beside storage compute is a caller's slip, not a no-op to hide.
+  MOEBLAZE_REQUIRE(opts.fp8_weights == nullptr || cfg.compute == Compute::fp8,
+                   "opts.fp8_weights is given, but cfg.compute is ", compute_name(cfg.compute),
+                   ": the cache holds FP8 codes (compute fp8 only)");
 #ifndef MOEBLAZE_WITH_CUDA
   for (const auto& [t, name] : {std::pair<const TensorView*, const char*>{&x, "x"}, {&w1, "w1"},
                                 {&w2, "w2"}})

@@ -202,6 +202,27 @@ TEST(Fp8Layer, TheOptionIsCheckedWhereItCannotRun) {
     EXPECT_NE(std::string(e.what()).find("compute fp8"), std::string::npos) << e.what();
   }
   EXPECT_TRUE(test::bitwise_equal(t.out, before));
+  // A weight cache with storage compute is refused by name; with fp8 on the CPU (which quantizes
+  // every call) it changes nothing.
+  Fp8WeightCache cache;
+  LayerOptions with_cache{LayerMode::keep_h, 1};
+  with_cache.fp8_weights = &cache;
+  LayerConfig storage = cfg;
+  storage.compute = Compute::storage;
+  try {
+    layer_forward(storage, plan, t.x.view(), t.w1.view(), t.w2.view(), t.out.view(), saved,
+                  with_cache);
+    ADD_FAILURE() << "a weight cache with storage compute was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("opts.fp8_weights"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(test::bitwise_equal(t.out, before));
+  LayerTensors plain = t, cached = t;
+  test::run_layer(cfg, plan, plain, {LayerMode::keep_h, 1});
+  test::run_layer(cfg, plan, cached, with_cache);
+  test::expect_same_results(plain, cached);
+  EXPECT_EQ(cache.quantizations(), 0);
+  EXPECT_EQ(cache.bytes(), 0u);
   EXPECT_EQ(parse_compute("fp8"), Compute::fp8);
   EXPECT_EQ(parse_compute("bf16"), Compute::storage);
   EXPECT_THROW(parse_compute("fp4"), InvalidArgument);
