@@ -1,6 +1,6 @@
 // `moeblaze bench layer`: forward and backward of the MoE layer on the GPU, per named config and
 // implementation (moeblaze, moeblaze-recompute, materialized, dense-bound; moeblaze-fp8 and
-// moeblaze-fp8-recompute on request: the same layer with FP8 compute), by DESIGN's protocol:
+// moeblaze-recompute-fp8 on request: the same layer with FP8 compute), by DESIGN's protocol:
 // CUDA events around the region, warm-up first, median of --reps (>= 20) repetitions, L2 flushed
 // between repetitions by writing a 256 MiB buffer, backward = median(fwd+bwd) - median(fwd).
 // Rows carry kept-for-backward bytes (SavedForBackward::bytes() + RoutingPlan::bytes(), read off
@@ -32,6 +32,7 @@
 #include "commands.hpp"
 #include "configs.hpp"
 #include "flags.hpp"
+#include "layer_impls.hpp"
 #include "core/parallel.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/gemm/dispatch/kernel_config.hpp"
@@ -340,20 +341,15 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
         r.kept = db.kept_bytes();
         r.peak = db.transient_bytes();
       } else {
+        const Impl& im = parse_impl(impl);
         LayerOptions opts;
-        opts.mode = impl == "moeblaze" || impl == "moeblaze-fp8" ? LayerMode::keep_h
-                    : impl == "moeblaze-recompute" || impl == "moeblaze-fp8-recompute"
-                        ? LayerMode::recompute
-                        : LayerMode::materialized;
-        // moeblaze-fp8*: the same layer with FP8 compute (docs/FP8.md), same inputs.
+        opts.mode = im.mode;
         LayerConfig lc = c;
-        // Their weights' codes in a cache told before each step that the weights changed (an
-        // optimizer step per fwd+bwd): forward quantizes, backward reuses.
+        lc.compute = im.compute;
+        // FP8 rows: the weights' codes in a cache told before each step that the weights
+        // changed (an optimizer step per fwd+bwd): forward quantizes, backward reuses.
         Fp8WeightCache fp8_cache;
-        if (impl.rfind("moeblaze-fp8", 0) == 0) {
-          lc.compute = Compute::fp8;
-          opts.fp8_weights = &fp8_cache;
-        }
+        if (im.compute == Compute::fp8) opts.fp8_weights = &fp8_cache;
         opts.stream = stream;
         opts.dh_over_h = true;  // every step runs backward once from a fresh forward
         SavedForBackward saved;
@@ -510,11 +506,10 @@ void run_bench(const BenchFlags& f) {
   const std::vector<std::string> impls = split_commas(f.impl);
   MOEBLAZE_REQUIRE(!impls.empty(), "impl list '", f.impl, "' is empty");
   for (const std::string& i : impls)
-    MOEBLAZE_REQUIRE(i == "moeblaze" || i == "moeblaze-recompute" || i == "moeblaze-fp8" ||
-                         i == "moeblaze-fp8-recompute" || i == "materialized" ||
-                         i == "dense-bound",
-                     "impl '", i, "' is not one of: moeblaze, moeblaze-recompute, moeblaze-fp8, "
-                     "moeblaze-fp8-recompute, materialized, dense-bound");
+    MOEBLAZE_REQUIRE(i == "dense-bound" ||
+                         std::any_of(std::begin(kImpls), std::end(kImpls),
+                                     [&](const Impl& k) { return i == k.name; }),
+                     "impl '", i, "' is not one of: ", impl_names(), ", dense-bound");
   int devices = 0;
   MOEBLAZE_UNSUPPORTED_IF(cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0,
                           "bench layer needs a GPU; none is visible");

@@ -21,6 +21,7 @@
 #include "commands.hpp"
 #include "configs.hpp"
 #include "flags.hpp"
+#include "layer_impls.hpp"
 #include "core/parallel.hpp"
 #include "moeblaze/moeblaze.hpp"
 #include "reference/reference_layer.hpp"
@@ -36,45 +37,6 @@ using Clock = std::chrono::steady_clock;
 // (measured: cpu-default, S·n·d = 1.1e9, ~9 s of CPU time). At this S·n·d it needs about half a
 // minute; above, it is skipped with a notice (--no-reference skips it always).
 constexpr double kReferenceMaxSnd = 4.0e9;
-
-// ---- implementations -------------------------------------------------------------------------
-
-// What one --impl name runs: a layer mode and the precision of its GEMMs. DESIGN's `impl` names;
-// FP8 compute adds "-fp8" to a moeblaze name.
-struct Impl {
-  LayerMode mode;
-  Compute compute;
-  const char* name;  // the --impl name, the table's row, the JSON row's "impl"
-  const char* help;  // --impl's help text
-};
-
-// The one place that maps names to (mode, compute) and back.
-constexpr Impl kImpls[] = {
-    {LayerMode::keep_h, Compute::storage, "moeblaze",
-     "keeps H and the plan; atomic-free plan build"},
-    {LayerMode::recompute, Compute::storage, "moeblaze-recompute",
-     "keeps only the plan; recomputes H in backward"},
-    {LayerMode::materialized, Compute::storage, "materialized",
-     "baseline: sort-based plan, copies x to (S, d), keeps every intermediate"},
-    {LayerMode::keep_h, Compute::fp8, "moeblaze-fp8",
-     "moeblaze with FP8 compute: e4m3 operands with 1x128 / 128x128 scales for the four data "
-     "GEMMs, H kept as e4m3 codes + scales, weight gradients in bf16; bf16 storage only"},
-    {LayerMode::recompute, Compute::fp8, "moeblaze-recompute-fp8",
-     "moeblaze-recompute with FP8 compute"},
-};
-
-// "moeblaze, moeblaze-recompute, ..."
-std::string impl_names() {
-  std::string s;
-  for (const Impl& i : kImpls) s += std::string(s.empty() ? "" : ", ") + i.name;
-  return s;
-}
-
-const Impl& parse_impl(const std::string& s) {
-  for (const Impl& i : kImpls)
-    if (s == i.name) return i;
-  throw InvalidArgument("impl '" + s + "' is not one of: " + impl_names());
-}
 
 // ---- flags -----------------------------------------------------------------------------------
 

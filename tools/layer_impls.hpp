@@ -1,0 +1,40 @@
+// The layer implementations the CLI runs by name (`moeblaze run --impl`, `moeblaze bench layer
+// --impl`): DESIGN's `impl` names, each a layer mode and the precision of its GEMMs.
+#pragma once
+
+#include <string>
+
+#include "moeblaze/moeblaze.hpp"
+
+namespace moeblaze::tools {
+
+// What one --impl name runs. FP8 compute adds "-fp8" to a moeblaze name.
+struct Impl {
+  LayerMode mode;
+  Compute compute;
+  const char* name;  // the --impl name, the table's row, the JSON row's "impl"
+  const char* help;  // --impl's help text
+};
+
+// The one place that maps names to (mode, compute) and back.
+inline constexpr Impl kImpls[] = {
+    {LayerMode::keep_h, Compute::storage, "moeblaze",
+     "keeps H and the plan; atomic-free plan build"},
+    {LayerMode::recompute, Compute::storage, "moeblaze-recompute",
+     "keeps only the plan; recomputes H in backward"},
+    {LayerMode::materialized, Compute::storage, "materialized",
+     "baseline: sort-based plan, copies x to (S, d), keeps every intermediate"},
+    {LayerMode::keep_h, Compute::fp8, "moeblaze-fp8",
+     "moeblaze with FP8 compute: e4m3 operands with 1x128 / 128x128 scales for the four data "
+     "GEMMs, H kept as e4m3 codes + scales, weight gradients in bf16; bf16 storage only"},
+    {LayerMode::recompute, Compute::fp8, "moeblaze-recompute-fp8",
+     "moeblaze-recompute with FP8 compute"},
+};
+
+// "moeblaze, moeblaze-recompute, ..."
+std::string impl_names();
+
+// The Impl named s; InvalidArgument naming the valid names otherwise.
+const Impl& parse_impl(const std::string& s);
+
+}  // namespace moeblaze::tools
