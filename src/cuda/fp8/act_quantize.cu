@@ -1,9 +1,8 @@
 // The FP8 layer's activation passes (act_quantize.hpp). Work layout, both kernels: one warp per
 // (slot row, 128-column group of a) — grid-stride over S · n/128 — handling that group of a and
 // the matching groups of H / dH (gate and up halves when gated); a lane owns 4 consecutive
-// columns (8-byte bf16 loads, 4-byte code stores, so a warp moves whole 128-byte lines). Many
-// small independent tasks keep enough loads in flight (a warp walking a whole row measured
-// 1.3 TB/s). A group's amax is a max over |x| bit patterns (exact, order-free) by five
+// columns (8-byte bf16 loads, 4-byte code stores, so a warp moves whole 128-byte lines). A
+// group's amax is a max over |x| bit patterns (exact, order-free) by five
 // xor-shuffles; ds: each warp's group sum by a fixed xor-shuffle tree into ds_partials, then
 // one thread per slot sums its row of partials in column order: the same bits for any grid.
 #include "cuda/fp8/act_quantize.hpp"

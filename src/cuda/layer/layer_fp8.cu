@@ -45,7 +45,7 @@ struct Codes {
   uint8_t* q = nullptr;
   float* s = nullptr;
 };
-// `rows` x `cols` codes in 1x128 tiles (or `groups` scales when given: 128x128 blocks).
+// `elems` codes and their `groups` scales (1x128 tiles or 128x128 blocks, as the caller counts).
 Codes take_codes(Carver& c, int64_t elems, int64_t groups) {
   Codes k;
   k.q = c.take<uint8_t>(elems);
