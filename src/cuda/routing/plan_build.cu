@@ -9,12 +9,19 @@
 //               copies pair_offsets into the plan and checks them.
 //   2. scan:    one exclusive scan (CUB DeviceScan, integers: exact) over the expert-major
 //               counts gives every (expert, tile) its first slot; entry E·tiles is the total.
-//   3. scatter: every block recounts per warp, turns the counts into per-warp first slots, and
-//               each pair writes its own slot = first slot of (expert, warp) + its rank among
-//               the earlier pairs of the warp with the same expert (popc of the peer mask).
+//   3. scatter: every block loads its tile's ids and weights into shared memory (coalesced),
+//               recounts per warp (keeping each pair's peer mask), turns the counts into per-warp
+//               first slots, and each pair writes its own slot = first slot of (expert, warp) +
+//               its rank among the earlier pairs of the warp with the same expert (popc of the
+//               peer mask). Where every token has K0 pairs and K0 divides 32 (top-K routing with
+//               K a power of two), a token never straddles a warp step: its token is p >> log2 K0
+//               and a repeated expert is a peer among the token's earlier lanes, with no division
+//               and no loop over the token's pairs.
 // Slots inside an expert therefore follow the pair order, which is the token order: the plan
 // is a function of the routing alone (bit-identical to the CPU builders). No atomics, no host
 // synchronisation (the counts never leave the device), no allocation: capturable in a graph.
+// Pair indices are unsigned 32-bit on the device: P < 2^31 (a plan's slots are int32) and a
+// tile reaches at most 2^14 pairs past P.
 #include <cub/device/device_scan.cuh>
 
 #include <algorithm>
@@ -36,17 +43,19 @@ constexpr int kUnroll = 8;  // warp steps whose loads are issued together
 // Counts the pairs [begin, begin + 32*steps) ∩ [.., end) into this warp's counters cnt (E,).
 // Ids come from `ids` indexed relative to `ids_base` (global memory or the block's smem copy).
 // Out-of-range ids are skipped (the scatter skips them the same way, so counts and slots agree)
-// and raise kFlagExpertOutOfRange when `flags` is given.
-__device__ __forceinline__ void warp_count(const int32_t* ids, int64_t ids_base, int64_t begin,
-                                           int64_t end, int steps, int E, int bits, int32_t* cnt,
-                                           int32_t* flags) {
+// and raise kFlagExpertOutOfRange when `flags` is given. With kKeepPeers each pair's peer mask
+// is kept in peers_out (indexed like ids) for the scatter's second pass over the same steps.
+template <bool kKeepPeers>
+__device__ __forceinline__ void warp_count(const int32_t* ids, uint32_t ids_base, uint32_t begin,
+                                           uint32_t end, int steps, int E, int bits, int32_t* cnt,
+                                           int32_t* flags, unsigned* peers_out) {
   const int lane = threadIdx.x & 31;
   for (int s0 = 0; s0 < steps; s0 += kUnroll) {
-    if (begin + int64_t(s0) * 32 >= end) break;  // warp-uniform
+    if (begin + s0 * 32 >= end) break;  // warp-uniform
     int32_t key[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t p = begin + int64_t(s0 + u) * 32 + lane;
+      const uint32_t p = begin + (s0 + u) * 32 + lane;
       const bool in = s0 + u < steps && p < end;
       const int32_t e = in ? ids[p - ids_base] : -1;
       const bool ok = e >= 0 && e < E;
@@ -55,8 +64,10 @@ __device__ __forceinline__ void warp_count(const int32_t* ids, int64_t ids_base,
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      if (s0 + u >= steps || begin + int64_t(s0 + u) * 32 >= end) break;  // warp-uniform
+      const uint32_t base = begin + (s0 + u) * 32;
+      if (s0 + u >= steps || base >= end) break;  // warp-uniform
       const unsigned peers = detail::match_peers(key[u], bits);
+      if constexpr (kKeepPeers) peers_out[base + lane - ids_base] = peers;
       if (key[u] >= 0 && lane == __ffs(peers) - 1) cnt[key[u]] += __popc(peers);
       __syncwarp();
     }
@@ -93,13 +104,14 @@ plan_count_kernel(const int32_t* __restrict__ pair_experts,  // (P,) int32, toke
   if (int(blockIdx.x) >= tiles) return;
 
   const int w = threadIdx.x >> 5;
-  const int64_t tile_pairs = int64_t(kWarps) * 32 * steps;
-  const int64_t tile_begin = int64_t(blockIdx.x) * tile_pairs;
-  const int64_t tile_end = min(P, tile_begin + tile_pairs);
+  const uint32_t tile_pairs = uint32_t(kWarps) * 32 * steps;
+  const uint32_t tile_begin = uint32_t(blockIdx.x) * tile_pairs;
+  const uint32_t tile_end = uint32_t(min(P, int64_t(tile_begin) + tile_pairs));
   for (int i = threadIdx.x; i < kWarps * E; i += blockDim.x) s_cnt[i] = 0;
   __syncthreads();
-  const int64_t wbegin = tile_begin + int64_t(w) * 32 * steps;
-  warp_count(pair_experts, 0, wbegin, tile_end, steps, E, bits, s_cnt + w * E, flags);
+  const uint32_t wbegin = tile_begin + uint32_t(w) * 32 * steps;
+  warp_count<false>(pair_experts, 0, wbegin, tile_end, steps, E, bits, s_cnt + w * E, flags,
+                    nullptr);
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     int32_t c = 0;
@@ -115,6 +127,7 @@ plan_scatter_kernel(const int32_t* __restrict__ pair_experts,  // (P,) int32, to
                     const float* __restrict__ pair_weights,    // (P,) fp32, token-major
                     const int32_t* __restrict__ pair_offsets,  // (T+1,) int32
                     int64_t T, int64_t P, int E, int bits, int steps, int tiles, int32_t K0,
+                    int k_shift,  // log2 K0 where K0 divides 32, else -1 (host)
                     const int32_t* __restrict__ bases,  // (E*tiles + 1,) first slot of (e, tile)
                     const int32_t* __restrict__ nonuniform,            // (1,) int32
                     int32_t* __restrict__ expert_token_offsets,        // (E+1,) int32
@@ -124,8 +137,11 @@ plan_scatter_kernel(const int32_t* __restrict__ pair_experts,  // (P,) int32, to
                     int32_t* __restrict__ token_index_map,             // (S,) int32, token-major
                     int32_t* __restrict__ flags) {                     // (kRoutingFlagCount,)
   extern __shared__ int32_t smem[];
+  const int tile_pairs = kWarps * 32 * steps;
   int32_t* s_cnt = smem;                   // (kWarps, E) int32: counts, then running first slots
-  int32_t* s_ids = smem + kWarps * E;      // (tile_pairs,) int32: the tile's expert ids
+  int32_t* s_ids = s_cnt + kWarps * E;     // (tile_pairs,) int32: the tile's expert ids
+  float* s_w = reinterpret_cast<float*>(s_ids + tile_pairs);           // (tile_pairs,) weights
+  unsigned* s_peers = reinterpret_cast<unsigned*>(s_w + tile_pairs);   // (tile_pairs,) masks
   __shared__ int32_t s_tok[2];             // token range of the tile (non-uniform CSR only)
 
   if (blockIdx.x == 0)
@@ -134,15 +150,17 @@ plan_scatter_kernel(const int32_t* __restrict__ pair_experts,  // (P,) int32, to
   if (int(blockIdx.x) >= tiles) return;
 
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  const int64_t tile_pairs = int64_t(kWarps) * 32 * steps;
-  const int64_t tile_begin = int64_t(blockIdx.x) * tile_pairs;
-  const int64_t tile_end = min(P, tile_begin + tile_pairs);
+  const uint32_t tile_begin = uint32_t(blockIdx.x) * uint32_t(tile_pairs);
+  const uint32_t tile_end = uint32_t(min(P, int64_t(tile_begin) + tile_pairs));
   const bool uniform = K0 > 0 && *nonuniform == 0;
+  const bool by_shift = uniform && k_shift >= 0;  // tokens never straddle a warp step
 
+  // The tile's ids and weights, every load issued before the first use.
   for (int i = threadIdx.x; i < kWarps * E; i += blockDim.x) s_cnt[i] = 0;
-  for (int64_t p = tile_begin + threadIdx.x; p < tile_end; p += blockDim.x) {
+  for (uint32_t p = tile_begin + threadIdx.x; p < tile_end; p += blockDim.x) {
     const int32_t e = __ldg(pair_experts + p);
     s_ids[p - tile_begin] = e;
+    s_w[p - tile_begin] = __ldg(pair_weights + p);
     token_expert_indices[p] = e;
   }
   if (!uniform && threadIdx.x == 0) {
@@ -152,8 +170,9 @@ plan_scatter_kernel(const int32_t* __restrict__ pair_experts,  // (P,) int32, to
   }
   __syncthreads();
 
-  const int64_t wbegin = tile_begin + int64_t(w) * 32 * steps;
-  warp_count(s_ids, tile_begin, wbegin, tile_end, steps, E, bits, s_cnt + w * E, nullptr);
+  const uint32_t wbegin = tile_begin + uint32_t(w) * 32 * steps;
+  warp_count<true>(s_ids, tile_begin, wbegin, tile_end, steps, E, bits, s_cnt + w * E, nullptr,
+                   s_peers);
   __syncthreads();
   // Counts → first slot of each (expert, warp): the tile's base plus the earlier warps' counts.
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
@@ -169,38 +188,53 @@ plan_scatter_kernel(const int32_t* __restrict__ pair_experts,  // (P,) int32, to
 
   int32_t* cnt = s_cnt + w * E;
   const int32_t tok_lo = uniform ? 0 : s_tok[0], tok_hi = uniform ? 0 : s_tok[1];
+  // by_shift: the lanes of this lane's token that come before it (a token's K0 lanes are
+  // aligned in the warp step).
+  const unsigned token_before =
+      by_shift ? detail::lanemask_lt() & ~((1u << ((lane >> k_shift) << k_shift)) - 1u) : 0u;
   for (int s = 0; s < steps; ++s) {
-    const int64_t p = wbegin + int64_t(s) * 32 + lane;
-    if (wbegin + int64_t(s) * 32 >= tile_end) break;  // warp-uniform
+    const uint32_t base = wbegin + uint32_t(s) * 32;
+    if (base >= tile_end) break;  // warp-uniform
+    const uint32_t p = base + lane;
+    const uint32_t i = p - tile_begin;  // index into the tile's shared arrays
     const bool in = p < tile_end;
-    const int32_t e = in ? s_ids[p - tile_begin] : -1;
+    const int32_t e = in ? s_ids[i] : -1;
     const bool ok = e >= 0 && e < E;
     const int32_t key = ok ? e : -1;
-    const unsigned peers = detail::match_peers(key, bits);
+    const unsigned peers = s_peers[i];  // warp_count's match of this step
     const int32_t first = ok ? cnt[key] : 0;
     __syncwarp();
     if (ok && lane == __ffs(peers) - 1) cnt[key] = first + __popc(peers);
     __syncwarp();
     if (!in) continue;
 
-    const int32_t pp = int32_t(p);
-    int32_t t, tstart;
-    if (uniform) {
-      t = pp / K0;
-      tstart = t * K0;
+    int32_t t;
+    bool repeated;
+    if (by_shift) {
+      t = int32_t(p >> k_shift);
+      // A peer among the token's earlier lanes is the same expert twice. (An out-of-range id
+      // has raised its own flag in the count kernel.)
+      repeated = ok && (peers & token_before) != 0;
     } else {
-      t = detail::token_of_pair_search(pair_offsets, pp, tok_lo, tok_hi);
-      tstart = __ldg(pair_offsets + t);
+      int32_t tstart;
+      if (uniform) {
+        t = int32_t(p) / K0;
+        tstart = t * K0;
+      } else {
+        t = detail::token_of_pair_search(pair_offsets, int32_t(p), tok_lo, tok_hi);
+        tstart = __ldg(pair_offsets + t);
+      }
+      // Compare with the token's earlier pairs: in the tile from shared memory, before it from
+      // global memory.
+      repeated = false;
+      for (uint32_t q = max(uint32_t(tstart), tile_begin); q < p && !repeated; ++q)
+        repeated = s_ids[q - tile_begin] == e;
+      for (uint32_t q = uint32_t(tstart); q < min(tile_begin, p) && !repeated; ++q)
+        repeated = __ldg(pair_experts + q) == e;
     }
-    // A repeated expert inside a token: compare with the token's earlier pairs.
-    bool repeated = false;
-    for (int64_t q = max(int64_t(tstart), tile_begin); q < p && !repeated; ++q)
-      repeated = s_ids[q - tile_begin] == e;
-    for (int64_t q = tstart; q < min(tile_begin, p) && !repeated; ++q)
-      repeated = __ldg(pair_experts + q) == e;
     if (repeated) raise_flag(flags, kFlagExpertRepeated);
 
-    const float wgt = __ldg(pair_weights + p);
+    const float wgt = s_w[i];
     if (!isfinite(wgt)) raise_flag(flags, kFlagNonFinite);
     if (ok) {
       const int32_t slot = first + __popc(peers & detail::lanemask_lt());
@@ -267,11 +301,13 @@ AtomicFreeLayout atomic_free_layout(const PlanTiling& tl, int64_t E) {
 
 PlanTiling plan_tiling(int64_t P, int64_t E, int tile_steps) {
   PlanTiling tl;
-  // Per-warp counters live in shared memory beside the tile's ids: 8 warps while E allows it,
-  // one warp for very many experts.
+  // The scatter keeps a tile's id, weight and peer mask per pair (12 bytes) beside per-warp
+  // counters (4 bytes per expert and warp) in shared memory: 8 warps while E allows it, one warp
+  // for very many experts.
+  constexpr int64_t kPairBytes = 12;
   const int64_t smem_cap = max_smem_optin();
-  tl.warps = (8 * E + 8 * 32 * 4) * 4 <= smem_cap ? 8 : 1;
-  MOEBLAZE_UNSUPPORTED_IF((E + 32 * 4) * 4 > smem_cap, "num_experts E (", E,
+  tl.warps = 8 * (E * 4 + 32 * 4 * kPairBytes) <= smem_cap ? 8 : 1;
+  MOEBLAZE_UNSUPPORTED_IF(E * 4 + 32 * kPairBytes > smem_cap, "num_experts E (", E,
                           ") is too large for the GPU atomic-free plan builder (per-expert "
                           "counters must fit in shared memory); use PlanBuilder::sort");
   int steps = tile_steps;
@@ -281,14 +317,13 @@ PlanTiling plan_tiling(int64_t P, int64_t E, int tile_steps) {
     steps = E <= 128 ? 4 : 8;
   }
   steps = std::max(1, std::min(64, steps));
-  // Keep the tile's ids plus counters inside shared memory.
-  while (steps > 1 && (int64_t(tl.warps) * E + int64_t(tl.warps) * 32 * steps) * 4 > smem_cap)
-    steps /= 2;
+  // Keep the tile's arrays plus counters inside shared memory.
+  while (steps > 1 && tl.warps * (E * 4 + 32 * steps * kPairBytes) > smem_cap) steps /= 2;
   tl.steps = steps;
   tl.tile_pairs = int64_t(tl.warps) * 32 * steps;
   tl.tiles = (P + tl.tile_pairs - 1) / tl.tile_pairs;
   tl.smem_count = size_t(tl.warps) * size_t(E) * 4;
-  tl.smem_scatter = tl.smem_count + size_t(tl.tile_pairs) * 4;
+  tl.smem_scatter = tl.smem_count + size_t(tl.tile_pairs) * kPairBytes;
   return tl;
 }
 
@@ -313,6 +348,9 @@ void build_plan_atomic_free_async(const RoutingView& r, RoutingPlan& plan, void*
   void* temp = ws + l.temp;
   // Pairs per token when the CSR is plain top-K (checked on the device).
   const int32_t K0 = (T > 0 && P % T == 0) ? int32_t(P / T) : 0;
+  int k_shift = -1;  // log2 K0 where K0 divides 32: tokens then never straddle a warp step
+  for (int b = 0; b <= 5; ++b)
+    if (K0 == (1 << b)) k_shift = b;
   const int tiles = int(tl.tiles);
   const int bits = detail::expert_bits(E);
   const int threads = tl.warps * 32;
@@ -338,12 +376,14 @@ void build_plan_atomic_free_async(const RoutingView& r, RoutingPlan& plan, void*
   const int scatter_grid = std::max(tiles, 1);
   if (tl.warps == 8) {
     plan_scatter_kernel<8><<<scatter_grid, threads, tl.smem_scatter, stream>>>(
-        r.pair_experts, r.pair_weights, r.pair_offsets, T, P, E, bits, tl.steps, tiles, K0, bases, hint,
+        r.pair_experts, r.pair_weights, r.pair_offsets, T, P, E, bits, tl.steps, tiles, K0, k_shift,
+        bases, hint,
         plan.expert_token_offsets(), plan.expert_token_indices(), plan.slot_weights(),
         plan.token_expert_indices(), plan.token_index_map(), d_flags);
   } else {
     plan_scatter_kernel<1><<<scatter_grid, threads, tl.smem_scatter, stream>>>(
-        r.pair_experts, r.pair_weights, r.pair_offsets, T, P, E, bits, tl.steps, tiles, K0, bases, hint,
+        r.pair_experts, r.pair_weights, r.pair_offsets, T, P, E, bits, tl.steps, tiles, K0, k_shift,
+        bases, hint,
         plan.expert_token_offsets(), plan.expert_token_indices(), plan.slot_weights(),
         plan.token_expert_indices(), plan.token_index_map(), d_flags);
   }
