@@ -13,7 +13,11 @@
 //               recounts per warp (keeping each pair's peer mask), turns the counts into per-warp
 //               first slots, and each pair writes its own slot = first slot of (expert, warp) +
 //               its rank among the earlier pairs of the warp with the same expert (popc of the
-//               peer mask). Where every token has K0 pairs and K0 divides 32 (top-K routing with
+//               peer mask). The block stages its slots' (token, weight) by expert in shared
+//               memory and writes each expert's run of slots in one coalesced sweep (written
+//               straight from each pair, every slot was a 4-byte store of its own into another
+//               expert's range, and the L2 paid for each). Where every token has K0 pairs and K0
+//               divides 32 (top-K routing with
 //               K a power of two), a token never straddles a warp step: its token is p >> log2 K0
 //               and a repeated expert is a peer among the token's earlier lanes, with no division
 //               and no loop over the token's pairs.
@@ -22,6 +26,7 @@
 // synchronisation (the counts never leave the device), no allocation: capturable in a graph.
 // Pair indices are unsigned 32-bit on the device: P < 2^31 (a plan's slots are int32) and a
 // tile reaches at most 2^14 pairs past P.
+#include <cub/block/block_scan.cuh>
 #include <cub/device/device_scan.cuh>
 
 #include <algorithm>
@@ -136,13 +141,19 @@ plan_scatter_kernel(const int32_t* __restrict__ pair_experts,  // (P,) int32, to
                     int32_t* __restrict__ token_expert_indices,        // (S,) int32, token-major
                     int32_t* __restrict__ token_index_map,             // (S,) int32, token-major
                     int32_t* __restrict__ flags) {                     // (kRoutingFlagCount,)
+  using BlockScan = cub::BlockScan<int32_t, kWarps * 32>;
   extern __shared__ int32_t smem[];
   const int tile_pairs = kWarps * 32 * steps;
   int32_t* s_cnt = smem;                   // (kWarps, E) int32: counts, then running first slots
-  int32_t* s_ids = s_cnt + kWarps * E;     // (tile_pairs,) int32: the tile's expert ids
+  int32_t* s_delta = s_cnt + kWarps * E;   // (E,) int32: first slot - first staged index
+  int32_t* s_ids = s_delta + E;            // (tile_pairs,) int32: the tile's expert ids
   float* s_w = reinterpret_cast<float*>(s_ids + tile_pairs);           // (tile_pairs,) weights
   unsigned* s_peers = reinterpret_cast<unsigned*>(s_w + tile_pairs);   // (tile_pairs,) masks
+  int32_t* s_oslot = reinterpret_cast<int32_t*>(s_peers + tile_pairs); // (tile_pairs,) staged:
+  int32_t* s_otok = s_oslot + tile_pairs;                              //   slot, token, weight
+  float* s_ow = reinterpret_cast<float*>(s_otok + tile_pairs);         //   by expert
   __shared__ int32_t s_tok[2];             // token range of the tile (non-uniform CSR only)
+  __shared__ typename BlockScan::TempStorage s_scan;
 
   if (blockIdx.x == 0)
     for (int e = threadIdx.x; e <= E; e += blockDim.x)
@@ -174,14 +185,28 @@ plan_scatter_kernel(const int32_t* __restrict__ pair_experts,  // (P,) int32, to
   warp_count<true>(s_ids, tile_begin, wbegin, tile_end, steps, E, bits, s_cnt + w * E, nullptr,
                    s_peers);
   __syncthreads();
-  // Counts → first slot of each (expert, warp): the tile's base plus the earlier warps' counts.
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int32_t run = bases[int64_t(e) * tiles + blockIdx.x];
+  // Counts → first slot of each (expert, warp): the tile's base plus the earlier warps' counts;
+  // and the staging order: the tile's pairs by expert, expert e's from loc(e) = the tile's pairs
+  // of experts before e (a block scan over each thread's run of experts).
+  const int per = (E + int(blockDim.x) - 1) / int(blockDim.x);
+  const int e0 = min(E, int(threadIdx.x) * per), e1 = min(E, e0 + per);
+  int32_t mine = 0;  // the tile's pairs of this thread's experts
+  for (int e = e0; e < e1; ++e) {
+    s_delta[e] = bases[int64_t(e) * tiles + blockIdx.x];
+#pragma unroll
+    for (int v = 0; v < kWarps; ++v) mine += s_cnt[v * E + e];
+  }
+  int32_t loc = 0, staged = 0;  // staged: the tile's pairs with a valid expert
+  BlockScan(s_scan).ExclusiveSum(mine, loc, staged);
+  for (int e = e0; e < e1; ++e) {
+    int32_t run = s_delta[e];
+    s_delta[e] = run - loc;
 #pragma unroll
     for (int v = 0; v < kWarps; ++v) {
       const int32_t c = s_cnt[v * E + e];
       s_cnt[v * E + e] = run;
       run += c;
+      loc += c;
     }
   }
   __syncthreads();
@@ -238,22 +263,32 @@ plan_scatter_kernel(const int32_t* __restrict__ pair_experts,  // (P,) int32, to
     if (!isfinite(wgt)) raise_flag(flags, kFlagNonFinite);
     if (ok) {
       const int32_t slot = first + __popc(peers & detail::lanemask_lt());
-      expert_token_indices[slot] = t;
-      slot_weights[slot] = wgt;
+      const int32_t j = slot - s_delta[key];  // staged index
+      s_oslot[j] = slot;
+      s_otok[j] = t;
+      s_ow[j] = wgt;
       token_index_map[p] = slot;
     } else {
       token_index_map[p] = -1;
     }
   }
+  __syncthreads();
+  // Consecutive staged indices of one expert are consecutive slots: runs of coalesced stores.
+  for (int j = threadIdx.x; j < staged; j += blockDim.x) {
+    const int32_t slot = s_oslot[j];
+    expert_token_indices[slot] = s_otok[j];
+    slot_weights[slot] = s_ow[j];
+  }
 }
 
-// Dynamic shared memory a block may opt into, less room for the kernels' static shared memory.
+// Dynamic shared memory a block may opt into, less room for the kernels' static shared memory (the
+// scatter's block scan and token range: 1.2 KiB).
 int max_smem_optin() {
   static const int n = [] {
     int dev = 0, v = 0;
     MOEBLAZE_CUDA_CHECK(cudaGetDevice(&dev));
     MOEBLAZE_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    return v - 1024;
+    return v - 2048;
   }();
   return n;
 }
@@ -301,13 +336,16 @@ AtomicFreeLayout atomic_free_layout(const PlanTiling& tl, int64_t E) {
 
 PlanTiling plan_tiling(int64_t P, int64_t E, int tile_steps) {
   PlanTiling tl;
-  // The scatter keeps a tile's id, weight and peer mask per pair (12 bytes) beside per-warp
-  // counters (4 bytes per expert and warp) in shared memory: 8 warps while E allows it, one warp
-  // for very many experts.
-  constexpr int64_t kPairBytes = 12;
+  // The scatter keeps per pair of its tile the id, weight and peer mask, and the staged slot,
+  // token and weight (24 bytes), beside per-warp counters and one offset per expert (4 bytes
+  // each) in shared memory: 8 warps while E allows it, one warp for very many experts.
+  constexpr int64_t kPairBytes = 24;
   const int64_t smem_cap = max_smem_optin();
-  tl.warps = 8 * (E * 4 + 32 * 4 * kPairBytes) <= smem_cap ? 8 : 1;
-  MOEBLAZE_UNSUPPORTED_IF(E * 4 + 32 * kPairBytes > smem_cap, "num_experts E (", E,
+  auto scatter_bytes = [&](int64_t warps, int64_t steps) {
+    return (warps + 1) * E * 4 + warps * 32 * steps * kPairBytes;
+  };
+  tl.warps = scatter_bytes(8, 4) <= smem_cap ? 8 : 1;
+  MOEBLAZE_UNSUPPORTED_IF(scatter_bytes(1, 1) > smem_cap, "num_experts E (", E,
                           ") is too large for the GPU atomic-free plan builder (per-expert "
                           "counters must fit in shared memory); use PlanBuilder::sort");
   int steps = tile_steps;
@@ -317,13 +355,12 @@ PlanTiling plan_tiling(int64_t P, int64_t E, int tile_steps) {
     steps = E <= 128 ? 4 : 8;
   }
   steps = std::max(1, std::min(64, steps));
-  // Keep the tile's arrays plus counters inside shared memory.
-  while (steps > 1 && tl.warps * (E * 4 + 32 * steps * kPairBytes) > smem_cap) steps /= 2;
+  while (steps > 1 && scatter_bytes(tl.warps, steps) > smem_cap) steps /= 2;
   tl.steps = steps;
   tl.tile_pairs = int64_t(tl.warps) * 32 * steps;
   tl.tiles = (P + tl.tile_pairs - 1) / tl.tile_pairs;
   tl.smem_count = size_t(tl.warps) * size_t(E) * 4;
-  tl.smem_scatter = tl.smem_count + size_t(tl.tile_pairs) * kPairBytes;
+  tl.smem_scatter = size_t(scatter_bytes(tl.warps, steps));
   return tl;
 }
 
