@@ -71,7 +71,9 @@ __device__ __forceinline__ void warp_count(const int32_t* ids, uint32_t ids_base
     for (int u = 0; u < kUnroll; ++u) {
       const uint32_t base = begin + (s0 + u) * 32;
       if (s0 + u >= steps || base >= end) break;  // warp-uniform
-      const unsigned peers = detail::match_peers(key[u], bits);
+      // match.any beats the ballots at E <= 8, loses from E = 64 (results/plan-build-match-*).
+      const unsigned peers = bits <= 3 ? __match_any_sync(detail::kFullMask, key[u])
+                                       : detail::match_peers(key[u], bits);
       if constexpr (kKeepPeers) peers_out[base + lane - ids_base] = peers;
       if (key[u] >= 0 && lane == __ffs(peers) - 1) cnt[key[u]] += __popc(peers);
       __syncwarp();
