@@ -352,7 +352,8 @@ PlanTiling plan_tiling(int64_t P, int64_t E, int tile_steps) {
                           "counters must fit in shared memory); use PlanBuilder::sort");
   int steps = tile_steps;
   if (steps <= 0) {
-    // Measured on the H200 (bench/NOTES.md, tile sweep): 1024 pairs up to E = 128, 2048 beyond
+    // Measured on the H200 (docs/experiments/2026-11-29-gpu-routing.md, tile sweep, before the
+    // staged scatter): 1024 pairs up to E = 128, 2048 beyond
     // (larger tiles were up to 1.9x slower; the (E, tiles) counts stay at E/2048 ints per pair).
     steps = E <= 128 ? 4 : 8;
   }
