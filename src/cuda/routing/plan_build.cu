@@ -3,24 +3,24 @@
 // Pairs (token-major CSR) are cut into tiles of `tile_pairs` consecutive pairs; a block owns a
 // tile and each of its warps a contiguous run of 32·steps pairs inside it.
 //   1. count:   every block counts its tile's pairs per expert (per-warp counters in shared
-//               memory, peers found by one ballot per id bit, one leader lane per expert updates
-//               its warp's counter: no two lanes ever write one counter in the same step) and
-//               writes the tile's column of counts (E·tiles + 1,) int32, expert-major. It also
-//               copies pair_offsets into the plan and checks them.
+//               memory; a lane's peers, the lanes holding its expert, found by one ballot per id
+//               bit, or __match_any_sync where ids have at most 3 bits; one leader lane per
+//               expert updates its warp's counter: no two lanes ever write one counter in the
+//               same step) and writes the tile's column of counts (E·tiles + 1,) int32,
+//               expert-major. It also copies pair_offsets into the plan and checks them.
 //   2. scan:    one exclusive scan (CUB DeviceScan, integers: exact) over the expert-major
 //               counts gives every (expert, tile) its first slot; entry E·tiles is the total.
 //   3. scatter: every block loads its tile's ids and weights into shared memory (coalesced),
 //               recounts per warp (keeping each pair's peer mask), turns the counts into per-warp
-//               first slots, and each pair writes its own slot = first slot of (expert, warp) +
-//               its rank among the earlier pairs of the warp with the same expert (popc of the
-//               peer mask). The block stages its slots' (token, weight) by expert in shared
-//               memory and writes each expert's run of slots in one coalesced sweep (written
-//               straight from each pair, every slot was a 4-byte store of its own into another
-//               expert's range, and the L2 paid for each). Where every token has K0 pairs and K0
-//               divides 32 (top-K routing with
-//               K a power of two), a token never straddles a warp step: its token is p >> log2 K0
-//               and a repeated expert is a peer among the token's earlier lanes, with no division
-//               and no loop over the token's pairs.
+//               first slots, and gives each pair its slot = first slot of (expert, warp) + its
+//               rank among the earlier pairs of the warp with the same expert (popc of the peer
+//               mask). The block stages (slot, token, weight) by expert in shared memory and
+//               writes each expert's run of slots in one coalesced sweep (stored from each pair,
+//               every slot was a 4-byte store into another expert's range, and the L2 paid for
+//               each). Where every token has K0 pairs and K0 divides 32 (top-K with K a power of
+//               two), a token never straddles a warp step: its token is p >> log2 K0 and a
+//               repeated expert is a peer among the token's earlier lanes (no division, no loop
+//               over the token's pairs).
 // Slots inside an expert therefore follow the pair order, which is the token order: the plan
 // is a function of the routing alone (bit-identical to the CPU builders). No atomics, no host
 // synchronisation (the counts never leave the device), no allocation: capturable in a graph.
