@@ -147,12 +147,12 @@ def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, ac
     E = w2.shape[0]
     act, compute = _activation_code(activation), _compute_code(compute_dtype)
     if _eager(x, w1, w2, pair_offsets, pair_experts, pair_weights, b1, b2):
-        ext = (_ext.get() if compute == 0 and num_threads == 0
-               and not _check_flags_enabled(validate, x.device) else None)
+        ext = (_ext.get() if num_threads == 0 and not _check_flags_enabled(validate, x.device)
+               else None)
         if ext is not None:  # the same C calls with the host work in C++ (_ext.py)
             out = _fast_path_result(ext.experts_from_routing(
                 x, w1, w2, pair_weights, pair_offsets, pair_experts, pair_weights.detach(), act,
-                _w1_rows_of(act, w2), bool(recompute), b1, b2))
+                _w1_rows_of(act, w2), bool(recompute), b1, b2, compute))
             if out is not None:
                 return out
         plan, flags = ops._build_plan_built(pair_offsets, pair_experts, pair_weights.detach(), E)
@@ -361,17 +361,17 @@ def _moe_experts_eager(x, w1, w2, expert_ids, expert_weights, activation, recomp
     w = expert_weights.detach()
     if w.dtype not in _lib.DTYPES:
         w = w.to(torch.float32)
-    act = _activation_code(activation)
-    ext = _ext.get() if compute_dtype in (None, "bf16", "storage") else None
+    act, compute = _activation_code(activation), _compute_code(compute_dtype)
+    ext = _ext.get()
     if ext is not None:  # the same C calls with the host work in C++ (_ext.py)
         out = _fast_path_result(ext.experts_from_ids(
             x, w1, w2, expert_weights, expert_ids, w, act, _w1_rows_of(act, w2),
-            bool(recompute), b1, b2))
+            bool(recompute), b1, b2, compute))
         if out is not None:
             return out
     plan, _flags = ops._plan_from_ids_built(expert_ids, w, w2.shape[0])
     return _ExpertsFn.apply(x, w1, w2, expert_weights, b1, b2, plan,
-                            (act, bool(recompute), 0, _compute_code(compute_dtype)))
+                            (act, bool(recompute), 0, compute))
 
 
 def _init_moe_module(m, hidden_size, intermediate_size, num_experts, top_k, activation, router,

@@ -430,3 +430,45 @@ def test_moe_router_fast_path_create_graph_as_python(fast_path, seed, rounding, 
     assert torch.equal(results[0][0], results[1][0])
     assert results[0][1:] == results[1][1:]
     assert (results[0][2] is not None and "once_differentiable" in results[0][2]) == square
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_fast_path_with_fp8_compute_gives_the_python_paths_bits(fast_path, seed, device,
+                                                                 recompute):
+    """compute_dtype="fp8" (bf16 storage; d and n multiples of 128 for the GPU): moe_experts and
+    the MoE module through the fast path, with its kept H as e4m3 codes and scales, give the
+    Python path's out and gradients bit for bit."""
+    if not _has_compiler():
+        pytest.skip("no C++ compiler here: the fast path is not built")
+    T, d, n, E, K = 45, 128, 128, 4, 2
+    x, w1, w2, ids, wts = _inputs(T, d, n, E, K, BF16, device, 2 * n, torch.int64, torch.float32)
+    g = torch.randn(T, d, device=device).to(BF16)
+    results = []
+    for use in (True, False):
+        moeblaze.use_extension(use)
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2, wts)]
+        out = moeblaze.moe_experts(leaves[0], leaves[1], leaves[2], ids, leaves[3],
+                                   recompute=recompute, compute_dtype="fp8")
+        name = _node(out)
+        out.backward(g)
+        results.append((name, out.detach(), [t.grad for t in leaves]))
+    assert "EagerExperts" in results[0][0] and "EagerExperts" not in results[1][0]
+    assert torch.equal(results[0][1], results[1][1])
+    for name, a, b in zip(("dx", "dw1", "dw2", "d_weights"), results[0][2], results[1][2]):
+        assert torch.equal(a, b), name
+    # The module: its router, then experts_from_routing over the CSR routing.
+    moe = moeblaze.MoE(d, n, E, K, recompute=recompute, compute_dtype="fp8", device=device,
+                       dtype=BF16)
+    xm = torch.randn(2, 20, d, device=device).to(BF16)
+    mod = []
+    for use in (True, False):
+        moeblaze.use_extension(use)
+        xs = xm.clone().requires_grad_()
+        out, _ = moe(xs)
+        out.float().square().mean().backward()
+        mod.append((out.detach(), [xs.grad] + [p.grad.clone() for p in moe.parameters()]))
+        moe.zero_grad(set_to_none=True)
+    assert torch.equal(mod[0][0], mod[1][0])
+    for a, b in zip(mod[0][1], mod[1][1]):
+        assert torch.equal(a, b)

@@ -21,6 +21,7 @@ namespace moeblaze_eager {
   X(build_plan)                                                                                \
   X(plan_workspace_bytes)                                                                      \
   X(layer_pass_workspace_bytes)                                                                \
+  X(layer_kept_h_bytes)                                                                        \
   X(layer_forward_biased)                                                                      \
   X(layer_backward_biased)                                                                     \
   X(route)                                                                                     \
@@ -67,8 +68,9 @@ inline c10::OptionalDeviceGuard device_guard(const at::Tensor& t) {
 }
 
 // Workspace bytes of a pass (0 forward, 1 backward; -1 the plan from (T, K) ids, -2 the plan
-// from a CSR routing of S pairs, -3 the two-call token rounding of (T, E)) on CUDA: functions of
-// the sizes alone, asked once per key. Throws CallFailed.
+// from a CSR routing of S pairs, -3 the two-call token rounding of (T, E)) on CUDA, and (-4) the
+// bytes of an fp8 call's kept H (its e4m3 codes and scales): functions of the sizes alone, asked
+// once per key. Throws CallFailed.
 uint64_t pass_workspace_bytes(const moeblaze_layer_cfg& c, int64_t S, int32_t pass);
 
 // A backward's gradients `g` as Python's @once_differentiable returns them: unchanged, unless

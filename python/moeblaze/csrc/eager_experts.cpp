@@ -28,12 +28,12 @@ Api g_api;
 
 // key: cfg fields, S, pass (see eager.h). Written once per key; C++ only reads it after.
 using WsKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int32_t, int32_t, int32_t,
-                         int64_t, int32_t>;
+                         int32_t, int64_t, int32_t>;
 std::mutex g_ws_mutex;
 std::map<WsKey, uint64_t> g_ws_bytes;
 
 uint64_t pass_workspace_bytes(const moeblaze_layer_cfg& c, int64_t S, int32_t pass) {
-  const WsKey key{c.T, c.d, c.n, c.E, c.K, c.activation, c.dtype, c.mode, S, pass};
+  const WsKey key{c.T, c.d, c.n, c.E, c.K, c.activation, c.dtype, c.mode, c.compute, S, pass};
   std::lock_guard<std::mutex> lock(g_ws_mutex);
   auto it = g_ws_bytes.find(key);
   if (it != g_ws_bytes.end()) return it->second;
@@ -41,6 +41,7 @@ uint64_t pass_workspace_bytes(const moeblaze_layer_cfg& c, int64_t S, int32_t pa
   const int rc = pass == -1   ? g_api.plan_from_ids_workspace_bytes(c.T, c.K, c.E, 1, &n)
                  : pass == -2 ? g_api.plan_workspace_bytes(c.T, c.E, S, 1, &n)
                  : pass == -3 ? g_api.token_round_workspace_bytes(c.T, c.E, 1, &n)
+                 : pass == -4 ? g_api.layer_kept_h_bytes(&c, S, &n)
                               : g_api.layer_pass_workspace_bytes(&c, S, 1, pass, &n);
   if (rc != MOEBLAZE_OK) throw CallFailed{rc};
   g_ws_bytes.emplace(key, n);
@@ -101,7 +102,7 @@ struct EagerExperts : public torch::autograd::Function<EagerExperts> {
                                const at::Tensor& w2, const at::Tensor& pair_weights,
                                const std::optional<at::Tensor>& b1_opt,
                                const std::optional<at::Tensor>& b2_opt, const PlanSource& src,
-                               int64_t activation, bool recompute) {
+                               int64_t activation, bool recompute, int64_t compute) {
     // Optional, not undefined tensors: autograd records an input's device and dtype.
     const at::Tensor b1 = b1_opt.value_or(at::Tensor()), b2 = b2_opt.value_or(at::Tensor());
     const bool cuda = x.is_cuda();
@@ -111,7 +112,7 @@ struct EagerExperts : public torch::autograd::Function<EagerExperts> {
     const auto guard = device_guard(x);
     void* stream = stream_of(x);
     moeblaze_layer_cfg cfg{T,       d, n, E, K, int32_t(activation), dtype_code(x),
-                           recompute ? kModeRecompute : kModeKeepH, 0, 0};
+                           recompute ? kModeRecompute : kModeKeepH, 0, int32_t(compute)};
     // One int32 allocation for the plan's four int32 arrays and its fp32 slot weights, as
     // ops._plan_from_ids_built; token_expert_indices alone (CUDA's backward never reads it).
     const auto i32 = x.options().dtype(at::kInt);
@@ -156,7 +157,12 @@ struct EagerExperts : public torch::autograd::Function<EagerExperts> {
     if (rc != MOEBLAZE_OK) throw CallFailed{rc};
     const int64_t rows = w1.size(1);
     at::Tensor out = at::empty_like(x);                                         // (T, d)
-    at::Tensor h = at::empty({recompute ? 0 : S, rows}, x.options());           // (S, w1_rows)
+    // The kept H: (S, w1_rows) in x's dtype, or fp8 compute's e4m3 codes and scales as bytes.
+    const int64_t h_rows = recompute ? 0 : S;
+    at::Tensor h = compute == 0
+                       ? at::empty({h_rows, rows}, x.options())                 // (S, w1_rows)
+                       : at::empty({h_rows ? int64_t(pass_workspace_bytes(cfg, S, -4)) : 0},
+                                   x.options().dtype(at::kByte));               // (bytes,)
     rc = g_api.layer_forward_biased(&cfg, &plan, dev, stream, data(x), data(w1), data(w2),
                                     data(b1), data(b2), data(out), recompute ? nullptr : data(h),
                                     data(ws), ws_fwd);
@@ -166,6 +172,7 @@ struct EagerExperts : public torch::autograd::Function<EagerExperts> {
         {x, w1, w2, h, eto, eti, sw, tpo, cuda ? at::Tensor() : tei, tim, b1, b2});
     ctx->saved_data["activation"] = activation;
     ctx->saved_data["recompute"] = recompute;
+    ctx->saved_data["compute"] = compute;
     ctx->saved_data["K"] = K;
     ctx->saved_data["pw_dtype"] = pair_weights.scalar_type();
     ctx->saved_data["pw_sizes"] = pair_weights.sizes().vec();
@@ -187,7 +194,7 @@ struct EagerExperts : public torch::autograd::Function<EagerExperts> {
     const int32_t mode = recompute ? kModeRecompute : cuda ? kModeDhOverH : kModeKeepH;
     moeblaze_layer_cfg cfg{T,    d,    n, E, ctx->saved_data["K"].toInt(),
                            int32_t(ctx->saved_data["activation"].toInt()), dtype_code(x), mode, 0,
-                           0};
+                           int32_t(ctx->saved_data["compute"].toInt())};
     const at::Tensor d_out = grads[0].to(x.scalar_type()).contiguous();        // (T, d)
     at::Tensor dx = at::empty_like(x);                                          // (T, d)
     at::Tensor dw1 = at::empty_like(w1);                                        // (E, w1_rows, d)
@@ -218,18 +225,20 @@ struct EagerExperts : public torch::autograd::Function<EagerExperts> {
     at::Tensor dpw_shaped = dpw.view(ctx->saved_data["pw_sizes"].toIntVector());
     if (pw_dtype != at::kFloat) dpw_shaped = dpw_shaped.to(pw_dtype);
     variable_list g = once_differentiable({dx, dw1, dw2, dpw_shaped, db1, db2}, grads);
-    g.resize(9);  // no gradient for the plan source, activation, recompute
+    g.resize(10);  // no gradient for the plan source, activation, recompute, compute
     return g;
   }
 };
 
 // The fast path's own conditions (each a rule the Python path checks and names on failure):
-// plain dense shapes, one dtype (bf16 on CUDA, bf16 / fp32 on the CPU), all on x's device.
+// plain dense shapes, one dtype (bf16 on CUDA, bf16 / fp32 on the CPU; bf16 with fp8 compute),
+// all on x's device.
 bool operands_apply(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
-                    const at::Tensor& b1, const at::Tensor& b2, int64_t w1_rows) {
+                    const at::Tensor& b1, const at::Tensor& b2, int64_t w1_rows, int64_t compute) {
   if (x.dim() != 2 || w1.dim() != 3 || w2.dim() != 3) return false;
   const auto dt = x.scalar_type();
   if (dt != at::kBFloat16 && dt != at::kFloat) return false;
+  if (compute != 0 && (compute != 1 || dt != at::kBFloat16)) return false;  // fp8: bf16 storage
   if (x.is_cuda() && dt != at::kBFloat16) return false;
   if (w1.scalar_type() != dt || w2.scalar_type() != dt) return false;
   if (w1.device() != x.device() || w2.device() != x.device()) return false;
@@ -249,14 +258,14 @@ at::Tensor dense(const std::optional<at::Tensor>& t) {
 
 py::object run(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
                const at::Tensor& pair_weights, const at::Tensor& b1, const at::Tensor& b2,
-               const PlanSource& src, int64_t activation, bool recompute) {
+               const PlanSource& src, int64_t activation, bool recompute, int64_t compute) {
   try {
     const auto opt = [](const at::Tensor& t) {
       return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
     };
     variable_list out = EagerExperts::apply(x.contiguous(), w1.contiguous(), w2.contiguous(),
                                             pair_weights, opt(b1), opt(b2), src, activation,
-                                            recompute);
+                                            recompute, compute);
     return py::cast(out[0]);
   } catch (const CallFailed& f) {
     return py::int_(f.rc);
@@ -264,14 +273,15 @@ py::object run(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
 }
 
 // moe_experts: ids (T, K) int32/int64 with K >= 1, kernel_weights (T, K) fp32/bf16 (the
-// caller's weights, detached).
+// caller's weights, detached). compute: moeblaze_layer_cfg.compute (0 storage dtype, 1 fp8).
 py::object experts_from_ids(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
                             const at::Tensor& pair_weights, const at::Tensor& ids,
                             const at::Tensor& kernel_weights, int64_t activation, int64_t w1_rows,
                             bool recompute, const std::optional<at::Tensor>& b1_,
-                            const std::optional<at::Tensor>& b2_) {
+                            const std::optional<at::Tensor>& b2_, int64_t compute) {
   const at::Tensor b1 = dense(b1_), b2 = dense(b2_);
-  if (g_api.layer_forward_biased == nullptr || !operands_apply(x, w1, w2, b1, b2, w1_rows))
+  if (g_api.layer_forward_biased == nullptr ||
+      !operands_apply(x, w1, w2, b1, b2, w1_rows, compute))
     return py::none();
   if (ids.dim() != 2 || ids.size(0) != x.size(0) || ids.size(1) < 1 ||
       kernel_weights.sizes() != ids.sizes() || ids.device() != x.device() ||
@@ -283,7 +293,7 @@ py::object experts_from_ids(const at::Tensor& x, const at::Tensor& w1, const at:
     return py::none();
   return run(x, w1, w2, pair_weights, b1, b2,
              {true, ids.contiguous(), kernel_weights.contiguous(), {}, {}, {}}, activation,
-             recompute);
+             recompute, compute);
 }
 
 // experts_from_routing: the CSR routing, pair_offsets (T+1,) int32, pair_experts (P,) int32,
@@ -293,9 +303,9 @@ py::object experts_from_routing(const at::Tensor& x, const at::Tensor& w1, const
                                 const at::Tensor& experts, const at::Tensor& kernel_weights,
                                 int64_t activation, int64_t w1_rows, bool recompute,
                                 const std::optional<at::Tensor>& b1_,
-                                const std::optional<at::Tensor>& b2_) {
+                                const std::optional<at::Tensor>& b2_, int64_t compute) {
   const at::Tensor b1 = dense(b1_), b2 = dense(b2_);
-  if (g_api.build_plan == nullptr || !operands_apply(x, w1, w2, b1, b2, w1_rows))
+  if (g_api.build_plan == nullptr || !operands_apply(x, w1, w2, b1, b2, w1_rows, compute))
     return py::none();
   if (offsets.dim() != 1 || offsets.size(0) != x.size(0) + 1 || experts.dim() != 1 ||
       kernel_weights.dim() != 1 || kernel_weights.size(0) != experts.size(0))
@@ -308,7 +318,7 @@ py::object experts_from_routing(const at::Tensor& x, const at::Tensor& w1, const
   return run(x, w1, w2, pair_weights, b1, b2,
              {false, {}, {}, offsets.contiguous(), experts.contiguous(),
               kernel_weights.contiguous()},
-             activation, recompute);
+             activation, recompute, compute);
 }
 
 // The C ABI's functions from their addresses, by name (ctypes resolved capi_functions).
