@@ -636,7 +636,16 @@ TEST(LayerGpu, Dw1ReuseRuleAndRegionBytes) {
   const cuda::Dw1Reuse c = cuda::dw1_reuse_rule(512, 300, 1024);  // 512 + 256 + 300 > 1024
   EXPECT_TRUE(c.shared && !c.scratch);
   const cuda::Dw1Reuse d = cuda::dw1_reuse_rule(2048, 100, 1024);
-  EXPECT_TRUE(!d.shared && d.scratch && d.scratch_at == 0);
+  EXPECT_TRUE(!d.shared && !d.order && d.scratch && d.scratch_at == 0);
+  // dx_order goes to dw1's start only where the region does not, the scratch after it.
+  const cuda::Dw1Reuse e = cuda::dw1_reuse_rule(2048, 100, 1024, 256);
+  EXPECT_TRUE(!e.shared && e.order && e.scratch && e.scratch_at == 256);
+  const cuda::Dw1Reuse f = cuda::dw1_reuse_rule(512, 100, 1024, 256);
+  EXPECT_TRUE(f.shared && !f.order && f.scratch && f.scratch_at == 512);
+  const cuda::Dw1Reuse g = cuda::dw1_reuse_rule(2048, 100, 512, 256);  // 256 + 256 + 100 > 512
+  EXPECT_TRUE(!g.shared && g.order && !g.scratch);
+  const cuda::Dw1Reuse h = cuda::dw1_reuse_rule(2048, 0, 128, 256);
+  EXPECT_TRUE(!h.shared && !h.order && !h.scratch);
   struct Named {
     const char* name;
     int64_t T, d, n, E, K;
@@ -669,6 +678,8 @@ TEST(LayerGpu, Dw1ReuseRuleAndRegionBytes) {
     EXPECT_EQ(shared, region);
     const size_t dw1 = size_t(x.E * 2 * x.n * x.d) * 2;
     EXPECT_EQ(cuda::dw1_reuse_rule(shared, 0, dw1).shared, x.fits) << shared << " vs " << dw1;
+    // Where the region does not fit, dx_order (S int32) does: S·4 bytes off the peak.
+    EXPECT_EQ(cuda::dw1_reuse_rule(shared, 0, dw1, r256(S * 4)).order, !x.fits);
   }
 }
 
@@ -697,9 +708,9 @@ TEST(LayerGpu, BackwardWorkspaceWithTheRegionInDw1NeedsDw1) {
   EXPECT_NE(w.ds, nullptr);
 }
 
-// A', ds, dX̃ and the TMA scratch in dw1's bytes (backward_dw1_reuse) give the bits of the same
-// pieces in the workspace, in both modes, with and without token chunks, and backward's
-// workspace shrinks by their bytes.
+// A', ds, dX̃ (or dx_order where they do not fit) and the TMA scratch in dw1's bytes
+// (backward_dw1_reuse) give the bits of the same pieces in the workspace, in both modes, with and
+// without token chunks, and backward's workspace shrinks by their bytes.
 TEST(LayerGpu, BackwardPiecesInDw1GiveTheWorkspacesBits) {
   MOEBLAZE_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
@@ -731,8 +742,8 @@ TEST(LayerGpu, BackwardPiecesInDw1GiveTheWorkspacesBits) {
         layer_workspace_bytes(in.cfg, S, mode, Device::cuda, LayerPass::backward);
     const GpuResult b = run_gpu(in, mode);
     expect_same_bits(a, b);
-    // Workspace accounting: with the region in dw1 its bytes leave the workspace, and the
-    // scratch is in dw1 wherever it fits (after the region, or from dw1's start without it).
+    // Workspace accounting: with the region in dw1 its bytes leave the workspace, else dx_order's
+    // do; the scratch is in dw1 wherever it fits (after either, or from dw1's start without).
     const cuda::TokenChunks chunks = cuda::layer_chunks(in.cfg, S, mode).backward;
     const size_t region = cuda::backward_shared_bytes(in.cfg, S, cuda::gemm::ds_partials_cols(n),
                                                       chunks);
@@ -743,8 +754,9 @@ TEST(LayerGpu, BackwardPiecesInDw1GiveTheWorkspacesBits) {
     if (reuse.shared)
       EXPECT_EQ(without + (reuse.scratch ? 0 : scratch), with + region + (scratch_off ? 0 : scratch))
           << "the region left the workspace";
-    else
-      EXPECT_EQ(with, without);
+    else  // dx_order alone left the workspace (for dw1's first bytes)
+      EXPECT_EQ(with + (reuse.order ? (size_t(S) * 4 + 255) / 256 * 256 : 0), without);
+    EXPECT_EQ(reuse.order, !reuse.shared) << "dx_order goes to dw1 wherever the region does not";
     if (T == 1024) EXPECT_TRUE(reuse.shared && !reuse.scratch) << "S = 2 n E: dX̃ fills dw1";
     if (T == 15360 && mode == LayerMode::recompute)
       EXPECT_TRUE(reuse.shared && cuda::layer_chunks(in.cfg, S, mode).backward.count == 8);

@@ -196,10 +196,12 @@ size_t backward_shared_bytes(const LayerConfig& cfg, int64_t S, int64_t ds_cols,
   return count.high_water();
 }
 
-Dw1Reuse dw1_reuse_rule(size_t shared_bytes, size_t scratch_bytes, size_t dw1_bytes) {
+Dw1Reuse dw1_reuse_rule(size_t shared_bytes, size_t scratch_bytes, size_t dw1_bytes,
+                        size_t order_bytes) {
   Dw1Reuse r;
   r.shared = shared_bytes <= dw1_bytes;
-  r.scratch_at = r.shared ? shared_bytes : 0;
+  r.order = !r.shared && order_bytes > 0 && order_bytes <= dw1_bytes;
+  r.scratch_at = r.shared ? shared_bytes : r.order ? order_bytes : 0;
   // + 256: the scratch starts at the next 256-byte boundary of dw1 (only 16-byte aligned).
   r.scratch = scratch_bytes > 0 && r.scratch_at + 256 + scratch_bytes <= dw1_bytes;
   return r;
@@ -212,7 +214,9 @@ Dw1Reuse dw1_reuse(const LayerConfig& cfg, int64_t S, int64_t ds_cols, const Tok
                    size_t scratch_bytes) {
   const size_t region =
       g_dw1_reuse.load() ? backward_shared_bytes(cfg, S, ds_cols, chunks) : SIZE_MAX;
-  return dw1_reuse_rule(region, scratch_bytes, size_t(cfg.E * w1_rows(cfg) * cfg.d) * 2);
+  // dx_order's bytes as the Carver takes it; with the switch off nothing but the scratch goes to dw1.
+  const size_t order = g_dw1_reuse.load() ? (size_t(S) * 4 + 255) / 256 * 256 : 0;
+  return dw1_reuse_rule(region, scratch_bytes, size_t(cfg.E * w1_rows(cfg) * cfg.d) * 2, order);
 }
 }  // namespace
 
@@ -234,6 +238,8 @@ BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMod
   // A carved workspace (base given) with the region in dw1 needs dw1's bytes, else its pieces are null.
   MOEBLAZE_REQUIRE(base == nullptr || !reuse.shared || dw1 != nullptr,
                    "backward_workspace: dw1 must not be null when the ds region is placed in it");
+  MOEBLAZE_REQUIRE(base == nullptr || !reuse.order || dw1 != nullptr,
+                   "backward_workspace: dw1 must not be null when dx_order is placed in it");
   Carver c(base);
   BackwardWorkspace w;
   // dH is written over H when H is the workspace's own (recompute) or the caller allows it.
@@ -242,10 +248,11 @@ BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, LayerMod
   if (!reuse.scratch) w.scratch = take_scratch(c, scratch_bytes);
   w.maps = take_maps(c, chunks, S, cfg.E);
   // Not in the shared region: where dX̃ is exactly dw1's size (olmoe, sm-default) it would push
-  // the region out of dw1.
-  w.dx_order = c.take<int32_t>(S);
+  // the region out of dw1. Where the region is not in dw1, dw1's first bytes take it.
+  if (!reuse.order) w.dx_order = c.take<int32_t>(S);
   // dw1 is only 16-byte aligned (check_gpu_layer_args), which is all these pieces need.
   Carver in_dw1(dw1);
+  if (reuse.order) w.dx_order = in_dw1.take<int32_t>(S);
   take_shared(reuse.shared ? in_dw1 : c, w, cfg, S, ds_cols, chunks);
   if (reuse.scratch && dw1 != nullptr) {
     // dX̃'s TMA scratch (CUtensorMaps want 64-byte alignment) at the next 256-byte boundary.

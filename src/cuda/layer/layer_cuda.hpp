@@ -101,13 +101,16 @@ ForwardWorkspace forward_workspace(const LayerConfig& cfg, int64_t S, const Toke
 // dW1, the last GEMM, writes dw1 only after every one of these pieces is dead.
 //   shared: A', the ds partials, ds and dX̃ (their region, as the workspace would lay it out,
 //           from dw1's first byte) when the region fits in dw1;
-//   scratch: dX̃'s TMA scratch, after the region (or from dw1's start), at a 256-byte boundary,
-//            when there is one and it fits there too.
+//   order: dx_order (S,) int32, from dw1's first byte, when the region does not go there (its
+//          dX̃ is larger than dw1: a peak of dX̃, dw1, dw2 and dx, where S·4 bytes count);
+//   scratch: dX̃'s TMA scratch, after the region or dx_order (or from dw1's start), at a 256-byte
+//            boundary, when there is one and it fits there too.
 // A function of the sizes alone, so the workspace size needs no pointer. set_backward_dw1_reuse
 // switches the region's placement for the whole process (tests compare the two); it is on by
 // default, and when off the scratch alone goes to dw1's start.
 struct Dw1Reuse {
   bool shared = false;
+  bool order = false;
   bool scratch = false;
   size_t scratch_at = 0;  // byte offset in dw1 the scratch starts at or after (then aligned)
 };
@@ -115,10 +118,12 @@ Dw1Reuse backward_dw1_reuse(const LayerConfig& cfg, int64_t S, int64_t ds_cols,
                             const TokenChunks& chunks);
 void set_backward_dw1_reuse(bool on);
 // Its two host-only parts (testable without a GPU): the region's bytes as the workspace lays it
-// out (each piece rounded to 256 bytes), and the placement given the three sizes.
+// out (each piece rounded to 256 bytes), and the placement given the sizes (order_bytes: dx_order's,
+// rounded to 256; 0 keeps it in the workspace).
 size_t backward_shared_bytes(const LayerConfig& cfg, int64_t S, int64_t ds_cols,
                              const TokenChunks& chunks);
-Dw1Reuse dw1_reuse_rule(size_t shared_bytes, size_t scratch_bytes, size_t dw1_bytes);
+Dw1Reuse dw1_reuse_rule(size_t shared_bytes, size_t scratch_bytes, size_t dw1_bytes,
+                        size_t order_bytes = 0);
 // dh_over_h (keep_h): no room for dH, which the caller writes over the saved H. In recompute mode
 // dH always goes over the recomputed H. `chunks`: layer_chunks(...).backward or none(S).
 // dw1: the caller's dw1 data (null while only counting bytes). ranges: layer_ranges(...) (null:
