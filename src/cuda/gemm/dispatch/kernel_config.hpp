@@ -77,7 +77,6 @@ inline constexpr TmaVariant kTmaVariants[] = {
     {128, 256, KernelSchedule::cooperative, 1},
     {256, 128, KernelSchedule::cooperative, 2},
     {192, 128, KernelSchedule::ping_pong, 2},
-    {128, 192, KernelSchedule::ping_pong, 2},
 };
 constexpr int kTmaVariantCount = int(sizeof(kTmaVariants) / sizeof(kTmaVariants[0]));
 constexpr int kTmaPingPong = 3;  // kTmaVariants' 192x128 ping-pong
@@ -111,7 +110,7 @@ struct KernelShape {
 //   dw1.cluster      1 | 2                   (dw1 on ws)
 //   down.cluster, dx.cluster  1 | 2          (on tma: single CTAs, or pairs sharing a tile by
 //                                            multicast, the automatic choice)
-//   down.tile, dx.tile  MxN                  (on tma: 128x256, 256x128, 192x128, 128x192)
+//   down.tile, dx.tile  MxN                  (on tma: 128x256, 256x128, 192x128)
 //   On tma, the fields not given stay as chosen where that kernel is built, else come from the
 //   first of kTmaVariants with the given ones (dx.tile=256x128: cooperative on clusters of 2);
 //   a combination not built is refused.

@@ -13,15 +13,11 @@ using ScratchFn = size_t (*)(int, TmaTileOrder);
 using RunFn = void (*)(const TmaCall&);
 // In kTmaVariants order.
 constexpr ScratchFn kDownScratch[] = {down_tma_scratch_bytes<0>, down_tma_scratch_bytes<1>,
-                                      down_tma_scratch_bytes<2>, down_tma_scratch_bytes<3>,
-                                      down_tma_scratch_bytes<4>};
-constexpr RunFn kDownRun[] = {down_tma_run<0>, down_tma_run<1>, down_tma_run<2>, down_tma_run<3>,
-                              down_tma_run<4>};
+                                      down_tma_scratch_bytes<2>, down_tma_scratch_bytes<3>};
+constexpr RunFn kDownRun[] = {down_tma_run<0>, down_tma_run<1>, down_tma_run<2>, down_tma_run<3>};
 constexpr ScratchFn kDxScratch[] = {dx_tma_scratch_bytes<0>, dx_tma_scratch_bytes<1>,
-                                    dx_tma_scratch_bytes<2>, dx_tma_scratch_bytes<3>,
-                                    dx_tma_scratch_bytes<4>};
-constexpr RunFn kDxRun[] = {dx_tma_run<0>, dx_tma_run<1>, dx_tma_run<2>, dx_tma_run<3>,
-                            dx_tma_run<4>};
+                                    dx_tma_scratch_bytes<2>, dx_tma_scratch_bytes<3>};
+constexpr RunFn kDxRun[] = {dx_tma_run<0>, dx_tma_run<1>, dx_tma_run<2>, dx_tma_run<3>};
 static_assert(sizeof(kDownRun) / sizeof(kDownRun[0]) == kTmaVariantCount);
 
 size_t largest(const ScratchFn (&fns)[kTmaVariantCount], int E) {

@@ -6,7 +6,6 @@
 //   1 128x256 cooperative, cluster 1     down_proj_tma_c1.cu        dx_proj_tma_c1.cu
 //   2 256x128 cooperative, cluster 2     down_proj_tma_256x128.cu   dx_proj_tma_256x128.cu
 //   3 192x128 ping-pong, cluster 2       down_proj_tma_pp.cu        dx_proj_tma_pp.cu
-//   4 128x192 ping-pong, cluster 2       down_proj_tma_128x192.cu   dx_proj_tma_128x192.cu
 // Called by down_proj / dx_proj after their argument checks when given a scratch. Host-only.
 #pragma once
 
@@ -59,9 +58,8 @@ MOEBLAZE_TMA_VARIANT(0)
 MOEBLAZE_TMA_VARIANT(1)
 MOEBLAZE_TMA_VARIANT(2)
 MOEBLAZE_TMA_VARIANT(3)
-MOEBLAZE_TMA_VARIANT(4)
 #undef MOEBLAZE_TMA_VARIANT
-static_assert(kTmaVariantCount == 5, "one MOEBLAZE_TMA_VARIANT line and two files per variant");
+static_assert(kTmaVariantCount == 4, "one MOEBLAZE_TMA_VARIANT line and two files per variant");
 
 // Scratch bytes for E experts on the current device: the largest of the variants'.
 size_t down_proj_tma_scratch_bytes(int E);
