@@ -1,23 +1,22 @@
 #!/usr/bin/env python3
 """Which allocations are live at the peak of one `moe_experts` forward+backward on the GPU.
 
-The step as bench/peers.py measures it (bf16 x, w1, w2; (T, K) int64 ids and fp32 weights from a
-softmax top-K; `out` held through backward), with the C++ fast path and with the Python path:
-torch's allocator trace (`torch.cuda.memory._record_memory_history`) replayed to the moment of
-the highest allocated total, then every block live there, largest first. Peak = peers.py's
-(max_memory_allocated over the step minus what was allocated before it).
+bench/peers.py's moeblaze-torch step on its inputs (`Inputs`, `impl_moeblaze_torch`), with the C++
+fast path and with the Python path: torch's allocator trace
+(`torch.cuda.memory._record_memory_history`) replayed to the moment of the highest allocated
+total, then every block live there, largest first. Peak = peers.py's (max_memory_allocated over
+the step minus what was allocated before it; `out` held through backward).
 
-  python3 bench/peak_live.py sm-7B-n256 [--recompute]
+  python3 bench/peak_live.py sm-7B-n256 [--recompute] [--seed N]
 """
 import argparse
-import math
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_reference import CONFIGS, EXTRA_SHAPES  # noqa: E402
+import peers  # noqa: E402
 
 
 def live_at_peak(snapshot, device):
@@ -37,43 +36,23 @@ def live_at_peak(snapshot, device):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("config", help="a named config or extra shape of bench/torch_reference.py")
+    ap.add_argument("config", help="a named config, an extra shape or T,d,n,E,K (as peers.py)")
     ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
-    shapes = {**CONFIGS, **EXTRA_SHAPES}
-    if args.config not in shapes:
-        ap.error(f"unknown config '{args.config}' (one of {', '.join(shapes)})")
     if not torch.cuda.is_available():
         sys.exit("peak_live: needs a CUDA GPU")
-    import moeblaze
-    T, d, n, E, K = shapes[args.config]
-    dev, bf = "cuda", torch.bfloat16
-    g = torch.Generator(device=dev)
-    g.manual_seed(1)
-    x = torch.randn(T, d, device=dev, generator=g, dtype=bf).requires_grad_()        # (T, d)
-    w1 = (torch.randn(E, 2 * n, d, device=dev, generator=g, dtype=bf) / math.sqrt(d)).requires_grad_()
-    w2 = (torch.randn(E, d, n, device=dev, generator=g, dtype=bf) / math.sqrt(n)).requires_grad_()
-    w, ids = torch.topk(torch.softmax(torch.randn(T, E, device=dev, generator=g), -1), K, -1)
-    w = w.detach().requires_grad_()                                                  # (T, K) fp32
-    dout = torch.randn(T, d, device=dev, generator=g, dtype=bf)                      # (T, d)
-    leaves = (x, w1, w2, w)
-
-    def step(fast):
-        with moeblaze.use_extension(fast):
-            out = moeblaze.moe_experts(x, w1, w2, ids, w, "swiglu", recompute=args.recompute)
-        out.backward(dout)
-        return out
-
+    inp = peers.Inputs(*peers.shape_of(args.config), args.seed, "cuda")
     for fast in (True, False):
+        step = peers.impl_moeblaze_torch(inp, args.recompute, fast_path=fast)
         for _ in range(2):  # warm-up: workspaces, the extension's build
-            step(fast)
-            for t in leaves:
-                t.grad = None
+            step(True)
+            inp.clear_grads()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.memory._record_memory_history(max_entries=100000)
-        out = step(fast)
+        out = step(True)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
         snapshot = torch.cuda.memory._snapshot()
@@ -84,8 +63,7 @@ def main():
         for ev in sorted(at.values(), key=lambda e: -e["size"]):
             print(f"  {ev['size']:>15,}")
         del out
-        for t in leaves:
-            t.grad = None
+        inp.clear_grads()
 
 
 if __name__ == "__main__":
