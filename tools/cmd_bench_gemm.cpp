@@ -69,14 +69,26 @@ struct Flags {
   bool no_dense = false;
   std::string only;  // comma list of kernel names to time (all when empty)
   std::string operands = "chain";  // chain | random: the intermediates the GEMMs read (above)
+  std::string kernels;  // kernel overrides under every kernel's own (e.g. tma.bands=4)
   std::string out;  // append JSON lines here
   std::string md;   // write the table as Markdown here
 };
 
-// "gemm-big" is the GEMM issue's shape (S = 65536 slots, E = 16, d = 2048, n = 1024); the others
+// "gemm-big" is the GEMM issue's shape (S = 65536 slots, E = 16, d = 2048, n = 1024);
+// "T<T>-d<d>-n<n>-E<E>-K<K>" any shape (the name `bench layer --shape` gives its rows); the others
 // are DESIGN's named configs.
 Shape find_shape(const std::string& name) {
   if (name == "gemm-big") return {name, 16384, 2048, 1024, 16, 4};
+  long long v[5];
+  int used = 0;
+  if (std::sscanf(name.c_str(), "T%lld-d%lld-n%lld-E%lld-K%lld%n", &v[0], &v[1], &v[2], &v[3],
+                  &v[4], &used) == 5 &&
+      used == static_cast<int>(name.size())) {
+    for (long long x : v)
+      MOEBLAZE_REQUIRE(x > 0, "--configs: '", name, "': every dimension must be positive");
+    MOEBLAZE_REQUIRE(v[4] <= v[3], "--configs: '", name, "': K must be in [1, E]");
+    return {name, v[0], v[1], v[2], v[3], v[4]};
+  }
   const NamedConfig& c = require_config(name);
   return {name, c.T, c.d, c.n, c.E, c.K};
 }
@@ -235,6 +247,7 @@ struct Kernel {
   std::function<void()> launch;
   int64_t dense_m, dense_n, dense_k;
   std::function<void()> before = [] {};  // untimed, before every launch (the check's too)
+  std::string tag;  // the --kernels variant it runs under, where several are compared
 };
 
 // Every kernel variant of the six GEMMs on one shape, in pipeline order: each one's inputs are
@@ -243,7 +256,8 @@ struct Kernel {
 // contiguous-A ones (down, dX) on the cp.async kernel, the TMA path (CUTLASS pointer-array) and
 // the warp-specialised kernel (both schedules); variants of one GEMM write the same output.
 std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t stream,
-                                  const cuda::gemm::GemmScratch& tma_scratch) {
+                                  const cuda::gemm::GemmScratch& tma_scratch,
+                                  const std::string& extra) {
   namespace gg = cuda::gemm;
   using GK = gg::GatherKernel;
   const int64_t S = s.S, R = s.R, d = s.d, n = s.n;
@@ -312,8 +326,9 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
   // A kernel under a kernel-choice override set around its launch (the entry points read the
   // choice, not an argument): the TMA path's other tiles, the contiguous-A GEMMs on the
   // warp-specialised kernel (down/dx.family=ws, + schedule), dW1 on 2-CTA clusters.
-  auto with_overrides = [](const char* spec, Kernel k) -> Kernel {
-    const gg::KernelOverrides o = gg::parse_kernel_overrides(spec);
+  // `extra` (--kernels) comes first, under every kernel's own overrides.
+  auto with_overrides = [&extra](const char* spec, Kernel k) -> Kernel {
+    const gg::KernelOverrides o = gg::parse_kernel_overrides(extra + "," + spec);
     k.launch = [o, inner = k.launch] {
       gg::set_kernel_overrides(o);
       inner();
@@ -376,6 +391,8 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
                                return nm == "up" || nm == "up-pp" || nm == "dH" || nm == "dH-pp";
                              }),
               all.end());
+  if (!extra.empty())
+    for (Kernel& k : all) k = with_overrides("", std::move(k));  // the set inside wins
   return all;
 }
 
@@ -495,7 +512,8 @@ void time_kernels(const Flags& f, const Shape& sh, const ShapeData& s,
     const auto& k = kernels[i];
     if (!only.empty() && std::find(only.begin(), only.end(), std::string(k.name)) == only.end())
       continue;
-    Row row{sh.name, k.name, s.T, s.S, s.E, s.K, s.d, s.n, 0, 0, NAN, NAN, errs[i]};
+    const std::string name = k.tag.empty() ? k.name : std::string(k.name) + " [" + k.tag + "]";
+    Row row{sh.name, name, s.T, s.S, s.E, s.K, s.d, s.n, 0, 0, NAN, NAN, errs[i]};
     refill();
     row.ms = timer.median_ms(f.warmup, f.reps, k.before, k.launch);
     row.tflops = k.flops / (row.ms * 1e-3) / 1e12;
@@ -512,7 +530,7 @@ void time_kernels(const Flags& f, const Shape& sh, const ShapeData& s,
       row.dense_tflops = 2.0 * m * nn * double(kk) / (row.dense_ms * 1e-3) / 1e12;
     }
     rows.push_back(row);
-    std::cerr << "  " << k.name << ": " << row.ms << " ms, " << row.tflops << " TFLOP/s\n";
+    std::cerr << "  " << name << ": " << row.ms << " ms, " << row.tflops << " TFLOP/s\n";
   }
 }
 
@@ -528,7 +546,26 @@ void bench_shape(const Flags& f, const Shape& sh, Activation act, cudaStream_t s
   namespace gg = cuda::gemm;
   Dev scratch_buf(gg::tma_gemm_scratch_bytes(E));
   const gg::GemmScratch tma_scratch{scratch_buf.as<char>(), gg::tma_gemm_scratch_bytes(E)};
-  const std::vector<Kernel> kernels = shape_kernels(s, act, stream, tma_scratch);
+  // --kernels "A;B": every kernel under A, then under B, side by side (one after the other).
+  // Without it MOEBLAZE_KERNELS, which the kernels timed under their own overrides (down-tmapp's
+  // down.tile=192x128 ...) would otherwise not see: theirs replace the variable's.
+  const char* env = std::getenv("MOEBLAZE_KERNELS");
+  const std::string all_specs = !f.kernels.empty() ? f.kernels : env ? env : "";
+  std::vector<std::string> specs;
+  for (size_t at = 0; at <= all_specs.size();) {
+    const size_t semi = std::min(all_specs.find(';', at), all_specs.size());
+    specs.push_back(all_specs.substr(at, semi - at));
+    at = semi + 1;
+  }
+  std::vector<std::vector<Kernel>> per_spec;
+  for (const std::string& spec : specs) {
+    per_spec.push_back(shape_kernels(s, act, stream, tma_scratch, spec));
+    if (specs.size() > 1)
+      for (Kernel& k : per_spec.back()) k.tag = spec;
+  }
+  std::vector<Kernel> kernels;
+  for (size_t j = 0; j < per_spec[0].size(); ++j)
+    for (auto& list : per_spec) kernels.push_back(std::move(list[j]));
   DenseOperands dense;
   if (!f.no_dense) dense = dense_operands(kernels, f.seed);
 
@@ -563,7 +600,7 @@ void print_table(const std::vector<Row>& rows) {
 }
 
 void append_jsonl(const std::string& path, const std::vector<Row>& rows, Activation act,
-                  const std::string& operands, const RunInfo& info) {
+                  const std::string& operands, const std::string& kernels, const RunInfo& info) {
   std::ofstream os(path, std::ios::app);
   for (const auto& r : rows) {
     JsonLine j;
@@ -572,7 +609,7 @@ void append_jsonl(const std::string& path, const std::vector<Row>& rows, Activat
     j.add("K", r.K).add("d", r.d).add("n", r.n).add("ms", r.ms).add("tflops", r.tflops);
     j.add("pct_of_dense_ceiling", 100.0 * r.tflops / kDenseCeilingTflops);
     j.add("dense_same_flop_ms", r.dense_ms).add("dense_same_flop_tflops", r.dense_tflops);
-    j.add("max_rel_err", r.max_rel_err).add("operands", operands);
+    j.add("max_rel_err", r.max_rel_err).add("operands", operands).add("kernels", kernels);
     j.add("gpu", info.gpu).add("driver", info.driver).add("commit", info.commit);
     j.add("date", info.date);
     os << j.str() << "\n";
@@ -621,7 +658,10 @@ void run(const Flags& f) {
   if (blas) cublasDestroy(blas);
 
   print_table(rows);
-  if (!f.out.empty()) append_jsonl(f.out, rows, act, f.operands, info);
+  const char* env = std::getenv("MOEBLAZE_KERNELS");
+  if (!f.out.empty())
+    append_jsonl(f.out, rows, act, f.operands, !f.kernels.empty() ? f.kernels : env ? env : "",
+                 info);
   if (!f.md.empty()) write_markdown(f.md, rows, act, f.reps, f.operands, info);
 }
 
@@ -631,7 +671,8 @@ void add_bench_gemm_command(CLI::App& bench) {
   auto flags = std::make_shared<Flags>();
   CLI::App* sub = bench.add_subcommand("gemm", "the grouped GEMM kernels alone on the GPU");
   sub->add_option("--configs", flags->configs,
-                  "comma list: gemm-big (S=65536, E=16, d=2048, n=1024) or named configs");
+                  "comma list: gemm-big (S=65536, E=16, d=2048, n=1024), named configs, or "
+                  "shapes as T<T>-d<d>-n<n>-E<E>-K<K>");
   sub->add_option("--activation", flags->activation,
                   "swiglu, geglu, relu, silu, gelu, relu2");
   sub->add_option("--reps", flags->reps, "timed repetitions (>= 20)")
@@ -651,6 +692,10 @@ void add_bench_gemm_command(CLI::App& bench) {
                   "what the GEMMs read as h, a, dh and a': chain (what the chain computed) or "
                   "random (N(0, 1), like x and dO, refilled after the correctness check)")
       ->check(CLI::IsMember({"chain", "random"}));
+  sub->add_option("--kernels", flags->kernels,
+                  "kernel overrides for every kernel timed, under each kernel's own (e.g. "
+                  "tma.bands=4; syntax as MOEBLAZE_KERNELS); ';' separates variants, each "
+                  "kernel timed under each in turn (\"tma.bands=1;tma.bands=4\")");
   sub->add_option("--out", flags->out, "append JSON lines to this file");
   sub->add_option("--md", flags->md, "write the table as Markdown to this file");
   sub->callback([flags] { run(*flags); });
