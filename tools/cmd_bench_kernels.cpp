@@ -50,7 +50,8 @@ void run_kernels(const KernelsFlags& f) {
                          std::to_string(g.tile_k),
                      g.stages ? std::to_string(g.stages) : "auto", std::to_string(g.cluster),
                      tma ? std::string(g.tma_along_n ? "n" : "m") + " swizzle " +
-                               std::to_string(g.tma_swizzle)
+                               std::to_string(g.tma_swizzle) + " bands " +
+                               std::to_string(g.tma_bands)
                          : "raster " + std::to_string(g.raster_group) +
                                (g.b_by_tma ? ", b by TMA" : ""),
                      g.rule});

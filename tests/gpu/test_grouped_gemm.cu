@@ -359,6 +359,22 @@ TEST_P(GroupedGemm, DownProjContiguous) {
                 rel_tolerance(DType::bf16));
     }
   }
+  // Bands (tma.bands) change which CTA computes a tile, never how: bitwise the same y.
+  {
+    const ClearOverridesOnExit clear_on_exit;
+    for (const std::string spec : {"down.family=tma", "down.family=tma,down.tile=192x128"}) {
+      std::vector<uint8_t> one_band;
+      for (const int bands : {1, 2, 3, 7, 64}) {
+        gg::set_kernel_overrides(
+            gg::parse_kernel_overrides(spec + ",tma.bands=" + std::to_string(bands)));
+        run_twice({&y}, [&] { gg::down_proj(dp.view, cb(a), cb(w2), mb(y), d, n, nullptr, ts.get()); });
+        if (bands == 1)
+          one_band = download<uint8_t>(y);
+        else
+          EXPECT_TRUE(bytes_equal(y, one_band)) << spec << ", tma.bands=" << bands;
+      }
+    }
+  }
   // The warp-specialised kernel with A read by slot, both schedules (the down.family=ws choice).
   double ey_ws[2];
   {
@@ -601,6 +617,23 @@ TEST_P(GroupedGemm, DxProjWeightNMajor) {
                 dx_ref, rel_tolerance(DType::bf16));
     }
   }
+  {  // bitwise the same across bands, as for down_proj
+    const ClearOverridesOnExit clear_on_exit;
+    for (const std::string spec : {"dx.family=tma", "dx.family=tma,dx.tile=192x128"}) {
+      std::vector<uint8_t> one_band;
+      for (const int bands : {1, 2, 3, 7, 64}) {
+        gg::set_kernel_overrides(
+            gg::parse_kernel_overrides(spec + ",tma.bands=" + std::to_string(bands)));
+        run_twice({&dx}, [&] {
+          gg::dx_proj(dp.view, cb(dh), cb(w1), mb(dx), d, c.n, c.act, nullptr, ts.get());
+        });
+        if (bands == 1)
+          one_band = download<uint8_t>(dx);
+        else
+          EXPECT_TRUE(bytes_equal(dx, one_band)) << spec << ", tma.bands=" << bands;
+      }
+    }
+  }
   double ex_ws[2];
   {
     const ClearOverridesOnExit clear_on_exit;
@@ -715,6 +748,7 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_EQ(gg::tma_variant(sm.down), gg::kTmaPingPong);
   EXPECT_EQ(sm.down.cluster, 2);
   EXPECT_EQ(sm.dx, sm.down);
+  EXPECT_EQ(sm.down.tma_bands, 1);  // 11 x 32 tiles per expert: CUTLASS's order
   EXPECT_EQ(gg::tma_variant(choose(131072, 64, 2048, 1024).dx), gg::kTmaPingPong);  // olmoe
   EXPECT_EQ(sm.dw2.family, KernelFamily::ws_varlen_k);
   EXPECT_EQ(sm.dw1.family, KernelFamily::ws_varlen_k);
@@ -722,6 +756,22 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_EQ(sm.up.raster_group, gg::kDefaultRasterGroup);
   // swiglu's dH: its own ws kernels, cooperative, at every d (sm-7B-n256: d = 1536).
   const gg::LayerKernels s7 = choose(196608, 128, 1536, 256);
+  // Bands on the TMA path where an expert has fewer tiles than SMs and K <= 512: sm-7B-n256
+  // 8 x 12 = 96 tiles, ceil(8 * 132 / 96) = 11 bands (w2_e 0.75 MiB, w1_e 1.5 MiB: 24 MiB holds
+  // 11 of each); sm-1.4B-n256 14 x 6 = 84 tiles: 13; sm-7B-n1024 (K = 1024, 2048) and olmoe
+  // (176 tiles per expert): none.
+  EXPECT_EQ(s7.down.tma_bands, 11);
+  EXPECT_EQ(s7.dx.tma_bands, 11);
+  EXPECT_EQ(choose(327680, 128, 768, 256).down.tma_bands, 13);
+  EXPECT_EQ(choose(327680, 128, 768, 256).dx.tma_bands, 13);
+  EXPECT_EQ(choose(49152, 32, 1536, 1024).down.tma_bands, 1);
+  EXPECT_EQ(choose(131072, 64, 2048, 1024).dx.tma_bands, 1);
+  EXPECT_EQ(gg::tma_bands_rule(24576, 128, 12288, 512, 192, 128), 2);  // L2: 12 MiB weights
+  EXPECT_EQ(gg::tma_bands_rule(196608, 128, 1536, 513, 192, 128), 1);  // K > 512
+  EXPECT_EQ(gg::tma_bands_rule(196608, 4, 1536, 256, 192, 128), 1);  // 24576 rows per expert
+  EXPECT_EQ(gg::tma_bands_rule(1000, 1, 1536, 256, 192, 128), 1);    // one expert
+  EXPECT_EQ(gg::tma_bands_rule(96, 64, 128, 64, 192, 128), 64);      // one tile each: E's cap
+  EXPECT_EQ(gg::tma_bands_rule(0, 64, 128, 64, 192, 128), 1);
   EXPECT_EQ(s7.dh.family, KernelFamily::ws_gather);
   EXPECT_EQ(s7.dh.schedule, KernelSchedule::cooperative);
   EXPECT_EQ(choose(131072, 64, 2048, 1024).dh, sm.dh);  // olmoe
@@ -793,6 +843,9 @@ TEST(GroupedGemmChecks, KernelChoiceIsTotalAndDeterministic) {
               EXPECT_FALSE(k.cluster == 2 && k.family == KernelFamily::two_cta);
               // a TMA-path choice is one of the built kernels
               EXPECT_TRUE(k.family != KernelFamily::tma_grouped || gg::tma_variant(k) >= 0);
+              EXPECT_TRUE(k.tma_bands >= 1 && k.tma_bands <= gg::kMaxTmaBands);
+              EXPECT_TRUE(k.tma_bands == 1 || (k.family == KernelFamily::tma_grouped &&
+                                               k.tma_bands <= std::max<int64_t>(E, 1)));
               EXPECT_STRNE(k.rule, "");
             }
             ++shapes;
@@ -950,6 +1003,13 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   EXPECT_EQ(k.up.family, KernelFamily::two_cta);
   EXPECT_EQ(k.up.raster_group, 8);
   EXPECT_TRUE(gg::parse_kernel_overrides("impl=naive").naive);
+  // tma.bands: both TMA-path GEMMs, nothing else.
+  const gg::LayerKernels banded =
+      gg::choose_kernels(sm, gg::parse_kernel_overrides("tma.bands=5,dw2.family=ws"));
+  EXPECT_EQ(banded.down.tma_bands, 5);
+  EXPECT_EQ(banded.dx.tma_bands, 5);
+  EXPECT_EQ(banded.dw2.tma_bands, 1);
+  EXPECT_NE(gg::describe(banded.dx).find(" bands=5"), std::string::npos) << gg::describe(banded.dx);
   auto refused = [&](const std::string& spec, const char* what) {
     try {
       gg::choose_kernels(sm, gg::parse_kernel_overrides(spec));
@@ -994,6 +1054,8 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   refused("wx.family=ws", "unknown key 'wx.family'");
   refused("dh", "expected key=value");
   refused("chunks=0", "[1, 1024]");
+  refused("tma.bands=0", "[1, 64]");
+  refused("tma.bands=65", "[1, 64]");
   // swiglu_oai: up and dh on its own ws cooperative kernels; nothing else takes it.
   const gg::KernelShape oai_shape{196608, 128, 1536, 256, Activation::swiglu_oai};
   const gg::LayerKernels oai = gg::choose_kernels(oai_shape, gg::KernelOverrides{});

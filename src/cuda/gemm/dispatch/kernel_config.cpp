@@ -58,6 +58,25 @@ GemmKernel tma_grouped(const char* rule, int v = 0) {
   return k;
 }
 
+}  // namespace
+
+int tma_bands_rule(int64_t S, int64_t E, int64_t N, int64_t K, int tile_m, int tile_n) {
+  if (E <= 1 || S <= 0 || N <= 0 || K <= 0 || tile_m <= 0 || tile_n <= 0) return 1;
+  const int64_t rows = (S + E - 1) / E;  // per expert, on average
+  const int64_t tiles = ((rows + tile_m - 1) / tile_m) * ((N + tile_n - 1) / tile_n);
+  // Bands paid where a CTA met a new expert at nearly every tile (fewer tiles per expert than
+  // SMs) and a tile's mainloop is short (K <= 512: the descriptor rewrite is a large part of it):
+  // sm-7B-n256, sm-1.4B-n256. Elsewhere they measured level or slower (sm-7B-n1024, olmoe,
+  // sm-30B-n512, sm-default: docs/experiments/2026-12-04-tma-bands.md).
+  if (tiles >= kBandSms || K > kBandMaxK) return 1;
+  const int64_t w_bytes = 2 * N * K;  // the expert's bf16 weight, N x K
+  int64_t b = (kBandRunTiles * kBandSms + tiles - 1) / tiles;
+  b = std::min({b, E, int64_t(kMaxTmaBands), kBandWeightBytes / w_bytes});
+  return static_cast<int>(std::max<int64_t>(b, 1));
+}
+
+namespace {
+
 // The automatic choice (each rule measured on the H200; docs/ARCHITECTURE.md, "Kernel choice").
 LayerKernels automatic(const KernelShape& s) {
   LayerKernels k;
@@ -101,6 +120,12 @@ LayerKernels automatic(const KernelShape& s) {
     k.dx = ws_gather(KernelSchedule::cooperative,
                      "128 E <= S < 1024 E rows: the ws kernel, A by TMA, cooperative");
   }
+  // Bands on the TMA path: both GEMMs write N = d columns; down reduces over n, dX̃ over w1_rows.
+  const int64_t w1_rows = is_gated(s.act) ? 2 * s.n : s.n;
+  if (k.down.family == KernelFamily::tma_grouped)
+    k.down.tma_bands = tma_bands_rule(s.S, s.E, s.d, s.n, k.down.tile_m, k.down.tile_n);
+  if (k.dx.family == KernelFamily::tma_grouped)
+    k.dx.tma_bands = tma_bands_rule(s.S, s.E, s.d, w1_rows, k.dx.tile_m, k.dx.tile_n);
   if (!ws) {
     k.dw2 = k.dw1 = two_cta("E > 4096: the 2-CTA varlen-K kernel, as measured");
   } else {
@@ -268,7 +293,8 @@ std::string describe(const GemmKernel& k) {
                                  k.stages ? std::to_string(k.stages) : "auto",
                                  " cluster=", k.cluster);
   if (k.family == KernelFamily::tma_grouped)
-    s += detail::concat(" order=", k.tma_along_n ? "n" : "m", " swizzle=", k.tma_swizzle);
+    s += detail::concat(" order=", k.tma_along_n ? "n" : "m", " swizzle=", k.tma_swizzle,
+                        " bands=", k.tma_bands);
   else
     s += detail::concat(" raster=", k.raster_group);
   if (k.family == KernelFamily::two_cta && k.b_by_tma) s += " b_tma";
@@ -305,6 +331,10 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
       o.tma_swizzle = z;
       continue;
     }
+    if (key == "tma.bands") {
+      o.tma_bands = parse_int(item, v, 1, 64);
+      continue;
+    }
     if (key == "chunks" || key == "chunks.fwd" || key == "chunks.bwd") {
       const int c = parse_int(item, v, 1, 1024);
       if (key != "chunks.bwd") o.token_chunks.forward = c;
@@ -327,7 +357,8 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
       if (key.compare(0, dot, kShort[i]) == 0 && dot == std::string(kShort[i]).size()) g = i;
     MOEBLAZE_REQUIRE(g >= 0, "kernel override '", item, "': unknown key '", key,
                      "' (<gemm>.family|schedule|cluster|b_tma|tile with <gemm> one of up, down, dh, "
-                     "dw2, dx, dw1; raster; tma.order; tma.swizzle; chunks[.fwd|.bwd]; ranges; "
+                     "dw2, dx, dw1; raster; tma.order; tma.swizzle; tma.bands; chunks[.fwd|.bwd]; "
+                     "ranges; "
                      "impl)");
     const std::string field = key.substr(dot + 1);
     GemmOverride& go = o.gemm[g];
@@ -404,6 +435,7 @@ LayerKernels choose_kernels(const KernelShape& shape, const KernelOverrides& o) 
     if (g.family == KernelFamily::tma_grouped) {
       if (o.tma_along_n) g.tma_along_n = *o.tma_along_n;
       if (o.tma_swizzle) g.tma_swizzle = *o.tma_swizzle;
+      if (o.tma_bands) g.tma_bands = *o.tma_bands;
     } else if (o.raster_group) {
       g.raster_group = *o.raster_group;
     }

@@ -42,6 +42,15 @@ constexpr int64_t kWsDhMinD = 2048;      // on a gather kernel from here
 constexpr int64_t kWsDhCoopMinD = 4096;  // cooperative (not ping-pong) from here
 constexpr int64_t kWsDhSwigluCoopMaxExperts = 2000;  // the staged-H kernel's table room
 constexpr int64_t kDw1ClusterMinRowsPerExpert = 4096;  // dW1 on 2-CTA clusters from here
+// tma_grouped's bands (tma_bands_rule), where an expert has fewer tiles than kBandSms (the H200's
+// SMs) and the GEMM reduces over at most kBandMaxK: enough that a CTA takes about kBandRunTiles
+// tiles of an expert in a row, few enough that the weights of the experts the bands are in at
+// once fit in kBandWeightBytes of L2, at most one band per expert.
+constexpr int64_t kBandRunTiles = 8;
+constexpr int64_t kBandSms = 132;
+constexpr int64_t kBandMaxK = 512;
+constexpr int64_t kBandWeightBytes = int64_t(24) << 20;
+constexpr int kMaxTmaBands = 64;
 
 struct GemmKernel {
   KernelFamily family = KernelFamily::two_cta;
@@ -52,14 +61,16 @@ struct GemmKernel {
   int raster_group = kDefaultRasterGroup;  // varlen kernels' CTA band height
   bool b_by_tma = false;       // two_cta up_proj: w1 by TMA (else cp.async)
   bool tma_along_n = true;     // tma_grouped: tile order walks N first ...
-  int tma_swizzle = 2;         // ... with this swizzle
+  int tma_swizzle = 2;         // ... with this swizzle; across experts, the CTAs in
+  int tma_bands = 1;           // this many bands (tma_bands_rule)
   const char* rule = "";       // why this kernel (printed; not part of the value)
 
   bool operator==(const GemmKernel& o) const {
     return family == o.family && schedule == o.schedule && tile_m == o.tile_m &&
            tile_n == o.tile_n && tile_k == o.tile_k && stages == o.stages &&
            cluster == o.cluster && raster_group == o.raster_group && b_by_tma == o.b_by_tma &&
-           tma_along_n == o.tma_along_n && tma_swizzle == o.tma_swizzle;
+           tma_along_n == o.tma_along_n && tma_swizzle == o.tma_swizzle &&
+           tma_bands == o.tma_bands;
   }
   bool operator!=(const GemmKernel& o) const { return !(*this == o); }
 };
@@ -102,6 +113,11 @@ struct KernelShape {
   Activation act = Activation::swiglu;
 };
 
+// The bands for a tma_grouped GEMM with tile_m x tile_n tiles over S rows in E experts, N output
+// columns and a reduction over K (its weight per expert is N x K; pipeline/sm90_band_scheduler.cuh),
+// in [1, 64].
+int tma_bands_rule(int64_t S, int64_t E, int64_t N, int64_t K, int tile_m, int tile_n);
+
 // Overrides of the automatic choice. Spec (MOEBLAZE_KERNELS, or parse_kernel_overrides):
 // comma-separated key=value items, e.g. "dw1.cluster=2,dh.schedule=pingpong,down.family=two_cta".
 //   <gemm>.family    two_cta | ws | tma     (<gemm>: up down dh dw2 dx dw1; ws = the family's
@@ -117,6 +133,7 @@ struct KernelShape {
 //   up.b_tma         0 | 1                   (up on two_cta)
 //   raster           1..65536                (every varlen kernel's band height)
 //   tma.order        m | n,  tma.swizzle 1 | 2 | 4 | 8   (down, dx on tma)
+//   tma.bands        1..64                   (down, dx on tma: the CTAs' bands across experts)
 //   chunks           1..1024                 (token chunks of the layer's Y and dX̃; 1: none;
 //                                            cuda/layer/token_chunks.hpp)
 //   chunks.fwd, chunks.bwd  1..1024          (the same for Y or dX̃ alone)
@@ -136,6 +153,7 @@ struct KernelOverrides {
   std::optional<int> raster_group;
   std::optional<bool> tma_along_n;
   std::optional<int> tma_swizzle;
+  std::optional<int> tma_bands;
   struct TokenChunkOverride {
     std::optional<int> forward, backward;  // Y's, dX̃'s
   } token_chunks;

@@ -37,7 +37,7 @@ TmaTileOrder tma_tile_order() {
   const KernelOverrides o = kernel_overrides();
   const GemmKernel defaults;
   return {o.tma_along_n.value_or(defaults.tma_along_n),
-          o.tma_swizzle.value_or(defaults.tma_swizzle)};
+          o.tma_swizzle.value_or(defaults.tma_swizzle), o.tma_bands.value_or(defaults.tma_bands)};
 }
 }  // namespace detail
 

@@ -49,7 +49,7 @@ void down_proj_tma(const RoutingPlanView& plan, const ExpertRows& rows, const bf
   // a (S, n): lda = n; w2 (E, d, n): d * n per expert, ldb = n; y (rows, d): ldd = d.
   kDownRun[variant_of("down_proj", k)]({"down_proj", rows, static_cast<int>(plan.E), a, n, w2,
                                         d * n, n, y, d, static_cast<int>(d), static_cast<int>(n),
-                                        scratch, {k.tma_along_n, k.tma_swizzle}, stream});
+                                        scratch, {k.tma_along_n, k.tma_swizzle, k.tma_bands}, stream});
 }
 
 void dx_proj_tma(const RoutingPlanView& plan, const ExpertRows& rows, const bf16* dh,
@@ -60,7 +60,7 @@ void dx_proj_tma(const RoutingPlanView& plan, const ExpertRows& rows, const bf16
   kDxRun[variant_of("dx_proj", k)]({"dx_proj", rows, static_cast<int>(plan.E), dh, w1_rows, w1,
                                     w1_rows * d, d, dx_slots, d, static_cast<int>(d),
                                     static_cast<int>(w1_rows), scratch,
-                                    {k.tma_along_n, k.tma_swizzle}, stream});
+                                    {k.tma_along_n, k.tma_swizzle, k.tma_bands}, stream});
 }
 
 }  // namespace moeblaze::cuda::gemm::detail

@@ -19,11 +19,14 @@
 
 namespace moeblaze::cuda::gemm::detail {
 
-// The persistent scheduler's tile order in force on the TMA path: the tma.order / tma.swizzle
-// kernel overrides (kernel_config.hpp), else GemmKernel's defaults (N first, swizzle 2).
+// The persistent scheduler's tile order on the TMA path: within an expert N first or M first,
+// with a swizzle; across experts the CTAs in `bands` bands (pipeline/sm90_band_scheduler.cuh).
+// tma_tile_order(): the tma.order / tma.swizzle / tma.bands kernel overrides (kernel_config.hpp),
+// else GemmKernel's defaults (N first, swizzle 2, one band); a launch takes its chosen kernel's.
 struct TmaTileOrder {
   bool along_n;
   int swizzle;
+  int bands;
 };
 TmaTileOrder tma_tile_order();
 

@@ -35,6 +35,7 @@
 #include "cuda/cuda_backend.hpp"
 #include "cuda/gemm/dispatch/tma_paths.hpp"  // TmaCall
 #include "cuda/gemm/grouped_gemm.hpp"  // ExpertRows
+#include "cuda/gemm/pipeline/sm90_band_scheduler.cuh"  // BandedProblemShape (its scheduler)
 #include "cuda/gemm/pipeline/sm90_tma_desc.cuh"  // bind_current_context
 #include "moeblaze/error.hpp"
 
@@ -50,8 +51,9 @@ using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
 // The persistent scheduler's tile order inside each expert's (M, N) grid. CUTLASS's default for
 // grouped problems walks M first (AlongM) with no swizzle; walking N first with swizzle 2 lets
 // consecutive CTAs share A row panels (pairs of N-tiles), which is faster on the coarse configs
-// (docs/experiments/2026-11-29-tma-paths.md). The host passes the order in force
-// (dispatch/tma_paths.hpp, tma_tile_order: the tma.order / tma.swizzle overrides or those).
+// (docs/experiments/2026-11-29-tma-paths.md). Across experts, the CTAs walk in bands
+// (pipeline/sm90_band_scheduler.cuh). The host passes the order in force (dispatch/tma_paths.hpp:
+// the chosen kernel's, or tma_tile_order: the tma.order / tma.swizzle / tma.bands overrides).
 using SchedulerChoice = detail::TmaTileOrder;
 
 inline cutlass::KernelHardwareInfo current_hw_info() {
@@ -117,7 +119,7 @@ template <class LayoutB, class Tile = TileShape, class Cluster = ClusterShape,
           class Schedule = Cooperative>
 struct GroupedGemm {
   using ElemT = tma::ElemT;
-  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K)
+  using ProblemShape = BandedProblemShape;  // (M, N, K) per expert, + the scheduler's bands
   using LayoutA = cutlass::layout::RowMajor;  // (M, K), K contiguous
   using Epilogue = PlainEpilogue<Tile, Cluster, ElemT, kAlign, Schedule>;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -165,7 +167,10 @@ struct GroupedGemm {
                                             SchedulerChoice sc) {
     typename Gemm::Arguments args;
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-    args.problem_shape = {E, g.shapes, nullptr};  // sizes on the device only
+    args.problem_shape.num_groups = E;  // sizes on the device only
+    args.problem_shape.problem_shapes = g.shapes;
+    args.problem_shape.host_problem_shapes = nullptr;
+    args.problem_shape.bands = sc.bands;
     args.mainloop = {g.ptr_a, g.stride_a, g.ptr_b, g.stride_b};
     set_plain_epilogue(args, g.ptr_d, g.stride_d);
     args.hw_info = hw;
