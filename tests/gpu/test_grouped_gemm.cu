@@ -230,6 +230,28 @@ struct ClearOverridesOnExit {
   ~ClearOverridesOnExit() { gg::clear_kernel_overrides(); }
 };
 
+// Bands (tma.bands) change which CTA computes a tile, never how: at every built TMA variant of
+// `gemm` (down or dx), what `launch` writes to `out` is bitwise the same at 2, 3, 7 and 64 bands
+// as at one.
+template <class F>
+void expect_bitwise_across_bands(const std::string& gemm, const DevBuf& out, F launch) {
+  const ClearOverridesOnExit clear_on_exit;
+  for (const std::string variant : {"", "cluster=1", "tile=256x128", "tile=192x128"}) {
+    const std::string spec =
+        gemm + ".family=tma" + (variant.empty() ? "" : "," + gemm + "." + variant);
+    std::vector<uint8_t> one_band;
+    for (const int bands : {1, 2, 3, 7, 64}) {
+      gg::set_kernel_overrides(
+          gg::parse_kernel_overrides(spec + ",tma.bands=" + std::to_string(bands)));
+      run_twice({&out}, launch);
+      if (bands == 1)
+        one_band = download<uint8_t>(out);
+      else
+        EXPECT_TRUE(bytes_equal(out, one_band)) << spec << ", tma.bands=" << bands;
+    }
+  }
+}
+
 // Inputs shared by the tests of one case.
 struct Inputs {
   Case c;
@@ -359,22 +381,9 @@ TEST_P(GroupedGemm, DownProjContiguous) {
                 rel_tolerance(DType::bf16));
     }
   }
-  // Bands (tma.bands) change which CTA computes a tile, never how: bitwise the same y.
-  {
-    const ClearOverridesOnExit clear_on_exit;
-    for (const std::string spec : {"down.family=tma", "down.family=tma,down.tile=192x128"}) {
-      std::vector<uint8_t> one_band;
-      for (const int bands : {1, 2, 3, 7, 64}) {
-        gg::set_kernel_overrides(
-            gg::parse_kernel_overrides(spec + ",tma.bands=" + std::to_string(bands)));
-        run_twice({&y}, [&] { gg::down_proj(dp.view, cb(a), cb(w2), mb(y), d, n, nullptr, ts.get()); });
-        if (bands == 1)
-          one_band = download<uint8_t>(y);
-        else
-          EXPECT_TRUE(bytes_equal(y, one_band)) << spec << ", tma.bands=" << bands;
-      }
-    }
-  }
+  expect_bitwise_across_bands("down", y, [&] {
+    gg::down_proj(dp.view, cb(a), cb(w2), mb(y), d, n, nullptr, ts.get());
+  });
   // The warp-specialised kernel with A read by slot, both schedules (the down.family=ws choice).
   double ey_ws[2];
   {
@@ -617,23 +626,9 @@ TEST_P(GroupedGemm, DxProjWeightNMajor) {
                 dx_ref, rel_tolerance(DType::bf16));
     }
   }
-  {  // bitwise the same across bands, as for down_proj
-    const ClearOverridesOnExit clear_on_exit;
-    for (const std::string spec : {"dx.family=tma", "dx.family=tma,dx.tile=192x128"}) {
-      std::vector<uint8_t> one_band;
-      for (const int bands : {1, 2, 3, 7, 64}) {
-        gg::set_kernel_overrides(
-            gg::parse_kernel_overrides(spec + ",tma.bands=" + std::to_string(bands)));
-        run_twice({&dx}, [&] {
-          gg::dx_proj(dp.view, cb(dh), cb(w1), mb(dx), d, c.n, c.act, nullptr, ts.get());
-        });
-        if (bands == 1)
-          one_band = download<uint8_t>(dx);
-        else
-          EXPECT_TRUE(bytes_equal(dx, one_band)) << spec << ", tma.bands=" << bands;
-      }
-    }
-  }
+  expect_bitwise_across_bands("dx", dx, [&] {
+    gg::dx_proj(dp.view, cb(dh), cb(w1), mb(dx), d, c.n, c.act, nullptr, ts.get());
+  });
   double ex_ws[2];
   {
     const ClearOverridesOnExit clear_on_exit;
