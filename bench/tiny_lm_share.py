@@ -8,7 +8,9 @@ Three models in one process, the same init and batches: the MoE layers by moebla
 pure-PyTorch TorchMoE, and by nothing ("none": each block's MoE returns zeros, so its forward,
 backward and optimizer work are gone; attention, norms, embedding, head, clip and AdamW stay).
 Rounds alternate the three (each round: a few warm-up steps, then --steps synchronised steps per
-model); the table gives the median step over all rounds. The ceiling is torch / none: no MoE
+model); the table gives the median step over all rounds, and the host time spent issuing the MoE
+modules' forwards (router, aux loss and experts; no sync inside, so it is the time to issue them)
+per timed step. The ceiling is torch / none: no MoE
 layer, however fast, makes the step faster than that."""
 import argparse
 import json
@@ -30,6 +32,18 @@ class NoMoE(nn.Module):
 
     def forward(self, x):
         return torch.zeros_like(x), types.SimpleNamespace(total=x.new_zeros((), dtype=torch.float32))
+
+
+def host_timed(forward, host, impl, timing):
+    """forward, adding its host time (no sync: the time to issue it) to host[impl] while timing."""
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = forward(*args, **kwargs)
+        if timing[0]:
+            host[impl] += time.perf_counter() - t0
+        return out
+    return timed
 
 
 def build(impl, extra):
@@ -61,8 +75,12 @@ def main(argv=None):
         ap.error(f"--impls: unknown {bad}; choose from torch, moeblaze, none")
     train_data, _ = t.load_corpus()
     runs = {}
+    host = {i: 0.0 for i in impls}  # seconds of host time in the MoE modules' forward, timed steps
+    timing = [False]
     for impl in impls:
         a, model, opt = build(impl, args.extra)
+        for b in model.blocks:
+            b.moe.forward = host_timed(b.moe.forward, host, impl, timing)
         # each impl its own batch stream from the same seed: identical batches, step for step
         it = t.batches(train_data, a.batch, a.seq, torch.Generator().manual_seed(a.data_seed),
                        a.device)
@@ -86,11 +104,13 @@ def main(argv=None):
             for _ in range(args.warmup):
                 step(impl)
             t.sync(dev)
+            timing[0] = True
             for _ in range(args.steps):
                 t0 = time.perf_counter()
                 step(impl)
                 t.sync(dev)
                 times[impl].append((time.perf_counter() - t0) * 1e3)
+            timing[0] = False
             print(f"tiny_lm_share: round {r + 1}/{args.rounds} {impl}: "
                   f"{statistics.median(times[impl][-args.steps:]):.2f} ms "
                   f"({r * len(impls) + k + 1}/{total})", file=sys.stderr, flush=True)
@@ -99,18 +119,22 @@ def main(argv=None):
     print(f"\ntiny LM (layers {a.layers}, d {a.d}, E {a.E}, K {a.K}, n {a.n}, batch "
           f"{a.batch}x{a.seq}), median step of {args.rounds} x {args.steps}, "
           f"{gpu_name(dev)}\n")
-    print("| impl | step ms | × torch's step | MoE layers' ms (step − none) |")
-    print("|---|---:|---:|---:|")
+    n_steps = args.rounds * args.steps
+    fwd_host = {i: 1e3 * host[i] / n_steps for i in impls}
+    print("| impl | step ms | × torch's step | MoE layers' ms (step − none) | "
+          "MoE forwards' host ms per step |")
+    print("|---|---:|---:|---:|---:|")
     for i in impls:
         moe = f"{med[i] - med['none']:.2f}" if "none" in med and i != "none" else "—"
         ratio = f"{med['torch'] / med[i]:.3f}" if "torch" in med else "—"
-        print(f"| {i} | {med[i]:.2f} | {ratio} | {moe} |")
+        print(f"| {i} | {med[i]:.2f} | {ratio} | {moe} | {fwd_host[i]:.2f} |")
     if "torch" in med and "none" in med:
         print(f"\nceiling (torch / none): {med['torch'] / med['none']:.3f}× — no MoE layer makes "
               f"this step faster than that")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": "tiny-lm-share", "median_ms": med, "times_ms": times,
+                       "moe_forward_host_ms_per_step": fwd_host,
                        "rounds": args.rounds, "steps": args.steps, "extra": args.extra,
                        "gpu": gpu_name(dev),
                        "commit": os.environ.get("MOEBLAZE_COMMIT")}, f, indent=1)

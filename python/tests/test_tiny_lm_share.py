@@ -33,3 +33,5 @@ def test_table_and_json_from_the_timed_steps(tmp_path, capsys):
     text = capsys.readouterr().out
     ceiling = r["median_ms"]["torch"] / r["median_ms"]["none"]
     assert f"ceiling (torch / none): {ceiling:.3f}" in text
+    host = r["moe_forward_host_ms_per_step"]
+    assert host["none"] > 0 and host["torch"] > 0 and host["moeblaze"] > 0
