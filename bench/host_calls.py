@@ -9,7 +9,6 @@ driver call name with its count and microseconds per step, largest first. The pr
 cost inflates every number alike; compare the rows of one table, not with an unprofiled run."""
 import argparse
 import collections
-import json
 import os
 import sys
 import tempfile
@@ -22,23 +21,8 @@ import peers  # noqa: E402
 
 def host_calls(step, inp, steps):
     """({call name: (count, µs)} per step, host µs per step) over `steps` profiled steps."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            inp.clear_grads()
-            with torch.profiler.record_function(f"step{i}"):
-                out = step(True)
-            del out
-            torch.cuda.synchronize()
-    inp.clear_grads()
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            evs = json.load(f).get("traceEvents", [])
-    spans = [(e["ts"], e["ts"] + e["dur"]) for e in evs if e.get("ph") == "X"
-             and str(e.get("name", "")).startswith("step") and e.get("cat") == "user_annotation"]
+        evs, spans = peers.profiled_steps(step, inp, steps, os.path.join(tmp, "trace.json"))
     calls = collections.defaultdict(lambda: [0, 0.0])
     for e in evs:
         if e.get("ph") != "X" or e.get("cat") not in ("cuda_runtime", "cuda_driver"):

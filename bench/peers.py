@@ -417,34 +417,41 @@ def profile_step(name, impl, step, inp, path):
     print(f"peers: {name} {impl}: profile of 3 steps appended to {path}", file=sys.stderr)
 
 
+def profiled_steps(step, inp, steps, path):
+    """torch.profiler over `steps` forward+backward steps, each in a record_function "step<i>" and
+    synchronised apart; the Chrome trace written to `path`. Returns (its events, the steps' host
+    spans (start, end) in µs, ascending)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            inp.clear_grads()
+            with torch.profiler.record_function(f"step{i}"):
+                out = step(True)
+            del out
+            torch.cuda.synchronize()  # steps apart: each step's events are its own
+    inp.clear_grads()
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        evs = json.load(f).get("traceEvents", [])
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in evs
+                   if e.get("ph") == "X" and str(e.get("name", "")).startswith("step")
+                   and e.get("cat") == "user_annotation")
+    return evs, spans
+
+
 def trace_step(name, impl, step, inp, folder):
     """Where one step's GPU sits idle: a torch.profiler trace of 3 steps (kept as a gzipped Chrome
     trace in `folder`) and, per step, the wall span from its first to its last kernel, the kernels'
     busy time, the idle time between them and the largest gaps with the kernel after each, printed
     and appended to folder/gaps.txt. Idle inside a step is GPU time the host did not feed."""
     import gzip
-    from torch.profiler import ProfilerActivity, profile
     os.makedirs(folder, exist_ok=True)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(3):
-            inp.clear_grads()
-            with torch.profiler.record_function(f"step{i}"):
-                out = step(True)
-            del out
-            torch.cuda.synchronize()  # steps apart: each step's gaps are its own
-    inp.clear_grads()
     path = os.path.join(folder, f"trace-{name}-{impl}.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        trace = json.load(f)
+    evs, steps = profiled_steps(step, inp, 3, path)
     with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
         g.write(f.read())
     os.remove(path)
-    evs = trace.get("traceEvents", [])
-    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in evs
-                   if e.get("ph") == "X" and str(e.get("name", "")).startswith("step")
-                   and e.get("cat") == "user_annotation")
     kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in evs
                      if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
     lines = [f"== {name} {impl}: per step, µs"]

@@ -89,13 +89,9 @@ def main(argv=None):
     dev = torch.device(runs[impls[0]][0].device)
 
     def step(impl):
-        a, model, opt, it = runs[impl]
+        _, model, opt, it = runs[impl]
         x, y = next(it)
-        ce, aux = t.lm_loss(model, x, y)
-        opt.zero_grad(set_to_none=True)
-        (ce + aux).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        ce, _ = t.train_step(model, opt, x, y)
         return float(ce.detach())  # the example's one host read per step
 
     total = args.rounds * len(impls)

@@ -131,6 +131,16 @@ def lm_loss(model, x, y):
     return ce, aux
 
 
+def train_step(model, opt, x, y):
+    """One optimizer step: forward, backward, gradients clipped to norm 1, AdamW; (ce, aux)."""
+    ce, aux = lm_loss(model, x, y)
+    opt.zero_grad(set_to_none=True)
+    (ce + aux).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return ce, aux
+
+
 @torch.no_grad()
 def evaluate(model, val, a, device):
     gen = torch.Generator().manual_seed(12345)  # the same validation windows every time
@@ -256,11 +266,7 @@ def train(a):
             g["lr"] = lr_at(step)
         x, y = next(it)
         t0 = time.perf_counter()
-        ce, aux = lm_loss(model, x, y)
-        opt.zero_grad(set_to_none=True)
-        (ce + aux).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        ce, _ = train_step(model, opt, x, y)
         if a.time_steps:
             sync(device)
             step_times.append(time.perf_counter() - t0)

@@ -534,6 +534,13 @@ void time_kernels(const Flags& f, const Shape& sh, const ShapeData& s,
   }
 }
 
+// The overrides every kernel is timed under: --kernels, else MOEBLAZE_KERNELS as the library
+// parsed it (the kernels timed under their own overrides, down-tmapp's down.tile=192x128 ...,
+// replace the variable's with theirs, so they get it under their own instead).
+std::string kernel_specs(const Flags& f) {
+  return !f.kernels.empty() ? f.kernels : cuda::gemm::kernel_overrides().spec;
+}
+
 // One shape: routing, inputs, the chain once and its sampled check, then the timed rows.
 void bench_shape(const Flags& f, const Shape& sh, Activation act, cudaStream_t stream,
                  GpuTimer& timer, cublasHandle_t blas, std::vector<Row>& rows) {
@@ -547,10 +554,7 @@ void bench_shape(const Flags& f, const Shape& sh, Activation act, cudaStream_t s
   Dev scratch_buf(gg::tma_gemm_scratch_bytes(E));
   const gg::GemmScratch tma_scratch{scratch_buf.as<char>(), gg::tma_gemm_scratch_bytes(E)};
   // --kernels "A;B": every kernel under A, then under B, side by side (one after the other).
-  // Without it MOEBLAZE_KERNELS, which the kernels timed under their own overrides (down-tmapp's
-  // down.tile=192x128 ...) would otherwise not see: theirs replace the variable's.
-  const char* env = std::getenv("MOEBLAZE_KERNELS");
-  const std::string all_specs = !f.kernels.empty() ? f.kernels : env ? env : "";
+  const std::string all_specs = kernel_specs(f);
   std::vector<std::string> specs;
   for (size_t at = 0; at <= all_specs.size();) {
     const size_t semi = std::min(all_specs.find(';', at), all_specs.size());
@@ -658,10 +662,7 @@ void run(const Flags& f) {
   if (blas) cublasDestroy(blas);
 
   print_table(rows);
-  const char* env = std::getenv("MOEBLAZE_KERNELS");
-  if (!f.out.empty())
-    append_jsonl(f.out, rows, act, f.operands, !f.kernels.empty() ? f.kernels : env ? env : "",
-                 info);
+  if (!f.out.empty()) append_jsonl(f.out, rows, act, f.operands, kernel_specs(f), info);
   if (!f.md.empty()) write_markdown(f.md, rows, act, f.reps, f.operands, info);
 }
 

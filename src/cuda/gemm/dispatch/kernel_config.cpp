@@ -64,10 +64,9 @@ int tma_bands_rule(int64_t S, int64_t E, int64_t N, int64_t K, int tile_m, int t
   if (E <= 1 || S <= 0 || N <= 0 || K <= 0 || tile_m <= 0 || tile_n <= 0) return 1;
   const int64_t rows = (S + E - 1) / E;  // per expert, on average
   const int64_t tiles = ((rows + tile_m - 1) / tile_m) * ((N + tile_n - 1) / tile_n);
-  // Bands paid where a CTA met a new expert at nearly every tile (fewer tiles per expert than
-  // SMs) and a tile's mainloop is short (K <= 512: the descriptor rewrite is a large part of it):
-  // sm-7B-n256, sm-1.4B-n256. Elsewhere they measured level or slower (sm-7B-n1024, olmoe,
-  // sm-30B-n512, sm-default: docs/experiments/2026-12-04-tma-bands.md).
+  // Only where a CTA would meet a new expert at nearly every tile (fewer tiles per expert than SMs)
+  // of a short mainloop (K <= 512); elsewhere bands cost L2 reuse of the weights for little
+  // (docs/experiments/2026-12-04-tma-bands.md).
   if (tiles >= kBandSms || K > kBandMaxK) return 1;
   const int64_t w_bytes = 2 * N * K;  // the expert's bf16 weight, N x K
   int64_t b = (kBandRunTiles * kBandSms + tiles - 1) / tiles;
