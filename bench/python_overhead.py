@@ -139,7 +139,10 @@ def cases():
     # Token rounding to multiples of 4 rows (128 on the GPU) and both router losses.
     moe_round = moeblaze.MoE(D, N, E, K, token_rounding="nr-f", m_tile=4 if DEV.type == "cpu"
                              else 128, aux_loss_coef=0.01, z_loss_coef=0.001, dtype=DTYPE).to(DEV)
-    params = list(moe.parameters()) + list(moe_round.parameters())
+    # The tiny LM's MoE: top-K and the switch loss (its step is one node, csrc/eager_layer.cpp).
+    moe_aux = moeblaze.MoE(D, N, E, K, aux_loss_coef=0.01, dtype=DTYPE).to(DEV)
+    params = (list(moe.parameters()) + list(moe_round.parameters()) +
+              list(moe_aux.parameters()))
     pwg = pw.clone().requires_grad_()
 
     def moe_experts_step():
@@ -160,6 +163,22 @@ def cases():
         xg.grad = None
         for p in params:
             p.grad = None
+
+    def moe_aux_step():
+        y, losses = moe_aux(xg)
+        (y * d_out).sum().add(losses.total).backward()
+        xg.grad = None
+        for p in params:
+            p.grad = None
+
+    def split_step(fn):  # MoE.forward's step as separate pieces (route node, experts node, ...)
+        def call():
+            moe_aux._layer_step = lambda x2: None
+            try:
+                return fn()
+            finally:
+                del moe_aux._layer_step
+        return call
 
     def noop_step():  # the floor of moe_experts' three custom ops (plan, forward, backward)
         p = ops.build_plan(off, exp, pw, E)
@@ -205,6 +224,9 @@ def cases():
         ("moe_experts fwd+bwd via custom ops", ops_step),
         ("MoE fwd+bwd", moe_step),
         ("MoE fwd+bwd, Python path", python_path(moe_step)),
+        ("MoE fwd+bwd, aux loss", moe_aux_step),
+        ("MoE fwd+bwd, aux loss, split step", split_step(moe_aux_step)),
+        ("MoE fwd+bwd, aux loss, Python path", python_path(moe_aux_step)),
         ("MoE fwd+bwd, nr-f + losses", moe_round_step),
         ("MoE fwd+bwd, nr-f + losses, Python path", python_path(moe_round_step)),
     ], [

@@ -11,7 +11,9 @@ Rounds alternate the three (each round: a few warm-up steps, then --steps synchr
 model); the table gives the median step over all rounds, and the host time spent issuing the MoE
 modules' forwards (router, aux loss and experts; no sync inside, so it is the time to issue them)
 per timed step. The ceiling is torch / none: no MoE
-layer, however fast, makes the step faster than that."""
+layer, however fast, makes the step faster than that. --impls may add "moeblaze-split": moeblaze
+with MoE.forward's step as separate autograd pieces (router layer, route node, experts node,
+losses in torch) instead of one node, for an A/B in one process."""
 import argparse
 import json
 import os
@@ -47,13 +49,20 @@ def host_timed(forward, host, impl, timing):
 
 
 def build(impl, extra):
-    a = t.parse_args(["--impl", "torch" if impl == "none" else impl, "--quiet"] + extra)
+    base = {"none": "torch", "moeblaze-split": "moeblaze"}.get(impl, impl)
+    a = t.parse_args(["--impl", base, "--quiet"] + extra)
     model, opt = t.build(a, torch.device(a.device))
+    if impl == "moeblaze-split":  # MoE.forward without its one-node step (csrc/eager_layer.cpp)
+        for b in model.blocks:
+            b.moe._layer_step = lambda x2: None
     if impl == "none":
         for b in model.blocks:
             b.moe = NoMoE()
         opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
     return a, model, opt
+
+
+IMPLS = ("torch", "moeblaze", "moeblaze-split", "none")
 
 
 def gpu_name(dev):
@@ -70,9 +79,9 @@ def main(argv=None):
     ap.add_argument("extra", nargs="*", help="flags for train_tiny_moe.py's parser (after --)")
     args = ap.parse_args(argv)
     impls = args.impls.split(",")
-    bad = [i for i in impls if i not in ("torch", "moeblaze", "none")]
+    bad = [i for i in impls if i not in IMPLS]
     if bad:
-        ap.error(f"--impls: unknown {bad}; choose from torch, moeblaze, none")
+        ap.error(f"--impls: unknown {bad}; choose from {', '.join(IMPLS)}")
     train_data, _ = t.load_corpus()
     runs = {}
     host = {i: 0.0 for i in impls}  # seconds of host time in the MoE modules' forward, timed steps

@@ -523,11 +523,34 @@ class MoE(nn.Module):
             raise ValueError(f"moeblaze: x has last dimension {shape[-1]}, expected hidden_size "
                              f"{self.hidden_size}")
         x2 = x.reshape(-1, self.hidden_size)
+        if self.token_rounding is None:
+            r = self._layer_step(x2)
+            if r is not None:
+                out, aux, z, experts, self.last_flags = r
+                return self._finish(x2, out, None, experts, shape, RouterLosses(aux, z))
         logits, offsets, experts, weights = self.route(x2)
         out = experts_from_routing(x2, self.w1, self.w2, offsets, experts, weights,
                                    self.activation, self.recompute, b1=self.b1, b2=self.b2,
                                    compute_dtype=self.compute_dtype)
         return self._finish(x2, out, logits, experts, shape)
+
+    def _layer_step(self, x2):
+        """The whole step (router layer, route, experts, losses) as one C++ autograd node
+        (csrc/eager_layer.cpp: the Python path's ops, fewer nodes and host work) for eager tensors
+        outside autocast; None where it does not apply, and the Python path runs."""
+        w1, w2, gw = self.w1, self.w2, self.gate.weight
+        if (not _eager(x2, w1, w2, gw, self.expert_bias, self.b1, self.b2)
+                or torch.is_autocast_enabled(x2.device.type)):
+            return None
+        ext = _ext.get()
+        if ext is None:
+            return None
+        act = _activation_code(self.activation)
+        return _fast_path_result(ext.moe_layer(
+            x2, gw, self.expert_bias, w1, w2, self.b1, self.b2, self._kind, self.top_k,
+            self.renormalize, act, _w1_rows_of(act, w2), bool(self.recompute),
+            _compute_code(self.compute_dtype), float(self.aux_loss_coef),
+            float(self.z_loss_coef)))
 
     @property
     def last_expert_counts(self):
@@ -538,13 +561,15 @@ class MoE(nn.Module):
             self._counts = expert_counts(self._last_experts, self.num_experts)
         return self._counts
 
-    def _finish(self, x2, out, logits, experts, shape):
-        """The shared expert's output added, the expert counts kept, the router losses."""
+    def _finish(self, x2, out, logits, experts, shape, losses=None):
+        """The shared expert's output added, the expert counts kept, the router losses (computed
+        from the logits unless given)."""
         if self.shared_expert is not None:
             out = out + self.shared_expert(x2)
         self._last_experts, self._counts = experts.detach(), None
-        losses = router_losses(logits, experts, self.num_experts, self.router, self.aux_loss_coef,
-                               self.z_loss_coef)
+        if losses is None:
+            losses = router_losses(logits, experts, self.num_experts, self.router,
+                                   self.aux_loss_coef, self.z_loss_coef)
         return out.reshape(shape), losses
 
     @torch.no_grad()

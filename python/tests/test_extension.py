@@ -472,3 +472,101 @@ def test_fast_path_with_fp8_compute_gives_the_python_paths_bits(fast_path, seed,
     assert torch.equal(mod[0][0], mod[1][0])
     for a, b in zip(mod[0][1], mod[1][1]):
         assert torch.equal(a, b)
+
+
+# ---- MoE's whole step as one node (csrc/eager_layer.cpp) against the Python path ---------------
+def _made_by(out):
+    """The name of the node that made out, under the views MoE.forward reshapes it with."""
+    fn = out.grad_fn
+    while fn is not None and _fn_name(fn).startswith(("ViewBackward", "UnsafeViewBackward")):
+        fn = fn.next_functions[0][0]
+    return _fn_name(fn) if fn is not None else ""
+
+
+def _layer_step(use, moe, x, g, aux_scale, z_scale, out_used=True):
+    """(out's node, out, losses, flags, grads of x and every parameter) of one step whose loss is
+    (out * g).sum() * out_used + aux_scale * aux + z_scale * z, with the fast path on or off."""
+    moeblaze.use_extension(use)
+    xs = x.clone().requires_grad_()
+    out, losses = moe(xs)
+    name = _made_by(out)
+    loss = losses.aux_loss * aux_scale + losses.z_loss * z_scale
+    if out_used:
+        loss = loss + (out.float() * g).sum()
+    loss.backward()
+    grads = [xs.grad] + [p.grad for p in moe.parameters()]
+    moe.zero_grad(set_to_none=True)
+    return name, out.detach(), torch.stack(losses).detach(), moe.last_flags, grads
+
+
+def _assert_same_layer_step(fast, slow, what):
+    assert "EagerLayer" in fast[0] and "EagerLayer" not in slow[0], (fast[0], slow[0], what)
+    for name, a, b in zip(("out", "losses", "flags"), fast[1:4], slow[1:4]):
+        assert a.dtype == b.dtype and torch.equal(a, b), (name, what)
+    assert len(fast[4]) == len(slow[4])
+    for i, (a, b) in enumerate(zip(fast[4], slow[4])):
+        assert (a is None) == (b is None), (i, what)
+        assert a is None or (a.dtype == b.dtype and torch.equal(a, b)), (i, what)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("router", ROUTERS)
+def test_moe_layer_node_gives_the_python_paths_bits(fast_path, seed, device, router):
+    """MoE.forward as one node: out, both losses, the flags and every gradient bit for bit, for
+    upstream loss gradients other than 1, a step whose out is unused (only the losses' gradients
+    flow), fp32 master weights beside bf16 x, and on the CPU logits long enough for the losses'
+    row blocks (E = 1024: 31 rows a block)."""
+    if not _has_compiler():
+        pytest.skip("no C++ compiler here: the fast path is not built")
+    d, n = 64, 64
+    cases = [(8, 2, BF16, BF16, False, (0.5, 3.0, True)),
+             (8, 2, BF16, torch.float32, True, (2.0, 0.0, True)),
+             (8, 3, BF16, BF16, False, (1.0, 1.0, False))]
+    if device == "cpu":
+        cases += [(8, 2, torch.float32, torch.float32, True, (1.5, 0.25, True)),
+                  (1024, 4, torch.float32, torch.float32, False, (1.0, 2.0, True))]
+    for E, K, x_dtype, w_dtype, recompute, (aux_scale, z_scale, out_used) in cases:
+        what = (E, K, x_dtype, w_dtype, recompute, aux_scale, z_scale, out_used)
+        moe = moeblaze.MoE(d, n, E, K, router=router, recompute=recompute, aux_loss_coef=0.01,
+                           z_loss_coef=0.001, bias=True, device=device, dtype=w_dtype)
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.copy_(torch.randn_like(p) / 4)
+            if moe.expert_bias is not None:
+                moe.expert_bias.copy_(torch.randn(E, device=device) / 2)
+        x = torch.randn(3, 23, d, device=device).to(x_dtype)
+        g = torch.randn(3, 23, d, device=device)
+        fast = _layer_step(True, moe, x, g, aux_scale, z_scale, out_used)
+        slow = _layer_step(False, moe, x, g, aux_scale, z_scale, out_used)
+        _assert_same_layer_step(fast, slow, what)
+
+
+def test_moe_layer_node_applies_where_it_should(fast_path, seed):
+    """The node runs for plain eager calls (also under no_grad, with a shared expert and with
+    zero loss coefficients); token rounding and autocast take the Python path, which gives the
+    same result there."""
+    if not _has_compiler():
+        pytest.skip("no C++ compiler here: the fast path is not built")
+    x = torch.randn(40, 32)
+    plain = moeblaze.MoE(32, 16, 8, 2)
+    out, losses = plain(x.clone().requires_grad_())
+    assert "EagerLayer" in _made_by(out)
+    assert float(losses.aux_loss) == 0.0 and not losses.aux_loss.requires_grad
+    with torch.no_grad():
+        out, _ = plain(x)
+    assert out.grad_fn is None
+    shared = moeblaze.MoE(32, 16, 8, 2, shared_expert_size=24, aux_loss_coef=0.01)
+    out, _ = shared(x.clone().requires_grad_())
+    add = out.grad_fn.next_functions[0][0]  # out + the shared expert's, reshaped
+    assert "EagerLayer" in _fn_name(add.next_functions[0][0])
+    rounded = moeblaze.MoE(32, 16, 8, 2, token_rounding="nr-f", m_tile=8)
+    out, _ = rounded(x.clone().requires_grad_())
+    assert "EagerLayer" not in _made_by(out)
+    results = []
+    for use in (True, False):
+        moeblaze.use_extension(use)
+        with torch.autocast("cpu", dtype=BF16):
+            out, losses = shared(x.clone().requires_grad_())
+        assert "EagerLayer" not in _fn_name(out.grad_fn.next_functions[0][0].next_functions[0][0])
+        results.append(out.detach())
+    assert torch.equal(results[0], results[1])

@@ -8,7 +8,9 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <climits>
 #include <cstdint>
+#include <optional>
 
 #include "moeblaze/capi.h"
 
@@ -79,7 +81,80 @@ uint64_t pass_workspace_bytes(const moeblaze_layer_cfg& c, int64_t S, int32_t pa
 torch::autograd::variable_list once_differentiable(torch::autograd::variable_list g,
                                                    const torch::autograd::variable_list& grads_in);
 
+// What the plan is built from, contiguous, on x's device: (T, K) ids (int32/int64) with their
+// weights (fp32/bf16), moeblaze_plan_from_ids; or a CSR routing (pair_offsets (T+1,) int32,
+// pair_experts (P,) int32, pair_weights (P,) fp32), moeblaze_build_plan. Not differentiable.
+struct PlanSource {
+  bool from_ids;
+  at::Tensor ids, weights;          // from_ids
+  at::Tensor offsets, experts, pw;  // otherwise
+  int64_t pairs() const { return from_ids ? ids.numel() : experts.numel(); }
+};
+
+// The experts' settings: activation and compute codes, recompute, and the layer config's K
+// (experts_forward fills it from the plan source).
+struct ExpertsArgs {
+  int64_t activation;
+  bool recompute;
+  int64_t compute;
+  int64_t K;
+};
+
+// The experts' forward (plan build, layer forward) over x (T, d), w1 (E, w1_rows, d), w2
+// (E, d, n) and the optional b1, b2 (undefined: none), all checked, contiguous, x's dtype and
+// device: the output (T, d) and what experts_backward reads, in this order: x, w1, w2, h, the
+// plan's six arrays, b1, b2. Throws CallFailed when a C call refuses.
+struct ExpertsForward {
+  at::Tensor out;
+  torch::autograd::variable_list keep;
+  ExpertsArgs args;
+};
+ExpertsForward experts_forward(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+                               const at::Tensor& b1, const at::Tensor& b2, const PlanSource& src,
+                               ExpertsArgs a);
+
+// The experts' backward over experts_forward's `keep`: dx, dw1, dw2, db1, db2 (undefined where
+// there is no bias) and d pair weights (S,) fp32 in plan order. On CUDA dH is written over h
+// (whose version it bumps).
+struct ExpertsGrads {
+  at::Tensor dx, dw1, dw2, dpw, db1, db2;
+};
+ExpertsGrads experts_backward(const torch::autograd::variable_list& keep, const ExpertsArgs& a,
+                              const at::Tensor& grad_out);
+
+// MoE's router calls (eager_router.cpp): route_call returns (pair_offsets (T+1,) int32,
+// pair_experts (P,) int32, pair_weights (P,) fp32, flags (4,) int32) of logits (T, E) fp32/bf16
+// (dense; bias (E,) fp32 or undefined), throwing CallFailed when moeblaze_route refuses;
+// router_backward_call returns d logits (T, E) fp32 from d pair_weights (P,) over that routing.
+torch::autograd::variable_list route_call(const at::Tensor& logits, const at::Tensor& bias,
+                                          const moeblaze_router_cfg& cfg);
+at::Tensor router_backward_call(const moeblaze_router_cfg& cfg, const at::Tensor& logits,
+                                const at::Tensor& bias, const at::Tensor& offsets,
+                                const at::Tensor& experts, const at::Tensor& weights,
+                                const at::Tensor& d_pair_weights);
+
+// v when it is a Python int (not a bool) in [lo, hi]; else nullopt, and the Python path names
+// the argument (ops._int, ops._code).
+inline std::optional<int64_t> int_in(py::handle v, int64_t lo, int64_t hi) {
+  if (!PyLong_CheckExact(v.ptr())) return std::nullopt;
+  int overflow = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+  if (overflow != 0 || x < lo || x > hi) return std::nullopt;
+  return x;
+}
+
+// The experts' fast-path conditions (eager_experts.cpp; each a rule the Python path checks and
+// names on failure): plain dense shapes, one dtype (bf16 on CUDA, bf16 / fp32 on the CPU; bf16
+// with fp8 compute), all on x's device; b1 / b2 undefined or (E, w1_rows) / (E, d).
+// fp32_weights: the weights and biases may also be fp32 beside bf16 x (the caller casts them).
+bool operands_apply(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+                    const at::Tensor& b1, const at::Tensor& b2, int64_t w1_rows, int64_t compute,
+                    bool fp32_weights = false);
+
 // Registers the router's entries (eager_router.cpp) on the module.
 void register_router(pybind11::module_& m);
+
+// Registers the whole MoE module's step (eager_layer.cpp) on the module.
+void register_layer(pybind11::module_& m);
 
 }  // namespace moeblaze_eager

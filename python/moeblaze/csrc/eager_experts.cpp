@@ -65,25 +65,9 @@ torch::autograd::variable_list once_differentiable(torch::autograd::variable_lis
       .apply(std::move(g));
 }
 
-}  // namespace moeblaze_eager
-
 namespace {
 
-using namespace moeblaze_eager;
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
 constexpr int kModeKeepH = 0, kModeRecompute = 1, kModeDhOverH = 2;  // moeblaze_layer_cfg.mode
-
-// What the plan is built from, contiguous, on x's device: (T, K) ids (int32/int64) with their
-// weights (fp32/bf16), moeblaze_plan_from_ids; or a CSR routing (pair_offsets (T+1,) int32,
-// pair_experts (P,) int32, pair_weights (P,) fp32), moeblaze_build_plan. Not differentiable.
-struct PlanSource {
-  bool from_ids;
-  at::Tensor ids, weights;          // from_ids
-  at::Tensor offsets, experts, pw;  // otherwise
-  int64_t pairs() const { return from_ids ? ids.numel() : experts.numel(); }
-};
 
 // moe_experts' / experts_from_routing's K in the layer config (LayerConfig checks 1 <= K <= E):
 // the ids' K, or a routing's S / T clamped to [1, E] as ops._layer_cfg (rounding varies it).
@@ -92,6 +76,153 @@ int64_t config_k(const PlanSource& src, int64_t T, int64_t E) {
   const int64_t k = T > 0 ? src.pairs() / T : 1;
   return std::min(std::max<int64_t>(k, 1), std::max<int64_t>(E, 1));
 }
+
+}  // namespace
+
+ExpertsForward experts_forward(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+                               const at::Tensor& b1, const at::Tensor& b2, const PlanSource& src,
+                               ExpertsArgs a) {
+  const bool cuda = x.is_cuda();
+  const int32_t dev = cuda ? 1 : 0;
+  const int64_t T = x.size(0), E = w2.size(0), d = x.size(1), n = w2.size(2), S = src.pairs();
+  a.K = config_k(src, T, E);
+  const auto guard = device_guard(x);
+  void* stream = stream_of(x);
+  moeblaze_layer_cfg cfg{T,       d, n, E, a.K, int32_t(a.activation), dtype_code(x),
+                         a.recompute ? kModeRecompute : kModeKeepH, 0, int32_t(a.compute)};
+  // One int32 allocation for the plan's four int32 arrays and its fp32 slot weights, as
+  // ops._plan_from_ids_built; token_expert_indices alone (CUDA's backward never reads it).
+  const auto i32 = x.options().dtype(at::kInt);
+  at::Tensor buf = at::empty({E + 1 + T + 1 + 3 * S}, i32);                  // (E+1+T+1+3S,)
+  at::Tensor eto = buf.narrow(0, 0, E + 1);                                   // (E+1,)
+  at::Tensor tpo = buf.narrow(0, E + 1, T + 1);                               // (T+1,)
+  at::Tensor eti = buf.narrow(0, E + T + 2, S);                               // (S,)
+  at::Tensor sw = buf.narrow(0, E + T + 2 + S, S).view(at::kFloat);           // (S,) fp32
+  at::Tensor tim = buf.narrow(0, E + T + 2 + 2 * S, S);                       // (S,)
+  at::Tensor tei = at::empty({S}, i32);                                       // (S,)
+  at::Tensor flags = cuda ? at::empty({4}, i32) : at::Tensor();               // (4,) CUDA
+  // One workspace for both calls: the plan build's is dead once its kernels ran (one stream).
+  const uint64_t ws_plan = cuda ? pass_workspace_bytes(cfg, S, src.from_ids ? -1 : -2) : 0;
+  const uint64_t ws_fwd = cuda ? pass_workspace_bytes(cfg, S, 0) : 0;
+  const uint64_t ws_bytes = std::max(ws_plan, ws_fwd);
+  at::Tensor ws = ws_bytes ? at::empty({int64_t(ws_bytes)}, x.options().dtype(at::kByte))
+                           : at::Tensor();                                    // (bytes,)
+  moeblaze_plan plan{T,
+                     E,
+                     S,
+                     eto.data_ptr<int32_t>(),
+                     static_cast<int32_t*>(data(eti)),
+                     static_cast<float*>(data(sw)),
+                     tpo.data_ptr<int32_t>(),
+                     static_cast<int32_t*>(data(tei)),
+                     static_cast<int32_t*>(data(tim))};
+  int32_t* flags_ptr = cuda ? flags.data_ptr<int32_t>() : nullptr;
+  int rc;
+  if (src.from_ids) {
+    rc = g_api.plan_from_ids(data(src.ids),
+                             src.ids.scalar_type() == at::kLong ? MOEBLAZE_IDS_INT64
+                                                                : MOEBLAZE_IDS_INT32,
+                             data(src.weights), dtype_code(src.weights), T, a.K, E, dev, stream,
+                             &plan, data(ws), ws_plan, flags_ptr);
+  } else {
+    if (cuda) flags.zero_();  // build_plan's flags start zeroed by the caller (capi.h)
+    moeblaze_routing r{T, E, S, static_cast<int32_t*>(data(src.offsets)),
+                       static_cast<int32_t*>(data(src.experts)),
+                       static_cast<float*>(data(src.pw))};
+    rc = g_api.build_plan(&r, dev, stream, &plan, data(ws), ws_plan, flags_ptr);
+  }
+  if (rc != MOEBLAZE_OK) throw CallFailed{rc};
+  const int64_t rows = w1.size(1);
+  at::Tensor out = at::empty_like(x);                                         // (T, d)
+  // The kept H: (S, w1_rows) in x's dtype, or fp8 compute's e4m3 codes and scales as bytes.
+  const int64_t h_rows = a.recompute ? 0 : S;
+  at::Tensor h = a.compute == 0
+                     ? at::empty({h_rows, rows}, x.options())                 // (S, w1_rows)
+                     : at::empty({h_rows ? int64_t(pass_workspace_bytes(cfg, S, -4)) : 0},
+                                 x.options().dtype(at::kByte));               // (bytes,)
+  rc = g_api.layer_forward_biased(&cfg, &plan, dev, stream, data(x), data(w1), data(w2),
+                                  data(b1), data(b2), data(out), a.recompute ? nullptr : data(h),
+                                  data(ws), ws_fwd);
+  if (rc != MOEBLAZE_OK) throw CallFailed{rc};
+  // Backward on CUDA never reads token_expert_indices: not kept (S int32 fewer bytes held).
+  return {out, {x, w1, w2, h, eto, eti, sw, tpo, cuda ? at::Tensor() : tei, tim, b1, b2}, a};
+}
+
+bool operands_apply(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+                    const at::Tensor& b1, const at::Tensor& b2, int64_t w1_rows, int64_t compute,
+                    bool fp32_weights) {
+  if (x.dim() != 2 || w1.dim() != 3 || w2.dim() != 3) return false;
+  const auto dt = x.scalar_type();
+  const auto dtype_ok = [&](const at::Tensor& w) {
+    return w.scalar_type() == dt ||
+           (fp32_weights && dt == at::kBFloat16 && w.scalar_type() == at::kFloat);
+  };
+  if (dt != at::kBFloat16 && dt != at::kFloat) return false;
+  if (compute != 0 && (compute != 1 || dt != at::kBFloat16)) return false;  // fp8: bf16 storage
+  if (x.is_cuda() && dt != at::kBFloat16) return false;
+  if (!dtype_ok(w1) || !dtype_ok(w2)) return false;
+  if (w1.device() != x.device() || w2.device() != x.device()) return false;
+  const int64_t d = x.size(1), E = w2.size(0), n = w2.size(2);
+  if (w2.size(1) != d || w1.size(0) != E || w1.size(1) != w1_rows || w1.size(2) != d)
+    return false;
+  for (const auto& [b, cols] : {std::pair<const at::Tensor*, int64_t>{&b1, w1_rows}, {&b2, d}})
+    if (b->defined() && (b->dim() != 2 || b->size(0) != E || b->size(1) != cols ||
+                         !dtype_ok(*b) || b->device() != x.device()))
+      return false;
+  return w1_rows > 0 && n > 0 && E > 0;
+}
+
+ExpertsGrads experts_backward(const torch::autograd::variable_list& saved, const ExpertsArgs& a,
+                              const at::Tensor& grad_out) {
+  const at::Tensor &x = saved[0], &w1 = saved[1], &w2 = saved[2], &b1 = saved[10],
+                   &b2 = saved[11];
+  const at::Tensor& h = saved[3];
+  const bool cuda = x.is_cuda();
+  const int32_t dev = cuda ? 1 : 0;
+  const int64_t T = x.size(0), d = x.size(1), E = w2.size(0), n = w2.size(2),
+                S = saved[5].size(0);
+  const auto guard = device_guard(x);
+  void* stream = stream_of(x);
+  const int32_t mode = a.recompute ? kModeRecompute : cuda ? kModeDhOverH : kModeKeepH;
+  moeblaze_layer_cfg cfg{T,    d,    n, E, a.K, int32_t(a.activation), dtype_code(x), mode, 0,
+                         int32_t(a.compute)};
+  const at::Tensor d_out = grad_out.to(x.scalar_type()).contiguous();        // (T, d)
+  ExpertsGrads g;
+  g.dx = at::empty_like(x);                                                   // (T, d)
+  g.dw1 = at::empty_like(w1);                                                 // (E, w1_rows, d)
+  g.dw2 = at::empty_like(w2);                                                 // (E, d, n)
+  g.dpw = at::empty({S}, x.options().dtype(at::kFloat));                      // (S,) fp32
+  if (b1.defined()) g.db1 = at::empty_like(b1);                               // (E, w1_rows)
+  if (b2.defined()) g.db2 = at::empty_like(b2);                               // (E, d)
+  const uint64_t ws_bytes = cuda ? pass_workspace_bytes(cfg, S, 1) : 0;
+  at::Tensor ws = ws_bytes ? at::empty({int64_t(ws_bytes)}, x.options().dtype(at::kByte))
+                           : at::Tensor();                                    // (bytes,)
+  moeblaze_plan plan{T,
+                     E,
+                     S,
+                     saved[4].data_ptr<int32_t>(),
+                     static_cast<int32_t*>(data(saved[5])),
+                     static_cast<float*>(data(saved[6])),
+                     saved[7].data_ptr<int32_t>(),
+                     static_cast<int32_t*>(data(saved[8])),
+                     static_cast<int32_t*>(data(saved[9]))};
+  const int rc = g_api.layer_backward_biased(
+      &cfg, &plan, dev, stream, data(x), data(w1), data(w2), data(b1), data(b2), data(d_out),
+      a.recompute ? nullptr : data(h), data(g.dx), data(g.dw1), data(g.dw2),
+      static_cast<float*>(data(g.dpw)), data(g.db1), data(g.db2), data(ws), ws_bytes);
+  TORCH_CHECK(rc == MOEBLAZE_OK, "moeblaze: ", g_api.last_error());
+  // dH went over h: a second backward (retain_graph) must fail on h's version, not read dH.
+  if (mode == kModeDhOverH) torch::autograd::impl::bump_version(h);
+  return g;
+}
+
+}  // namespace moeblaze_eager
+
+namespace {
+
+using namespace moeblaze_eager;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
 
 struct EagerExperts : public torch::autograd::Function<EagerExperts> {
   // x (T, d), w1 (E, w1_rows, d), w2 (E, d, n): checked, contiguous, one dtype and device.
@@ -104,153 +235,32 @@ struct EagerExperts : public torch::autograd::Function<EagerExperts> {
                                const std::optional<at::Tensor>& b2_opt, const PlanSource& src,
                                int64_t activation, bool recompute, int64_t compute) {
     // Optional, not undefined tensors: autograd records an input's device and dtype.
-    const at::Tensor b1 = b1_opt.value_or(at::Tensor()), b2 = b2_opt.value_or(at::Tensor());
-    const bool cuda = x.is_cuda();
-    const int32_t dev = cuda ? 1 : 0;
-    const int64_t T = x.size(0), E = w2.size(0), d = x.size(1), n = w2.size(2),
-                  S = src.pairs(), K = config_k(src, T, E);
-    const auto guard = device_guard(x);
-    void* stream = stream_of(x);
-    moeblaze_layer_cfg cfg{T,       d, n, E, K, int32_t(activation), dtype_code(x),
-                           recompute ? kModeRecompute : kModeKeepH, 0, int32_t(compute)};
-    // One int32 allocation for the plan's four int32 arrays and its fp32 slot weights, as
-    // ops._plan_from_ids_built; token_expert_indices alone (CUDA's backward never reads it).
-    const auto i32 = x.options().dtype(at::kInt);
-    at::Tensor buf = at::empty({E + 1 + T + 1 + 3 * S}, i32);                  // (E+1+T+1+3S,)
-    at::Tensor eto = buf.narrow(0, 0, E + 1);                                   // (E+1,)
-    at::Tensor tpo = buf.narrow(0, E + 1, T + 1);                               // (T+1,)
-    at::Tensor eti = buf.narrow(0, E + T + 2, S);                               // (S,)
-    at::Tensor sw = buf.narrow(0, E + T + 2 + S, S).view(at::kFloat);           // (S,) fp32
-    at::Tensor tim = buf.narrow(0, E + T + 2 + 2 * S, S);                       // (S,)
-    at::Tensor tei = at::empty({S}, i32);                                       // (S,)
-    at::Tensor flags = cuda ? at::empty({4}, i32) : at::Tensor();               // (4,) CUDA
-    // One workspace for both calls: the plan build's is dead once its kernels ran (one stream).
-    const uint64_t ws_plan = cuda ? pass_workspace_bytes(cfg, S, src.from_ids ? -1 : -2) : 0;
-    const uint64_t ws_fwd = cuda ? pass_workspace_bytes(cfg, S, 0) : 0;
-    const uint64_t ws_bytes = std::max(ws_plan, ws_fwd);
-    at::Tensor ws = ws_bytes ? at::empty({int64_t(ws_bytes)}, x.options().dtype(at::kByte))
-                             : at::Tensor();                                    // (bytes,)
-    moeblaze_plan plan{T,
-                       E,
-                       S,
-                       eto.data_ptr<int32_t>(),
-                       static_cast<int32_t*>(data(eti)),
-                       static_cast<float*>(data(sw)),
-                       tpo.data_ptr<int32_t>(),
-                       static_cast<int32_t*>(data(tei)),
-                       static_cast<int32_t*>(data(tim))};
-    int32_t* flags_ptr = cuda ? flags.data_ptr<int32_t>() : nullptr;
-    int rc;
-    if (src.from_ids) {
-      rc = g_api.plan_from_ids(data(src.ids),
-                               src.ids.scalar_type() == at::kLong ? MOEBLAZE_IDS_INT64
-                                                                  : MOEBLAZE_IDS_INT32,
-                               data(src.weights), dtype_code(src.weights), T, K, E, dev, stream,
-                               &plan, data(ws), ws_plan, flags_ptr);
-    } else {
-      if (cuda) flags.zero_();  // build_plan's flags start zeroed by the caller (capi.h)
-      moeblaze_routing r{T, E, S, static_cast<int32_t*>(data(src.offsets)),
-                         static_cast<int32_t*>(data(src.experts)),
-                         static_cast<float*>(data(src.pw))};
-      rc = g_api.build_plan(&r, dev, stream, &plan, data(ws), ws_plan, flags_ptr);
-    }
-    if (rc != MOEBLAZE_OK) throw CallFailed{rc};
-    const int64_t rows = w1.size(1);
-    at::Tensor out = at::empty_like(x);                                         // (T, d)
-    // The kept H: (S, w1_rows) in x's dtype, or fp8 compute's e4m3 codes and scales as bytes.
-    const int64_t h_rows = recompute ? 0 : S;
-    at::Tensor h = compute == 0
-                       ? at::empty({h_rows, rows}, x.options())                 // (S, w1_rows)
-                       : at::empty({h_rows ? int64_t(pass_workspace_bytes(cfg, S, -4)) : 0},
-                                   x.options().dtype(at::kByte));               // (bytes,)
-    rc = g_api.layer_forward_biased(&cfg, &plan, dev, stream, data(x), data(w1), data(w2),
-                                    data(b1), data(b2), data(out), recompute ? nullptr : data(h),
-                                    data(ws), ws_fwd);
-    if (rc != MOEBLAZE_OK) throw CallFailed{rc};
-    // Backward on CUDA never reads token_expert_indices: not kept (S int32 fewer bytes held).
-    ctx->save_for_backward(
-        {x, w1, w2, h, eto, eti, sw, tpo, cuda ? at::Tensor() : tei, tim, b1, b2});
+    ExpertsForward f = experts_forward(x, w1, w2, b1_opt.value_or(at::Tensor()),
+                                       b2_opt.value_or(at::Tensor()), src,
+                                       {activation, recompute, compute, 0});
+    ctx->save_for_backward(f.keep);
     ctx->saved_data["activation"] = activation;
     ctx->saved_data["recompute"] = recompute;
     ctx->saved_data["compute"] = compute;
-    ctx->saved_data["K"] = K;
+    ctx->saved_data["K"] = f.args.K;
     ctx->saved_data["pw_dtype"] = pair_weights.scalar_type();
     ctx->saved_data["pw_sizes"] = pair_weights.sizes().vec();
-    return {out};
+    return {f.out};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &w1 = saved[1], &w2 = saved[2], &b1 = saved[10],
-                     &b2 = saved[11];
-    at::Tensor h = saved[3];
-    const bool recompute = ctx->saved_data["recompute"].toBool();
-    const bool cuda = x.is_cuda();
-    const int32_t dev = cuda ? 1 : 0;
-    const int64_t T = x.size(0), d = x.size(1), E = w2.size(0), n = w2.size(2),
-                  S = saved[5].size(0);
-    const auto guard = device_guard(x);
-    void* stream = stream_of(x);
-    const int32_t mode = recompute ? kModeRecompute : cuda ? kModeDhOverH : kModeKeepH;
-    moeblaze_layer_cfg cfg{T,    d,    n, E, ctx->saved_data["K"].toInt(),
-                           int32_t(ctx->saved_data["activation"].toInt()), dtype_code(x), mode, 0,
-                           int32_t(ctx->saved_data["compute"].toInt())};
-    const at::Tensor d_out = grads[0].to(x.scalar_type()).contiguous();        // (T, d)
-    at::Tensor dx = at::empty_like(x);                                          // (T, d)
-    at::Tensor dw1 = at::empty_like(w1);                                        // (E, w1_rows, d)
-    at::Tensor dw2 = at::empty_like(w2);                                        // (E, d, n)
-    at::Tensor dpw = at::empty({S}, x.options().dtype(at::kFloat));             // (S,) fp32
-    at::Tensor db1 = b1.defined() ? at::empty_like(b1) : at::Tensor();          // (E, w1_rows)
-    at::Tensor db2 = b2.defined() ? at::empty_like(b2) : at::Tensor();          // (E, d)
-    const uint64_t ws_bytes = cuda ? pass_workspace_bytes(cfg, S, 1) : 0;
-    at::Tensor ws = ws_bytes ? at::empty({int64_t(ws_bytes)}, x.options().dtype(at::kByte))
-                             : at::Tensor();                                    // (bytes,)
-    moeblaze_plan plan{T,
-                       E,
-                       S,
-                       saved[4].data_ptr<int32_t>(),
-                       static_cast<int32_t*>(data(saved[5])),
-                       static_cast<float*>(data(saved[6])),
-                       saved[7].data_ptr<int32_t>(),
-                       static_cast<int32_t*>(data(saved[8])),
-                       static_cast<int32_t*>(data(saved[9]))};
-    const int rc = g_api.layer_backward_biased(
-        &cfg, &plan, dev, stream, data(x), data(w1), data(w2), data(b1), data(b2), data(d_out),
-        recompute ? nullptr : data(h), data(dx), data(dw1), data(dw2),
-        static_cast<float*>(data(dpw)), data(db1), data(db2), data(ws), ws_bytes);
-    TORCH_CHECK(rc == MOEBLAZE_OK, "moeblaze: ", g_api.last_error());
-    // dH went over h: a second backward (retain_graph) must fail on h's version, not read dH.
-    if (mode == kModeDhOverH) torch::autograd::impl::bump_version(h);
+    const ExpertsArgs a{ctx->saved_data["activation"].toInt(),
+                        ctx->saved_data["recompute"].toBool(), ctx->saved_data["compute"].toInt(),
+                        ctx->saved_data["K"].toInt()};
+    ExpertsGrads e = experts_backward(ctx->get_saved_variables(), a, grads[0]);
     const auto pw_dtype = ctx->saved_data["pw_dtype"].toScalarType();
-    at::Tensor dpw_shaped = dpw.view(ctx->saved_data["pw_sizes"].toIntVector());
+    at::Tensor dpw_shaped = e.dpw.view(ctx->saved_data["pw_sizes"].toIntVector());
     if (pw_dtype != at::kFloat) dpw_shaped = dpw_shaped.to(pw_dtype);
-    variable_list g = once_differentiable({dx, dw1, dw2, dpw_shaped, db1, db2}, grads);
+    variable_list g = once_differentiable({e.dx, e.dw1, e.dw2, dpw_shaped, e.db1, e.db2}, grads);
     g.resize(10);  // no gradient for the plan source, activation, recompute, compute
     return g;
   }
 };
-
-// The fast path's own conditions (each a rule the Python path checks and names on failure):
-// plain dense shapes, one dtype (bf16 on CUDA, bf16 / fp32 on the CPU; bf16 with fp8 compute),
-// all on x's device.
-bool operands_apply(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
-                    const at::Tensor& b1, const at::Tensor& b2, int64_t w1_rows, int64_t compute) {
-  if (x.dim() != 2 || w1.dim() != 3 || w2.dim() != 3) return false;
-  const auto dt = x.scalar_type();
-  if (dt != at::kBFloat16 && dt != at::kFloat) return false;
-  if (compute != 0 && (compute != 1 || dt != at::kBFloat16)) return false;  // fp8: bf16 storage
-  if (x.is_cuda() && dt != at::kBFloat16) return false;
-  if (w1.scalar_type() != dt || w2.scalar_type() != dt) return false;
-  if (w1.device() != x.device() || w2.device() != x.device()) return false;
-  const int64_t d = x.size(1), E = w2.size(0), n = w2.size(2);
-  if (w2.size(1) != d || w1.size(0) != E || w1.size(1) != w1_rows || w1.size(2) != d)
-    return false;
-  for (const auto& [b, cols] : {std::pair<const at::Tensor*, int64_t>{&b1, w1_rows}, {&b2, d}})
-    if (b->defined() && (b->dim() != 2 || b->size(0) != E || b->size(1) != cols ||
-                         b->scalar_type() != dt || b->device() != x.device()))
-      return false;
-  return w1_rows > 0 && n > 0 && E > 0;
-}
 
 at::Tensor dense(const std::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->contiguous() : at::Tensor();
@@ -342,5 +352,6 @@ PYBIND11_MODULE(moeblaze_eager, m) {
   m.def("experts_from_routing", &experts_from_routing,
         "experts_from_routing: out, None (not this path's case) or a C ABI error code");
   moeblaze_eager::register_router(m);
+  moeblaze_eager::register_layer(m);
   m.attr("capi_version") = MOEBLAZE_CAPI_VERSION;
 }

@@ -15,19 +15,9 @@
 
 #include "eager.h"
 
+namespace moeblaze_eager {
+
 namespace {
-
-using namespace moeblaze_eager;
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-// The router's configuration (checked by route()); round: token rounding after the top-K route.
-struct RouterArgs {
-  moeblaze_router_cfg cfg;
-  bool round;
-  int32_t m_tile, mode;
-  uint64_t seed;
-};
 
 int32_t device_code(const at::Tensor& t) { return t.is_cuda() ? 1 : 0; }
 
@@ -43,6 +33,59 @@ moeblaze_routing routing(int64_t T, int64_t E, const at::Tensor& offsets,
           static_cast<int32_t*>(data(experts)),
           static_cast<float*>(data(weights))};
 }
+
+}  // namespace
+
+torch::autograd::variable_list route_call(const at::Tensor& logits, const at::Tensor& bias,
+                                          const moeblaze_router_cfg& cfg) {
+  const int64_t T = logits.size(0), E = logits.size(1), P = T * cfg.top_k;
+  const auto guard = device_guard(logits);
+  const auto i32 = logits.options().dtype(at::kInt);
+  at::Tensor offsets = at::empty({T + 1}, i32);                                 // (T+1,)
+  at::Tensor experts = at::empty({P}, i32);                                     // (P,)
+  at::Tensor weights = at::empty({P}, logits.options().dtype(at::kFloat));      // (P,) fp32
+  at::Tensor flags = at::zeros({4}, i32);                                       // (4,)
+  const moeblaze_routing out = routing(T, E, offsets, experts, weights);
+  const int rc = g_api.route(&cfg, data(logits), dtype_code(logits), T, E, floats(bias),
+                             device_code(logits), stream_of(logits), &out,
+                             flags.data_ptr<int32_t>());
+  if (rc != MOEBLAZE_OK) throw CallFailed{rc};
+  return {offsets, experts, weights, flags};
+}
+
+at::Tensor router_backward_call(const moeblaze_router_cfg& cfg, const at::Tensor& logits,
+                                const at::Tensor& bias, const at::Tensor& offsets,
+                                const at::Tensor& experts, const at::Tensor& weights,
+                                const at::Tensor& d_pair_weights) {
+  const int64_t T = logits.size(0), E = logits.size(1);
+  const auto guard = device_guard(logits);
+  const moeblaze_routing r = routing(T, E, offsets, experts, weights);
+  const at::Tensor d_pw = d_pair_weights.to(at::kFloat).contiguous();            // (P,) fp32
+  at::Tensor d_logits = at::empty({T, E}, logits.options().dtype(at::kFloat));   // (T, E) fp32
+  at::Tensor flags = at::zeros({4}, logits.options().dtype(at::kInt));          // (4,) unread
+  const int rc = g_api.router_backward(&cfg, data(logits), dtype_code(logits), T, E, floats(bias),
+                                       device_code(logits), stream_of(logits), &r, floats(d_pw),
+                                       static_cast<float*>(data(d_logits)),
+                                       flags.data_ptr<int32_t>());
+  TORCH_CHECK(rc == MOEBLAZE_OK, "moeblaze: ", g_api.last_error());
+  return d_logits;
+}
+
+}  // namespace moeblaze_eager
+
+namespace {
+
+using namespace moeblaze_eager;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The router's configuration (checked by route()); round: token rounding after the top-K route.
+struct RouterArgs {
+  moeblaze_router_cfg cfg;
+  bool round;
+  int32_t m_tile, mode;
+  uint64_t seed;
+};
 
 // What both functions keep for backward: the logits, the bias and the routing they returned.
 void save(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& bias,
@@ -61,22 +104,11 @@ void save(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& bias
 variable_list router_backward(AutogradContext* ctx, const variable_list& grads, size_t n_inputs) {
   if (!grads[2].defined()) return variable_list(n_inputs);
   const variable_list s = ctx->get_saved_variables();
-  const at::Tensor &logits = s[0], &bias = s[1];
-  const int64_t T = logits.size(0), E = logits.size(1);
-  const auto guard = device_guard(logits);
   const moeblaze_router_cfg cfg{int32_t(ctx->saved_data["kind"].toInt()),
                                 int32_t(ctx->saved_data["top_k"].toInt()),
                                 int32_t(ctx->saved_data["renormalize"].toInt())};
-  const moeblaze_routing r = routing(T, E, s[2], s[3], s[4]);
-  const at::Tensor d_pw = grads[2].to(at::kFloat).contiguous();                  // (P,) fp32
-  at::Tensor d_logits = at::empty({T, E}, logits.options().dtype(at::kFloat));   // (T, E) fp32
-  at::Tensor flags = at::zeros({4}, logits.options().dtype(at::kInt));          // (4,) unread
-  const int rc = g_api.router_backward(&cfg, data(logits), dtype_code(logits), T, E, floats(bias),
-                                       device_code(logits), stream_of(logits), &r, floats(d_pw),
-                                       static_cast<float*>(data(d_logits)),
-                                       flags.data_ptr<int32_t>());
-  TORCH_CHECK(rc == MOEBLAZE_OK, "moeblaze: ", g_api.last_error());
-  variable_list g = once_differentiable({d_logits.to(logits.scalar_type())}, grads);
+  const at::Tensor d_logits = router_backward_call(cfg, s[0], s[1], s[2], s[3], s[4], grads[2]);
+  variable_list g = once_differentiable({d_logits.to(s[0].scalar_type())}, grads);
   g.resize(n_inputs);
   return g;
 }
@@ -87,21 +119,11 @@ struct EagerRoute : public torch::autograd::Function<EagerRoute> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& logits,
                                const std::optional<at::Tensor>& bias_opt, const RouterArgs& a) {
     const at::Tensor bias = bias_opt.value_or(at::Tensor());
-    const int64_t T = logits.size(0), E = logits.size(1), P = T * a.cfg.top_k;
-    const auto guard = device_guard(logits);
-    const auto i32 = logits.options().dtype(at::kInt);
-    at::Tensor offsets = at::empty({T + 1}, i32);                                 // (T+1,)
-    at::Tensor experts = at::empty({P}, i32);                                     // (P,)
-    at::Tensor weights = at::empty({P}, logits.options().dtype(at::kFloat));      // (P,) fp32
-    at::Tensor flags = at::zeros({4}, i32);                                       // (4,)
-    const moeblaze_routing out = routing(T, E, offsets, experts, weights);
-    const int rc = g_api.route(&a.cfg, data(logits), dtype_code(logits), T, E, floats(bias),
-                               device_code(logits), stream_of(logits), &out,
-                               flags.data_ptr<int32_t>());
-    if (rc != MOEBLAZE_OK) throw CallFailed{rc};
+    variable_list r = route_call(logits, bias, a.cfg);
+    const at::Tensor &offsets = r[0], &experts = r[1], &weights = r[2], &flags = r[3];
     save(ctx, logits, bias, offsets, experts, weights, a);
     ctx->mark_non_differentiable({offsets, experts, flags});
-    return {offsets, experts, weights, flags};
+    return r;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -162,16 +184,6 @@ struct EagerRound : public torch::autograd::Function<EagerRound> {
     return router_backward(ctx, grads, 6);
   }
 };
-
-// v when it is a Python int (not a bool) in [lo, hi]; else nullopt, and the Python path names
-// the argument (ops._int, ops._code).
-std::optional<int64_t> int_in(py::handle v, int64_t lo, int64_t hi) {
-  if (!PyLong_CheckExact(v.ptr())) return std::nullopt;
-  int overflow = 0;
-  const long long x = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
-  if (overflow != 0 || x < lo || x > hi) return std::nullopt;
-  return x;
-}
 
 // MoE.route: logits (T, E) fp32 / bf16, bias (E,) fp32 or None, kind (router code), top_k,
 // renormalize (a bool); mode None (no token rounding) or a rounding code with m_tile and seed.
