@@ -109,9 +109,11 @@ struct ExpertsForward {
   torch::autograd::variable_list keep;
   ExpertsArgs args;
 };
+// zeroed_flags: the plan build's (4,) int32 flags on CUDA, zeroed by the caller (undefined:
+// allocated here); never read by the fast path.
 ExpertsForward experts_forward(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
                                const at::Tensor& b1, const at::Tensor& b2, const PlanSource& src,
-                               ExpertsArgs a);
+                               ExpertsArgs a, const at::Tensor& zeroed_flags = {});
 
 // The experts' backward over experts_forward's `keep`: dx, dw1, dw2, db1, db2 (undefined where
 // there is no bias) and d pair weights (S,) fp32 in plan order. On CUDA dH is written over h
@@ -126,8 +128,10 @@ ExpertsGrads experts_backward(const torch::autograd::variable_list& keep, const 
 // pair_experts (P,) int32, pair_weights (P,) fp32, flags (4,) int32) of logits (T, E) fp32/bf16
 // (dense; bias (E,) fp32 or undefined), throwing CallFailed when moeblaze_route refuses;
 // router_backward_call returns d logits (T, E) fp32 from d pair_weights (P,) over that routing.
+// zeroed_flags: route's (4,) int32 flags, zeroed by the caller (undefined: allocated here).
 torch::autograd::variable_list route_call(const at::Tensor& logits, const at::Tensor& bias,
-                                          const moeblaze_router_cfg& cfg);
+                                          const moeblaze_router_cfg& cfg,
+                                          const at::Tensor& zeroed_flags = {});
 at::Tensor router_backward_call(const moeblaze_router_cfg& cfg, const at::Tensor& logits,
                                 const at::Tensor& bias, const at::Tensor& offsets,
                                 const at::Tensor& experts, const at::Tensor& weights,

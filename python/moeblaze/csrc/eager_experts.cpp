@@ -81,7 +81,7 @@ int64_t config_k(const PlanSource& src, int64_t T, int64_t E) {
 
 ExpertsForward experts_forward(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
                                const at::Tensor& b1, const at::Tensor& b2, const PlanSource& src,
-                               ExpertsArgs a) {
+                               ExpertsArgs a, const at::Tensor& zeroed_flags) {
   const bool cuda = x.is_cuda();
   const int32_t dev = cuda ? 1 : 0;
   const int64_t T = x.size(0), E = w2.size(0), d = x.size(1), n = w2.size(2), S = src.pairs();
@@ -100,7 +100,8 @@ ExpertsForward experts_forward(const at::Tensor& x, const at::Tensor& w1, const 
   at::Tensor sw = buf.narrow(0, E + T + 2 + S, S).view(at::kFloat);           // (S,) fp32
   at::Tensor tim = buf.narrow(0, E + T + 2 + 2 * S, S);                       // (S,)
   at::Tensor tei = at::empty({S}, i32);                                       // (S,)
-  at::Tensor flags = cuda ? at::empty({4}, i32) : at::Tensor();               // (4,) CUDA
+  at::Tensor flags = !cuda ? at::Tensor() : zeroed_flags.defined() ? zeroed_flags
+                                                                    : at::empty({4}, i32);  // (4,)
   // One workspace for both calls: the plan build's is dead once its kernels ran (one stream).
   const uint64_t ws_plan = cuda ? pass_workspace_bytes(cfg, S, src.from_ids ? -1 : -2) : 0;
   const uint64_t ws_fwd = cuda ? pass_workspace_bytes(cfg, S, 0) : 0;
@@ -125,7 +126,8 @@ ExpertsForward experts_forward(const at::Tensor& x, const at::Tensor& w1, const 
                              data(src.weights), dtype_code(src.weights), T, a.K, E, dev, stream,
                              &plan, data(ws), ws_plan, flags_ptr);
   } else {
-    if (cuda) flags.zero_();  // build_plan's flags start zeroed by the caller (capi.h)
+    // build_plan's flags start zeroed by the caller (capi.h).
+    if (cuda && !zeroed_flags.defined()) flags.zero_();
     moeblaze_routing r{T, E, S, static_cast<int32_t*>(data(src.offsets)),
                        static_cast<int32_t*>(data(src.experts)),
                        static_cast<float*>(data(src.pw))};

@@ -54,8 +54,9 @@ struct Losses {
 };
 
 // layer.router_losses, op for op: aux = coef * E * sum_e f_e * mean_t q_t,e and
-// z = coef * mean_t logsumexp(logits_t)^2, zero scalars for a zero coefficient.
-Losses losses_forward(const at::Tensor& logits, const at::Tensor& pair_experts,
+// z = coef * mean_t logsumexp(logits_t)^2, zero scalars for a zero coefficient. expert_offsets:
+// the plan's (E+1,) int32; P pairs.
+Losses losses_forward(const at::Tensor& logits, const at::Tensor& expert_offsets, int64_t P,
                       const LayerArgs& a) {
   const int64_t T = logits.size(0), E = logits.size(1);
   const bool want_aux = a.aux_coef > 0, want_z = a.z_coef > 0;
@@ -74,10 +75,11 @@ Losses losses_forward(const at::Tensor& logits, const at::Tensor& pair_experts,
     }
   }
   if (want_aux) {
-    // Integer counts (scatter_add, no host sync): exact in any order.
-    const at::Tensor e = pair_experts.reshape(-1).to(at::kLong);                // (P,)
-    const at::Tensor counts = at::zeros({E}, e.options()).scatter_add_(0, e, at::ones_like(e));
-    l.f = counts.to(at::kFloat) / std::max<int64_t>(pair_experts.numel(), 1);  // (E,)
+    // The pairs per expert, exact integers: the plan's expert offsets differenced (router_losses
+    // counts them with scatter_add; the same integers, so the same f).
+    const at::Tensor counts =
+        expert_offsets.narrow(0, 1, E) - expert_offsets.narrow(0, 0, E);      // (E,) int32
+    l.f = counts.to(at::kFloat) / std::max<int64_t>(P, 1);                     // (E,)
     l.aux = (l.f * (q_sum / T)).sum() * (a.aux_coef * double(E));
   } else {
     l.aux = at::zeros({}, logits.options());
@@ -141,11 +143,14 @@ struct EagerLayer : public torch::autograd::Function<EagerLayer> {
     const at::Tensor bias = bias_opt.value_or(at::Tensor());
     // layer.router_logits: fp32 logits of fp32 operands.
     const at::Tensor logits = at::linear(x.to(at::kFloat), gate.to(at::kFloat));  // (T, E)
-    const variable_list r = route_call(logits, bias, a.router);  // offsets, experts, pw, flags
+    // One zero-fill for the route's flags (returned: MoE.check reads them) and the plan build's.
+    const at::Tensor flags = at::zeros({8}, logits.options().dtype(at::kInt));  // (8,)
+    const variable_list r = route_call(logits, bias, a.router, flags.narrow(0, 0, 4));
     const ExpertsForward e = experts_forward(
         x, in_dtype(w1, x), in_dtype(w2, x), in_dtype(b1_opt.value_or(at::Tensor()), x),
-        in_dtype(b2_opt.value_or(at::Tensor()), x), {false, {}, {}, r[0], r[1], r[2]}, a.experts);
-    Losses l = losses_forward(logits, r[1], a);
+        in_dtype(b2_opt.value_or(at::Tensor()), x), {false, {}, {}, r[0], r[1], r[2]}, a.experts,
+        flags.narrow(0, 4, 4));
+    Losses l = losses_forward(logits, e.keep[4], r[1].numel(), a);
     variable_list keep = e.keep;  // x, w1, w2, h, the plan's six arrays, b1, b2
     keep.insert(keep.end(), {logits, bias, r[0], r[1], r[2], l.f, gate});
     ctx->save_for_backward(keep);

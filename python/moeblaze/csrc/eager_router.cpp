@@ -37,14 +37,15 @@ moeblaze_routing routing(int64_t T, int64_t E, const at::Tensor& offsets,
 }  // namespace
 
 torch::autograd::variable_list route_call(const at::Tensor& logits, const at::Tensor& bias,
-                                          const moeblaze_router_cfg& cfg) {
+                                          const moeblaze_router_cfg& cfg,
+                                          const at::Tensor& zeroed_flags) {
   const int64_t T = logits.size(0), E = logits.size(1), P = T * cfg.top_k;
   const auto guard = device_guard(logits);
   const auto i32 = logits.options().dtype(at::kInt);
   at::Tensor offsets = at::empty({T + 1}, i32);                                 // (T+1,)
   at::Tensor experts = at::empty({P}, i32);                                     // (P,)
   at::Tensor weights = at::empty({P}, logits.options().dtype(at::kFloat));      // (P,) fp32
-  at::Tensor flags = at::zeros({4}, i32);                                       // (4,)
+  at::Tensor flags = zeroed_flags.defined() ? zeroed_flags : at::zeros({4}, i32);  // (4,)
   const moeblaze_routing out = routing(T, E, offsets, experts, weights);
   const int rc = g_api.route(&cfg, data(logits), dtype_code(logits), T, E, floats(bias),
                              device_code(logits), stream_of(logits), &out,
@@ -62,7 +63,8 @@ at::Tensor router_backward_call(const moeblaze_router_cfg& cfg, const at::Tensor
   const moeblaze_routing r = routing(T, E, offsets, experts, weights);
   const at::Tensor d_pw = d_pair_weights.to(at::kFloat).contiguous();            // (P,) fp32
   at::Tensor d_logits = at::empty({T, E}, logits.options().dtype(at::kFloat));   // (T, E) fp32
-  at::Tensor flags = at::zeros({4}, logits.options().dtype(at::kInt));          // (4,) unread
+  // Written only where a value is bad, and never read here: no zero-fill needed.
+  at::Tensor flags = at::empty({4}, logits.options().dtype(at::kInt));          // (4,) unread
   const int rc = g_api.router_backward(&cfg, data(logits), dtype_code(logits), T, E, floats(bias),
                                        device_code(logits), stream_of(logits), &r, floats(d_pw),
                                        static_cast<float*>(data(d_logits)),
