@@ -95,9 +95,11 @@ def router_losses(logits, pair_experts, num_experts, router="softmax_topk", aux_
         if z_loss_coef > 0:
             lse2_sum = lse2_sum + torch.logsumexp(blk, dim=-1).square().sum()
     if aux_loss_coef > 0:
-        # Integer counts: exact, so the same in any order of addition.
-        f = expert_counts(pair_experts, num_experts).float() / max(pair_experts.numel(), 1)
-        aux = aux_loss_coef * num_experts * (f * (q_sum / T)).sum()
+        # Integer counts: exact, so the same in any order. f_e = c_e / P and 1 / T go into one
+        # scalar: the fewest ops (csrc/eager_layer.cpp runs the same ones).
+        counts = expert_counts(pair_experts, num_experts).float()
+        scale = aux_loss_coef * num_experts / (T * max(pair_experts.numel(), 1))
+        aux = (counts * q_sum).sum() * scale
     if z_loss_coef > 0:
         z = z_loss_coef * (lse2_sum / T)
     return RouterLosses(aux, z)

@@ -6,7 +6,8 @@
 // and fifteen autograd nodes around its C calls, which made a small model's training step
 // host-bound (bench/tiny_lm_share.py). Every op here is one the Python path runs, with the same
 // operands in the same order, so the results are its bits (python/tests/test_extension.py);
-// what changes is what is held for backward: x in fp32 and the softmax are recomputed there.
+// what changes is what is held for backward: x in fp32 and the softmax are recomputed there
+// (the gate in fp32, E x d, is held).
 //
 // moe_layer returns (out, aux_loss, z_loss, pair_experts, flags), None where this path does not
 // apply (the Python path then runs and names the argument), or the C ABI's error code when a C
@@ -49,11 +50,16 @@ at::Tensor aux_distribution(const at::Tensor& blk, bool sigmoid) {
 }
 
 struct Losses {
-  at::Tensor aux, z;  // () fp32 each
-  at::Tensor f;       // (E,) fp32 pairs routed to each expert / P (aux only)
+  at::Tensor aux, z;    // () fp32 each
+  at::Tensor counts;    // (E,) fp32 pairs routed to each expert (aux only)
 };
 
-// layer.router_losses, op for op: aux = coef * E * sum_e f_e * mean_t q_t,e and
+// The aux loss's scalar: coef * E / (T * P), formed in double as router_losses forms it.
+double aux_scale(const LayerArgs& a, int64_t T, int64_t E, int64_t P) {
+  return a.aux_coef * double(E) / double(T * std::max<int64_t>(P, 1));
+}
+
+// layer.router_losses, op for op: aux = coef * E / (T P) * sum_e c_e * sum_t q_t,e and
 // z = coef * mean_t logsumexp(logits_t)^2, zero scalars for a zero coefficient. expert_offsets:
 // the plan's (E+1,) int32; P pairs.
 Losses losses_forward(const at::Tensor& logits, const at::Tensor& expert_offsets, int64_t P,
@@ -77,10 +83,9 @@ Losses losses_forward(const at::Tensor& logits, const at::Tensor& expert_offsets
   if (want_aux) {
     // The pairs per expert, exact integers: the plan's expert offsets differenced (router_losses
     // counts them with scatter_add; the same integers, so the same f).
-    const at::Tensor counts =
-        expert_offsets.narrow(0, 1, E) - expert_offsets.narrow(0, 0, E);      // (E,) int32
-    l.f = counts.to(at::kFloat) / std::max<int64_t>(P, 1);                     // (E,)
-    l.aux = (l.f * (q_sum / T)).sum() * (a.aux_coef * double(E));
+    l.counts = (expert_offsets.narrow(0, 1, E) - expert_offsets.narrow(0, 0, E))
+                   .to(at::kFloat);                                             // (E,)
+    l.aux = (l.counts * q_sum).sum() * aux_scale(a, T, E, P);
   } else {
     l.aux = at::zeros({}, logits.options());
   }
@@ -90,14 +95,14 @@ Losses losses_forward(const at::Tensor& logits, const at::Tensor& expert_offsets
 
 // d logits (T, E) of the losses for their upstream gradients g_aux, g_z (undefined: none), as
 // autograd differentiates router_losses' ops; undefined when neither term has a gradient.
-at::Tensor losses_backward(const at::Tensor& logits, const at::Tensor& f, const at::Tensor& g_aux,
-                           const at::Tensor& g_z, const LayerArgs& a) {
+at::Tensor losses_backward(const at::Tensor& logits, const at::Tensor& counts, int64_t P,
+                           const at::Tensor& g_aux, const at::Tensor& g_z, const LayerArgs& a) {
   const int64_t T = logits.size(0), E = logits.size(1);
   at::Tensor d_aux, d_z;  // (T, E) each
   if (a.aux_coef > 0 && g_aux.defined()) {
-    // mul by the coefficient, sum over e, f * r, r / T, q.sum(0): each row's d q.
+    // mul by the scalar, sum over e, c * q_sum, q.sum(0): each row's d q.
     const at::Tensor dq =
-        ((g_aux * (a.aux_coef * double(E))).expand({E}) * f / T).unsqueeze(0).expand({T, E});
+        ((g_aux * aux_scale(a, T, E, P)).expand({E}) * counts).unsqueeze(0).expand({T, E});
     const at::Tensor q = aux_distribution(logits, a.router.kind == kSigmoidBias);
     if (a.router.kind != kSigmoidBias) {
       d_aux = at::_softmax_backward_data(dq, q, -1, at::kFloat);
@@ -142,7 +147,8 @@ struct EagerLayer : public torch::autograd::Function<EagerLayer> {
     const at::Tensor x = x_in.contiguous();
     const at::Tensor bias = bias_opt.value_or(at::Tensor());
     // layer.router_logits: fp32 logits of fp32 operands.
-    const at::Tensor logits = at::linear(x.to(at::kFloat), gate.to(at::kFloat));  // (T, E)
+    const at::Tensor gate_f = gate.to(at::kFloat);                              // (E, d) fp32
+    const at::Tensor logits = at::linear(x.to(at::kFloat), gate_f);               // (T, E)
     // One zero-fill for the route's flags (returned: MoE.check reads them) and the plan build's.
     const at::Tensor flags = at::zeros({8}, logits.options().dtype(at::kInt));  // (8,)
     const variable_list r = route_call(logits, bias, a.router, flags.narrow(0, 0, 4));
@@ -152,7 +158,7 @@ struct EagerLayer : public torch::autograd::Function<EagerLayer> {
         flags.narrow(0, 4, 4));
     Losses l = losses_forward(logits, e.keep[4], r[1].numel(), a);
     variable_list keep = e.keep;  // x, w1, w2, h, the plan's six arrays, b1, b2
-    keep.insert(keep.end(), {logits, bias, r[0], r[1], r[2], l.f, gate});
+    keep.insert(keep.end(), {logits, bias, r[0], r[1], r[2], l.counts, gate_f});
     ctx->save_for_backward(keep);
     ctx->saved_data["router"] = std::vector<int64_t>{a.router.kind, a.router.top_k,
                                                      a.router.renormalize};
@@ -162,7 +168,8 @@ struct EagerLayer : public torch::autograd::Function<EagerLayer> {
     ctx->saved_data["dtypes"] = std::vector<int64_t>{
         int64_t(w1.scalar_type()), int64_t(w2.scalar_type()),
         int64_t(b1_opt ? b1_opt->scalar_type() : x.scalar_type()),
-        int64_t(b2_opt ? b2_opt->scalar_type() : x.scalar_type())};
+        int64_t(b2_opt ? b2_opt->scalar_type() : x.scalar_type()),
+        int64_t(gate.scalar_type())};
     variable_list constant{r[1], r[3]};  // one call: each replaces the last one's set
     if (!(a.aux_coef > 0)) constant.push_back(l.aux);
     if (!(a.z_coef > 0)) constant.push_back(l.z);
@@ -174,7 +181,7 @@ struct EagerLayer : public torch::autograd::Function<EagerLayer> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list s = ctx->get_saved_variables();
     const at::Tensor &x = s[0], &logits = s[12], &bias = s[13], &offsets = s[14],
-                     &experts = s[15], &pw = s[16], &f = s[17], &gate = s[18];
+                     &experts = s[15], &pw = s[16], &counts = s[17], &gate_f = s[18];
     const auto ri = ctx->saved_data["router"].toIntVector();
     const auto ei = ctx->saved_data["experts"].toIntVector();
     const auto coefs = ctx->saved_data["coefs"].toDoubleVector();
@@ -190,17 +197,18 @@ struct EagerLayer : public torch::autograd::Function<EagerLayer> {
       e = experts_backward(variable_list(s.begin(), s.begin() + 12), a.experts, grads[0]);
       d_logits = router_backward_call(a.router, logits, bias, offsets, experts, pw, e.dpw);
     }
-    const at::Tensor d_losses = losses_backward(logits, f, grads[1], grads[2], a);
+    const at::Tensor d_losses =
+        losses_backward(logits, counts, experts.numel(), grads[1], grads[2], a);
     if (d_losses.defined()) d_logits = d_logits.defined() ? d_losses + d_logits : d_losses;
     // The router's linear layer (MmBackward of x_f @ gate_f^T), then the casts to fp32 undone.
     at::Tensor dx = e.dx, d_gate;
     if (d_logits.defined()) {
       if (ctx->needs_input_grad(0)) {
-        const at::Tensor dx_r = as_input(d_logits.mm(gate.to(at::kFloat)), x.scalar_type());
+        const at::Tensor dx_r = as_input(d_logits.mm(gate_f), x.scalar_type());
         dx = dx.defined() ? dx + dx_r : dx_r;
       }
       if (ctx->needs_input_grad(1))
-        d_gate = as_input(d_logits.t().mm(x.to(at::kFloat)), gate.scalar_type());
+        d_gate = as_input(d_logits.t().mm(x.to(at::kFloat)), c10::ScalarType(dt[4]));
     }
     variable_list g = once_differentiable(
         {dx, d_gate, at::Tensor(), as_input(e.dw1, c10::ScalarType(dt[0])),
