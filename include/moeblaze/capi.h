@@ -25,8 +25,9 @@
  *    plan's arrays): the layer calls and the plan builds reject any overlap with
  *    MOEBLAZE_ERR_INVALID_ARGUMENT naming both arguments (in-place results would be wrong, not
  *    merely slow).
- *  - The auxiliary losses (load balancing, z-loss) are not computed here: a caller with autograd
- *    computes them from the logits itself (their coefficients do not reach the router).
+ *  - The auxiliary losses (load balancing, z-loss) are separate calls: moeblaze_router_losses
+ *    and moeblaze_router_backward_losses (moeblaze_route and moeblaze_router_backward ignore
+ *    them), so a caller with autograd may also compute them itself from the logits.
  */
 #ifndef MOEBLAZE_CAPI_H_
 #define MOEBLAZE_CAPI_H_
@@ -38,7 +39,8 @@
 extern "C" {
 #endif
 
-#define MOEBLAZE_CAPI_VERSION 3 /* 2: moeblaze_layer_cfg.compute; 3: two-call token rounding */
+#define MOEBLAZE_CAPI_VERSION 4 /* 2: moeblaze_layer_cfg.compute; 3: two-call token rounding;
+                                   4: the router losses */
 
 enum {
   MOEBLAZE_OK = 0,
@@ -108,6 +110,36 @@ int moeblaze_router_backward(const moeblaze_router_cfg* cfg, const void* logits,
                              int32_t logits_dtype, int64_t T, int64_t E, const float* bias,
                              int32_t device, void* stream, const moeblaze_routing* routing,
                              const float* d_pair_weights, float* d_logits, int32_t* flags);
+
+/* Router auxiliary losses of a routing of these logits (the C++ route()'s RouterLosses, bitwise,
+ * for any routing: top-K or token-rounded), each rounded once to fp32:
+ * aux_loss = aux_coef * E * sum_e f_e * mean_t q_t,e (q the softmax, or for sigmoid-bias the
+ * normalised sigmoid, which ignores the bias) and z_loss = z_coef * mean_t logsumexp(logits_t)^2,
+ * 0 where a coefficient is 0; f_e = count_e / P is the share of the routing's pairs on expert e.
+ * aux_loss, z_loss (one float each) and f (E,) are written where not NULL
+ * (moeblaze_router_backward_losses takes f). Both coefficients must be finite and >= 0. bias:
+ * as moeblaze_route's (checked, not read). Deterministic (no atomics, fixed summation order);
+ * cuda's f is cpu's bit for bit, its losses agree to fp32 rounding (z's logsumexp uses logf).
+ * CUDA: no host sync, a workspace of moeblaze_router_losses_workspace_bytes (CPU: none). */
+int moeblaze_router_losses_workspace_bytes(int64_t T, int64_t E, int64_t P, int32_t device,
+                                           uint64_t* bytes);
+int moeblaze_router_losses(const moeblaze_router_cfg* cfg, float aux_coef, float z_coef,
+                           const void* logits, int32_t logits_dtype, int64_t T, int64_t E,
+                           const float* bias, int32_t device, void* stream,
+                           const moeblaze_routing* routing, void* workspace,
+                           uint64_t workspace_bytes, float* aux_loss, float* z_loss, float* f);
+
+/* moeblaze_router_backward with the losses' gradients added in the same pass:
+ * d_logits = d(pair weights) + g_aux * d aux_loss / d logits + g_z * d z_loss / d logits.
+ * g_aux, g_z: one fp32 each on `device`, the upstream gradients of the two losses (what
+ * autograd hands them; read on the device, no host sync), or NULL for none. f: the (E,) output
+ * of moeblaze_router_losses for this routing, required when aux_coef > 0 and g_aux is given. */
+int moeblaze_router_backward_losses(const moeblaze_router_cfg* cfg, float aux_coef, float z_coef,
+                                    const void* logits, int32_t logits_dtype, int64_t T,
+                                    int64_t E, const float* bias, int32_t device, void* stream,
+                                    const moeblaze_routing* routing, const float* d_pair_weights,
+                                    const float* f, const float* g_aux, const float* g_z,
+                                    float* d_logits, int32_t* flags);
 
 /* Token rounding (SonicMoE): from the logits and their top-K routing to a rounded routing whose
  * pair count P' is only known after the call. Phase 1 computes it into a handle and returns P'

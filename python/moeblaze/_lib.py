@@ -9,7 +9,7 @@ import os
 
 import torch  # noqa: F401  (loads libcudart & co. before the library needs them)
 
-CAPI_VERSION = 3  # capi.h's MOEBLAZE_CAPI_VERSION
+CAPI_VERSION = 4  # capi.h's MOEBLAZE_CAPI_VERSION
 
 # Error codes (capi.h).
 OK, ERR_INVALID_ARGUMENT, ERR_UNSUPPORTED, ERR_DEVICE, ERR_OTHER = range(5)

@@ -21,6 +21,7 @@
 #include "core/parallel.hpp"
 #include "core/plan_validation.hpp"
 #include "core/routing_validation.hpp"
+#include "cpu/cpu_backend.hpp"
 #include "moeblaze/moeblaze.hpp"
 
 #ifdef MOEBLAZE_WITH_CUDA
@@ -367,6 +368,122 @@ int moeblaze_router_backward(const moeblaze_router_cfg* cfg, const void* logits,
     // Loss coefficients are 0 here (the caller owns the auxiliary losses): no pair fractions.
     cuda::router_backward_async(r, a.logits, a.bias.as<const float>(), rv, d_pair_weights,
                                 d_logits, nullptr, 0.0f, 0.0f, flags, as_stream(stream));
+#else
+    (void)stream;
+    (void)flags;
+#endif
+  });
+}
+
+namespace {
+// The router config of the loss entry points: cfg's, with the two coefficients checked.
+RouterConfig with_loss_coefs(const moeblaze_router_cfg* cfg, int64_t E, float aux_coef,
+                             float z_coef) {
+  RouterConfig r = to_router(cfg, E);
+  MOEBLAZE_REQUIRE(std::isfinite(aux_coef) && aux_coef >= 0.0f, "aux_coef (", aux_coef,
+                   ") must be finite and >= 0");
+  MOEBLAZE_REQUIRE(std::isfinite(z_coef) && z_coef >= 0.0f, "z_coef (", z_coef,
+                   ") must be finite and >= 0");
+  r.aux_loss_coef = aux_coef;
+  r.z_loss_coef = z_coef;
+  return r;
+}
+
+// A routing of (T, E) logits whose experts the loss calls read: shape and ids checked (CPU: the
+// ids' values too; CUDA: the histogram ignores an id outside [0, E)).
+RoutingView loss_routing(const moeblaze_routing* routing, Device dev, int64_t T, int64_t E) {
+  const RoutingView rv = routing_view(routing, dev, "routing");
+  MOEBLAZE_REQUIRE(rv.T == T && rv.E == E, "routing has (T, E) = (", rv.T, ", ", rv.E,
+                   "), logits are (", T, ", ", E, ")");
+  if (dev == Device::cpu)
+    for (int64_t p = 0; p < rv.P; ++p)
+      MOEBLAZE_REQUIRE(rv.pair_experts[p] >= 0 && rv.pair_experts[p] < E, "routing: pair_experts[",
+                       p, "] = ", rv.pair_experts[p], " is out of range [0, ", E, ")");
+  return rv;
+}
+}  // namespace
+
+int moeblaze_router_losses_workspace_bytes(int64_t T, int64_t E, int64_t P, int32_t device,
+                                           uint64_t* bytes) {
+  return guarded([&] {
+    require_ptr(bytes, "bytes");
+    const Device dev = to_device(device);
+    MOEBLAZE_REQUIRE(T >= 0 && E >= 1 && P >= 0, "T (", T, "), E (", E, "), P (", P,
+                     ") must be >= 0, >= 1, >= 0");
+    *bytes = 0;
+#ifdef MOEBLAZE_WITH_CUDA
+    if (dev == Device::cuda) *bytes = cuda::router_loss_workspace_bytes(T, E, P);
+#else
+    (void)dev;
+#endif
+  });
+}
+
+int moeblaze_router_losses(const moeblaze_router_cfg* cfg, float aux_coef, float z_coef,
+                           const void* logits, int32_t logits_dtype, int64_t T, int64_t E,
+                           const float* bias, int32_t device, void* stream,
+                           const moeblaze_routing* routing, void* workspace,
+                           uint64_t workspace_bytes, float* aux_loss, float* z_loss, float* f) {
+  return guarded([&] {
+    const Device dev = to_device(device);
+    const RouterConfig r = with_loss_coefs(cfg, E, aux_coef, z_coef);
+    const RouterArgs a = router_args(r, logits, logits_dtype, T, E, bias, dev);
+    const RoutingView rv = loss_routing(routing, dev, T, E);
+    if (dev == Device::cpu) {
+      const RouterLosses l = cpu::router_losses(r, a.logits, rv.pair_experts, rv.P, f);
+      if (aux_loss != nullptr) *aux_loss = float(l.aux_loss);
+      if (z_loss != nullptr) *z_loss = float(l.z_loss);
+      return;
+    }
+#ifdef MOEBLAZE_WITH_CUDA
+    const uint64_t need = cuda::router_loss_workspace_bytes(T, E, rv.P);
+    MOEBLAZE_REQUIRE(workspace_bytes >= need, "workspace_bytes (", workspace_bytes,
+                     ") is below moeblaze_router_losses_workspace_bytes (", need, ")");
+    MOEBLAZE_REQUIRE(need == 0 || workspace != nullptr, "workspace is NULL");
+    cuda::router_losses_async(r, a.logits, rv.pair_experts, rv.P, workspace, nullptr,
+                              as_stream(stream), aux_loss, z_loss, f);
+#else
+    (void)stream;
+    (void)workspace;
+    (void)workspace_bytes;
+#endif
+  });
+}
+
+int moeblaze_router_backward_losses(const moeblaze_router_cfg* cfg, float aux_coef, float z_coef,
+                                    const void* logits, int32_t logits_dtype, int64_t T,
+                                    int64_t E, const float* bias, int32_t device, void* stream,
+                                    const moeblaze_routing* routing, const float* d_pair_weights,
+                                    const float* f, const float* g_aux, const float* g_z,
+                                    float* d_logits, int32_t* flags) {
+  return guarded([&] {
+    const Device dev = to_device(device);
+    // A loss without an upstream gradient adds nothing: its term is off.
+    const RouterConfig r = with_loss_coefs(cfg, E, g_aux != nullptr ? aux_coef : 0.0f,
+                                           g_z != nullptr ? z_coef : 0.0f);
+    const RouterArgs a = router_args(r, logits, logits_dtype, T, E, bias, dev);
+    const RoutingView rv = loss_routing(routing, dev, T, E);
+    MOEBLAZE_REQUIRE(T * E == 0 || d_logits != nullptr, "d_logits is NULL");
+    MOEBLAZE_REQUIRE(rv.P == 0 || d_pair_weights != nullptr, "d_pair_weights is NULL");
+    if (r.aux_loss_coef > 0.0f) require_ptr(f, "f");
+    const TensorView dpw(const_cast<float*>(d_pair_weights), DType::f32, dev, {rv.P});
+    const TensorView dl(d_logits, DType::f32, dev, {T, E});
+    if (dev == Device::cpu) {
+      const float g[2] = {g_aux != nullptr ? *g_aux : 0.0f, g_z != nullptr ? *g_z : 0.0f};
+      MOEBLAZE_REQUIRE(std::isfinite(g[0]) && std::isfinite(g[1]), "g_aux (", g[0], ") and g_z (",
+                       g[1], ") must be finite");
+      cpu::router_backward(r, a.logits, a.bias, rv, dpw, dl, g);  // f: counted from the routing
+      return;
+    }
+#ifdef MOEBLAZE_WITH_CUDA
+    require_ptr(flags, "flags");
+    if (T * E == 0) return;
+    // The CPU's scales, formed the same way (double, rounded once).
+    const float aux_scale = float(double(r.aux_loss_coef) * double(E) / double(T));
+    const float z_scale = float(2.0 * double(r.z_loss_coef) / double(T));
+    cuda::router_backward_async(r, a.logits, a.bias.as<const float>(), rv, d_pair_weights,
+                                d_logits, r.aux_loss_coef > 0.0f ? f : nullptr, aux_scale,
+                                z_scale, flags, as_stream(stream), g_aux, g_z);
 #else
     (void)stream;
     (void)flags;

@@ -14,9 +14,15 @@ namespace moeblaze::cpu {
 // ---- routers (src/cpu/router.cpp) ----
 RouterLosses route(const RouterConfig& cfg, const TensorView& logits, const TensorView& bias,
                    Routing& out);
+// loss_grads: (2,) host, the upstream gradients of the aux and z losses multiplying their
+// terms (nullptr: 1 and 1).
 void router_backward(const RouterConfig& cfg, const TensorView& logits, const TensorView& bias,
                      const RoutingView& routing, const TensorView& d_pair_weights,
-                     const TensorView& d_logits);
+                     const TensorView& d_logits, const float* loss_grads = nullptr);
+// route()'s RouterLosses of any routing of these logits (pair_experts (P,) in [0, E), checked
+// by the caller), bitwise; f (E,) receives the pair fractions count_e / P when not nullptr.
+RouterLosses router_losses(const RouterConfig& cfg, const TensorView& logits,
+                           const int32_t* pair_experts, int64_t P, float* f);
 
 // ---- token rounding (src/cpu/token_rounding.cpp) ----
 void token_round(const RouterConfig& router, const TokenRoundingConfig& cfg,

@@ -56,16 +56,9 @@ RouterLosses route(const RouterConfig& cfg, const TensorView& logits, const Tens
   float* weights = r.pair_weights();    // (T*K,)
   offsets[0] = 0;
 
-  const bool want_aux = cfg.aux_loss_coef > 0.0f, want_z = cfg.z_loss_coef > 0.0f;
-  const int64_t chunks = rm::num_chunks(T);
-  std::vector<float> q_partial(want_aux ? chunks * E : 0);  // (chunks, E) sum of q over chunk
-  std::vector<float> lse2_partial(want_z ? chunks : 0);     // (chunks,) sum of lse^2 over chunk
-
-  parallel_for(0, chunks, 1, [&](int64_t c) {
+  parallel_for(0, rm::num_chunks(T), 1, [&](int64_t c) {
     rm::TokenScratch s(E);
-    std::vector<float> key(E), q(E);   // (E,) each
-    std::vector<int32_t> identity(E);  // (E,) 0..E-1
-    std::iota(identity.begin(), identity.end(), 0);
+    std::vector<float> key(E);  // (E,)
     const int64_t stop = std::min(T, (c + 1) * rm::kTokenChunk);
     for (int64_t t = c * rm::kTokenChunk; t < stop; ++t) {
       rm::load_row(logits, t, s.row.data());
@@ -74,29 +67,57 @@ RouterLosses route(const RouterConfig& cfg, const TensorView& logits, const Tens
       rm::top_k(key.data(), E, K, ids);
       rm::pair_weights(cfg, s.row.data(), E, ids, K, weights + t * K, s);
       offsets[t + 1] = static_cast<int32_t>((t + 1) * K);
-      float lse = NAN;
-      if (want_aux) {
-        lse = aux_distribution(cfg.kind, s.row.data(), E, identity.data(), q.data());
-        float* acc = q_partial.data() + c * E;
-        for (int64_t e = 0; e < E; ++e) acc[e] += q[e];
-      }
-      if (want_z) {
-        if (std::isnan(lse)) lse = logsumexp_row(s.row.data(), E);
-        lse2_partial[c] += lse * lse;
-      }
     }
   });
 
+  const RouterLosses losses = router_losses(cfg, logits, experts, T * K, nullptr);
+  out = std::move(r);
+  return losses;
+}
+
+RouterLosses router_losses(const RouterConfig& cfg, const TensorView& logits,
+                           const int32_t* pair_experts, int64_t P, float* f) {
+  const int64_t T = logits.dim(0), E = logits.dim(1);
+  const bool want_aux = cfg.aux_loss_coef > 0.0f, want_z = cfg.z_loss_coef > 0.0f;
+  const int64_t chunks = rm::num_chunks(T);
+  std::vector<float> q_partial(want_aux ? chunks * E : 0);  // (chunks, E) sum of q over chunk
+  std::vector<float> lse2_partial(want_z ? chunks : 0);     // (chunks,) sum of lse^2 over chunk
+  if (want_aux || want_z) {
+    parallel_for(0, chunks, 1, [&](int64_t c) {
+      std::vector<float> row(E), q(E);   // (E,) each
+      std::vector<int32_t> identity(E);  // (E,) 0..E-1
+      std::iota(identity.begin(), identity.end(), 0);
+      const int64_t stop = std::min(T, (c + 1) * rm::kTokenChunk);
+      for (int64_t t = c * rm::kTokenChunk; t < stop; ++t) {
+        rm::load_row(logits, t, row.data());
+        float lse = NAN;
+        if (want_aux) {
+          lse = aux_distribution(cfg.kind, row.data(), E, identity.data(), q.data());
+          float* acc = q_partial.data() + c * E;
+          for (int64_t e = 0; e < E; ++e) acc[e] += q[e];
+        }
+        if (want_z) {
+          if (std::isnan(lse)) lse = logsumexp_row(row.data(), E);
+          lse2_partial[c] += lse * lse;
+        }
+      }
+    });
+  }
+
+  // Pairs per expert: integers, so order-free; f_e = count / P rounded once (the backward's f).
+  std::vector<int64_t> count(E, 0);  // (E,)
+  if (want_aux || f != nullptr)
+    for (int64_t p = 0; p < P; ++p) ++count[pair_experts[p]];
+  if (f != nullptr)
+    for (int64_t e = 0; e < E; ++e) f[e] = P > 0 ? float(double(count[e]) / double(P)) : 0.0f;
   RouterLosses losses;
   if (T > 0 && want_aux) {
-    std::vector<int64_t> count(E, 0);  // (E,) pairs per expert; integer, so order-free
-    for (int64_t p = 0; p < T * K; ++p) ++count[experts[p]];
-    std::vector<float> P(E, 0.0f);  // (E,) sum_t q_{t,e}, chunk partials added in chunk order
+    std::vector<float> Pe(E, 0.0f);  // (E,) sum_t q_{t,e}, chunk partials added in chunk order
     for (int64_t c = 0; c < chunks; ++c)
-      for (int64_t e = 0; e < E; ++e) P[e] += q_partial[c * E + e];
+      for (int64_t e = 0; e < E; ++e) Pe[e] += q_partial[c * E + e];
     double sum = 0.0;
     for (int64_t e = 0; e < E; ++e)
-      sum += (double(count[e]) / double(T * K)) * (double(P[e]) / double(T));
+      sum += (double(count[e]) / double(P)) * (double(Pe[e]) / double(T));
     losses.aux_loss = double(cfg.aux_loss_coef) * double(E) * sum;
   }
   if (T > 0 && want_z) {
@@ -104,13 +125,12 @@ RouterLosses route(const RouterConfig& cfg, const TensorView& logits, const Tens
     for (int64_t c = 0; c < chunks; ++c) sum += lse2_partial[c];
     losses.z_loss = double(cfg.z_loss_coef) * double(sum) / double(T);
   }
-  out = std::move(r);
   return losses;
 }
 
 void router_backward(const RouterConfig& cfg, const TensorView& logits, const TensorView& bias,
                      const RoutingView& routing, const TensorView& d_pair_weights,
-                     const TensorView& d_logits) {
+                     const TensorView& d_logits, const float* loss_grads) {
   const int64_t T = logits.dim(0), E = logits.dim(1);
   rm::require_finite_logits(logits);
   if (cfg.kind == RouterKind::sigmoid_bias) rm::require_finite_bias(bias);
@@ -132,8 +152,12 @@ void router_backward(const RouterConfig& cfg, const TensorView& logits, const Te
     for (int64_t p = 0; p < routing.P; ++p) ++count[experts[p]];
     for (int64_t e = 0; e < E; ++e) f[e] = float(double(count[e]) / double(routing.P));
   }
-  const float aux_scale = T > 0 ? float(double(cfg.aux_loss_coef) * double(E) / double(T)) : 0.0f;
-  const float z_scale = T > 0 ? float(2.0 * double(cfg.z_loss_coef) / double(T)) : 0.0f;
+  float aux_scale = T > 0 ? float(double(cfg.aux_loss_coef) * double(E) / double(T)) : 0.0f;
+  float z_scale = T > 0 ? float(2.0 * double(cfg.z_loss_coef) / double(T)) : 0.0f;
+  if (loss_grads != nullptr) {  // the losses' upstream gradients (autograd's), one rounding each
+    aux_scale *= loss_grads[0];
+    z_scale *= loss_grads[1];
+  }
   float* d_all = d_logits.as<float>();  // (T, E)
 
   parallel_for(0, rm::num_chunks(T), 1, [&](int64_t c) {

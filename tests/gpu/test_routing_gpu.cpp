@@ -17,6 +17,7 @@
 #include "common/test_util.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "gpu/gpu_test_util.hpp"
+#include "moeblaze/capi.h"
 #include "moeblaze/moeblaze.hpp"
 
 namespace moeblaze {
@@ -743,6 +744,87 @@ TEST(RouterGpu, BackwardMatchesCpu) {
         }
     }
   }
+}
+
+// The C ABI's router losses on CUDA against its CPU path: f bit for bit, the losses (the
+// same partials; z's lse through logf) and d_logits with device-side upstream gradients within
+// the backward test's bound. Outputs poisoned first; no host sync inside the calls.
+TEST(RouterGpu, CapiLossesAndTheirGradientMatchCpu) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const int64_t T = 700, K = 4;
+  for (int64_t E : {8, 96})
+    for (const RouterCase& rc : kRouters) {
+      SCOPED_TRACE(testing::Message() << "E " << E << " " << router_label(rc));
+      const moeblaze_router_cfg cfg{int32_t(rc.kind), int32_t(K), rc.renormalize ? 1 : 0};
+      const Logits lg = make_logits(T, E, DType::f32, test::random_normal(size_t(T * E), seed + E, 2.0f));
+      const Bias bias = make_bias(E, seed + 5);
+      const float* hb = rc.kind == RouterKind::sigmoid_bias ? bias.h.data() : nullptr;
+      const float* db = rc.kind == RouterKind::sigmoid_bias ? bias.d.as<float>() : nullptr;
+      HostRouting h;
+      h.T = T;
+      h.E = E;
+      h.offsets.resize(size_t(T + 1));
+      h.experts.resize(size_t(T * K));
+      h.weights.resize(size_t(T * K));
+      const moeblaze_routing hr{T, E, T * K, h.offsets.data(), h.experts.data(), h.weights.data()};
+      ASSERT_EQ(moeblaze_route(&cfg, lg.f32.data(), 0, T, E, hb, 0, nullptr, &hr, nullptr),
+                MOEBLAZE_OK) << moeblaze_last_error();
+      const Routing d = to_device(h);
+      const moeblaze_routing dr{T, E, T * K, const_cast<int32_t*>(d.pair_offsets()),
+                                const_cast<int32_t*>(d.pair_experts()),
+                                const_cast<float*>(d.pair_weights())};
+      // Forward: aux, z, f.
+      float want_aux = 0, want_z = 0;
+      std::vector<float> want_f(static_cast<size_t>(E));
+      ASSERT_EQ(moeblaze_router_losses(&cfg, 0.02f, 0.003f, lg.f32.data(), 0, T, E, hb, 0,
+                                       nullptr, &hr, nullptr, 0, &want_aux, &want_z,
+                                       want_f.data()),
+                MOEBLAZE_OK) << moeblaze_last_error();
+      uint64_t ws_bytes = 0;
+      ASSERT_EQ(moeblaze_router_losses_workspace_bytes(T, E, T * K, 1, &ws_bytes), MOEBLAZE_OK);
+      Buffer ws(Device::cuda, ws_bytes), out(Device::cuda, sizeof(float) * size_t(2 + E));
+      cudaMemset(out.data(), 0xFF, out.bytes());
+      float* dout = out.as<float>();  // aux, z, f (E,)
+      ASSERT_EQ(moeblaze_router_losses(&cfg, 0.02f, 0.003f, lg.dev.data(), 0, T, E, db, 1,
+                                       nullptr, &dr, ws.data(), ws_bytes, dout, dout + 1, dout + 2),
+                MOEBLAZE_OK) << moeblaze_last_error();
+      const std::vector<float> got = download(dout, size_t(2 + E));
+      EXPECT_NEAR(got[0], want_aux, 1e-6 * want_aux);
+      EXPECT_NEAR(got[1], want_z, 1e-6 * want_z);
+      EXPECT_TRUE(same_bits("f", std::vector<float>(got.begin() + 2, got.end()), want_f));
+      // Backward with upstream gradients 2.5 (aux) and -0.75 (z) read on the device.
+      const std::vector<float> g = test::random_normal(size_t(T * K), seed + 11);
+      const float hg[2] = {2.5f, -0.75f};
+      std::vector<float> want(size_t(T * E));
+      ASSERT_EQ(moeblaze_router_backward_losses(&cfg, 0.02f, 0.003f, lg.f32.data(), 0, T, E, hb,
+                                                0, nullptr, &hr, g.data(), want_f.data(), &hg[0],
+                                                &hg[1], want.data(), nullptr),
+                MOEBLAZE_OK) << moeblaze_last_error();
+      Buffer dg(Device::cuda, sizeof(float) * g.size()), dgl(Device::cuda, sizeof(hg)),
+          dd(Device::cuda, sizeof(float) * size_t(T * E)), flags(Device::cuda, 4 * sizeof(int32_t));
+      upload(dg.as<float>(), g);
+      upload(dgl.as<float>(), std::vector<float>{hg[0], hg[1]});
+      cudaMemset(dd.data(), 0xFF, dd.bytes());
+      cudaMemset(flags.data(), 0, flags.bytes());
+      ASSERT_EQ(moeblaze_router_backward_losses(&cfg, 0.02f, 0.003f, lg.dev.data(), 0, T, E, db,
+                                                1, nullptr, &dr, dg.as<float>(), dout + 2,
+                                                dgl.as<float>(), dgl.as<float>() + 1,
+                                                dd.as<float>(), flags.as<int32_t>()),
+                MOEBLAZE_OK) << moeblaze_last_error();
+      const std::vector<float> gd = download(dd.as<float>(), size_t(T * E));
+      double scale = 0, worst = 0;
+      size_t at = 0;
+      for (float v : want) scale = std::max(scale, std::fabs(double(v)));
+      for (size_t i = 0; i < gd.size(); ++i) {
+        const double err = std::fabs(double(gd[i]) - double(want[i])) /
+                           (std::fabs(double(want[i])) + 1e-3 * scale + 1e-30);
+        if (!(err <= worst)) worst = err, at = i;
+      }
+      EXPECT_LE(worst, 1e-5) << "d_logits[" << at << "]: got " << gd[at] << ", want " << want[at];
+      EXPECT_EQ(download(flags.as<int32_t>(), 4), std::vector<int32_t>(4, 0));
+    }
 }
 
 // ---- token rounding ---------------------------------------------------------------------------

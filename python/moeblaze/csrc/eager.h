@@ -28,6 +28,9 @@ namespace moeblaze_eager {
   X(layer_backward_biased)                                                                     \
   X(route)                                                                                     \
   X(router_backward)                                                                           \
+  X(router_losses)                                                                             \
+  X(router_losses_workspace_bytes)                                                             \
+  X(router_backward_losses)                                                                    \
   X(token_round)                                                                               \
   X(routing_take)                                                                              \
   X(routing_free)                                                                              \
@@ -56,6 +59,21 @@ inline void* data(const at::Tensor& t) {
   return t.defined() && t.numel() > 0 ? t.data_ptr() : nullptr;
 }
 
+inline const float* floats(const at::Tensor& t) { return static_cast<const float*>(data(t)); }
+
+inline int32_t device_code(const at::Tensor& t) { return t.is_cuda() ? 1 : 0; }
+
+// A routing struct over offsets (T+1,) int32, experts (P,) int32, weights (P,) fp32, dense.
+inline moeblaze_routing routing(int64_t T, int64_t E, const at::Tensor& offsets,
+                                const at::Tensor& experts, const at::Tensor& weights) {
+  return {T,
+          E,
+          experts.numel(),
+          static_cast<int32_t*>(data(offsets)),
+          static_cast<int32_t*>(data(experts)),
+          static_cast<float*>(data(weights))};
+}
+
 // PyTorch's current stream on t's device (NULL on the CPU).
 inline void* stream_of(const at::Tensor& t) {
   if (!t.is_cuda()) return nullptr;
@@ -70,9 +88,9 @@ inline c10::OptionalDeviceGuard device_guard(const at::Tensor& t) {
 }
 
 // Workspace bytes of a pass (0 forward, 1 backward; -1 the plan from (T, K) ids, -2 the plan
-// from a CSR routing of S pairs, -3 the two-call token rounding of (T, E)) on CUDA, and (-4) the
-// bytes of an fp8 call's kept H (its e4m3 codes and scales): functions of the sizes alone, asked
-// once per key. Throws CallFailed.
+// from a CSR routing of S pairs, -3 the two-call token rounding of (T, E), -5 the router losses
+// of S pairs) on CUDA, and (-4) the bytes of an fp8 call's kept H (its e4m3 codes and scales):
+// functions of the sizes alone, asked once per key. Throws CallFailed.
 uint64_t pass_workspace_bytes(const moeblaze_layer_cfg& c, int64_t S, int32_t pass);
 
 // A backward's gradients `g` as Python's @once_differentiable returns them: unchanged, unless

@@ -42,6 +42,7 @@ uint64_t pass_workspace_bytes(const moeblaze_layer_cfg& c, int64_t S, int32_t pa
                  : pass == -2 ? g_api.plan_workspace_bytes(c.T, c.E, S, 1, &n)
                  : pass == -3 ? g_api.token_round_workspace_bytes(c.T, c.E, 1, &n)
                  : pass == -4 ? g_api.layer_kept_h_bytes(&c, S, &n)
+                 : pass == -5 ? g_api.router_losses_workspace_bytes(c.T, c.E, S, 1, &n)
                               : g_api.layer_pass_workspace_bytes(&c, S, 1, pass, &n);
   if (rc != MOEBLAZE_OK) throw CallFailed{rc};
   g_ws_bytes.emplace(key, n);

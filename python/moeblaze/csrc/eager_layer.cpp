@@ -4,10 +4,12 @@
 // gradients and the router layer's backward. Why: as separate pieces (router_logits, the route
 // node, the experts node, router_losses in torch) an eager MoE step issued about forty ATen ops
 // and fifteen autograd nodes around its C calls, which made a small model's training step
-// host-bound (bench/tiny_lm_share.py). Every op here is one the Python path runs, with the same
-// operands in the same order, so the results are its bits (python/tests/test_extension.py);
-// what changes is what is held for backward: x in fp32 and the softmax are recomputed there
-// (the gate in fp32, E x d, is held).
+// host-bound (bench/tiny_lm_share.py). Here the losses are the library's deterministic kernels
+// (moeblaze_router_losses forward; their gradients inside moeblaze_router_backward_losses), the
+// rest the Python path's ops in its order: out and the weights' gradients are its bits, the
+// losses and the gradients through the logits agree with it to fp32 rounding
+// (python/tests/test_extension.py). Held for backward: the logits, the routing, the plan, H and
+// the gate in fp32 (E x d); x in fp32 is recomputed there.
 //
 // moe_layer returns (out, aux_loss, z_loss, pair_experts, flags), None where this path does not
 // apply (the Python path then runs and names the argument), or the C ABI's error code when a C
@@ -15,6 +17,7 @@
 #include <ATen/autocast_mode.h>
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 
 #include "eager.h"
@@ -25,102 +28,68 @@ using namespace moeblaze_eager;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-constexpr int64_t kSigmoidBias = 2;    // moeblaze_router_cfg.kind of sigmoid_bias
-constexpr int64_t kSerialNumel = 32768;  // layer._SERIAL_NUMEL: ATen's one-thread grain size
-
 struct LayerArgs {
   moeblaze_router_cfg router;
   ExpertsArgs experts;
-  double aux_coef, z_coef;
+  float aux_coef, z_coef;  // > 0 or 0 (off)
 };
-
-// layer.router_losses' row blocks: all rows on CUDA; on the CPU blocks that ATen runs on one
-// thread, so that the sums round the same way for every thread count.
-int64_t loss_rows(const at::Tensor& logits) {
-  const int64_t T = logits.size(0), E = logits.size(1);
-  return logits.is_cuda() ? T : std::max<int64_t>(1, (kSerialNumel - 1) / std::max<int64_t>(E, 1));
-}
-
-// The aux loss's token distribution q (rows, E) of a block of logits: softmax, or the
-// normalised sigmoid of sigmoid_bias (no bias: it steers the selection only).
-at::Tensor aux_distribution(const at::Tensor& blk, bool sigmoid) {
-  if (!sigmoid) return at::softmax(blk, -1);
-  const at::Tensor s = at::sigmoid(blk);  // (rows, E)
-  return s / s.sum(-1, true);
-}
 
 struct Losses {
-  at::Tensor aux, z;    // () fp32 each
-  at::Tensor counts;    // (E,) fp32 pairs routed to each expert (aux only)
+  at::Tensor aux, z;  // () fp32 each
+  at::Tensor f;       // (E,) fp32 pair fractions count_e / P (aux only)
 };
 
-// The aux loss's scalar: coef * E / (T * P), formed in double as router_losses forms it.
-double aux_scale(const LayerArgs& a, int64_t T, int64_t E, int64_t P) {
-  return a.aux_coef * double(E) / double(T * std::max<int64_t>(P, 1));
-}
-
-// layer.router_losses, op for op: aux = coef * E / (T P) * sum_e c_e * sum_t q_t,e and
-// z = coef * mean_t logsumexp(logits_t)^2, zero scalars for a zero coefficient. expert_offsets:
-// the plan's (E+1,) int32; P pairs.
-Losses losses_forward(const at::Tensor& logits, const at::Tensor& expert_offsets, int64_t P,
+// The switch and z losses of the routing r (offsets, experts, weights) of these fp32 logits:
+// the library's deterministic kernels (moeblaze_router_losses, the C++ route()'s values), one C
+// call; zero scalars when both coefficients are 0.
+Losses losses_forward(const at::Tensor& logits, const at::Tensor& bias, const variable_list& r,
                       const LayerArgs& a) {
-  const int64_t T = logits.size(0), E = logits.size(1);
-  const bool want_aux = a.aux_coef > 0, want_z = a.z_coef > 0;
+  const int64_t T = logits.size(0), E = logits.size(1), P = r[1].numel();
   Losses l;
-  at::Tensor q_sum, lse2_sum;  // (E,), ()
-  if (want_aux || want_z) {
-    for (const at::Tensor& blk : logits.split(loss_rows(logits))) {  // in order: a fixed sum
-      if (want_aux) {
-        const at::Tensor s = aux_distribution(blk, a.router.kind == kSigmoidBias).sum(0);
-        q_sum = q_sum.defined() ? q_sum + s : s;
-      }
-      if (want_z) {
-        const at::Tensor s = at::logsumexp(blk, {-1}).square().sum();
-        lse2_sum = lse2_sum.defined() ? lse2_sum + s : s;
-      }
-    }
-  }
-  if (want_aux) {
-    // The pairs per expert, exact integers: the plan's expert offsets differenced (router_losses
-    // counts them with scatter_add; the same integers, so the same f).
-    l.counts = (expert_offsets.narrow(0, 1, E) - expert_offsets.narrow(0, 0, E))
-                   .to(at::kFloat);                                             // (E,)
-    l.aux = (l.counts * q_sum).sum() * aux_scale(a, T, E, P);
-  } else {
+  if (!(a.aux_coef > 0) && !(a.z_coef > 0)) {
     l.aux = at::zeros({}, logits.options());
+    l.z = at::zeros({}, logits.options());
+    return l;
   }
-  l.z = want_z ? (lse2_sum / T) * a.z_coef : at::zeros({}, logits.options());
+  l.aux = at::empty({}, logits.options());                                       // ()
+  l.z = at::empty({}, logits.options());                                         // ()
+  if (a.aux_coef > 0) l.f = at::empty({E}, logits.options());                     // (E,)
+  const bool cuda = logits.is_cuda();
+  const uint64_t ws_bytes =
+      cuda ? pass_workspace_bytes({T, 0, 0, E, 0, 0, 0, 0, 0, 0}, P, -5) : 0;
+  at::Tensor ws = ws_bytes ? at::empty({int64_t(ws_bytes)}, logits.options().dtype(at::kByte))
+                           : at::Tensor();                                      // (bytes,)
+  const moeblaze_routing rt = routing(T, E, r[0], r[1], r[2]);
+  const int rc = g_api.router_losses(&a.router, a.aux_coef, a.z_coef, data(logits), 0, T, E,
+                                     floats(bias), device_code(logits), stream_of(logits), &rt,
+                                     data(ws), ws_bytes, static_cast<float*>(data(l.aux)),
+                                     static_cast<float*>(data(l.z)),
+                                     static_cast<float*>(data(l.f)));
+  if (rc != MOEBLAZE_OK) throw CallFailed{rc};
   return l;
 }
 
-// d logits (T, E) of the losses for their upstream gradients g_aux, g_z (undefined: none), as
-// autograd differentiates router_losses' ops; undefined when neither term has a gradient.
-at::Tensor losses_backward(const at::Tensor& logits, const at::Tensor& counts, int64_t P,
-                           const at::Tensor& g_aux, const at::Tensor& g_z, const LayerArgs& a) {
+// d logits (T, E) fp32: the route weights' gradient d_pw (P,) plus the losses' for their
+// upstream gradients g_aux, g_z (undefined: none), in one C call (moeblaze_router_backward_losses).
+at::Tensor router_and_losses_backward(const LayerArgs& a, const at::Tensor& logits,
+                                      const at::Tensor& bias, const at::Tensor& offsets,
+                                      const at::Tensor& experts, const at::Tensor& pw,
+                                      const at::Tensor& d_pw, const at::Tensor& f,
+                                      const at::Tensor& g_aux, const at::Tensor& g_z) {
   const int64_t T = logits.size(0), E = logits.size(1);
-  at::Tensor d_aux, d_z;  // (T, E) each
-  if (a.aux_coef > 0 && g_aux.defined()) {
-    // mul by the scalar, sum over e, c * q_sum, q.sum(0): each row's d q.
-    const at::Tensor dq =
-        ((g_aux * aux_scale(a, T, E, P)).expand({E}) * counts).unsqueeze(0).expand({T, E});
-    const at::Tensor q = aux_distribution(logits, a.router.kind == kSigmoidBias);
-    if (a.router.kind != kSigmoidBias) {
-      d_aux = at::_softmax_backward_data(dq, q, -1, at::kFloat);
-    } else {
-      // q = s / S, S = s.sum(-1): d s = dq / S + sum_e(-dq * (s / S) / S), then the sigmoid's.
-      const at::Tensor s = at::sigmoid(logits), S = s.sum(-1, true);
-      const at::Tensor d_S = (-dq * ((s / S) / S)).sum(-1, true);
-      d_aux = at::sigmoid_backward(dq / S + d_S.expand({T, E}), s);
-    }
-  }
-  if (a.z_coef > 0 && g_z.defined()) {
-    // mul, / T, sum, square (pow 2), logsumexp.
-    const at::Tensor lse = at::logsumexp(logits, {-1});                          // (T,)
-    const at::Tensor d_lse = ((g_z * a.z_coef) / T).expand({T}) * (2.0 * lse.pow(1.0));
-    d_z = d_lse.unsqueeze(-1) * (logits - lse.unsqueeze(-1)).exp();
-  }
-  if (d_aux.defined() && d_z.defined()) return d_aux + d_z;
-  return d_aux.defined() ? d_aux : d_z;
+  const moeblaze_routing rt = routing(T, E, offsets, experts, pw);
+  const at::Tensor dpw = d_pw.to(at::kFloat).contiguous();                       // (P,) fp32
+  const at::Tensor ga = g_aux.defined() ? g_aux.to(at::kFloat).contiguous() : g_aux;  // ()
+  const at::Tensor gz = g_z.defined() ? g_z.to(at::kFloat).contiguous() : g_z;        // ()
+  at::Tensor d_logits = at::empty({T, E}, logits.options());                     // (T, E) fp32
+  // Written only where a value is bad, and never read here: no zero-fill needed.
+  at::Tensor flags = at::empty({4}, logits.options().dtype(at::kInt));           // (4,) unread
+  const int rc = g_api.router_backward_losses(
+      &a.router, a.aux_coef, a.z_coef, data(logits), 0, T, E, floats(bias), device_code(logits),
+      stream_of(logits), &rt, floats(dpw), floats(f), floats(ga), floats(gz),
+      static_cast<float*>(data(d_logits)), flags.data_ptr<int32_t>());
+  TORCH_CHECK(rc == MOEBLAZE_OK, "moeblaze: ", g_api.last_error());
+  return d_logits;
 }
 
 // w (undefined: none) dense in x's dtype: fp32 master weights beside bf16 x are cast down (their
@@ -156,15 +125,15 @@ struct EagerLayer : public torch::autograd::Function<EagerLayer> {
         x, in_dtype(w1, x), in_dtype(w2, x), in_dtype(b1_opt.value_or(at::Tensor()), x),
         in_dtype(b2_opt.value_or(at::Tensor()), x), {false, {}, {}, r[0], r[1], r[2]}, a.experts,
         flags.narrow(0, 4, 4));
-    Losses l = losses_forward(logits, e.keep[4], r[1].numel(), a);
+    Losses l = losses_forward(logits, bias, r, a);
     variable_list keep = e.keep;  // x, w1, w2, h, the plan's six arrays, b1, b2
-    keep.insert(keep.end(), {logits, bias, r[0], r[1], r[2], l.counts, gate_f});
+    keep.insert(keep.end(), {logits, bias, r[0], r[1], r[2], l.f, gate_f});
     ctx->save_for_backward(keep);
     ctx->saved_data["router"] = std::vector<int64_t>{a.router.kind, a.router.top_k,
                                                      a.router.renormalize};
     ctx->saved_data["experts"] = std::vector<int64_t>{
         a.experts.activation, a.experts.recompute, a.experts.compute, e.args.K};
-    ctx->saved_data["coefs"] = std::vector<double>{a.aux_coef, a.z_coef};
+    ctx->saved_data["coefs"] = std::vector<double>{a.aux_coef, a.z_coef};  // floats, exact
     ctx->saved_data["dtypes"] = std::vector<int64_t>{
         int64_t(w1.scalar_type()), int64_t(w2.scalar_type()),
         int64_t(b1_opt ? b1_opt->scalar_type() : x.scalar_type()),
@@ -181,25 +150,28 @@ struct EagerLayer : public torch::autograd::Function<EagerLayer> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list s = ctx->get_saved_variables();
     const at::Tensor &x = s[0], &logits = s[12], &bias = s[13], &offsets = s[14],
-                     &experts = s[15], &pw = s[16], &counts = s[17], &gate_f = s[18];
+                     &experts = s[15], &pw = s[16], &f = s[17], &gate_f = s[18];
     const auto ri = ctx->saved_data["router"].toIntVector();
     const auto ei = ctx->saved_data["experts"].toIntVector();
     const auto coefs = ctx->saved_data["coefs"].toDoubleVector();
     const auto dt = ctx->saved_data["dtypes"].toIntVector();
     const LayerArgs a{{int32_t(ri[0]), int32_t(ri[1]), int32_t(ri[2])},
                       {ei[0], ei[1] != 0, ei[2], ei[3]},
-                      coefs[0],
-                      coefs[1]};
+                      float(coefs[0]),
+                      float(coefs[1])};
     const auto guard = device_guard(x);
     ExpertsGrads e;
-    at::Tensor d_logits;  // (T, E) fp32
-    if (grads[0].defined()) {
+    if (grads[0].defined())
       e = experts_backward(variable_list(s.begin(), s.begin() + 12), a.experts, grads[0]);
-      d_logits = router_backward_call(a.router, logits, bias, offsets, experts, pw, e.dpw);
+    // The losses' upstream gradients where they have one (undefined: none, or a zero coefficient).
+    const at::Tensor g_aux = a.aux_coef > 0 ? grads[1] : at::Tensor();
+    const at::Tensor g_z = a.z_coef > 0 ? grads[2] : at::Tensor();
+    at::Tensor d_logits;  // (T, E) fp32
+    if (e.dpw.defined() || g_aux.defined() || g_z.defined()) {
+      const at::Tensor d_pw = e.dpw.defined() ? e.dpw : at::zeros_like(pw);   // (P,) fp32
+      d_logits = router_and_losses_backward(a, logits, bias, offsets, experts, pw, d_pw, f,
+                                            g_aux, g_z);
     }
-    const at::Tensor d_losses =
-        losses_backward(logits, counts, experts.numel(), grads[1], grads[2], a);
-    if (d_losses.defined()) d_logits = d_logits.defined() ? d_losses + d_logits : d_losses;
     // The router's linear layer (MmBackward of x_f @ gate_f^T), then the casts to fp32 undone.
     at::Tensor dx = e.dx, d_gate;
     if (d_logits.defined()) {
@@ -250,10 +222,13 @@ py::object moe_layer(const at::Tensor& x, const at::Tensor& gate,
   const at::Tensor& b1t = b1 ? *b1 : none;
   const at::Tensor& b2t = b2 ? *b2 : none;
   if (!operands_apply(x, w1, w2, b1t, b2t, w1_rows, compute, true)) return py::none();
+  // router_losses' rule: a coefficient counts only when > 0 (NaN: off); an infinite one is the
+  // Python path's to handle.
+  if (std::isinf(aux_coef) || std::isinf(z_coef)) return py::none();
   LayerArgs a{{int32_t(*k), int32_t(*K), renormalize.ptr() == Py_True},
               {activation, recompute, compute, 0},
-              aux_coef,
-              z_coef};
+              aux_coef > 0 ? float(aux_coef) : 0.0f,
+              z_coef > 0 ? float(z_coef) : 0.0f};
   try {
     variable_list r = EagerLayer::apply(x, gate, bias, w1, w2, b1, b2, a);
     return py::make_tuple(r[0], r[1], r[2], r[3], r[4]);

@@ -17,25 +17,6 @@
 
 namespace moeblaze_eager {
 
-namespace {
-
-int32_t device_code(const at::Tensor& t) { return t.is_cuda() ? 1 : 0; }
-
-const float* floats(const at::Tensor& t) { return static_cast<const float*>(data(t)); }
-
-// A routing struct over offsets (T+1,) int32, experts (P,) int32, weights (P,) fp32, dense.
-moeblaze_routing routing(int64_t T, int64_t E, const at::Tensor& offsets,
-                         const at::Tensor& experts, const at::Tensor& weights) {
-  return {T,
-          E,
-          experts.numel(),
-          static_cast<int32_t*>(data(offsets)),
-          static_cast<int32_t*>(data(experts)),
-          static_cast<float*>(data(weights))};
-}
-
-}  // namespace
-
 torch::autograd::variable_list route_call(const at::Tensor& logits, const at::Tensor& bias,
                                           const moeblaze_router_cfg& cfg,
                                           const at::Tensor& zeroed_flags) {

@@ -44,6 +44,8 @@ struct BwdArgs {
   RouterKind kind;
   bool renormalize, want_aux, want_z;
   float aux_scale, z_scale;
+  const float* aux_grad;    // (1,) upstream gradient of the aux loss, or nullptr (1)
+  const float* z_grad;      // (1,) ... of the z loss
   int32_t* flags;
   bool vec;  // 16-byte tile loads (detail::tile_vec_ok)
 };
@@ -97,6 +99,9 @@ __device__ __forceinline__ float add_loss_terms(const BwdArgs& a, const TokenCon
 template <typename InT>
 __global__ void __launch_bounds__(kThreads) router_backward_kernel(BwdArgs a) {
   __shared__ __align__(16) detail::LogitTile tile[kWarps];
+  // Autograd's upstream gradients of the losses: one rounding each, as the CPU scales them.
+  if (a.aux_grad != nullptr) a.aux_scale = __fmul_rn(a.aux_scale, __ldg(a.aux_grad));
+  if (a.z_grad != nullptr) a.z_scale = __fmul_rn(a.z_scale, __ldg(a.z_grad));
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int64_t row0 = (int64_t(blockIdx.x) * kWarps + w) * 32;
   const int64_t t = row0 + lane;
@@ -231,7 +236,8 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(BwdArgs a) {
 void router_backward_async(const RouterConfig& cfg, const TensorView& logits, const float* bias,
                            const RoutingView& routing, const float* d_pair_weights,
                            float* d_logits, const float* f, float aux_scale, float z_scale,
-                           int32_t* d_flags, cudaStream_t stream) {
+                           int32_t* d_flags, cudaStream_t stream, const float* d_aux_grad,
+                           const float* d_z_grad) {
   BwdArgs a;
   a.logits = logits.data;
   a.bias = bias;
@@ -248,6 +254,8 @@ void router_backward_async(const RouterConfig& cfg, const TensorView& logits, co
   a.want_z = cfg.z_loss_coef > 0.0f;
   a.aux_scale = aux_scale;
   a.z_scale = z_scale;
+  a.aux_grad = d_aux_grad;
+  a.z_grad = d_z_grad;
   a.flags = d_flags;
   a.vec = logits.dtype == DType::bf16 ? detail::tile_vec_ok<uint16_t>(logits.data, a.E)
                                       : detail::tile_vec_ok<float>(logits.data, a.E);

@@ -199,7 +199,9 @@ __global__ void router_loss_final_kernel(const float* __restrict__ P,
                                          const float* __restrict__ lse2_partial, int chunks,
                                          int64_t T, int E, int64_t TK, float aux_coef,
                                          float z_coef, bool want_aux, bool want_z,
-                                         double* __restrict__ losses) {  // (2,) aux, z
+                                         double* __restrict__ losses,  // (2,) aux, z or null
+                                         float* __restrict__ aux_f32,   // (1,) or null
+                                         float* __restrict__ z_f32) {   // (1,) or null
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   double aux = 0.0, zl = 0.0;
   if (T > 0 && want_aux) {
@@ -214,8 +216,13 @@ __global__ void router_loss_final_kernel(const float* __restrict__ P,
     for (int c = 0; c < chunks; ++c) sum = __fadd_rn(sum, lse2_partial[c]);
     zl = __ddiv_rn(__dmul_rn(double(z_coef), double(sum)), double(T));
   }
-  losses[0] = aux;
-  losses[1] = zl;
+  if (losses != nullptr) {
+    losses[0] = aux;
+    losses[1] = zl;
+  }
+  // Rounded once, as the C ABI's CPU path rounds RouterLosses.
+  if (aux_f32 != nullptr) *aux_f32 = __double2float_rn(aux);
+  if (z_f32 != nullptr) *z_f32 = __double2float_rn(zl);
 }
 
 size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
@@ -270,7 +277,8 @@ size_t router_loss_workspace_bytes(int64_t T, int64_t E, int64_t TK) {
 
 void router_losses_async(const RouterConfig& cfg, const TensorView& logits,
                          const int32_t* pair_experts, int64_t TK, void* workspace,
-                         double* d_losses, cudaStream_t stream) {
+                         double* d_losses, cudaStream_t stream, float* d_aux_f32,
+                         float* d_z_f32, float* d_f) {
   const int64_t T = logits.dim(0);
   const int E = int(logits.dim(1));
   const bool want_aux = cfg.aux_loss_coef > 0.0f, want_z = cfg.z_loss_coef > 0.0f;
@@ -303,12 +311,13 @@ void router_losses_async(const RouterConfig& cfg, const TensorView& logits,
     if (want_aux) {
       router_aux_P_kernel<<<(E + 255) / 256, 256, 0, stream>>>(q_partial, chunks, E, P);
       MOEBLAZE_CUDA_CHECK(cudaGetLastError());
-      expert_counts_async(pair_experts, TK, E, hist, counts, nullptr, stream);
     }
   }
+  if ((T > 0 && want_aux) || d_f != nullptr)
+    expert_counts_async(pair_experts, TK, E, hist, counts, d_f, stream);
   router_loss_final_kernel<<<1, 32, 0, stream>>>(P, counts, lse2, chunks, T, E, TK,
                                                  cfg.aux_loss_coef, cfg.z_loss_coef, want_aux,
-                                                 want_z, d_losses);
+                                                 want_z, d_losses, d_aux_f32, d_z_f32);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 
