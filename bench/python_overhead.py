@@ -157,19 +157,16 @@ def cases():
         for p in params:
             p.grad = None
 
-    def moe_round_step():
-        y, losses = moe_round(xg)
-        (y * d_out).sum().add(losses.total).backward()
-        xg.grad = None
-        for p in params:
-            p.grad = None
+    def loss_step(module):  # a step whose loss adds the router losses
+        def call():
+            y, losses = module(xg)
+            (y * d_out).sum().add(losses.total).backward()
+            xg.grad = None
+            for p in params:
+                p.grad = None
+        return call
 
-    def moe_aux_step():
-        y, losses = moe_aux(xg)
-        (y * d_out).sum().add(losses.total).backward()
-        xg.grad = None
-        for p in params:
-            p.grad = None
+    moe_round_step, moe_aux_step = loss_step(moe_round), loss_step(moe_aux)
 
     def split_step(fn):  # MoE.forward's step as separate pieces (route node, experts node, ...)
         def call():
