@@ -351,6 +351,7 @@ class ExpertParallelMoE(nn.Module):
                 f"{self.world_size}, activation={self.activation}, router={self.router}")
 
     route = MoE.route  # logits in torch (fp32), moeblaze's ops.route
+    _rounding_args = MoE._rounding_args  # route reads it (token_rounding is None here)
 
     def forward(self, x):
         shape = x.shape

@@ -487,6 +487,12 @@ class MoE(nn.Module):
                 f"K={self.top_k}, activation={self.activation}, router={self.router}, "
                 f"token_rounding={self.token_rounding}, recompute={self.recompute}")
 
+    def _rounding_args(self):
+        """(mode, m_tile, seed) of the C++ fast path's token rounding; mode None: none."""
+        if self.token_rounding is None:
+            return None, 0, 0
+        return _lib.ROUNDINGS[self.token_rounding], self.m_tile, self.rounding_seed
+
     def route(self, x2):
         """(logits fp32 (T, E), pair_offsets, pair_experts, pair_weights) for tokens x2 (T, d)."""
         logits = router_logits(x2, self.gate.weight)
@@ -494,10 +500,8 @@ class MoE(nn.Module):
         eager = _eager(logits, bias)
         ext = _ext.get() if eager else None
         if ext is not None:  # the same C calls with the host work in C++ (_ext.py)
-            rounding = (None, 0, 0) if self.token_rounding is None else (  # (mode, m_tile, seed)
-                _lib.ROUNDINGS[self.token_rounding], self.m_tile, self.rounding_seed)
             r = _fast_path_result(ext.route(logits, bias, self._kind, self.top_k,
-                                            self.renormalize, *rounding))
+                                            self.renormalize, *self._rounding_args()))
             if r is not None:
                 offsets, experts, weights, self.last_flags = r
                 return logits, offsets, experts, weights
@@ -525,11 +529,10 @@ class MoE(nn.Module):
             raise ValueError(f"moeblaze: x has last dimension {shape[-1]}, expected hidden_size "
                              f"{self.hidden_size}")
         x2 = x.reshape(-1, self.hidden_size)
-        if self.token_rounding is None:
-            r = self._layer_step(x2)
-            if r is not None:
-                out, aux, z, experts, self.last_flags = r
-                return self._finish(x2, out, None, experts, shape, RouterLosses(aux, z))
+        r = self._layer_step(x2)
+        if r is not None:
+            out, aux, z, experts, self.last_flags = r
+            return self._finish(x2, out, None, experts, shape, RouterLosses(aux, z))
         logits, offsets, experts, weights = self.route(x2)
         out = experts_from_routing(x2, self.w1, self.w2, offsets, experts, weights,
                                    self.activation, self.recompute, b1=self.b1, b2=self.b2,
@@ -537,9 +540,10 @@ class MoE(nn.Module):
         return self._finish(x2, out, logits, experts, shape)
 
     def _layer_step(self, x2):
-        """The whole step (router layer, route, experts, losses) as one C++ autograd node
-        (csrc/eager_layer.cpp: the Python path's ops, fewer nodes and host work) for eager tensors
-        outside autocast; None where it does not apply, and the Python path runs."""
+        """The whole step (router layer, route, token rounding, experts, losses) as one C++
+        autograd node (csrc/eager_layer.cpp: the same C calls, no torch ops for the losses, far
+        less host work) for eager tensors outside autocast; None where it does not apply, and the
+        Python path runs."""
         w1, w2, gw = self.w1, self.w2, self.gate.weight
         if (not _eager(x2, w1, w2, gw, self.expert_bias, self.b1, self.b2)
                 or torch.is_autocast_enabled(x2.device.type)):
@@ -550,7 +554,7 @@ class MoE(nn.Module):
         act = _activation_code(self.activation)
         return _fast_path_result(ext.moe_layer(
             x2, gw, self.expert_bias, w1, w2, self.b1, self.b2, self._kind, self.top_k,
-            self.renormalize, act, _w1_rows_of(act, w2), bool(self.recompute),
+            self.renormalize, *self._rounding_args(), act, _w1_rows_of(act, w2), bool(self.recompute),
             _compute_code(self.compute_dtype), float(self.aux_loss_coef),
             float(self.z_loss_coef)))
 

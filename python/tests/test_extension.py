@@ -534,10 +534,12 @@ def _assert_same_layer_step(fast, slow, moe, what):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("router", ROUTERS)
-def test_moe_layer_node_gives_the_python_paths_bits(fast_path, seed, device, router):
-    """MoE.forward as one node against the Python path (_assert_same_layer_step), for upstream
-    loss gradients other than 1, a step whose out is unused (only the losses' gradients flow),
-    fp32 master weights beside bf16 x, and on the CPU E = 1024 (the Python path's row blocks)."""
+@pytest.mark.parametrize("rounding", [None, "nr-f", "sr-f"])
+def test_moe_layer_node_gives_the_python_paths_bits(fast_path, seed, device, router, rounding):
+    """MoE.forward as one node against the Python path (_assert_same_layer_step), top-K and
+    token-rounded, for upstream loss gradients other than 1, a step whose out is unused (only
+    the losses' gradients flow), fp32 master weights beside bf16 x, and on the CPU E = 1024 (the
+    Python path's row blocks)."""
     if not _has_compiler():
         pytest.skip("no C++ compiler here: the fast path is not built")
     d, n = 64, 64
@@ -550,7 +552,8 @@ def test_moe_layer_node_gives_the_python_paths_bits(fast_path, seed, device, rou
     for E, K, x_dtype, w_dtype, recompute, (aux_scale, z_scale, out_used) in cases:
         what = (E, K, x_dtype, w_dtype, recompute, aux_scale, z_scale, out_used)
         moe = moeblaze.MoE(d, n, E, K, router=router, recompute=recompute, aux_loss_coef=0.01,
-                           z_loss_coef=0.001, bias=True, device=device, dtype=w_dtype)
+                           z_loss_coef=0.001, bias=True, device=device, dtype=w_dtype,
+                           token_rounding=rounding, m_tile=128 if device == "cuda" else 8)
         with torch.no_grad():
             for p in moe.parameters():
                 p.copy_(torch.randn_like(p) / 4)
@@ -564,8 +567,8 @@ def test_moe_layer_node_gives_the_python_paths_bits(fast_path, seed, device, rou
 
 
 def test_moe_layer_node_applies_where_it_should(fast_path, seed):
-    """The node runs for plain eager calls (also under no_grad, with a shared expert and with
-    zero loss coefficients); token rounding and autocast take the Python path, which gives the
+    """The node runs for plain eager calls (also under no_grad, with a shared expert, with zero
+    loss coefficients and with token rounding); autocast takes the Python path, which gives the
     same result there."""
     if not _has_compiler():
         pytest.skip("no C++ compiler here: the fast path is not built")
@@ -583,7 +586,7 @@ def test_moe_layer_node_applies_where_it_should(fast_path, seed):
     assert "EagerLayer" in _fn_name(add.next_functions[0][0])
     rounded = moeblaze.MoE(32, 16, 8, 2, token_rounding="nr-f", m_tile=8)
     out, _ = rounded(x.clone().requires_grad_())
-    assert "EagerLayer" not in _made_by(out)
+    assert "EagerLayer" in _made_by(out)
     results = []
     for use in (True, False):
         moeblaze.use_extension(use)

@@ -111,7 +111,7 @@ RouterLosses router_losses(const RouterConfig& cfg, const TensorView& logits,
   if (f != nullptr)
     for (int64_t e = 0; e < E; ++e) f[e] = P > 0 ? float(double(count[e]) / double(P)) : 0.0f;
   RouterLosses losses;
-  if (T > 0 && want_aux) {
+  if (T > 0 && P > 0 && want_aux) {  // no pairs (a rounding may drop them all): f = 0, aux = 0
     std::vector<float> Pe(E, 0.0f);  // (E,) sum_t q_{t,e}, chunk partials added in chunk order
     for (int64_t c = 0; c < chunks; ++c)
       for (int64_t e = 0; e < E; ++e) Pe[e] += q_partial[c * E + e];

@@ -130,6 +130,17 @@ TEST(RouterLossesCapi, LossesAndFractionsAreRoutesBits) {
                                        nullptr, nullptr),
                 MOEBLAZE_OK);
       EXPECT_EQ(aux, 0.0f);
+      // A routing without pairs (token rounding may drop them all): f = 0 and aux = 0, no NaN.
+      std::vector<int32_t> none(size_t(T + 1), 0);
+      const moeblaze_routing empty{T, E, 0, none.data(), nullptr, nullptr};
+      ASSERT_EQ(moeblaze_router_losses(&cfg, 0.02f, 0.003f, r.logits.data(), 0, T, E,
+                                       r.bias_ptr(cfg.kind), 0, nullptr, &empty, nullptr, 0, &aux,
+                                       &z, f.data()),
+                MOEBLAZE_OK)
+          << moeblaze_last_error();
+      EXPECT_EQ(aux, 0.0f);
+      EXPECT_EQ(z, float(want.z_loss));
+      for (float v : f) EXPECT_EQ(v, 0.0f);
     }
 }
 

@@ -794,6 +794,15 @@ TEST(RouterGpu, CapiLossesAndTheirGradientMatchCpu) {
       EXPECT_NEAR(got[0], want_aux, 1e-6 * want_aux);
       EXPECT_NEAR(got[1], want_z, 1e-6 * want_z);
       EXPECT_TRUE(same_bits("f", std::vector<float>(got.begin() + 2, got.end()), want_f));
+      // No pairs (a rounding may drop them all): aux and f are 0, not NaN.
+      Buffer no_offsets(Device::cuda, sizeof(int32_t) * size_t(T + 1));
+      cudaMemset(no_offsets.data(), 0, no_offsets.bytes());
+      const moeblaze_routing none{T, E, 0, no_offsets.as<int32_t>(), nullptr, nullptr};
+      ASSERT_EQ(moeblaze_router_losses(&cfg, 0.02f, 0.0f, lg.dev.data(), 0, T, E, db, 1, nullptr,
+                                       &none, ws.data(), ws_bytes, dout, dout + 1, dout + 2),
+                MOEBLAZE_OK) << moeblaze_last_error();
+      EXPECT_EQ(download(dout, size_t(2 + E)), std::vector<float>(size_t(2 + E), 0.0f));
+      upload(dout, got);  // f again for the backward below
       // Backward with upstream gradients 2.5 (aux) and -0.75 (z) read on the device.
       const std::vector<float> g = test::random_normal(size_t(T * K), seed + 11);
       const float hg[2] = {2.5f, -0.75f};

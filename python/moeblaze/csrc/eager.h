@@ -173,6 +173,20 @@ bool operands_apply(const at::Tensor& x, const at::Tensor& w1, const at::Tensor&
                     const at::Tensor& b1, const at::Tensor& b2, int64_t w1_rows, int64_t compute,
                     bool fp32_weights = false);
 
+// Token rounding's settings: the router's config, m_tile, the rounding code and its seed.
+struct Rounding {
+  moeblaze_router_cfg router;
+  int32_t m_tile, mode;
+  uint64_t seed;
+};
+
+// Token rounding of the top-K routing (offsets, experts, weights) of these logits (eager_router
+// .cpp): the rounded (offsets (T+1,), experts (P,), weights (P,) fp32). CUDA: one host sync,
+// the pair count. Throws CallFailed when a C call refuses.
+torch::autograd::variable_list round_call(const at::Tensor& logits, const at::Tensor& bias,
+                                          const Rounding& a, const at::Tensor& offsets,
+                                          const at::Tensor& experts, const at::Tensor& weights);
+
 // Registers the router's entries (eager_router.cpp) on the module.
 void register_router(pybind11::module_& m);
 

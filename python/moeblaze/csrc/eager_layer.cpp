@@ -32,6 +32,8 @@ struct LayerArgs {
   moeblaze_router_cfg router;
   ExpertsArgs experts;
   float aux_coef, z_coef;  // > 0 or 0 (off)
+  bool round;              // token rounding after the top-K route (its settings: rounding)
+  Rounding rounding;
 };
 
 struct Losses {
@@ -120,7 +122,11 @@ struct EagerLayer : public torch::autograd::Function<EagerLayer> {
     const at::Tensor logits = at::linear(x.to(at::kFloat), gate_f);               // (T, E)
     // One zero-fill for the route's flags (returned: MoE.check reads them) and the plan build's.
     const at::Tensor flags = at::zeros({8}, logits.options().dtype(at::kInt));  // (8,)
-    const variable_list r = route_call(logits, bias, a.router, flags.narrow(0, 0, 4));
+    variable_list r = route_call(logits, bias, a.router, flags.narrow(0, 0, 4));
+    if (a.round) {  // the experts, the losses and backward all see the rounded routing
+      const variable_list rr = round_call(logits, bias, a.rounding, r[0], r[1], r[2]);
+      std::copy(rr.begin(), rr.end(), r.begin());
+    }
     const ExpertsForward e = experts_forward(
         x, in_dtype(w1, x), in_dtype(w2, x), in_dtype(b1_opt.value_or(at::Tensor()), x),
         in_dtype(b2_opt.value_or(at::Tensor()), x), {false, {}, {}, r[0], r[1], r[2]}, a.experts,
@@ -197,13 +203,15 @@ bool float_dtype(const at::Tensor& t) {
 }
 
 // MoE.forward: x (T, d), gate_weight (E, d), expert_bias (E,) fp32 or None, w1, w2, b1, b2 (or
-// None); kind, top_k, renormalize as MoE.route; activation, w1_rows, recompute, compute as
-// experts_from_routing; the two loss coefficients.
+// None); kind, top_k, renormalize, and mode (None: no token rounding), m_tile, seed as
+// MoE.route; activation, w1_rows, recompute, compute as experts_from_routing; the two loss
+// coefficients.
 py::object moe_layer(const at::Tensor& x, const at::Tensor& gate,
                      const std::optional<at::Tensor>& bias, const at::Tensor& w1,
                      const at::Tensor& w2, const std::optional<at::Tensor>& b1,
                      const std::optional<at::Tensor>& b2, py::handle kind, py::handle top_k,
-                     py::handle renormalize, int64_t activation, int64_t w1_rows, bool recompute,
+                     py::handle renormalize, py::handle mode, py::handle m_tile,
+                     py::handle seed, int64_t activation, int64_t w1_rows, bool recompute,
                      int64_t compute, double aux_coef, double z_coef) {
   if (g_api.route == nullptr || g_api.build_plan == nullptr || x.dim() != 2 || x.size(0) == 0 ||
       !(x.is_cpu() || x.is_cuda()) || at::autocast::is_autocast_enabled(x.device().type()))
@@ -228,7 +236,15 @@ py::object moe_layer(const at::Tensor& x, const at::Tensor& gate,
   LayerArgs a{{int32_t(*k), int32_t(*K), renormalize.ptr() == Py_True},
               {activation, recompute, compute, 0},
               aux_coef > 0 ? float(aux_coef) : 0.0f,
-              z_coef > 0 ? float(z_coef) : 0.0f};
+              z_coef > 0 ? float(z_coef) : 0.0f,
+              !mode.is_none(),
+              {}};
+  if (a.round) {  // as MoE.route's checks (eager_router.cpp)
+    const auto md = int_in(mode, 0, 3), mt = int_in(m_tile, 1, INT32_MAX),
+               sd = int_in(seed, 0, LLONG_MAX);
+    if (!md || !mt || !sd) return py::none();
+    a.rounding = {a.router, int32_t(*mt), int32_t(*md), uint64_t(*sd)};
+  }
   try {
     variable_list r = EagerLayer::apply(x, gate, bias, w1, w2, b1, b2, a);
     return py::make_tuple(r[0], r[1], r[2], r[3], r[4]);

@@ -54,6 +54,47 @@ at::Tensor router_backward_call(const moeblaze_router_cfg& cfg, const at::Tensor
   return d_logits;
 }
 
+torch::autograd::variable_list round_call(const at::Tensor& logits, const at::Tensor& bias,
+                                          const Rounding& a, const at::Tensor& offsets,
+                                          const at::Tensor& experts, const at::Tensor& weights) {
+  const int64_t T = logits.size(0), E = logits.size(1);
+  const int32_t dt = dtype_code(logits);
+  const bool cuda = logits.is_cuda();
+  const auto guard = device_guard(logits);
+  void* stream = stream_of(logits);
+  const moeblaze_routing topk = routing(T, E, offsets, experts, weights);
+  // The rounded pair count P sizes the outputs. CPU: the library keeps the rounded routing
+  // behind a handle until routing_take copies it out (and frees it). CUDA: counted into a
+  // workspace (one host sync), then filled from it on the stream.
+  void* handle = nullptr;
+  int64_t P = 0;
+  at::Tensor ws;
+  uint64_t ws_bytes = 0;
+  int rc;
+  if (cuda) {
+    ws_bytes = pass_workspace_bytes({T, 0, 0, E, 0, 0, 0, 0, 0, 0}, 0, -3);
+    if (ws_bytes) ws = at::empty({int64_t(ws_bytes)}, logits.options().dtype(at::kByte));
+    rc = g_api.token_round_count(&a.router, a.m_tile, a.mode, a.seed, data(logits), dt, T, E,
+                                 floats(bias), 1, stream, &topk, data(ws), ws_bytes, &P);
+  } else {
+    rc = g_api.token_round(&a.router, a.m_tile, a.mode, a.seed, data(logits), dt, T, E,
+                           floats(bias), 0, stream, &topk, &handle, &P);
+  }
+  if (rc != MOEBLAZE_OK) throw CallFailed{rc};
+  // Freed here only if an allocation below throws; routing_take frees it otherwise.
+  std::unique_ptr<void, void (*)(void*)> rounded(handle, g_api.routing_free);
+  const auto i32 = logits.options().dtype(at::kInt);
+  at::Tensor r_offsets = at::empty({T + 1}, i32);                               // (T+1,)
+  at::Tensor r_experts = at::empty({P}, i32);                                   // (P,)
+  at::Tensor r_weights = at::empty({P}, logits.options().dtype(at::kFloat));    // (P,) fp32
+  const moeblaze_routing out = routing(T, E, r_offsets, r_experts, r_weights);
+  rc = cuda ? g_api.token_round_fill(&a.router, data(logits), dt, T, E, 1, stream, data(ws),
+                                     ws_bytes, &out)
+            : g_api.routing_take(rounded.release(), &out, stream);
+  if (rc != MOEBLAZE_OK) throw CallFailed{rc};
+  return {r_offsets, r_experts, r_weights};
+}
+
 }  // namespace moeblaze_eager
 
 namespace {
@@ -123,44 +164,12 @@ struct EagerRound : public torch::autograd::Function<EagerRound> {
                                const at::Tensor& offsets, const at::Tensor& experts,
                                const at::Tensor& weights, const RouterArgs& a) {
     const at::Tensor bias = bias_opt.value_or(at::Tensor());
-    const int64_t T = logits.size(0), E = logits.size(1);
-    const int32_t dt = dtype_code(logits);
-    const bool cuda = logits.is_cuda();
-    const auto guard = device_guard(logits);
-    void* stream = stream_of(logits);
-    const moeblaze_routing topk = routing(T, E, offsets, experts, weights);
-    // The rounded pair count P sizes the outputs. CPU: the library keeps the rounded routing
-    // behind a handle until routing_take copies it out (and frees it). CUDA: counted into a
-    // workspace (one host sync), then filled from it on the stream.
-    void* handle = nullptr;
-    int64_t P = 0;
-    at::Tensor ws;
-    uint64_t ws_bytes = 0;
-    int rc;
-    if (cuda) {
-      ws_bytes = pass_workspace_bytes({T, 0, 0, E, 0, 0, 0, 0, 0, 0}, 0, -3);
-      if (ws_bytes) ws = at::empty({int64_t(ws_bytes)}, logits.options().dtype(at::kByte));
-      rc = g_api.token_round_count(&a.cfg, a.m_tile, a.mode, a.seed, data(logits), dt, T, E,
-                                   floats(bias), 1, stream, &topk, data(ws), ws_bytes, &P);
-    } else {
-      rc = g_api.token_round(&a.cfg, a.m_tile, a.mode, a.seed, data(logits), dt, T, E,
-                             floats(bias), 0, stream, &topk, &handle, &P);
-    }
-    if (rc != MOEBLAZE_OK) throw CallFailed{rc};
-    // Freed here only if an allocation below throws; routing_take frees it otherwise.
-    std::unique_ptr<void, void (*)(void*)> rounded(handle, g_api.routing_free);
-    const auto i32 = logits.options().dtype(at::kInt);
-    at::Tensor r_offsets = at::empty({T + 1}, i32);                               // (T+1,)
-    at::Tensor r_experts = at::empty({P}, i32);                                   // (P,)
-    at::Tensor r_weights = at::empty({P}, logits.options().dtype(at::kFloat));    // (P,) fp32
-    const moeblaze_routing out = routing(T, E, r_offsets, r_experts, r_weights);
-    rc = cuda ? g_api.token_round_fill(&a.cfg, data(logits), dt, T, E, 1, stream, data(ws),
-                                       ws_bytes, &out)
-              : g_api.routing_take(rounded.release(), &out, stream);
-    if (rc != MOEBLAZE_OK) throw CallFailed{rc};
+    const variable_list r =
+        round_call(logits, bias, {a.cfg, a.m_tile, a.mode, a.seed}, offsets, experts, weights);
+    const at::Tensor &r_offsets = r[0], &r_experts = r[1], &r_weights = r[2];
     save(ctx, logits, bias, r_offsets, r_experts, r_weights, a);
     ctx->mark_non_differentiable({r_offsets, r_experts});
-    return {r_offsets, r_experts, r_weights};
+    return r;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {

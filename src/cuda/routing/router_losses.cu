@@ -204,7 +204,7 @@ __global__ void router_loss_final_kernel(const float* __restrict__ P,
                                          float* __restrict__ z_f32) {   // (1,) or null
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   double aux = 0.0, zl = 0.0;
-  if (T > 0 && want_aux) {
+  if (T > 0 && TK > 0 && want_aux) {  // no pairs (a rounding may drop them all): aux = 0
     double sum = 0.0;
     for (int e = 0; e < E; ++e)
       sum = __dadd_rn(sum, __dmul_rn(__ddiv_rn(double(counts[e]), double(TK)),
