@@ -1,7 +1,7 @@
 // MoE.forward's whole eager step as one C++ autograd node (in the module of eager_experts.cpp):
-// the router's linear layer in fp32, moeblaze_route, the experts (plan build, layer forward) and
-// the switch and z losses forward; the experts' backward, moeblaze_router_backward, the losses'
-// gradients and the router layer's backward. Why: as separate pieces (router_logits, the route
+// the router's linear layer in fp32, moeblaze_route (and token rounding), the experts (plan
+// build, layer forward) and the switch and z losses forward; the experts' backward, the router's
+// backward with the losses' gradients, and the router layer's backward. Why: as separate pieces (router_logits, the route
 // node, the experts node, router_losses in torch) an eager MoE step issued about forty ATen ops
 // and fifteen autograd nodes around its C calls, which made a small model's training step
 // host-bound (bench/tiny_lm_share.py). Here the losses are the library's deterministic kernels
