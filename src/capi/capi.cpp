@@ -365,7 +365,7 @@ int moeblaze_router_backward(const moeblaze_router_cfg* cfg, const void* logits,
 #ifdef MOEBLAZE_WITH_CUDA
     require_ptr(flags, "flags");
     if (T * E == 0) return;
-    // Loss coefficients are 0 here (the caller owns the auxiliary losses): no pair fractions.
+    // Loss coefficients are 0 here (moeblaze_router_backward_losses adds the losses): no f.
     cuda::router_backward_async(r, a.logits, a.bias.as<const float>(), rv, d_pair_weights,
                                 d_logits, nullptr, 0.0f, 0.0f, flags, as_stream(stream));
 #else
