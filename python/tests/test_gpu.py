@@ -168,17 +168,24 @@ def test_gpu_everything_lives_in_torch_memory():
 
 
 @pytest.mark.parametrize("recompute", [False, True])
-def test_cuda_graph_capture(seed, recompute):
-    """Forward + backward (router included) captured in one CUDA graph, replayed on new inputs,
-    equals eager execution: no host sync, no allocation outside PyTorch's graph pool."""
-    moe = _moe(d=256, n=128, E=16, K=4, recompute=recompute)
+@pytest.mark.parametrize("losses", [False, True])
+def test_cuda_graph_capture(seed, recompute, losses):
+    """Forward + backward (router included; with losses, the switch and z losses through the C
+    ABI with their gradients) captured in one CUDA graph, replayed on new inputs, equals eager
+    execution: no host sync, no allocation outside PyTorch's graph pool."""
+    coefs = dict(aux_loss_coef=0.01, z_loss_coef=0.001) if losses else {}
+    moe = _moe(d=256, n=128, E=16, K=4, recompute=recompute, **coefs)
     params = [moe.w1, moe.w2, moe.gate.weight]
     static_x = torch.randn(1024, 256, device="cuda", dtype=BF16, requires_grad=True)
     static_g = torch.randn(1024, 256, device="cuda", dtype=BF16)
 
     def step():
-        out, _ = moe(static_x)
-        return (out,) + torch.autograd.grad(out, [static_x] + params, static_g)
+        out, router_losses = moe(static_x)
+        roots, grads = [out], [static_g]
+        if losses:
+            roots.append(router_losses.total)
+            grads.append(torch.ones((), device="cuda"))
+        return (out,) + torch.autograd.grad(roots, [static_x] + params, grads)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -252,3 +259,23 @@ def test_gpu_no_zero_filled_gradient_for_h(seed):
     names = [e.name for e in prof.events()]
     assert "aten::zeros" not in names and "aten::zero_" not in names, sorted(set(names))
 
+
+
+@pytest.mark.parametrize("rounding", [None, "nr-f"])
+def test_moe_step_is_deterministic(seed, rounding):
+    """MoE.forward's one-node step (router, rounding, experts, both losses) twice on the same
+    inputs: out, the losses and every gradient bit for bit."""
+    moe = _moe(d=256, n=128, E=16, K=4, token_rounding=rounding, m_tile=128,
+               aux_loss_coef=0.01, z_loss_coef=0.001)
+    x = torch.randn(2048, 256, device="cuda", dtype=BF16)
+    g = torch.randn(2048, 256, device="cuda", dtype=BF16)
+    runs = []
+    for _ in range(2):
+        xs = x.clone().requires_grad_()
+        out, losses = moe(xs)
+        ((out * g).sum() + 3.0 * losses.aux_loss + 0.5 * losses.z_loss).backward()
+        runs.append([out.detach(), torch.stack(losses).detach(), xs.grad] +
+                    [p.grad.clone() for p in moe.parameters()])
+        moe.zero_grad(set_to_none=True)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
