@@ -118,7 +118,9 @@ int moeblaze_router_backward(const moeblaze_router_cfg* cfg, const void* logits,
  * 0 where a coefficient is 0; f_e = count_e / P is the share of the routing's pairs on expert e.
  * aux_loss, z_loss (one float each) and f (E,) are written where not NULL
  * (moeblaze_router_backward_losses takes f). Both coefficients must be finite and >= 0. bias:
- * as moeblaze_route's (checked, not read). Deterministic (no atomics, fixed summation order);
+ * as moeblaze_route's (checked, not read). routing: one of these logits, as moeblaze_route or the
+ * token rounding return it; the CPU checks its ids, CUDA does not (an id outside [0, E) would go
+ * uncounted): validate a routing from elsewhere first (moeblaze_build_plan's flags). Deterministic (no atomics, fixed summation order);
  * cuda's f is cpu's bit for bit, its losses agree to fp32 rounding (z's logsumexp uses logf).
  * CUDA: no host sync, a workspace of moeblaze_router_losses_workspace_bytes (CPU: none). */
 int moeblaze_router_losses_workspace_bytes(int64_t T, int64_t E, int64_t P, int32_t device,
