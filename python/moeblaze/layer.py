@@ -69,8 +69,10 @@ def router_logits(x2, gate_weight):
 
 def router_losses(logits, pair_experts, num_experts, router="softmax_topk", aux_loss_coef=0.0,
                   z_loss_coef=0.0):
-    """The auxiliary losses of routing.hpp, in torch (autograd handles their gradients, whatever
-    they are scaled by). f_e = (pairs routed to e) / P, P_e = mean_t q_t,e with q = softmax(logits)
+    """The auxiliary losses of routing.hpp, in torch, for the Python path and TorchMoE (MoE's
+    one-node step computes them with the library's kernels, moeblaze_router_losses, which agree
+    to fp32 rounding). Autograd handles their gradients, whatever they are scaled by.
+    f_e = (pairs routed to e) / P, P_e = mean_t q_t,e with q = softmax(logits)
     (normalised sigmoid for sigmoid_bias). No host sync. Deterministic on the CPU: the same bits,
     values and gradients, for every thread count (row blocks that ATen runs serially, summed in a
     fixed order; a single torch op over all T rows splits its work, and its roundings, by thread
