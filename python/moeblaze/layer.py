@@ -98,7 +98,7 @@ def router_losses(logits, pair_experts, num_experts, router="softmax_topk", aux_
             lse2_sum = lse2_sum + torch.logsumexp(blk, dim=-1).square().sum()
     if aux_loss_coef > 0:
         # Integer counts: exact, so the same in any order. f_e = c_e / P and 1 / T go into one
-        # scalar: the fewest ops (csrc/eager_layer.cpp runs the same ones).
+        # scalar: the fewest ops.
         counts = expert_counts(pair_experts, num_experts).float()
         scale = aux_loss_coef * num_experts / (T * max(pair_experts.numel(), 1))
         aux = (counts * q_sum).sum() * scale
@@ -556,8 +556,8 @@ class MoE(nn.Module):
         act = _activation_code(self.activation)
         return _fast_path_result(ext.moe_layer(
             x2, gw, self.expert_bias, w1, w2, self.b1, self.b2, self._kind, self.top_k,
-            self.renormalize, *self._rounding_args(), act, _w1_rows_of(act, w2), bool(self.recompute),
-            _compute_code(self.compute_dtype), float(self.aux_loss_coef),
+            self.renormalize, *self._rounding_args(), act, _w1_rows_of(act, w2),
+            bool(self.recompute), _compute_code(self.compute_dtype), float(self.aux_loss_coef),
             float(self.z_loss_coef)))
 
     @property

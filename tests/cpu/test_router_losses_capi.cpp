@@ -123,7 +123,8 @@ TEST(RouterLossesCapi, LossesAndFractionsAreRoutesBits) {
       std::vector<int64_t> count(size_t(E), 0);
       for (int32_t e : r.experts) ++count[size_t(e)];
       for (int64_t e = 0; e < E; ++e)
-        EXPECT_EQ(f[size_t(e)], float(double(count[size_t(e)]) / double(T * 3))) << "f[" << e << "]";
+        EXPECT_EQ(f[size_t(e)], float(double(count[size_t(e)]) / double(T * 3)))
+            << "f[" << e << "]";
       // A zero coefficient gives a zero loss; NULL outputs are not written.
       ASSERT_EQ(moeblaze_router_losses(&cfg, 0.0f, 0.003f, r.logits.data(), 0, T, E,
                                        r.bias_ptr(cfg.kind), 0, nullptr, &rt, nullptr, 0, &aux,

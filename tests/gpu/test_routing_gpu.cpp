@@ -758,7 +758,8 @@ TEST(RouterGpu, CapiLossesAndTheirGradientMatchCpu) {
     for (const RouterCase& rc : kRouters) {
       SCOPED_TRACE(testing::Message() << "E " << E << " " << router_label(rc));
       const moeblaze_router_cfg cfg{int32_t(rc.kind), int32_t(K), rc.renormalize ? 1 : 0};
-      const Logits lg = make_logits(T, E, DType::f32, test::random_normal(size_t(T * E), seed + E, 2.0f));
+      const Logits lg =
+          make_logits(T, E, DType::f32, test::random_normal(size_t(T * E), seed + E, 2.0f));
       const Bias bias = make_bias(E, seed + 5);
       const float* hb = rc.kind == RouterKind::sigmoid_bias ? bias.h.data() : nullptr;
       const float* db = rc.kind == RouterKind::sigmoid_bias ? bias.d.as<float>() : nullptr;

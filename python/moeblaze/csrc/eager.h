@@ -134,8 +134,8 @@ ExpertsForward experts_forward(const at::Tensor& x, const at::Tensor& w1, const 
                                ExpertsArgs a, const at::Tensor& zeroed_flags = {});
 
 // The experts' backward over experts_forward's `keep`: dx, dw1, dw2, db1, db2 (undefined where
-// there is no bias) and d pair weights (S,) fp32 in plan order. On CUDA dH is written over h
-// (whose version it bumps).
+// there is no bias) and d pair weights (S,) fp32 in the routing's pair order. On CUDA dH is
+// written over h (whose version it bumps).
 struct ExpertsGrads {
   at::Tensor dx, dw1, dw2, dpw, db1, db2;
 };
@@ -144,16 +144,11 @@ ExpertsGrads experts_backward(const torch::autograd::variable_list& keep, const 
 
 // MoE's router calls (eager_router.cpp): route_call returns (pair_offsets (T+1,) int32,
 // pair_experts (P,) int32, pair_weights (P,) fp32, flags (4,) int32) of logits (T, E) fp32/bf16
-// (dense; bias (E,) fp32 or undefined), throwing CallFailed when moeblaze_route refuses;
-// router_backward_call returns d logits (T, E) fp32 from d pair_weights (P,) over that routing.
+// (dense; bias (E,) fp32 or undefined), throwing CallFailed when moeblaze_route refuses.
 // zeroed_flags: route's (4,) int32 flags, zeroed by the caller (undefined: allocated here).
 torch::autograd::variable_list route_call(const at::Tensor& logits, const at::Tensor& bias,
                                           const moeblaze_router_cfg& cfg,
                                           const at::Tensor& zeroed_flags = {});
-at::Tensor router_backward_call(const moeblaze_router_cfg& cfg, const at::Tensor& logits,
-                                const at::Tensor& bias, const at::Tensor& offsets,
-                                const at::Tensor& experts, const at::Tensor& weights,
-                                const at::Tensor& d_pair_weights);
 
 // v when it is a Python int (not a bool) in [lo, hi]; else nullopt, and the Python path names
 // the argument (ops._int, ops._code).
@@ -173,18 +168,28 @@ bool operands_apply(const at::Tensor& x, const at::Tensor& w1, const at::Tensor&
                     const at::Tensor& b1, const at::Tensor& b2, int64_t w1_rows, int64_t compute,
                     bool fp32_weights = false);
 
-// Token rounding's settings: the router's config, m_tile, the rounding code and its seed.
-struct Rounding {
-  moeblaze_router_cfg router;
+// MoE.route's settings, checked: the router's config and, when round, token rounding's m_tile,
+// rounding code and seed.
+struct RouteArgs {
+  moeblaze_router_cfg cfg;
+  bool round;
   int32_t m_tile, mode;
   uint64_t seed;
 };
 
-// Token rounding of the top-K routing (offsets, experts, weights) of these logits (eager_router
-// .cpp): the rounded (offsets (T+1,), experts (P,), weights (P,) fp32). CUDA: one host sync,
+// MoE.route's Python values (kind, top_k, renormalize; mode None, or a rounding code with m_tile
+// and seed) for (T, E) logits and bias (E,) fp32 or None on `device`, checked as the fast path
+// takes them; nullopt where one breaks a rule (the Python path then names it).
+std::optional<RouteArgs> route_args(py::handle kind, py::handle top_k, py::handle renormalize,
+                                    py::handle mode, py::handle m_tile, py::handle seed,
+                                    int64_t T, int64_t E, const std::optional<at::Tensor>& bias,
+                                    const c10::Device& device);
+
+// Token rounding (a.round's settings) of the top-K routing (offsets, experts, weights) of these
+// logits: the rounded (offsets (T+1,), experts (P,), weights (P,) fp32). CUDA: one host sync,
 // the pair count. Throws CallFailed when a C call refuses.
 torch::autograd::variable_list round_call(const at::Tensor& logits, const at::Tensor& bias,
-                                          const Rounding& a, const at::Tensor& offsets,
+                                          const RouteArgs& a, const at::Tensor& offsets,
                                           const at::Tensor& experts, const at::Tensor& weights);
 
 // Registers the router's entries (eager_router.cpp) on the module.

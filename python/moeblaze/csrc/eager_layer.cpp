@@ -1,15 +1,15 @@
-// MoE.forward's whole eager step as one C++ autograd node (in the module of eager_experts.cpp):
+// MoE.forward's whole eager step as one C++ autograd node (in eager_experts.cpp's module):
 // the router's linear layer in fp32, moeblaze_route (and token rounding), the experts (plan
 // build, layer forward) and the switch and z losses forward; the experts' backward, the router's
-// backward with the losses' gradients, and the router layer's backward. Why: as separate pieces (router_logits, the route
-// node, the experts node, router_losses in torch) an eager MoE step issued about forty ATen ops
-// and fifteen autograd nodes around its C calls, which made a small model's training step
-// host-bound (bench/tiny_lm_share.py). Here the losses are the library's deterministic kernels
-// (moeblaze_router_losses forward; their gradients inside moeblaze_router_backward_losses), the
-// rest the Python path's ops in its order: out and the weights' gradients are its bits, the
-// losses and the gradients through the logits agree with it to fp32 rounding
-// (python/tests/test_extension.py). Held for backward: the logits, the routing, the plan, H and
-// the gate in fp32 (E x d); x in fp32 is recomputed there.
+// backward with the losses' gradients, and the router layer's backward. Why: as separate pieces
+// (router_logits, the route node, the experts node, router_losses in torch) an eager MoE step
+// issued about forty ATen ops and fifteen autograd nodes around its C calls, which made a small
+// model's training step host-bound (bench/tiny_lm_share.py). Here the losses are the library's
+// deterministic kernels (moeblaze_router_losses forward; their gradients inside
+// moeblaze_router_backward_losses), the rest the Python path's ops in its order: out and the
+// weights' gradients are its bits, the losses and the gradients through the logits agree with it
+// to fp32 rounding (python/tests/test_extension.py). Held for backward: the logits, the routing,
+// the plan, H and the gate in fp32 (E x d); x in fp32 is recomputed there.
 //
 // moe_layer returns (out, aux_loss, z_loss, pair_experts, flags), None where this path does not
 // apply (the Python path then runs and names the argument), or the C ABI's error code when a C
@@ -29,11 +29,9 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 struct LayerArgs {
-  moeblaze_router_cfg router;
+  RouteArgs route;
   ExpertsArgs experts;
   float aux_coef, z_coef;  // > 0 or 0 (off)
-  bool round;              // token rounding after the top-K route (its settings: rounding)
-  Rounding rounding;
 };
 
 struct Losses {
@@ -62,7 +60,7 @@ Losses losses_forward(const at::Tensor& logits, const at::Tensor& bias, const va
   at::Tensor ws = ws_bytes ? at::empty({int64_t(ws_bytes)}, logits.options().dtype(at::kByte))
                            : at::Tensor();                                      // (bytes,)
   const moeblaze_routing rt = routing(T, E, r[0], r[1], r[2]);
-  const int rc = g_api.router_losses(&a.router, a.aux_coef, a.z_coef, data(logits), 0, T, E,
+  const int rc = g_api.router_losses(&a.route.cfg, a.aux_coef, a.z_coef, data(logits), 0, T, E,
                                      floats(bias), device_code(logits), stream_of(logits), &rt,
                                      data(ws), ws_bytes, static_cast<float*>(data(l.aux)),
                                      static_cast<float*>(data(l.z)),
@@ -73,7 +71,8 @@ Losses losses_forward(const at::Tensor& logits, const at::Tensor& bias, const va
 
 // d logits (T, E) fp32: the route weights' gradient d_pw (P,) plus the losses' for their
 // upstream gradients g_aux, g_z (undefined: none), in one C call (moeblaze_router_backward_losses).
-at::Tensor router_and_losses_backward(const LayerArgs& a, const at::Tensor& logits,
+at::Tensor router_and_losses_backward(const moeblaze_router_cfg& cfg, float aux_coef,
+                                      float z_coef, const at::Tensor& logits,
                                       const at::Tensor& bias, const at::Tensor& offsets,
                                       const at::Tensor& experts, const at::Tensor& pw,
                                       const at::Tensor& d_pw, const at::Tensor& f,
@@ -87,7 +86,7 @@ at::Tensor router_and_losses_backward(const LayerArgs& a, const at::Tensor& logi
   // Written only where a value is bad, and never read here: no zero-fill needed.
   at::Tensor flags = at::empty({4}, logits.options().dtype(at::kInt));           // (4,) unread
   const int rc = g_api.router_backward_losses(
-      &a.router, a.aux_coef, a.z_coef, data(logits), 0, T, E, floats(bias), device_code(logits),
+      &cfg, aux_coef, z_coef, data(logits), 0, T, E, floats(bias), device_code(logits),
       stream_of(logits), &rt, floats(dpw), floats(f), floats(ga), floats(gz),
       static_cast<float*>(data(d_logits)), flags.data_ptr<int32_t>());
   TORCH_CHECK(rc == MOEBLAZE_OK, "moeblaze: ", g_api.last_error());
@@ -122,9 +121,9 @@ struct EagerLayer : public torch::autograd::Function<EagerLayer> {
     const at::Tensor logits = at::linear(x.to(at::kFloat), gate_f);               // (T, E)
     // One zero-fill for the route's flags (returned: MoE.check reads them) and the plan build's.
     const at::Tensor flags = at::zeros({8}, logits.options().dtype(at::kInt));  // (8,)
-    variable_list r = route_call(logits, bias, a.router, flags.narrow(0, 0, 4));
-    if (a.round) {  // the experts, the losses and backward all see the rounded routing
-      const variable_list rr = round_call(logits, bias, a.rounding, r[0], r[1], r[2]);
+    variable_list r = route_call(logits, bias, a.route.cfg, flags.narrow(0, 0, 4));
+    if (a.route.round) {  // the experts, the losses and backward all see the rounded routing
+      const variable_list rr = round_call(logits, bias, a.route, r[0], r[1], r[2]);
       std::copy(rr.begin(), rr.end(), r.begin());
     }
     const ExpertsForward e = experts_forward(
@@ -135,8 +134,8 @@ struct EagerLayer : public torch::autograd::Function<EagerLayer> {
     variable_list keep = e.keep;  // x, w1, w2, h, the plan's six arrays, b1, b2
     keep.insert(keep.end(), {logits, bias, r[0], r[1], r[2], l.f, gate_f});
     ctx->save_for_backward(keep);
-    ctx->saved_data["router"] = std::vector<int64_t>{a.router.kind, a.router.top_k,
-                                                     a.router.renormalize};
+    ctx->saved_data["router"] = std::vector<int64_t>{a.route.cfg.kind, a.route.cfg.top_k,
+                                                     a.route.cfg.renormalize};
     ctx->saved_data["experts"] = std::vector<int64_t>{
         a.experts.activation, a.experts.recompute, a.experts.compute, e.args.K};
     ctx->saved_data["coefs"] = std::vector<double>{a.aux_coef, a.z_coef};  // floats, exact
@@ -161,22 +160,21 @@ struct EagerLayer : public torch::autograd::Function<EagerLayer> {
     const auto ei = ctx->saved_data["experts"].toIntVector();
     const auto coefs = ctx->saved_data["coefs"].toDoubleVector();
     const auto dt = ctx->saved_data["dtypes"].toIntVector();
-    const LayerArgs a{{int32_t(ri[0]), int32_t(ri[1]), int32_t(ri[2])},
-                      {ei[0], ei[1] != 0, ei[2], ei[3]},
-                      float(coefs[0]),
-                      float(coefs[1])};
+    const moeblaze_router_cfg cfg{int32_t(ri[0]), int32_t(ri[1]), int32_t(ri[2])};
+    const ExpertsArgs ea{ei[0], ei[1] != 0, ei[2], ei[3]};
     const auto guard = device_guard(x);
     ExpertsGrads e;
     if (grads[0].defined())
-      e = experts_backward(variable_list(s.begin(), s.begin() + 12), a.experts, grads[0]);
+      e = experts_backward(variable_list(s.begin(), s.begin() + 12), ea, grads[0]);
     // The losses' upstream gradients where they have one (undefined: none, or a zero coefficient).
-    const at::Tensor g_aux = a.aux_coef > 0 ? grads[1] : at::Tensor();
-    const at::Tensor g_z = a.z_coef > 0 ? grads[2] : at::Tensor();
+    const float aux_coef = float(coefs[0]), z_coef = float(coefs[1]);
+    const at::Tensor g_aux = aux_coef > 0 ? grads[1] : at::Tensor();
+    const at::Tensor g_z = z_coef > 0 ? grads[2] : at::Tensor();
     at::Tensor d_logits;  // (T, E) fp32
     if (e.dpw.defined() || g_aux.defined() || g_z.defined()) {
       const at::Tensor d_pw = e.dpw.defined() ? e.dpw : at::zeros_like(pw);   // (P,) fp32
-      d_logits = router_and_losses_backward(a, logits, bias, offsets, experts, pw, d_pw, f,
-                                            g_aux, g_z);
+      d_logits = router_and_losses_backward(cfg, aux_coef, z_coef, logits, bias, offsets,
+                                            experts, pw, d_pw, f, g_aux, g_z);
     }
     // The router's linear layer (MmBackward of x_f @ gate_f^T), then the casts to fp32 undone.
     at::Tensor dx = e.dx, d_gate;
@@ -216,16 +214,14 @@ py::object moe_layer(const at::Tensor& x, const at::Tensor& gate,
   if (g_api.route == nullptr || g_api.build_plan == nullptr || x.dim() != 2 || x.size(0) == 0 ||
       !(x.is_cpu() || x.is_cuda()) || at::autocast::is_autocast_enabled(x.device().type()))
     return py::none();
-  const int64_t T = x.size(0), d = x.size(1);
+  const int64_t d = x.size(1);
   if (gate.dim() != 2 || gate.size(1) != d || !float_dtype(gate) || gate.device() != x.device() ||
       w2.dim() != 3 || gate.size(0) != w2.size(0))
     return py::none();
-  const int64_t E = gate.size(0);
-  if (bias && (bias->dim() != 1 || bias->size(0) != E || bias->scalar_type() != at::kFloat ||
-               bias->device() != x.device()))
-    return py::none();
-  const auto k = int_in(kind, 0, 2), K = int_in(top_k, 1, std::max<int64_t>(E, 1));
-  if (!k || !K || T * *K > INT32_MAX || !PyBool_Check(renormalize.ptr())) return py::none();
+  const std::optional<RouteArgs> route =
+      route_args(kind, top_k, renormalize, mode, m_tile, seed, x.size(0), gate.size(0), bias,
+                 x.device());
+  if (!route) return py::none();
   const at::Tensor none;
   const at::Tensor& b1t = b1 ? *b1 : none;
   const at::Tensor& b2t = b2 ? *b2 : none;
@@ -233,18 +229,8 @@ py::object moe_layer(const at::Tensor& x, const at::Tensor& gate,
   // router_losses' rule: a coefficient counts only when > 0 (NaN: off); an infinite one is the
   // Python path's to handle.
   if (std::isinf(aux_coef) || std::isinf(z_coef)) return py::none();
-  LayerArgs a{{int32_t(*k), int32_t(*K), renormalize.ptr() == Py_True},
-              {activation, recompute, compute, 0},
-              aux_coef > 0 ? float(aux_coef) : 0.0f,
-              z_coef > 0 ? float(z_coef) : 0.0f,
-              !mode.is_none(),
-              {}};
-  if (a.round) {  // as MoE.route's checks (eager_router.cpp)
-    const auto md = int_in(mode, 0, 3), mt = int_in(m_tile, 1, INT32_MAX),
-               sd = int_in(seed, 0, LLONG_MAX);
-    if (!md || !mt || !sd) return py::none();
-    a.rounding = {a.router, int32_t(*mt), int32_t(*md), uint64_t(*sd)};
-  }
+  const LayerArgs a{*route, {activation, recompute, compute, 0},
+                    aux_coef > 0 ? float(aux_coef) : 0.0f, z_coef > 0 ? float(z_coef) : 0.0f};
   try {
     variable_list r = EagerLayer::apply(x, gate, bias, w1, w2, b1, b2, a);
     return py::make_tuple(r[0], r[1], r[2], r[3], r[4]);

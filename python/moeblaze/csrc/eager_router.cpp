@@ -35,6 +35,75 @@ torch::autograd::variable_list route_call(const at::Tensor& logits, const at::Te
   return {offsets, experts, weights, flags};
 }
 
+torch::autograd::variable_list round_call(const at::Tensor& logits, const at::Tensor& bias,
+                                          const RouteArgs& a, const at::Tensor& offsets,
+                                          const at::Tensor& experts, const at::Tensor& weights) {
+  const int64_t T = logits.size(0), E = logits.size(1);
+  const int32_t dt = dtype_code(logits);
+  const bool cuda = logits.is_cuda();
+  const auto guard = device_guard(logits);
+  void* stream = stream_of(logits);
+  const moeblaze_routing topk = routing(T, E, offsets, experts, weights);
+  // The rounded pair count P sizes the outputs. CPU: the library keeps the rounded routing
+  // behind a handle until routing_take copies it out (and frees it). CUDA: counted into a
+  // workspace (one host sync), then filled from it on the stream.
+  void* handle = nullptr;
+  int64_t P = 0;
+  at::Tensor ws;
+  uint64_t ws_bytes = 0;
+  int rc;
+  if (cuda) {
+    ws_bytes = pass_workspace_bytes({T, 0, 0, E, 0, 0, 0, 0, 0, 0}, 0, -3);
+    if (ws_bytes) ws = at::empty({int64_t(ws_bytes)}, logits.options().dtype(at::kByte));
+    rc = g_api.token_round_count(&a.cfg, a.m_tile, a.mode, a.seed, data(logits), dt, T, E,
+                                 floats(bias), 1, stream, &topk, data(ws), ws_bytes, &P);
+  } else {
+    rc = g_api.token_round(&a.cfg, a.m_tile, a.mode, a.seed, data(logits), dt, T, E,
+                           floats(bias), 0, stream, &topk, &handle, &P);
+  }
+  if (rc != MOEBLAZE_OK) throw CallFailed{rc};
+  // Freed here only if an allocation below throws; routing_take frees it otherwise.
+  std::unique_ptr<void, void (*)(void*)> rounded(handle, g_api.routing_free);
+  const auto i32 = logits.options().dtype(at::kInt);
+  at::Tensor r_offsets = at::empty({T + 1}, i32);                               // (T+1,)
+  at::Tensor r_experts = at::empty({P}, i32);                                   // (P,)
+  at::Tensor r_weights = at::empty({P}, logits.options().dtype(at::kFloat));    // (P,) fp32
+  const moeblaze_routing out = routing(T, E, r_offsets, r_experts, r_weights);
+  rc = cuda ? g_api.token_round_fill(&a.cfg, data(logits), dt, T, E, 1, stream, data(ws),
+                                     ws_bytes, &out)
+            : g_api.routing_take(rounded.release(), &out, stream);
+  if (rc != MOEBLAZE_OK) throw CallFailed{rc};
+  return {r_offsets, r_experts, r_weights};
+}
+
+std::optional<RouteArgs> route_args(py::handle kind, py::handle top_k, py::handle renormalize,
+                                    py::handle mode, py::handle m_tile, py::handle seed,
+                                    int64_t T, int64_t E, const std::optional<at::Tensor>& bias,
+                                    const c10::Device& device) {
+  const auto k = int_in(kind, 0, 2), K = int_in(top_k, 1, std::max<int64_t>(E, 1));
+  if (!k || !K || T * *K > INT32_MAX || !PyBool_Check(renormalize.ptr())) return std::nullopt;
+  if (bias && (bias->dim() != 1 || bias->size(0) != E || bias->scalar_type() != at::kFloat ||
+               bias->device() != device))
+    return std::nullopt;
+  RouteArgs a{{int32_t(*k), int32_t(*K), renormalize.ptr() == Py_True}, !mode.is_none(), 0, 0, 0};
+  if (a.round) {
+    const auto md = int_in(mode, 0, 3), mt = int_in(m_tile, 1, INT32_MAX),
+               sd = int_in(seed, 0, LLONG_MAX);
+    if (!md || !mt || !sd) return std::nullopt;
+    a.mode = int32_t(*md), a.m_tile = int32_t(*mt), a.seed = uint64_t(*sd);
+  }
+  return a;
+}
+
+}  // namespace moeblaze_eager
+
+namespace {
+
+using namespace moeblaze_eager;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// d logits (T, E) fp32 from d pair_weights (P,) over this routing of the logits.
 at::Tensor router_backward_call(const moeblaze_router_cfg& cfg, const at::Tensor& logits,
                                 const at::Tensor& bias, const at::Tensor& offsets,
                                 const at::Tensor& experts, const at::Tensor& weights,
@@ -54,67 +123,10 @@ at::Tensor router_backward_call(const moeblaze_router_cfg& cfg, const at::Tensor
   return d_logits;
 }
 
-torch::autograd::variable_list round_call(const at::Tensor& logits, const at::Tensor& bias,
-                                          const Rounding& a, const at::Tensor& offsets,
-                                          const at::Tensor& experts, const at::Tensor& weights) {
-  const int64_t T = logits.size(0), E = logits.size(1);
-  const int32_t dt = dtype_code(logits);
-  const bool cuda = logits.is_cuda();
-  const auto guard = device_guard(logits);
-  void* stream = stream_of(logits);
-  const moeblaze_routing topk = routing(T, E, offsets, experts, weights);
-  // The rounded pair count P sizes the outputs. CPU: the library keeps the rounded routing
-  // behind a handle until routing_take copies it out (and frees it). CUDA: counted into a
-  // workspace (one host sync), then filled from it on the stream.
-  void* handle = nullptr;
-  int64_t P = 0;
-  at::Tensor ws;
-  uint64_t ws_bytes = 0;
-  int rc;
-  if (cuda) {
-    ws_bytes = pass_workspace_bytes({T, 0, 0, E, 0, 0, 0, 0, 0, 0}, 0, -3);
-    if (ws_bytes) ws = at::empty({int64_t(ws_bytes)}, logits.options().dtype(at::kByte));
-    rc = g_api.token_round_count(&a.router, a.m_tile, a.mode, a.seed, data(logits), dt, T, E,
-                                 floats(bias), 1, stream, &topk, data(ws), ws_bytes, &P);
-  } else {
-    rc = g_api.token_round(&a.router, a.m_tile, a.mode, a.seed, data(logits), dt, T, E,
-                           floats(bias), 0, stream, &topk, &handle, &P);
-  }
-  if (rc != MOEBLAZE_OK) throw CallFailed{rc};
-  // Freed here only if an allocation below throws; routing_take frees it otherwise.
-  std::unique_ptr<void, void (*)(void*)> rounded(handle, g_api.routing_free);
-  const auto i32 = logits.options().dtype(at::kInt);
-  at::Tensor r_offsets = at::empty({T + 1}, i32);                               // (T+1,)
-  at::Tensor r_experts = at::empty({P}, i32);                                   // (P,)
-  at::Tensor r_weights = at::empty({P}, logits.options().dtype(at::kFloat));    // (P,) fp32
-  const moeblaze_routing out = routing(T, E, r_offsets, r_experts, r_weights);
-  rc = cuda ? g_api.token_round_fill(&a.router, data(logits), dt, T, E, 1, stream, data(ws),
-                                     ws_bytes, &out)
-            : g_api.routing_take(rounded.release(), &out, stream);
-  if (rc != MOEBLAZE_OK) throw CallFailed{rc};
-  return {r_offsets, r_experts, r_weights};
-}
-
-}  // namespace moeblaze_eager
-
-namespace {
-
-using namespace moeblaze_eager;
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-// The router's configuration (checked by route()); round: token rounding after the top-K route.
-struct RouterArgs {
-  moeblaze_router_cfg cfg;
-  bool round;
-  int32_t m_tile, mode;
-  uint64_t seed;
-};
-
 // What both functions keep for backward: the logits, the bias and the routing they returned.
 void save(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& bias,
           const at::Tensor& offsets, const at::Tensor& experts, const at::Tensor& weights,
-          const RouterArgs& a) {
+          const RouteArgs& a) {
   ctx->save_for_backward({logits, bias, offsets, experts, weights});
   ctx->saved_data["kind"] = int64_t(a.cfg.kind);
   ctx->saved_data["top_k"] = int64_t(a.cfg.top_k);
@@ -141,7 +153,7 @@ struct EagerRoute : public torch::autograd::Function<EagerRoute> {
   // logits (T, E) fp32 / bf16 and bias (E,) fp32 (none: undefined), checked, dense, one device.
   // Outputs (offsets, experts, weights, flags); only the weights carry a gradient.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& logits,
-                               const std::optional<at::Tensor>& bias_opt, const RouterArgs& a) {
+                               const std::optional<at::Tensor>& bias_opt, const RouteArgs& a) {
     const at::Tensor bias = bias_opt.value_or(at::Tensor());
     variable_list r = route_call(logits, bias, a.cfg);
     const at::Tensor &offsets = r[0], &experts = r[1], &weights = r[2], &flags = r[3];
@@ -162,10 +174,10 @@ struct EagerRound : public torch::autograd::Function<EagerRound> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& logits,
                                const std::optional<at::Tensor>& bias_opt,
                                const at::Tensor& offsets, const at::Tensor& experts,
-                               const at::Tensor& weights, const RouterArgs& a) {
+                               const at::Tensor& weights, const RouteArgs& a) {
     const at::Tensor bias = bias_opt.value_or(at::Tensor());
     const variable_list r =
-        round_call(logits, bias, {a.cfg, a.m_tile, a.mode, a.seed}, offsets, experts, weights);
+        round_call(logits, bias, a, offsets, experts, weights);
     const at::Tensor &r_offsets = r[0], &r_experts = r[1], &r_weights = r[2];
     save(ctx, logits, bias, r_offsets, r_experts, r_weights, a);
     ctx->mark_non_differentiable({r_offsets, r_experts});
@@ -186,26 +198,17 @@ py::object route(const at::Tensor& logits, const std::optional<at::Tensor>& bias
     return py::none();
   if (logits.scalar_type() != at::kFloat && logits.scalar_type() != at::kBFloat16)
     return py::none();
-  const int64_t T = logits.size(0), E = logits.size(1);
-  const auto k = int_in(kind, 0, 2), K = int_in(top_k, 1, std::max<int64_t>(E, 1));
-  if (!k || !K || T * *K > INT32_MAX || !PyBool_Check(renormalize.ptr())) return py::none();
-  if (bias && (bias->dim() != 1 || bias->size(0) != E || bias->scalar_type() != at::kFloat ||
-               bias->device() != logits.device()))
-    return py::none();
-  RouterArgs a{{int32_t(*k), int32_t(*K), renormalize.ptr() == Py_True}, !mode.is_none(), 0, 0, 0};
-  if (a.round) {
-    const auto md = int_in(mode, 0, 3), mt = int_in(m_tile, 1, INT32_MAX),
-               sd = int_in(seed, 0, LLONG_MAX);
-    if (!md || !mt || !sd) return py::none();
-    a.mode = int32_t(*md), a.m_tile = int32_t(*mt), a.seed = uint64_t(*sd);
-  }
+  const std::optional<RouteArgs> a = route_args(kind, top_k, renormalize, mode, m_tile, seed,
+                                                logits.size(0), logits.size(1), bias,
+                                                logits.device());
+  if (!a) return py::none();
   try {
     const at::Tensor lg = logits.contiguous();
     const std::optional<at::Tensor> b =
         bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
-    variable_list r = EagerRoute::apply(lg, b, a);
-    if (a.round) {
-      variable_list rr = EagerRound::apply(lg, b, r[0], r[1], r[2], a);
+    variable_list r = EagerRoute::apply(lg, b, *a);
+    if (a->round) {
+      variable_list rr = EagerRound::apply(lg, b, r[0], r[1], r[2], *a);
       std::move(rr.begin(), rr.end(), r.begin());
     }
     return py::make_tuple(r[0], r[1], r[2], r[3]);
