@@ -44,6 +44,10 @@ and read its GEMMs one by one with bench/quack_kernels.py.
 by doubling then bisecting to within 1/16) whose inputs, weights and one forward+backward fit on
 the GPU. --fits-at T1,T2,... instead probes those T only (`bench: "fits"` rows with fits true or
 false): a bracket for a peer whose every new T costs a search of its own (SonicMoE autotunes).
+With --peer-gemms default, SonicMoE's GEMMs take QuACK's default tile config instead of its
+autotuner's (what `quack.gemm(..., tuned=False)` runs): a probe then costs seconds, not a search
+of minutes per T, and reads the same bytes (tiles do not change what is allocated); its rows say
+`"peer_gemms": "default"`. Timed rows refuse it.
 """
 import argparse
 import datetime
@@ -62,6 +66,10 @@ from torch_reference import (CONFIGS, EXTRA_SHAPES, driver_version, git_commit, 
 
 DEFAULT_CONFIGS = "sm-7B-n256,sm-30B-n512,sm-default,olmoe"
 ALL_IMPLS = "moeblaze-torch,moeblaze-torch-recompute,sonicmoe,scattermoe,torch,torch-fp8"
+
+
+def fits_at_given(args):
+    return bool(args.fits_at.strip(", "))
 
 
 class Skip(Exception):
@@ -224,10 +232,44 @@ def impl_moeblaze_torch_routed(inp, rounding):
     return step
 
 
+PEER_GEMMS = "tuned"  # --peer-gemms: how SonicMoE's QuACK GEMMs pick their tile configs
+
+
+def quack_default_gemms():
+    """Every autotuned QuACK GEMM (a `config` parameter) called with config=None from now on:
+    QuACK's default tile config, what its `gemm(..., tuned=False)` runs, instead of a search of
+    minutes at each new shape. Tiles change a GEMM's speed, not what it allocates, so a memory
+    probe (--max-tokens, --fits-at) reads the same bytes without the searches."""
+    import inspect
+    import quack.autotuner as qa
+    if getattr(qa.Autotuner, "_moeblaze_default_gemms", False):
+        return
+    tuned_call = qa.Autotuner.__call__
+    takes_config = {}
+
+    def call(self, *args, **kwargs):
+        fn = self.fn
+        if fn not in takes_config:
+            takes_config[fn] = "config" in inspect.signature(fn).parameters
+        if takes_config[fn] and "config" not in kwargs:
+            return fn(*args, config=None, **kwargs)
+        return tuned_call(self, *args, **kwargs)
+
+    qa.Autotuner.__call__ = call
+    qa.Autotuner._moeblaze_default_gemms = True
+
+
+def peer_gemms_field(impl):
+    """{"peer_gemms": "default"} on a SonicMoE row probed with QuACK's default tiles, else {}."""
+    return {"peer_gemms": PEER_GEMMS} if impl == "sonicmoe" and PEER_GEMMS != "tuned" else {}
+
+
 def impl_sonicmoe(inp):
     try:
         from sonicmoe.enums import ActivationType
         from sonicmoe.functional import moe_general_routing_inputs
+        if PEER_GEMMS == "default":
+            quack_default_gemms()
     except Exception as err:  # ImportError, or a CuTe-DSL / torch version mismatch
         raise Skip(f"sonicmoe is not importable ({type(err).__name__}: {err})")
     T, K, E = inp.T, inp.K, inp.E
@@ -750,6 +792,7 @@ def max_tokens(names, impls, args, dev, meta):
             row = {"bench": "max-tokens", "config": name, "impl": impl, "d": d, "n": n, "E": E,
                    "K": K, "max_T": lo}
             row.update(meta)
+            row.update(peer_gemms_field(impl))
             rows.append(row)
             emit(row, args.out)
     return rows
@@ -827,7 +870,16 @@ def main():
                     help="find the largest T whose forward+backward fits, per impl (no timing)")
     ap.add_argument("--fits-at", default="",
                     help="comma list of T: whether a forward+backward fits at each, per impl")
+    ap.add_argument("--peer-gemms", choices=("tuned", "default"), default="tuned",
+                    help="SonicMoE's GEMM tiles: its autotuner's pick (minutes of search at each "
+                         "new shape), or QuACK's default config (memory probes only: the rows "
+                         "then carry peer_gemms, and timed rows are refused)")
     args = ap.parse_args()
+    global PEER_GEMMS
+    PEER_GEMMS = args.peer_gemms
+    if PEER_GEMMS == "default" and not (fits_at_given(args) or args.max_tokens):
+        ap.error("--peer-gemms default: only with --max-tokens or --fits-at (untuned tiles "
+                 "would time SonicMoE below its own speed)")
     try:
         fits_at = [int(t) for t in args.fits_at.split(",") if t]
     except ValueError:
@@ -873,6 +925,7 @@ def main():
                     row = {"bench": "fits", "config": name, "impl": impl, "d": d, "n": n, "E": E,
                            "K": K, "T": T, "fits": ok}
                     row.update(meta)
+                    row.update(peer_gemms_field(impl))
                     emit(row, args.out)
         return 0
     if args.max_tokens:

@@ -34,3 +34,44 @@ def test_trace_curve_follows_allocs_and_frees_and_lists_the_blocks_at_the_peak()
 
 def test_trace_curve_of_no_events_is_flat():
     assert peers.trace_curve([]) == ([(0.0, 0)], [])
+
+
+def test_quack_default_gemms_passes_config_none_to_tuned_gemms_only(monkeypatch):
+    """--peer-gemms default: an autotuned function taking `config` is called with config=None
+    (QuACK's `tuned=False`), without the search; any other autotuned function still searches. A
+    stand-in quack.autotuner module: the real one needs the CuTe DSL."""
+    import types
+    calls = []
+
+    class Autotuner:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __call__(self, *args, **kwargs):
+            calls.append(("search", self.fn.__name__))
+            return self.fn(*args, **kwargs)
+
+    def gemm_tuned(a, b, config=None, alpha=1.0):
+        return ("gemm", a, b, config, alpha)
+
+    def rms_tuned(x, eps=1e-6, config="x"):
+        return ("rms", x, config)
+
+    def plain(x, block=64):
+        return ("plain", x, block)
+
+    quack = types.ModuleType("quack")
+    autotuner = types.ModuleType("quack.autotuner")
+    autotuner.Autotuner = Autotuner
+    quack.autotuner = autotuner
+    monkeypatch.setitem(sys.modules, "quack", quack)
+    monkeypatch.setitem(sys.modules, "quack.autotuner", autotuner)
+    peers.quack_default_gemms()
+    peers.quack_default_gemms()  # a second call leaves the first wrapper alone
+    assert Autotuner(gemm_tuned)(1, 2, alpha=3.0) == ("gemm", 1, 2, None, 3.0)
+    assert Autotuner(rms_tuned)(5) == ("rms", 5, None)
+    assert calls == []
+    assert Autotuner(plain)(7) == ("plain", 7, 64)  # no `config` parameter: it searches as before
+    # An explicit config is the caller's choice: the autotuner's own path, untouched.
+    assert Autotuner(gemm_tuned)(1, 2, config="mine") == ("gemm", 1, 2, "mine", 1.0)
+    assert calls == [("search", "plain"), ("search", "gemm_tuned")]
