@@ -79,18 +79,9 @@ struct Flags {
 // are DESIGN's named configs.
 Shape find_shape(const std::string& name) {
   if (name == "gemm-big") return {name, 16384, 2048, 1024, 16, 4};
-  long long v[5];
-  int used = 0;
-  if (std::sscanf(name.c_str(), "T%lld-d%lld-n%lld-E%lld-K%lld%n", &v[0], &v[1], &v[2], &v[3],
-                  &v[4], &used) == 5 &&
-      used == static_cast<int>(name.size())) {
-    for (long long x : v)
-      MOEBLAZE_REQUIRE(x > 0, "--configs: '", name, "': every dimension must be positive");
-    MOEBLAZE_REQUIRE(v[4] <= v[3], "--configs: '", name, "': K must be in [1, E]");
-    return {name, v[0], v[1], v[2], v[3], v[4]};
-  }
-  const NamedConfig& c = require_config(name);
-  return {name, c.T, c.d, c.n, c.E, c.K};
+  const NamedConfig* c = shape_config(name);
+  if (c == nullptr) c = &require_config(name);
+  return {name, c->T, c->d, c->n, c->E, c->K};
 }
 
 // Host-drawn N(0, stddev) bf16, in parallel chunks with per-chunk seeds (reproducible).

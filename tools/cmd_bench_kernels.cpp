@@ -4,10 +4,15 @@
 // (--kernels, else MOEBLAZE_KERNELS). A second table gives the layer's token chunks of Y and dX̃
 // (cuda/layer/token_chunks.hpp), which follow from the same choice, and a third recompute's
 // backward in expert ranges (cuda/layer/expert_ranges.hpp) at the config's T and from which T on.
+// With --rounding, a fourth table counts the rows each GEMM multiplies, its tiles' padding
+// included, under DESIGN's top-K routing and under token rounding of it: the GPU work rounding can
+// save, whatever else it costs.
 #include <CLI/CLI.hpp>
 
+#include <cmath>
 #include <iostream>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -17,6 +22,7 @@
 #include "cuda/layer/expert_ranges.hpp"
 #include "cuda/layer/token_chunks.hpp"
 #include "moeblaze/error.hpp"
+#include "moeblaze/routing.hpp"
 #include "table.hpp"
 
 namespace moeblaze::tools {
@@ -26,12 +32,109 @@ struct KernelsFlags {
   std::string config = "all";
   std::string kernels;
   std::string activation = "swiglu";
+  std::string rounding;  // comma list of token roundings for the padding table ("" = no table)
+  int m_tile = 128;
+  uint64_t seed = 1234;
 };
+
+// The rows a GEMM's tiles cover for one expert with `rows` rows: the M-tiled GEMMs round each
+// expert up to whole tiles (and a tma_grouped 2-CTA cluster along M to whole pairs); the
+// varlen-K weight gradients reduce over the rows in tile_k steps.
+int64_t tiled_rows(const cuda::gemm::GemmKernel& g, bool varlen_k, int64_t rows) {
+  namespace gg = cuda::gemm;
+  int64_t step = varlen_k ? g.tile_k : g.tile_m;
+  if (!varlen_k && g.family == gg::KernelFamily::tma_grouped && g.cluster == 2 && g.tile_n == 256)
+    step *= 2;  // kTmaVariants: the 256-wide tile's cluster pairs CTAs along M
+  return (rows + step - 1) / step * step;
+}
+
+// Multiply-adds per row (times d n) of each GEMM, LayerKernels order: up (w1_rows d), down (n d),
+// dH (d n), dW2 (d n), dX~ (w1_rows d), dW1 (w1_rows d).
+double gemm_weight(int i, const LayerConfig& c) {
+  const double R = double(c.w1_rows()), d = double(c.d), n = double(c.n);
+  const double w[6] = {R * d, n * d, d * n, d * n, R * d, R * d};
+  return w[i];
+}
+
+// Table 4: for each config and routing (top-K, then each rounding), each GEMM's padding (rows its
+// tiles cover beyond the routing's, in % of them) with the kernels chosen at that routing's S,
+// and the six GEMMs' work (multiply-adds, padding included) against top-K's: the most a rounding
+// can shorten a step whose GEMMs run at one rate.
+// --rounding's modes and --m-tile, checked before any table is printed.
+void check_padding_flags(const KernelsFlags& f) {
+  for (const std::string& r : split_commas(f.rounding))
+    parse_rounding(r);  // InvalidArgument listing the valid modes
+  MOEBLAZE_REQUIRE(f.m_tile >= 1 && f.m_tile <= 4096, "--m-tile ", f.m_tile,
+                   " is outside [1, 4096]");
+}
+
+void padding_table(const KernelsFlags& f, const std::vector<const NamedConfig*>& configs,
+                   Activation act, const cuda::gemm::KernelOverrides& o) {
+  namespace gg = cuda::gemm;
+  std::vector<std::string> roundings{"topk"};
+  for (const std::string& r : split_commas(f.rounding)) roundings.push_back(r);
+  std::vector<Column> cols{{"config", Align::left}, {"routing", Align::left}, {"S"}};
+  for (int i = 0; i < gg::LayerKernels::kCount; ++i)
+    cols.push_back({std::string(gg::LayerKernels::name(i)) + " pad %"});
+  cols.push_back({"GEMM work vs top-K"});
+  cols.push_back({"top-K / this"});
+  Table table(cols);
+  for (const NamedConfig* nc : configs) {
+    const LayerConfig c = layer_config(*nc, act, DType::bf16);
+    std::vector<float> logits(size_t(c.T * c.E));  // N(0, 1), as `bench layer` draws them
+    {
+      std::mt19937_64 rng(f.seed);
+      std::normal_distribution<float> nd(0.0f, 1.0f);
+      for (float& v : logits) v = nd(rng);
+    }
+    RouterConfig rc;
+    rc.kind = RouterKind::softmax_topk;
+    rc.top_k = int(c.K);
+    Routing topk;
+    route(rc, host_view(logits.data(), {c.T, c.E}), TensorView(), topk);
+    double topk_work = 0;
+    for (const std::string& r : roundings) {
+      Routing rounded;
+      if (r != "topk") {
+        TokenRoundingConfig trc;
+        trc.m_tile = f.m_tile;
+        trc.mode = parse_rounding(r);
+        trc.seed = f.seed;
+        token_round(rc, trc, host_view(logits.data(), {c.T, c.E}), TensorView(), topk.view(),
+                    rounded);
+      }
+      const Routing& routing = r == "topk" ? topk : rounded;
+      std::vector<int64_t> rows(size_t(c.E), 0);  // (E,) pairs routed to each expert
+      for (int64_t p = 0; p < routing.P(); ++p) ++rows[size_t(routing.pair_experts()[p])];
+      const int64_t S = routing.P();
+      const gg::LayerKernels k = gg::choose_kernels({S, c.E, c.d, c.n, act}, o);
+      std::vector<std::string> row{nc->name,
+                                   r == "topk" ? r : r + " m" + std::to_string(f.m_tile),
+                                   std::to_string(S)};
+      double work = 0;
+      for (int i = 0; i < gg::LayerKernels::kCount; ++i) {
+        const bool varlen_k = i == 3 || i == 5;  // dW2, dW1
+        int64_t covered = 0;
+        for (const int64_t e_rows : rows) covered += tiled_rows(k.at(i), varlen_k, e_rows);
+        row.push_back(fixed(covered ? 100.0 * double(covered - S) / double(covered) : 0.0, 1));
+        work += gemm_weight(i, c) * double(covered);
+      }
+      if (r == "topk") topk_work = work;
+      row.push_back(fixed(work / topk_work, 4));
+      row.push_back(fixed(topk_work / work, 4));
+      table.add_row(row);
+    }
+  }
+  std::cout << "\ntile padding (rows each GEMM's tiles cover beyond the routing's; " << f.m_tile
+            << "-row token rounding; softmax top-K of N(0, 1) logits, seed " << f.seed << ")\n";
+  table.print(std::cout);
+}
 
 void run_kernels(const KernelsFlags& f) {
   namespace gg = cuda::gemm;
   const std::vector<const NamedConfig*> configs = select_configs(f.config);
   const Activation act = parse_activation(f.activation);
+  check_padding_flags(f);
   const gg::KernelOverrides o =
       f.kernels.empty() ? gg::kernel_overrides() : gg::parse_kernel_overrides(f.kernels);
   if (!o.spec.empty()) std::cout << "kernel overrides: " << o.spec << "\n";
@@ -96,6 +199,7 @@ void run_kernels(const KernelsFlags& f) {
   }
   std::cout << "\n";
   ranges.print(std::cout);
+  if (!f.rounding.empty()) padding_table(f, configs, act, o);
 }
 
 }  // namespace
@@ -112,6 +216,12 @@ void add_bench_kernels_command(CLI::App& bench) {
                   "MOEBLAZE_KERNELS)");
   sub->add_option("--activation", flags->activation,
                   "expert activation (swiglu-oai has its own up / dh kernels)")
+      ->capture_default_str();
+  sub->add_option("--rounding", flags->rounding,
+                  "add the tile-padding table for top-K and these token roundings (comma list "
+                  "of nr-f, sr-f, up, down)");
+  sub->add_option("--m-tile", flags->m_tile, "token rounding's tile")->capture_default_str();
+  sub->add_option("--seed", flags->seed, "the logits' seed (as bench layer's)")
       ->capture_default_str();
   sub->callback([flags] { run_kernels(*flags); });
 }

@@ -1,5 +1,9 @@
 #include "configs.hpp"
 
+#include <cstdio>
+#include <deque>
+#include <mutex>
+
 #include "moeblaze/error.hpp"
 #include "table.hpp"
 
@@ -32,12 +36,36 @@ const NamedConfig* find_config(const std::string& name) {
   return nullptr;
 }
 
+const NamedConfig* shape_config(const std::string& name) {
+  long long v[5];
+  int used = 0;
+  if (std::sscanf(name.c_str(), "T%lld-d%lld-n%lld-E%lld-K%lld%n", &v[0], &v[1], &v[2], &v[3],
+                  &v[4], &used) != 5 ||
+      used != static_cast<int>(name.size()))
+    return nullptr;
+  for (long long x : v)
+    MOEBLAZE_REQUIRE(x > 0, "config '", name, "': every dimension must be positive");
+  MOEBLAZE_REQUIRE(v[4] <= v[3], "config '", name, "': K must be in [1, E]");
+  static std::mutex mu;
+  static std::deque<std::string> names;  // interned: NamedConfig::name points into them
+  static std::deque<NamedConfig> shapes;
+  const std::lock_guard<std::mutex> lock(mu);
+  for (const NamedConfig& c : shapes)
+    if (name == c.name) return &c;
+  names.push_back(name);
+  shapes.push_back({names.back().c_str(), v[0], v[1], v[2], v[3], v[4], "a shape by name"});
+  return &shapes.back();
+}
+
 std::vector<const NamedConfig*> select_configs(const std::string& spec) {
   std::vector<const NamedConfig*> configs;
   if (spec == "all") {
     for (const NamedConfig& c : named_configs()) configs.push_back(&c);
   } else {
-    for (const std::string& name : split_commas(spec)) configs.push_back(&require_config(name));
+    for (const std::string& name : split_commas(spec)) {
+      const NamedConfig* shape = shape_config(name);
+      configs.push_back(shape ? shape : &require_config(name));
+    }
   }
   return configs;
 }

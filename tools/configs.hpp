@@ -29,8 +29,13 @@ const NamedConfig* find_config(const std::string& name);
 // Throws InvalidArgument listing the valid names when `name` is unknown.
 const NamedConfig& require_config(const std::string& name);
 
+// A shape by name, "T<T>-d<d>-n<n>-E<E>-K<K>" (the name bench rows give a shape off the named
+// configs), interned for the process's life; nullptr for a name of another form; InvalidArgument
+// naming it for a dimension below 1 or K > E.
+const NamedConfig* shape_config(const std::string& name);
+
 // The configs a --config flag names: "all" (every named config, in DESIGN's order) or a comma list
-// of names (InvalidArgument listing the valid names for an unknown one).
+// of names and shapes by name (InvalidArgument listing the valid names for an unknown one).
 std::vector<const NamedConfig*> select_configs(const std::string& spec);
 
 // "mb-conf1, mb-conf3, ..., cpu-default"
