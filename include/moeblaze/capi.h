@@ -39,8 +39,8 @@
 extern "C" {
 #endif
 
-#define MOEBLAZE_CAPI_VERSION 4 /* 2: moeblaze_layer_cfg.compute; 3: two-call token rounding;
-                                   4: the router losses */
+#define MOEBLAZE_CAPI_VERSION 5 /* 2: moeblaze_layer_cfg.compute; 3: two-call token rounding;
+                                   4: the router losses; 5: FP8 weight caches */
 
 enum {
   MOEBLAZE_OK = 0,
@@ -60,6 +60,9 @@ typedef struct {
   int32_t num_threads; /* CPU threads, 0 = all */
   int32_t compute;     /* 0 storage dtype, 1 fp8 (e4m3 operands, bf16 storage; CUDA: d and n
                           multiples of 128): LayerConfig::compute */
+  void* fp8_weights;   /* with compute 1: a cache from moeblaze_fp8_weight_cache_create (W1 and
+                          W2's e4m3 codes kept between calls), or NULL (quantized in every call);
+                          NULL with compute 0. LayerOptions::fp8_weights */
 } moeblaze_layer_cfg;
 
 /* The router (RouterConfig without the loss coefficients). */
@@ -226,6 +229,21 @@ int moeblaze_plan_check_workspace_bytes(int64_t S, int32_t device, uint64_t* byt
 int moeblaze_check_plan_async(const moeblaze_plan* plan, int32_t device, void* stream,
                               void* workspace, uint64_t workspace_bytes, int32_t* flags);
 int moeblaze_validate_plan_sync(const moeblaze_plan* plan, int32_t device, void* stream);
+
+/* FP8 weight caches (Fp8WeightCache, include/moeblaze/layer.hpp). The first FP8 layer call given
+ * a cache (cfg.fp8_weights) on CUDA quantizes W1 and W2 into it; later calls reuse the codes until
+ * moeblaze_fp8_weight_cache_weights_changed, which the caller makes after every in-place update
+ * of the weights (the library cannot see one); a call with other weight pointers or shapes
+ * requantizes by itself. Its first call at a shape allocates (a host sync; refused inside a CUDA
+ * graph capture). The CPU backend quantizes in every call and leaves the cache empty. A handle
+ * is used by one stream at a time. destroy waits for the device before it frees the codes and
+ * takes NULL; any other call with a handle that create did not return, or that was destroyed,
+ * fails with MOEBLAZE_ERR_INVALID_ARGUMENT. stats: bytes held (device memory), and how many
+ * calls (re)quantized the weights. */
+int moeblaze_fp8_weight_cache_create(void** cache);
+int moeblaze_fp8_weight_cache_destroy(void* cache);
+int moeblaze_fp8_weight_cache_weights_changed(void* cache);
+int moeblaze_fp8_weight_cache_stats(void* cache, uint64_t* bytes, int64_t* quantizations);
 
 /* Layer. The workspace (NULL = the library allocates its own, accounted) needs at least
  * moeblaze_layer_workspace_bytes for this call's thread count (CPU) and must be 64-byte

@@ -196,9 +196,11 @@ size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, 
 
 // What one pass alone needs (a caller that allocates per call, as the PyTorch front end does):
 // forward's, or backward's with LayerOptions::dh_over_h as given. layer_workspace_bytes above is
-// never less than either.
+// never less than either. fp8_weights_cached: the call passes LayerOptions::fp8_weights (compute
+// fp8 on CUDA then needs no room for the weights' codes in the workspace).
 enum class LayerPass : uint8_t { forward, backward };
 size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, Device device,
-                             LayerPass pass, bool dh_over_h = false);
+                             LayerPass pass, bool dh_over_h = false,
+                             bool fp8_weights_cached = false);
 
 }  // namespace moeblaze

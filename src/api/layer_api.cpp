@@ -125,7 +125,8 @@ void check_caller_memory(const LayerConfig& cfg, const RoutingPlan& plan, const 
   if (opts.workspace != nullptr) {
     const size_t need =
         layer_workspace_bytes(cfg, plan.S(), opts.mode, plan.device(),
-                              forward ? LayerPass::forward : LayerPass::backward, opts.dh_over_h);
+                              forward ? LayerPass::forward : LayerPass::backward, opts.dh_over_h,
+                              opts.fp8_weights != nullptr);
     MOEBLAZE_REQUIRE(opts.workspace_bytes >= need, "opts.workspace_bytes (", opts.workspace_bytes,
                      ") is less than layer_workspace_bytes (", need, ") for S = ", plan.S());
     MOEBLAZE_REQUIRE(reinterpret_cast<uintptr_t>(opts.workspace) % 64 == 0,
@@ -298,7 +299,7 @@ size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, 
 }
 
 size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, Device device,
-                             LayerPass pass, bool dh_over_h) {
+                             LayerPass pass, bool dh_over_h, bool fp8_weights_cached) {
   cfg.validate();
   check_slot_extents(cfg, S);
   require_layer_mode(mode, "mode");
@@ -306,7 +307,8 @@ size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, 
                    ") must be cpu or cuda");
   if (device == Device::cuda) {
 #ifdef MOEBLAZE_WITH_CUDA
-    return cuda::layer_workspace_bytes(cfg, S, mode, pass == LayerPass::forward, dh_over_h);
+    return cuda::layer_workspace_bytes(cfg, S, mode, pass == LayerPass::forward, dh_over_h,
+                                       fp8_weights_cached);
 #else
     MOEBLAZE_UNSUPPORTED_IF(true, "device cuda, but moeblaze was built without CUDA");
 #endif

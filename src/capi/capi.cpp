@@ -12,8 +12,10 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "core/aliasing.hpp"
@@ -190,6 +192,32 @@ LayerConfig to_layer(const moeblaze_layer_cfg* c) {
   return cfg;
 }
 
+// The FP8 weight caches create has returned and destroy has not taken: a handle is checked
+// against them before it is used, so a stale or made-up one is an InvalidArgument, not a crash.
+std::mutex g_caches_mu;
+std::unordered_set<Fp8WeightCache*>& live_caches() {
+  static auto* caches = new std::unordered_set<Fp8WeightCache*>;  // never destroyed: exit order
+  return *caches;
+}
+
+Fp8WeightCache* live_cache(void* handle, const char* name) {
+  require_ptr(handle, name);
+  const std::lock_guard<std::mutex> lock(g_caches_mu);
+  auto* cache = static_cast<Fp8WeightCache*>(handle);
+  MOEBLAZE_REQUIRE(live_caches().count(cache) != 0, name,
+                   " is not a live FP8 weight cache (moeblaze_fp8_weight_cache_create returns "
+                   "one; destroy ends it)");
+  return cache;
+}
+
+// cfg->fp8_weights: a live cache, given with compute 1 only; nullptr when not given.
+Fp8WeightCache* fp8_weights_of(const moeblaze_layer_cfg* c) {
+  if (c->fp8_weights == nullptr) return nullptr;
+  MOEBLAZE_REQUIRE(c->compute == 1, "cfg.fp8_weights is given, but compute is ", c->compute,
+                   " (storage): an FP8 weight cache serves compute 1 (fp8) only");
+  return live_cache(c->fp8_weights, "cfg.fp8_weights");
+}
+
 // cfg->mode (checked by to_layer): 0 keep_h, 1 recompute, 2 keep_h whose backward writes dH
 // over h (LayerOptions::dh_over_h).
 LayerMode to_mode(const moeblaze_layer_cfg* c) {
@@ -205,6 +233,7 @@ LayerOptions to_options(const moeblaze_layer_cfg* c, void* stream, void* workspa
   o.stream = stream;
   o.workspace = workspace;
   o.workspace_bytes = workspace ? static_cast<size_t>(workspace_bytes) : 0;
+  o.fp8_weights = fp8_weights_of(c);
   return o;
 }
 
@@ -861,6 +890,42 @@ int moeblaze_validate_plan_sync(const moeblaze_plan* plan, int32_t device, void*
   });
 }
 
+int moeblaze_fp8_weight_cache_create(void** cache) {
+  return guarded([&] {
+    require_ptr(cache, "cache");
+    auto made = std::make_unique<Fp8WeightCache>();
+    const std::lock_guard<std::mutex> lock(g_caches_mu);
+    live_caches().insert(made.get());
+    *cache = made.release();
+  });
+}
+
+int moeblaze_fp8_weight_cache_destroy(void* cache) {
+  return guarded([&] {
+    if (cache == nullptr) return;
+    Fp8WeightCache* c = live_cache(cache, "cache");
+    {
+      const std::lock_guard<std::mutex> lock(g_caches_mu);
+      live_caches().erase(c);
+    }
+    delete c;  // waits for the device before it frees the codes (~Fp8WeightCache)
+  });
+}
+
+int moeblaze_fp8_weight_cache_weights_changed(void* cache) {
+  return guarded([&] { live_cache(cache, "cache")->weights_changed(); });
+}
+
+int moeblaze_fp8_weight_cache_stats(void* cache, uint64_t* bytes, int64_t* quantizations) {
+  return guarded([&] {
+    const Fp8WeightCache* c = live_cache(cache, "cache");
+    require_ptr(bytes, "bytes");
+    require_ptr(quantizations, "quantizations");
+    *bytes = c->bytes();
+    *quantizations = c->quantizations();
+  });
+}
+
 int moeblaze_layer_kept_h_bytes(const moeblaze_layer_cfg* cfg, int64_t S, uint64_t* bytes) {
   return guarded([&] {
     const LayerConfig c = to_layer(cfg);
@@ -876,8 +941,13 @@ int moeblaze_layer_workspace_bytes(const moeblaze_layer_cfg* cfg, int64_t S, int
     const Device dev = to_device(device);
     const LayerConfig c = to_layer(cfg);
     require_ptr(bytes, "bytes");
+    const bool cached = fp8_weights_of(cfg) != nullptr;
     ThreadCountScope threads(cfg->num_threads);  // the CPU workspace holds per-thread scratch
-    *bytes = layer_workspace_bytes(c, S, to_mode(cfg), dev);
+    const size_t fwd = layer_workspace_bytes(c, S, to_mode(cfg), dev, LayerPass::forward, false,
+                                             cached);
+    const size_t bwd = layer_workspace_bytes(c, S, to_mode(cfg), dev, LayerPass::backward, false,
+                                             cached);
+    *bytes = fwd > bwd ? fwd : bwd;  // layer_workspace_bytes(c, S, mode, dev) without a cache
   });
 }
 
@@ -891,7 +961,7 @@ int moeblaze_layer_pass_workspace_bytes(const moeblaze_layer_cfg* cfg, int64_t S
     ThreadCountScope threads(cfg->num_threads);
     *bytes = layer_workspace_bytes(c, S, to_mode(cfg), dev,
                                    pass == 0 ? LayerPass::forward : LayerPass::backward,
-                                   cfg->mode == 2);
+                                   cfg->mode == 2, fp8_weights_of(cfg) != nullptr);
   });
 }
 

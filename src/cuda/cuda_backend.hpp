@@ -57,9 +57,10 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
                     const TensorView& w1, const TensorView& w2, const LayerBiases& biases,
                     const TensorView& d_out, const SavedForBackward& saved,
                     const LayerGrads& grads, const LayerOptions& opts);
-// One pass's workspace (forward, or backward with LayerOptions::dh_over_h as given).
+// One pass's workspace (forward, or backward with LayerOptions::dh_over_h as given; compute fp8
+// without room for the weights' codes when the call passes LayerOptions::fp8_weights).
 size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, bool forward,
-                             bool dh_over_h);
+                             bool dh_over_h, bool fp8_weights_cached = false);
 
 // ---- materialized baseline on the GPU (src/baselines/materialized_cuda.cu) ----
 void materialized_forward(const LayerConfig& cfg, const RoutingPlan& plan, const TensorView& x,

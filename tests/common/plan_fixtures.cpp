@@ -45,7 +45,8 @@ moeblaze_layer_cfg c_layer_cfg(const LayerConfig& cfg, int32_t mode, int32_t num
                             cfg.dtype == DType::f32 ? 0 : 1,
                             mode,
                             num_threads,
-                            static_cast<int32_t>(cfg.compute)};
+                            static_cast<int32_t>(cfg.compute),
+                            nullptr};
 }
 
 std::string expect_invalid(const std::function<void()>& fn, const std::string& needle) {

@@ -16,6 +16,7 @@
 #include "common/layer_fixtures.hpp"
 #include "common/test_util.hpp"
 #include "gpu/gpu_test_util.hpp"
+#include "moeblaze/capi.h"
 #include "moeblaze/moeblaze.hpp"
 #include "reference/reference_layer.hpp"
 
@@ -350,9 +351,17 @@ TEST(Fp8LayerGpu, GraphCapturedStepGivesTheEagerBits) {
     }
     for (DevTensor* o : {&out, &dx, &dw1, &dw2, &dpw}) o->mem.poison();
     const int64_t S = dev_plan.S();
-    DevMem h(cfg.kept_h_bytes(S)),
-        fws(layer_workspace_bytes(cfg, S, LayerMode::keep_h, Device::cuda, LayerPass::forward)),
-        bws(layer_workspace_bytes(cfg, S, LayerMode::keep_h, Device::cuda, LayerPass::backward));
+    // With a cache the workspaces hold no weight codes (about 2 E (w1_rows d + d n) bytes less).
+    const auto ws_bytes = [&](LayerPass pass, bool with_cache) {
+      return layer_workspace_bytes(cfg, S, LayerMode::keep_h, Device::cuda, pass, false,
+                                   with_cache);
+    };
+    const size_t codes = size_t(2 * cfg.E * (cfg.w1_rows() * cfg.d + cfg.d * cfg.n));
+    EXPECT_LE(ws_bytes(LayerPass::forward, true) + codes / 2, ws_bytes(LayerPass::forward, false));
+    EXPECT_LE(ws_bytes(LayerPass::backward, true) + codes / 2,
+              ws_bytes(LayerPass::backward, false));
+    DevMem h(cfg.kept_h_bytes(S)), fws(ws_bytes(LayerPass::forward, cached)),
+        bws(ws_bytes(LayerPass::backward, cached));
     LayerOptions f = opts, b = opts;
     f.h_storage = h.p, f.workspace = fws.p, f.workspace_bytes = fws.bytes;
     b.workspace = bws.p, b.workspace_bytes = bws.bytes;
@@ -380,6 +389,75 @@ TEST(Fp8LayerGpu, GraphCapturedStepGivesTheEagerBits) {
   }
   EXPECT_EQ(cache.quantizations(), 1);
   MOEBLAZE_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
+// The C ABI's caches (moeblaze_fp8_weight_cache_*, cfg.fp8_weights), as the PyTorch front end
+// calls them: caller workspaces sized with the cache (smaller), the no-cache call's bits, one
+// quantization for forward and backward and the next step, a second after weights_changed.
+TEST(Fp8LayerGpu, CAbiCacheQuantizesOnceAndGivesTheBitsOfNoCache) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const HostRouting routing = random_routing({256, 8, 2, 1, true}, seed);
+  const RoutingPlan dev_plan = device_plan(make_plan(routing));
+  const LayerConfig cfg = fp8_config(256, 256, 128, 8, 2, Activation::swiglu);
+  LayerTensors t(cfg, dev_plan.S());
+  t.randomize(seed + 1);
+  LayerTensors plain = t;
+  run(cfg, dev_plan, plain, LayerMode::keep_h);
+
+  DevTensor x(t.x), w1(t.w1), w2(t.w2), out(t.out), d_out(t.d_out), dx(t.dx), dw1(t.dw1),
+      dw2(t.dw2), dpw(t.d_pair_weights);
+  RoutingPlan& p = const_cast<RoutingPlan&>(dev_plan);
+  const moeblaze_plan cp{p.T(), p.E(), p.S(), p.expert_token_offsets(),
+                         p.expert_token_indices(), p.slot_weights(), p.token_pair_offsets(),
+                         p.token_expert_indices(), p.token_index_map()};
+  void* cache = nullptr;
+  ASSERT_EQ(moeblaze_fp8_weight_cache_create(&cache), MOEBLAZE_OK);
+  moeblaze_layer_cfg c{cfg.T, cfg.d, cfg.n, cfg.E, cfg.K, 0, 1, 2, 0, 1, cache};  // dH over h
+  uint64_t h_bytes = 0, fwd = 0, bwd = 0, fwd_plain = 0;
+  ASSERT_EQ(moeblaze_layer_kept_h_bytes(&c, cp.S, &h_bytes), MOEBLAZE_OK);
+  ASSERT_EQ(moeblaze_layer_pass_workspace_bytes(&c, cp.S, 1, 0, &fwd), MOEBLAZE_OK);
+  ASSERT_EQ(moeblaze_layer_pass_workspace_bytes(&c, cp.S, 1, 1, &bwd), MOEBLAZE_OK);
+  c.fp8_weights = nullptr;
+  ASSERT_EQ(moeblaze_layer_pass_workspace_bytes(&c, cp.S, 1, 0, &fwd_plain), MOEBLAZE_OK);
+  c.fp8_weights = cache;
+  EXPECT_LT(fwd, fwd_plain);
+  DevMem h(h_bytes), fws(fwd), bws(bwd);
+  LayerTensors got = t;
+  int64_t quantizations = 0;
+  uint64_t bytes = 0;
+  const auto step = [&] {
+    for (DevTensor* o : {&out, &dx, &dw1, &dw2, &dpw}) o->mem.poison();
+    ASSERT_EQ(moeblaze_layer_forward(&c, &cp, 1, nullptr, x.mem.p, w1.mem.p, w2.mem.p, out.mem.p,
+                                     h.p, fws.p, fws.bytes),
+              MOEBLAZE_OK)
+        << moeblaze_last_error();
+    ASSERT_EQ(moeblaze_layer_backward(&c, &cp, 1, nullptr, x.mem.p, w1.mem.p, w2.mem.p,
+                                      d_out.mem.p, h.p, dx.mem.p, dw1.mem.p, dw2.mem.p,
+                                      static_cast<float*>(dpw.mem.p), bws.p, bws.bytes),
+              MOEBLAZE_OK)
+        << moeblaze_last_error();
+    MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
+    out.download_into(got.out);
+    dx.download_into(got.dx);
+    dw1.download_into(got.dw1);
+    dw2.download_into(got.dw2);
+    dpw.download_into(got.d_pair_weights);
+    ASSERT_EQ(moeblaze_fp8_weight_cache_stats(cache, &bytes, &quantizations), MOEBLAZE_OK);
+  };
+  step();
+  expect_same_results(got, plain);
+  EXPECT_EQ(quantizations, 1);
+  EXPECT_GE(bytes, uint64_t(2 * cfg.E * (cfg.w1_rows() * cfg.d + cfg.d * cfg.n)));
+  step();
+  expect_same_results(got, plain);
+  EXPECT_EQ(quantizations, 1);
+  ASSERT_EQ(moeblaze_fp8_weight_cache_weights_changed(cache), MOEBLAZE_OK);
+  step();
+  expect_same_results(got, plain);
+  EXPECT_EQ(quantizations, 2);
+  EXPECT_EQ(moeblaze_fp8_weight_cache_destroy(cache), MOEBLAZE_OK);
 }
 
 }  // namespace

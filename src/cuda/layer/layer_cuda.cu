@@ -299,10 +299,11 @@ void check_bias_alignment(std::initializer_list<std::pair<const TensorView*, con
 }  // namespace
 
 size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, bool forward,
-                             bool dh_over_h) {
+                             bool dh_over_h, bool fp8_weights_cached) {
   MOEBLAZE_REQUIRE(S >= 0, "S (", S, ") must be >= 0");
   if (mode == LayerMode::materialized) return materialized_workspace_bytes(cfg, S);
-  if (cfg.compute == Compute::fp8) return fp8_workspace_bytes(cfg, S, mode, forward);
+  if (cfg.compute == Compute::fp8)
+    return fp8_workspace_bytes(cfg, S, mode, forward, !fp8_weights_cached);
   const LayerChunks chunks = layer_chunks(cfg, S, mode);
   if (forward) return forward_workspace(cfg, S, chunks.forward, nullptr).bytes;
   const ExpertRanges ranges = layer_ranges(cfg, S, mode);
