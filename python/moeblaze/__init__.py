@@ -14,13 +14,13 @@ from ._ext import extension_status, use_extension
 from ._lib import MoeblazeError, UnsupportedError, has_cuda, library_path, memory_stats, reset_peak
 from .expert_parallel import (ExpertParallelMoE, ep_experts_from_routing, ep_moe_experts,
                               ep_shard)
-from .layer import (MoE, RouterLosses, SharedExpert, TorchMoE, experts_from_routing,
-                    moe_experts, router_losses)
+from .layer import (Fp8WeightCache, MoE, RouterLosses, SharedExpert, TorchMoE,
+                    experts_from_routing, moe_experts, router_losses)
 from .reference import dense_reference, torch_experts, torch_router
 
 __version__ = "0.1.0"
 
-__all__ = ["MoE", "TorchMoE", "SharedExpert", "RouterLosses", "moe_experts", "experts_from_routing",
+__all__ = ["MoE", "Fp8WeightCache", "TorchMoE", "SharedExpert", "RouterLosses", "moe_experts", "experts_from_routing",
            "router_losses", "ops", "memory_stats", "reset_peak", "has_cuda", "library_path",
            "MoeblazeError", "UnsupportedError", "dense_reference", "torch_experts",
            "torch_router", "ExpertParallelMoE", "ep_experts_from_routing", "ep_moe_experts",

@@ -9,7 +9,7 @@ import os
 
 import torch  # noqa: F401  (loads libcudart & co. before the library needs them)
 
-CAPI_VERSION = 4  # capi.h's MOEBLAZE_CAPI_VERSION
+CAPI_VERSION = 5  # capi.h's MOEBLAZE_CAPI_VERSION
 
 # Error codes (capi.h).
 OK, ERR_INVALID_ARGUMENT, ERR_UNSUPPORTED, ERR_DEVICE, ERR_OTHER = range(5)
@@ -37,7 +37,8 @@ class LayerCfg(ctypes.Structure):
     _fields_ = [("T", ctypes.c_int64), ("d", ctypes.c_int64), ("n", ctypes.c_int64),
                 ("E", ctypes.c_int64), ("K", ctypes.c_int64), ("activation", ctypes.c_int32),
                 ("dtype", ctypes.c_int32), ("mode", ctypes.c_int32),
-                ("num_threads", ctypes.c_int32), ("compute", ctypes.c_int32)]
+                ("num_threads", ctypes.c_int32), ("compute", ctypes.c_int32),
+                ("fp8_weights", ctypes.c_void_p)]
 
 
 class RouterCfg(ctypes.Structure):
@@ -92,6 +93,11 @@ _SIGNATURES = {
                                 ctypes.POINTER(Plan), _P, _U64, _P], ctypes.c_int),
     "moeblaze_routing_flags_error": ([_P, ctypes.POINTER(Routing), _I32], ctypes.c_int),
     "moeblaze_validate_plan_sync": ([ctypes.POINTER(Plan), _I32, _P], ctypes.c_int),
+    "moeblaze_fp8_weight_cache_create": ([ctypes.POINTER(_P)], ctypes.c_int),
+    "moeblaze_fp8_weight_cache_destroy": ([_P], ctypes.c_int),
+    "moeblaze_fp8_weight_cache_weights_changed": ([_P], ctypes.c_int),
+    "moeblaze_fp8_weight_cache_stats": ([_P, ctypes.POINTER(_U64), ctypes.POINTER(_I64)],
+                                        ctypes.c_int),
     "moeblaze_layer_kept_h_bytes": ([ctypes.POINTER(LayerCfg), _I64, ctypes.POINTER(_U64)],
                                     ctypes.c_int),
     "moeblaze_layer_workspace_bytes": ([ctypes.POINTER(LayerCfg), _I64, _I32, ctypes.POINTER(_U64)],

@@ -10,6 +10,7 @@ forward(x) returns (out, RouterLosses(aux_loss, z_loss)); add losses.total to th
 from typing import NamedTuple
 
 import contextlib
+import ctypes
 import math
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,81 @@ class RouterLosses(NamedTuple):
     @property
     def total(self):
         return self.aux_loss + self.z_loss
+
+
+class Fp8WeightCache:
+    """W1 and W2's e4m3 codes kept between calls with compute_dtype="fp8" (docs/FP8.md; the C
+    ABI's moeblaze_fp8_weight_cache_*). On CUDA the first call given the cache quantizes the
+    weights into it (a host sync, once per shape; not inside a CUDA graph capture), and later
+    calls reuse the codes until weights_changed(), which the caller calls after every in-place
+    update of the weights (an optimizer step, a checkpoint load): the library cannot see one.
+    Calls with other weight tensors (pointers or shapes) requantize by themselves. Holds about
+    the bf16 weights' bytes of device memory, freed by close() or when collected; the CPU backend
+    quantizes in every call and leaves it empty. A copy (copy, deepcopy, pickle) is a new, empty
+    cache. MoE(compute_dtype="fp8", fp8_weight_cache=True) keeps one and tells it itself."""
+
+    def __init__(self):
+        handle = ctypes.c_void_p()
+        _lib.check(_lib.lib().moeblaze_fp8_weight_cache_create(ctypes.byref(handle)))
+        self._handle = handle.value
+
+    @property
+    def handle(self):
+        """The C ABI handle (an int), checked alive by every call that takes it."""
+        if not self._handle:
+            raise ValueError("moeblaze: this Fp8WeightCache was closed")
+        return self._handle
+
+    def weights_changed(self):
+        """The weights were updated in place: the next call requantizes them."""
+        _lib.check(_lib.lib().moeblaze_fp8_weight_cache_weights_changed(self.handle))
+
+    def _stats(self):
+        nbytes, count = ctypes.c_uint64(), ctypes.c_int64()
+        _lib.check(_lib.lib().moeblaze_fp8_weight_cache_stats(self.handle, ctypes.byref(nbytes),
+                                                              ctypes.byref(count)))
+        return nbytes.value, count.value
+
+    @property
+    def bytes(self):
+        """Device bytes the codes hold."""
+        return self._stats()[0]
+
+    @property
+    def quantizations(self):
+        """How many calls (re)quantized the weights into the cache."""
+        return self._stats()[1]
+
+    def close(self):
+        """Frees the codes (after the device's queued work); the cache is unusable after."""
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle:
+            _lib.check(_lib.lib().moeblaze_fp8_weight_cache_destroy(handle))
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter exit: the library may be gone before the object
+            pass
+
+    def __reduce__(self):
+        return (Fp8WeightCache, ())
+
+    def __repr__(self):
+        return f"Fp8WeightCache({'closed' if not self._handle else hex(self._handle)})"
+
+
+def _fp8_handle(fp8_weights, compute):
+    """The C ABI handle of an fp8_weights argument (0: none), checked against compute."""
+    if fp8_weights is None:
+        return 0
+    if not isinstance(fp8_weights, Fp8WeightCache):
+        raise ValueError(f"moeblaze: fp8_weights must be a moeblaze.Fp8WeightCache or None, got "
+                         f"{type(fp8_weights).__name__}")
+    if compute != _lib.COMPUTES["fp8"]:
+        raise ValueError("moeblaze: fp8_weights is given, but compute_dtype is not 'fp8': the "
+                         "cache holds FP8 weight codes")
+    return fp8_weights.handle
 
 
 def _activation_code(activation):
@@ -138,7 +214,7 @@ def _compute_operands(x, w1, w2, b1=None, b2=None):
 
 def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, activation="swiglu",
                          recompute=False, num_threads=0, validate=None, b1=None, b2=None,
-                         compute_dtype=None):
+                         compute_dtype=None, fp8_weights=None):
     """The experts over a routing in moeblaze's CSR form (pair_offsets (T+1,) int32, pair_experts
     (P,) int32, pair_weights (P,) float32, differentiable). validate=True on CUDA reads the plan
     builder's device-side flags back (a host sync) and raises ValueError naming a bad entry.
@@ -146,29 +222,32 @@ def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, ac
     and w1 / w2 are fp32 (their gradients come back in fp32); float16 raises ValueError.
     b1 (E, w1_rows) / b2 (E, d): optional expert biases, cast like w1 / w2 (CPU and CUDA).
     compute_dtype="fp8": the expert GEMMs on e4m3 operands with fine-grained scales and H kept
-    in e4m3 (bf16 storage only; the GPU needs d and n multiples of 128, the CPU emulates it)."""
+    in e4m3 (bf16 storage only; the GPU needs d and n multiples of 128, the CPU emulates it).
+    fp8_weights: with "fp8", an Fp8WeightCache holding w1 and w2's codes between calls (the
+    caller tells it when the weights change)."""
     x, w1, w2, b1, b2 = _compute_operands(x, w1, w2, b1, b2)
     E = w2.shape[0]
     act, compute = _activation_code(activation), _compute_code(compute_dtype)
+    cache = _fp8_handle(fp8_weights, compute)
     if _eager(x, w1, w2, pair_offsets, pair_experts, pair_weights, b1, b2):
         ext = (_ext.get() if num_threads == 0 and not _check_flags_enabled(validate, x.device)
                else None)
         if ext is not None:  # the same C calls with the host work in C++ (_ext.py)
             out = _fast_path_result(ext.experts_from_routing(
                 x, w1, w2, pair_weights, pair_offsets, pair_experts, pair_weights.detach(), act,
-                _w1_rows_of(act, w2), bool(recompute), b1, b2, compute))
+                _w1_rows_of(act, w2), bool(recompute), b1, b2, compute, cache))
             if out is not None:
                 return out
         plan, flags = ops._build_plan_built(pair_offsets, pair_experts, pair_weights.detach(), E)
         if _check_flags_enabled(validate, x.device):
             ops.check_flags(flags, (pair_offsets, pair_experts, pair_weights.detach()), E)
         return _ExpertsFn.apply(x, w1, w2, pair_weights, b1, b2, plan,
-                                (act, bool(recompute), int(num_threads), compute))
+                                (act, bool(recompute), int(num_threads), compute, cache))
     plan = ops.build_plan(pair_offsets, pair_experts, pair_weights.detach(), E)
     if _check_flags_enabled(validate, x.device):
         ops.check_flags(plan[6], (pair_offsets, pair_experts, pair_weights.detach()), E)
     out, _h = ops.experts_forward(x, w1, w2, pair_weights, *plan[:6], act, bool(recompute),
-                                  int(num_threads), b1, b2, compute)
+                                  int(num_threads), b1, b2, compute, cache)
     return out
 
 
@@ -214,9 +293,9 @@ class _ExpertsFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, w2, pair_weights, b1, b2, plan, cfg):
-        act, recompute, num_threads, compute = cfg
+        act, recompute, num_threads, compute, cache = cfg
         out, h = ops._experts_forward_impl(x, w1, w2, plan, act, recompute, num_threads, b1, b2,
-                                           None, compute)
+                                           None, compute, cache)
         if x.is_cuda and type(plan) is ops.BuiltPlan:  # backward there never reads it
             plan = ops.without_token_experts(plan)
         ctx.save_for_backward(x, w1, w2, h, b1, b2, *plan)
@@ -230,9 +309,9 @@ class _ExpertsFn(torch.autograd.Function):
         x, w1, w2, h, b1, b2, *plan = ctx.saved_tensors
         if ctx.plan_struct is not None:  # the arrays the plan build filled: not checked again
             plan = ops.BuiltPlan(plan, ctx.plan_struct)
-        act, recompute, num_threads, compute = ctx.cfg
+        act, recompute, num_threads, compute, cache = ctx.cfg
         dx, dw1, dw2, dpw, db1, db2 = ops._experts_backward_impl(
-            g_out, x, w1, w2, h, plan, act, recompute, num_threads, True, b1, b2, compute)
+            g_out, x, w1, w2, h, plan, act, recompute, num_threads, True, b1, b2, compute, cache)
         if ops._writes_dh_over_h(x, recompute, True):  # a second backward must fail, not read dH
             torch.autograd.graph.increment_version(h)
         shape, dtype = ctx.pw
@@ -324,15 +403,15 @@ _MOE_EXPERTS_NAMES = ("x", "w1", "w2", "expert_ids", "expert_weights")
 
 
 def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", recompute=False,
-                validate=None, b1=None, b2=None, compute_dtype=None):
+                validate=None, b1=None, b2=None, compute_dtype=None, fp8_weights=None):
     """Functional MoE with caller-supplied routing: expert_ids (T, K) integer, expert_weights
     (T, K) (gradients flow to them). x (T, d), w1 (E, rows, d), w2 (E, d, n), one dtype, one
     device. On the CPU a bad id (outside [0, E), of any integer dtype) raises ValueError naming
     it; on CUDA pass validate=True to check (a host sync), otherwise a bad id gives garbage but
     never an out-of-bounds write (and is never narrowed into a valid one). b1 (E, w1_rows) and
     b2 (E, d), optional, each alone or both: expert biases, h = W1_e x + b1_e and
-    y = W2_e a + b2_e (gpt-oss), with gradients, on the CPU and the GPU. compute_dtype:
-    as experts_from_routing's ("fp8": e4m3 operands, docs/FP8.md)."""
+    y = W2_e a + b2_e (gpt-oss), with gradients, on the CPU and the GPU. compute_dtype and
+    fp8_weights: as experts_from_routing's ("fp8": e4m3 operands, docs/FP8.md)."""
     if expert_ids.dim() != 2 or expert_weights.shape != expert_ids.shape:
         raise ValueError(f"moeblaze: expert_ids and expert_weights must both be (T, K), got "
                          f"{tuple(expert_ids.shape)} and {tuple(expert_weights.shape)}")
@@ -347,17 +426,18 @@ def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", reco
     if (K > 0 and expert_ids.dtype in _lib.ID_DTYPES and not (validate and x.is_cuda)
             and _eager(x, w1, w2, expert_ids, expert_weights, b1, b2)):
         return _moe_experts_eager(x, w1, w2, expert_ids, expert_weights, activation, recompute,
-                                  b1, b2, compute_dtype)
+                                  b1, b2, compute_dtype, fp8_weights)
     offsets = _fixed_k_offsets(T, K, x)
     check_range = x.device.type == "cpu" or bool(validate)  # on CUDA a host sync: opt-in
     experts = ops.expert_ids_int32(expert_ids, w2.shape[0], check_range).reshape(-1)
     weights = expert_weights.to(torch.float32).reshape(-1)
     return experts_from_routing(x, w1, w2, offsets, experts, weights, activation, recompute,
-                                validate=validate, b1=b1, b2=b2, compute_dtype=compute_dtype)
+                                validate=validate, b1=b1, b2=b2, compute_dtype=compute_dtype,
+                                fp8_weights=fp8_weights)
 
 
 def _moe_experts_eager(x, w1, w2, expert_ids, expert_weights, activation, recompute, b1, b2,
-                       compute_dtype):
+                       compute_dtype, fp8_weights):
     """moe_experts in eager mode: the plan straight from the (T, K) ids and weights in one C call
     (ops.plan_from_ids), then _ExpertsFn; d_pair_weights comes back in expert_weights' shape and
     dtype."""
@@ -366,16 +446,17 @@ def _moe_experts_eager(x, w1, w2, expert_ids, expert_weights, activation, recomp
     if w.dtype not in _lib.DTYPES:
         w = w.to(torch.float32)
     act, compute = _activation_code(activation), _compute_code(compute_dtype)
+    cache = _fp8_handle(fp8_weights, compute)
     ext = _ext.get()
     if ext is not None:  # the same C calls with the host work in C++ (_ext.py)
         out = _fast_path_result(ext.experts_from_ids(
             x, w1, w2, expert_weights, expert_ids, w, act, _w1_rows_of(act, w2),
-            bool(recompute), b1, b2, compute))
+            bool(recompute), b1, b2, compute, cache))
         if out is not None:
             return out
     plan, _flags = ops._plan_from_ids_built(expert_ids, w, w2.shape[0])
     return _ExpertsFn.apply(x, w1, w2, expert_weights, b1, b2, plan,
-                            (act, bool(recompute), 0, compute))
+                            (act, bool(recompute), 0, compute, cache))
 
 
 def _init_moe_module(m, hidden_size, intermediate_size, num_experts, top_k, activation, router,
@@ -441,15 +522,24 @@ class MoE(nn.Module):
     expert biases b1 (E, w1_rows) and b2 (E, d), zeros-initialised (gpt-oss).
     compute_dtype="fp8": the expert GEMMs on e4m3 operands with DeepSeek-V3's fine-grained
     scales, H kept in e4m3 (bf16 storage; the GPU needs d and n multiples of 128, the CPU
-    emulates it: docs/FP8.md)."""
+    emulates it: docs/FP8.md). fp8_weight_cache=True (with "fp8"): w1 and w2's codes kept in an
+    Fp8WeightCache between eager calls (about the bf16 weights' bytes) and requantized when the
+    parameters change: another tensor, or an in-place update torch counts (optimizer steps,
+    load_state_dict); after a write it cannot see (through .data) call fp8_weights_changed()."""
 
     def __init__(self, hidden_size, intermediate_size, num_experts, top_k, activation="swiglu",
                  router="softmax_topk", renormalize=False, token_rounding=None, m_tile=128,
                  recompute=False, aux_loss_coef=0.0, z_loss_coef=0.0, device=None, dtype=None,
-                 shared_expert_size=0, shared_expert_gate=False, bias=False, compute_dtype=None):
+                 shared_expert_size=0, shared_expert_gate=False, bias=False, compute_dtype=None,
+                 fp8_weight_cache=False):
         super().__init__()
-        _compute_code(compute_dtype)  # a bad value fails here, not at the first forward
+        compute = _compute_code(compute_dtype)  # a bad value fails here, not at the first forward
         self.compute_dtype = compute_dtype
+        if fp8_weight_cache and compute != _lib.COMPUTES["fp8"]:
+            raise ValueError("moeblaze: fp8_weight_cache=True needs compute_dtype='fp8' (the cache "
+                             "holds FP8 weight codes)")
+        self.fp8_weight_cache = Fp8WeightCache() if fp8_weight_cache else None
+        self._fp8_seen = None  # (data_ptr, _version) of w1 and w2 when the cache was last told
         _init_moe_module(self, hidden_size, intermediate_size, num_experts, top_k, activation,
                          router, renormalize, recompute, aux_loss_coef, z_loss_coef,
                          num_experts, device, dtype)
@@ -495,6 +585,25 @@ class MoE(nn.Module):
             return None, 0, 0
         return _lib.ROUNDINGS[self.token_rounding], self.m_tile, self.rounding_seed
 
+    def _fp8_cache(self):
+        """The weight cache for an eager forward (None without one), told first when w1 or w2 is
+        another tensor or torch counted an in-place update of it since the last forward."""
+        cache = self.fp8_weight_cache
+        if cache is None:
+            return None
+        seen = (self.w1.data_ptr(), self.w1._version, self.w2.data_ptr(), self.w2._version)
+        if seen != self._fp8_seen:
+            if self._fp8_seen is not None:
+                cache.weights_changed()
+            self._fp8_seen = seen
+        return cache
+
+    def fp8_weights_changed(self):
+        """Tell the FP8 weight cache that w1 / w2 changed in a way torch does not count (writes
+        through .data); a no-op without one."""
+        if self.fp8_weight_cache is not None:
+            self.fp8_weight_cache.weights_changed()
+
     def route(self, x2):
         """(logits fp32 (T, E), pair_offsets, pair_experts, pair_weights) for tokens x2 (T, d)."""
         logits = router_logits(x2, self.gate.weight)
@@ -536,9 +645,10 @@ class MoE(nn.Module):
             out, aux, z, experts, self.last_flags = r
             return self._finish(x2, out, None, experts, shape, RouterLosses(aux, z))
         logits, offsets, experts, weights = self.route(x2)
+        cache = self._fp8_cache() if _eager(x2, self.w1, self.w2) else None
         out = experts_from_routing(x2, self.w1, self.w2, offsets, experts, weights,
                                    self.activation, self.recompute, b1=self.b1, b2=self.b2,
-                                   compute_dtype=self.compute_dtype)
+                                   compute_dtype=self.compute_dtype, fp8_weights=cache)
         return self._finish(x2, out, logits, experts, shape)
 
     def _layer_step(self, x2):
@@ -554,10 +664,12 @@ class MoE(nn.Module):
         if ext is None:
             return None
         act = _activation_code(self.activation)
+        cache = self._fp8_cache()
         return _fast_path_result(ext.moe_layer(
             x2, gw, self.expert_bias, w1, w2, self.b1, self.b2, self._kind, self.top_k,
             self.renormalize, *self._rounding_args(), act, _w1_rows_of(act, w2),
-            bool(self.recompute), _compute_code(self.compute_dtype), float(self.aux_loss_coef),
+            bool(self.recompute), _compute_code(self.compute_dtype),
+            cache.handle if cache is not None else 0, float(self.aux_loss_coef),
             float(self.z_loss_coef)))
 
     @property

@@ -20,9 +20,10 @@ Ops (namespace moeblaze):
       -> (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
           token_expert_indices, token_index_map, flags)
   experts_forward(x, w1, w2, pair_weights, *plan, activation, recompute, num_threads,
-                  b1=None, b2=None, compute=0) -> (out, h)   [compute 1: fp8; h then uint8]
+                  b1=None, b2=None, compute=0, fp8_cache=0) -> (out, h)
+                  [compute 1: fp8; h then uint8; fp8_cache: an Fp8WeightCache's handle or 0]
   experts_backward(d_out, x, w1, w2, h, *plan, activation, recompute, num_threads, b1=None,
-                   b2=None, compute=0) -> (dx, dw1, dw2, d_pair_weights, db1, db2)
+                   b2=None, compute=0, fp8_cache=0) -> (dx, dw1, dw2, d_pair_weights, db1, db2)
                    [db: (0,) without b]
   experts_backward_dh_over_h(...)  the same; on CUDA keep_h writes dH over h (mutates h)
 route, token_round and experts_forward have autograd formulas (router_backward /
@@ -546,7 +547,8 @@ def _(pair_offsets, pair_experts, pair_weights, num_experts):
 _MODE_KEEP_H, _MODE_RECOMPUTE, _MODE_DH_OVER_H = 0, 1, 2
 
 
-def _experts_args(x, w1, w2, plan, activation, num_threads, mode, backward, compute=0):
+def _experts_args(x, w1, w2, plan, activation, num_threads, mode, backward, compute=0,
+                  fp8_cache=0):
     """(config, workspace bytes, device, x, w1, w2, plan struct) of an experts call, checked, the
     tensors contiguous."""
     dev = _storage_device("x", x)
@@ -561,6 +563,9 @@ def _experts_args(x, w1, w2, plan, activation, num_threads, mode, backward, comp
     _code("activation", activation, _lib.ACTIVATIONS)
     _int("num_threads", num_threads, 0, MAX_THREADS)
     _code("compute", compute, _lib.COMPUTES)
+    if fp8_cache and compute != _lib.COMPUTES["fp8"]:
+        _fail("fp8_weights is given, but compute is not fp8: an FP8 weight cache serves "
+              "compute_dtype='fp8' only")
     if w1.dtype != x.dtype:
         _fail(f"w1 has dtype {w1.dtype} but x has {x.dtype}")
     if w2.dtype != x.dtype:
@@ -577,20 +582,23 @@ def _experts_args(x, w1, w2, plan, activation, num_threads, mode, backward, comp
     w2 = _arg("w2", w2, x.dtype, (E, d, n), dev)
     p = _plan_struct(T, E, plan, dev)
     cfg, ws_bytes = _layer_cfg(T, d, n, E, p.S, activation, dt, mode, num_threads, backward,
-                               x.is_cuda, compute)
+                               x.is_cuda, compute, fp8_cache)
     return cfg, ws_bytes, dev, x, w1, w2, p
 
 
 @functools.lru_cache(maxsize=256)
-def _layer_cfg(T, d, n, E, S, activation, dt, mode, num_threads, backward, cuda, compute=0):
+def _layer_cfg(T, d, n, E, S, activation, dt, mode, num_threads, backward, cuda, compute=0,
+               fp8_cache=0):
     """(LayerCfg, workspace bytes of the pass) of an experts call: functions of the sizes alone
     (and of MOEBLAZE_KERNELS, which the library reads once per process; the C ABI cannot change
     the kernel choice), so built once per shape (C only reads the struct). The workspace is
     PyTorch's on CUDA, sized per pass (backward needs far less than forward when dH goes over h);
-    the CPU backend allocates its own (0 here)."""
+    the CPU backend allocates its own (0 here). fp8_cache: an Fp8WeightCache's handle (its
+    workspace holds no weight codes) or 0; the C call checks that it is alive."""
     # K only enters the C++ config's checks (1 <= K <= E): token rounding varies it per token.
     K = min(max(S // T if T > 0 else 1, 1), max(E, 1))
-    cfg = _lib.LayerCfg(T, d, n, E, K, activation, dt, mode, num_threads, compute)
+    cfg = _lib.LayerCfg(T, d, n, E, K, activation, dt, mode, num_threads, compute,
+                        fp8_cache or None)
     if not cuda:
         return cfg, 0
     nbytes = ctypes.c_uint64()
@@ -630,20 +638,21 @@ def experts_forward(x: Tensor, w1: Tensor, w2: Tensor, pair_weights: Tensor,
                     slot_weights: Tensor, token_pair_offsets: Tensor, token_expert_indices: Tensor,
                     token_index_map: Tensor, activation: int, recompute: bool,
                     num_threads: int, b1: Optional[Tensor] = None,
-                    b2: Optional[Tensor] = None, compute: int = 0) -> Tuple[Tensor, Tensor]:
+                    b2: Optional[Tensor] = None, compute: int = 0,
+                    fp8_cache: int = 0) -> Tuple[Tensor, Tensor]:
     plan = (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
             token_expert_indices, token_index_map)
     return _experts_forward_impl(x, w1, w2, plan, activation, recompute, num_threads, b1, b2,
-                                pair_weights, compute)
+                                pair_weights, compute, fp8_cache)
 
 
 def _experts_forward_impl(x, w1, w2, plan, activation, recompute, num_threads, b1=None, b2=None,
-                         pair_weights=None, compute=0):
+                         pair_weights=None, compute=0, fp8_cache=0):
     """The body of moeblaze::experts_forward, callable without the op's dispatch (eager paths):
     (out, h); pair_weights, if given, is only checked (the kernels read slot_weights)."""
     mode = _MODE_RECOMPUTE if recompute else _MODE_KEEP_H
     cfg, ws_bytes, dev, x, w1, w2, p = _experts_args(x, w1, w2, plan, activation, num_threads,
-                                                     mode, False, compute)
+                                                     mode, False, compute, fp8_cache)
     b1, b2 = _biases(b1, b2, x, cfg, activation, dev)
     S = p.S
     if pair_weights is not None:  # not read by the kernels: it only carries d_pair_weights back
@@ -671,7 +680,7 @@ def _biases(b1, b2, x, cfg, activation, dev):
 
 @experts_forward.register_fake
 def _(x, w1, w2, pair_weights, eto, eti, sw, tpo, tei, tim, activation, recompute, num_threads,
-      b1=None, b2=None, compute=0):
+      b1=None, b2=None, compute=0, fp8_cache=0):
     _one_device(("x", "w1", "w2", "pair_weights") + _PLAN_NAMES + ("b1", "b2"), x, w1, w2,
                 pair_weights, eto, eti, sw, tpo, tei, tim, b1, b2)
     S = eti.shape[0]
@@ -689,12 +698,12 @@ def _writes_dh_over_h(x, recompute, dh_over_h):
 
 
 def _experts_backward_impl(d_out, x, w1, w2, h, plan, activation, recompute, num_threads,
-                           dh_over_h, b1, b2, compute=0):
+                           dh_over_h, b1, b2, compute=0, fp8_cache=0):
     # The mode enters the cached config, so it is chosen first.
     mode = (_MODE_RECOMPUTE if recompute else
             _MODE_DH_OVER_H if _writes_dh_over_h(x, recompute, dh_over_h) else _MODE_KEEP_H)
     cfg, ws_bytes, dev, x, w1, w2, p = _experts_args(x, w1, w2, plan, activation, num_threads,
-                                                     mode, True, compute)
+                                                     mode, True, compute, fp8_cache)
     b1, b2 = _biases(b1, b2, x, cfg, activation, dev)
     S = p.S
     # An upstream gradient: any float dtype autograd hands over, read in x's dtype.
@@ -724,13 +733,13 @@ def experts_backward(d_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor
                      slot_weights: Tensor, token_pair_offsets: Tensor,
                      token_expert_indices: Tensor, token_index_map: Tensor, activation: int,
                      recompute: bool, num_threads: int, b1: Optional[Tensor] = None,
-                     b2: Optional[Tensor] = None, compute: int = 0
+                     b2: Optional[Tensor] = None, compute: int = 0, fp8_cache: int = 0
                      ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, dw1, dw2, d_pair_weights, db1, db2); db1 / db2 are empty (0,) without their bias."""
     plan = (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
             token_expert_indices, token_index_map)
     return _experts_backward_impl(d_out, x, w1, w2, h, plan, activation, recompute, num_threads,
-                                  False, b1, b2, compute)
+                                  False, b1, b2, compute, fp8_cache)
 
 
 # The same, but on CUDA keep_h writes dH over h (S * w1_rows * 2 bytes less workspace). Declared
@@ -743,17 +752,17 @@ def experts_backward_dh_over_h(d_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor,
                                token_expert_indices: Tensor, token_index_map: Tensor,
                                activation: int, recompute: bool, num_threads: int,
                                b1: Optional[Tensor] = None, b2: Optional[Tensor] = None,
-                               compute: int = 0
+                               compute: int = 0, fp8_cache: int = 0
                                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     plan = (expert_token_offsets, expert_token_indices, slot_weights, token_pair_offsets,
             token_expert_indices, token_index_map)
     return _experts_backward_impl(d_out, x, w1, w2, h, plan, activation, recompute, num_threads,
-                                  True, b1, b2, compute)
+                                  True, b1, b2, compute, fp8_cache)
 
 
 @experts_backward.register_fake
 def _experts_backward_fake(d_out, x, w1, w2, h, eto, eti, sw, tpo, tei, tim, activation,
-                           recompute, num_threads, b1=None, b2=None, compute=0):
+                           recompute, num_threads, b1=None, b2=None, compute=0, fp8_cache=0):
     _one_device(("d_out", "x", "w1", "w2", "h") + _PLAN_NAMES + ("b1", "b2"), d_out, x, w1, w2, h,
                 eto, eti, sw, tpo, tei, tim, b1, b2)
     return (torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2),
@@ -776,19 +785,21 @@ def _experts_setup(ctx, inputs, output):
     ctx.save_for_backward(x, w1, w2, output[1], b1, b2, *plan)
     ctx.cfg = inputs[10:13]
     ctx.compute = inputs[15] if len(inputs) > 15 else 0
+    ctx.fp8_cache = inputs[16] if len(inputs) > 16 else 0
 
 
 def _experts_backward(ctx, g_out, g_h):
     x, w1, w2, h, b1, b2, *plan = ctx.saved_tensors
     if g_out is None:
-        return (None,) * 16
+        return (None,) * 17
     # Eager: dH over the saved H (it is dead after this). Traced (torch.compile, export): the
     # non-mutating op, since a mutated saved activation is not something the partitioner takes.
     eager = type(h) is torch.Tensor and not torch.compiler.is_compiling()
     op = experts_backward_dh_over_h if eager else experts_backward
-    dx, dw1, dw2, dpw, db1, db2 = op(g_out, x, w1, w2, h, *plan, *ctx.cfg, b1, b2, ctx.compute)
+    dx, dw1, dw2, dpw, db1, db2 = op(g_out, x, w1, w2, h, *plan, *ctx.cfg, b1, b2, ctx.compute,
+                                     ctx.fp8_cache)
     return ((dx, dw1, dw2, dpw) + (None,) * 9 + (db1 if ctx.has_bias[0] else None,
-                                                 db2 if ctx.has_bias[1] else None, None))
+                                                 db2 if ctx.has_bias[1] else None, None, None))
 
 
 experts_forward.register_autograd(_experts_backward, setup_context=_experts_setup)

@@ -9,7 +9,7 @@ from moeblaze import ops
 from moeblaze.layer import _activation_code
 from moeblaze.reference import dense_reference
 
-from helpers import rel_err
+from helpers import DEVICES, rel_err
 
 BF16 = torch.bfloat16
 # tests/cpu/test_layer_fp8.cpp's bound: e4m3's 3 mantissa bits, two quantized GEMMs in series.
@@ -133,3 +133,109 @@ def test_fp8_with_expert_biases_tracks_the_bf16_path(seed):
     for name, a, r in zip(("out", "dx", "dw1", "dw2", "d_weights", "db1", "db2"), res["fp8"],
                           res["bf16"]):
         assert rel_err(a, r) <= _tol(name), name
+
+
+def test_fp8_weight_cache_object_life_and_argument_errors(seed):
+    cache = moeblaze.Fp8WeightCache()
+    assert cache.bytes == 0 and cache.quantizations == 0
+    cache.weights_changed()
+    copy = __import__("copy").deepcopy(cache)  # a new, empty cache: never the same handle
+    assert copy.handle != cache.handle
+    x, w1, w2, ids, wts = _inputs()
+    with pytest.raises(ValueError, match="fp8_weights is given, but compute_dtype is not 'fp8'"):
+        moeblaze.moe_experts(x, w1, w2, ids, wts, fp8_weights=cache)
+    with pytest.raises(ValueError, match="fp8_weights must be a moeblaze.Fp8WeightCache"):
+        moeblaze.moe_experts(x, w1, w2, ids, wts, compute_dtype="fp8", fp8_weights=1234)
+    with pytest.raises(ValueError, match="fp8_weight_cache=True needs compute_dtype='fp8'"):
+        moeblaze.MoE(128, 64, 4, 2, dtype=BF16, fp8_weight_cache=True)
+    cache.close()
+    cache.close()  # a second close is a no-op
+    with pytest.raises(ValueError, match="was closed"):
+        cache.weights_changed()
+    with pytest.raises(ValueError, match="was closed"):
+        moeblaze.moe_experts(x, w1, w2, ids, wts, compute_dtype="fp8", fp8_weights=cache)
+    # A handle the library did not make (or destroyed) is refused by the C ABI, not dereferenced.
+    stale = moeblaze.Fp8WeightCache()
+    moeblaze.ops.lib().moeblaze_fp8_weight_cache_destroy(stale.handle)
+    with pytest.raises(ValueError, match="cfg.fp8_weights is not a live FP8 weight cache"):
+        moeblaze.moe_experts(x, w1, w2, ids, wts, compute_dtype="fp8", fp8_weights=stale)
+    stale._handle = None  # already destroyed above
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_weight_cache_gives_the_uncached_bits_in_every_path(seed, device):
+    # moe_experts (eager and traced), experts_from_routing and MoE (one-node step and Python
+    # path): the cache changes no bit; on CUDA it quantizes once per weight version, on the CPU
+    # (which quantizes every call) never.
+    shape = dict(T=61, d=160, n=96, E=5, K=2) if device == "cpu" else dict(T=300, d=256, n=128,
+                                                                          E=6, K=2)
+    x, w1, w2, ids, wts = (t.detach().to(device).requires_grad_(t.requires_grad)
+                           for t in _inputs(**shape))
+    g = torch.randn(x.shape, device=device).to(BF16)
+
+    def step(**kw):
+        out = moeblaze.moe_experts(x, w1, w2, ids, wts, compute_dtype="fp8", **kw)
+        return [out, *torch.autograd.grad(out, [x, w1, w2, wts], g)]
+
+    plain = step()
+    cache = moeblaze.Fp8WeightCache()
+    for _ in range(2):
+        for a, b in zip(step(fp8_weights=cache), plain):
+            assert torch.equal(a, b)
+    assert cache.quantizations == (1 if device == "cuda" else 0)
+    with moeblaze.use_extension(False):  # the Python path's C calls
+        for a, b in zip(step(fp8_weights=cache), plain):
+            assert torch.equal(a, b)
+    compiled = torch.compile(lambda *a: moeblaze.moe_experts(
+        *a, compute_dtype="fp8", fp8_weights=cache), backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x, w1, w2, ids, wts), plain[0])
+    assert cache.quantizations == (1 if device == "cuda" else 0)
+    with torch.no_grad():
+        w1.mul_(0.5)  # an in-place update: the caller tells the cache
+    cache.weights_changed()
+    halved = step(fp8_weights=cache)
+    assert torch.equal(halved[0], step()[0])
+    assert cache.quantizations == (2 if device == "cuda" else 0)
+    if device == "cpu":
+        assert cache.bytes == 0
+    else:  # W1, W2 and their transposes as one-byte codes, beside their scales
+        assert cache.bytes >= 2 * (w1.numel() + w2.numel())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_module_cache_follows_the_parameters_versions(seed, device):
+    # MoE(fp8_weight_cache=True): its forward tells the cache when w1 / w2 moved (an optimizer
+    # step bumps their version counters), so the cached step tracks the uncached one through
+    # training; a write through .data needs fp8_weights_changed().
+    d, n = (128, 64) if device == "cpu" else (256, 128)
+    torch.manual_seed(seed)
+    kw = dict(dtype=BF16, device=device, compute_dtype="fp8", aux_loss_coef=0.01)
+    cached = moeblaze.MoE(d, n, 4, 2, fp8_weight_cache=True, **kw)
+    plain = moeblaze.MoE(d, n, 4, 2, **kw)
+    plain.load_state_dict(cached.state_dict())
+    told = []
+    real = cached.fp8_weight_cache.weights_changed
+    cached.fp8_weight_cache.weights_changed = lambda: (told.append(1), real())[1]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (cached, plain)]
+    x = torch.randn(40, d, dtype=BF16, device=device)
+    for it in range(3):
+        outs = []
+        for m, opt in zip((cached, plain), opts):
+            opt.zero_grad()
+            out, losses = m(x)
+            (out.float().square().mean() + losses.total).backward()
+            opt.step()
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), it
+        assert len(told) == it  # told before every forward after an optimizer step
+    for path in (False, True):  # the Python path: the same bookkeeping
+        with moeblaze.use_extension(path):
+            with torch.no_grad():
+                for m in (cached, plain):
+                    m.w2.data.mul_(0.5)  # a write torch does not count
+            cached.fp8_weights_changed()
+            assert torch.equal(cached(x)[0], plain(x)[0])
+    # Forwards after new weights: the first, two after steps, two after the .data writes (one
+    # of them also after the last step: told twice, requantized once).
+    assert len(told) == 5
+    assert cached.fp8_weight_cache.quantizations == (5 if device == "cuda" else 0)

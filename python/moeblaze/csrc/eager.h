@@ -109,13 +109,15 @@ struct PlanSource {
   int64_t pairs() const { return from_ids ? ids.numel() : experts.numel(); }
 };
 
-// The experts' settings: activation and compute codes, recompute, and the layer config's K
-// (experts_forward fills it from the plan source).
+// The experts' settings: activation and compute codes, recompute, the layer config's K
+// (experts_forward fills it from the plan source), and fp8 compute's weight cache (a C ABI
+// handle as an integer, 0: none).
 struct ExpertsArgs {
   int64_t activation;
   bool recompute;
   int64_t compute;
   int64_t K;
+  int64_t fp8_cache = 0;
 };
 
 // The experts' forward (plan build, layer forward) over x (T, d), w1 (E, w1_rows, d), w2

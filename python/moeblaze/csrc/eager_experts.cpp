@@ -28,12 +28,14 @@ Api g_api;
 
 // key: cfg fields, S, pass (see eager.h). Written once per key; C++ only reads it after.
 using WsKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int32_t, int32_t, int32_t,
-                         int32_t, int64_t, int32_t>;
+                         int32_t, bool, int64_t, int32_t>;
 std::mutex g_ws_mutex;
 std::map<WsKey, uint64_t> g_ws_bytes;
 
 uint64_t pass_workspace_bytes(const moeblaze_layer_cfg& c, int64_t S, int32_t pass) {
-  const WsKey key{c.T, c.d, c.n, c.E, c.K, c.activation, c.dtype, c.mode, c.compute, S, pass};
+  // With a weight cache the workspace holds no weight codes: a key of its own (any live cache).
+  const WsKey key{c.T,     c.d,    c.n, c.E, c.K, c.activation, c.dtype, c.mode, c.compute,
+                  c.fp8_weights != nullptr, S, pass};
   std::lock_guard<std::mutex> lock(g_ws_mutex);
   auto it = g_ws_bytes.find(key);
   if (it != g_ws_bytes.end()) return it->second;
@@ -90,7 +92,8 @@ ExpertsForward experts_forward(const at::Tensor& x, const at::Tensor& w1, const 
   const auto guard = device_guard(x);
   void* stream = stream_of(x);
   moeblaze_layer_cfg cfg{T,       d, n, E, a.K, int32_t(a.activation), dtype_code(x),
-                         a.recompute ? kModeRecompute : kModeKeepH, 0, int32_t(a.compute)};
+                         a.recompute ? kModeRecompute : kModeKeepH, 0, int32_t(a.compute),
+                         reinterpret_cast<void*>(a.fp8_cache)};
   // One int32 allocation for the plan's four int32 arrays and its fp32 slot weights, as
   // ops._plan_from_ids_built; token_expert_indices alone (CUDA's backward never reads it).
   const auto i32 = x.options().dtype(at::kInt);
@@ -188,7 +191,7 @@ ExpertsGrads experts_backward(const torch::autograd::variable_list& saved, const
   void* stream = stream_of(x);
   const int32_t mode = a.recompute ? kModeRecompute : cuda ? kModeDhOverH : kModeKeepH;
   moeblaze_layer_cfg cfg{T,    d,    n, E, a.K, int32_t(a.activation), dtype_code(x), mode, 0,
-                         int32_t(a.compute)};
+                         int32_t(a.compute), reinterpret_cast<void*>(a.fp8_cache)};
   const at::Tensor d_out = grad_out.to(x.scalar_type()).contiguous();        // (T, d)
   ExpertsGrads g;
   g.dx = at::empty_like(x);                                                   // (T, d)
@@ -236,15 +239,17 @@ struct EagerExperts : public torch::autograd::Function<EagerExperts> {
                                const at::Tensor& w2, const at::Tensor& pair_weights,
                                const std::optional<at::Tensor>& b1_opt,
                                const std::optional<at::Tensor>& b2_opt, const PlanSource& src,
-                               int64_t activation, bool recompute, int64_t compute) {
+                               int64_t activation, bool recompute, int64_t compute,
+                               int64_t fp8_cache) {
     // Optional, not undefined tensors: autograd records an input's device and dtype.
     ExpertsForward f = experts_forward(x, w1, w2, b1_opt.value_or(at::Tensor()),
                                        b2_opt.value_or(at::Tensor()), src,
-                                       {activation, recompute, compute, 0});
+                                       {activation, recompute, compute, 0, fp8_cache});
     ctx->save_for_backward(f.keep);
     ctx->saved_data["activation"] = activation;
     ctx->saved_data["recompute"] = recompute;
     ctx->saved_data["compute"] = compute;
+    ctx->saved_data["fp8_cache"] = fp8_cache;
     ctx->saved_data["K"] = f.args.K;
     ctx->saved_data["pw_dtype"] = pair_weights.scalar_type();
     ctx->saved_data["pw_sizes"] = pair_weights.sizes().vec();
@@ -254,13 +259,13 @@ struct EagerExperts : public torch::autograd::Function<EagerExperts> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const ExpertsArgs a{ctx->saved_data["activation"].toInt(),
                         ctx->saved_data["recompute"].toBool(), ctx->saved_data["compute"].toInt(),
-                        ctx->saved_data["K"].toInt()};
+                        ctx->saved_data["K"].toInt(), ctx->saved_data["fp8_cache"].toInt()};
     ExpertsGrads e = experts_backward(ctx->get_saved_variables(), a, grads[0]);
     const auto pw_dtype = ctx->saved_data["pw_dtype"].toScalarType();
     at::Tensor dpw_shaped = e.dpw.view(ctx->saved_data["pw_sizes"].toIntVector());
     if (pw_dtype != at::kFloat) dpw_shaped = dpw_shaped.to(pw_dtype);
     variable_list g = once_differentiable({e.dx, e.dw1, e.dw2, dpw_shaped, e.db1, e.db2}, grads);
-    g.resize(10);  // no gradient for the plan source, activation, recompute, compute
+    g.resize(11);  // no gradient for the plan source, activation, recompute, compute, fp8_cache
     return g;
   }
 };
@@ -271,14 +276,15 @@ at::Tensor dense(const std::optional<at::Tensor>& t) {
 
 py::object run(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
                const at::Tensor& pair_weights, const at::Tensor& b1, const at::Tensor& b2,
-               const PlanSource& src, int64_t activation, bool recompute, int64_t compute) {
+               const PlanSource& src, int64_t activation, bool recompute, int64_t compute,
+               int64_t fp8_cache) {
   try {
     const auto opt = [](const at::Tensor& t) {
       return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
     };
     variable_list out = EagerExperts::apply(x.contiguous(), w1.contiguous(), w2.contiguous(),
                                             pair_weights, opt(b1), opt(b2), src, activation,
-                                            recompute, compute);
+                                            recompute, compute, fp8_cache);
     return py::cast(out[0]);
   } catch (const CallFailed& f) {
     return py::int_(f.rc);
@@ -286,12 +292,14 @@ py::object run(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
 }
 
 // moe_experts: ids (T, K) int32/int64 with K >= 1, kernel_weights (T, K) fp32/bf16 (the
-// caller's weights, detached). compute: moeblaze_layer_cfg.compute (0 storage dtype, 1 fp8).
+// caller's weights, detached). compute: moeblaze_layer_cfg.compute (0 storage dtype, 1 fp8);
+// fp8_cache: its fp8_weights handle (0: none).
 py::object experts_from_ids(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
                             const at::Tensor& pair_weights, const at::Tensor& ids,
                             const at::Tensor& kernel_weights, int64_t activation, int64_t w1_rows,
                             bool recompute, const std::optional<at::Tensor>& b1_,
-                            const std::optional<at::Tensor>& b2_, int64_t compute) {
+                            const std::optional<at::Tensor>& b2_, int64_t compute,
+                            int64_t fp8_cache) {
   const at::Tensor b1 = dense(b1_), b2 = dense(b2_);
   if (g_api.layer_forward_biased == nullptr ||
       !operands_apply(x, w1, w2, b1, b2, w1_rows, compute))
@@ -306,7 +314,7 @@ py::object experts_from_ids(const at::Tensor& x, const at::Tensor& w1, const at:
     return py::none();
   return run(x, w1, w2, pair_weights, b1, b2,
              {true, ids.contiguous(), kernel_weights.contiguous(), {}, {}, {}}, activation,
-             recompute, compute);
+             recompute, compute, fp8_cache);
 }
 
 // experts_from_routing: the CSR routing, pair_offsets (T+1,) int32, pair_experts (P,) int32,
@@ -316,7 +324,8 @@ py::object experts_from_routing(const at::Tensor& x, const at::Tensor& w1, const
                                 const at::Tensor& experts, const at::Tensor& kernel_weights,
                                 int64_t activation, int64_t w1_rows, bool recompute,
                                 const std::optional<at::Tensor>& b1_,
-                                const std::optional<at::Tensor>& b2_, int64_t compute) {
+                                const std::optional<at::Tensor>& b2_, int64_t compute,
+                                int64_t fp8_cache) {
   const at::Tensor b1 = dense(b1_), b2 = dense(b2_);
   if (g_api.build_plan == nullptr || !operands_apply(x, w1, w2, b1, b2, w1_rows, compute))
     return py::none();
@@ -331,7 +340,7 @@ py::object experts_from_routing(const at::Tensor& x, const at::Tensor& w1, const
   return run(x, w1, w2, pair_weights, b1, b2,
              {false, {}, {}, offsets.contiguous(), experts.contiguous(),
               kernel_weights.contiguous()},
-             activation, recompute, compute);
+             activation, recompute, compute, fp8_cache);
 }
 
 // The C ABI's functions from their addresses, by name (ctypes resolved capi_functions).

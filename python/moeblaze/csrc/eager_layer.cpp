@@ -137,7 +137,8 @@ struct EagerLayer : public torch::autograd::Function<EagerLayer> {
     ctx->saved_data["router"] = std::vector<int64_t>{a.route.cfg.kind, a.route.cfg.top_k,
                                                      a.route.cfg.renormalize};
     ctx->saved_data["experts"] = std::vector<int64_t>{
-        a.experts.activation, a.experts.recompute, a.experts.compute, e.args.K};
+        a.experts.activation, a.experts.recompute, a.experts.compute, e.args.K,
+        a.experts.fp8_cache};
     ctx->saved_data["coefs"] = std::vector<double>{a.aux_coef, a.z_coef};  // floats, exact
     ctx->saved_data["dtypes"] = std::vector<int64_t>{
         int64_t(w1.scalar_type()), int64_t(w2.scalar_type()),
@@ -161,7 +162,7 @@ struct EagerLayer : public torch::autograd::Function<EagerLayer> {
     const auto coefs = ctx->saved_data["coefs"].toDoubleVector();
     const auto dt = ctx->saved_data["dtypes"].toIntVector();
     const moeblaze_router_cfg cfg{int32_t(ri[0]), int32_t(ri[1]), int32_t(ri[2])};
-    const ExpertsArgs ea{ei[0], ei[1] != 0, ei[2], ei[3]};
+    const ExpertsArgs ea{ei[0], ei[1] != 0, ei[2], ei[3], ei[4]};
     const auto guard = device_guard(x);
     ExpertsGrads e;
     if (grads[0].defined())
@@ -202,15 +203,15 @@ bool float_dtype(const at::Tensor& t) {
 
 // MoE.forward: x (T, d), gate_weight (E, d), expert_bias (E,) fp32 or None, w1, w2, b1, b2 (or
 // None); kind, top_k, renormalize, and mode (None: no token rounding), m_tile, seed as
-// MoE.route; activation, w1_rows, recompute, compute as experts_from_routing; the two loss
-// coefficients.
+// MoE.route; activation, w1_rows, recompute, compute, fp8_cache as experts_from_routing; the two
+// loss coefficients.
 py::object moe_layer(const at::Tensor& x, const at::Tensor& gate,
                      const std::optional<at::Tensor>& bias, const at::Tensor& w1,
                      const at::Tensor& w2, const std::optional<at::Tensor>& b1,
                      const std::optional<at::Tensor>& b2, py::handle kind, py::handle top_k,
                      py::handle renormalize, py::handle mode, py::handle m_tile,
                      py::handle seed, int64_t activation, int64_t w1_rows, bool recompute,
-                     int64_t compute, double aux_coef, double z_coef) {
+                     int64_t compute, int64_t fp8_cache, double aux_coef, double z_coef) {
   if (g_api.route == nullptr || g_api.build_plan == nullptr || x.dim() != 2 || x.size(0) == 0 ||
       !(x.is_cpu() || x.is_cuda()) || at::autocast::is_autocast_enabled(x.device().type()))
     return py::none();
@@ -229,7 +230,7 @@ py::object moe_layer(const at::Tensor& x, const at::Tensor& gate,
   // router_losses' rule: a coefficient counts only when > 0 (NaN: off); an infinite one is the
   // Python path's to handle.
   if (std::isinf(aux_coef) || std::isinf(z_coef)) return py::none();
-  const LayerArgs a{*route, {activation, recompute, compute, 0},
+  const LayerArgs a{*route, {activation, recompute, compute, 0, fp8_cache},
                     aux_coef > 0 ? float(aux_coef) : 0.0f, z_coef > 0 ? float(z_coef) : 0.0f};
   try {
     variable_list r = EagerLayer::apply(x, gate, bias, w1, w2, b1, b2, a);
