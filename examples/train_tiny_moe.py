@@ -83,7 +83,8 @@ class Block(nn.Module):
         if a.impl == "moeblaze":
             extra = dict(token_rounding=None if a.token_rounding == "none" else a.token_rounding,
                          m_tile=a.m_tile, recompute=a.recompute,
-                         compute_dtype=None if a.compute == "bf16" else a.compute)
+                         compute_dtype=None if a.compute == "bf16" else a.compute,
+                         fp8_weight_cache=a.compute == "fp8")  # codes kept between steps
         self.moe = cls(a.d, a.n, a.E, a.K, activation="swiglu", aux_loss_coef=a.aux_loss_coef,
                        **extra, **kw)
 
@@ -346,7 +347,8 @@ def parser():
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--compute", choices=["bf16", "fp8"], default="bf16",
                    help="the experts' GEMMs: in the storage dtype, or fp8 (e4m3 operands, "
-                        "docs/FP8.md; needs --dtype bf16; CPU emulation only for now)")
+                        "docs/FP8.md; needs --dtype bf16; the GPU needs d and n multiples of "
+                        "128; the weights' codes kept between optimizer steps)")
     p.add_argument("--seed", type=int, default=0, help="parameter init")
     p.add_argument("--data-seed", type=int, default=1, help="batch order")
     p.add_argument("--val-every", type=int)
