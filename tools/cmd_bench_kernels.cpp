@@ -161,6 +161,8 @@ void run_kernels(const KernelsFlags& f) {
     }
   }
   table.print(std::cout);
+  std::cout << "launches: programmatic dependent launch " << (gg::choose_pdl(o) ? "on" : "off")
+            << " (" << gg::pdl_rule(o) << ")\n";
 
   Table chunks({{"config", Align::left}, {"S"}, {"mode", Align::left}, {"pass", Align::left},
                 {"chunks"}, {"rows per chunk"}, {"rule", Align::left}});

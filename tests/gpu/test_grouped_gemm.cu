@@ -998,6 +998,9 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   EXPECT_EQ(k.up.family, KernelFamily::two_cta);
   EXPECT_EQ(k.up.raster_group, 8);
   EXPECT_TRUE(gg::parse_kernel_overrides("impl=naive").naive);
+  EXPECT_FALSE(gg::parse_kernel_overrides("").pdl.has_value());
+  EXPECT_EQ(gg::parse_kernel_overrides("pdl=1").pdl, std::optional<bool>(true));
+  EXPECT_EQ(gg::parse_kernel_overrides("raster=4,pdl=0").pdl, std::optional<bool>(false));
   // tma.bands: both TMA-path GEMMs, nothing else.
   const gg::LayerKernels banded =
       gg::choose_kernels(sm, gg::parse_kernel_overrides("tma.bands=5,dw2.family=ws"));
@@ -1051,6 +1054,7 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   refused("chunks=0", "[1, 1024]");
   refused("tma.bands=0", "[1, 64]");
   refused("tma.bands=65", "[1, 64]");
+  refused("pdl=2", "[0, 1]");
   // swiglu_oai: up and dh on its own ws cooperative kernels; nothing else takes it.
   const gg::KernelShape oai_shape{196608, 128, 1536, 256, Activation::swiglu_oai};
   const gg::LayerKernels oai = gg::choose_kernels(oai_shape, gg::KernelOverrides{});

@@ -853,6 +853,112 @@ TEST(LayerGpu, TokenChunksGiveTheWholeStepsBits) {
     }
 }
 
+// One step captured in a CUDA graph on a non-blocking stream, on caller memory, then replayed
+// twice (the graph's launches under the overrides in force at capture).
+GpuResult run_gpu_graph(const Inputs& in, LayerMode mode) {
+  const LayerConfig& c = in.cfg;
+  const int64_t S = in.plans.dev.S(), R = c.w1_rows();
+  DevMem x(in.x), w1(in.w1), w2(in.w2), dout(in.dout);
+  DevMem out(c.T * c.d * 2), dx(c.T * c.d * 2), dw1(c.E * R * c.d * 2), dw2(c.E * c.d * c.n * 2),
+      dpw(S * 4);
+  const TensorView xv(x.p, DType::bf16, Device::cuda, {c.T, c.d});
+  const TensorView w1v(w1.p, DType::bf16, Device::cuda, {c.E, R, c.d});
+  const TensorView w2v(w2.p, DType::bf16, Device::cuda, {c.E, c.d, c.n});
+  const TensorView outv(out.p, DType::bf16, Device::cuda, {c.T, c.d});
+  const TensorView doutv(dout.p, DType::bf16, Device::cuda, {c.T, c.d});
+  LayerGrads g;
+  g.dx = TensorView(dx.p, DType::bf16, Device::cuda, {c.T, c.d});
+  g.dw1 = TensorView(dw1.p, DType::bf16, Device::cuda, {c.E, R, c.d});
+  g.dw2 = TensorView(dw2.p, DType::bf16, Device::cuda, {c.E, c.d, c.n});
+  g.d_pair_weights = TensorView(dpw.p, DType::f32, Device::cuda, {S});
+  const size_t fwd_ws = layer_workspace_bytes(c, S, mode, Device::cuda, LayerPass::forward, false);
+  const size_t bwd_ws = layer_workspace_bytes(c, S, mode, Device::cuda, LayerPass::backward, true);
+  DevMem h(mode == LayerMode::keep_h ? size_t(S * R) * 2 : 0), fws(fwd_ws), bws(bwd_ws);
+  cudaStream_t s = nullptr;
+  MOEBLAZE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  LayerOptions f, b;
+  f.mode = b.mode = mode;
+  f.stream = b.stream = s;
+  f.workspace = fws.p, f.workspace_bytes = fwd_ws, f.h_storage = h.p;
+  b.workspace = bws.p, b.workspace_bytes = bwd_ws, b.dh_over_h = mode == LayerMode::keep_h;
+  cudaGraph_t graph = nullptr;
+  MOEBLAZE_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  {
+    SavedForBackward saved;
+    layer_forward(c, in.plans.dev, xv, w1v, w2v, outv, saved, f);
+    layer_backward(c, in.plans.dev, xv, w1v, w2v, doutv, saved, g, b);
+  }
+  MOEBLAZE_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  cudaGraphExec_t exec = nullptr;
+  MOEBLAZE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 2; ++replay) {  // dH goes over H: forward rewrites H each replay
+    for (DevMem* o : {&out, &dx, &dw1, &dw2, &dpw}) o->poison();
+    MOEBLAZE_CUDA_CHECK(cudaGraphLaunch(exec, s));
+  }
+  MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(s));
+  MOEBLAZE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  MOEBLAZE_CUDA_CHECK(cudaGraphDestroy(graph));
+  MOEBLAZE_CUDA_CHECK(cudaStreamDestroy(s));
+  GpuResult res;
+  res.out = out.download<bf16>();
+  res.dx = dx.download<bf16>();
+  res.dw1 = dw1.download<bf16>();
+  res.dw2 = dw2.download<bf16>();
+  res.dpw = dpw.download<float>();
+  return res;
+}
+
+// Programmatic dependent launch (src/cuda/pdl.cuh, override pdl=1): every kernel it launches
+// waits for the one before it before touching memory, so the step's bits are those of plain
+// launches, run after run (a missed wait shows as a flaky difference here), with the aggregation
+// in token chunks, with the TMA GEMMs (launched plainly) between its kernels, with dW1 on 2-CTA
+// clusters, in recompute's expert ranges, and captured in a CUDA graph.
+TEST(LayerGpu, ProgrammaticDependentLaunchGivesTheSameBits) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const ClearOverridesAtExit restore;
+  struct Shape {
+    Case c;
+    const char* kernels;  // overrides besides pdl
+  };
+  const Shape shapes[] = {
+      // 562 rows per expert: down and dx on the ws kernel; three token chunks.
+      {{1500, 512, 128, 8, 3, Activation::swiglu, LayerMode::keep_h, RouteKind::skewed},
+       "chunks=3"},
+      // down and dx on the TMA path between PDL kernels; dW1 on 2-CTA clusters.
+      {{4096, 256, 128, 4, 2, Activation::swiglu, LayerMode::keep_h, RouteKind::balanced},
+       "down.family=tma,dx.family=tma,dw1.cluster=2"},
+      {{1500, 512, 128, 8, 3, Activation::geglu, LayerMode::recompute, RouteKind::rounded},
+       "ranges=3"},
+      {{700, 256, 192, 6, 2, Activation::relu, LayerMode::keep_h, RouteKind::skewed}, ""},
+  };
+  for (const Shape& sh : shapes) {
+    const Inputs in = make_inputs(sh.c, seed);
+    SCOPED_TRACE(describe(sh.c) + " " + sh.kernels);
+    const std::string base = sh.kernels;
+    const auto with = [&](const char* pdl) {
+      cuda::gemm::set_kernel_overrides(
+          cuda::gemm::parse_kernel_overrides(base + (base.empty() ? "" : ",") + pdl));
+    };
+    with("pdl=0");
+    ASSERT_FALSE(cuda::gemm::pdl_launches());
+    const GpuResult plain = run_gpu(in, sh.c.mode);
+    const GpuResult plain_dh = run_gpu(in, sh.c.mode, /*dh_over_h=*/true);
+    with("pdl=1");
+    ASSERT_TRUE(cuda::gemm::pdl_launches());
+    for (int run = 0; run < 3; ++run) {
+      SCOPED_TRACE("run " + std::to_string(run));
+      expect_same_bits(plain, run_gpu(in, sh.c.mode));
+      expect_same_bits(plain_dh, run_gpu(in, sh.c.mode, /*dh_over_h=*/true));
+    }
+    if (sh.c.mode == LayerMode::keep_h)  // (recompute's ranges refuse a capture by name)
+      expect_same_bits(plain_dh, run_gpu_graph(in, sh.c.mode));
+  }
+  cuda::gemm::clear_kernel_overrides();
+  EXPECT_EQ(cuda::gemm::pdl_launches(), cuda::gemm::kPdlDefault);
+}
+
 // The chunk maps against the host's reading of the same definition, bit for bit: bounds, per-
 // expert ranges, packed bases and every pair's row (below the chunk buffer's rows).
 TEST(LayerGpu, TokenChunkMapsMatchTheirDefinition) {

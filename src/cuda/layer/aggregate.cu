@@ -24,6 +24,7 @@
 
 #include "cuda/cuda_backend.hpp"
 #include "cuda/layer/token_chunks.hpp"
+#include "cuda/pdl.cuh"
 #include "moeblaze/error.hpp"
 
 namespace moeblaze::cuda {
@@ -167,6 +168,8 @@ __global__ void __launch_bounds__(kThreads, 3)  // <= 85 registers: 768 threads 
                          const T* __restrict__ rows, T* __restrict__ out, int64_t num_tokens,
                          int64_t d, const T* __restrict__ bias,
                          const int32_t* __restrict__ pair_experts) {
+  pdl_wait();  // before any global memory access (src/cuda/pdl.cuh)
+  pdl_launch_dependents();
   const int64_t quarter_chunks = (d / Vec<T>::kElems + C - 1) / C;
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= num_tokens * quarter_chunks) return;
@@ -188,6 +191,8 @@ __global__ void __launch_bounds__(kThreads, 3)
                            int64_t c, const float* __restrict__ slot_weights,
                            const T* __restrict__ rows, T* __restrict__ out, int64_t d,
                            const T* __restrict__ bias, const int32_t* __restrict__ pair_experts) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int64_t quarter_chunks = (d / Vec<T>::kElems + C - 1) / C;
   const int64_t t0 = token_bounds[c];
   const int64_t items = (token_bounds[c + 1] - t0) * quarter_chunks;
@@ -207,6 +212,8 @@ __global__ void __launch_bounds__(kThreads)
                             const int32_t* __restrict__ token_index_map,
                             const float* __restrict__ slot_weights, const T* __restrict__ rows,
                             T* __restrict__ out, int64_t num_tokens, int64_t d) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= num_tokens * d) return;
   const int64_t t = i / d;
@@ -227,9 +234,10 @@ void launch_vec(const RoutingPlanView& plan, const void* rows, const float* w, v
   const int64_t blocks = (work + kThreads - 1) / kThreads;
   MOEBLAZE_UNSUPPORTED_IF(blocks > int64_t(INT32_MAX), "aggregate: T*d (", plan.T * d,
                           ") is too large for one launch");
-  aggregate_vec_kernel<T, kWeighted, C, kBatch, kBias><<<unsigned(blocks), kThreads, 0, stream>>>(
-      plan.token_pair_offsets, plan.token_index_map, w, static_cast<const T*>(rows),
-      static_cast<T*>(out), plan.T, d, static_cast<const T*>(bias), plan.token_expert_indices);
+  launch_kernel(&aggregate_vec_kernel<T, kWeighted, C, kBatch, kBias>, dim3(unsigned(blocks)),
+                dim3(kThreads), 0, stream, 1, plan.token_pair_offsets, plan.token_index_map, w,
+                static_cast<const T*>(rows), static_cast<T*>(out), plan.T, d,
+                static_cast<const T*>(bias), plan.token_expert_indices);
 }
 
 // Calls f(C, B) (std::integral_constant values) with the vector layout for the plan's pairs per
@@ -257,11 +265,10 @@ void launch_aggregate(const RoutingPlanView& plan, const void* rows, const float
     const int64_t blocks = (plan.T * d + kThreads - 1) / kThreads;
     MOEBLAZE_UNSUPPORTED_IF(blocks > int64_t(INT32_MAX), "aggregate: T*d (", plan.T * d,
                             ") is too large for one launch");
-    aggregate_scalar_kernel<T, kWeighted><<<unsigned(blocks), kThreads, 0, stream>>>(
-        plan.token_pair_offsets, plan.token_index_map, w, static_cast<const T*>(rows),
-        static_cast<T*>(out), plan.T, d);
+    launch_kernel(&aggregate_scalar_kernel<T, kWeighted>, dim3(unsigned(blocks)), dim3(kThreads),
+                  0, stream, 1, plan.token_pair_offsets, plan.token_index_map, w,
+                  static_cast<const T*>(rows), static_cast<T*>(out), plan.T, d);
   }
-  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 
 // Chunk c with the (C, B) layout with_vec_layout picks; the grid covers the chunk's share of the
@@ -274,11 +281,10 @@ void launch_chunk(const RoutingPlanView& plan, const TokenChunks& chunks, const 
   const int64_t work = tokens * ((d / Vec<T>::kElems + C - 1) / C);
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads,
                                                                 int64_t(INT32_MAX)));
-  aggregate_chunk_kernel<T, kWeighted, C, kBatch, kBias><<<unsigned(blocks), kThreads, 0, stream>>>(
-      plan.token_pair_offsets, plan.token_index_map, maps.pair_rows, maps.token_bounds, c, w,
-      static_cast<const T*>(rows), static_cast<T*>(out), d, static_cast<const T*>(bias),
-      plan.token_expert_indices);
-  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+  launch_kernel(&aggregate_chunk_kernel<T, kWeighted, C, kBatch, kBias>, dim3(unsigned(blocks)),
+                dim3(kThreads), 0, stream, 1, plan.token_pair_offsets, plan.token_index_map,
+                maps.pair_rows, maps.token_bounds, c, w, static_cast<const T*>(rows),
+                static_cast<T*>(out), d, static_cast<const T*>(bias), plan.token_expert_indices);
 }
 
 template <bool kWeighted, bool kBias = false>
@@ -295,6 +301,8 @@ __global__ void gather_pair_grads_kernel(const int32_t* __restrict__ token_index
                                          const float* __restrict__ ds,  // (S,) by slot
                                          float* __restrict__ d_pair_weights,  // (S,) by pair
                                          int64_t S) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int64_t p = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (p < S) d_pair_weights[p] = ds[token_index_map[p]];
 }
@@ -359,9 +367,8 @@ void gather_pair_grads(const RoutingPlanView& plan, const float* ds, float* d_pa
                        cudaStream_t stream) {
   if (plan.S == 0) return;
   const int64_t blocks = (plan.S + kThreads - 1) / kThreads;
-  gather_pair_grads_kernel<<<unsigned(blocks), kThreads, 0, stream>>>(plan.token_index_map, ds,
-                                                                       d_pair_weights, plan.S);
-  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+  launch_kernel(&gather_pair_grads_kernel, dim3(unsigned(blocks)), dim3(kThreads), 0, stream, 1,
+                plan.token_index_map, ds, d_pair_weights, plan.S);
 }
 
 }  // namespace moeblaze::cuda

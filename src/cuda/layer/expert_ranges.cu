@@ -10,6 +10,7 @@
 #include <algorithm>
 
 #include "cuda/cuda_backend.hpp"
+#include "cuda/pdl.cuh"
 #include "moeblaze/error.hpp"
 
 namespace moeblaze::cuda {
@@ -21,6 +22,8 @@ constexpr int kThreads = 256;
 __global__ void ascending_slots_kernel(const int32_t* __restrict__ pair_offsets,     // (T+1,)
                                        const int32_t* __restrict__ token_index_map,  // (S,)
                                        int64_t T, int32_t* __restrict__ slots) {     // (S,)
+  pdl_wait();
+  pdl_launch_dependents();
   const int64_t t = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (t >= T) return;
   const int32_t p0 = pair_offsets[t], p1 = pair_offsets[t + 1];
@@ -114,9 +117,9 @@ void ascending_token_slots(const RoutingPlanView& plan, int32_t* slots, cudaStre
   if (plan.T == 0 || plan.S == 0) return;
   MOEBLAZE_REQUIRE(slots != nullptr && plan.token_pair_offsets && plan.token_index_map,
                    "ascending_token_slots: slots and the plan's token view must be set");
-  ascending_slots_kernel<<<unsigned((plan.T + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-      plan.token_pair_offsets, plan.token_index_map, plan.T, slots);
-  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+  launch_kernel(&ascending_slots_kernel, dim3(unsigned((plan.T + kThreads - 1) / kThreads)),
+                dim3(kThreads), 0, stream, 1, plan.token_pair_offsets, plan.token_index_map,
+                plan.T, slots);
 }
 
 void rebase_offsets(const int32_t* offsets, int64_t e0, int64_t count, int32_t* out,

@@ -3,6 +3,7 @@
 #include "cuda/gemm/dispatch/kernel_config.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <mutex>
@@ -240,6 +241,7 @@ bool g_set = false;            // set_kernel_overrides was called
 bool g_env_read = false;       // MOEBLAZE_KERNELS was parsed into g_env
 KernelOverrides g_overrides;   // set_kernel_overrides' value
 KernelOverrides g_env;         // MOEBLAZE_KERNELS
+std::atomic<int> g_pdl{-1};    // pdl_launches() of the overrides in force; -1: not yet read
 
 }  // namespace
 
@@ -344,6 +346,10 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
       o.expert_ranges = parse_int(item, v, 1, 1024);
       continue;
     }
+    if (key == "pdl") {
+      o.pdl = parse_int(item, v, 0, 1) == 1;
+      continue;
+    }
     if (key == "impl") {
       MOEBLAZE_REQUIRE(v == "sm90" || v == "naive", "kernel override '", item,
                        "': sm90 or naive");
@@ -357,8 +363,7 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
     MOEBLAZE_REQUIRE(g >= 0, "kernel override '", item, "': unknown key '", key,
                      "' (<gemm>.family|schedule|cluster|b_tma|tile with <gemm> one of up, down, dh, "
                      "dw2, dx, dw1; raster; tma.order; tma.swizzle; tma.bands; chunks[.fwd|.bwd]; "
-                     "ranges; "
-                     "impl)");
+                     "ranges; pdl; impl)");
     const std::string field = key.substr(dot + 1);
     GemmOverride& go = o.gemm[g];
     if (field == "family") {
@@ -410,11 +415,28 @@ void set_kernel_overrides(const KernelOverrides& o) {
   std::lock_guard<std::mutex> lock(g_mutex);
   g_overrides = o;
   g_set = true;
+  g_pdl = -1;
 }
 
 void clear_kernel_overrides() {
   std::lock_guard<std::mutex> lock(g_mutex);
   g_set = false;
+  g_pdl = -1;
+}
+
+bool choose_pdl(const KernelOverrides& o) { return o.pdl.value_or(kPdlDefault); }
+
+const char* pdl_rule(const KernelOverrides& o) {
+  return o.pdl.has_value() ? "override pdl" : "default: off until a GPU A/B measures it";
+}
+
+bool pdl_launches() {
+  int v = g_pdl.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = choose_pdl(kernel_overrides()) ? 1 : 0;
+    g_pdl.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
 }
 
 LayerKernels choose_kernels(const KernelShape& shape, const KernelOverrides& o) {

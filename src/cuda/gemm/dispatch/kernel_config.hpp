@@ -141,6 +141,8 @@ int tma_bands_rule(int64_t S, int64_t E, int64_t N, int64_t K, int tile_m, int t
 //                                            S / ranges slots each; 1: the whole step;
 //                                            cuda/layer/expert_ranges.hpp)
 //   impl             sm90 | naive            (the layer's GEMMs on the naive oracle: tests)
+//   pdl              0 | 1                   (the layer's own kernels by programmatic dependent
+//                                            launch: pdl_launches)
 struct GemmOverride {
   std::optional<KernelFamily> family;
   std::optional<KernelSchedule> schedule;
@@ -158,6 +160,7 @@ struct KernelOverrides {
     std::optional<int> forward, backward;  // Y's, dX̃'s
   } token_chunks;
   std::optional<int> expert_ranges;  // ranges' count (1: none)
+  std::optional<bool> pdl;           // programmatic dependent launch (pdl_launches)
   bool naive = false;
   std::string spec;  // the text it was parsed from ("" = none)
 };
@@ -180,6 +183,16 @@ LayerKernels choose_kernels(const KernelShape& shape);  // with kernel_overrides
 // their rule reads S and E only; the other GEMMs get placeholder dimensions and none of their
 // overrides (which may apply only at the real d, e.g. a dh schedule).
 LayerKernels contiguous_kernels(int64_t S, int64_t E, const KernelOverrides& overrides);
+
+// Whether the layer's own kernels (the warp-specialised GEMMs, the aggregation, ds and dx-order
+// passes: src/cuda/pdl.cuh) are launched by programmatic dependent launch, so that each one's
+// launch and prologue overlap the end of the kernel before it: the override pdl, else
+// kPdlDefault. Read per launch from a cached value (set_kernel_overrides / clear_kernel_overrides
+// renew it).
+constexpr bool kPdlDefault = false;  // unmeasured on a GPU: off until an A/B says otherwise
+bool choose_pdl(const KernelOverrides& o);       // o.pdl, else kPdlDefault
+const char* pdl_rule(const KernelOverrides& o);  // why (printed by bench kernels)
+bool pdl_launches();                             // choose_pdl(kernel_overrides()), cached
 
 // Field by field, e.g. "ws_gather cooperative 128x256x64 stages=4 cluster=1 raster=16".
 std::string describe(const GemmKernel& k);

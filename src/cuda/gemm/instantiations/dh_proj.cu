@@ -11,6 +11,7 @@
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/gemm/kernels/sm90_varlen_m.cuh"
 #include "cuda/gemm/dispatch/ws_paths.hpp"
+#include "cuda/pdl.cuh"
 
 namespace moeblaze::cuda::gemm {
 namespace sm90 {
@@ -148,6 +149,8 @@ struct DhEpilogue {
 // ds[r] = sum_j ds_partials[r, j], j ascending.
 __global__ void reduce_ds_kernel(const float* __restrict__ partials, float* __restrict__ ds,
                                  int64_t S, int cols) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= S) return;
   const float* row = partials + r * cols;
@@ -221,9 +224,8 @@ void reduce_ds(const float* ds_partials, float* ds, int64_t S, int64_t n, cudaSt
   if (S == 0) return;
   constexpr int kBlock = 256;
   const int64_t blocks = (S + kBlock - 1) / kBlock;
-  sm90::reduce_ds_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, stream>>>(
-      ds_partials, ds, S, static_cast<int>(ds_partials_cols(n)));
-  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+  launch_kernel(&sm90::reduce_ds_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kBlock), 0,
+                stream, 1, ds_partials, ds, S, static_cast<int>(ds_partials_cols(n)));
 }
 
 }  // namespace moeblaze::cuda::gemm

@@ -44,6 +44,7 @@
 
 #include "cuda/cuda_backend.hpp"
 #include "cuda/gemm/pipeline/sm90_gemm_core.cuh"
+#include "cuda/pdl.cuh"
 #include "cuda/gemm/pipeline/sm90_tma_desc.cuh"  // make_tma_kmajor
 #include "cuda/gemm/pipeline/sm90_ws_pipeline.cuh"  // ring, schedules, consumer loops
 #include "moeblaze/error.hpp"
@@ -204,6 +205,8 @@ constexpr size_t kMaxDynamicSmem = 227 * 1024 - 2048;
 template <GMajor kMajorB, class Epi, class Sched, bool kTmaA = false>
 __global__ void __launch_bounds__(kThreads, 1)
     gather_gemm_kernel(const __grid_constant__ Args p, const typename Epi::Params ep) {
+  pdl_wait();  // before any global memory access (src/cuda/pdl.cuh)
+  pdl_launch_dependents();
   using namespace cute;
   using L = Layouts<kMajorB, Sched>;
   using R = RingOf<Sched>;
@@ -339,8 +342,7 @@ void launch_gather_gemm(const Args& p, const void* b, const typename Epi::Params
                           " bytes for E = ", p.E, ") exceeds the SM's ", kMaxDynamicSmem);
   MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)));
-  kernel<<<grid, kThreads, smem, stream>>>(q, ep);
-  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+  launch_kernel(kernel, dim3(grid), dim3(kThreads), smem, stream, 1, q, ep);
 }
 
 }  // namespace moeblaze::cuda::gemm::sm90::ws

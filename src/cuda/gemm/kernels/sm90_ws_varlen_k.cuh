@@ -32,6 +32,7 @@
 #include "cuda/gemm/epilogues/quad_transpose.cuh"
 #include "cuda/gemm/pipeline/sm90_tma_desc.cuh"  // make_tma_kmajor
 #include "cuda/gemm/pipeline/sm90_ws_pipeline.cuh"
+#include "cuda/pdl.cuh"
 #include "moeblaze/error.hpp"
 #include "moeblaze/routing_plan.hpp"
 
@@ -200,6 +201,8 @@ __device__ __forceinline__ void varlen_k_store(const VarlenKArgs& p, Acc& acc, i
 template <bool kTransposed, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_constant__
                                                                   VarlenKArgs p) {
+  pdl_wait();  // before any global memory access (src/cuda/pdl.cuh)
+  pdl_launch_dependents();
   using namespace cute;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   using L = VarlenKLayouts;
@@ -341,7 +344,7 @@ void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, int raster_group, cudaS
                                            static_cast<int>(smem)));
   if constexpr (kCluster == 1) {
     const int grid = persistent_grid(tiles);
-    kernel<<<grid, kThreads, smem, stream>>>(q);
+    launch_kernel(kernel, dim3(grid), dim3(kThreads), smem, stream, 1, q);
   } else {
     cudaLaunchConfig_t cfg{};
     cudaLaunchAttribute attr[1];
@@ -366,10 +369,9 @@ void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, int raster_group, cudaS
     MOEBLAZE_UNSUPPORTED_IF(resident <= 0, "weight-gradient GEMM: no ", kCluster,
                             "-CTA cluster of its kernel fits on this device");
     const int64_t clusters = tiles < resident ? tiles : resident;
-    cfg.gridDim = dim3(static_cast<unsigned>(kCluster * (clusters > 0 ? clusters : 1)));
-    MOEBLAZE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, q));
+    launch_kernel(kernel, dim3(static_cast<unsigned>(kCluster * (clusters > 0 ? clusters : 1))),
+                  dim3(kThreads), smem, stream, kCluster, q);
   }
-  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace moeblaze::cuda::gemm::sm90::ws
