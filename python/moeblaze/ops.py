@@ -563,9 +563,10 @@ def _experts_args(x, w1, w2, plan, activation, num_threads, mode, backward, comp
     _code("activation", activation, _lib.ACTIVATIONS)
     _int("num_threads", num_threads, 0, MAX_THREADS)
     _code("compute", compute, _lib.COMPUTES)
+    _int("fp8_cache", fp8_cache, 0, (1 << 64) - 1)  # a handle; the C call checks it is alive
     if fp8_cache and compute != _lib.COMPUTES["fp8"]:
-        _fail("fp8_weights is given, but compute is not fp8: an FP8 weight cache serves "
-              "compute_dtype='fp8' only")
+        _fail(f"fp8_cache (an Fp8WeightCache's handle) is given, but compute is {compute}: the "
+              "cache serves compute 1 (fp8) only")
     if w1.dtype != x.dtype:
         _fail(f"w1 has dtype {w1.dtype} but x has {x.dtype}")
     if w2.dtype != x.dtype:

@@ -239,3 +239,19 @@ def test_fp8_module_cache_follows_the_parameters_versions(seed, device):
     # of them also after the last step: told twice, requantized once).
     assert len(told) == 5
     assert cached.fp8_weight_cache.quantizations == (5 if device == "cuda" else 0)
+
+
+def test_fp8_cache_argument_of_the_custom_ops_is_checked(seed):
+    x, w1, w2, ids, wts = _inputs()
+    T, K = ids.shape
+    offsets = torch.arange(0, T * K + 1, K, dtype=torch.int32)
+    pw = wts.reshape(-1).detach()
+    plan = ops.build_plan(offsets, ids.to(torch.int32).reshape(-1), pw, 5)
+    act = _activation_code("swiglu")
+    with pytest.raises(ValueError, match=r"fp8_cache \(an Fp8WeightCache's handle\) is given, "
+                                         r"but compute is 0"):
+        ops.experts_forward(x, w1, w2, pw, *plan[:6], act, False, 0, None, None, 0, 1234)
+    with pytest.raises(ValueError, match=r"fp8_cache \(-1\) must be in"):
+        ops.experts_forward(x, w1, w2, pw, *plan[:6], act, False, 0, None, None, 1, -1)
+    with pytest.raises(ValueError, match="cfg.fp8_weights is not a live FP8 weight cache"):
+        ops.experts_forward(x, w1, w2, pw, *plan[:6], act, False, 0, None, None, 1, 4096)
