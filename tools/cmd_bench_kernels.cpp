@@ -12,17 +12,16 @@
 #include <cmath>
 #include <iostream>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "commands.hpp"
+#include "cmd_bench_util.hpp"
 #include "configs.hpp"
 #include "cuda/gemm/dispatch/kernel_config.hpp"
 #include "cuda/layer/expert_ranges.hpp"
 #include "cuda/layer/token_chunks.hpp"
 #include "moeblaze/error.hpp"
-#include "moeblaze/routing.hpp"
 #include "table.hpp"
 
 namespace moeblaze::tools {
@@ -56,10 +55,6 @@ double gemm_weight(int i, const LayerConfig& c) {
   return w[i];
 }
 
-// Table 4: for each config and routing (top-K, then each rounding), each GEMM's padding (rows its
-// tiles cover beyond the routing's, in % of them) with the kernels chosen at that routing's S,
-// and the six GEMMs' work (multiply-adds, padding included) against top-K's: the most a rounding
-// can shorten a step whose GEMMs run at one rate.
 // --rounding's modes and --m-tile, checked before any table is printed.
 void check_padding_flags(const KernelsFlags& f) {
   for (const std::string& r : split_commas(f.rounding))
@@ -68,6 +63,10 @@ void check_padding_flags(const KernelsFlags& f) {
                    " is outside [1, 4096]");
 }
 
+// Table 4: for each config and routing (top-K, then each rounding), each GEMM's padding (rows its
+// tiles cover beyond the routing's, in % of them) with the kernels chosen at that routing's S,
+// and the six GEMMs' work (multiply-adds, padding included) against top-K's: the most a rounding
+// can shorten a step whose GEMMs run at one rate.
 void padding_table(const KernelsFlags& f, const std::vector<const NamedConfig*>& configs,
                    Activation act, const cuda::gemm::KernelOverrides& o) {
   namespace gg = cuda::gemm;
@@ -81,29 +80,9 @@ void padding_table(const KernelsFlags& f, const std::vector<const NamedConfig*>&
   Table table(cols);
   for (const NamedConfig* nc : configs) {
     const LayerConfig c = layer_config(*nc, act, DType::bf16);
-    std::vector<float> logits(size_t(c.T * c.E));  // N(0, 1), as `bench layer` draws them
-    {
-      std::mt19937_64 rng(f.seed);
-      std::normal_distribution<float> nd(0.0f, 1.0f);
-      for (float& v : logits) v = nd(rng);
-    }
-    RouterConfig rc;
-    rc.kind = RouterKind::softmax_topk;
-    rc.top_k = int(c.K);
-    Routing topk;
-    route(rc, host_view(logits.data(), {c.T, c.E}), TensorView(), topk);
     double topk_work = 0;
     for (const std::string& r : roundings) {
-      Routing rounded;
-      if (r != "topk") {
-        TokenRoundingConfig trc;
-        trc.m_tile = f.m_tile;
-        trc.mode = parse_rounding(r);
-        trc.seed = f.seed;
-        token_round(rc, trc, host_view(logits.data(), {c.T, c.E}), TensorView(), topk.view(),
-                    rounded);
-      }
-      const Routing& routing = r == "topk" ? topk : rounded;
+      const Routing routing = benchmark_routing(c, f.seed, r, f.m_tile);  // as bench layer's
       std::vector<int64_t> rows(size_t(c.E), 0);  // (E,) pairs routed to each expert
       for (int64_t p = 0; p < routing.P(); ++p) ++rows[size_t(routing.pair_experts()[p])];
       const int64_t S = routing.P();

@@ -251,28 +251,9 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
   const cudaStream_t stream = nullptr;
   const int64_t R = c.w1_rows();
 
-  // Routing: softmax of N(0, 1) logits, top-K, on the host; the plan is copied to the device.
-  std::vector<float> logits(size_t(c.T * c.E));
-  {
-    std::mt19937_64 rng(f.seed);
-    std::normal_distribution<float> nd(0.0f, 1.0f);
-    for (float& v : logits) v = nd(rng);
-  }
-  RouterConfig rc;
-  rc.kind = RouterKind::softmax_topk;
-  rc.top_k = int(c.K);
-  Routing routing;
-  route(rc, host_view(logits.data(), {c.T, c.E}), TensorView(), routing);
-  if (f.routing != "topk") {  // token rounding of that top-K (SonicMoE §5)
-    TokenRoundingConfig trc;
-    trc.m_tile = f.m_tile;
-    trc.mode = parse_rounding(f.routing);
-    trc.seed = f.seed;
-    Routing rounded;
-    token_round(rc, trc, host_view(logits.data(), {c.T, c.E}), TensorView(), routing.view(),
-                rounded);
-    routing = std::move(rounded);
-  }
+  // Routing: DESIGN's (top-K, or a token rounding of it), on the host; the plan is copied to the
+  // device.
+  const Routing routing = benchmark_routing(c, f.seed, f.routing, f.m_tile);
   RoutingPlan host_plan;
   build_routing_plan(routing.view(), PlanBuilder::atomic_free, host_plan);
   const int64_t S = host_plan.S();

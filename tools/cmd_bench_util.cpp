@@ -5,8 +5,30 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <random>
 
 namespace moeblaze::tools {
+
+Routing benchmark_routing(const LayerConfig& c, uint64_t seed, const std::string& rounding,
+                          int m_tile) {
+  std::vector<float> logits(size_t(c.T * c.E));  // (T, E)
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (float& v : logits) v = nd(rng);
+  RouterConfig rc;
+  rc.kind = RouterKind::softmax_topk;
+  rc.top_k = int(c.K);
+  Routing topk;
+  route(rc, host_view(logits.data(), {c.T, c.E}), TensorView(), topk);
+  if (rounding == "topk") return topk;
+  TokenRoundingConfig trc;
+  trc.m_tile = m_tile;
+  trc.mode = parse_rounding(rounding);
+  trc.seed = seed;
+  Routing rounded;
+  token_round(rc, trc, host_view(logits.data(), {c.T, c.E}), TensorView(), topk.view(), rounded);
+  return rounded;
+}
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0.0;

@@ -10,6 +10,7 @@
 
 #include "cuda/cuda_backend.hpp"
 #include "moeblaze/layer.hpp"
+#include "moeblaze/routing.hpp"
 #include "moeblaze/tensor.hpp"
 
 namespace moeblaze::tools {
@@ -62,6 +63,12 @@ class GpuTimer {
   void* flush_;
   cudaEvent_t start_, stop_;
 };
+
+// DESIGN's benchmark routing of a layer shape, on the host: softmax top-K of N(0, 1) logits drawn
+// from `seed`, then, unless `rounding` is "topk", that token rounding of it (SonicMoE's, tile
+// m_tile; parse_rounding names the valid modes).
+Routing benchmark_routing(const LayerConfig& c, uint64_t seed, const std::string& rounding = "topk",
+                          int m_tile = 128);
 
 // Device memory the command owns (the caller's tensors), on the current device; never counted by
 // moeblaze's allocator statistics.

@@ -68,6 +68,16 @@ struct DevTensor {
   void download_into(HostTensor& h) const { h.bytes = mem.download<unsigned char>(); }
 };
 
+// The device outputs of a step into t's host tensors (after the step's stream is done).
+void download_outputs(const DevTensor& out, const DevTensor& dx, const DevTensor& dw1,
+                      const DevTensor& dw2, const DevTensor& dpw, LayerTensors& t) {
+  out.download_into(t.out);
+  dx.download_into(t.dx);
+  dw1.download_into(t.dw1);
+  dw2.download_into(t.dw2);
+  dpw.download_into(t.d_pair_weights);
+}
+
 struct Biases {
   HostTensor b1, b2, db1, db2;
 };
@@ -105,14 +115,26 @@ size_t run(const LayerConfig& cfg, const RoutingPlan& plan, LayerTensors& t, Lay
   const size_t kept = saved.bytes();
   layer_backward(cfg, plan, x.v, w1.v, w2.v, b, d_out.v, saved, g, opts);
   MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
-  out.download_into(t.out);
-  dx.download_into(t.dx);
-  dw1.download_into(t.dw1);
-  dw2.download_into(t.dw2);
-  dpw.download_into(t.d_pair_weights);
+  download_outputs(out, dx, dw1, dw2, dpw, t);
   if (bias) db1.download_into(bias->db1), db2.download_into(bias->db2);
   return kept;
 }
+
+// The small step the graph and C ABI tests share (256 tokens, d 256, n 128, E 8, K 2, a routing
+// with skew and empty experts): fresh inputs in t, the eager keep_h step's results in eager.
+struct SmallStep {
+  RoutingPlan dev_plan;
+  LayerConfig cfg = fp8_config(256, 256, 128, 8, 2, Activation::swiglu);
+  LayerTensors t, eager;
+  explicit SmallStep(uint64_t seed)
+      : dev_plan(device_plan(make_plan(random_routing({256, 8, 2, 1, true}, seed)))),
+        t(cfg, dev_plan.S()),
+        eager(cfg, dev_plan.S()) {
+    t.randomize(seed + 1);
+    eager = t;
+    run(cfg, dev_plan, eager, LayerMode::keep_h);
+  }
+};
 
 void poison(LayerTensors& t) {
   for (HostTensor* h : {&t.out, &t.dx, &t.dw1, &t.dw2, &t.d_pair_weights}) h->fill_pattern();
@@ -287,11 +309,7 @@ TEST(Fp8LayerGpu, WeightCacheGivesTheSameBitsAndRequantizesOnlyWhenTold) {
       SavedForBackward saved;
       layer_forward(cfg, dev_plan, x.v, w1.v, w2.v, out.v, saved, opts);
       layer_backward(cfg, dev_plan, x.v, w1.v, w2.v, d_out.v, saved, g, opts);
-      out.download_into(got.out);
-      dx.download_into(got.dx);
-      dw1.download_into(got.dw1);
-      dw2.download_into(got.dw2);
-      dpw.download_into(got.d_pair_weights);
+      download_outputs(out, dx, dw1, dw2, dpw, got);
     };
     step();
     expect_same_results(got, plain);
@@ -324,13 +342,10 @@ TEST(Fp8LayerGpu, GraphCapturedStepGivesTheEagerBits) {
   MOEBLAZE_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  const HostRouting routing = random_routing({256, 8, 2, 1, true}, seed);
-  const RoutingPlan dev_plan = device_plan(make_plan(routing));
-  const LayerConfig cfg = fp8_config(256, 256, 128, 8, 2, Activation::swiglu);
-  LayerTensors t(cfg, dev_plan.S());
-  t.randomize(seed + 1);
-  LayerTensors eager = t;
-  run(cfg, dev_plan, eager, LayerMode::keep_h);
+  const SmallStep step(seed);
+  const RoutingPlan& dev_plan = step.dev_plan;
+  const LayerConfig& cfg = step.cfg;
+  const LayerTensors &t = step.t, &eager = step.eager;
 
   DevTensor x(t.x), w1(t.w1), w2(t.w2), out(t.out), d_out(t.d_out), dx(t.dx), dw1(t.dw1),
       dw2(t.dw2), dpw(t.d_pair_weights);
@@ -378,11 +393,7 @@ TEST(Fp8LayerGpu, GraphCapturedStepGivesTheEagerBits) {
     MOEBLAZE_CUDA_CHECK(cudaGraphLaunch(exec, s));
     MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(s));
     LayerTensors got = t;
-    out.download_into(got.out);
-    dx.download_into(got.dx);
-    dw1.download_into(got.dw1);
-    dw2.download_into(got.dw2);
-    dpw.download_into(got.d_pair_weights);
+    download_outputs(out, dx, dw1, dw2, dpw, got);
     expect_same_results(got, eager);
     MOEBLAZE_CUDA_CHECK(cudaGraphExecDestroy(exec));
     MOEBLAZE_CUDA_CHECK(cudaGraphDestroy(graph));
@@ -398,17 +409,14 @@ TEST(Fp8LayerGpu, CAbiCacheQuantizesOnceAndGivesTheBitsOfNoCache) {
   MOEBLAZE_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  const HostRouting routing = random_routing({256, 8, 2, 1, true}, seed);
-  const RoutingPlan dev_plan = device_plan(make_plan(routing));
-  const LayerConfig cfg = fp8_config(256, 256, 128, 8, 2, Activation::swiglu);
-  LayerTensors t(cfg, dev_plan.S());
-  t.randomize(seed + 1);
-  LayerTensors plain = t;
-  run(cfg, dev_plan, plain, LayerMode::keep_h);
+  SmallStep small(seed);
+  RoutingPlan& dev_plan = small.dev_plan;
+  const LayerConfig& cfg = small.cfg;
+  const LayerTensors &t = small.t, &plain = small.eager;
 
   DevTensor x(t.x), w1(t.w1), w2(t.w2), out(t.out), d_out(t.d_out), dx(t.dx), dw1(t.dw1),
       dw2(t.dw2), dpw(t.d_pair_weights);
-  RoutingPlan& p = const_cast<RoutingPlan&>(dev_plan);
+  RoutingPlan& p = dev_plan;
   const moeblaze_plan cp{p.T(), p.E(), p.S(), p.expert_token_offsets(),
                          p.expert_token_indices(), p.slot_weights(), p.token_pair_offsets(),
                          p.token_expert_indices(), p.token_index_map()};
@@ -439,11 +447,7 @@ TEST(Fp8LayerGpu, CAbiCacheQuantizesOnceAndGivesTheBitsOfNoCache) {
               MOEBLAZE_OK)
         << moeblaze_last_error();
     MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
-    out.download_into(got.out);
-    dx.download_into(got.dx);
-    dw1.download_into(got.dw1);
-    dw2.download_into(got.dw2);
-    dpw.download_into(got.d_pair_weights);
+    download_outputs(out, dx, dw1, dw2, dpw, got);
     ASSERT_EQ(moeblaze_fp8_weight_cache_stats(cache, &bytes, &quantizations), MOEBLAZE_OK);
   };
   step();

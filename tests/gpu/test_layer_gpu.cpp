@@ -297,9 +297,9 @@ RoutingPlan without_token_experts(const RoutingPlan& p) {
 // fresh_threads: forward and backward each run on a new thread with caller-given H and
 // workspaces, so that the library's own calls are the thread's first CUDA calls (PyTorch's
 // autograd thread calls backward like that). drop_tei: backward gets the plan without
-// token_expert_indices.
+// token_expert_indices. graph: the step captured in a CUDA graph (caller memory), replayed.
 GpuResult run_gpu(const Inputs& in, LayerMode mode, bool dh_over_h = false,
-                  bool fresh_threads = false, bool drop_tei = false) {
+                  bool fresh_threads = false, bool drop_tei = false, bool graph = false) {
   const LayerConfig& c = in.cfg;
   const RoutingPlan no_tei = without_token_experts(in.plans.dev);
   const RoutingPlan& bwd_plan = drop_tei ? no_tei : in.plans.dev;
@@ -332,7 +332,32 @@ GpuResult run_gpu(const Inputs& in, LayerMode mode, bool dh_over_h = false,
 
   GpuResult res;
   SavedForBackward saved;
-  if (fresh_threads) {
+  if (graph) {
+    // On caller memory, captured in a CUDA graph on a non-blocking stream, replayed twice
+    // (forward writes H again before each backward writes dH over it).
+    const size_t fwd_ws = layer_workspace_bytes(c, S, mode, Device::cuda, LayerPass::forward, false);
+    const size_t bwd_ws =
+        layer_workspace_bytes(c, S, mode, Device::cuda, LayerPass::backward, dh_over_h);
+    DevMem h(mode == LayerMode::keep_h ? size_t(S * R) * 2 : 0), fws(fwd_ws), bws(bwd_ws);
+    cudaStream_t s = nullptr;
+    MOEBLAZE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    LayerOptions f = opts, b = opts;
+    f.stream = b.stream = s;
+    f.workspace = fws.p, f.workspace_bytes = fwd_ws, f.h_storage = h.p;
+    b.workspace = bws.p, b.workspace_bytes = bwd_ws;
+    cudaGraph_t cg = nullptr;
+    MOEBLAZE_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    layer_forward(c, in.plans.dev, xv, w1v, w2v, outv, saved, f);
+    layer_backward(c, bwd_plan, xv, w1v, w2v, doutv, saved, g, b);
+    MOEBLAZE_CUDA_CHECK(cudaStreamEndCapture(s, &cg));
+    cudaGraphExec_t exec = nullptr;
+    MOEBLAZE_CUDA_CHECK(cudaGraphInstantiate(&exec, cg, 0));
+    for (int replay = 0; replay < 2; ++replay) MOEBLAZE_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(s));
+    MOEBLAZE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    MOEBLAZE_CUDA_CHECK(cudaGraphDestroy(cg));
+    MOEBLAZE_CUDA_CHECK(cudaStreamDestroy(s));
+  } else if (fresh_threads) {
     const size_t fwd_ws = layer_workspace_bytes(c, S, mode, Device::cuda, LayerPass::forward, false);
     const size_t bwd_ws =
         layer_workspace_bytes(c, S, mode, Device::cuda, LayerPass::backward, dh_over_h);
@@ -853,61 +878,6 @@ TEST(LayerGpu, TokenChunksGiveTheWholeStepsBits) {
     }
 }
 
-// One step captured in a CUDA graph on a non-blocking stream, on caller memory, then replayed
-// twice (the graph's launches under the overrides in force at capture).
-GpuResult run_gpu_graph(const Inputs& in, LayerMode mode) {
-  const LayerConfig& c = in.cfg;
-  const int64_t S = in.plans.dev.S(), R = c.w1_rows();
-  DevMem x(in.x), w1(in.w1), w2(in.w2), dout(in.dout);
-  DevMem out(c.T * c.d * 2), dx(c.T * c.d * 2), dw1(c.E * R * c.d * 2), dw2(c.E * c.d * c.n * 2),
-      dpw(S * 4);
-  const TensorView xv(x.p, DType::bf16, Device::cuda, {c.T, c.d});
-  const TensorView w1v(w1.p, DType::bf16, Device::cuda, {c.E, R, c.d});
-  const TensorView w2v(w2.p, DType::bf16, Device::cuda, {c.E, c.d, c.n});
-  const TensorView outv(out.p, DType::bf16, Device::cuda, {c.T, c.d});
-  const TensorView doutv(dout.p, DType::bf16, Device::cuda, {c.T, c.d});
-  LayerGrads g;
-  g.dx = TensorView(dx.p, DType::bf16, Device::cuda, {c.T, c.d});
-  g.dw1 = TensorView(dw1.p, DType::bf16, Device::cuda, {c.E, R, c.d});
-  g.dw2 = TensorView(dw2.p, DType::bf16, Device::cuda, {c.E, c.d, c.n});
-  g.d_pair_weights = TensorView(dpw.p, DType::f32, Device::cuda, {S});
-  const size_t fwd_ws = layer_workspace_bytes(c, S, mode, Device::cuda, LayerPass::forward, false);
-  const size_t bwd_ws = layer_workspace_bytes(c, S, mode, Device::cuda, LayerPass::backward, true);
-  DevMem h(mode == LayerMode::keep_h ? size_t(S * R) * 2 : 0), fws(fwd_ws), bws(bwd_ws);
-  cudaStream_t s = nullptr;
-  MOEBLAZE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  LayerOptions f, b;
-  f.mode = b.mode = mode;
-  f.stream = b.stream = s;
-  f.workspace = fws.p, f.workspace_bytes = fwd_ws, f.h_storage = h.p;
-  b.workspace = bws.p, b.workspace_bytes = bwd_ws, b.dh_over_h = mode == LayerMode::keep_h;
-  cudaGraph_t graph = nullptr;
-  MOEBLAZE_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  {
-    SavedForBackward saved;
-    layer_forward(c, in.plans.dev, xv, w1v, w2v, outv, saved, f);
-    layer_backward(c, in.plans.dev, xv, w1v, w2v, doutv, saved, g, b);
-  }
-  MOEBLAZE_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-  cudaGraphExec_t exec = nullptr;
-  MOEBLAZE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int replay = 0; replay < 2; ++replay) {  // dH goes over H: forward rewrites H each replay
-    for (DevMem* o : {&out, &dx, &dw1, &dw2, &dpw}) o->poison();
-    MOEBLAZE_CUDA_CHECK(cudaGraphLaunch(exec, s));
-  }
-  MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(s));
-  MOEBLAZE_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  MOEBLAZE_CUDA_CHECK(cudaGraphDestroy(graph));
-  MOEBLAZE_CUDA_CHECK(cudaStreamDestroy(s));
-  GpuResult res;
-  res.out = out.download<bf16>();
-  res.dx = dx.download<bf16>();
-  res.dw1 = dw1.download<bf16>();
-  res.dw2 = dw2.download<bf16>();
-  res.dpw = dpw.download<float>();
-  return res;
-}
-
 // Programmatic dependent launch (src/cuda/pdl.cuh, override pdl=1): every kernel it launches
 // waits for the one before it before touching memory, so the step's bits are those of plain
 // launches, run after run (a missed wait shows as a flaky difference here), with the aggregation
@@ -953,7 +923,7 @@ TEST(LayerGpu, ProgrammaticDependentLaunchGivesTheSameBits) {
       expect_same_bits(plain_dh, run_gpu(in, sh.c.mode, /*dh_over_h=*/true));
     }
     if (sh.c.mode == LayerMode::keep_h)  // (recompute's ranges refuse a capture by name)
-      expect_same_bits(plain_dh, run_gpu_graph(in, sh.c.mode));
+      expect_same_bits(plain_dh, run_gpu(in, sh.c.mode, true, false, false, /*graph=*/true));
   }
   cuda::gemm::clear_kernel_overrides();
   EXPECT_EQ(cuda::gemm::pdl_launches(), cuda::gemm::kPdlDefault);
