@@ -36,23 +36,42 @@ struct KernelsFlags {
   uint64_t seed = 1234;
 };
 
-// The rows a GEMM's tiles cover for one expert with `rows` rows: the M-tiled GEMMs round each
-// expert up to whole tiles (and a tma_grouped 2-CTA cluster along M to whole pairs); the
-// varlen-K weight gradients reduce over the rows in tile_k steps.
-int64_t tiled_rows(const cuda::gemm::GemmKernel& g, bool varlen_k, int64_t rows) {
+// One GEMM's multiply-adds over a routing (rows: (E,) slots per expert): the useful ones, and
+// what its tiles compute, with M, N and K each padded to the kernel's tile (a tma_grouped 2-CTA
+// cluster pairs CTAs along M on the 256-wide tile, along N on the 128-wide ones; ws_varlen_k's
+// along M). The GEMMs in LayerKernels order, as M x N x K per expert: up rows x w1_rows x d,
+// down rows x d x n, dH rows x n x d, dW2 d x n x rows, dX~ rows x d x w1_rows, dW1
+// d x w1_rows x rows (the varlen-K kernels' 128-wide side is the gathered d).
+struct TileWork {
+  double useful = 0, covered = 0;
+};
+TileWork tile_work(const cuda::gemm::GemmKernel& g, int gemm, const LayerConfig& c,
+                   const std::vector<int64_t>& rows) {
   namespace gg = cuda::gemm;
-  int64_t step = varlen_k ? g.tile_k : g.tile_m;
-  if (!varlen_k && g.family == gg::KernelFamily::tma_grouped && g.cluster == 2 && g.tile_n == 256)
-    step *= 2;  // kTmaVariants: the 256-wide tile's cluster pairs CTAs along M
-  return (rows + step - 1) / step * step;
-}
-
-// Multiply-adds per row (times d n) of each GEMM, LayerKernels order: up (w1_rows d), down (n d),
-// dH (d n), dW2 (d n), dX~ (w1_rows d), dW1 (w1_rows d).
-double gemm_weight(int i, const LayerConfig& c) {
-  const double R = double(c.w1_rows()), d = double(c.d), n = double(c.n);
-  const double w[6] = {R * d, n * d, d * n, d * n, R * d, R * d};
-  return w[i];
+  const auto up_to = [](int64_t v, int64_t step) { return (v + step - 1) / step * step; };
+  const bool pair = g.cluster == 2 && (g.family == gg::KernelFamily::tma_grouped ||
+                                       g.family == gg::KernelFamily::ws_varlen_k);
+  const bool pair_along_m = g.family == gg::KernelFamily::ws_varlen_k || g.tile_n == 256;
+  const int64_t gm = g.tile_m * (pair && pair_along_m ? 2 : 1);
+  const int64_t gn = g.tile_n * (pair && !pair_along_m ? 2 : 1);
+  const int64_t gk = g.tile_k;
+  const int64_t R = c.w1_rows(), d = c.d, n = c.n;
+  TileWork w;
+  for (const int64_t r : rows) {
+    if (r == 0) continue;  // no tile of an empty expert multiplies anything
+    int64_t m = r, nn = 0, k = 0;
+    switch (gemm) {
+      case gg::LayerKernels::kUp: nn = R, k = d; break;
+      case gg::LayerKernels::kDown: nn = d, k = n; break;
+      case gg::LayerKernels::kDh: nn = n, k = d; break;
+      case gg::LayerKernels::kDw2: m = d, nn = n, k = r; break;
+      case gg::LayerKernels::kDx: nn = d, k = R; break;
+      default: m = d, nn = R, k = r; break;  // dW1
+    }
+    w.useful += double(m) * double(nn) * double(k);
+    w.covered += double(up_to(m, gm)) * double(up_to(nn, gn)) * double(up_to(k, gk));
+  }
+  return w;
 }
 
 // --rounding's modes and --m-tile, checked before any table is printed.
@@ -63,10 +82,10 @@ void check_padding_flags(const KernelsFlags& f) {
                    " is outside [1, 4096]");
 }
 
-// Table 4: for each config and routing (top-K, then each rounding), each GEMM's padding (rows its
-// tiles cover beyond the routing's, in % of them) with the kernels chosen at that routing's S,
-// and the six GEMMs' work (multiply-adds, padding included) against top-K's: the most a rounding
-// can shorten a step whose GEMMs run at one rate.
+// Table 4: for each config and routing (top-K, then each rounding), with the kernels chosen at
+// that routing's S, each GEMM's waste (multiply-adds its tiles compute beyond the useful ones, in
+// % of them), and the six GEMMs' tile work against top-K's: the most a rounding can shorten a
+// step whose GEMMs run at one rate.
 void padding_table(const KernelsFlags& f, const std::vector<const NamedConfig*>& configs,
                    Activation act, const cuda::gemm::KernelOverrides& o) {
   namespace gg = cuda::gemm;
@@ -74,8 +93,8 @@ void padding_table(const KernelsFlags& f, const std::vector<const NamedConfig*>&
   for (const std::string& r : split_commas(f.rounding)) roundings.push_back(r);
   std::vector<Column> cols{{"config", Align::left}, {"routing", Align::left}, {"S"}};
   for (int i = 0; i < gg::LayerKernels::kCount; ++i)
-    cols.push_back({std::string(gg::LayerKernels::name(i)) + " pad %"});
-  cols.push_back({"GEMM work vs top-K"});
+    cols.push_back({std::string(gg::LayerKernels::name(i)) + " waste %"});
+  cols.push_back({"tile work vs top-K"});
   cols.push_back({"top-K / this"});
   Table table(cols);
   for (const NamedConfig* nc : configs) {
@@ -92,11 +111,9 @@ void padding_table(const KernelsFlags& f, const std::vector<const NamedConfig*>&
                                    std::to_string(S)};
       double work = 0;
       for (int i = 0; i < gg::LayerKernels::kCount; ++i) {
-        const bool varlen_k = i == 3 || i == 5;  // dW2, dW1
-        int64_t covered = 0;
-        for (const int64_t e_rows : rows) covered += tiled_rows(k.at(i), varlen_k, e_rows);
-        row.push_back(fixed(covered ? 100.0 * double(covered - S) / double(covered) : 0.0, 1));
-        work += gemm_weight(i, c) * double(covered);
+        const TileWork t = tile_work(k.at(i), i, c, rows);
+        row.push_back(fixed(t.covered > 0 ? 100.0 * (1.0 - t.useful / t.covered) : 0.0, 1));
+        work += t.covered;
       }
       if (r == "topk") topk_work = work;
       row.push_back(fixed(work / topk_work, 4));
@@ -104,8 +121,10 @@ void padding_table(const KernelsFlags& f, const std::vector<const NamedConfig*>&
       table.add_row(row);
     }
   }
-  std::cout << "\ntile padding (rows each GEMM's tiles cover beyond the routing's; " << f.m_tile
-            << "-row token rounding; softmax top-K of N(0, 1) logits, seed " << f.seed << ")\n";
+  std::cout << "\ntile work (waste: multiply-adds each GEMM's tiles compute beyond the useful "
+               "ones, M, N and K padded to its tiles; "
+            << f.m_tile << "-row token rounding; softmax top-K of N(0, 1) logits, seed " << f.seed
+            << ")\n";
   table.print(std::cout);
 }
 
