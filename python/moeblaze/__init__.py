@@ -20,8 +20,8 @@ from .reference import dense_reference, torch_experts, torch_router
 
 __version__ = "0.1.0"
 
-__all__ = ["MoE", "Fp8WeightCache", "TorchMoE", "SharedExpert", "RouterLosses", "moe_experts", "experts_from_routing",
-           "router_losses", "ops", "memory_stats", "reset_peak", "has_cuda", "library_path",
-           "MoeblazeError", "UnsupportedError", "dense_reference", "torch_experts",
-           "torch_router", "ExpertParallelMoE", "ep_experts_from_routing", "ep_moe_experts",
-           "ep_shard", "use_extension", "extension_status"]
+__all__ = ["MoE", "Fp8WeightCache", "TorchMoE", "SharedExpert", "RouterLosses", "moe_experts",
+           "experts_from_routing", "router_losses", "ops", "memory_stats", "reset_peak",
+           "has_cuda", "library_path", "MoeblazeError", "UnsupportedError", "dense_reference",
+           "torch_experts", "torch_router", "ExpertParallelMoE", "ep_experts_from_routing",
+           "ep_moe_experts", "ep_shard", "use_extension", "extension_status"]
