@@ -49,6 +49,10 @@ def test_the_baseline_column_prefers_the_in_process_c_abi_then_the_cpp_rows():
     assert peers.baseline_of(nrf, rows + [routed, nrf]) is routed
     assert peers.baseline_of(routed, rows + [routed, nrf]) is None
     assert "| 1.048 (moeblaze-capi) |" in peers.markdown(rows + [capi])
+    fp8, cached = row("moeblaze-torch-fp8", 9.0), row("moeblaze-torch-fp8-cached", 8.0)
+    assert peers.baseline_of(fp8, rows + [fp8, cached]) is torch_row
+    assert peers.baseline_of(cached, rows + [fp8, cached]) is fp8
+    assert peers.baseline_of(cached, rows + [cached]) is torch_row
 
 
 def test_routed_steps_run_the_router_and_rounding_and_skip_the_error_column():
