@@ -36,9 +36,10 @@ class Fp8WeightCache:
     calls reuse the codes until weights_changed(), which the caller calls after every in-place
     update of the weights (an optimizer step, a checkpoint load): the library cannot see one.
     Calls with other weight tensors (pointers or shapes) requantize by themselves. Holds about
-    the bf16 weights' bytes of device memory, freed by close() or when collected (keep it alive
-    while a CUDA graph captured with it may replay); the CPU backend quantizes in every call and
-    leaves it empty. A copy (copy, deepcopy, pickle) is a new, empty
+    the bf16 weights' bytes of device memory, freed by close() or when collected: keep it alive
+    until the backward of every call given it has run (a dead cache there is refused by name)
+    and while a CUDA graph captured with it may replay. The CPU backend quantizes in every call
+    and leaves it empty. A copy (copy, deepcopy, pickle) is a new, empty
     cache. MoE(compute_dtype="fp8", fp8_weight_cache=True) keeps one and tells it itself."""
 
     def __init__(self):
