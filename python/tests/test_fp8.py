@@ -255,3 +255,18 @@ def test_fp8_cache_argument_of_the_custom_ops_is_checked(seed):
         ops.experts_forward(x, w1, w2, pw, *plan[:6], act, False, 0, None, None, 1, -1)
     with pytest.raises(ValueError, match="cfg.fp8_weights is not a live FP8 weight cache"):
         ops.experts_forward(x, w1, w2, pw, *plan[:6], act, False, 0, None, None, 1, 4096)
+
+
+def test_fp8_cache_closed_before_backward_is_refused_by_name(seed):
+    # A cache closed between forward and backward: the backward's C call refuses its handle by
+    # name (the C++ fast path's autograd node raises it as RuntimeError, the Python path's as
+    # ValueError), never a use of freed codes.
+    x, w1, w2, ids, wts = _inputs()
+    for path in (True, False):
+        cache = moeblaze.Fp8WeightCache()
+        with moeblaze.use_extension(path):
+            out = moeblaze.moe_experts(x, w1, w2, ids, wts, compute_dtype="fp8", fp8_weights=cache)
+        cache.close()
+        with pytest.raises((ValueError, RuntimeError),
+                           match="cfg.fp8_weights is not a live FP8 weight cache"):
+            out.float().sum().backward()
