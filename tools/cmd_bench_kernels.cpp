@@ -85,7 +85,8 @@ void check_padding_flags(const KernelsFlags& f) {
 // Table 4: for each config and routing (top-K, then each rounding), with the kernels chosen at
 // that routing's S, each GEMM's waste (multiply-adds its tiles compute beyond the useful ones, in
 // % of them), and the six GEMMs' tile work against top-K's: the most a rounding can shorten a
-// step whose GEMMs run at one rate.
+// step whose GEMMs run at one rate; last, the useful share of the tiles' work, the most of the
+// dense bound (bench layer's dense-bound row) a step reaches at the tiles' rate.
 void padding_table(const KernelsFlags& f, const std::vector<const NamedConfig*>& configs,
                    Activation act, const cuda::gemm::KernelOverrides& o) {
   namespace gg = cuda::gemm;
@@ -96,6 +97,7 @@ void padding_table(const KernelsFlags& f, const std::vector<const NamedConfig*>&
     cols.push_back({std::string(gg::LayerKernels::name(i)) + " waste %"});
   cols.push_back({"tile work vs top-K"});
   cols.push_back({"top-K / this"});
+  cols.push_back({"of dense bound at most"});
   Table table(cols);
   for (const NamedConfig* nc : configs) {
     const LayerConfig c = layer_config(*nc, act, DType::bf16);
@@ -109,15 +111,19 @@ void padding_table(const KernelsFlags& f, const std::vector<const NamedConfig*>&
       std::vector<std::string> row{nc->name,
                                    r == "topk" ? r : r + " m" + std::to_string(f.m_tile),
                                    std::to_string(S)};
-      double work = 0;
+      double work = 0, useful = 0;
       for (int i = 0; i < gg::LayerKernels::kCount; ++i) {
         const TileWork t = tile_work(k.at(i), i, c, rows);
         row.push_back(fixed(t.covered > 0 ? 100.0 * (1.0 - t.useful / t.covered) : 0.0, 1));
         work += t.covered;
+        useful += t.useful;
       }
       if (r == "topk") topk_work = work;
       row.push_back(fixed(work / topk_work, 4));
       row.push_back(fixed(topk_work / work, 4));
+      // The dense bound runs the useful multiply-adds as one unpadded GEMM per step: at the same
+      // rate per tile, the tiles' share of useful work is the most of it this routing reaches.
+      row.push_back(fixed(work > 0 ? 100.0 * useful / work : 100.0, 1) + " %");
       table.add_row(row);
     }
   }
