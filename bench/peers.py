@@ -70,10 +70,6 @@ DEFAULT_CONFIGS = "sm-7B-n256,sm-30B-n512,sm-default,olmoe"
 ALL_IMPLS = "moeblaze-torch,moeblaze-torch-recompute,sonicmoe,scattermoe,torch,torch-fp8"
 
 
-def fits_at_given(args):
-    return bool(args.fits_at.strip(", "))
-
-
 class Skip(Exception):
     """A peer that cannot run here (not installed, or refuses the shape)."""
 
@@ -895,15 +891,15 @@ def main():
                          "new shape), or QuACK's default config (memory probes only: the rows "
                          "then carry peer_gemms, and timed rows are refused)")
     args = ap.parse_args()
-    global PEER_GEMMS
-    PEER_GEMMS = args.peer_gemms
-    if PEER_GEMMS == "default" and not (fits_at_given(args) or args.max_tokens):
-        ap.error("--peer-gemms default: only with --max-tokens or --fits-at (untuned tiles "
-                 "would time SonicMoE below its own speed)")
     try:
         fits_at = [int(t) for t in args.fits_at.split(",") if t]
     except ValueError:
         ap.error(f"--fits-at '{args.fits_at}': expected a comma list of token counts")
+    global PEER_GEMMS
+    PEER_GEMMS = args.peer_gemms
+    if PEER_GEMMS == "default" and not (fits_at or args.max_tokens):
+        ap.error("--peer-gemms default: only with --max-tokens or --fits-at (untuned tiles "
+                 "would time SonicMoE below its own speed)")
     if any(t < 1 for t in fits_at):
         ap.error("--fits-at: every T must be >= 1")
     if args.reps < 1 or args.warmup < 0:

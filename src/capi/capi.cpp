@@ -507,12 +507,10 @@ int moeblaze_router_backward_losses(const moeblaze_router_cfg* cfg, float aux_co
 #ifdef MOEBLAZE_WITH_CUDA
     require_ptr(flags, "flags");
     if (T * E == 0) return;
-    // The CPU's scales, formed the same way (double, rounded once).
-    const float aux_scale = float(double(r.aux_loss_coef) * double(E) / double(T));
-    const float z_scale = float(2.0 * double(r.z_loss_coef) / double(T));
+    const cuda::RouterLossScales scales = cuda::router_loss_scales(r, T, E);
     cuda::router_backward_async(r, a.logits, a.bias.as<const float>(), rv, d_pair_weights,
-                                d_logits, r.aux_loss_coef > 0.0f ? f : nullptr, aux_scale,
-                                z_scale, flags, as_stream(stream), g_aux, g_z);
+                                d_logits, r.aux_loss_coef > 0.0f ? f : nullptr, scales.aux,
+                                scales.z, flags, as_stream(stream), g_aux, g_z);
 #else
     (void)stream;
     (void)flags;

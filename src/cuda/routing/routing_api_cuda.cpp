@@ -190,6 +190,12 @@ RouterLosses route(const RouterConfig& cfg, const TensorView& logits, const Tens
   return r;
 }
 
+RouterLossScales router_loss_scales(const RouterConfig& cfg, int64_t T, int64_t E) {
+  if (T <= 0) return {0.0f, 0.0f};
+  return {float(double(cfg.aux_loss_coef) * double(E) / double(T)),
+          float(2.0 * double(cfg.z_loss_coef) / double(T))};
+}
+
 void router_backward(const RouterConfig& cfg, const TensorView& logits, const TensorView& bias,
                      const RoutingView& routing, const TensorView& d_pair_weights,
                      const TensorView& d_logits) {
@@ -197,9 +203,7 @@ void router_backward(const RouterConfig& cfg, const TensorView& logits, const Te
   const int64_t T = logits.dim(0), E = logits.dim(1);
   check_routing_on_device(routing, stream);
   const bool want_aux = cfg.aux_loss_coef > 0.0f;
-  // The CPU's scales, formed the same way (double, rounded once).
-  const float aux_scale = T > 0 ? float(double(cfg.aux_loss_coef) * double(E) / double(T)) : 0.0f;
-  const float z_scale = T > 0 ? float(2.0 * double(cfg.z_loss_coef) / double(T)) : 0.0f;
+  const RouterLossScales scales = router_loss_scales(cfg, T, E);
   Buffer counts_ws, counts, f;
   if (want_aux) {
     counts_ws = Buffer(Device::cuda, expert_counts_workspace_bytes(routing.P, E));
@@ -214,8 +218,8 @@ void router_backward(const RouterConfig& cfg, const TensorView& logits, const Te
   int32_t* d_flags = clear_flags(flags, stream);
   const float* b = cfg.kind == RouterKind::sigmoid_bias ? bias.as<const float>() : nullptr;
   router_backward_async(cfg, logits, b, routing, d_pair_weights.as<const float>(),
-                        scratch.as<float>(), want_aux ? f.as<float>() : nullptr, aux_scale,
-                        z_scale, d_flags, stream);
+                        scratch.as<float>(), want_aux ? f.as<float>() : nullptr, scales.aux,
+                        scales.z, d_flags, stream);
   int32_t h[kRoutingFlagCount];
   read_flags(flags, h, stream);
   if (any_flag(h)) {
