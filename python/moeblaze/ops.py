@@ -688,9 +688,15 @@ def _(x, w1, w2, pair_weights, eto, eti, sw, tpo, tei, tim, activation, recomput
     rows = _w1_rows(activation, w2.shape[2])
     if compute == 0:
         return torch.empty_like(x), x.new_empty((0, rows) if recompute else (S, rows))
-    nbytes = 0 if recompute else _kept_h_bytes(x.shape[0], x.shape[1], w2.shape[2], w2.shape[0],
-                                               activation, compute, S)
+    nbytes = 0 if recompute else _fp8_kept_h_bytes(S, rows)
     return torch.empty_like(x), x.new_empty(nbytes, dtype=torch.uint8)
+
+
+def _fp8_kept_h_bytes(S, rows):
+    """LayerConfig::kept_h_bytes with fp8 compute as a formula: S is symbolic under dynamic
+    shapes, where the C call (and its cache) cannot take it; a test holds it to the library's."""
+    codes = (S * rows + 15) // 16 * 16  # e4m3 codes, then the scales 16-byte aligned
+    return codes + S * ((rows + 127) // 128) * 4  # fp32 scales, one per 128 columns of a row
 
 
 def _writes_dh_over_h(x, recompute, dh_over_h):

@@ -33,6 +33,33 @@ def _inputs(T=61, d=160, n=96, E=5, K=2):
     return x, w1, w2, ids, wts
 
 
+def test_fp8_kept_h_formula_of_the_fake_is_the_librarys():
+    # The fake kernel sizes H by a formula (S is symbolic under dynamic shapes); it must be
+    # LayerConfig::kept_h_bytes, which the real call asks the library for.
+    for act in ("swiglu", "relu"):
+        code = _activation_code(act)
+        for n in (64, 96, 128, 200, 1024):
+            rows = ops._w1_rows(code, n)
+            for S in (0, 1, 3, 17, 122, 4096):
+                assert ops._fp8_kept_h_bytes(S, rows) == ops._kept_h_bytes(
+                    max(S, 1), 128, n, 4, code, 1, S), (act, n, S)
+
+
+def test_fp8_compiles_with_dynamic_shapes(seed):
+    # Two token counts through one compiled function: the second compile has a symbolic T.
+    f = torch.compile(lambda *a: moeblaze.moe_experts(*a, compute_dtype="fp8"),
+                      backend="aot_eager", fullgraph=True, dynamic=True)
+    for T in (61, 90):
+        x, w1, w2, ids, wts = _inputs(T=T)
+        out = f(x, w1, w2, ids, wts)
+        g = torch.randn_like(out)
+        grads = torch.autograd.grad(out, [x, w1, w2, wts], g)
+        ref = moeblaze.moe_experts(x, w1, w2, ids, wts, compute_dtype="fp8")
+        assert torch.equal(out, ref)
+        for a, r in zip(grads, torch.autograd.grad(ref, [x, w1, w2, wts], g)):
+            assert torch.equal(a, r)
+
+
 @pytest.mark.parametrize("recompute", [False, True])
 def test_fp8_matches_float64_within_the_e4m3_bound(seed, recompute):
     x, w1, w2, ids, wts = _inputs()
