@@ -49,7 +49,8 @@ false): a bracket for a peer whose every new T costs a search of its own (SonicM
 With --peer-gemms default, SonicMoE's GEMMs take QuACK's default tile config instead of its
 autotuner's (what `quack.gemm(..., tuned=False)` runs): a probe then costs seconds, not a search
 of minutes per T, and reads the same bytes (tiles do not change what is allocated); its rows say
-`"peer_gemms": "default"`. Timed rows refuse it.
+`"peer_gemms": "default"`. A --memory-timeline takes it too (bytes, no timing: its curve's
+label says so). Timed rows refuse it.
 """
 import argparse
 import datetime
@@ -700,7 +701,8 @@ def memory_timeline(names, impls, args, dev, path):
                 del out
                 events = [e for trace in snap["device_traces"] for e in trace]
                 points, at_peak = trace_curve(events)
-                curves[f"{name} {impl}"] = {"base_bytes": base, "ms_bytes": points,
+                tiles = " (QuACK default tiles)" if peer_gemms_field(impl) else ""
+                curves[f"{name} {impl}{tiles}"] = {"base_bytes": base, "ms_bytes": points,
                                             "live_at_peak": at_peak}
                 print(f"peers: {name} {impl}: timeline of {len(points)} events, peak "
                       f"{max(b for _, b in points) / 2**20:.0f} MiB above the inputs",
@@ -897,9 +899,9 @@ def main():
         ap.error(f"--fits-at '{args.fits_at}': expected a comma list of token counts")
     global PEER_GEMMS
     PEER_GEMMS = args.peer_gemms
-    if PEER_GEMMS == "default" and not (fits_at or args.max_tokens):
-        ap.error("--peer-gemms default: only with --max-tokens or --fits-at (untuned tiles "
-                 "would time SonicMoE below its own speed)")
+    if PEER_GEMMS == "default" and not (fits_at or args.max_tokens or args.memory_timeline):
+        ap.error("--peer-gemms default: only with --max-tokens, --fits-at or --memory-timeline "
+                 "(untuned tiles would time SonicMoE below its own speed)")
     if any(t < 1 for t in fits_at):
         ap.error("--fits-at: every T must be >= 1")
     if args.reps < 1 or args.warmup < 0:

@@ -75,3 +75,19 @@ def test_quack_default_gemms_passes_config_none_to_tuned_gemms_only(monkeypatch)
     # An explicit config is the caller's choice: the autotuner's own path, untouched.
     assert Autotuner(gemm_tuned)(1, 2, config="mine") == ("gemm", 1, 2, "mine", 1.0)
     assert calls == [("search", "plain"), ("search", "gemm_tuned")]
+
+
+def test_peer_gemms_default_is_refused_for_timed_rows_and_taken_for_bytes(tmp_path):
+    import subprocess
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "peers.py")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the arguments only: no step on a GPU
+
+    def run(*extra):
+        return subprocess.run([sys.executable, script, "--config", "olmoe", "--peer-gemms",
+                               "default", *extra], capture_output=True, text=True, timeout=120,
+                              env=env)
+    timed = run()
+    assert timed.returncode == 2 and "--peer-gemms default: only with" in timed.stderr
+    for extra in (["--memory-timeline", str(tmp_path / "t.png")], ["--fits-at", "1024"]):
+        r = run(*extra)
+        assert "--peer-gemms default: only with" not in r.stderr, extra
