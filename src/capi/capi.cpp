@@ -507,7 +507,7 @@ int moeblaze_router_backward_losses(const moeblaze_router_cfg* cfg, float aux_co
 #ifdef MOEBLAZE_WITH_CUDA
     require_ptr(flags, "flags");
     if (T * E == 0) return;
-    const cuda::RouterLossScales scales = cuda::router_loss_scales(r, T, E);
+    const cpu::RouterLossScales scales = cpu::router_loss_scales(r, T, E);
     cuda::router_backward_async(r, a.logits, a.bias.as<const float>(), rv, d_pair_weights,
                                 d_logits, r.aux_loss_coef > 0.0f ? f : nullptr, scales.aux,
                                 scales.z, flags, as_stream(stream), g_aux, g_z);

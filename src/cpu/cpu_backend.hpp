@@ -23,6 +23,12 @@ void router_backward(const RouterConfig& cfg, const TensorView& logits, const Te
 // by the caller), bitwise; f (E,) receives the pair fractions count_e / P when not nullptr.
 RouterLosses router_losses(const RouterConfig& cfg, const TensorView& logits,
                            const int32_t* pair_experts, int64_t P, float* f);
+// The losses' backward scales over T tokens and E experts, shared by both backends' router
+// backward (formed in double, rounded once): aux = aux_coef·E/T, z = 2·z_coef/T; 0 where T = 0.
+struct RouterLossScales {
+  float aux, z;
+};
+RouterLossScales router_loss_scales(const RouterConfig& cfg, int64_t T, int64_t E);
 
 // ---- token rounding (src/cpu/token_rounding.cpp) ----
 void token_round(const RouterConfig& router, const TokenRoundingConfig& cfg,

@@ -75,6 +75,12 @@ RouterLosses route(const RouterConfig& cfg, const TensorView& logits, const Tens
   return losses;
 }
 
+RouterLossScales router_loss_scales(const RouterConfig& cfg, int64_t T, int64_t E) {
+  if (T <= 0) return {0.0f, 0.0f};
+  return {float(double(cfg.aux_loss_coef) * double(E) / double(T)),
+          float(2.0 * double(cfg.z_loss_coef) / double(T))};
+}
+
 RouterLosses router_losses(const RouterConfig& cfg, const TensorView& logits,
                            const int32_t* pair_experts, int64_t P, float* f) {
   const int64_t T = logits.dim(0), E = logits.dim(1);
@@ -152,8 +158,8 @@ void router_backward(const RouterConfig& cfg, const TensorView& logits, const Te
     for (int64_t p = 0; p < routing.P; ++p) ++count[experts[p]];
     for (int64_t e = 0; e < E; ++e) f[e] = float(double(count[e]) / double(routing.P));
   }
-  float aux_scale = T > 0 ? float(double(cfg.aux_loss_coef) * double(E) / double(T)) : 0.0f;
-  float z_scale = T > 0 ? float(2.0 * double(cfg.z_loss_coef) / double(T)) : 0.0f;
+  const RouterLossScales scales = router_loss_scales(cfg, T, E);
+  float aux_scale = scales.aux, z_scale = scales.z;
   if (loss_grads != nullptr) {  // the losses' upstream gradients (autograd's), one rounding each
     aux_scale *= loss_grads[0];
     z_scale *= loss_grads[1];

@@ -30,16 +30,9 @@ size_t expert_counts_workspace_bytes(int64_t P, int64_t E);
 void expert_counts_async(const int32_t* experts, int64_t P, int E, int32_t* partial_ws,
                          int32_t* counts, float* f, cudaStream_t stream);
 
-// router_backward_async's aux_scale and z_scale for cfg over T tokens and E experts: the CPU's,
-// formed the same way (double, rounded once); 0 where T = 0.
-struct RouterLossScales {
-  float aux, z;
-};
-RouterLossScales router_loss_scales(const RouterConfig& cfg, int64_t T, int64_t E);
-
 // d_logits (T, E) fp32; f (E,) pair fractions when the aux loss is on. d_aux_grad, d_z_grad:
 // one fp32 each on the device, the losses' upstream gradients multiplying aux_scale and z_scale
-// (nullptr: 1).
+// (cpu::router_loss_scales; nullptr: 1).
 void router_backward_async(const RouterConfig& cfg, const TensorView& logits, const float* bias,
                            const RoutingView& routing, const float* d_pair_weights,
                            float* d_logits, const float* f, float aux_scale, float z_scale,

@@ -190,12 +190,6 @@ RouterLosses route(const RouterConfig& cfg, const TensorView& logits, const Tens
   return r;
 }
 
-RouterLossScales router_loss_scales(const RouterConfig& cfg, int64_t T, int64_t E) {
-  if (T <= 0) return {0.0f, 0.0f};
-  return {float(double(cfg.aux_loss_coef) * double(E) / double(T)),
-          float(2.0 * double(cfg.z_loss_coef) / double(T))};
-}
-
 void router_backward(const RouterConfig& cfg, const TensorView& logits, const TensorView& bias,
                      const RoutingView& routing, const TensorView& d_pair_weights,
                      const TensorView& d_logits) {
@@ -203,7 +197,7 @@ void router_backward(const RouterConfig& cfg, const TensorView& logits, const Te
   const int64_t T = logits.dim(0), E = logits.dim(1);
   check_routing_on_device(routing, stream);
   const bool want_aux = cfg.aux_loss_coef > 0.0f;
-  const RouterLossScales scales = router_loss_scales(cfg, T, E);
+  const cpu::RouterLossScales scales = cpu::router_loss_scales(cfg, T, E);
   Buffer counts_ws, counts, f;
   if (want_aux) {
     counts_ws = Buffer(Device::cuda, expert_counts_workspace_bytes(routing.P, E));
