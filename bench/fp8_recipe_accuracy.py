@@ -9,8 +9,8 @@ Variants (all with bf16 inputs and weights, fp32 math on the dequantized operand
              quantized in 128x1 tiles along their K, the expert's tokens
 The quantization follows src/core/fp8.hpp's rule (scale = max(amax, 448 * 2^-126) / 448, codes
 = e4m3(x / scale)), with torch's float8_e4m3fn cast (round to nearest even; |x / scale| <= 448
-so nothing saturates). The library's own fp8 path (compute_dtype="fp8") is printed beside
-fp8-data as a check of the emulation.
+so nothing saturates). The library's own fp8 paths (compute_dtype="fp8" and "fp8-wgrad") are
+printed beside fp8-data and fp8-all as a check of the emulation.
 
     PYTHONPATH=python python bench/fp8_recipe_accuracy.py [--shape T,d,n,E,K] [--seeds 3]
 """
@@ -108,7 +108,7 @@ def main():
     T, d, n, E, K = (int(v) for v in args.shape.split(","))
     print(f"fp8 recipe accuracy, T={T} d={d} n={n} E={E} K={K}, relative Frobenius error vs "
           f"float64, worst of {args.seeds} seeds")
-    print(f"{'activation':<10} {'variant':<16} {'out':>8} {'dx':>8} {'dw1':>8} {'dw2':>8}")
+    print(f"{'activation':<10} {'variant':<18} {'out':>8} {'dx':>8} {'dw1':>8} {'dw2':>8}")
     for act in args.activations.split(","):
         rows = 2 * n if act in ("swiglu", "geglu", "swiglu_oai") else n
         worst = {}
@@ -125,15 +125,16 @@ def main():
             refs = (ref.detach(),) + torch.autograd.grad(ref, ins, d_out.double())
             res = {v: layer(x, w1, w2, ids, wts, d_out, act, v)
                    for v in ("bf16", "fp8-data", "fp8-all")}
-            xl, w1l, w2l = (t.clone().requires_grad_() for t in (x, w1, w2))
-            o = moeblaze.moe_experts(xl, w1l, w2l, ids, wts, act, compute_dtype="fp8")
-            res["library fp8"] = (o.detach(),) + torch.autograd.grad(o, [xl, w1l, w2l],
-                                                                     d_out.to(o.dtype))
+            for c in ("fp8", "fp8-wgrad"):
+                xl, w1l, w2l = (t.clone().requires_grad_() for t in (x, w1, w2))
+                o = moeblaze.moe_experts(xl, w1l, w2l, ids, wts, act, compute_dtype=c)
+                res["library " + c] = (o.detach(),) + torch.autograd.grad(
+                    o, [xl, w1l, w2l], d_out.to(o.dtype))
             for v, outs in res.items():
                 errs = [rel(a, r) for a, r in zip(outs, refs)]
                 worst[v] = [max(p, q) for p, q in zip(worst.get(v, [0] * 4), errs)]
         for v, errs in worst.items():
-            print(f"{act:<10} {v:<16} " + " ".join(f"{e:8.4f}" for e in errs))
+            print(f"{act:<10} {v:<18} " + " ".join(f"{e:8.4f}" for e in errs))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ shape; its plan is built before the timing) when --cli names the binary.
 `moeblaze-torch-python` is moe_experts with its C++ fast path turned off (the Python path's
 host work: the same C calls). `moeblaze-torch-fp8` / `moeblaze-torch-fp8-cached`: compute_dtype
 "fp8" (issue 20), the weights quantized in every call / kept in an Fp8WeightCache (their error
-column is FP8's, ~20x bf16's).
+column is FP8's, ~20x bf16's); `moeblaze-torch-fp8-wgrad-cached`: "fp8-wgrad", cached.
 `moeblaze-torch-routed` / `moeblaze-torch-nrf` route from the logits with moeblaze's router (and
 NR-f token rounding to 128-row tiles) before the experts: the top-K and rounded steps, router
 included, side by side (no error column: the rounded routing is not the shared one).
@@ -126,12 +126,13 @@ def as_step(inp, forward):
     return step
 
 
-def impl_moeblaze_torch(inp, recompute, fast_path=True, fp8=None):
+def impl_moeblaze_torch(inp, recompute, fast_path=True, fp8=None, recipe="fp8"):
     """moe_experts as users call it; fast_path=False (`moeblaze-torch-python`): with its C++ fast
     path turned off (moeblaze.use_extension(False)) for the step, the Python path's time.
     fp8 "every-call" (`moeblaze-torch-fp8`): compute_dtype="fp8", the weights quantized in every
     call; "cached" (`moeblaze-torch-fp8-cached`): with an Fp8WeightCache, which the first step
-    fills and the rest reuse (the weights do not change between repetitions)."""
+    fills and the rest reuse (the weights do not change between repetitions). recipe "fp8-wgrad"
+    (`moeblaze-torch-fp8-wgrad-cached`): the weight gradients' GEMMs in FP8 too."""
     try:
         import moeblaze
     except ImportError as err:
@@ -143,7 +144,7 @@ def impl_moeblaze_torch(inp, recompute, fast_path=True, fp8=None):
         if inp.d % 128 or inp.n % 128:
             raise Skip(f"compute fp8 on the GPU needs d and n multiples of 128 (d {inp.d}, "
                        f"n {inp.n})")
-        kw["compute_dtype"] = "fp8"
+        kw["compute_dtype"] = recipe
         if fp8 == "cached":
             kw["fp8_weights"] = moeblaze.Fp8WeightCache()
 
@@ -324,6 +325,8 @@ IMPLS = {
     "moeblaze-torch-python": lambda inp: impl_moeblaze_torch(inp, False, fast_path=False),
     "moeblaze-torch-fp8": lambda inp: impl_moeblaze_torch(inp, False, fp8="every-call"),
     "moeblaze-torch-fp8-cached": lambda inp: impl_moeblaze_torch(inp, False, fp8="cached"),
+    "moeblaze-torch-fp8-wgrad-cached": lambda inp: impl_moeblaze_torch(inp, False, fp8="cached",
+                                                                       recipe="fp8-wgrad"),
     "moeblaze-torch-routed": lambda inp: impl_moeblaze_torch_routed(inp, None),
     "moeblaze-torch-nrf": lambda inp: impl_moeblaze_torch_routed(inp, "nr-f"),
     "moeblaze-capi": lambda inp: impl_moeblaze_capi(inp, False),
@@ -815,15 +818,18 @@ def baseline_of(r, rows):
     """The row another row's time is read against, or None: moeblaze-torch (-recompute) against
     the in-process C ABI of the same mode when measured (moeblaze-capi), else the C++ path's
     rows; moeblaze-torch-nrf against moeblaze-torch-routed (top-K, router included); the FP8
-    rows against moeblaze-torch (bf16), the cached one against the uncached first."""
+    rows against moeblaze-torch (bf16), the cached one against the uncached first, fp8-wgrad's
+    against fp8's (cached both)."""
     impl = r.get("impl", "")
     by = {(x["config"], x["impl"], x.get("bench")): x for x in rows if "total_ms" in x}
     if r.get("bench") != "peers":
         return None
     if impl == "moeblaze-torch-nrf":
         return by.get((r["config"], "moeblaze-torch-routed", "peers"))
-    if impl in ("moeblaze-torch-fp8", "moeblaze-torch-fp8-cached"):
-        first = "moeblaze-torch-fp8" if impl.endswith("-cached") else "moeblaze-torch"
+    if impl in ("moeblaze-torch-fp8", "moeblaze-torch-fp8-cached",
+                "moeblaze-torch-fp8-wgrad-cached"):
+        first = ("moeblaze-torch-fp8-cached" if "wgrad" in impl else
+                 "moeblaze-torch-fp8" if impl.endswith("-cached") else "moeblaze-torch")
         return (by.get((r["config"], first, "peers")) or
                 by.get((r["config"], "moeblaze-torch", "peers")))
     if impl not in ("moeblaze-torch", "moeblaze-torch-recompute"):

@@ -330,7 +330,7 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
         // FP8 rows: the weights' codes in a cache told before each step that the weights
         // changed (an optimizer step per fwd+bwd): forward quantizes, backward reuses.
         Fp8WeightCache fp8_cache;
-        if (im.compute == Compute::fp8) opts.fp8_weights = &fp8_cache;
+        if (is_fp8(im.compute)) opts.fp8_weights = &fp8_cache;
         opts.stream = stream;
         opts.dh_over_h = true;  // every step runs backward once from a fresh forward
         SavedForBackward saved;

@@ -537,7 +537,7 @@ ImplResult run_impl(const RunSetup& s, const Impl& impl, const Inputs& in,
 // flip the sign of H entries near zero and relu's step derivative turns each flip into a whole
 // dH error (dx, dw1 0.16 at cpu-default; docs/experiments/2026-12-01-fp8-cpu-layer.md).
 double check_tolerance(const Impl& impl, DType dtype) {
-  if (impl.compute == Compute::fp8) return 0.1;
+  if (is_fp8(impl.compute)) return 0.1;
   return dtype == DType::bf16 ? 2e-2 : 1e-4;
 }
 
@@ -670,7 +670,7 @@ void run_command(const RunFlags& f) {
       std::cerr << "[moeblaze] check failed: " << r.impl->name << ": max rel err "
                 << scientific(r.max_rel_err, 2) << " (" << r.worst << ") exceeds "
                 << scientific(tol, 0) << " for "
-                << (r.impl->compute == Compute::fp8 ? "fp8 compute" : dtype_name(c.dtype))
+                << (is_fp8(r.impl->compute) ? "fp8 compute" : dtype_name(c.dtype))
                 << "\n";
       failed = true;
     }

@@ -29,6 +29,9 @@ inline constexpr Impl kImpls[] = {
      "GEMMs, H kept as e4m3 codes + scales, weight gradients in bf16; bf16 storage only"},
     {LayerMode::recompute, Compute::fp8, "moeblaze-recompute-fp8",
      "moeblaze-recompute with FP8 compute"},
+    {LayerMode::keep_h, Compute::fp8_wgrad, "moeblaze-fp8-wgrad",
+     "moeblaze-fp8 with the weight gradients in FP8 too (128x1 tiles along each expert's "
+     "tokens): all six GEMMs on e4m3 operands"},
 };
 
 // "moeblaze, moeblaze-recompute, ..."

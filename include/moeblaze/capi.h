@@ -17,7 +17,7 @@
  *    [2] non-finite value, [3] bad pair offsets, [4] bad plan contents.
  *    moeblaze_routing_flags_error() turns raised flags into the validator's message. The one
  *    exception is moeblaze_token_round, which reads its pair count back (documented there).
- *  - Codes: dtype 0 fp32, 1 bf16; compute 0 storage, 1 fp8; device 0 cpu, 1 cuda; activation 0 swiglu, 1 geglu, 2 relu,
+ *  - Codes: dtype 0 fp32, 1 bf16; compute 0 storage, 1 fp8, 2 fp8-wgrad; device 0 cpu, 1 cuda; activation 0 swiglu, 1 geglu, 2 relu,
  *    3 silu, 4 gelu, 5 relu2, 6 swiglu_oai; router 0 softmax_topk, 1 topk_softmax,
  *    2 sigmoid_bias; mode 0 keep_h, 1 recompute; rounding 0 nr-f, 1 sr-f, 2 up, 3 down (the C++
  *    enums' values).
@@ -39,8 +39,8 @@
 extern "C" {
 #endif
 
-#define MOEBLAZE_CAPI_VERSION 5 /* 2: moeblaze_layer_cfg.compute; 3: two-call token rounding;
-                                   4: the router losses; 5: FP8 weight caches */
+#define MOEBLAZE_CAPI_VERSION 6 /* 2: moeblaze_layer_cfg.compute; 3: two-call token rounding;
+                                   4: the router losses; 5: FP8 weight caches; 6: compute 2 */
 
 enum {
   MOEBLAZE_OK = 0,
@@ -59,8 +59,9 @@ typedef struct {
                           (CUDA: less workspace; h is garbage afterwards) */
   int32_t num_threads; /* CPU threads, 0 = all */
   int32_t compute;     /* 0 storage dtype, 1 fp8 (e4m3 operands, bf16 storage; CUDA: d and n
-                          multiples of 128): LayerConfig::compute */
-  void* fp8_weights;   /* with compute 1: a cache from moeblaze_fp8_weight_cache_create (W1 and
+                          multiples of 128), 2 fp8-wgrad (1 with the weight gradients in FP8
+                          too): LayerConfig::compute */
+  void* fp8_weights;   /* with compute 1 or 2: a cache from moeblaze_fp8_weight_cache_create (W1 and
                           W2's e4m3 codes kept between calls), or NULL (quantized in every call);
                           NULL with compute 0. LayerOptions::fp8_weights */
 } moeblaze_layer_cfg;

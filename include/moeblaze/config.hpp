@@ -65,10 +65,14 @@ struct TokenRoundingConfig {
 // in the up-projection, A and W2 in the down-projection, dO and W2 for dA, dH and W1 for dX~):
 // 1x128 tiles along K for activations and gradients, 128x128 blocks for weights, fp32
 // accumulation; H kept for backward in e4m3 with its 1x128 scales (half the bytes); the weight
-// gradients stay in bf16. bf16 storage only. Rules: src/core/fp8.hpp; recipe: docs/FP8.md.
-enum class Compute : uint8_t { storage, fp8 };
+// gradients stay in bf16. fp8_wgrad: fp8 and the two weight-gradient GEMMs too (dO and A' for
+// dW2, dH and X for dW1), each operand in 128x1 tiles along an expert's tokens (a third of the
+// step's FLOPs; an experiment until measured on the GPU). bf16 storage only. Rules:
+// src/core/fp8.hpp; recipe: docs/FP8.md.
+enum class Compute : uint8_t { storage, fp8, fp8_wgrad };
 const char* compute_name(Compute c);
-Compute parse_compute(const std::string& s);  // "storage" / "bf16" / "fp32", "fp8"
+Compute parse_compute(const std::string& s);  // "storage" / "bf16" / "fp32", "fp8", "fp8-wgrad"
+inline bool is_fp8(Compute c) { return c != Compute::storage; }  // either FP8 recipe
 
 struct LayerConfig {
   int64_t T = 0;  // tokens

@@ -9,7 +9,7 @@ import os
 
 import torch  # noqa: F401  (loads libcudart & co. before the library needs them)
 
-CAPI_VERSION = 5  # capi.h's MOEBLAZE_CAPI_VERSION
+CAPI_VERSION = 6  # capi.h's MOEBLAZE_CAPI_VERSION
 
 # Error codes (capi.h).
 OK, ERR_INVALID_ARGUMENT, ERR_UNSUPPORTED, ERR_DEVICE, ERR_OTHER = range(5)
@@ -17,7 +17,7 @@ OK, ERR_INVALID_ARGUMENT, ERR_UNSUPPORTED, ERR_DEVICE, ERR_OTHER = range(5)
 # Enum codes shared with the C++ API.
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 ID_DTYPES = {torch.int32: 0, torch.int64: 1}  # moeblaze_plan_from_ids' ids_dtype
-COMPUTES = {"storage": 0, "fp8": 1}  # LayerCfg.compute
+COMPUTES = {"storage": 0, "fp8": 1, "fp8-wgrad": 2}  # LayerCfg.compute
 ACTIVATIONS = {"swiglu": 0, "geglu": 1, "relu": 2, "silu": 3, "gelu": 4, "relu2": 5,
                "swiglu_oai": 6}
 GATED = {"swiglu", "geglu", "swiglu_oai"}

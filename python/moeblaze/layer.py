@@ -100,9 +100,9 @@ def _fp8_handle(fp8_weights, compute):
     if not isinstance(fp8_weights, Fp8WeightCache):
         raise ValueError(f"moeblaze: fp8_weights must be a moeblaze.Fp8WeightCache or None, got "
                          f"{type(fp8_weights).__name__}")
-    if compute != _lib.COMPUTES["fp8"]:
-        raise ValueError("moeblaze: fp8_weights is given, but compute_dtype is not 'fp8': the "
-                         "cache holds FP8 weight codes")
+    if compute == _lib.COMPUTES["storage"]:
+        raise ValueError("moeblaze: fp8_weights is given, but compute_dtype is not 'fp8' or "
+                         "'fp8-wgrad': the cache holds FP8 weight codes")
     return fp8_weights.handle
 
 
@@ -224,8 +224,9 @@ def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, ac
     and w1 / w2 are fp32 (their gradients come back in fp32); float16 raises ValueError.
     b1 (E, w1_rows) / b2 (E, d): optional expert biases, cast like w1 / w2 (CPU and CUDA).
     compute_dtype="fp8": the expert GEMMs on e4m3 operands with fine-grained scales and H kept
-    in e4m3 (bf16 storage only; the GPU needs d and n multiples of 128, the CPU emulates it).
-    fp8_weights: with "fp8", an Fp8WeightCache holding w1 and w2's codes between calls (the
+    in e4m3 (bf16 storage only; the GPU needs d and n multiples of 128, the CPU emulates it);
+    "fp8-wgrad": the weight gradients' GEMMs in e4m3 too (128x1 tiles along the tokens).
+    fp8_weights: with "fp8" or "fp8-wgrad", an Fp8WeightCache holding w1 and w2's codes between calls (the
     caller tells it when the weights change)."""
     x, w1, w2, b1, b2 = _compute_operands(x, w1, w2, b1, b2)
     E = w2.shape[0]
@@ -269,12 +270,14 @@ def _fast_path_result(r):
 
 def _compute_code(compute_dtype):
     """LayerCfg.compute of a compute_dtype argument: None / "bf16" / "storage" compute in the
-    storage dtype, "fp8" on e4m3 operands."""
+    storage dtype, "fp8" on e4m3 operands (the four data GEMMs), "fp8-wgrad" the weight
+    gradients' two GEMMs too."""
     if compute_dtype in (None, "bf16", "storage"):
         return 0
-    if compute_dtype == "fp8":
-        return 1
-    raise ValueError(f"moeblaze: compute_dtype {compute_dtype!r} is not None, 'bf16' or 'fp8'")
+    if compute_dtype in ("fp8", "fp8-wgrad"):
+        return _lib.COMPUTES[compute_dtype]
+    raise ValueError(f"moeblaze: compute_dtype {compute_dtype!r} is not None, 'bf16', 'fp8' or "
+                     "'fp8-wgrad'")
 
 
 def _eager(*tensors):
@@ -524,7 +527,8 @@ class MoE(nn.Module):
     expert biases b1 (E, w1_rows) and b2 (E, d), zeros-initialised (gpt-oss).
     compute_dtype="fp8": the expert GEMMs on e4m3 operands with DeepSeek-V3's fine-grained
     scales, H kept in e4m3 (bf16 storage; the GPU needs d and n multiples of 128, the CPU
-    emulates it: docs/FP8.md). fp8_weight_cache=True (with "fp8"): w1 and w2's codes kept in an
+    emulates it: docs/FP8.md); "fp8-wgrad" takes the weight gradients' GEMMs to e4m3 too.
+    fp8_weight_cache=True (with either): w1 and w2's codes kept in an
     Fp8WeightCache between eager calls (about the bf16 weights' bytes) and requantized when the
     parameters change: another tensor, or an in-place update torch counts (optimizer steps,
     load_state_dict); after a write it cannot see (through .data) call fp8_weights_changed()."""
@@ -537,9 +541,9 @@ class MoE(nn.Module):
         super().__init__()
         compute = _compute_code(compute_dtype)  # a bad value fails here, not at the first forward
         self.compute_dtype = compute_dtype
-        if fp8_weight_cache and compute != _lib.COMPUTES["fp8"]:
-            raise ValueError("moeblaze: fp8_weight_cache=True needs compute_dtype='fp8' (the cache "
-                             "holds FP8 weight codes)")
+        if fp8_weight_cache and compute == _lib.COMPUTES["storage"]:
+            raise ValueError("moeblaze: fp8_weight_cache=True needs compute_dtype='fp8' or "
+                             "'fp8-wgrad' (the cache holds FP8 weight codes)")
         self.fp8_weight_cache = Fp8WeightCache() if fp8_weight_cache else None
         self._fp8_seen = None  # (data_ptr, _version) of w1 and w2 when the cache was last told
         _init_moe_module(self, hidden_size, intermediate_size, num_experts, top_k, activation,

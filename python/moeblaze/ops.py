@@ -21,7 +21,7 @@ Ops (namespace moeblaze):
           token_expert_indices, token_index_map, flags)
   experts_forward(x, w1, w2, pair_weights, *plan, activation, recompute, num_threads,
                   b1=None, b2=None, compute=0, fp8_cache=0) -> (out, h)
-                  [compute 1: fp8; h then uint8; fp8_cache: an Fp8WeightCache's handle or 0]
+                  [compute 1: fp8, 2: fp8-wgrad; h then uint8; fp8_cache: an Fp8WeightCache's handle or 0]
   experts_backward(d_out, x, w1, w2, h, *plan, activation, recompute, num_threads, b1=None,
                    b2=None, compute=0, fp8_cache=0) -> (dx, dw1, dw2, d_pair_weights, db1, db2)
                    [db: (0,) without b]
@@ -564,9 +564,9 @@ def _experts_args(x, w1, w2, plan, activation, num_threads, mode, backward, comp
     _int("num_threads", num_threads, 0, MAX_THREADS)
     _code("compute", compute, _lib.COMPUTES)
     _int("fp8_cache", fp8_cache, 0, (1 << 64) - 1)  # a handle; the C call checks it is alive
-    if fp8_cache and compute != _lib.COMPUTES["fp8"]:
+    if fp8_cache and compute == _lib.COMPUTES["storage"]:
         _fail(f"fp8_cache (an Fp8WeightCache's handle) is given, but compute is {compute}: the "
-              "cache serves compute 1 (fp8) only")
+              "cache serves compute 1 and 2 (fp8, fp8-wgrad) only")
     if w1.dtype != x.dtype:
         _fail(f"w1 has dtype {w1.dtype} but x has {x.dtype}")
     if w2.dtype != x.dtype:

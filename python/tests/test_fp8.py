@@ -77,6 +77,26 @@ def test_fp8_matches_float64_within_the_e4m3_bound(seed, recompute):
     assert rel_err(out, ref) > 3 * rel_err(plain, ref)
 
 
+def test_fp8_wgrad_moves_only_the_weight_gradients_and_stays_in_the_bound(seed):
+    """compute_dtype="fp8-wgrad": the fp8 recipe with dW1, dW2 on e4m3 operands too."""
+    x, w1, w2, ids, wts = _inputs()
+    g = torch.randn(x.shape[0], x.shape[1]).to(BF16)
+    res = {}
+    for c in ("fp8", "fp8-wgrad"):
+        out = moeblaze.moe_experts(x, w1, w2, ids, wts, compute_dtype=c)
+        res[c] = [out, *torch.autograd.grad(out, [x, w1, w2, wts], g)]
+    for name, a, b in zip(("out", "dx", "d_weights"), *(
+            [r[i] for i in (0, 1, 4)] for r in (res["fp8-wgrad"], res["fp8"]))):
+        assert torch.equal(a, b), name
+    ins = [t.detach().double().requires_grad_() for t in (x, w1, w2, wts)]
+    ref = dense_reference(ins[0], ins[1], ins[2], ids, ins[3])
+    ref_grads = torch.autograd.grad(ref, ins, g.double())
+    for i, name in ((2, "dw1"), (3, "dw2")):
+        assert rel_err(res["fp8-wgrad"][i], ref_grads[i - 1]) <= FP8_TOL, name
+        # Quantized: about one e4m3 rounding per operand away from fp8's bf16 weight gradients.
+        assert 0.005 < rel_err(res["fp8-wgrad"][i], res["fp8"][i].double()) < 0.1, name
+
+
 def test_fp8_eager_and_traced_paths_agree_bitwise_and_keep_half_the_bytes(seed):
     x, w1, w2, ids, wts = _inputs()
     T, K = ids.shape
@@ -118,15 +138,16 @@ FP8_GPU_VS_CPU_TOL = 0.05
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("compute", ["fp8", "fp8-wgrad"])
 @pytest.mark.parametrize("recompute", [False, True])
-def test_fp8_on_the_gpu_matches_the_cpu_emulation_and_float64(seed, recompute):
+def test_fp8_on_the_gpu_matches_the_cpu_emulation_and_float64(seed, recompute, compute):
     x, w1, w2, ids, wts = _inputs(T=300, d=256, n=128, E=6, K=2)
     g = torch.randn(x.shape[0], x.shape[1]).to(BF16)
     res = {}
     for dev in ("cpu", "cuda"):
         ins = [t.detach().to(dev).requires_grad_() for t in (x, w1, w2, wts)]
         out = moeblaze.moe_experts(ins[0], ins[1], ins[2], ids.to(dev), ins[3],
-                                   recompute=recompute, compute_dtype="fp8")
+                                   recompute=recompute, compute_dtype=compute)
         res[dev] = [out, *torch.autograd.grad(out, ins, g.to(dev))]
     ref_ins = [t.detach().double().requires_grad_() for t in (x, w1, w2, wts)]
     ref = dense_reference(ref_ins[0], ref_ins[1], ref_ins[2], ids, ref_ins[3])

@@ -53,6 +53,9 @@ def test_the_baseline_column_prefers_the_in_process_c_abi_then_the_cpp_rows():
     assert peers.baseline_of(fp8, rows + [fp8, cached]) is torch_row
     assert peers.baseline_of(cached, rows + [fp8, cached]) is fp8
     assert peers.baseline_of(cached, rows + [cached]) is torch_row
+    wgrad = row("moeblaze-torch-fp8-wgrad-cached", 7.0)
+    assert peers.baseline_of(wgrad, rows + [fp8, cached, wgrad]) is cached
+    assert peers.baseline_of(wgrad, rows + [wgrad]) is torch_row
 
 
 def test_routed_steps_run_the_router_and_rounding_and_skip_the_error_column():

@@ -54,13 +54,13 @@ void check_common(const LayerConfig& cfg, const RoutingPlan& plan, const TensorV
   require_layer_mode(opts.mode, "opts.mode");
   require_thread_count(opts.num_threads, "opts.num_threads");
   const Device dev = plan.device();
-  if (cfg.compute == Compute::fp8) {
+  if (is_fp8(cfg.compute)) {
     MOEBLAZE_UNSUPPORTED_IF(opts.mode == LayerMode::materialized,
-                            "compute fp8: the materialized baseline computes in the storage "
-                            "dtype only (use keep_h or recompute)");
+                            "compute ", compute_name(cfg.compute), ": the materialized baseline "
+                            "computes in the storage dtype only (use keep_h or recompute)");
   }
   // A cache of FP8 codes beside storage compute is a caller's slip, not a no-op to hide.
-  MOEBLAZE_REQUIRE(opts.fp8_weights == nullptr || cfg.compute == Compute::fp8,
+  MOEBLAZE_REQUIRE(opts.fp8_weights == nullptr || is_fp8(cfg.compute),
                    "opts.fp8_weights is given, but cfg.compute is ", compute_name(cfg.compute),
                    ": the cache holds FP8 codes (compute fp8 only)");
 #ifndef MOEBLAZE_WITH_CUDA

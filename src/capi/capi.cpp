@@ -184,8 +184,8 @@ LayerConfig to_layer(const moeblaze_layer_cfg* c) {
   cfg.K = c->K;
   cfg.activation = static_cast<Activation>(c->activation);
   cfg.dtype = to_float_dtype(c->dtype, "layer");
-  MOEBLAZE_REQUIRE(c->compute == 0 || c->compute == 1, "compute (", c->compute,
-                   ") must be 0 (storage) or 1 (fp8)");
+  MOEBLAZE_REQUIRE(c->compute >= 0 && c->compute <= 2, "compute (", c->compute,
+                   ") must be 0 (storage), 1 (fp8) or 2 (fp8-wgrad)");
   cfg.compute = static_cast<Compute>(c->compute);
   cfg.validate();
   require_thread_count(c->num_threads, "num_threads");
@@ -210,11 +210,11 @@ Fp8WeightCache* live_cache(void* handle, const char* name) {
   return cache;
 }
 
-// cfg->fp8_weights: a live cache, given with compute 1 only; nullptr when not given.
+// cfg->fp8_weights: a live cache, given with compute 1 or 2 only; nullptr when not given.
 Fp8WeightCache* fp8_weights_of(const moeblaze_layer_cfg* c) {
   if (c->fp8_weights == nullptr) return nullptr;
-  MOEBLAZE_REQUIRE(c->compute == 1, "cfg.fp8_weights is given, but compute is ", c->compute,
-                   " (storage): an FP8 weight cache serves compute 1 (fp8) only");
+  MOEBLAZE_REQUIRE(c->compute == 1 || c->compute == 2, "cfg.fp8_weights is given, but compute is ",
+                   c->compute, " (storage): an FP8 weight cache serves compute 1 and 2 (fp8) only");
   return live_cache(c->fp8_weights, "cfg.fp8_weights");
 }
 

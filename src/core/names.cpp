@@ -85,6 +85,7 @@ const char* compute_name(Compute c) {
   switch (c) {
     case Compute::storage: return "storage";
     case Compute::fp8: return "fp8";
+    case Compute::fp8_wgrad: return "fp8-wgrad";
   }
   return "?";
 }
@@ -92,17 +93,18 @@ const char* compute_name(Compute c) {
 Compute parse_compute(const std::string& s) {
   if (s == "storage" || s == "bf16" || s == "fp32") return Compute::storage;
   if (s == "fp8" || s == "fp8-e4m3" || s == "e4m3") return Compute::fp8;
-  throw InvalidArgument("compute '" + s + "' is not one of: storage (bf16, fp32), fp8");
+  if (s == "fp8-wgrad") return Compute::fp8_wgrad;
+  throw InvalidArgument("compute '" + s + "' is not one of: storage (bf16, fp32), fp8, fp8-wgrad");
 }
 
 size_t LayerConfig::kept_h_scales_offset(int64_t S) const {
-  if (compute != Compute::fp8) return static_cast<size_t>(S * w1_rows()) * dtype_size(dtype);
+  if (!is_fp8(compute)) return static_cast<size_t>(S * w1_rows()) * dtype_size(dtype);
   return (static_cast<size_t>(S * w1_rows()) + 15) / 16 * 16;  // e4m3 codes, then 16-aligned
 }
 
 size_t LayerConfig::kept_h_bytes(int64_t S) const {
   const size_t codes = kept_h_scales_offset(S);
-  if (compute != Compute::fp8) return codes;
+  if (!is_fp8(compute)) return codes;
   return codes + static_cast<size_t>(S * ((w1_rows() + 127) / 128)) * sizeof(float);
 }
 
@@ -120,10 +122,10 @@ void LayerConfig::validate() const {
   MOEBLAZE_REQUIRE(dtype == DType::f32 || dtype == DType::bf16, "dtype (",
                    dtype <= DType::f64 ? dtype_name(dtype) : std::to_string(int(dtype)),
                    ") must be fp32 or bf16");
-  MOEBLAZE_REQUIRE(compute <= Compute::fp8, "compute (", int(compute),
-                   ") is not a Compute: must be 0 (storage) or 1 (fp8)");
-  MOEBLAZE_REQUIRE(compute != Compute::fp8 || dtype == DType::bf16,
-                   "compute fp8 needs bf16 storage (dtype is ", dtype_name(dtype),
+  MOEBLAZE_REQUIRE(compute <= Compute::fp8_wgrad, "compute (", int(compute),
+                   ") is not a Compute: must be 0 (storage), 1 (fp8) or 2 (fp8-wgrad)");
+  MOEBLAZE_REQUIRE(!is_fp8(compute) || dtype == DType::bf16, "compute ", compute_name(compute),
+                   " needs bf16 storage (dtype is ", dtype_name(dtype),
                    "): the recipe quantizes bf16 operands");
   // int32 slot indices: S = T*K must fit.
   const int64_t S = checked_mul(T, K, "T*K");

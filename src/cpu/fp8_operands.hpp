@@ -43,4 +43,14 @@ inline void fake_quant_block_rows(const void* src, DType dt, int64_t rows, int64
     fake_quantize_group(dst, cols, r0, r0 + rb, c0, std::min(cols, c0 + kFp8Group));
 }
 
+// Compute fp8_wgrad: a weight-gradient operand, rows [s0, s0 + cnt) of dst (S, cols) fp32 (one
+// expert's slots), fake-quantized in 128x1 tiles along the slots: each column's values of slots
+// s0 + 128 g .. s0 + 128 g + 127 (fewer at the expert's end) share one scale. The GPU pads each
+// expert's slots to a multiple of 128 with zeros, which changes no group's amax.
+inline void fake_quant_token_tiles(float* dst, int64_t cols, int64_t s0, int64_t cnt) {
+  for (int64_t g = s0; g < s0 + cnt; g += kFp8Group)
+    for (int64_t c = 0; c < cols; ++c)
+      fake_quantize_group(dst, cols, g, std::min(s0 + cnt, g + kFp8Group), c, c + 1);
+}
+
 }  // namespace moeblaze::cpu::fp8

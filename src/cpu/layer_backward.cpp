@@ -18,7 +18,9 @@
 //    the slot sum of one output element is never split across threads.
 // With fp8 compute, dO, W2 (dA'), dH and W1 (dX~) enter their GEMMs fake-quantized
 // (cpu/fp8_operands.hpp), dH from its fp32 value; Hf is the dequantized e4m3 H (kept, or
-// recomputed and fake-quantized: both modes agree bitwise); the weight gradients stay bf16.
+// recomputed and fake-quantized: both modes agree bitwise); the weight gradients stay bf16, or
+// with fp8_wgrad read dO, A', dH and x fake-quantized in 128x1 tiles along each expert's slots,
+// from their cfg.dtype values (phase 3's operands, prepared per expert after phase 2).
 #include <cstring>
 
 #include "core/parallel.hpp"
@@ -58,7 +60,7 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   const char* w1p = static_cast<const char*>(w1.data);
   const char* w2p = static_cast<const char*>(w2.data);
   const char* h_saved = Saved::h(saved).as<const char>();  // (S, R) cfg.dtype, keep_h only
-  const bool fp8 = cfg.compute == Compute::fp8;
+  const bool fp8 = is_fp8(cfg.compute);
   const e4m3* h_codes = reinterpret_cast<const e4m3*>(h_saved);  // fp8: (S, R) e4m3 ...
   const float* h_scales = h_saved ? reinterpret_cast<const float*>(
                                         h_saved + cfg.kept_h_scales_offset(S))
@@ -163,6 +165,26 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
     gemm::store_row(acc, d, dx + t * d * es, dt);
   });
 
+  // ---- fp8_wgrad: phase 3's operands, per (expert, operand) ----
+  const layer::Fp8WgradOperands& wq = ws.wgrad;
+  const bool fp8_wgrad = cfg.compute == Compute::fp8_wgrad;
+  if (fp8_wgrad) {
+    layer::run_tasks(4 * E, 1, 8.0 * double(S) * double(2 * d + n + R), [&](int64_t task) {
+      const int64_t e = task / 4, which = task % 4;
+      const int64_t s0 = off[e], cnt = off[e + 1] - off[e];
+      const int64_t cols = which == 0 || which == 3 ? d : which == 1 ? n : R;
+      float* dst = which == 0 ? wq.d_out : which == 1 ? wq.a : which == 2 ? wq.dh : wq.x;
+      for (int64_t p = s0; p < s0 + cnt; ++p) {
+        const char* row = which == 0   ? dop + eti[p] * d * es
+                          : which == 1 ? a_scaled + p * n * es
+                          : which == 2 ? dh + p * R * es
+                                       : static_cast<const char*>(x.data) + eti[p] * d * es;
+        gemm::load_row(row, dt, cols, dst + p * cols);
+      }
+      fp8::fake_quant_token_tiles(dst, cols, s0, cnt);
+    });
+  }
+
   // ---- phase 3: weight gradients, per (expert, output-row block) ----
   // Tasks [0, E*b2) are dW2 blocks (rows of d), then E*b1 dW1 blocks (rows of R).
   const int64_t b2 = (d + layer::kGradRows - 1) / layer::kGradRows;
@@ -182,7 +204,13 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
     const int64_t rows = is_w2 ? d : R, cols = is_w2 ? n : d;
     const int64_t mb = std::min(layer::kGradRows, rows - r0);
     const int64_t s0 = off[e], cnt = off[e + 1] - off[e];
-    if (is_w2) {
+    if (fp8_wgrad && is_w2) {
+      gemm::gemm_tn(mb, n, cnt, mat(wq.d_out + s0 * d + r0, DType::f32, d),
+                    mat(wq.a + s0 * n, DType::f32, n), c, n, false, pack);
+    } else if (fp8_wgrad) {
+      gemm::gemm_tn(mb, d, cnt, mat(wq.dh + s0 * R + r0, DType::f32, R),
+                    mat(wq.x + s0 * d, DType::f32, d), c, d, false, pack);
+    } else if (is_w2) {
       // dW2_e[r, :] = Σ_p dO[t_p, r] A'_p: A is dO gathered by slot, columns r0.. of each row.
       gemm::gemm_tn(mb, n, cnt, mat(static_cast<const char*>(d_out.data) + r0 * es, dt, d, eti + s0),
                     mat(a_scaled + s0 * n * es, dt, n), c, n, false, pack);

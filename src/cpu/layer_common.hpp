@@ -135,11 +135,30 @@ struct Fp8Operands {
 
 inline Fp8Operands take_fp8_operands(Carver& c, const LayerConfig& cfg, bool backward) {
   Fp8Operands o;
-  if (cfg.compute != Compute::fp8) return o;
+  if (!is_fp8(cfg.compute)) return o;
   o.x = c.take<float>(static_cast<size_t>(cfg.T * cfg.d));
   if (backward) o.d_out = c.take<float>(static_cast<size_t>(cfg.T * cfg.d));
   o.w1 = c.take<float>(static_cast<size_t>(cfg.E * cfg.w1_rows() * cfg.d));
   o.w2 = c.take<float>(static_cast<size_t>(cfg.E * cfg.d * cfg.n));
+  return o;
+}
+
+// Compute fp8_wgrad: the weight-gradient GEMMs' operands by slot as fp32 values fake-quantized in
+// 128x1 tiles along each expert's slots (fp8::fake_quant_token_tiles); null otherwise.
+struct Fp8WgradOperands {
+  float* d_out = nullptr;  // (S, d) dO gathered by slot: dW2's A
+  float* a = nullptr;      // (S, n) A' = s·a: dW2's B
+  float* dh = nullptr;     // (S, R) dH: dW1's A
+  float* x = nullptr;      // (S, d) x gathered by slot: dW1's B
+};
+
+inline Fp8WgradOperands take_fp8_wgrad_operands(Carver& c, const LayerConfig& cfg, int64_t S) {
+  Fp8WgradOperands o;
+  if (cfg.compute != Compute::fp8_wgrad) return o;
+  o.d_out = c.take<float>(static_cast<size_t>(S * cfg.d));
+  o.a = c.take<float>(static_cast<size_t>(S * cfg.n));
+  o.dh = c.take<float>(static_cast<size_t>(S * cfg.w1_rows()));
+  o.x = c.take<float>(static_cast<size_t>(S * cfg.d));
   return o;
 }
 
@@ -178,6 +197,7 @@ struct BackwardWorkspace {
   void* a_scaled = nullptr;         // (S, n) cfg.dtype, grouped by expert: A'_p = s_p a_p
   void* dx_slots = nullptr;         // (S, d) cfg.dtype, grouped by expert: dX~ = dH W1_e
   Fp8Operands fp8;
+  Fp8WgradOperands wgrad;
   float* thread_scratch = nullptr;  // (threads, per_thread) fp32
   // per thread: pack | Hf (M,R) | dAf (M,n) | dXf (M,d) | a row (n) | dh row (R) | fp8 only:
   // the tile's fake-quantized dH (M,R); the weight-gradient phase reuses everything after pack
@@ -198,8 +218,9 @@ inline BackwardWorkspace backward_workspace(const LayerConfig& cfg, int64_t S, i
   w.a_scaled = c.take<char>(static_cast<size_t>(S * cfg.n) * ds);
   w.dx_slots = c.take<char>(static_cast<size_t>(S * cfg.d) * ds);
   w.fp8 = take_fp8_operands(c, cfg, true);
+  w.wgrad = take_fp8_wgrad_operands(c, cfg, S);
   const int64_t phase1 = kTileM * (R + cfg.n + cfg.d) + cfg.n + R +
-                         (cfg.compute == Compute::fp8 ? kTileM * R : 0);
+                         (is_fp8(cfg.compute) ? kTileM * R : 0);
   const int64_t phase3 = kGradRows * (cfg.n > cfg.d ? cfg.n : cfg.d);
   w.per_thread = static_cast<int64_t>(
       align64(sizeof(float) * (gemm::kPackFloats + (phase1 > phase3 ? phase1 : phase3))) /

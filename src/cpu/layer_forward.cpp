@@ -35,7 +35,7 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
 
   // Release the previous contents first, so that they never coexist with the new H.
   saved = SavedForBackward();
-  const bool fp8 = cfg.compute == Compute::fp8;
+  const bool fp8 = is_fp8(cfg.compute);
   const size_t h_bytes = cfg.kept_h_bytes(S);  // (S, R) cfg.dtype, or e4m3 codes + scales
   if (keep_h)
     Saved::h(saved) = opts.h_storage ? Buffer::borrow(Device::cpu, opts.h_storage, h_bytes)

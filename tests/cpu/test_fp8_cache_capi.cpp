@@ -146,5 +146,27 @@ TEST(Fp8CacheCAbi, CacheWithStorageComputeOrDeadCacheRefusedOutputsUntouched) {
   test::expect_same_results(step.t, before);
 }
 
+// Compute 2 is fp8-wgrad: the C ABI step gives the C++ API's bits, with a cache too; 3 is
+// refused by the rule, outputs untouched.
+TEST(Fp8CacheCAbi, ComputeTwoIsFp8WgradAndThreeIsRefused) {
+  Fp8Step step(41);
+  step.cfg.compute = Compute::fp8_wgrad;
+  LayerTensors api = step.t;
+  test::run_layer(step.cfg, step.built, api, {LayerMode::keep_h, 0});
+  void* cache = nullptr;
+  ASSERT_EQ(moeblaze_fp8_weight_cache_create(&cache), MOEBLAZE_OK);
+  ASSERT_EQ(step.run(cache), MOEBLAZE_OK) << moeblaze_last_error();
+  test::expect_same_results(step.t, api);
+  EXPECT_EQ(moeblaze_fp8_weight_cache_destroy(cache), MOEBLAZE_OK);
+
+  Fp8Step bad(42);
+  const LayerTensors before = bad.t;
+  bad.cfg.compute = static_cast<Compute>(3);
+  EXPECT_EQ(bad.run(nullptr), MOEBLAZE_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_names("compute (3) must be 0 (storage), 1 (fp8) or 2 (fp8-wgrad)"))
+      << moeblaze_last_error();
+  test::expect_same_results(bad.t, before);
+}
+
 }  // namespace
 }  // namespace moeblaze

@@ -196,6 +196,71 @@ TEST(Fp8LayerGpu, MatchesTheCpuEmulationAndFloat64InBothModes) {
   }
 }
 
+// compute fp8_wgrad: the data path is fp8's bit for bit; dW1 and dW2 follow their own CPU
+// emulation (closer to it than to fp8's bf16 weight gradients, which they visibly leave), within
+// the e4m3 bound of float64, both modes and two runs bitwise equal.
+TEST(Fp8LayerGpu, WeightGradientsInFp8FollowTheirEmulation) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  // Experts with no slot, with fewer than 128 and with several 128-slot groups and a partial one.
+  for (const Case& c : {Case{300, 256, 128, 6, 2, Activation::swiglu, true},
+                        Case{700, 128, 256, 9, 3, Activation::gelu, true},
+                        Case{64, 384, 128, 16, 4, Activation::geglu, true}}) {
+    SCOPED_TRACE("T=" + std::to_string(c.T) + " d=" + std::to_string(c.d) + " n=" +
+                 std::to_string(c.n) + " E=" + std::to_string(c.E) + " " + activation_name(c.act));
+    const HostRouting routing = random_routing({c.T, c.E, c.K, 2, c.skew}, rng());
+    const RoutingPlan host_plan = make_plan(routing);
+    const RoutingPlan dev_plan = device_plan(host_plan);
+    LayerConfig wcfg = fp8_config(c.T, c.d, c.n, c.E, c.K, c.act);
+    wcfg.compute = Compute::fp8_wgrad;
+    const LayerConfig dcfg = fp8_config(c.T, c.d, c.n, c.E, c.K, c.act);
+    LayerTensors cpu_w(wcfg, host_plan.S());
+    cpu_w.randomize(rng());
+    LayerTensors cpu_d = cpu_w, keep = cpu_w, rec = cpu_w, again = cpu_w, data = cpu_w;
+    for (LayerTensors* t : {&keep, &rec, &again, &data}) poison(*t);
+    run(wcfg, host_plan, cpu_w, LayerMode::keep_h);
+    run(dcfg, host_plan, cpu_d, LayerMode::keep_h);
+    run(wcfg, dev_plan, keep, LayerMode::keep_h);
+    run(wcfg, dev_plan, rec, LayerMode::recompute);
+    run(wcfg, dev_plan, again, LayerMode::keep_h);
+    run(dcfg, dev_plan, data, LayerMode::keep_h);
+    expect_same_results(keep, rec);
+    expect_same_results(keep, again);
+    EXPECT_TRUE(bitwise_equal(keep.out, data.out));
+    EXPECT_TRUE(bitwise_equal(keep.dx, data.dx));
+    EXPECT_TRUE(bitwise_equal(keep.d_pair_weights, data.d_pair_weights));
+    const reference::LayerReference ref = reference::reference_layer(
+        wcfg, routing.view(), cpu_w.x.view(), cpu_w.w1.view(), cpu_w.w2.view(),
+        cpu_w.d_out.view());
+    for (const auto& [name, gpu, own, other, gpu_data, exact] :
+         {std::tuple<const char*, const HostTensor*, const HostTensor*, const HostTensor*,
+                     const HostTensor*, const std::vector<double>*>{
+              "dw1", &keep.dw1, &cpu_w.dw1, &cpu_d.dw1, &data.dw1, &ref.dw1},
+          {"dw2", &keep.dw2, &cpu_w.dw2, &cpu_d.dw2, &data.dw2, &ref.dw2}}) {
+      const double to_own = rel_error(*gpu, own->to_double());
+      EXPECT_LE(to_own, kGpuVsCpuTol) << name;
+      EXPECT_LT(to_own, rel_error(*gpu, other->to_double())) << name;
+      EXPECT_GT(rel_error(*gpu, gpu_data->to_double()), 0.005) << name;
+      expect_close(name, *gpu, *exact, kFp8Tol);
+    }
+  }
+}
+
+// Backward's transients live in dW2's, dx's and dW1's bytes until those are written: at a shape
+// where dX̃ (S, d) is exactly dW1's size (sm-default's S = 2nE), the workspace holds dH (S, R)
+// bf16 and its codes and small pieces, not A', dA', dO's codes or dX̃.
+TEST(Fp8LayerGpu, BackwardWorkspaceHoldsOnlyWhatOutlivesTheOutputs) {
+  MOEBLAZE_REQUIRE_GPU();
+  const LayerConfig cfg = fp8_config(2048, 512, 256, 8, 2, Activation::swiglu);
+  const int64_t S = cfg.T * cfg.K, R = cfg.w1_rows();
+  const size_t ws = layer_workspace_bytes(cfg, S, LayerMode::keep_h, Device::cuda,
+                                          LayerPass::backward, false, true);
+  const size_t dh = size_t(S * R) * 2, dh_codes = size_t(S * R) + size_t(S * (R / 128)) * 4;
+  EXPECT_LE(ws, dh + dh_codes + (size_t(2) << 20)) << "backward workspace " << ws << " bytes";
+}
+
 TEST(Fp8LayerGpu, BiasesMatchTheCpuEmulation) {
   MOEBLAZE_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();

@@ -164,7 +164,8 @@ bool operands_apply(const at::Tensor& x, const at::Tensor& w1, const at::Tensor&
            (fp32_weights && dt == at::kBFloat16 && w.scalar_type() == at::kFloat);
   };
   if (dt != at::kBFloat16 && dt != at::kFloat) return false;
-  if (compute != 0 && (compute != 1 || dt != at::kBFloat16)) return false;  // fp8: bf16 storage
+  // fp8 and fp8-wgrad: bf16 storage only
+  if (compute != 0 && ((compute != 1 && compute != 2) || dt != at::kBFloat16)) return false;
   if (x.is_cuda() && dt != at::kBFloat16) return false;
   if (!dtype_ok(w1) || !dtype_ok(w2)) return false;
   if (w1.device() != x.device() || w2.device() != x.device()) return false;

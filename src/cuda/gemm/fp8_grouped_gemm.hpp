@@ -1,6 +1,7 @@
 // FP8 grouped GEMMs on e4m3 operands with DeepSeek-V3's fine-grained scales (issue 20): the
 // contract of the GEMM folder's FP8 entry points. Internal to the CUDA backend; the FP8 layer
-// (src/cuda/layer/layer_fp8.cu) runs its four data GEMMs on contiguous().
+// (src/cuda/layer/layer_fp8.cu) runs its four data GEMMs on contiguous(); varlen_k() is the
+// weight gradients' GEMM (K = each expert's tokens).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,5 +29,24 @@ size_t contiguous_scratch_bytes(int64_t E);
 void contiguous(ExpertRows rows, int64_t E, const uint8_t* qa, const float* sa, const uint8_t* qb,
                 const float* sb, bf16* d, int64_t N, int64_t K, void* scratch,
                 size_t scratch_bytes, cudaStream_t stream);
+
+// Scratch bytes of varlen_k() for E experts on the current device (argument arrays and
+// CUTLASS's per-SM TMA descriptors).
+size_t varlen_k_scratch_bytes(int64_t E);
+
+// The weight-gradient shape: for every expert e, with P_e = poff[e+1] - poff[e] (a positive
+// multiple of 128, read on the device only):
+//   d[e*M*N + m*N + n] = Σ_kb sa_e[m, kb] · sb_e[n, kb] · Σ_{k in kb} qa_e[m, k] · qb_e[n, k]
+//   qa_e = qa + M*poff[e]: (M, P_e) e4m3 codes, K contiguous;
+//   sa_e = sa + M*poff[e]/128: (M, P_e/128) fp32, K-major;
+//   qb_e = qb + N*poff[e]: (N, P_e) codes; sb_e = sb + N*poff[e]/128: (N, P_e/128);
+//   d: (E, M, N) bf16 row-major (dW1 (E, w1_rows, d) with M = w1_rows, N = d; dW2 (E, d, n)).
+// fp32 sums, the tensor cores' partial sums promoted every 128 of K. M and N multiples of 128
+// (Unsupported naming them), E >= 1, pointers 16-byte aligned; the operands come from
+// cuda/fp8/quantize_tokens.hpp (which pads empty experts to one zero group, since a K = 0 tile
+// would leave its accumulators unset). No host sync; stream-ordered.
+void varlen_k(const int32_t* poff, int64_t E, int64_t M, int64_t N, const uint8_t* qa,
+              const float* sa, const uint8_t* qb, const float* sb, bf16* d, void* scratch,
+              size_t scratch_bytes, cudaStream_t stream);
 
 }  // namespace moeblaze::cuda::gemm::fp8

@@ -270,7 +270,7 @@ void check_gpu_layer_args(const LayerConfig& cfg, const RoutingPlan& plan,
                           ": the CUDA backend stores bf16; use the CPU backend for fp32");
   gemm::check_gemm_shape(cfg.d, cfg.n);
   gemm::detail::check_gpu_activation("layer", cfg.activation, cfg.E);
-  if (cfg.compute == Compute::fp8) check_fp8_gpu_shape(cfg);
+  if (is_fp8(cfg.compute)) check_fp8_gpu_shape(cfg);
   MOEBLAZE_REQUIRE(plan.device() == Device::cuda, "plan is on ", device_name(plan.device()),
                    ", expected cuda");
   MOEBLAZE_REQUIRE(plan.T() == cfg.T, "plan has T = ", plan.T(), ", the layer has T = ", cfg.T);
@@ -302,7 +302,7 @@ size_t layer_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, 
                              bool dh_over_h, bool fp8_weights_cached) {
   MOEBLAZE_REQUIRE(S >= 0, "S (", S, ") must be >= 0");
   if (mode == LayerMode::materialized) return materialized_workspace_bytes(cfg, S);
-  if (cfg.compute == Compute::fp8)
+  if (is_fp8(cfg.compute))
     return fp8_workspace_bytes(cfg, S, mode, forward, !fp8_weights_cached);
   const LayerChunks chunks = layer_chunks(cfg, S, mode);
   if (forward) return forward_workspace(cfg, S, chunks.forward, nullptr).bytes;
@@ -336,7 +336,7 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
     Saved::h(next) = opts.h_storage ? Buffer::borrow(Device::cuda, opts.h_storage, h_bytes)
                                     : Buffer(Device::cuda, h_bytes, opts.stream);
 
-  if (cfg.T > 0 && cfg.compute == Compute::fp8) {
+  if (cfg.T > 0 && is_fp8(cfg.compute)) {
     Buffer ws = opts.workspace
                     ? Buffer::borrow(Device::cuda, opts.workspace, opts.workspace_bytes)
                     : Buffer(Device::cuda,
@@ -484,7 +484,7 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
     return;
   }
 
-  if (cfg.compute == Compute::fp8) {
+  if (is_fp8(cfg.compute)) {
     Buffer ws = opts.workspace
                     ? Buffer::borrow(Device::cuda, opts.workspace, opts.workspace_bytes)
                     : Buffer(Device::cuda,

@@ -15,23 +15,31 @@
 //           5 dW2 (bf16 varlen-K GEMM, as the bf16 path)   d_pair_weights; b2's share
 //           6 dX̃ = dHq W1q (FP8 GEMM) → (S, d) bf16; 7 aggregate dx (ascending slots)
 //           8 dW1 (bf16 varlen-K GEMM); db1
-// The weight gradients stay bf16, as in the CPU emulation (docs/FP8.md says why and what next).
+// The weight gradients stay bf16 with compute fp8, as in the CPU emulation (docs/FP8.md says why).
+// With fp8_wgrad, 5 and 8 are FP8 varlen-K GEMMs: dO, A' (dW2) and dH, X (dW1) quantized in
+// 128x1 tiles along each expert's slots, transposed and padded per expert
+// (fp8/quantize_tokens.hpp). Backward's transients live in dW2's, dx's and dW1's bytes until
+// those are written, the rest in the workspace (backward_plan, a core/memory_plan.hpp value).
 // Not yet fused: X and dO are gathered into (S, d) code buffers (half the bytes of a bf16 copy)
 // and the activation runs as its own pass over a bf16 H, because the FP8 GEMM (CUTLASS's
 // blockwise-scaled pointer-array kernel) has a contiguous A and a plain epilogue. No token
-// chunks or expert ranges. The weights are quantized in every call, or once per Fp8WeightCache
-// (LayerOptions::fp8_weights) until the caller says they changed.
+// chunks or expert ranges (dX̃ (S, d) takes dW1's bytes where it fits). The weights are
+// quantized in every call, or once per Fp8WeightCache (LayerOptions::fp8_weights) until the
+// caller says they changed.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "core/carver.hpp"
+#include "core/memory_plan.hpp"
 #include "core/fp8.hpp"
 #include "core/fp8_weight_cache.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/fp8/act_quantize.hpp"
 #include "cuda/fp8/quantize.hpp"
+#include "cuda/fp8/quantize_tokens.hpp"
 #include "cuda/gemm/fp8_grouped_gemm.hpp"
 #include "cuda/layer/expert_ranges.hpp"  // ascending_token_slots
 #include "cuda/layer/layer_cuda.hpp"
@@ -107,8 +115,18 @@ Fp8Forward carve_forward(const LayerConfig& cfg, int64_t S, void* base, bool wei
   return w;
 }
 
+// Backward's transients, placed by core/memory_plan.hpp into the bytes of dW2, dx and dW1 before
+// the steps that write them, the rest into the workspace. The steps of fp8_backward:
+//   0 W1 → codes (w)                 1 recompute: X codes, up-proj (h16), H codes (h)
+//   2 W1ᵀ codes (w1t), W2 → w, W2ᵀ (w2t)                  3 dO gathered → codes (dout)
+//   4 dA' = dOq W2q (da)             5 dact_quantize: A', ds partials, ds, dH, dH codes
+//   6 dW2 (fp8_wgrad: poff, dO and A' token tiles); db2 in A''s bytes; d_pair_weights
+//   7 dx_order; dX̃ = dHq W1q (dx_slots)                   8 aggregate → dx
+//   9 dW1 (fp8_wgrad: dH and X token tiles); db1
+constexpr int kWritesDw2 = 6, kWritesDx = 8, kWritesDw1 = 9;
+
 struct Fp8Backward {
-  void* scratch = nullptr;
+  void* scratch = nullptr;  // the FP8 GEMMs' argument arrays and TMA descriptors (one at a time)
   size_t scratch_bytes = 0;
   Codes h;                  // (S, R), (S, R/128): recompute's H codes (keep_h: the saved ones)
   bf16* a_scaled = nullptr; // (S, n): A' = s·A, dW2's operand
@@ -117,50 +135,109 @@ struct Fp8Backward {
   bf16* dh = nullptr;       // (S, R): dW1's and db1's operand
   Codes dh_q;               // (S, R), (S, R/128): dX̃'s A
   int32_t* dx_order = nullptr;  // (S,) each token's slots ascending
-  // Dead once dact_quantize has run; dX̃ takes their bytes:
   Codes x;                  // (S, d) recompute only: X by slot
   bf16* h16 = nullptr;      // (S, R) recompute only: the up-projection's output
   Codes dout;               // (S, d), (S, d/128): dO by slot
   bf16* da = nullptr;       // (S, n): dA'
-  bf16* dx_slots = nullptr; // (S, d): dX̃, over the pieces above
+  bf16* dx_slots = nullptr; // (S, d): dX̃
+  // fp8_wgrad, S' = padded_tokens_bound(S, E) padded slots (quantize_tokens.hpp's layout):
+  int32_t* poff = nullptr;  // (E+1,) each expert's first padded slot
+  Codes dout_t, a_t;        // (d, S'), (n, S') and their (·, S'/128) scales: dW2's operands
+  Codes dh_t, x_t;          // (R, S'), (d, S'): dW1's
   // Without a weight cache: W1ᵀ, W2ᵀ, and one weight's codes before their transpose (W1's
   // first, which recompute's up-projection reads as they are, then W2's).
   Codes w1t, w2t, w;
-  size_t bytes = 0;
 };
 
-Fp8Backward carve_backward(const LayerConfig& cfg, int64_t S, LayerMode mode, void* base,
-                           bool weights) {
-  const int64_t d = cfg.d, n = cfg.n, E = cfg.E, R = cfg.w1_rows();
+// Bytes of `elems` codes, then (16-byte aligned) `groups` fp32 scales.
+size_t codes_bytes(int64_t elems, int64_t groups) {
+  return (size_t(elems) + 15) / 16 * 16 + size_t(groups) * sizeof(float);
+}
+Codes codes_at(void* p, int64_t elems) {
+  if (p == nullptr) return {};
+  char* b = static_cast<char*>(p);
+  return {reinterpret_cast<uint8_t*>(b), reinterpret_cast<float*>(b + (elems + 15) / 16 * 16)};
+}
+
+size_t backward_scratch_bytes(const LayerConfig& cfg) {
+  size_t b = gemm::fp8::contiguous_scratch_bytes(cfg.E);
+  if (cfg.compute == Compute::fp8_wgrad)
+    b = std::max(b, gemm::fp8::varlen_k_scratch_bytes(cfg.E));
+  return b;
+}
+
+// The placement of backward's transients (a pure function of the shapes, mode and whether the
+// weights' codes need room). Arenas: dW2, dx, dW1 (16-byte aligned outputs), the workspace.
+MemoryPlan backward_plan(const LayerConfig& cfg, int64_t S, LayerMode mode, bool weights,
+                         size_t scratch_bytes) {
+  const int64_t d = cfg.d, n = cfg.n, E = cfg.E, R = cfg.w1_rows(), T = cfg.T;
   const bool recompute = mode == LayerMode::recompute;
-  Carver c(base);
+  const bool wgrad = cfg.compute == Compute::fp8_wgrad;
+  const int64_t Sp = wgrad ? fp8::padded_tokens_bound(S, E) : 0, gp = Sp / kFp8Group;
+  const size_t es = sizeof(bf16);
+  const std::vector<ArenaSpec> arenas = {
+      {"dw2", size_t(E * d * n) * es, kWritesDw2, 16},
+      {"dx", size_t(T * d) * es, kWritesDx, 16},
+      {"dw1", size_t(E * R * d) * es, kWritesDw1, 16},
+      {"workspace", 0, kWritesDw1 + 1, 256}};
+  auto if_ = [](bool on, size_t bytes) { return on ? bytes : size_t(0); };
+  // First fit in this order: the workspace-only buffers that live longest first (scratch, dH),
+  // then the largest transients, so that dX̃ takes dW1's bytes before smaller ones scatter there.
+  const std::vector<BufferSpec> buffers = {
+      {"scratch", scratch_bytes, 0, 9},
+      {"dh", size_t(S * R) * es, 5, 9},
+      {"dx_slots", size_t(S * d) * es, 7, 8},
+      {"dout", codes_bytes(S * d, S * g128(d)), 3, 4},
+      {"x", if_(recompute, codes_bytes(S * d, S * g128(d))), 1, 1},
+      {"h16", if_(recompute, size_t(S * R) * es), 1, 1},
+      {"h", if_(recompute, codes_bytes(S * R, S * g128(R))), 1, 5},
+      {"w", if_(weights, codes_bytes(E * std::max(R * d, d * n),
+                                     E * std::max(g128(R) * g128(d), g128(d) * g128(n)))),
+       0, 2},
+      {"w1t", if_(weights, codes_bytes(E * d * R, E * g128(d) * g128(R))), 2, 7},
+      {"w2t", if_(weights, codes_bytes(E * n * d, E * g128(n) * g128(d))), 2, 4},
+      {"da", size_t(S * n) * es, 4, 5},
+      {"a_scaled", size_t(S * n) * es, 5, 6},
+      {"dh_q", codes_bytes(S * R, S * g128(R)), 5, 7},
+      {"dout_t", if_(wgrad, codes_bytes(d * Sp, d * gp)), 6, 6},
+      {"a_t", if_(wgrad, codes_bytes(n * Sp, n * gp)), 6, 6},
+      {"dh_t", if_(wgrad, codes_bytes(R * Sp, R * gp)), 9, 9},
+      {"x_t", if_(wgrad, codes_bytes(d * Sp, d * gp)), 9, 9},
+      {"ds", size_t(S) * sizeof(float), 5, 6},
+      {"ds_partials", size_t(S * g128(n)) * sizeof(float), 5, 5},
+      {"dx_order", size_t(S) * sizeof(int32_t), 7, 8},
+      {"poff", if_(wgrad, size_t(E + 1) * sizeof(int32_t)), 6, 9}};
+  return plan_memory(arenas, buffers);
+}
+
+Fp8Backward carve_backward(const MemoryPlan& plan, const LayerConfig& cfg, int64_t S,
+                           size_t scratch_bytes, const std::vector<void*>& bases) {
+  const int64_t d = cfg.d, n = cfg.n, E = cfg.E, R = cfg.w1_rows();
+  const int64_t Sp = fp8::padded_tokens_bound(S, E);
+  auto at = [&](const char* name) { return plan.address(name, bases); };
   Fp8Backward w;
-  w.scratch_bytes = gemm::fp8::contiguous_scratch_bytes(E);
-  w.scratch = c.take<char>(int64_t(w.scratch_bytes));
-  if (recompute) w.h = take_codes(c, S * R, S * g128(R));
-  w.a_scaled = c.take<bf16>(S * n);
-  w.ds = c.take<float>(S);
-  w.ds_partials = c.take<float>(S * g128(n));
-  w.dh = c.take<bf16>(S * R);
-  w.dh_q = take_codes(c, S * R, S * g128(R));
-  w.dx_order = c.take<int32_t>(S);
-  const size_t transient = c.mark();
-  if (recompute) {
-    w.x = take_codes(c, S * d, S * g128(d));
-    w.h16 = c.take<bf16>(S * R);
-  }
-  w.dout = take_codes(c, S * d, S * g128(d));
-  w.da = c.take<bf16>(S * n);
-  c.rewind(transient);
-  w.dx_slots = c.take<bf16>(S * d);
-  if (weights) {
-    skip_to_high_water(c);
-    w.w1t = take_codes(c, E * d * R, E * g128(d) * g128(R));
-    w.w2t = take_codes(c, E * n * d, E * g128(n) * g128(d));
-    w.w = take_codes(c, E * std::max(R * d, d * n),
-                     E * std::max(g128(R) * g128(d), g128(d) * g128(n)));
-  }
-  w.bytes = c.high_water();
+  w.scratch = at("scratch");
+  w.scratch_bytes = scratch_bytes;
+  w.dh = static_cast<bf16*>(at("dh"));
+  w.dx_slots = static_cast<bf16*>(at("dx_slots"));
+  w.dout = codes_at(at("dout"), S * d);
+  w.x = codes_at(at("x"), S * d);
+  w.h16 = static_cast<bf16*>(at("h16"));
+  w.h = codes_at(at("h"), S * R);
+  w.w = codes_at(at("w"), E * std::max(R * d, d * n));
+  w.w1t = codes_at(at("w1t"), E * d * R);
+  w.w2t = codes_at(at("w2t"), E * n * d);
+  w.da = static_cast<bf16*>(at("da"));
+  w.a_scaled = static_cast<bf16*>(at("a_scaled"));
+  w.dh_q = codes_at(at("dh_q"), S * R);
+  w.dout_t = codes_at(at("dout_t"), d * Sp);
+  w.a_t = codes_at(at("a_t"), n * Sp);
+  w.dh_t = codes_at(at("dh_t"), R * Sp);
+  w.x_t = codes_at(at("x_t"), d * Sp);
+  w.ds = static_cast<float*>(at("ds"));
+  w.ds_partials = static_cast<float*>(at("ds_partials"));
+  w.dx_order = static_cast<int32_t*>(at("dx_order"));
+  w.poff = static_cast<int32_t*>(at("poff"));
   return w;
 }
 
@@ -234,7 +311,8 @@ void check_fp8_gpu_shape(const LayerConfig& cfg) {
 size_t fp8_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, bool forward,
                            bool weights) {
   return forward ? carve_forward(cfg, S, nullptr, weights).bytes
-                 : carve_backward(cfg, S, mode, nullptr, weights).bytes;
+                 : backward_plan(cfg, S, mode, weights, backward_scratch_bytes(cfg))
+                       .workspace_bytes;
 }
 
 void fp8_forward(const LayerConfig& cfg, const RoutingPlanView& pv, const bf16* x,
@@ -266,7 +344,10 @@ void fp8_backward(const LayerConfig& cfg, const RoutingPlanView& pv, LayerMode m
                   const bf16* d_out, const void* h_saved, const LayerGrads& grads, bf16* db1,
                   bf16* db2, Fp8WeightCache* cache, void* workspace, cudaStream_t stream) {
   const int64_t S = pv.S, d = cfg.d, n = cfg.n, E = cfg.E, R = cfg.w1_rows();
-  const Fp8Backward w = carve_backward(cfg, S, mode, workspace, cache == nullptr);
+  const size_t scratch_bytes = backward_scratch_bytes(cfg);
+  const MemoryPlan plan = backward_plan(cfg, S, mode, cache == nullptr, scratch_bytes);
+  const Fp8Backward w = carve_backward(plan, cfg, S, scratch_bytes,
+                                       {grads.dw2.data, grads.dx.data, grads.dw1.data, workspace});
   const GemmOps& g = gemm_ops();
 
   // The weights' codes: the cache's, or W1's quantized here (recompute's up-projection reads
@@ -297,7 +378,19 @@ void fp8_backward(const LayerConfig& cfg, const RoutingPlanView& pv, LayerMode m
   fp8::dact_quantize_async(h.q, h.s, w.da, pv.slot_weights, S, n, cfg.activation, w.a_scaled,
                            w.ds_partials, w.ds, w.dh, w.dh_q.q, w.dh_q.s, stream);
 
-  g.dw2_proj(pv, d_out, w.a_scaled, grads.dw2.as<bf16>(), d, n, stream);
+  const bool wgrad = cfg.compute == Compute::fp8_wgrad;
+  const int32_t* eto = pv.expert_token_offsets;
+  if (wgrad) {
+    fp8::padded_token_offsets_async(eto, E, w.poff, stream);
+    fp8::quantize_tokens_128x1_async(d_out, d, pv.expert_token_indices, eto, w.poff, E, S, d,
+                                     w.dout_t.q, w.dout_t.s, stream);
+    fp8::quantize_tokens_128x1_async(w.a_scaled, n, nullptr, eto, w.poff, E, S, n, w.a_t.q,
+                                     w.a_t.s, stream);
+    gemm::fp8::varlen_k(w.poff, E, d, n, w.dout_t.q, w.dout_t.s, w.a_t.q, w.a_t.s,
+                        grads.dw2.as<bf16>(), w.scratch, w.scratch_bytes, stream);
+  } else {
+    g.dw2_proj(pv, d_out, w.a_scaled, grads.dw2.as<bf16>(), d, n, stream);
+  }
   // b2's share: A' is dead now (dW2 read it last), so its bytes hold the pass's partials.
   if (b2)
     bias2_backward(pv, d_out, b2, reinterpret_cast<float*>(w.a_scaled), w.ds, db2, d, stream);
@@ -307,7 +400,16 @@ void fp8_backward(const LayerConfig& cfg, const RoutingPlanView& pv, LayerMode m
   by_slot.token_index_map = w.dx_order;
   gemm_fp8(pv, cfg, w.dh_q, k.w1t, w.dx_slots, d, R, w.scratch, w.scratch_bytes, stream);
   aggregate_rows(by_slot, w.dx_slots, nullptr, grads.dx.data, d, DType::bf16, stream);
-  g.dw1_proj(pv, w.dh, x, grads.dw1.as<bf16>(), d, n, cfg.activation, stream);
+  if (wgrad) {
+    fp8::quantize_tokens_128x1_async(w.dh, R, nullptr, eto, w.poff, E, S, R, w.dh_t.q, w.dh_t.s,
+                                     stream);
+    fp8::quantize_tokens_128x1_async(x, d, pv.expert_token_indices, eto, w.poff, E, S, d,
+                                     w.x_t.q, w.x_t.s, stream);
+    gemm::fp8::varlen_k(w.poff, E, R, d, w.dh_t.q, w.dh_t.s, w.x_t.q, w.x_t.s,
+                        grads.dw1.as<bf16>(), w.scratch, w.scratch_bytes, stream);
+  } else {
+    g.dw1_proj(pv, w.dh, x, grads.dw1.as<bf16>(), d, n, cfg.activation, stream);
+  }
   if (db1) expert_column_sums(pv, w.dh, /*gathered=*/false, /*weighted=*/false, db1, R, stream);
 }
 

@@ -1,0 +1,43 @@
+// FP8 varlen-K grouped GEMM, the weight gradients (fp8_grouped_gemm.hpp): one instantiation,
+// tma::Fp8GroupedGemm with 1x128 scales on both operands (128 x 128 x 128 tiles, no cluster).
+#include <cstdint>
+#include <utility>
+
+#include "cuda/gemm/fp8_grouped_gemm.hpp"
+#include "cuda/gemm/kernels/sm90_tma_grouped_fp8.cuh"
+#include "moeblaze/error.hpp"
+
+namespace moeblaze::cuda::gemm::fp8 {
+
+namespace {
+using Gemm = tma::Fp8GroupedGemm<cute::Shape<cute::_128, cute::_128, cute::_128>,
+                                 cute::Shape<cute::_1, cute::_1, cute::_1>,
+                                 tma::Fp8RowScaleConfig>;
+}  // namespace
+
+size_t varlen_k_scratch_bytes(int64_t E) {
+  MOEBLAZE_REQUIRE(E >= 1 && E <= INT32_MAX, "E (", E, ") must be in [1, 2^31)");
+  return Gemm::scratch_bytes(static_cast<int>(E));
+}
+
+void varlen_k(const int32_t* poff, int64_t E, int64_t M, int64_t N, const uint8_t* qa,
+              const float* sa, const uint8_t* qb, const float* sb, bf16* d, void* scratch,
+              size_t scratch_bytes, cudaStream_t stream) {
+  MOEBLAZE_REQUIRE(E >= 1 && E <= INT32_MAX, "E (", E, ") must be in [1, 2^31)");
+  MOEBLAZE_UNSUPPORTED_IF(M <= 0 || M % 128 != 0 || M > INT32_MAX, "M (", M,
+                          ") must be a positive multiple of 128: whole 128 x 128 output tiles");
+  MOEBLAZE_UNSUPPORTED_IF(N <= 0 || N % 128 != 0 || N > INT32_MAX, "N (", N,
+                          ") must be a positive multiple of 128: whole 128 x 128 output tiles");
+  MOEBLAZE_REQUIRE(poff != nullptr, "poff is null");
+  for (const auto& [p, name] : {std::pair<const void*, const char*>{qa, "qa"}, {sa, "sa"},
+                                {qb, "qb"}, {sb, "sb"}, {d, "d"}, {scratch, "scratch"}}) {
+    MOEBLAZE_REQUIRE(p != nullptr, name, " is null");
+    MOEBLAZE_UNSUPPORTED_IF(reinterpret_cast<uintptr_t>(p) % 16 != 0, name,
+                            ": the FP8 GEMM needs 16-byte aligned data (TMA)");
+  }
+  tma::run_fp8_varlen_k<Gemm>("fp8::varlen_k", poff, static_cast<int>(E), static_cast<int>(M),
+                              static_cast<int>(N), qa, sa, qb, sb, d, scratch, scratch_bytes,
+                              stream);
+}
+
+}  // namespace moeblaze::cuda::gemm::fp8
