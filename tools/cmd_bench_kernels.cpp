@@ -4,7 +4,8 @@
 // (--kernels, else MOEBLAZE_KERNELS). A second table gives the layer's token chunks of Y and dX̃
 // (cuda/layer/token_chunks.hpp), which follow from the same choice, and a third recompute's
 // backward in expert ranges (cuda/layer/expert_ranges.hpp) at the config's T and from which T on.
-// With --rounding, a fourth table counts the rows each GEMM multiplies, its tiles' padding
+// A fourth gives FP8 backward's memory plan (cuda::fp8_backward_plan). With --rounding, a fifth
+// table counts the rows each GEMM multiplies, its tiles' padding
 // included, under DESIGN's top-K routing and under token rounding of it: the GPU work rounding can
 // save, whatever else it costs.
 #include <CLI/CLI.hpp>
@@ -20,6 +21,7 @@
 #include "configs.hpp"
 #include "cuda/gemm/dispatch/kernel_config.hpp"
 #include "cuda/layer/expert_ranges.hpp"
+#include "cuda/layer/layer_cuda.hpp"
 #include "cuda/layer/token_chunks.hpp"
 #include "moeblaze/error.hpp"
 #include "table.hpp"
@@ -35,6 +37,39 @@ struct KernelsFlags {
   int m_tile = 128;
   uint64_t seed = 1234;
 };
+
+// FP8 backward's transients per config and recipe (cuda::fp8_backward_plan, weights cached): the
+// bytes placed in dW2, dx and dW1 before they are written, and what stays in the workspace. The
+// GEMMs' scratch (device-dependent, a few MiB) is left out.
+void fp8_memory_table(const std::vector<const NamedConfig*>& configs, Activation act) {
+  Table t({{"config", Align::left}, {"compute", Align::left}, {"mode", Align::left},
+           {"in dw2 MiB"}, {"in dx MiB"}, {"in dw1 MiB"}, {"workspace MiB"},
+           {"in the workspace", Align::left}});
+  const auto mib = [](size_t b) { return fixed(double(b) / double(1 << 20), 1); };
+  for (const NamedConfig* c : configs) {
+    if (c->d % 128 != 0 || c->n % 128 != 0) continue;  // the GPU's FP8 path refuses these
+    for (const Compute compute : {Compute::fp8, Compute::fp8_wgrad})
+      for (const LayerMode mode : {LayerMode::keep_h, LayerMode::recompute}) {
+        LayerConfig lc = layer_config(*c, act, DType::bf16);
+        lc.compute = compute;
+        const MemoryPlan p = cuda::fp8_backward_plan(lc, c->T * c->K, mode, false, 0);
+        std::vector<size_t> in(p.arenas.size(), 0);
+        std::string names;
+        for (size_t i = 0; i < p.buffers.size(); ++i) {
+          if (p.at[i].arena < 0) continue;
+          in[size_t(p.at[i].arena)] += p.buffers[i].bytes;
+          if (size_t(p.at[i].arena) + 1 == p.arenas.size())
+            names += std::string(names.empty() ? "" : " ") + p.buffers[i].name;
+        }
+        t.add_row({c->name, compute_name(compute),
+                   mode == LayerMode::keep_h ? "keep_h" : "recompute", mib(in[0]), mib(in[1]),
+                   mib(in[2]), mib(p.workspace_bytes), names});
+      }
+  }
+  std::cout << "\nFP8 backward's transients (weights cached; bytes summed per place, the "
+               "workspace's after reuse; GEMM scratch not counted)\n";
+  t.print(std::cout);
+}
 
 // One GEMM's multiply-adds over a routing (rows: (E,) slots per expert): the useful ones, and
 // what its tiles compute, with M, N and K each padded to the kernel's tile (a tma_grouped 2-CTA
@@ -205,6 +240,7 @@ void run_kernels(const KernelsFlags& f) {
   }
   std::cout << "\n";
   ranges.print(std::cout);
+  fp8_memory_table(configs, act);
   if (!f.rounding.empty()) padding_table(f, configs, act, o);
 }
 

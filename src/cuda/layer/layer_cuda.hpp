@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "core/carver.hpp"
+#include "core/memory_plan.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/layer/expert_ranges.hpp"
 #include "cuda/layer/token_chunks.hpp"
@@ -148,6 +149,11 @@ void check_gpu_layer_args(const LayerConfig& cfg, const RoutingPlan& plan,
 // cache: LayerOptions::fp8_weights or null. Backward is called with S > 0 only (the caller
 // zero-fills the gradients of an empty plan).
 void check_fp8_gpu_shape(const LayerConfig& cfg);
+// Where fp8_backward keeps its transients for these shapes (core/memory_plan.hpp): in dW2's, dx's
+// and dW1's bytes before they are written, else the workspace. A host computation; scratch_bytes
+// is the FP8 GEMMs' scratch (its size depends on the device; 0 leaves it out of the plan).
+MemoryPlan fp8_backward_plan(const LayerConfig& cfg, int64_t S, LayerMode mode, bool weights,
+                             size_t scratch_bytes);
 size_t fp8_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, bool forward,
                            bool weights = true);
 void fp8_forward(const LayerConfig& cfg, const RoutingPlanView& pv, const bf16* x,

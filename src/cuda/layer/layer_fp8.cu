@@ -122,8 +122,8 @@ Fp8Forward carve_forward(const LayerConfig& cfg, int64_t S, void* base, bool wei
 //   4 dA' = dOq W2q (da)             5 dact_quantize: A', ds partials, ds, dH, dH codes
 //   6 dW2 (fp8_wgrad: poff, dO and A' token tiles); db2 in A''s bytes; d_pair_weights
 //   7 dx_order; dX̃ = dHq W1q (dx_slots)                   8 aggregate → dx
-//   9 dW1 (fp8_wgrad: dH and X token tiles); db1
-constexpr int kWritesDw2 = 6, kWritesDx = 8, kWritesDw1 = 9;
+//   9 db1; fp8_wgrad: dH's token tiles (dh_t)             10 dW1 (fp8_wgrad: X's token tiles)
+constexpr int kWritesDw2 = 6, kWritesDx = 8, kWritesDw1 = 10;
 
 struct Fp8Backward {
   void* scratch = nullptr;  // the FP8 GEMMs' argument arrays and TMA descriptors (one at a time)
@@ -181,12 +181,16 @@ MemoryPlan backward_plan(const LayerConfig& cfg, int64_t S, LayerMode mode, bool
       {"dw1", size_t(E * R * d) * es, kWritesDw1, 16},
       {"workspace", 0, kWritesDw1 + 1, 256}};
   auto if_ = [](bool on, size_t bytes) { return on ? bytes : size_t(0); };
-  // First fit in this order: the workspace-only buffers that live longest first (scratch, dH),
-  // then the largest transients, so that dX̃ takes dW1's bytes before smaller ones scatter there.
+  // First fit in this order: the scratch; dX̃, so that it takes dW1's bytes before smaller
+  // pieces scatter there; dW1's FP8 operands before dH, so that X's codes can reuse dH's bytes;
+  // then the rest, largest first.
   const std::vector<BufferSpec> buffers = {
-      {"scratch", scratch_bytes, 0, 9},
-      {"dh", size_t(S * R) * es, 5, 9},
+      {"scratch", scratch_bytes, 0, 10},
       {"dx_slots", size_t(S * d) * es, 7, 8},
+      {"dh_t", if_(wgrad, codes_bytes(R * Sp, R * gp)), 9, 10},
+      {"x_t", if_(wgrad, codes_bytes(d * Sp, d * gp)), 10, 10},
+      // fp8_wgrad's dW1 reads dH's codes (dh_t, made at step 9), fp8's dH itself.
+      {"dh", size_t(S * R) * es, 5, wgrad ? 9 : 10},
       {"dout", codes_bytes(S * d, S * g128(d)), 3, 4},
       {"x", if_(recompute, codes_bytes(S * d, S * g128(d))), 1, 1},
       {"h16", if_(recompute, size_t(S * R) * es), 1, 1},
@@ -201,12 +205,10 @@ MemoryPlan backward_plan(const LayerConfig& cfg, int64_t S, LayerMode mode, bool
       {"dh_q", codes_bytes(S * R, S * g128(R)), 5, 7},
       {"dout_t", if_(wgrad, codes_bytes(d * Sp, d * gp)), 6, 6},
       {"a_t", if_(wgrad, codes_bytes(n * Sp, n * gp)), 6, 6},
-      {"dh_t", if_(wgrad, codes_bytes(R * Sp, R * gp)), 9, 9},
-      {"x_t", if_(wgrad, codes_bytes(d * Sp, d * gp)), 9, 9},
       {"ds", size_t(S) * sizeof(float), 5, 6},
       {"ds_partials", size_t(S * g128(n)) * sizeof(float), 5, 5},
       {"dx_order", size_t(S) * sizeof(int32_t), 7, 8},
-      {"poff", if_(wgrad, size_t(E + 1) * sizeof(int32_t)), 6, 9}};
+      {"poff", if_(wgrad, size_t(E + 1) * sizeof(int32_t)), 6, 10}};
   return plan_memory(arenas, buffers);
 }
 
@@ -308,6 +310,11 @@ void check_fp8_gpu_shape(const LayerConfig& cfg) {
                           "scaled blocks (the CPU backend takes any n)");
 }
 
+MemoryPlan fp8_backward_plan(const LayerConfig& cfg, int64_t S, LayerMode mode, bool weights,
+                             size_t scratch_bytes) {
+  return backward_plan(cfg, S, mode, weights, scratch_bytes);
+}
+
 size_t fp8_workspace_bytes(const LayerConfig& cfg, int64_t S, LayerMode mode, bool forward,
                            bool weights) {
   return forward ? carve_forward(cfg, S, nullptr, weights).bytes
@@ -400,6 +407,8 @@ void fp8_backward(const LayerConfig& cfg, const RoutingPlanView& pv, LayerMode m
   by_slot.token_index_map = w.dx_order;
   gemm_fp8(pv, cfg, w.dh_q, k.w1t, w.dx_slots, d, R, w.scratch, w.scratch_bytes, stream);
   aggregate_rows(by_slot, w.dx_slots, nullptr, grads.dx.data, d, DType::bf16, stream);
+  // Step 9, then 10 (fp8_wgrad: X's codes take dH's bytes once dH's are made).
+  if (db1) expert_column_sums(pv, w.dh, /*gathered=*/false, /*weighted=*/false, db1, R, stream);
   if (wgrad) {
     fp8::quantize_tokens_128x1_async(w.dh, R, nullptr, eto, w.poff, E, S, R, w.dh_t.q, w.dh_t.s,
                                      stream);
@@ -410,7 +419,6 @@ void fp8_backward(const LayerConfig& cfg, const RoutingPlanView& pv, LayerMode m
   } else {
     g.dw1_proj(pv, w.dh, x, grads.dw1.as<bf16>(), d, n, cfg.activation, stream);
   }
-  if (db1) expert_column_sums(pv, w.dh, /*gathered=*/false, /*weighted=*/false, db1, R, stream);
 }
 
 }  // namespace moeblaze::cuda
