@@ -84,7 +84,7 @@ class Block(nn.Module):
             extra = dict(token_rounding=None if a.token_rounding == "none" else a.token_rounding,
                          m_tile=a.m_tile, recompute=a.recompute,
                          compute_dtype=None if a.compute == "bf16" else a.compute,
-                         fp8_weight_cache=a.compute == "fp8")  # codes kept between steps
+                         fp8_weight_cache=a.compute != "bf16")  # codes kept between steps
         self.moe = cls(a.d, a.n, a.E, a.K, activation="swiglu", aux_loss_coef=a.aux_loss_coef,
                        **extra, **kw)
 
@@ -345,10 +345,11 @@ def parser():
                    default="none")
     p.add_argument("--m-tile", type=int, default=128)
     p.add_argument("--recompute", action="store_true")
-    p.add_argument("--compute", choices=["bf16", "fp8"], default="bf16",
+    p.add_argument("--compute", choices=["bf16", "fp8", "fp8-wgrad"], default="bf16",
                    help="the experts' GEMMs: in the storage dtype, or fp8 (e4m3 operands, "
                         "docs/FP8.md; needs --dtype bf16; the GPU needs d and n multiples of "
-                        "128; the weights' codes kept between optimizer steps)")
+                        "128; the weights' codes kept between optimizer steps); fp8-wgrad: "
+                        "the weight gradients' GEMMs in fp8 too")
     p.add_argument("--seed", type=int, default=0, help="parameter init")
     p.add_argument("--data-seed", type=int, default=1, help="batch order")
     p.add_argument("--val-every", type=int)
@@ -378,6 +379,7 @@ if __name__ == "__main__":
                                  args.compute != "bf16"):
         parser().error("--token-rounding, --recompute and --compute fp8 are moeblaze features "
                        "(--impl moeblaze)")
-    if args.compute == "fp8" and args.dtype != "bf16":
-        parser().error("--compute fp8 needs --dtype bf16 (FP8 operands are quantized from bf16)")
+    if args.compute != "bf16" and args.dtype != "bf16":
+        parser().error(f"--compute {args.compute} needs --dtype bf16 (FP8 operands are quantized "
+                       "from bf16)")
     train(args)
