@@ -18,7 +18,10 @@
 // down-fp8 (issue 20; where d and n are multiples of 128): the down-projection on e4m3 operands
 // with DeepSeek-V3's scales (cuda/gemm/fp8_grouped_gemm.hpp), its operands quantized once before
 // the timing (the layer will quantize A in the up-projection's epilogue and cache W2's codes);
-// its output is checked by the GPU tests, not here.
+// its output is checked by the GPU tests, not here. dW2-fp8 / dW1-fp8 (compute fp8-wgrad): the
+// weight gradients on e4m3 operands in 128x1 tiles along each expert's tokens
+// (gemm::fp8::varlen_k), dO, A', dH and x quantized and transposed once before the timing (the
+// layer runs those passes in every step: `bench layer` times them); checked by the GPU tests too.
 #ifdef MOEBLAZE_WITH_CUDA
 
 #include <CLI/CLI.hpp>
@@ -44,6 +47,7 @@
 #include "flags.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/fp8/quantize.hpp"
+#include "cuda/fp8/quantize_tokens.hpp"
 #include "cuda/gemm/fp8_grouped_gemm.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/layer/layer_cuda.hpp"  // fill_normal
@@ -207,6 +211,20 @@ struct ShapeData {
           scratch(cuda::gemm::fp8::contiguous_scratch_bytes(E)) {}
   };
   std::unique_ptr<Fp8Down> fp8;  // null where d or n is not a multiple of 128
+  // dW2-fp8 / dW1-fp8's operands, P = padded_tokens_bound(S, E) padded slots: dO (d, P), A'
+  // (n, P), dH (R, P), x (d, P) codes and their (·, P/128) scales; poff (E+1,); dW1, dW2.
+  struct Fp8Wgrad {
+    int64_t P;
+    Dev poff, qdo, sdo, qa, sa, qdh, sdh, qx, sx, dw1, dw2, scratch;
+    bool quantized = false;  // at the first launch, after the chain wrote A' and dH
+    Fp8Wgrad(int64_t S, int64_t d, int64_t n, int64_t E, int64_t R)
+        : P(cuda::fp8::padded_tokens_bound(S, E)), poff(size_t(E + 1) * 4), qdo(size_t(d * P)),
+          sdo(size_t(d * (P / 128)) * 4), qa(size_t(n * P)), sa(size_t(n * (P / 128)) * 4),
+          qdh(size_t(R * P)), sdh(size_t(R * (P / 128)) * 4), qx(size_t(d * P)),
+          sx(size_t(d * (P / 128)) * 4), dw1(size_t(E * R * d) * 2), dw2(size_t(E * d * n) * 2),
+          scratch(cuda::gemm::fp8::varlen_k_scratch_bytes(E)) {}
+  };
+  std::unique_ptr<Fp8Wgrad> fp8w;  // null where d or n is not a multiple of 128
 
   ShapeData(const Shape& sh, Activation act, uint64_t seed, const BalancedRouting& rt)
       : T(sh.T), d(sh.d), n(sh.n), E(sh.E), K(sh.K), S(sh.T * sh.K),
@@ -220,7 +238,10 @@ struct ShapeData {
         parts(size_t(S * cuda::gemm::ds_partials_cols(n)) * 4), dh(size_t(S * R) * 2),
         as(size_t(S * n) * 2), dx(size_t(S * d) * 2), dw1(size_t(E * R * d) * 2),
         dw2(size_t(E * d * n) * 2) {
-    if (d % 128 == 0 && n % 128 == 0) fp8 = std::make_unique<Fp8Down>(S, d, n, E);
+    if (d % 128 == 0 && n % 128 == 0) {
+      fp8 = std::make_unique<Fp8Down>(S, d, n, E);
+      fp8w = std::make_unique<Fp8Wgrad>(S, d, n, E, R);
+    }
     plan.T = T;
     plan.E = E;
     plan.S = S;
@@ -346,6 +367,44 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
             },
             S, d, n};
   };
+  // dW2-fp8 / dW1-fp8: the four operands quantized at the first launch (the warm-up).
+  auto wgrad_fp8 = [&](bool w1) -> Kernel {
+    ShapeData::Fp8Wgrad& q = *s.fp8w;
+    auto quantize = [&s, &q, stream, B] {
+      if (q.quantized) return;
+      namespace f8 = cuda::fp8;
+      const int32_t* off = s.plan.expert_token_offsets;
+      const int32_t* tok = s.plan.expert_token_indices;
+      f8::padded_token_offsets_async(off, s.E, q.poff.as<int32_t>(), stream);
+      const int32_t* poff = q.poff.as<int32_t>();
+      f8::quantize_tokens_128x1_async(B(s.dO), s.d, tok, off, poff, s.E, s.S, s.d,
+                                      q.qdo.as<uint8_t>(), q.sdo.as<float>(), stream);
+      f8::quantize_tokens_128x1_async(B(s.as), s.n, nullptr, off, poff, s.E, s.S, s.n,
+                                      q.qa.as<uint8_t>(), q.sa.as<float>(), stream);
+      f8::quantize_tokens_128x1_async(B(s.dh), s.R, nullptr, off, poff, s.E, s.S, s.R,
+                                      q.qdh.as<uint8_t>(), q.sdh.as<float>(), stream);
+      f8::quantize_tokens_128x1_async(B(s.x), s.d, tok, off, poff, s.E, s.S, s.d,
+                                      q.qx.as<uint8_t>(), q.sx.as<float>(), stream);
+      q.quantized = true;
+    };
+    if (w1)
+      return {"dW1-fp8", "dw1-fp8", up_flops,
+              [&s, &q, stream, quantize] {
+                quantize();
+                gg::fp8::varlen_k(q.poff.as<int32_t>(), s.E, s.R, s.d, q.qdh.as<uint8_t>(),
+                                  q.sdh.as<float>(), q.qx.as<uint8_t>(), q.sx.as<float>(),
+                                  q.dw1.as<bf16>(), q.scratch.p, q.scratch.bytes, stream);
+              },
+              R, d, S};
+    return {"dW2-fp8", "dw2-fp8", down_flops,
+            [&s, &q, stream, quantize] {
+              quantize();
+              gg::fp8::varlen_k(q.poff.as<int32_t>(), s.E, s.d, s.n, q.qdo.as<uint8_t>(),
+                                q.sdo.as<float>(), q.qa.as<uint8_t>(), q.sa.as<float>(),
+                                q.dw2.as<bf16>(), q.scratch.p, q.scratch.bytes, stream);
+            },
+            d, n, S};
+  };
   std::vector<Kernel> all = {up("up", GK::two_cta),
           up("up-ws", GK::warp_specialized),
           up("up-pp", GK::ping_pong),
@@ -374,6 +433,10 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
           // per expert), to time against dW1-ws
           with_overrides("dw1.family=ws,dw1.cluster=2", dw1("dW1-mc", GK::warp_specialized))};
   if (s.fp8) all.insert(all.begin() + 3, down_fp8());  // after the up-projections
+  if (s.fp8w) {  // last: the chain has written A' and dH
+    all.push_back(wgrad_fp8(false));
+    all.push_back(wgrad_fp8(true));
+  }
   // swiglu_oai's up-projection and dH have one kernel each (ws cooperative): the others refuse it.
   if (act == Activation::swiglu_oai)
     all.erase(std::remove_if(all.begin(), all.end(),
@@ -678,8 +741,8 @@ void add_bench_gemm_command(CLI::App& bench) {
                   "time only these kernels (comma list of up, up-ws, up-pp, down, dH, dH-ws, dH-ws-ip, "
                   "dH-pp, dW2, dW2-ws, dX, down-tma, dX-tma, down-tma256, down-tmapp, dX-tma256, "
                   "dX-tmapp, down-ws, down-pp, dX-ws, dX-pp, "
-                  "dW1, dW1-ws, dW1-mc, down-fp8); all of them still run once for the "
-                  "correctness check");
+                  "dW1, dW1-ws, dW1-mc, down-fp8, dW2-fp8, dW1-fp8); all of them still run once "
+                  "for the correctness check");
   sub->add_option("--operands", flags->operands,
                   "what the GEMMs read as h, a, dh and a': chain (what the chain computed) or "
                   "random (N(0, 1), like x and dO, refilled after the correctness check)")
