@@ -22,6 +22,7 @@
 // weight gradients on e4m3 operands in 128x1 tiles along each expert's tokens
 // (gemm::fp8::varlen_k), dO, A', dH and x quantized and transposed once before the timing (the
 // layer runs those passes in every step: `bench layer` times them); checked by the GPU tests too.
+// The -fp8-pp rows run the same on the ping-pong schedule (64 x 128 tiles, Fp8Schedule).
 #ifdef MOEBLAZE_WITH_CUDA
 
 #include <CLI/CLI.hpp>
@@ -349,12 +350,12 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
     return k;
   };
   // down-fp8: W2 quantized here, A at the first launch (the chain's up-proj has written it).
-  auto down_fp8 = [&]() -> Kernel {
+  auto down_fp8 = [&](const char* name, gg::fp8::Fp8Schedule sched) -> Kernel {
     ShapeData::Fp8Down& q = *s.fp8;
     cuda::fp8::quantize_128x128_async(B(s.w2), s.E, s.d * s.n, s.d, s.n, s.n,
                                       q.qw.as<uint8_t>(), q.sw.as<float>(), stream);
-    return {"down-fp8", "y-fp8", down_flops,
-            [&s, &q, stream, B] {
+    return {name, "y-fp8", down_flops,
+            [&s, &q, stream, B, sched] {
               if (!q.quantized) {
                 cuda::fp8::quantize_1x128_async(B(s.a), s.S, s.n, s.n, q.qa.as<uint8_t>(),
                                                 q.sa.as<float>(), stream);
@@ -363,12 +364,13 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
               gg::fp8::contiguous(gg::ExpertRows::whole(s.plan), s.E, q.qa.as<uint8_t>(),
                                   q.sa.as<float>(), q.qw.as<uint8_t>(), q.sw.as<float>(),
                                   q.y.as<bf16>(), s.d, s.n, q.scratch.p, q.scratch.bytes,
-                                  stream);
+                                  stream, sched);
             },
             S, d, n};
   };
   // dW2-fp8 / dW1-fp8: the four operands quantized at the first launch (the warm-up).
-  auto wgrad_fp8 = [&](bool w1) -> Kernel {
+  auto wgrad_fp8 = [&](bool w1, gg::fp8::Fp8Schedule sched) -> Kernel {
+    const bool pp = sched == gg::fp8::Fp8Schedule::pingpong;
     ShapeData::Fp8Wgrad& q = *s.fp8w;
     auto quantize = [&s, &q, stream, B] {
       if (q.quantized) return;
@@ -388,20 +390,21 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
       q.quantized = true;
     };
     if (w1)
-      return {"dW1-fp8", "dw1-fp8", up_flops,
-              [&s, &q, stream, quantize] {
+      return {pp ? "dW1-fp8-pp" : "dW1-fp8", "dw1-fp8", up_flops,
+              [&s, &q, stream, quantize, sched] {
                 quantize();
                 gg::fp8::varlen_k(q.poff.as<int32_t>(), s.E, s.R, s.d, q.qdh.as<uint8_t>(),
                                   q.sdh.as<float>(), q.qx.as<uint8_t>(), q.sx.as<float>(),
-                                  q.dw1.as<bf16>(), q.scratch.p, q.scratch.bytes, stream);
+                                  q.dw1.as<bf16>(), q.scratch.p, q.scratch.bytes, stream,
+                                  sched);
               },
               R, d, S};
-    return {"dW2-fp8", "dw2-fp8", down_flops,
-            [&s, &q, stream, quantize] {
+    return {pp ? "dW2-fp8-pp" : "dW2-fp8", "dw2-fp8", down_flops,
+            [&s, &q, stream, quantize, sched] {
               quantize();
               gg::fp8::varlen_k(q.poff.as<int32_t>(), s.E, s.d, s.n, q.qdo.as<uint8_t>(),
                                 q.sdo.as<float>(), q.qa.as<uint8_t>(), q.sa.as<float>(),
-                                q.dw2.as<bf16>(), q.scratch.p, q.scratch.bytes, stream);
+                                q.dw2.as<bf16>(), q.scratch.p, q.scratch.bytes, stream, sched);
             },
             d, n, S};
   };
@@ -432,10 +435,16 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
           // the 2-CTA cluster variant at every shape (the rule takes it only at >= 4096 rows
           // per expert), to time against dW1-ws
           with_overrides("dw1.family=ws,dw1.cluster=2", dw1("dW1-mc", GK::warp_specialized))};
-  if (s.fp8) all.insert(all.begin() + 3, down_fp8());  // after the up-projections
+  using Sched = gg::fp8::Fp8Schedule;
+  if (s.fp8) {  // after the up-projections
+    all.insert(all.begin() + 3, down_fp8("down-fp8-pp", Sched::pingpong));
+    all.insert(all.begin() + 3, down_fp8("down-fp8", Sched::cooperative));
+  }
   if (s.fp8w) {  // last: the chain has written A' and dH
-    all.push_back(wgrad_fp8(false));
-    all.push_back(wgrad_fp8(true));
+    for (Sched sched : {Sched::cooperative, Sched::pingpong}) {
+      all.push_back(wgrad_fp8(false, sched));
+      all.push_back(wgrad_fp8(true, sched));
+    }
   }
   // swiglu_oai's up-projection and dH have one kernel each (ws cooperative): the others refuse it.
   if (act == Activation::swiglu_oai)
@@ -741,7 +750,8 @@ void add_bench_gemm_command(CLI::App& bench) {
                   "time only these kernels (comma list of up, up-ws, up-pp, down, dH, dH-ws, dH-ws-ip, "
                   "dH-pp, dW2, dW2-ws, dX, down-tma, dX-tma, down-tma256, down-tmapp, dX-tma256, "
                   "dX-tmapp, down-ws, down-pp, dX-ws, dX-pp, "
-                  "dW1, dW1-ws, dW1-mc, down-fp8, dW2-fp8, dW1-fp8); all of them still run once "
+                  "dW1, dW1-ws, dW1-mc, down-fp8, down-fp8-pp, dW2-fp8, dW2-fp8-pp, dW1-fp8, "
+                  "dW1-fp8-pp); all of them still run once "
                   "for the correctness check");
   sub->add_option("--operands", flags->operands,
                   "what the GEMMs read as h, a, dh and a': chain (what the chain computed) or "

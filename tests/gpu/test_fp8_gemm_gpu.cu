@@ -4,7 +4,7 @@
 // multiply the same values and differ only by fp32 summation order and D's bf16 rounding. Fresh
 // random inputs (seed printed); experts with no rows, with fewer rows than a tile and with
 // partial last tiles; every expert's weights at a different scale so that a misread scale
-// layout shows. And the shapes it refuses.
+// layout shows; both consumer schedules (Fp8Schedule). And the shapes it refuses.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -68,19 +68,23 @@ TEST(Fp8GemmGpu, ContiguousMatchesTheDequantizedFloat64Gemm) {
 
   DevMem d_off(off), d_qa(bits_of(qa)), d_sa(sa), d_qb(bits_of(qb)), d_sb(sb);
   DevMem d_d(size_t(S * N) * 2);
-  MOEBLAZE_TEST_CUDA(cudaMemset(d_d.p, 0xFF, d_d.bytes));  // NaN: a row left unwritten fails
   const size_t scratch_bytes = g8::contiguous_scratch_bytes(E);
   DevMem scratch(scratch_bytes);
   const cuda::gemm::ExpertRows rows{d_off.as<int32_t>(), d_off.as<int32_t>() + 1,
                                     d_off.as<int32_t>()};
-  g8::contiguous(rows, E, d_qa.as<uint8_t>(), d_sa.as<float>(), d_qb.as<uint8_t>(),
-                 d_sb.as<float>(), d_d.as<bf16>(), N, K, scratch.p, scratch_bytes, nullptr);
-  const std::vector<bf16> got = d_d.download<bf16>();
-  for (int64_t e = 0; e < E; ++e) {
-    if (counts[e] == 0) continue;
-    SCOPED_TRACE("expert " + std::to_string(e) + " (" + std::to_string(counts[e]) + " rows)");
-    const size_t at = size_t(off[e] * N), n = size_t(counts[e] * N);
-    EXPECT_LE(rel_frobenius(got.data() + at, ref.data() + at, n), rel_tolerance(DType::bf16));
+  for (const g8::Fp8Schedule sched : {g8::Fp8Schedule::cooperative, g8::Fp8Schedule::pingpong}) {
+    SCOPED_TRACE(std::string("schedule ") + g8::fp8_schedule_name(sched));
+    MOEBLAZE_TEST_CUDA(cudaMemset(d_d.p, 0xFF, d_d.bytes));  // NaN: a row left unwritten fails
+    g8::contiguous(rows, E, d_qa.as<uint8_t>(), d_sa.as<float>(), d_qb.as<uint8_t>(),
+                   d_sb.as<float>(), d_d.as<bf16>(), N, K, scratch.p, scratch_bytes, nullptr,
+                   sched);
+    const std::vector<bf16> got = d_d.download<bf16>();
+    for (int64_t e = 0; e < E; ++e) {
+      if (counts[e] == 0) continue;
+      SCOPED_TRACE("expert " + std::to_string(e) + " (" + std::to_string(counts[e]) + " rows)");
+      const size_t at = size_t(off[e] * N), n = size_t(counts[e] * N);
+      EXPECT_LE(rel_frobenius(got.data() + at, ref.data() + at, n), rel_tolerance(DType::bf16));
+    }
   }
 }
 

@@ -2,7 +2,8 @@
 // gradients) against a float64 sum of the dequantized products: random finite e4m3 codes and
 // random positive 1x128 scales on both operands, experts of 1 to 5 K blocks, so that a misread
 // per-expert offset, scale layout or K extent shows; the two sides differ only by fp32 summation
-// order and D's bf16 rounding. And the shapes and scratch it refuses.
+// order and D's bf16 rounding; both consumer schedules (Fp8Schedule). And the shapes and scratch it
+// refuses.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -84,18 +85,21 @@ TEST(Fp8VarlenKGpu, MatchesTheDequantizedFloat64Gemm) {
 
   DevMem d_poff(poff), d_qa(qa), d_sa(sa), d_qb(qb), d_sb(sb);
   DevMem d_d(size_t(E * M * N) * 2);  // (E, M, N) bf16
-  d_d.poison();  // NaN: a tile left unwritten fails
   const size_t scratch_bytes = g8::varlen_k_scratch_bytes(E);
   DevMem scratch(scratch_bytes);
-  g8::varlen_k(d_poff.as<int32_t>(), E, M, N, d_qa.as<uint8_t>(), d_sa.as<float>(),
-               d_qb.as<uint8_t>(), d_sb.as<float>(), d_d.as<bf16>(), scratch.p, scratch_bytes,
-               nullptr);
-  MOEBLAZE_TEST_CUDA(cudaGetLastError());
-  const std::vector<bf16> got = d_d.download<bf16>();
-  for (int64_t e = 0; e < E; ++e) {
-    SCOPED_TRACE("expert " + std::to_string(e) + " (K = " + std::to_string(p[e]) + ")");
-    const size_t at = size_t(e * M * N), n = size_t(M * N);
-    EXPECT_LE(rel_frobenius(got.data() + at, ref.data() + at, n), rel_tolerance(DType::bf16));
+  for (const g8::Fp8Schedule sched : {g8::Fp8Schedule::cooperative, g8::Fp8Schedule::pingpong}) {
+    SCOPED_TRACE(std::string("schedule ") + g8::fp8_schedule_name(sched));
+    d_d.poison();  // NaN: a tile left unwritten fails
+    g8::varlen_k(d_poff.as<int32_t>(), E, M, N, d_qa.as<uint8_t>(), d_sa.as<float>(),
+                 d_qb.as<uint8_t>(), d_sb.as<float>(), d_d.as<bf16>(), scratch.p, scratch_bytes,
+                 nullptr, sched);
+    MOEBLAZE_TEST_CUDA(cudaGetLastError());
+    const std::vector<bf16> got = d_d.download<bf16>();
+    for (int64_t e = 0; e < E; ++e) {
+      SCOPED_TRACE("expert " + std::to_string(e) + " (K = " + std::to_string(p[e]) + ")");
+      const size_t at = size_t(e * M * N), n = size_t(M * N);
+      EXPECT_LE(rel_frobenius(got.data() + at, ref.data() + at, n), rel_tolerance(DType::bf16));
+    }
   }
 }
 

@@ -14,8 +14,15 @@
 
 namespace moeblaze::cuda::gemm::fp8 {
 
+// The kernel's consumer schedule, a value (bench gemm times both; the layer runs cooperative
+// until the ping-pong one is measured faster somewhere):
+//   cooperative  128 x 128 tiles, both consumer warpgroups on one tile (CUTLASS example 68);
+//   pingpong     64 x 128 tiles, one per warpgroup, one's epilogue under the other's mainloop.
+enum class Fp8Schedule : uint8_t { cooperative, pingpong };
+const char* fp8_schedule_name(Fp8Schedule s);  // "cooperative", "pingpong"
+
 // Scratch bytes of contiguous() for E experts on the current device (argument arrays and
-// CUTLASS's per-SM TMA descriptors).
+// CUTLASS's per-SM TMA descriptors), enough for either schedule.
 size_t contiguous_scratch_bytes(int64_t E);
 
 // For every expert e and i < rows.end[e] - rows.begin[e] (row r = rows.begin[e] + i):
@@ -28,10 +35,11 @@ size_t contiguous_scratch_bytes(int64_t E);
 // InvalidArgument naming the argument, nothing enqueued). No host sync; stream-ordered.
 void contiguous(ExpertRows rows, int64_t E, const uint8_t* qa, const float* sa, const uint8_t* qb,
                 const float* sb, bf16* d, int64_t N, int64_t K, void* scratch,
-                size_t scratch_bytes, cudaStream_t stream);
+                size_t scratch_bytes, cudaStream_t stream,
+                Fp8Schedule schedule = Fp8Schedule::cooperative);
 
 // Scratch bytes of varlen_k() for E experts on the current device (argument arrays and
-// CUTLASS's per-SM TMA descriptors).
+// CUTLASS's per-SM TMA descriptors), enough for either schedule.
 size_t varlen_k_scratch_bytes(int64_t E);
 
 // The weight-gradient shape: for every expert e, with P_e = poff[e+1] - poff[e] (a positive
@@ -47,6 +55,7 @@ size_t varlen_k_scratch_bytes(int64_t E);
 // would leave its accumulators unset). No host sync; stream-ordered.
 void varlen_k(const int32_t* poff, int64_t E, int64_t M, int64_t N, const uint8_t* qa,
               const float* sa, const uint8_t* qb, const float* sb, bf16* d, void* scratch,
-              size_t scratch_bytes, cudaStream_t stream);
+              size_t scratch_bytes, cudaStream_t stream,
+              Fp8Schedule schedule = Fp8Schedule::cooperative);
 
 }  // namespace moeblaze::cuda::gemm::fp8

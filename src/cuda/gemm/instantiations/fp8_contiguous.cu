@@ -1,5 +1,7 @@
-// FP8 grouped GEMM with a contiguous A (fp8_grouped_gemm.hpp): one instantiation,
-// tma::Fp8GroupedGemm<> (128 x 128 x 128 tiles, no cluster).
+// FP8 grouped GEMM with a contiguous A (fp8_grouped_gemm.hpp): two instantiations, one per
+// Fp8Schedule: tma::Fp8GroupedGemm<> (128 x 128 x 128 tiles, cooperative, no cluster) and its
+// ping-pong twin on 64 x 128 x 128 tiles.
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/gemm/fp8_grouped_gemm.hpp"
@@ -10,16 +12,24 @@ namespace moeblaze::cuda::gemm::fp8 {
 
 namespace {
 using Gemm = tma::Fp8GroupedGemm<>;
+using GemmPingPong = tma::Fp8GroupedGemm<cute::Shape<cute::_64, cute::_128, cute::_128>,
+                                         cute::Shape<cute::_1, cute::_1, cute::_1>,
+                                         tma::Fp8ScaleConfig, tma::Fp8PingPong>;
 }  // namespace
+
+const char* fp8_schedule_name(Fp8Schedule s) {
+  return s == Fp8Schedule::pingpong ? "pingpong" : "cooperative";
+}
 
 size_t contiguous_scratch_bytes(int64_t E) {
   MOEBLAZE_REQUIRE(E >= 1 && E <= INT32_MAX, "E (", E, ") must be in [1, 2^31)");
-  return Gemm::scratch_bytes(static_cast<int>(E));
+  return std::max(Gemm::scratch_bytes(static_cast<int>(E)),
+                  GemmPingPong::scratch_bytes(static_cast<int>(E)));
 }
 
 void contiguous(ExpertRows rows, int64_t E, const uint8_t* qa, const float* sa, const uint8_t* qb,
                 const float* sb, bf16* d, int64_t N, int64_t K, void* scratch,
-                size_t scratch_bytes, cudaStream_t stream) {
+                size_t scratch_bytes, cudaStream_t stream, Fp8Schedule schedule) {
   MOEBLAZE_REQUIRE(E >= 1 && E <= INT32_MAX, "E (", E, ") must be in [1, 2^31)");
   MOEBLAZE_UNSUPPORTED_IF(N <= 0 || N % 128 != 0 || N > INT32_MAX, "N (", N,
                           ") must be a positive multiple of 128: the weights' 128x128 scale "
@@ -33,8 +43,12 @@ void contiguous(ExpertRows rows, int64_t E, const uint8_t* qa, const float* sa, 
     MOEBLAZE_UNSUPPORTED_IF(reinterpret_cast<uintptr_t>(p) % 16 != 0, name,
                             ": the FP8 GEMM needs 16-byte aligned data (TMA)");
   }
-  tma::run_fp8<Gemm>("fp8::contiguous", rows, static_cast<int>(E), qa, sa, qb, sb, d,
-                     static_cast<int>(N), static_cast<int>(K), scratch, scratch_bytes, stream);
+  MOEBLAZE_REQUIRE(schedule <= Fp8Schedule::pingpong, "schedule (", int(schedule),
+                   ") is not an Fp8Schedule");
+  const auto run = schedule == Fp8Schedule::pingpong ? tma::run_fp8<GemmPingPong>
+                                                     : tma::run_fp8<Gemm>;
+  run("fp8::contiguous", rows, static_cast<int>(E), qa, sa, qb, sb, d, static_cast<int>(N),
+      static_cast<int>(K), scratch, scratch_bytes, stream);
 }
 
 }  // namespace moeblaze::cuda::gemm::fp8

@@ -1,5 +1,7 @@
-// FP8 varlen-K grouped GEMM, the weight gradients (fp8_grouped_gemm.hpp): one instantiation,
-// tma::Fp8GroupedGemm with 1x128 scales on both operands (128 x 128 x 128 tiles, no cluster).
+// FP8 varlen-K grouped GEMM, the weight gradients (fp8_grouped_gemm.hpp): two instantiations,
+// one per Fp8Schedule, of tma::Fp8GroupedGemm with 1x128 scales on both operands (cooperative on
+// 128 x 128 x 128 tiles, ping-pong on 64 x 128 x 128; no cluster).
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 
@@ -13,16 +15,20 @@ namespace {
 using Gemm = tma::Fp8GroupedGemm<cute::Shape<cute::_128, cute::_128, cute::_128>,
                                  cute::Shape<cute::_1, cute::_1, cute::_1>,
                                  tma::Fp8RowScaleConfig>;
+using GemmPingPong = tma::Fp8GroupedGemm<cute::Shape<cute::_64, cute::_128, cute::_128>,
+                                         cute::Shape<cute::_1, cute::_1, cute::_1>,
+                                         tma::Fp8RowScaleConfig, tma::Fp8PingPong>;
 }  // namespace
 
 size_t varlen_k_scratch_bytes(int64_t E) {
   MOEBLAZE_REQUIRE(E >= 1 && E <= INT32_MAX, "E (", E, ") must be in [1, 2^31)");
-  return Gemm::scratch_bytes(static_cast<int>(E));
+  return std::max(Gemm::scratch_bytes(static_cast<int>(E)),
+                  GemmPingPong::scratch_bytes(static_cast<int>(E)));
 }
 
 void varlen_k(const int32_t* poff, int64_t E, int64_t M, int64_t N, const uint8_t* qa,
               const float* sa, const uint8_t* qb, const float* sb, bf16* d, void* scratch,
-              size_t scratch_bytes, cudaStream_t stream) {
+              size_t scratch_bytes, cudaStream_t stream, Fp8Schedule schedule) {
   MOEBLAZE_REQUIRE(E >= 1 && E <= INT32_MAX, "E (", E, ") must be in [1, 2^31)");
   MOEBLAZE_UNSUPPORTED_IF(M <= 0 || M % 128 != 0 || M > INT32_MAX, "M (", M,
                           ") must be a positive multiple of 128: whole 128 x 128 output tiles");
@@ -35,9 +41,12 @@ void varlen_k(const int32_t* poff, int64_t E, int64_t M, int64_t N, const uint8_
     MOEBLAZE_UNSUPPORTED_IF(reinterpret_cast<uintptr_t>(p) % 16 != 0, name,
                             ": the FP8 GEMM needs 16-byte aligned data (TMA)");
   }
-  tma::run_fp8_varlen_k<Gemm>("fp8::varlen_k", poff, static_cast<int>(E), static_cast<int>(M),
-                              static_cast<int>(N), qa, sa, qb, sb, d, scratch, scratch_bytes,
-                              stream);
+  MOEBLAZE_REQUIRE(schedule <= Fp8Schedule::pingpong, "schedule (", int(schedule),
+                   ") is not an Fp8Schedule");
+  const auto run = schedule == Fp8Schedule::pingpong ? tma::run_fp8_varlen_k<GemmPingPong>
+                                                     : tma::run_fp8_varlen_k<Gemm>;
+  run("fp8::varlen_k", poff, static_cast<int>(E), static_cast<int>(M), static_cast<int>(N), qa,
+      sa, qb, sb, d, scratch, scratch_bytes, stream);
 }
 
 }  // namespace moeblaze::cuda::gemm::fp8

@@ -53,12 +53,25 @@ using Fp8ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cu
 using Fp8RowScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, 128, cute::GMMA::Major::K,
                                                                     cute::GMMA::Major::K>;
 
+// The consumers' schedule with CUTLASS's FP8 blockwise mainloop (as Cooperative / PingPong in
+// sm90_tma_grouped.cuh): both warpgroups on one tile, or each on its own tile with one's epilogue
+// under the other's mainloop.
+struct Fp8Cooperative {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct Fp8PingPong {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
 // 128 x 128 output tiles, 128-deep K steps (one scale block per step), cooperative consumers,
-// CUTLASS's configuration of example 68. A first configuration, not yet measured.
+// CUTLASS's configuration of example 68 (ping-pong: 64 x 128 per warpgroup, as its FP8 examples,
+// so that a warpgroup's fp32 accumulators and their promotion copy fit its registers).
 // ScaleConfig: the operands' scale granularity (Fp8ScaleConfig, or Fp8RowScaleConfig for varlen-K).
 template <class Tile = cute::Shape<cute::_128, cute::_128, cute::_128>,
           class Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>,
-          class ScaleConfig_ = Fp8ScaleConfig>
+          class ScaleConfig_ = Fp8ScaleConfig, class Schedule = Fp8Cooperative>
 struct Fp8GroupedGemm {
   using ScaleConfig = ScaleConfig_;
   using ElemAB = cutlass::float_e4m3_t;
@@ -70,14 +83,14 @@ struct Fp8GroupedGemm {
   static constexpr int kAlignAB = 16;  // e4m3 elements per 16 bytes
   static constexpr int kAlignD = 8;    // bf16
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K)
-  using Epilogue = PlainEpilogue<Tile, Cluster, ElemD, kAlignD>;
+  using Epilogue = PlainEpilogue<Tile, Cluster, ElemD, kAlignD, Schedule>;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElemAB,
       cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB, ElemAB, cute::tuple<LayoutB*, LayoutSFB*>,
       kAlignAB, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+      typename Schedule::Kernel>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
