@@ -128,7 +128,10 @@ LayerTensors::LayerTensors(const LayerConfig& cfg, int64_t S)
       dw1(cfg.dtype, {cfg.E, cfg.w1_rows(), cfg.d}),
       dw2(cfg.dtype, {cfg.E, cfg.d, cfg.n}),
       d_pair_weights(DType::f32, {S}) {
-  // Outputs start as a pattern, never zeros, so that a kernel that skips a row is caught.
+  pattern_outputs();  // never zeros, so that a kernel that skips a row is caught
+}
+
+void LayerTensors::pattern_outputs() {
   out.fill_pattern();
   dx.fill_pattern();
   dw1.fill_pattern();

@@ -54,6 +54,8 @@ struct LayerTensors {
   // x ~ N(0,1), w1 ~ N(0, 1/sqrt(d)), w2 ~ N(0, 1/sqrt(n)), d_out ~ N(0,1): every h is O(1),
   // so each activation is exercised over its interesting range.
   void randomize(uint64_t seed);
+  // out, dx, dw1, dw2 and d_pair_weights to the pattern, so that a kernel that skips a row shows.
+  void pattern_outputs();
   LayerGrads grads() const;
 };
 

@@ -265,11 +265,7 @@ TEST(CpuLayer, BitwiseDeterministicAcrossRunsAndThreadCounts) {
       for (int threads : {2, 1, 3}) {
         SCOPED_TRACE("threads " + std::to_string(threads));
         LayerTensors again = first;
-        again.out.fill_pattern();
-        again.dx.fill_pattern();
-        again.dw1.fill_pattern();
-        again.dw2.fill_pattern();
-        again.d_pair_weights.fill_pattern();
+        again.pattern_outputs();
         test::run_layer(cfg, plan, again, {mode, threads});
         test::expect_same_results(first, again);
       }

@@ -163,11 +163,7 @@ struct BiasFixture {
     bt.randomize(seed);
     layer_forward(cfg, plan, bt.t.x.view(), bt.t.w1.view(), bt.t.w2.view(), bt.biases(),
                   bt.t.out.view(), saved, {});
-    bt.t.out.fill_pattern();
-    bt.t.dx.fill_pattern();
-    bt.t.dw1.fill_pattern();
-    bt.t.dw2.fill_pattern();
-    bt.t.d_pair_weights.fill_pattern();
+    bt.t.pattern_outputs();
   }
 };
 

@@ -99,10 +99,7 @@ TEST(Fp8Layer, BitwiseIndependentOfTheThreadCount) {
     for (int threads : {1, 3}) {
       SCOPED_TRACE("threads " + std::to_string(threads));
       LayerTensors again = first;
-      again.out.fill_pattern();
-      again.dx.fill_pattern();
-      again.dw1.fill_pattern();
-      again.dw2.fill_pattern();
+      again.pattern_outputs();
       test::run_layer(cfg, plan, again, {LayerMode::keep_h, threads});
       test::expect_same_results(first, again);
     }

@@ -21,6 +21,11 @@ namespace moeblaze::cuda::gemm::fp8 {
 enum class Fp8Schedule : uint8_t { cooperative, pingpong };
 const char* fp8_schedule_name(Fp8Schedule s);  // "cooperative", "pingpong"
 
+// The checks both entry points share: every operand given and 16-byte aligned (TMA), schedule a
+// known value; throws InvalidArgument / Unsupported naming the argument.
+void check_fp8_operands(const uint8_t* qa, const float* sa, const uint8_t* qb, const float* sb,
+                        const bf16* d, const void* scratch, Fp8Schedule schedule);
+
 // Scratch bytes of contiguous() for E experts on the current device (argument arrays and
 // CUTLASS's per-SM TMA descriptors), enough for either schedule.
 size_t contiguous_scratch_bytes(int64_t E);

@@ -21,6 +21,18 @@ const char* fp8_schedule_name(Fp8Schedule s) {
   return s == Fp8Schedule::pingpong ? "pingpong" : "cooperative";
 }
 
+void check_fp8_operands(const uint8_t* qa, const float* sa, const uint8_t* qb, const float* sb,
+                        const bf16* d, const void* scratch, Fp8Schedule schedule) {
+  for (const auto& [p, name] : {std::pair<const void*, const char*>{qa, "qa"}, {sa, "sa"},
+                                {qb, "qb"}, {sb, "sb"}, {d, "d"}, {scratch, "scratch"}}) {
+    MOEBLAZE_REQUIRE(p != nullptr, name, " is null");
+    MOEBLAZE_UNSUPPORTED_IF(reinterpret_cast<uintptr_t>(p) % 16 != 0, name,
+                            ": the FP8 GEMM needs 16-byte aligned data (TMA)");
+  }
+  MOEBLAZE_REQUIRE(schedule <= Fp8Schedule::pingpong, "schedule (", int(schedule),
+                   ") is not an Fp8Schedule");
+}
+
 size_t contiguous_scratch_bytes(int64_t E) {
   MOEBLAZE_REQUIRE(E >= 1 && E <= INT32_MAX, "E (", E, ") must be in [1, 2^31)");
   return std::max(Gemm::scratch_bytes(static_cast<int>(E)),
@@ -37,14 +49,7 @@ void contiguous(ExpertRows rows, int64_t E, const uint8_t* qa, const float* sa, 
   MOEBLAZE_UNSUPPORTED_IF(K <= 0 || K % 128 != 0 || K > INT32_MAX, "K (", K,
                           ") must be a positive multiple of 128: every 128 of K has its scale");
   MOEBLAZE_REQUIRE(rows.begin && rows.end && rows.out, "rows: begin / end / out must be given");
-  for (const auto& [p, name] : {std::pair<const void*, const char*>{qa, "qa"}, {sa, "sa"},
-                                {qb, "qb"}, {sb, "sb"}, {d, "d"}, {scratch, "scratch"}}) {
-    MOEBLAZE_REQUIRE(p != nullptr, name, " is null");
-    MOEBLAZE_UNSUPPORTED_IF(reinterpret_cast<uintptr_t>(p) % 16 != 0, name,
-                            ": the FP8 GEMM needs 16-byte aligned data (TMA)");
-  }
-  MOEBLAZE_REQUIRE(schedule <= Fp8Schedule::pingpong, "schedule (", int(schedule),
-                   ") is not an Fp8Schedule");
+  check_fp8_operands(qa, sa, qb, sb, d, scratch, schedule);
   const auto run = schedule == Fp8Schedule::pingpong ? tma::run_fp8<GemmPingPong>
                                                      : tma::run_fp8<Gemm>;
   run("fp8::contiguous", rows, static_cast<int>(E), qa, sa, qb, sb, d, static_cast<int>(N),

@@ -35,14 +35,7 @@ void varlen_k(const int32_t* poff, int64_t E, int64_t M, int64_t N, const uint8_
   MOEBLAZE_UNSUPPORTED_IF(N <= 0 || N % 128 != 0 || N > INT32_MAX, "N (", N,
                           ") must be a positive multiple of 128: whole 128 x 128 output tiles");
   MOEBLAZE_REQUIRE(poff != nullptr, "poff is null");
-  for (const auto& [p, name] : {std::pair<const void*, const char*>{qa, "qa"}, {sa, "sa"},
-                                {qb, "qb"}, {sb, "sb"}, {d, "d"}, {scratch, "scratch"}}) {
-    MOEBLAZE_REQUIRE(p != nullptr, name, " is null");
-    MOEBLAZE_UNSUPPORTED_IF(reinterpret_cast<uintptr_t>(p) % 16 != 0, name,
-                            ": the FP8 GEMM needs 16-byte aligned data (TMA)");
-  }
-  MOEBLAZE_REQUIRE(schedule <= Fp8Schedule::pingpong, "schedule (", int(schedule),
-                   ") is not an Fp8Schedule");
+  check_fp8_operands(qa, sa, qb, sb, d, scratch, schedule);
   const auto run = schedule == Fp8Schedule::pingpong ? tma::run_fp8_varlen_k<GemmPingPong>
                                                      : tma::run_fp8_varlen_k<Gemm>;
   run("fp8::varlen_k", poff, static_cast<int>(E), static_cast<int>(M), static_cast<int>(N), qa,
