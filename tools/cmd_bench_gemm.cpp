@@ -22,7 +22,7 @@
 // weight gradients on e4m3 operands in 128x1 tiles along each expert's tokens
 // (gemm::fp8::varlen_k), dO, A', dH and x quantized and transposed once before the timing (the
 // layer runs those passes in every step: `bench layer` times them); checked by the GPU tests too.
-// The -fp8-pp rows run the same on the ping-pong schedule (64 x 128 tiles, Fp8Schedule).
+// The -fp8-pp rows run the same on the ping-pong schedule (64 x 128 tiles, KernelSchedule::ping_pong).
 #ifdef MOEBLAZE_WITH_CUDA
 
 #include <CLI/CLI.hpp>
@@ -350,11 +350,12 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
     return k;
   };
   // down-fp8: W2 quantized here, A at the first launch (the chain's up-proj has written it).
-  auto down_fp8 = [&](const char* name, gg::fp8::Fp8Schedule sched) -> Kernel {
+  auto down_fp8 = [&](gg::KernelSchedule sched) -> Kernel {
+    const bool pp = sched == gg::KernelSchedule::ping_pong;
     ShapeData::Fp8Down& q = *s.fp8;
     cuda::fp8::quantize_128x128_async(B(s.w2), s.E, s.d * s.n, s.d, s.n, s.n,
                                       q.qw.as<uint8_t>(), q.sw.as<float>(), stream);
-    return {name, "y-fp8", down_flops,
+    return {pp ? "down-fp8-pp" : "down-fp8", "y-fp8", down_flops,
             [&s, &q, stream, B, sched] {
               if (!q.quantized) {
                 cuda::fp8::quantize_1x128_async(B(s.a), s.S, s.n, s.n, q.qa.as<uint8_t>(),
@@ -369,8 +370,8 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
             S, d, n};
   };
   // dW2-fp8 / dW1-fp8: the four operands quantized at the first launch (the warm-up).
-  auto wgrad_fp8 = [&](bool w1, gg::fp8::Fp8Schedule sched) -> Kernel {
-    const bool pp = sched == gg::fp8::Fp8Schedule::pingpong;
+  auto wgrad_fp8 = [&](bool w1, gg::KernelSchedule sched) -> Kernel {
+    const bool pp = sched == gg::KernelSchedule::ping_pong;
     ShapeData::Fp8Wgrad& q = *s.fp8w;
     auto quantize = [&s, &q, stream, B] {
       if (q.quantized) return;
@@ -435,13 +436,13 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
           // the 2-CTA cluster variant at every shape (the rule takes it only at >= 4096 rows
           // per expert), to time against dW1-ws
           with_overrides("dw1.family=ws,dw1.cluster=2", dw1("dW1-mc", GK::warp_specialized))};
-  using Sched = gg::fp8::Fp8Schedule;
+  using Sched = gg::KernelSchedule;
   if (s.fp8) {  // after the up-projections
-    all.insert(all.begin() + 3, down_fp8("down-fp8-pp", Sched::pingpong));
-    all.insert(all.begin() + 3, down_fp8("down-fp8", Sched::cooperative));
+    all.insert(all.begin() + 3, down_fp8(Sched::ping_pong));
+    all.insert(all.begin() + 3, down_fp8(Sched::cooperative));
   }
   if (s.fp8w) {  // last: the chain has written A' and dH
-    for (Sched sched : {Sched::cooperative, Sched::pingpong}) {
+    for (Sched sched : {Sched::cooperative, Sched::ping_pong}) {
       all.push_back(wgrad_fp8(false, sched));
       all.push_back(wgrad_fp8(true, sched));
     }

@@ -4,7 +4,7 @@
 // multiply the same values and differ only by fp32 summation order and D's bf16 rounding. Fresh
 // random inputs (seed printed); experts with no rows, with fewer rows than a tile and with
 // partial last tiles; every expert's weights at a different scale so that a misread scale
-// layout shows; both consumer schedules (Fp8Schedule). And the shapes it refuses.
+// layout shows; both consumer schedules (KernelSchedule). And the shapes it refuses.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -72,8 +72,9 @@ TEST(Fp8GemmGpu, ContiguousMatchesTheDequantizedFloat64Gemm) {
   DevMem scratch(scratch_bytes);
   const cuda::gemm::ExpertRows rows{d_off.as<int32_t>(), d_off.as<int32_t>() + 1,
                                     d_off.as<int32_t>()};
-  for (const g8::Fp8Schedule sched : {g8::Fp8Schedule::cooperative, g8::Fp8Schedule::pingpong}) {
-    SCOPED_TRACE(std::string("schedule ") + g8::fp8_schedule_name(sched));
+  for (const auto sched : {cuda::gemm::KernelSchedule::cooperative,
+                           cuda::gemm::KernelSchedule::ping_pong}) {
+    SCOPED_TRACE(std::string("schedule ") + cuda::gemm::schedule_name(sched));
     MOEBLAZE_TEST_CUDA(cudaMemset(d_d.p, 0xFF, d_d.bytes));  // NaN: a row left unwritten fails
     g8::contiguous(rows, E, d_qa.as<uint8_t>(), d_sa.as<float>(), d_qb.as<uint8_t>(),
                    d_sb.as<float>(), d_d.as<bf16>(), N, K, scratch.p, scratch_bytes, nullptr,

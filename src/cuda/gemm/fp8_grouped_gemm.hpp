@@ -9,22 +9,22 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cuda/gemm/grouped_gemm.hpp"  // ExpertRows
+#include "cuda/gemm/dispatch/kernel_config.hpp"  // KernelSchedule
+#include "cuda/gemm/grouped_gemm.hpp"              // ExpertRows
 #include "moeblaze/dtype.hpp"
 
 namespace moeblaze::cuda::gemm::fp8 {
 
-// The kernel's consumer schedule, a value (bench gemm times both; the layer runs cooperative
-// until the ping-pong one is measured faster somewhere):
-//   cooperative  128 x 128 tiles, both consumer warpgroups on one tile (CUTLASS example 68);
-//   pingpong     64 x 128 tiles, one per warpgroup, one's epilogue under the other's mainloop.
-enum class Fp8Schedule : uint8_t { cooperative, pingpong };
-const char* fp8_schedule_name(Fp8Schedule s);  // "cooperative", "pingpong"
+// Both entry points take the consumer schedule as a value (bench gemm times both; the layer runs
+// cooperative until ping-pong is measured faster somewhere):
+//   KernelSchedule::cooperative  128 x 128 tiles, both consumer warpgroups on one tile;
+//   KernelSchedule::ping_pong    64 x 128 tiles, one per warpgroup, one's epilogue under the
+//                                other's mainloop. all_threads is refused (Unsupported).
 
-// The checks both entry points share: every operand given and 16-byte aligned (TMA), schedule a
-// known value; throws InvalidArgument / Unsupported naming the argument.
+// The checks both entry points share: every operand given and 16-byte aligned (TMA), a schedule
+// built for FP8; throws InvalidArgument / Unsupported naming the argument.
 void check_fp8_operands(const uint8_t* qa, const float* sa, const uint8_t* qb, const float* sb,
-                        const bf16* d, const void* scratch, Fp8Schedule schedule);
+                        const bf16* d, const void* scratch, KernelSchedule schedule);
 
 // Scratch bytes of contiguous() for E experts on the current device (argument arrays and
 // CUTLASS's per-SM TMA descriptors), enough for either schedule.
@@ -41,7 +41,7 @@ size_t contiguous_scratch_bytes(int64_t E);
 void contiguous(ExpertRows rows, int64_t E, const uint8_t* qa, const float* sa, const uint8_t* qb,
                 const float* sb, bf16* d, int64_t N, int64_t K, void* scratch,
                 size_t scratch_bytes, cudaStream_t stream,
-                Fp8Schedule schedule = Fp8Schedule::cooperative);
+                KernelSchedule schedule = KernelSchedule::cooperative);
 
 // Scratch bytes of varlen_k() for E experts on the current device (argument arrays and
 // CUTLASS's per-SM TMA descriptors), enough for either schedule.
@@ -61,6 +61,6 @@ size_t varlen_k_scratch_bytes(int64_t E);
 void varlen_k(const int32_t* poff, int64_t E, int64_t M, int64_t N, const uint8_t* qa,
               const float* sa, const uint8_t* qb, const float* sb, bf16* d, void* scratch,
               size_t scratch_bytes, cudaStream_t stream,
-              Fp8Schedule schedule = Fp8Schedule::cooperative);
+              KernelSchedule schedule = KernelSchedule::cooperative);
 
 }  // namespace moeblaze::cuda::gemm::fp8

@@ -1,5 +1,5 @@
 // FP8 grouped GEMM with a contiguous A (fp8_grouped_gemm.hpp): two instantiations, one per
-// Fp8Schedule: tma::Fp8GroupedGemm<> (128 x 128 x 128 tiles, cooperative, no cluster) and its
+// KernelSchedule it takes: tma::Fp8GroupedGemm<> (128 x 128 x 128 tiles, cooperative, no cluster) and its
 // ping-pong twin on 64 x 128 x 128 tiles.
 #include <algorithm>
 #include <cstdint>
@@ -17,20 +17,17 @@ using GemmPingPong = tma::Fp8GroupedGemm<cute::Shape<cute::_64, cute::_128, cute
                                          tma::Fp8ScaleConfig, tma::Fp8PingPong>;
 }  // namespace
 
-const char* fp8_schedule_name(Fp8Schedule s) {
-  return s == Fp8Schedule::pingpong ? "pingpong" : "cooperative";
-}
-
 void check_fp8_operands(const uint8_t* qa, const float* sa, const uint8_t* qb, const float* sb,
-                        const bf16* d, const void* scratch, Fp8Schedule schedule) {
+                        const bf16* d, const void* scratch, KernelSchedule schedule) {
   for (const auto& [p, name] : {std::pair<const void*, const char*>{qa, "qa"}, {sa, "sa"},
                                 {qb, "qb"}, {sb, "sb"}, {d, "d"}, {scratch, "scratch"}}) {
     MOEBLAZE_REQUIRE(p != nullptr, name, " is null");
     MOEBLAZE_UNSUPPORTED_IF(reinterpret_cast<uintptr_t>(p) % 16 != 0, name,
                             ": the FP8 GEMM needs 16-byte aligned data (TMA)");
   }
-  MOEBLAZE_REQUIRE(schedule <= Fp8Schedule::pingpong, "schedule (", int(schedule),
-                   ") is not an Fp8Schedule");
+  MOEBLAZE_UNSUPPORTED_IF(
+      schedule != KernelSchedule::cooperative && schedule != KernelSchedule::ping_pong,
+      "schedule (", schedule_name(schedule), "): the FP8 GEMMs are built cooperative and ping-pong");
 }
 
 size_t contiguous_scratch_bytes(int64_t E) {
@@ -41,7 +38,7 @@ size_t contiguous_scratch_bytes(int64_t E) {
 
 void contiguous(ExpertRows rows, int64_t E, const uint8_t* qa, const float* sa, const uint8_t* qb,
                 const float* sb, bf16* d, int64_t N, int64_t K, void* scratch,
-                size_t scratch_bytes, cudaStream_t stream, Fp8Schedule schedule) {
+                size_t scratch_bytes, cudaStream_t stream, KernelSchedule schedule) {
   MOEBLAZE_REQUIRE(E >= 1 && E <= INT32_MAX, "E (", E, ") must be in [1, 2^31)");
   MOEBLAZE_UNSUPPORTED_IF(N <= 0 || N % 128 != 0 || N > INT32_MAX, "N (", N,
                           ") must be a positive multiple of 128: the weights' 128x128 scale "
@@ -50,7 +47,7 @@ void contiguous(ExpertRows rows, int64_t E, const uint8_t* qa, const float* sa, 
                           ") must be a positive multiple of 128: every 128 of K has its scale");
   MOEBLAZE_REQUIRE(rows.begin && rows.end && rows.out, "rows: begin / end / out must be given");
   check_fp8_operands(qa, sa, qb, sb, d, scratch, schedule);
-  const auto run = schedule == Fp8Schedule::pingpong ? tma::run_fp8<GemmPingPong>
+  const auto run = schedule == KernelSchedule::ping_pong ? tma::run_fp8<GemmPingPong>
                                                      : tma::run_fp8<Gemm>;
   run("fp8::contiguous", rows, static_cast<int>(E), qa, sa, qb, sb, d, static_cast<int>(N),
       static_cast<int>(K), scratch, scratch_bytes, stream);

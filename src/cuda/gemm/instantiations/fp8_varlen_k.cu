@@ -1,5 +1,5 @@
 // FP8 varlen-K grouped GEMM, the weight gradients (fp8_grouped_gemm.hpp): two instantiations,
-// one per Fp8Schedule, of tma::Fp8GroupedGemm with 1x128 scales on both operands (cooperative on
+// one per KernelSchedule it takes, of tma::Fp8GroupedGemm with 1x128 scales on both operands (cooperative on
 // 128 x 128 x 128 tiles, ping-pong on 64 x 128 x 128; no cluster).
 #include <algorithm>
 #include <cstdint>
@@ -28,7 +28,7 @@ size_t varlen_k_scratch_bytes(int64_t E) {
 
 void varlen_k(const int32_t* poff, int64_t E, int64_t M, int64_t N, const uint8_t* qa,
               const float* sa, const uint8_t* qb, const float* sb, bf16* d, void* scratch,
-              size_t scratch_bytes, cudaStream_t stream, Fp8Schedule schedule) {
+              size_t scratch_bytes, cudaStream_t stream, KernelSchedule schedule) {
   MOEBLAZE_REQUIRE(E >= 1 && E <= INT32_MAX, "E (", E, ") must be in [1, 2^31)");
   MOEBLAZE_UNSUPPORTED_IF(M <= 0 || M % 128 != 0 || M > INT32_MAX, "M (", M,
                           ") must be a positive multiple of 128: whole 128 x 128 output tiles");
@@ -36,7 +36,7 @@ void varlen_k(const int32_t* poff, int64_t E, int64_t M, int64_t N, const uint8_
                           ") must be a positive multiple of 128: whole 128 x 128 output tiles");
   MOEBLAZE_REQUIRE(poff != nullptr, "poff is null");
   check_fp8_operands(qa, sa, qb, sb, d, scratch, schedule);
-  const auto run = schedule == Fp8Schedule::pingpong ? tma::run_fp8_varlen_k<GemmPingPong>
+  const auto run = schedule == KernelSchedule::ping_pong ? tma::run_fp8_varlen_k<GemmPingPong>
                                                      : tma::run_fp8_varlen_k<Gemm>;
   run("fp8::varlen_k", poff, static_cast<int>(E), static_cast<int>(M), static_cast<int>(N), qa,
       sa, qb, sb, d, scratch, scratch_bytes, stream);

@@ -53,16 +53,13 @@ using Fp8ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cu
 using Fp8RowScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, 128, cute::GMMA::Major::K,
                                                                     cute::GMMA::Major::K>;
 
-// The consumers' schedule with CUTLASS's FP8 blockwise mainloop (as Cooperative / PingPong in
-// sm90_tma_grouped.cuh): both warpgroups on one tile, or each on its own tile with one's epilogue
-// under the other's mainloop.
-struct Fp8Cooperative {
+// Cooperative / PingPong (sm90_tma_grouped.cuh) with CUTLASS's FP8 blockwise mainloop policy;
+// the epilogue policy is theirs.
+struct Fp8Cooperative : Cooperative {
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
-  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
-struct Fp8PingPong {
+struct Fp8PingPong : PingPong {
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise;
-  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
 // 128 x 128 output tiles, 128-deep K steps (one scale block per step), cooperative consumers,
