@@ -1,7 +1,9 @@
-// The FP8 layer's activation passes (act_quantize.hpp). Work layout, both kernels: one warp per
-// (slot row, 128-column group of a) — grid-stride over S · n/128 — handling that group of a and
-// the matching groups of H / dH (gate and up halves when gated); a lane owns 4 consecutive
-// columns (8-byte bf16 loads, 4-byte code stores, so a warp moves whole 128-byte lines). A
+// The FP8 layer's activation passes (act_quantize.hpp). Work layout, both kernels: a task is one
+// (slot row, 128-column group of a) — its group of a and the matching groups of H / dH (gate and
+// up halves when gated); a warp takes kUnroll consecutive tasks and issues all their loads before
+// computing any (one task's loads alone leave the pass waiting on memory between its
+// quantizations), grid-stride over S · n/128. A lane owns 4 consecutive columns of a task
+// (8-byte bf16 loads, 4-byte code stores, so a warp moves whole 128-byte lines). A
 // group's amax is a max over |x| bit patterns (exact, order-free) by five
 // xor-shuffles; ds: each warp's group sum by a fixed xor-shuffle tree into ds_partials, then
 // one thread per slot sums its row of partials in column order: the same bits for any grid.
@@ -25,6 +27,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+constexpr int kUnroll = 4;  // consecutive tasks per warp and pass, loaded together
 constexpr unsigned kFull = 0xffffffffu;
 
 __device__ __forceinline__ void load4(const uint16_t* p, float (&v)[4]) {  // 4 bf16, 8-byte aligned
@@ -47,11 +50,13 @@ __device__ __forceinline__ void store4(uint16_t* p, const float (&v)[4]) {
   *reinterpret_cast<uint2*>(p) = make_uint2(bf16_bits(v[0]) | (bf16_bits(v[1]) << 16),
                                             bf16_bits(v[2]) | (bf16_bits(v[3]) << 16));
 }
-// 4 codes (4-byte aligned) times one scale.
-__device__ __forceinline__ void dequant4(const uint8_t* q, float scale, float (&v)[4]) {
-  const uint32_t w = *reinterpret_cast<const uint32_t*>(q);
+// 4 codes (one 4-byte word) times one scale.
+__device__ __forceinline__ void dequant4(uint32_t w, float scale, float (&v)[4]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) v[i] = e4m3_to_float(uint8_t(w >> (8 * i))) * scale;
+}
+__device__ __forceinline__ uint32_t load_word(const uint8_t* q) {  // 4 codes, 4-byte aligned
+  return *reinterpret_cast<const uint32_t*>(q);
 }
 
 // One 1x128 group held by a warp (lane l: columns 4l .. 4l+3): its codes at q (the group's
@@ -93,30 +98,40 @@ __global__ void __launch_bounds__(kThreads)
                         uint8_t* __restrict__ h_q, float* __restrict__ h_s) {  // (S, R), (S, R/128)
   constexpr bool kGated = dev_is_gated(A);
   const int lane = threadIdx.x % 32;
-  const int64_t R = kGated ? 2 * n : n, gn = n / kFp8Group, gr = R / kFp8Group;
-  for (int64_t task = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; task < S * gn;
-       task += int64_t(gridDim.x) * kWarps) {
-    const int64_t s = task / gn, t = task - s * gn;
-    const uint16_t* hrow = h + s * R;
-    const uint16_t* brow = b1 ? b1 + int64_t(expert_of(off, E, s)) * R : nullptr;
-    const int64_t j = t * kFp8Group + 4 * lane;
-    float g[4], u[4] = {0.f, 0.f, 0.f, 0.f};
-    load4(hrow + j, g);
-    if (brow) add4(brow + j, g);
-    if (kGated) {
-      load4(hrow + n + j, u);
-      if (brow) add4(brow + n + j, u);
-    }
-    if (h_q) {
-      quantize_group(g, h_q + s * R + t * kFp8Group, h_s + s * gr + t, lane);
-      if (kGated) quantize_group(u, h_q + s * R + n + t * kFp8Group, h_s + s * gr + gn + t, lane);
-    }
-    if (a_q) {
-      float a[4];
+  const int64_t R = kGated ? 2 * n : n, gn = n / kFp8Group, gr = R / kFp8Group, tasks = S * gn;
+  for (int64_t first = (int64_t(blockIdx.x) * kWarps + threadIdx.x / 32) * kUnroll; first < tasks;
+       first += int64_t(gridDim.x) * kWarps * kUnroll) {
+    float g[kUnroll][4], u[kUnroll][4];  // h's gate / up values of each task, bias added
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        a[i] = kGated ? dev_act(A, g[i]) * dev_up(A, u[i]) : dev_act(A, g[i]);
-      quantize_group(a, a_q + s * n + t * kFp8Group, a_s + s * gn + t, lane);
+    for (int k = 0; k < kUnroll; ++k) {  // loads of every task first
+      const int64_t task = first + k;
+      if (task >= tasks) continue;  // warp-uniform
+      const int64_t s = task / gn, j = (task - s * gn) * kFp8Group + 4 * lane;
+      load4(h + s * R + j, g[k]);
+      if (kGated) load4(h + s * R + n + j, u[k]);
+      if (b1) {
+        const uint16_t* brow = b1 + int64_t(expert_of(off, E, s)) * R;
+        add4(brow + j, g[k]);
+        if (kGated) add4(brow + n + j, u[k]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int64_t task = first + k;
+      if (task >= tasks) continue;
+      const int64_t s = task / gn, t = task - s * gn;
+      if (h_q) {
+        quantize_group(g[k], h_q + s * R + t * kFp8Group, h_s + s * gr + t, lane);
+        if (kGated)
+          quantize_group(u[k], h_q + s * R + n + t * kFp8Group, h_s + s * gr + gn + t, lane);
+      }
+      if (a_q) {
+        float a[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          a[i] = kGated ? dev_act(A, g[k][i]) * dev_up(A, u[k][i]) : dev_act(A, g[k][i]);
+        quantize_group(a, a_q + s * n + t * kFp8Group, a_s + s * gn + t, lane);
+      }
     }
   }
 }
@@ -133,41 +148,60 @@ __global__ void __launch_bounds__(kThreads)
                          uint8_t* __restrict__ dh_q, float* __restrict__ dh_s) {  // (S, R)
   constexpr bool kGated = dev_is_gated(A);
   const int lane = threadIdx.x % 32;
-  const int64_t R = kGated ? 2 * n : n, gn = n / kFp8Group, gr = R / kFp8Group;
-  for (int64_t task = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; task < S * gn;
-       task += int64_t(gridDim.x) * kWarps) {
-    const int64_t s = task / gn, t = task - s * gn;
-    const float w = __ldg(sw + s);
-    const int64_t j = t * kFp8Group + 4 * lane;
-    float g[4], u[4] = {0.f, 0.f, 0.f, 0.f}, dav[4];
-    dequant4(h_q + s * R + j, __ldg(h_s + s * gr + t), g);
-    if (kGated) dequant4(h_q + s * R + n + j, __ldg(h_s + s * gr + gn + t), u);
-    load4(da + s * n + j, dav);
-    float a[4], dg[4], du[4], part = 0.0f;
+  const int64_t R = kGated ? 2 * n : n, gn = n / kFp8Group, gr = R / kFp8Group, tasks = S * gn;
+  for (int64_t first = (int64_t(blockIdx.x) * kWarps + threadIdx.x / 32) * kUnroll; first < tasks;
+       first += int64_t(gridDim.x) * kWarps * kUnroll) {
+    // Each task's raw operands, loaded for every task before any is computed.
+    uint32_t gq[kUnroll], uq[kUnroll] = {};  // 4 codes of H's gate / up group
+    float gs[kUnroll], us[kUnroll] = {}, w[kUnroll], dav[kUnroll][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float f = dev_act(A, g[i]);
-      a[i] = kGated ? f * dev_up(A, u[i]) : f;
-      part += dav[i] * a[i];
-      const float d = dav[i] * w;  // the CPU's da *= s, then act' of it
+    for (int k = 0; k < kUnroll; ++k) {
+      const int64_t task = first + k;
+      if (task >= tasks) continue;  // warp-uniform
+      const int64_t s = task / gn, t = task - s * gn, j = t * kFp8Group + 4 * lane;
+      w[k] = __ldg(sw + s);
+      gq[k] = load_word(h_q + s * R + j);
+      gs[k] = __ldg(h_s + s * gr + t);
       if (kGated) {
-        dg[i] = d * dev_up(A, u[i]) * dev_act_grad(A, g[i]);
-        du[i] = dev_up_grad_times(A, d * f, u[i]);
-      } else {
-        dg[i] = d * dev_act_grad(A, g[i]);
+        uq[k] = load_word(h_q + s * R + n + j);
+        us[k] = __ldg(h_s + s * gr + gn + t);
       }
-      a[i] *= w;
-    }
-    store4(a_scaled + s * n + j, a);
-    store4(dh + s * R + j, dg);
-    quantize_group(dg, dh_q + s * R + t * kFp8Group, dh_s + s * gr + t, lane);
-    if (kGated) {
-      store4(dh + s * R + n + j, du);
-      quantize_group(du, dh_q + s * R + n + t * kFp8Group, dh_s + s * gr + gn + t, lane);
+      load4(da + s * n + j, dav[k]);
     }
 #pragma unroll
-    for (int off = 16; off > 0; off /= 2) part += __shfl_xor_sync(kFull, part, off);
-    if (lane == 0) ds_part[task] = part;  // (S, gn) row-major: index = task
+    for (int k = 0; k < kUnroll; ++k) {
+      const int64_t task = first + k;
+      if (task >= tasks) continue;
+      const int64_t s = task / gn, t = task - s * gn, j = t * kFp8Group + 4 * lane;
+      float g[4], u[4] = {0.f, 0.f, 0.f, 0.f};
+      dequant4(gq[k], gs[k], g);
+      if (kGated) dequant4(uq[k], us[k], u);
+      float a[4], dg[4], du[4], part = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float f = dev_act(A, g[i]);
+        a[i] = kGated ? f * dev_up(A, u[i]) : f;
+        part += dav[k][i] * a[i];
+        const float d = dav[k][i] * w[k];  // the CPU's da *= s, then act' of it
+        if (kGated) {
+          dg[i] = d * dev_up(A, u[i]) * dev_act_grad(A, g[i]);
+          du[i] = dev_up_grad_times(A, d * f, u[i]);
+        } else {
+          dg[i] = d * dev_act_grad(A, g[i]);
+        }
+        a[i] *= w[k];
+      }
+      store4(a_scaled + s * n + j, a);
+      store4(dh + s * R + j, dg);
+      quantize_group(dg, dh_q + s * R + t * kFp8Group, dh_s + s * gr + t, lane);
+      if (kGated) {
+        store4(dh + s * R + n + j, du);
+        quantize_group(du, dh_q + s * R + n + t * kFp8Group, dh_s + s * gr + gn + t, lane);
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) part += __shfl_xor_sync(kFull, part, off);
+      if (lane == 0) ds_part[task] = part;  // (S, gn) row-major: index = task
+    }
   }
 }
 
@@ -234,7 +268,8 @@ void act_quantize_async(const bf16* h, int64_t S, int64_t n, Activation act, con
     if (p) require_aligned(fn, p, "a_q / h_q");
   dispatch(act, [&](auto tag) {
     constexpr Activation kAct = decltype(tag)::value;
-    act_quantize_kernel<kAct><<<grid_for(S * (n / kFp8Group), kWarps), kThreads, 0, stream>>>(
+    act_quantize_kernel<kAct><<<grid_for(S * (n / kFp8Group), kWarps * kUnroll), kThreads, 0,
+                                   stream>>>(
         bits(h), S, n, b1 ? bits(b1) : nullptr, expert_offsets, int(E), a_q, a_s, h_q, h_s);
   });
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
@@ -256,7 +291,8 @@ void dact_quantize_async(const uint8_t* h_q, const float* h_s, const bf16* da,
     MOEBLAZE_REQUIRE(p != nullptr, fn, ": ", name, " is null");
   dispatch(act, [&](auto tag) {
     constexpr Activation kAct = decltype(tag)::value;
-    dact_quantize_kernel<kAct><<<grid_for(S * (n / kFp8Group), kWarps), kThreads, 0, stream>>>(
+    dact_quantize_kernel<kAct><<<grid_for(S * (n / kFp8Group), kWarps * kUnroll), kThreads, 0,
+                                   stream>>>(
         h_q, h_s, bits(da), slot_weights, S, n, bits(a_scaled), ds_partials, bits(dh), dh_q,
         dh_s);
   });
