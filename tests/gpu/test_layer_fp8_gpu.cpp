@@ -431,15 +431,17 @@ TEST(Fp8LayerGpu, GraphCapturedStepGivesTheEagerBits) {
     }
     for (DevTensor* o : {&out, &dx, &dw1, &dw2, &dpw}) o->mem.poison();
     const int64_t S = dev_plan.S();
-    // With a cache the workspaces hold no weight codes (about 2 E (w1_rows d + d n) bytes less).
+    // With a cache the workspaces hold no weight codes: forward's is at least half the codes'
+    // 2 E (w1_rows d + d n) bytes smaller; backward's plan may put codes in dW1's and dW2's
+    // bytes before those are written, so there the cache saves between nothing and all of them.
     const auto ws_bytes = [&](LayerPass pass, bool with_cache) {
       return layer_workspace_bytes(cfg, S, LayerMode::keep_h, Device::cuda, pass, false,
                                    with_cache);
     };
     const size_t codes = size_t(2 * cfg.E * (cfg.w1_rows() * cfg.d + cfg.d * cfg.n));
     EXPECT_LE(ws_bytes(LayerPass::forward, true) + codes / 2, ws_bytes(LayerPass::forward, false));
-    EXPECT_LE(ws_bytes(LayerPass::backward, true) + codes / 2,
-              ws_bytes(LayerPass::backward, false));
+    EXPECT_LE(ws_bytes(LayerPass::backward, true), ws_bytes(LayerPass::backward, false));
+    EXPECT_LE(ws_bytes(LayerPass::backward, false), ws_bytes(LayerPass::backward, true) + codes);
     DevMem h(cfg.kept_h_bytes(S)), fws(ws_bytes(LayerPass::forward, cached)),
         bws(ws_bytes(LayerPass::backward, cached));
     LayerOptions f = opts, b = opts;
