@@ -7,10 +7,10 @@
 //
 // Conventions: R = w1_rows (2n gated, n otherwise); n a multiple of 128, so every 1x128 group of
 // a row lies in one half (gate or up) of H and dH; device pointers, H and dA' rows 8-byte
-// aligned (16-byte aligned bases); a warp per few (slot row, 128 columns of a) tasks, fixed
-// summation orders (the outputs do not depend on the launch shape); asynchronous on `stream`, no allocation, no host sync;
-// arguments checked before the launch (InvalidArgument / Unsupported, nothing written); S == 0
-// launches nothing.
+// aligned (16-byte aligned bases); each warp takes a few (slot row, 128 columns of a) tasks;
+// fixed summation orders (the outputs do not depend on the launch shape); asynchronous on
+// `stream`, no allocation, no host sync; arguments checked before the launch (InvalidArgument /
+// Unsupported, nothing written); S == 0 launches nothing.
 #pragma once
 
 #include <cuda_runtime.h>
