@@ -22,7 +22,8 @@
 // weight gradients on e4m3 operands in 128x1 tiles along each expert's tokens
 // (gemm::fp8::varlen_k), dO, A', dH and x quantized and transposed once before the timing (the
 // layer runs those passes in every step: `bench layer` times them); checked by the GPU tests too.
-// The -fp8-pp rows run the same on the ping-pong schedule (64 x 128 tiles, KernelSchedule::ping_pong).
+// The -fp8-pp rows run the same on the ping-pong schedule (64 x 128 tiles), the -fp8-c2 rows on
+// CTA pairs sharing A by multicast (gemm::kFp8Kernels).
 #ifdef MOEBLAZE_WITH_CUDA
 
 #include <CLI/CLI.hpp>
@@ -350,12 +351,18 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
     return k;
   };
   // down-fp8: W2 quantized here, A at the first launch (the chain's up-proj has written it).
-  auto down_fp8 = [&](gg::KernelSchedule sched) -> Kernel {
-    const bool pp = sched == gg::KernelSchedule::ping_pong;
+  // The rows' names on each built FP8 kernel (kFp8Kernels' order: "", "-c2", "-pp").
+  const auto fp8_name = [](int gemm, const gg::Fp8Kernel& k) -> const char* {
+    static const char* const names[3][3] = {{"down-fp8", "down-fp8-c2", "down-fp8-pp"},
+                                            {"dW2-fp8", "dW2-fp8-c2", "dW2-fp8-pp"},
+                                            {"dW1-fp8", "dW1-fp8-c2", "dW1-fp8-pp"}};
+    return names[gemm][gg::fp8_variant(k)];
+  };
+  auto down_fp8 = [&](gg::Fp8Kernel sched) -> Kernel {
     ShapeData::Fp8Down& q = *s.fp8;
     cuda::fp8::quantize_128x128_async(B(s.w2), s.E, s.d * s.n, s.d, s.n, s.n,
                                       q.qw.as<uint8_t>(), q.sw.as<float>(), stream);
-    return {pp ? "down-fp8-pp" : "down-fp8", "y-fp8", down_flops,
+    return {fp8_name(0, sched), "y-fp8", down_flops,
             [&s, &q, stream, B, sched] {
               if (!q.quantized) {
                 cuda::fp8::quantize_1x128_async(B(s.a), s.S, s.n, s.n, q.qa.as<uint8_t>(),
@@ -370,8 +377,7 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
             S, d, n};
   };
   // dW2-fp8 / dW1-fp8: the four operands quantized at the first launch (the warm-up).
-  auto wgrad_fp8 = [&](bool w1, gg::KernelSchedule sched) -> Kernel {
-    const bool pp = sched == gg::KernelSchedule::ping_pong;
+  auto wgrad_fp8 = [&](bool w1, gg::Fp8Kernel sched) -> Kernel {
     ShapeData::Fp8Wgrad& q = *s.fp8w;
     auto quantize = [&s, &q, stream, B] {
       if (q.quantized) return;
@@ -391,7 +397,7 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
       q.quantized = true;
     };
     if (w1)
-      return {pp ? "dW1-fp8-pp" : "dW1-fp8", "dw1-fp8", up_flops,
+      return {fp8_name(2, sched), "dw1-fp8", up_flops,
               [&s, &q, stream, quantize, sched] {
                 quantize();
                 gg::fp8::varlen_k(q.poff.as<int32_t>(), s.E, s.R, s.d, q.qdh.as<uint8_t>(),
@@ -400,7 +406,7 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
                                   sched);
               },
               R, d, S};
-    return {pp ? "dW2-fp8-pp" : "dW2-fp8", "dw2-fp8", down_flops,
+    return {fp8_name(1, sched), "dw2-fp8", down_flops,
             [&s, &q, stream, quantize, sched] {
               quantize();
               gg::fp8::varlen_k(q.poff.as<int32_t>(), s.E, s.d, s.n, q.qdo.as<uint8_t>(),
@@ -436,13 +442,12 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
           // the 2-CTA cluster variant at every shape (the rule takes it only at >= 4096 rows
           // per expert), to time against dW1-ws
           with_overrides("dw1.family=ws,dw1.cluster=2", dw1("dW1-mc", GK::warp_specialized))};
-  using Sched = gg::KernelSchedule;
-  if (s.fp8) {  // after the up-projections
-    all.insert(all.begin() + 3, down_fp8(Sched::ping_pong));
-    all.insert(all.begin() + 3, down_fp8(Sched::cooperative));
+  if (s.fp8) {  // after the up-projections, in kFp8Kernels' order
+    int at = 3;
+    for (const gg::Fp8Kernel& k : gg::kFp8Kernels) all.insert(all.begin() + at++, down_fp8(k));
   }
   if (s.fp8w) {  // last: the chain has written A' and dH
-    for (Sched sched : {Sched::cooperative, Sched::ping_pong}) {
+    for (const gg::Fp8Kernel& sched : gg::kFp8Kernels) {
       all.push_back(wgrad_fp8(false, sched));
       all.push_back(wgrad_fp8(true, sched));
     }
@@ -751,8 +756,8 @@ void add_bench_gemm_command(CLI::App& bench) {
                   "time only these kernels (comma list of up, up-ws, up-pp, down, dH, dH-ws, dH-ws-ip, "
                   "dH-pp, dW2, dW2-ws, dX, down-tma, dX-tma, down-tma256, down-tmapp, dX-tma256, "
                   "dX-tmapp, down-ws, down-pp, dX-ws, dX-pp, "
-                  "dW1, dW1-ws, dW1-mc, down-fp8, down-fp8-pp, dW2-fp8, dW2-fp8-pp, dW1-fp8, "
-                  "dW1-fp8-pp); all of them still run once "
+                  "dW1, dW1-ws, dW1-mc, down-fp8, down-fp8-c2, down-fp8-pp, dW2-fp8, dW2-fp8-c2, "
+                  "dW2-fp8-pp, dW1-fp8, dW1-fp8-c2, dW1-fp8-pp); all of them still run once "
                   "for the correctness check");
   sub->add_option("--operands", flags->operands,
                   "what the GEMMs read as h, a, dh and a': chain (what the chain computed) or "

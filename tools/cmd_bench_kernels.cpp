@@ -202,6 +202,9 @@ void run_kernels(const KernelsFlags& f) {
   table.print(std::cout);
   std::cout << "launches: programmatic dependent launch " << (gg::choose_pdl(o) ? "on" : "off")
             << " (" << gg::pdl_rule(o) << ")\n";
+  const gg::Fp8Kernel f8 = gg::choose_fp8_kernel(o);
+  std::cout << "compute fp8: every FP8 grouped GEMM on " << gg::describe(f8) << " (" << f8.rule
+            << ")\n";
 
   Table chunks({{"config", Align::left}, {"S"}, {"mode", Align::left}, {"pass", Align::left},
                 {"chunks"}, {"rows per chunk"}, {"rule", Align::left}});

@@ -2,7 +2,7 @@
 // gradients) against a float64 sum of the dequantized products: random finite e4m3 codes and
 // random positive 1x128 scales on both operands, experts of 1 to 5 K blocks, so that a misread
 // per-expert offset, scale layout or K extent shows; the two sides differ only by fp32 summation
-// order and D's bf16 rounding; both consumer schedules (KernelSchedule). And the shapes and scratch it
+// order and D's bf16 rounding; every built kernel (kFp8Kernels). And the shapes and scratch it
 // refuses.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -87,9 +87,8 @@ TEST(Fp8VarlenKGpu, MatchesTheDequantizedFloat64Gemm) {
   DevMem d_d(size_t(E * M * N) * 2);  // (E, M, N) bf16
   const size_t scratch_bytes = g8::varlen_k_scratch_bytes(E);
   DevMem scratch(scratch_bytes);
-  for (const auto sched : {cuda::gemm::KernelSchedule::cooperative,
-                           cuda::gemm::KernelSchedule::ping_pong}) {
-    SCOPED_TRACE(std::string("schedule ") + cuda::gemm::schedule_name(sched));
+  for (const cuda::gemm::Fp8Kernel& sched : cuda::gemm::kFp8Kernels) {
+    SCOPED_TRACE(cuda::gemm::describe(sched));
     d_d.poison();  // NaN: a tile left unwritten fails
     g8::varlen_k(d_poff.as<int32_t>(), E, M, N, d_qa.as<uint8_t>(), d_sa.as<float>(),
                  d_qb.as<uint8_t>(), d_sb.as<float>(), d_d.as<bf16>(), scratch.p, scratch_bytes,

@@ -1080,6 +1080,39 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   }
 }
 
+// The FP8 GEMMs' kernel value: the default, each built override, and what is not built.
+TEST(GroupedGemmChecks, Fp8KernelIsAValueWithOverrides) {
+  const gg::Fp8Kernel def = gg::choose_fp8_kernel(gg::KernelOverrides{});
+  EXPECT_EQ(def, gg::kFp8Default);
+  EXPECT_EQ(gg::fp8_variant(def), 0);
+  EXPECT_EQ(gg::describe(def), "fp8 cooperative 128x128x128 cluster=1");
+  const gg::Fp8Kernel c2 = gg::choose_fp8_kernel(gg::parse_kernel_overrides("fp8.cluster=2"));
+  EXPECT_EQ(c2.cluster, 2);
+  EXPECT_EQ(c2.schedule, gg::KernelSchedule::cooperative);
+  EXPECT_EQ(gg::fp8_variant(c2), 1);
+  EXPECT_STREQ(c2.rule, "override");
+  const gg::Fp8Kernel pp = gg::choose_fp8_kernel(gg::parse_kernel_overrides("fp8.schedule=pingpong"));
+  EXPECT_EQ(gg::fp8_variant(pp), 2);
+  EXPECT_EQ(gg::describe(pp), "fp8 ping_pong 64x128x128 cluster=1");
+  // Every built kernel has its own index; the overrides leave the bf16 GEMMs' choice alone.
+  for (int v = 0; v < 3; ++v) EXPECT_EQ(gg::fp8_variant(gg::kFp8Kernels[v]), v);
+  const gg::KernelShape sm{262144, 128, 4096, 1024};
+  EXPECT_EQ(gg::choose_kernels(sm, gg::parse_kernel_overrides("fp8.cluster=2,fp8.schedule=cooperative")),
+            gg::choose_kernels(sm, gg::KernelOverrides{}));
+  auto refused = [](const std::string& spec, const char* what) {
+    try {
+      gg::choose_fp8_kernel(gg::parse_kernel_overrides(spec));
+      ADD_FAILURE() << spec << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  refused("fp8.schedule=pingpong,fp8.cluster=2", "ping_pong on clusters of 2 is not built");
+  refused("fp8.cluster=3", "[1, 2]");
+  refused("fp8.schedule=fast", "cooperative or pingpong");
+  refused("fp8.tile=256x128", "unknown key 'fp8.tile'");
+}
+
 // Invalid arguments throw before anything runs and leave the outputs untouched.
 TEST(GroupedGemmChecks, InvalidArgumentsLeaveOutputsUntouched) {
   MOEBLAZE_REQUIRE_GPU();

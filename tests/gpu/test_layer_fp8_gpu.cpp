@@ -15,6 +15,7 @@
 
 #include "common/layer_fixtures.hpp"
 #include "common/test_util.hpp"
+#include "cuda/gemm/dispatch/kernel_config.hpp"
 #include "gpu/gpu_test_util.hpp"
 #include "moeblaze/capi.h"
 #include "moeblaze/moeblaze.hpp"
@@ -309,6 +310,33 @@ TEST(Fp8LayerGpu, BitwiseDeterministicAcrossRuns) {
   poison(again);
   run(cfg, dev_plan, again, LayerMode::keep_h);
   expect_same_results(first, again);
+}
+
+// The FP8 GEMMs on CTA pairs (fp8.cluster=2) compute every tile as single CTAs do, in both
+// recipes and both modes: the same bits.
+TEST(Fp8LayerGpu, ClustersOfTwoGiveTheBitsOfSingleCtas) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const HostRouting routing = random_routing({777, 8, 3, 0, true}, seed);
+  const RoutingPlan dev_plan = device_plan(make_plan(routing));
+  for (const Compute compute : {Compute::fp8, Compute::fp8_wgrad})
+    for (const LayerMode mode : {LayerMode::keep_h, LayerMode::recompute}) {
+      SCOPED_TRACE(std::string(compute == Compute::fp8 ? "fp8 " : "fp8_wgrad ") +
+                   layer_mode_name(mode));
+      LayerConfig cfg = fp8_config(777, 384, 384, 8, 3, Activation::swiglu);
+      cfg.compute = compute;
+      LayerTensors single(cfg, dev_plan.S());
+      single.randomize(seed + 1);
+      LayerTensors pairs = single;
+      cuda::gemm::set_kernel_overrides(cuda::gemm::parse_kernel_overrides("fp8.cluster=1"));
+      run(cfg, dev_plan, single, mode);
+      cuda::gemm::set_kernel_overrides(cuda::gemm::parse_kernel_overrides("fp8.cluster=2"));
+      poison(pairs);
+      run(cfg, dev_plan, pairs, mode);
+      cuda::gemm::clear_kernel_overrides();
+      expect_same_results(single, pairs);
+    }
 }
 
 TEST(Fp8LayerGpu, RefusesDimsThatAreNotMultiplesOf128AndLeavesOutputsUntouched) {

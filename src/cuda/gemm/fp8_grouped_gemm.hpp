@@ -9,25 +9,26 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cuda/gemm/dispatch/kernel_config.hpp"  // KernelSchedule
+#include "cuda/gemm/dispatch/kernel_config.hpp"  // Fp8Kernel
 #include "cuda/gemm/grouped_gemm.hpp"              // ExpertRows
 #include "moeblaze/dtype.hpp"
 
 namespace moeblaze::cuda::gemm::fp8 {
 
-// Both entry points take the consumer schedule as a value (bench gemm times both; the layer runs
-// cooperative until ping-pong is measured faster somewhere):
-//   KernelSchedule::cooperative  128 x 128 tiles, both consumer warpgroups on one tile;
-//   KernelSchedule::ping_pong    64 x 128 tiles, one per warpgroup, one's epilogue under the
-//                                other's mainloop. all_threads is refused (Unsupported).
+// Both entry points take the kernel as a value (Fp8Kernel, dispatch/kernel_config.hpp: the
+// layer runs choose_fp8_kernel(); bench gemm times each built one):
+//   cooperative, cluster 1  128 x 128 tiles, both consumer warpgroups on one tile;
+//   cooperative, cluster 2  the same on CTA pairs along N sharing A's tiles by TMA multicast;
+//   ping_pong, cluster 1    64 x 128 tiles, one per warpgroup, one's epilogue under the
+//                           other's mainloop. Any other combination is refused (Unsupported).
 
-// The checks both entry points share: every operand given and 16-byte aligned (TMA), a schedule
+// The checks both entry points share: every operand given and 16-byte aligned (TMA), a kernel
 // built for FP8; throws InvalidArgument / Unsupported naming the argument.
 void check_fp8_operands(const uint8_t* qa, const float* sa, const uint8_t* qb, const float* sb,
-                        const bf16* d, const void* scratch, KernelSchedule schedule);
+                        const bf16* d, const void* scratch, const Fp8Kernel& kernel);
 
 // Scratch bytes of contiguous() for E experts on the current device (argument arrays and
-// CUTLASS's per-SM TMA descriptors), enough for either schedule.
+// CUTLASS's per-SM TMA descriptors), enough for every built kernel.
 size_t contiguous_scratch_bytes(int64_t E);
 
 // For every expert e and i < rows.end[e] - rows.begin[e] (row r = rows.begin[e] + i):
@@ -40,11 +41,10 @@ size_t contiguous_scratch_bytes(int64_t E);
 // InvalidArgument naming the argument, nothing enqueued). No host sync; stream-ordered.
 void contiguous(ExpertRows rows, int64_t E, const uint8_t* qa, const float* sa, const uint8_t* qb,
                 const float* sb, bf16* d, int64_t N, int64_t K, void* scratch,
-                size_t scratch_bytes, cudaStream_t stream,
-                KernelSchedule schedule = KernelSchedule::cooperative);
+                size_t scratch_bytes, cudaStream_t stream, const Fp8Kernel& kernel = kFp8Default);
 
 // Scratch bytes of varlen_k() for E experts on the current device (argument arrays and
-// CUTLASS's per-SM TMA descriptors), enough for either schedule.
+// CUTLASS's per-SM TMA descriptors), enough for every built kernel.
 size_t varlen_k_scratch_bytes(int64_t E);
 
 // The weight-gradient shape: for every expert e, with P_e = poff[e+1] - poff[e] (a positive
@@ -60,7 +60,20 @@ size_t varlen_k_scratch_bytes(int64_t E);
 // would leave its accumulators unset). No host sync; stream-ordered.
 void varlen_k(const int32_t* poff, int64_t E, int64_t M, int64_t N, const uint8_t* qa,
               const float* sa, const uint8_t* qb, const float* sb, bf16* d, void* scratch,
-              size_t scratch_bytes, cudaStream_t stream,
-              KernelSchedule schedule = KernelSchedule::cooperative);
+              size_t scratch_bytes, cudaStream_t stream, const Fp8Kernel& kernel = kFp8Default);
+
+// The instantiation files' entry points, one per built kernel other than cooperative on single
+// CTAs (instantiations/fp8_*_c2.cu): the same arguments as contiguous() / varlen_k() after their
+// checks.
+namespace detail {
+size_t contiguous_c2_scratch_bytes(int E);
+void contiguous_c2(ExpertRows rows, int E, const uint8_t* qa, const float* sa, const uint8_t* qb,
+                   const float* sb, bf16* d, int N, int K, void* scratch, size_t scratch_bytes,
+                   cudaStream_t stream);
+size_t varlen_k_c2_scratch_bytes(int E);
+void varlen_k_c2(const int32_t* poff, int E, int M, int N, const uint8_t* qa, const float* sa,
+                 const uint8_t* qb, const float* sb, bf16* d, void* scratch, size_t scratch_bytes,
+                 cudaStream_t stream);
+}  // namespace detail
 
 }  // namespace moeblaze::cuda::gemm::fp8

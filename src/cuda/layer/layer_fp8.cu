@@ -289,7 +289,7 @@ WeightCodes cached_weights(const LayerConfig& cfg, const bf16* w1, const bf16* w
 void gemm_fp8(const RoutingPlanView& pv, const LayerConfig& cfg, Codes a, Codes b, bf16* d,
               int64_t N, int64_t K, void* scratch, size_t scratch_bytes, cudaStream_t stream) {
   gemm::fp8::contiguous(gemm::ExpertRows::whole(pv), cfg.E, a.q, a.s, b.q, b.s, d, N, K, scratch,
-                        scratch_bytes, stream);
+                        scratch_bytes, stream, gemm::choose_fp8_kernel());
 }
 
 // The kept H's two pieces in its one buffer (LayerConfig::kept_h_bytes).
@@ -394,7 +394,8 @@ void fp8_backward(const LayerConfig& cfg, const RoutingPlanView& pv, LayerMode m
     fp8::quantize_tokens_128x1_async(w.a_scaled, n, nullptr, eto, w.poff, E, S, n, w.a_t.q,
                                      w.a_t.s, stream);
     gemm::fp8::varlen_k(w.poff, E, d, n, w.dout_t.q, w.dout_t.s, w.a_t.q, w.a_t.s,
-                        grads.dw2.as<bf16>(), w.scratch, w.scratch_bytes, stream);
+                        grads.dw2.as<bf16>(), w.scratch, w.scratch_bytes, stream,
+                        gemm::choose_fp8_kernel());
   } else {
     g.dw2_proj(pv, d_out, w.a_scaled, grads.dw2.as<bf16>(), d, n, stream);
   }
@@ -415,7 +416,8 @@ void fp8_backward(const LayerConfig& cfg, const RoutingPlanView& pv, LayerMode m
     fp8::quantize_tokens_128x1_async(x, d, pv.expert_token_indices, eto, w.poff, E, S, d,
                                      w.x_t.q, w.x_t.s, stream);
     gemm::fp8::varlen_k(w.poff, E, R, d, w.dh_t.q, w.dh_t.s, w.x_t.q, w.x_t.s,
-                        grads.dw1.as<bf16>(), w.scratch, w.scratch_bytes, stream);
+                        grads.dw1.as<bf16>(), w.scratch, w.scratch_bytes, stream,
+                        gemm::choose_fp8_kernel());
   } else {
     g.dw1_proj(pv, w.dh, x, grads.dw1.as<bf16>(), d, n, cfg.activation, stream);
   }

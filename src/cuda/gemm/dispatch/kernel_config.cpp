@@ -302,6 +302,32 @@ std::string describe(const GemmKernel& k) {
   return s;
 }
 
+int fp8_variant(const Fp8Kernel& k) {
+  for (int v = 0; v < int(sizeof(kFp8Kernels) / sizeof(kFp8Kernels[0])); ++v)
+    if (kFp8Kernels[v] == k) return v;
+  return -1;
+}
+
+Fp8Kernel choose_fp8_kernel(const KernelOverrides& o) {
+  Fp8Kernel k = kFp8Default;
+  if (!o.fp8.schedule && !o.fp8.cluster) return k;
+  if (o.fp8.schedule) k.schedule = *o.fp8.schedule;
+  if (o.fp8.cluster) k.cluster = *o.fp8.cluster;
+  k.rule = "override";
+  MOEBLAZE_UNSUPPORTED_IF(fp8_variant(k) < 0, "fp8: ", schedule_name(k.schedule),
+                          " on clusters of ", k.cluster,
+                          " is not built (cooperative on 1 or 2 CTAs, ping_pong on 1)");
+  return k;
+}
+
+Fp8Kernel choose_fp8_kernel() { return choose_fp8_kernel(kernel_overrides()); }
+
+std::string describe(const Fp8Kernel& k) {
+  const bool pp = k.schedule == KernelSchedule::ping_pong;
+  return detail::concat("fp8 ", schedule_name(k.schedule), " ", pp ? 64 : 128, "x128x128 cluster=",
+                        k.cluster);
+}
+
 KernelOverrides parse_kernel_overrides(const std::string& spec) {
   KernelOverrides o;
   o.spec = spec;
@@ -350,6 +376,16 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
       o.pdl = parse_int(item, v, 0, 1) == 1;
       continue;
     }
+    if (key == "fp8.schedule") {
+      MOEBLAZE_REQUIRE(v == "cooperative" || v == "pingpong", "kernel override '", item,
+                       "': cooperative or pingpong");
+      o.fp8.schedule = v == "pingpong" ? KernelSchedule::ping_pong : KernelSchedule::cooperative;
+      continue;
+    }
+    if (key == "fp8.cluster") {
+      o.fp8.cluster = parse_int(item, v, 1, 2);
+      continue;
+    }
     if (key == "impl") {
       MOEBLAZE_REQUIRE(v == "sm90" || v == "naive", "kernel override '", item,
                        "': sm90 or naive");
@@ -363,7 +399,7 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
     MOEBLAZE_REQUIRE(g >= 0, "kernel override '", item, "': unknown key '", key,
                      "' (<gemm>.family|schedule|cluster|b_tma|tile with <gemm> one of up, down, dh, "
                      "dw2, dx, dw1; raster; tma.order; tma.swizzle; tma.bands; chunks[.fwd|.bwd]; "
-                     "ranges; pdl; impl)");
+                     "ranges; pdl; fp8.schedule; fp8.cluster; impl)");
     const std::string field = key.substr(dot + 1);
     GemmOverride& go = o.gemm[g];
     if (field == "family") {

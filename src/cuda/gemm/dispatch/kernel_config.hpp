@@ -105,6 +105,30 @@ struct LayerKernels {
   bool operator==(const LayerKernels& o) const;
 };
 
+// The FP8 layer's grouped GEMMs (fp8_grouped_gemm.hpp: CUTLASS's blockwise-scaled pointer-array
+// kernel, 128-deep K steps), as a value. Built: cooperative 128x128 tiles on single CTAs or on
+// pairs along N that share the A panel by TMA multicast (cluster 2: each CTA then loads half the
+// A tiles it multiplies), and ping-pong 64x128 on single CTAs.
+struct Fp8Kernel {
+  KernelSchedule schedule = KernelSchedule::cooperative;
+  int cluster = 1;       // CTAs per cluster along N
+  const char* rule = "";  // why this kernel (printed; not part of the value)
+  bool operator==(const Fp8Kernel& o) const {
+    return schedule == o.schedule && cluster == o.cluster;
+  }
+  bool operator!=(const Fp8Kernel& o) const { return !(*this == o); }
+};
+inline constexpr Fp8Kernel kFp8Kernels[] = {
+    {KernelSchedule::cooperative, 1},
+    {KernelSchedule::cooperative, 2},
+    {KernelSchedule::ping_pong, 1},
+};
+// The index in kFp8Kernels of k's schedule and cluster; -1 if that combination is not built.
+int fp8_variant(const Fp8Kernel& k);
+// Single CTAs until clusters are measured faster in the layer; ping-pong measured slower.
+inline constexpr Fp8Kernel kFp8Default = {KernelSchedule::cooperative, 1,
+                                          "default: cooperative on single CTAs"};
+
 // The shape the choice depends on: S slots over E experts, hidden d, expert width n.
 struct KernelShape {
   int64_t S = 0, E = 0, d = 0, n = 0;
@@ -143,6 +167,8 @@ int tma_bands_rule(int64_t S, int64_t E, int64_t N, int64_t K, int tile_m, int t
 //   impl             sm90 | naive            (the layer's GEMMs on the naive oracle: tests)
 //   pdl              0 | 1                   (the layer's own kernels by programmatic dependent
 //                                            launch: pdl_launches)
+//   fp8.schedule     cooperative | pingpong  (every FP8 grouped GEMM: Fp8Kernel)
+//   fp8.cluster      1 | 2                   (cooperative only)
 struct GemmOverride {
   std::optional<KernelFamily> family;
   std::optional<KernelSchedule> schedule;
@@ -161,6 +187,10 @@ struct KernelOverrides {
   } token_chunks;
   std::optional<int> expert_ranges;  // ranges' count (1: none)
   std::optional<bool> pdl;           // programmatic dependent launch (pdl_launches)
+  struct Fp8Override {
+    std::optional<KernelSchedule> schedule;
+    std::optional<int> cluster;
+  } fp8;
   bool naive = false;
   std::string spec;  // the text it was parsed from ("" = none)
 };
@@ -194,8 +224,14 @@ bool choose_pdl(const KernelOverrides& o);       // o.pdl, else kPdlDefault
 const char* pdl_rule(const KernelOverrides& o);  // why (printed by bench kernels)
 bool pdl_launches();                             // choose_pdl(kernel_overrides()), cached
 
+// The FP8 GEMMs' kernel: kFp8Default, overrides applied. Throws Unsupported for a combination
+// not built (ping-pong on a cluster of 2).
+Fp8Kernel choose_fp8_kernel(const KernelOverrides& o);
+Fp8Kernel choose_fp8_kernel();  // with kernel_overrides()
+
 // Field by field, e.g. "ws_gather cooperative 128x256x64 stages=4 cluster=1 raster=16".
 std::string describe(const GemmKernel& k);
+std::string describe(const Fp8Kernel& k);  // e.g. "fp8 cooperative 128x128x128 cluster=2"
 const char* family_name(KernelFamily f);
 const char* schedule_name(KernelSchedule s);
 

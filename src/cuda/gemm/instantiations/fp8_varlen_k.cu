@@ -1,6 +1,7 @@
-// FP8 varlen-K grouped GEMM, the weight gradients (fp8_grouped_gemm.hpp): two instantiations,
-// one per KernelSchedule it takes, of tma::Fp8GroupedGemm with 1x128 scales on both operands (cooperative on
-// 128 x 128 x 128 tiles, ping-pong on 64 x 128 x 128; no cluster).
+// FP8 varlen-K grouped GEMM, the weight gradients (fp8_grouped_gemm.hpp): the entry point, which
+// runs the Fp8Kernel it is given, and two instantiations of tma::Fp8GroupedGemm with 1x128 scales
+// on both operands: cooperative on 128 x 128 x 128 tiles and ping-pong on 64 x 128 x 128, single
+// CTAs (the cluster of 2 is fp8_varlen_k_c2.cu).
 #include <algorithm>
 #include <cstdint>
 #include <utility>
@@ -22,24 +23,30 @@ using GemmPingPong = tma::Fp8GroupedGemm<cute::Shape<cute::_64, cute::_128, cute
 
 size_t varlen_k_scratch_bytes(int64_t E) {
   MOEBLAZE_REQUIRE(E >= 1 && E <= INT32_MAX, "E (", E, ") must be in [1, 2^31)");
-  return std::max(Gemm::scratch_bytes(static_cast<int>(E)),
-                  GemmPingPong::scratch_bytes(static_cast<int>(E)));
+  const int e = static_cast<int>(E);
+  return std::max({Gemm::scratch_bytes(e), GemmPingPong::scratch_bytes(e),
+                   detail::varlen_k_c2_scratch_bytes(e)});
 }
 
 void varlen_k(const int32_t* poff, int64_t E, int64_t M, int64_t N, const uint8_t* qa,
               const float* sa, const uint8_t* qb, const float* sb, bf16* d, void* scratch,
-              size_t scratch_bytes, cudaStream_t stream, KernelSchedule schedule) {
+              size_t scratch_bytes, cudaStream_t stream, const Fp8Kernel& kernel) {
   MOEBLAZE_REQUIRE(E >= 1 && E <= INT32_MAX, "E (", E, ") must be in [1, 2^31)");
   MOEBLAZE_UNSUPPORTED_IF(M <= 0 || M % 128 != 0 || M > INT32_MAX, "M (", M,
                           ") must be a positive multiple of 128: whole 128 x 128 output tiles");
   MOEBLAZE_UNSUPPORTED_IF(N <= 0 || N % 128 != 0 || N > INT32_MAX, "N (", N,
                           ") must be a positive multiple of 128: whole 128 x 128 output tiles");
   MOEBLAZE_REQUIRE(poff != nullptr, "poff is null");
-  check_fp8_operands(qa, sa, qb, sb, d, scratch, schedule);
-  const auto run = schedule == KernelSchedule::ping_pong ? tma::run_fp8_varlen_k<GemmPingPong>
-                                                     : tma::run_fp8_varlen_k<Gemm>;
-  run("fp8::varlen_k", poff, static_cast<int>(E), static_cast<int>(M), static_cast<int>(N), qa,
-      sa, qb, sb, d, scratch, scratch_bytes, stream);
+  check_fp8_operands(qa, sa, qb, sb, d, scratch, kernel);
+  const int e = static_cast<int>(E), m = static_cast<int>(M), n = static_cast<int>(N);
+  if (kernel.cluster == 2) {
+    detail::varlen_k_c2(poff, e, m, n, qa, sa, qb, sb, d, scratch, scratch_bytes, stream);
+    return;
+  }
+  const auto run = kernel.schedule == KernelSchedule::ping_pong
+                       ? tma::run_fp8_varlen_k<GemmPingPong>
+                       : tma::run_fp8_varlen_k<Gemm>;
+  run("fp8::varlen_k", poff, e, m, n, qa, sa, qb, sb, d, scratch, scratch_bytes, stream);
 }
 
 }  // namespace moeblaze::cuda::gemm::fp8
