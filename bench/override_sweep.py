@@ -12,6 +12,8 @@ spec in force added as `kernels` (bench layer's rows carry it themselves).
         --out sweep.jsonl --md sweep.md
     python3 bench/override_sweep.py --bench layer --configs olmoe,sm-default --specs ";raster=8" \
         --rounds 4
+    python3 bench/override_sweep.py --bench layer --impl moeblaze-fp8 --configs sm-default \
+        --specs ";fp8.cluster=2" --rounds 2
 """
 import argparse
 import json
@@ -23,7 +25,7 @@ import tempfile
 import time
 
 
-def run_once(cli, bench, configs, only, spec, reps, timeout):
+def run_once(cli, bench, configs, only, spec, reps, timeout, impl="moeblaze"):
     """The rows of one `bench gemm` / `bench layer` call under MOEBLAZE_KERNELS=spec."""
     env = dict(os.environ)
     env.pop("MOEBLAZE_KERNELS", None)
@@ -34,7 +36,7 @@ def run_once(cli, bench, configs, only, spec, reps, timeout):
             cmd = [cli, "bench", "gemm", "--configs", configs, "--only", only, "--no-dense",
                    "--reps", str(reps), "--out", f.name]
         else:
-            cmd = [cli, "bench", "layer", "--config", configs, "--impl", "moeblaze",
+            cmd = [cli, "bench", "layer", "--config", configs, "--impl", impl,
                    "--no-aggregate", "--reps", str(reps), "--out", f.name]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if p.returncode != 0:
@@ -75,6 +77,8 @@ def main():
     ap.add_argument("--bench", default="gemm", choices=("gemm", "layer"), help="which benchmark")
     ap.add_argument("--configs", required=True, help="named configs (comma list)")
     ap.add_argument("--only", default="", help="bench gemm --only (the GEMMs to time)")
+    ap.add_argument("--impl", default="moeblaze",
+                    help="bench layer --impl (comma list, e.g. moeblaze-fp8,moeblaze-fp8-wgrad)")
     ap.add_argument("--specs", required=True, help="';'-separated MOEBLAZE_KERNELS specs")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (>= 1)")
     ap.add_argument("--reps", type=int, default=20, help="bench gemm --reps (>= 20)")
@@ -96,7 +100,7 @@ def main():
             print(f"override_sweep: [{done + 1}/{calls}] round {r + 1}, "
                   f"MOEBLAZE_KERNELS={spec!r} ({time.time() - t0:.0f} s)", file=sys.stderr)
             rows += run_once(args.cli, args.bench, args.configs, args.only, spec, args.reps,
-                             args.timeout)
+                             args.timeout, args.impl)
     text = table(rows, specs)
     print(text)
     if args.out:
