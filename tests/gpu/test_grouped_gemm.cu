@@ -1084,13 +1084,16 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
 TEST(GroupedGemmChecks, Fp8KernelIsAValueWithOverrides) {
   const gg::Fp8Kernel def = gg::choose_fp8_kernel(gg::KernelOverrides{});
   EXPECT_EQ(def, gg::kFp8Default);
-  EXPECT_EQ(gg::fp8_variant(def), 0);
-  EXPECT_EQ(gg::describe(def), "fp8 cooperative 128x128x128 cluster=1");
-  const gg::Fp8Kernel c2 = gg::choose_fp8_kernel(gg::parse_kernel_overrides("fp8.cluster=2"));
-  EXPECT_EQ(c2.cluster, 2);
-  EXPECT_EQ(c2.schedule, gg::KernelSchedule::cooperative);
-  EXPECT_EQ(gg::fp8_variant(c2), 1);
-  EXPECT_STREQ(c2.rule, "override");
+  EXPECT_EQ(gg::fp8_variant(def), 1);
+  EXPECT_EQ(gg::describe(def), "fp8 cooperative 128x128x128 cluster=2");
+  const gg::Fp8Kernel c1 = gg::choose_fp8_kernel(gg::parse_kernel_overrides("fp8.cluster=1"));
+  EXPECT_EQ(c1.cluster, 1);
+  EXPECT_EQ(c1.schedule, gg::KernelSchedule::cooperative);
+  EXPECT_EQ(gg::fp8_variant(c1), 0);
+  EXPECT_STREQ(c1.rule, "override");
+  // A schedule alone keeps the default's cluster where built; ping-pong runs on single CTAs.
+  EXPECT_EQ(gg::choose_fp8_kernel(gg::parse_kernel_overrides("fp8.schedule=cooperative")).cluster,
+            gg::kFp8Default.cluster);
   const gg::Fp8Kernel pp = gg::choose_fp8_kernel(gg::parse_kernel_overrides("fp8.schedule=pingpong"));
   EXPECT_EQ(gg::fp8_variant(pp), 2);
   EXPECT_EQ(gg::describe(pp), "fp8 ping_pong 64x128x128 cluster=1");

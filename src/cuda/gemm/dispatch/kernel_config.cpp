@@ -313,6 +313,14 @@ Fp8Kernel choose_fp8_kernel(const KernelOverrides& o) {
   if (!o.fp8.schedule && !o.fp8.cluster) return k;
   if (o.fp8.schedule) k.schedule = *o.fp8.schedule;
   if (o.fp8.cluster) k.cluster = *o.fp8.cluster;
+  // A schedule given alone keeps the default's cluster where that is built, else takes the
+  // first built cluster with it (ping-pong: single CTAs).
+  if (o.fp8.schedule && !o.fp8.cluster && fp8_variant(k) < 0)
+    for (const Fp8Kernel& b : kFp8Kernels)
+      if (b.schedule == k.schedule) {
+        k.cluster = b.cluster;
+        break;
+      }
   k.rule = "override";
   MOEBLAZE_UNSUPPORTED_IF(fp8_variant(k) < 0, "fp8: ", schedule_name(k.schedule),
                           " on clusters of ", k.cluster,
