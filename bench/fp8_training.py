@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import train_tiny_moe as tt  # noqa: E402
+from prove_training import moving_avg  # noqa: E402  (the 20-step mean of issue 6's criterion)
 
 COMPUTES = ("bf16", "fp8", "fp8-wgrad")
 TOLERANCE = 0.01  # issue 20: final val loss within 1 % of the bf16 run's
@@ -65,16 +66,6 @@ def check_args(a):
     if a.compute != "bf16" and a.dtype != "bf16":
         return f"--compute {a.compute} needs --dtype bf16 (FP8 operands are quantized from bf16)"
     return None
-
-
-def moving_avg(xs, w=20):
-    out, s = [], 0.0
-    for i, x in enumerate(xs):
-        s += x
-        if i >= w:
-            s -= xs[i - w]
-        out.append(s / min(i + 1, w))
-    return out
 
 
 def compare(runs, tol=TOLERANCE):
