@@ -528,6 +528,87 @@ TEST(Fp8QuantizeGpu, DividesByTheScaleNotByItsReciprocal) {
                     want_s1.size() * 4, describe);
 }
 
+// Per sample i: the scale of amax[i] (the quantizers' rule), then x[i] / scale by div.rn and by
+// the reciprocal with Markstein's correction (fp8_device.cuh's div_by_recip_rn), and both codes.
+__global__ void quotient_kernel(const float* __restrict__ x, const float* __restrict__ amax,
+                                int64_t n, float* __restrict__ q_div, float* __restrict__ q_rcp,
+                                uint16_t* __restrict__ c_div, uint16_t* __restrict__ c_rcp) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float s = f8::scale_from_amax_bits(f8::abs_bits(amax[i])), y = __frcp_rn(s);
+    q_div[i] = f8::div_rn(x[i], s);
+    q_rcp[i] = f8::div_by_recip_rn(x[i], s, y);
+    c_div[i] = f8::codes2(x[i], -x[i], s);
+    c_rcp[i] = f8::codes2_recip(x[i], -x[i], s, y);
+  }
+}
+
+// The activation passes quantize through the scale's reciprocal (div_by_recip_rn); their codes
+// must stay the quantizers' (div.rn's). On 2^23 random (x, amax) pairs with |x| <= amax over every
+// exponent, subnormals and zeros of both signs included, plus every e4m3 midpoint's neighbours
+// (+-64 ulp) at eleven scales: the same quotient bits wherever the quotient is not an fp32
+// subnormal (where e4m3 has only zeros), and the same codes everywhere.
+TEST(Fp8QuantizeGpu, ReciprocalQuotientIsTheDivision) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = printed_seed("ReciprocalQuotientIsTheDivision");
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::vector<float> x, amax;
+  const int64_t sampled = int64_t(1) << 23;
+  for (int64_t i = 0; i < sampled; ++i) {
+    const uint64_t r = rng();
+    const float a = float_of(uint32_t(r % 0x7f800000u));  // any finite amax >= 0
+    float v;
+    if (i % 4 == 0) {  // uniform in [-a, a]
+      v = float((double(rng() >> 11) * 0x1p-53 * 2.0 - 1.0) * double(a));
+    } else {  // a random pattern at or below a's exponent: every exponent down to subnormals
+      const uint32_t e = (bits_of(a) >> 23) == 0 ? 0u : uint32_t(rng() % ((bits_of(a) >> 23) + 1));
+      v = float_of((e << 23) | uint32_t(rng() & 0x7fffffu));
+      if (v > a) v = a;
+      if (r >> 63) v = -v;
+    }
+    if (i % 97 == 0) v = (r >> 62) & 1 ? -0.0f : 0.0f;
+    x.push_back(v);
+    amax.push_back(a);
+  }
+  for (float a : {1.0f, 3.0f, 5.0f, 7.0f, 0.1f, 1e-3f, 11.0f, 13.0f, 100.0f, 1e-30f, 3e30f}) {
+    const float scale = fp8_scale(a);
+    const std::vector<double>& t = e4m3_table();
+    for (size_t k = 0; k + 1 < t.size(); ++k) {
+      float v = static_cast<float>(0.5 * (t[k] + t[k + 1]) * scale);
+      for (int step = 0; step < 64; ++step) v = std::nextafter(v, 0.0f);
+      for (int step = 0; step < 129; ++step, v = std::nextafter(v, 1e38f))
+        if (std::fabs(v) <= a) x.push_back(v), amax.push_back(a);
+    }
+  }
+  const int64_t n = static_cast<int64_t>(x.size());
+  DevMem dx(x), da(amax), dq(size_t(n) * 4), dr(size_t(n) * 4), dcq(size_t(n) * 2),
+      dcr(size_t(n) * 2);
+  quotient_kernel<<<1024, 256>>>(dx.as<float>(), da.as<float>(), n, dq.as<float>(),
+                                 dr.as<float>(), dcq.as<uint16_t>(), dcr.as<uint16_t>());
+  MOEBLAZE_TEST_CUDA(cudaGetLastError());
+  const std::vector<float> q = dq.download<float>(), r = dr.download<float>();
+  const std::vector<uint16_t> cq = dcq.download<uint16_t>(), cr = dcr.download<uint16_t>();
+  int64_t bad_q = 0, bad_c = 0, compared = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const bool normal = std::fabs(q[i]) >= 0x1p-126f || q[i] == 0.0f;
+    if (normal) {
+      ++compared;
+      if (bits_of(q[i]) != bits_of(r[i]) && bad_q++ < 8)
+        ADD_FAILURE() << "x " << fmt_float(x[i]) << " amax " << fmt_float(amax[i]) << ": div.rn "
+                      << fmt_float(q[i]) << ", reciprocal " << fmt_float(r[i]);
+    }
+    if (cq[i] != cr[i] && bad_c++ < 8)
+      ADD_FAILURE() << "x " << fmt_float(x[i]) << " amax " << fmt_float(amax[i]) << ": codes 0x"
+                    << std::hex << cq[i] << " vs 0x" << cr[i];
+  }
+  EXPECT_EQ(bad_q, 0);
+  EXPECT_EQ(bad_c, 0);
+  EXPECT_GT(compared, n * 9 / 10);
+  std::printf("[ fp8 gpu ] %" PRId64 " quotients, %" PRId64 " compared bit for bit\n", n,
+              compared);
+}
+
 __global__ void convert_kernel(const float* __restrict__ x, int64_t n,
                                uint8_t* __restrict__ raw,     // cvt.rn.satfinite alone
                                uint8_t* __restrict__ helper)  // fp8_device.cuh's conversion
