@@ -69,11 +69,10 @@ __device__ __forceinline__ void quantize_group(const float (&v)[4], uint8_t* q, 
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) a = amax_merge(a, __shfl_xor_sync(kFull, a, off));
   const float scale = scale_from_amax_bits(a);
-  const float recip = __frcp_rn(scale);  // one per group: the quotients' bits stay div_rn's
   const uint32_t w = is_nan_scale(scale)
                          ? 0x01010101u * kE4m3NaN
-                         : uint32_t(codes2_recip(v[0], v[1], scale, recip)) |
-                               (uint32_t(codes2_recip(v[2], v[3], scale, recip)) << 16);
+                         : uint32_t(codes2(v[0], v[1], scale)) |
+                               (uint32_t(codes2(v[2], v[3], scale)) << 16);
   reinterpret_cast<uint32_t*>(q)[lane] = w;
   if (lane == 0) *scale_out = scale;
 }

@@ -50,28 +50,10 @@ __device__ __forceinline__ bool is_nan_scale(float scale) {
   return (__float_as_uint(scale) & 0x7fffffffu) > 0x7f800000u;
 }
 
-// x / s correctly rounded, the bits of div_rn(x, s), from y = __frcp_rn(s) computed once per
-// group: Markstein's correction q + (x - q s) y, three instructions instead of div.rn's sequence
-// (the activation passes are issue-bound on their divisions). Holds for s >= 2^-126 (every finite
-// fp8 scale) and |x / s| <= 448; below |x| = 2^-100 the residual could lose bits, so div_rn;
-// r == 0 keeps q, and with it a -0 quotient's sign.
-__device__ __forceinline__ float div_by_recip_rn(float x, float s, float y) {
-  if ((__float_as_uint(x) & 0x7fffffffu) < 0x0d800000u) return div_rn(x, s);  // |x| < 2^-100
-  const float q = __fmul_rn(x, y);
-  const float r = __fmaf_rn(-q, s, x);
-  return r == 0.0f ? q : __fmaf_rn(r, y, q);
-}
-
 // Codes of (x0, x1) under one finite scale: x0 in the low byte (cvt's b operand).
 __device__ __forceinline__ uint16_t codes2(float x0, float x1, float scale) {
   return __nv_cvt_float2_to_fp8x2(make_float2(div_rn(x0, scale), div_rn(x1, scale)),
                                   __NV_SATFINITE, __NV_E4M3);
-}
-// The same codes with the scale's reciprocal given (div_by_recip_rn).
-__device__ __forceinline__ uint16_t codes2_recip(float x0, float x1, float scale, float recip) {
-  return __nv_cvt_float2_to_fp8x2(
-      make_float2(div_by_recip_rn(x0, scale, recip), div_by_recip_rn(x1, scale, recip)),
-      __NV_SATFINITE, __NV_E4M3);
 }
 
 // The conversion alone, e4m3::from_float: cvt.rn.satfinite, with NaN inputs of either sign
