@@ -4,8 +4,8 @@
 // computing any (one task's loads alone leave the pass waiting on memory between its
 // quantizations), grid-stride over S · n/128. A lane owns 4 consecutive columns of a task
 // (8-byte bf16 loads, 4-byte code stores, so a warp moves whole 128-byte lines). A
-// group's amax is a max over |x| bit patterns (exact, order-free) by one warp reduction
-// (redux.sync); ds: each warp's group sum by a fixed xor-shuffle tree into ds_partials, then
+// group's amax is a max over |x| bit patterns (exact, order-free) by five
+// xor-shuffles; ds: each warp's group sum by a fixed xor-shuffle tree into ds_partials, then
 // one thread per slot sums its row of partials in column order: the same bits for any grid.
 #include "cuda/fp8/act_quantize.hpp"
 
@@ -66,7 +66,8 @@ __device__ __forceinline__ void quantize_group(const float (&v)[4], uint8_t* q, 
   uint32_t a = 0;
 #pragma unroll
   for (int i = 0; i < 4; ++i) a = amax_merge(a, abs_bits(v[i]));
-  a = __reduce_max_sync(kFull, a);  // one REDUX for the warp's max bit pattern (amax_merge's)
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) a = amax_merge(a, __shfl_xor_sync(kFull, a, off));
   const float scale = scale_from_amax_bits(a);
   const uint32_t w = is_nan_scale(scale)
                          ? 0x01010101u * kE4m3NaN
