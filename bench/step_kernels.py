@@ -99,10 +99,6 @@ def classify(name):
     return "other: " + re.sub(r"^void ", "", name)[:60], False
 
 
-def family_of(name):
-    return classify(name)[0]
-
-
 def demangle(names):
     """{name: demangled} for the names that look mangled (_Z...), through c++filt where it is
     installed; names it cannot read stay as they are."""
