@@ -52,7 +52,8 @@ DESCRIBE = {
            "recompute) and the dense bound at four named configs; two alternated runs",
     PEERS_TEN: "all ten named configs through PyTorch, the C ABI, recompute and the torch "
                "reference, alternated, with the C++ rows and the dense bound",
-    MAX_TOKENS: "the largest T one forward + backward fits in, recompute through PyTorch and SonicMoE",
+    MAX_TOKENS: "the largest T one forward + backward fits in, recompute through PyTorch and "
+                "SonicMoE",
     TIMELINE: "bytes allocated over one sm-default step (moeblaze, recompute, torch, SonicMoE) and "
               "the blocks live at each peak",
     BREAKDOWN: "the C++ layer step by step (each GEMM, the aggregations) at four named configs, "
@@ -220,8 +221,8 @@ def sonicmoe_section():
                 f3(mb["total_ms"] / sm["total_ms"]), f3(mb["bwd_ms"] / sm["bwd_ms"]),
                 f3(cpp["total_ms"]) if cpp else "—",
                 f3(dense["total_ms"]) if dense else "—",
-                (f"{pct(dense['total_ms'] / mb['total_ms'])} / {pct(dense['total_ms'] / cpp['total_ms'])}"
-                 if dense and cpp else "—"),
+                (f"{pct(dense['total_ms'] / mb['total_ms'])} / "
+                 f"{pct(dense['total_ms'] / cpp['total_ms'])}" if dense and cpp else "—"),
                 f"{mib(mb['peak_bytes'])} / {mib(sm['peak_bytes'])}"])
     body.sort(key=lambda r: (FOUR.index(r[0]), r[1]))
     met = [c for c in FOUR if max(ratios[c]) <= 0.90]
@@ -234,21 +235,26 @@ def sonicmoe_section():
                   pick(first, c, "sonicmoe")["peak_bytes"] for c in FOUR]
     level = [c for c in FOUR if max(bwd[c]) >= 0.99]
     bwd_ahead = [c for c in FOUR if max(bwd[c]) < 0.99]
+    standing = ("faster than SonicMoE's at all four configs in both runs" if ahead else
+                "not ahead of SonicMoE's everywhere")
+    host = {i: span([pick(r, c, i)["host_issue_ms"] for r in runs for c in FOUR], f1)
+            for i in ("sonicmoe", "moeblaze-torch")}
+    below = " and ".join(f"{c} ({pct(dense_frac[c])})" for c in short)
     words = f"""\
 ## Beside SonicMoE at four named configs
 
 **Where it stands.** Through PyTorch (`moe_experts`, what users call) moeblaze's forward +
-backward is {'faster than SonicMoE' + "'" + 's at all four configs in both runs' if ahead else 'not ahead of SonicMoE everywhere'}:
+backward is {standing}:
 {span([x for c in FOUR for x in ratios[c]])}× its time. The 0.90× target is met at
 {', '.join(met) if met else 'none'} only; the backward alone is
 {span([x for c in FOUR for x in bwd[c]])}× SonicMoE's: level within about 1 % at
 {' and '.join(level) or 'no config'}, ahead at {' and '.join(bwd_ahead) or 'no config'}. SonicMoE
-spends more host time issuing each step (host issue {span([pick(r, c, 'sonicmoe')['host_issue_ms'] for r in runs for c in FOUR], f1)} ms per
-step against moeblaze's {span([pick(r, c, 'moeblaze-torch')['host_issue_ms'] for r in runs for c in FOUR], f1)}),
+spends more host time issuing each step (host issue {host['sonicmoe']} ms per step against
+moeblaze's {host['moeblaze-torch']}),
 while its GEMMs one by one are faster than moeblaze's (see "Each GEMM beside SonicMoE's").
 Against the dense bound (cuBLAS strided-batched GEMMs of the same FLOPs plus unfused activation
 passes, in the same process) the step reaches the 90 % target except at
-{' and '.join(f'{c} ({pct(dense_frac[c])})' for c in short)}. Peak memory through PyTorch is SonicMoE's or below
+{below}. Peak memory through PyTorch is SonicMoE's or below
 ({span(peak_ratio, f2)}× its peak). SonicMoE's own times move between runs, so compare the
 ratios within one run.
 
@@ -283,17 +289,21 @@ def ten_section():
                      f2(mb["peak_bytes"] / th["peak_bytes"])])
     below = [f"{c} ({pct(x)})" for c, x in dense_x if x < 0.90]
     fast = [c for c, x in zip(configs, cabi) if x < 0.95]
+    fast_by = span_pct([1 - x for x in cabi if x < 0.95])
+    recompute_x = [pick(rows, c, "moeblaze-torch-recompute")["total_ms"] /
+                   pick(rows, c, "moeblaze-torch")["total_ms"] for c in configs]
     words = f"""\
 ## All ten named configs through PyTorch
 
 **Where it stands.** On every named config the PyTorch front end runs at the C++ library's
 speed: the step through `moe_experts` is at most {max(cabi):.3f}× the same C calls made
 in-process (the target was within 3 %). At {' and '.join(fast)} it read
-{span_pct([1 - x for c, x in zip(configs, cabi) if c in fast])} faster than the C calls, an effect of
+{fast_by} faster than the C calls, an effect of
 alternating with the torch reference, not a faster path: a re-check without the torch rows
-between them read level (H200, 45c815c, 2026-12-03). It is {span(torch_x, f2)}× faster than the torch reference and peaks at
+between them read level (H200, 45c815c, 2026-12-03). It is {span(torch_x, f2)}× faster than the
+torch reference and peaks at
 {span(peak_x, f2)}× the reference's memory. Recompute mode (only the plan kept for backward)
-costs {span([pick(rows, c, 'moeblaze-torch-recompute')['total_ms'] / pick(rows, c, 'moeblaze-torch')['total_ms'] for c in configs], f2)}×
+costs {span(recompute_x, f2)}×
 the default mode's time. Below 90 % of the dense bound: {', '.join(below) if below else 'none'}.
 
 {caption(rows, PEERS_TEN)} Shape is T / d / n / E / K. *× torch* is the torch reference's time
@@ -319,7 +329,8 @@ def max_tokens_section():
 **Where it stands.** In recompute mode one forward + backward through PyTorch fits
 {rec['dsv2-d5120']:,} tokens at dsv2-d5120 (DeepSeek-V2-sized) against SonicMoE's
 {son['dsv2-d5120']:,} ({rec['dsv2-d5120'] / son['dsv2-d5120']:.2f}×), and {rec['sm-default']:,}
-at sm-default. SonicMoE's search at sm-default ended one probe short (786,432 tokens fit,
+at sm-default. SonicMoE's search at sm-default (the same run; its log is in the repository's
+history) ended one probe short (786,432 tokens fit,
 851,968 did not; no row was written for it), so there recompute fits
 {rec['sm-default'] / 851968:.2f}–{rec['sm-default'] / 786432:.2f}× SonicMoE's largest T. The
 torch reference fits 327,680 tokens at dsv2-d5120 and 344,064 at sm-default (measured on the
@@ -331,6 +342,11 @@ H200 at d2adcbc on 2026-12-04; that run's file is in the repository's history), 
 """
     return words + table(["config", "d / n / E / K", "impl", "largest T"], body,
                          ["---", "---", "---", "---:"]) + "\n"
+
+
+def gemm_name(step):
+    """'6 dX~' (a breakdown step) as 'dX̃'."""
+    return step.split(" ", 1)[1].replace("dX~", "dX̃")
 
 
 def gemms_section():
@@ -346,7 +362,7 @@ def gemms_section():
     for (c, step), r in sorted(best.items(), key=lambda kv: (FOUR.index(kv[0][0]), kv[0][1])):
         mine = steps[(c, step)]
         ratio[(c, step)] = mine["ms"] / r["ms"]
-        body.append([c, step.split(" ", 1)[1].replace("dX~", "dX̃"), r["best"], f3(r["ms"]),
+        body.append([c, gemm_name(step), r["best"], f3(r["ms"]),
                      f"{r['tflops']:.0f}", f3(mine["ms"]), f"{mine['tflops']:.0f}",
                      f2(mine["ms"] / r["ms"])])
     up = [v for (c, s), v in ratio.items() if "up-proj" in s]
@@ -354,15 +370,15 @@ def gemms_section():
     worst = max(ratio, key=ratio.get)
     gap_ms = {k: steps[k]["ms"] - best[k]["ms"] for k in ratio}
     top = sorted(gap_ms, key=gap_ms.get, reverse=True)[:3]
-    name = lambda k: k[1].split(" ", 1)[1].replace("dX~", "dX̃")
+    gaps = ", ".join(f"{gemm_name(k[1])} at {k[0]} ({gap_ms[k]:.2f} ms)" for k in top)
     words = f"""\
 ## Each GEMM beside SonicMoE's
 
 **Where it stands.** One by one, SonicMoE's autotuned GEMMs are faster than moeblaze's on
 {'every GEMM but the up-projection' if min(rest) > 1 else 'most GEMMs'}: moeblaze's up-proj is
 {span(up, f2)}× SonicMoE's time, the other five {span(rest, f2)}×, the largest ratio
-{name(worst)} at {worst[0]} ({f2(ratio[worst])}×; with n = 256 the tile's store is most of
-its time). The largest gaps in milliseconds: {', '.join(f'{name(k)} at {k[0]} ({gap_ms[k]:.2f} ms)' for k in top)}. moeblaze's whole step is still
+{gemm_name(worst[1])} at {worst[0]} ({f2(ratio[worst])}×; with n = 256 the tile's store is most of
+its time). The largest gaps in milliseconds: {gaps}. moeblaze's whole step is still
 ahead (sections above) because SonicMoE's layer spends more time between and around its
 GEMMs. The two harnesses differ (a search's timing against a breakdown step in a process of its
 own), so ratios within about 5 % are not a difference.
@@ -425,13 +441,15 @@ def fp8_section():
     for cfg in sk["configs"]:
         for name, impl in cfg["impls"].items():
             g = families(impl)
-            kbody.append([cfg["config"], name.replace("moeblaze-torch", "moeblaze").replace("-cached", ""),
+            recipe = name.replace("moeblaze-torch", "moeblaze").replace("-cached", "")
+            kbody.append([cfg["config"], recipe,
                           g["data GEMMs"], g["weight gradients"],
                           g["FP8 quantize and activation passes"], g["other"],
                           f3(impl["kernel_sum_ms"]), f3(impl["wall_ms"])])
     sd = {n: families(i) for n, i in sk["configs"][0]["impls"].items()}
     sd_name = sk["configs"][0]["config"]
-    saved = float(sd["moeblaze-torch"]["data GEMMs"]) - float(sd["moeblaze-torch-fp8-cached"]["data GEMMs"])
+    saved = (float(sd["moeblaze-torch"]["data GEMMs"]) -
+             float(sd["moeblaze-torch-fp8-cached"]["data GEMMs"]))
     passes = float(sd["moeblaze-torch-fp8-cached"]["FP8 quantize and activation passes"])
     cache = jsonl(FP8_CACHE)
     cbody = []
@@ -442,12 +460,13 @@ def fp8_section():
                       pct(1 - k["total_ms"] / u["total_ms"]),
                       f"{mib(b['peak_bytes'])} / {mib(u['peak_bytes'])} / {mib(k['peak_bytes'])}"])
     acc = fp8_accuracy_rows()
+    faster_at = ", ".join(c for c, x in zip(configs, speed) if x > 1) or "no config"
     words = f"""\
 ## FP8 against bf16
 
 **Where it stands.** FP8 training works and keeps about half the bytes for backward, but it is
 not faster than moeblaze's own bf16 step and it peaks higher. On the C++ path the bf16 step is
-{span(speed)}× the fp8 step's time (above 1 only at {', '.join(c for c, s in zip(configs, speed) if s > 1) or 'no config'});
+{span(speed)}× the fp8 step's time (above 1 only at {faster_at});
 the target was 1.5×. Kept bytes are {span(kept, f2)}× bf16's, but the peak is
 {span(peak, f2)}× bf16's (the weights' FP8 codes add to it). Through
 PyTorch with the weight codes cached across steps the picture is the same ({span(vs_bf16)}×),
@@ -488,7 +507,8 @@ FP8 quantize and activation passes, and the rest (aggregations, plan, setup).
 {caption(cache, FP8_CACHE)} Through PyTorch, alternated: bf16, FP8 quantizing the weights every
 step, FP8 with the codes cached.
 
-{table(["config", "bf16 ms", "fp8 ms", "fp8 cached ms", "cache saves", "peak MiB bf16 / fp8 / cached"], cbody)}
+{table(["config", "bf16 ms", "fp8 ms", "fp8 cached ms", "cache saves",
+        "peak MiB bf16 / fp8 / cached"], cbody)}
 
 ### Accuracy
 
@@ -529,21 +549,25 @@ def training_section():
     tr = load(TRAINING)
     a, c, d = tr["a"], tr["c"], tr["d"]
     am, at = a["runs"]["moeblaze"], a["runs"]["torch"]
-    body = [["(a) tiny LM: moeblaze", f"{am['final_val_loss']:.4f}", f1(1000 * am["median_step_s"]),
-             f"{am['tokens_per_s']:,.0f}"],
-            ["(a) tiny LM: torch", f"{at['final_val_loss']:.4f}", f1(1000 * at["median_step_s"]),
-             f"{at['tokens_per_s']:,.0f}"],
-            ["(d) E 128, K 8: top-K", f"{d['runs']['none']['final_val_loss']:.4f}",
-             f1(1000 * d["runs"]["none"]["median_step_s"]), f"{d['runs']['none']['tokens_per_s']:,.0f}"],
-            ["(d) E 128, K 8: NR-f", f"{d['runs']['nr-f']['final_val_loss']:.4f}",
-             f1(1000 * d["runs"]["nr-f"]["median_step_s"]), f"{d['runs']['nr-f']['tokens_per_s']:,.0f}"]]
+    def run_row(label, r):
+        return [label, f"{r['final_val_loss']:.4f}", f1(1000 * r["median_step_s"]),
+                f"{r['tokens_per_s']:,.0f}"]
+
+    def recipe_rows(runs):
+        base = runs["bf16"]["final_val_loss"]
+        return [[k, f"{v['final_val_loss']:.4f}", f"{v['final_val_loss'] / base:.4f}",
+                 f"{v['tokens_per_s_last_interval']:,.0f}"] for k, v in runs.items()]
+
+    body = [run_row("(a) tiny LM: moeblaze", am), run_row("(a) tiny LM: torch", at),
+            run_row(f"(d) E {d['runs']['none']['E']}, K {d['runs']['none']['K']}: top-K",
+                    d["runs"]["none"]),
+            run_row(f"(d) E {d['runs']['nr-f']['E']}, K {d['runs']['nr-f']['K']}: NR-f",
+                    d["runs"]["nr-f"])]
     f8 = load(TRAINING_FP8)
-    f8rows = [[k, f"{v['final_val_loss']:.4f}", f"{v['final_val_loss'] / f8['runs']['bf16']['final_val_loss']:.4f}",
-               f"{v['tokens_per_s_last_interval']:,.0f}"] for k, v in f8["runs"].items()]
+    f8rows = recipe_rows(f8["runs"])
     cpu = load(TRAINING_FP8_CPU)
     cpu_c, cpu_d = from_name(TRAINING_FP8_CPU)
-    cpurows = [[k, f"{v['final_val_loss']:.4f}", f"{v['final_val_loss'] / cpu['bf16']['final_val_loss']:.4f}",
-                f"{v['tokens_per_s_last_interval']:,.0f}"] for k, v in cpu.items()]
+    cpurows = recipe_rows(cpu)
     sh = load(TINY_LM_SHARE)
     sh_c, sh_d = from_name(TINY_LM_SHARE)
     med = sh["median_ms"]
@@ -771,9 +795,9 @@ def files_section():
         commit, date = from_name(name)
         body.append([source(name), DESCRIBE.get(name, "(not described in bench/report.py)"),
                      commit, date])
-    return ("## The result files\n\nEvery file in `bench/results/` (JSON lines follow the row fields "
-            "of docs/DESIGN.md's benchmark protocol). Files of earlier runs are in the repository's "
-            "history.\n\n" + table(["file", "what it holds", "commit", "date"], body,
+    return ("## The result files\n\nEvery file in `bench/results/` (JSON lines follow the row "
+            "fields of docs/DESIGN.md's benchmark protocol). Files of earlier runs are in the "
+            "repository's history.\n\n" + table(["file", "what it holds", "commit", "date"], body,
                                     ["---", "---", "---", "---"]) + "\n")
 
 
@@ -895,8 +919,8 @@ def figures(out_dir):
     for key, c in tl.items():
         impl = key.split(" ")[1]
         ms, b = zip(*c["ms_bytes"])
-        a2.step(ms, [v / 2**30 for v in b], where="post", label=names[impl], color=colors[names[impl]],
-                lw=1.4)
+        a2.step(ms, [v / 2**30 for v in b], where="post", label=names[impl],
+                color=colors[names[impl]], lw=1.4)
     a2.set_title(f"Bytes allocated over one sm-default step\n{gpu}, commit {commit}, {date}")
     a2.set_xlabel("host time of the allocator's events, ms (not GPU time)")
     a2.set_ylabel("GiB above inputs and weights")
