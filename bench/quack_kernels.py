@@ -6,12 +6,13 @@ QUACK_CACHE_AUTOTUNING=1, writes each search to `<cache>/<hash>/<gemm>.autotune.
 tensor shapes and the time of every config tried (triton.testing.do_bench, L2 cleared before each
 repetition, quantiles 0.5 / 0.2 / 0.8). That is a per-kernel timing of the peer measured on the
 device, which the layer-level peer rows cannot give. This program reads such a cache (a folder or
-the .tgz the session harness brings back), names each GEMM by moeblaze's step names (up-proj,
-down-proj, dH, dW2, dX~, dW1) by matching its shapes to a named config, and prints per GEMM the
+a .tgz such as bench/cache/sonicmoe-autotune.tgz), names each GEMM by moeblaze's step names
+(up-proj, down-proj, dH, dW2, dX~, dW1) by matching its shapes to a named config, and prints per GEMM the
 best config, its median ms and TFLOP/s, and, given moeblaze's `layer-step` rows (`moeblaze bench
 layer --breakdown --json`), moeblaze's ms for the same step and the ratio.
 
-  python3 bench/quack_kernels.py .sonic/quack-cache.tgz --ours bench/results/layer-....jsonl
+  python3 bench/quack_kernels.py bench/cache/sonicmoe-autotune.tgz \
+      --ours bench/results/layer-breakdown-2026-12-04-bdfbe09.jsonl
   python3 bench/quack_kernels.py CACHE --json out.jsonl --md out.md --all-configs
 """
 import argparse

@@ -37,8 +37,8 @@
 #                      and .device/third_party.tar.xz, building on the device), torch, and
 #                      the C++ path, same inputs → OUT/peers.jsonl, peers.md; PEERS_ARGS adds flags.
 #                      SonicMoE's autotune results (its first call at a shape otherwise searches
-#                      for minutes) are restored from bench/results/sonicmoe-autotune-h200.tgz and
-#                      written back, with this run's additions, to OUT/sonicmoe-autotune-h200.tgz
+#                      for minutes) are restored from bench/cache/sonicmoe-autotune.tgz and
+#                      written back, with this run's additions, to OUT/sonicmoe-autotune.tgz
 #                      (commit that file over the old one; PEERS_TIMEOUT=S stops peers.py after S
 #                      seconds so the file is still written when autotuning outlasts the call).
 #       sanitize       compute-sanitizer (not in `all`: ~5 min): --tool memcheck over the small-shape
@@ -454,8 +454,8 @@ if want peers && install_python; then
     export QUACK_CACHE_DIR=/tmp/quack-cache QUACK_CACHE_AUTOTUNING=1
     export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}
     mkdir -p "$QUACK_CACHE_DIR"
-    [ -f bench/results/sonicmoe-autotune-h200.tgz ] &&
-      tar xzf bench/results/sonicmoe-autotune-h200.tgz -C "$QUACK_CACHE_DIR"
+    [ -f bench/cache/sonicmoe-autotune.tgz ] &&
+      tar xzf bench/cache/sonicmoe-autotune.tgz -C "$QUACK_CACHE_DIR"
   fi
   cli="$BUILD/moeblaze"
   # shellcheck disable=SC2086
@@ -471,8 +471,8 @@ if want peers && install_python; then
   fi
   if [ -n "${QUACK_CACHE_DIR:-}" ]; then
     (cd "$QUACK_CACHE_DIR" && find . -name '*.autotune.json' -print0 |
-       tar czf "$OUT/sonicmoe-autotune-h200.tgz" --null -T -) 2>/dev/null &&
-      summary+=("sonicmoe autotune results: $(tar tzf "$OUT/sonicmoe-autotune-h200.tgz" | grep -c json) in sonicmoe-autotune-h200.tgz")
+       tar czf "$OUT/sonicmoe-autotune.tgz" --null -T -) 2>/dev/null &&
+      summary+=("sonicmoe autotune results: $(tar tzf "$OUT/sonicmoe-autotune.tgz" | grep -c json) in sonicmoe-autotune.tgz")
   fi
 fi
 
@@ -595,7 +595,7 @@ if [ -n "${PACK:-}" ]; then
   printf '%s\n' "${summary[@]}" >"$OUT/summary.txt"
   (cd "$OUT" && tar czf /tmp/gpu_check_pack.tgz --exclude='*.tgz' . && mv /tmp/gpu_check_pack.tgz gpu_check.tgz &&
      find . -maxdepth 1 -type f ! -name gpu_check.tgz ! -name summary.txt ! -name '*.md' ! -name '*.png' \
-       ! -name sonicmoe-autotune-h200.tgz -delete)
+       ! -name sonicmoe-autotune.tgz -delete)
 fi
 
 exit $status

@@ -1,6 +1,6 @@
-"""bench/step_kernels.py's CPU-side logic: its rules name the kernels of a profiled step (names as
-bench/results/profile-fp8-step-2026-12-05-60548b9.txt and the gaps files show them) by family,
-the first matching rule wins, the per-step sums and per-launch lists add up, the table marks an
+"""bench/step_kernels.py's CPU-side logic: its rules name the kernels of a profiled step (the names a
+profile records, as in the "kernels" of bench/results/step-kernels-2026-12-05-5d8a446-h100.json)
+by family, the first matching rule wins, the per-step sums and per-launch lists add up, the table marks an
 absent kernel and a failed impl, and --help runs without a GPU."""
 import os
 import subprocess
