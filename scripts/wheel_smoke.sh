@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI smoke test of the wheel: builds it CPU-only with PyPA build, checks its tag is
+# CI smoke test of the wheel (issue 18): builds it CPU-only with PyPA build, checks its tag is
 # py3-none-manylinux_*, installs it into a fresh venv (torch from PyPI first) and runs a MoE
 # forward+backward against moeblaze.TorchMoE, plus the README's PyTorch example when that is
 # self-contained (imports moeblaze). Run by scripts/test.sh after the pytest suite.

@@ -542,7 +542,7 @@ void add_bench_layer_command(CLI::App& bench) {
   auto flags = std::make_shared<BenchFlags>();
   CLI::App* sub = bench.add_subcommand(
       "layer", "MoE layer forward/backward on the GPU: moeblaze, recompute, materialized and "
-               "dense-bound, by the benchmark protocol of docs/DESIGN.md");
+               "dense-bound, by DESIGN's protocol");
   sub->add_option("--config", flags->config, "a named config, a comma list, or 'all'")
       ->capture_default_str();
   sub->add_option("--impl", flags->impl, "comma list of implementations")->capture_default_str();

@@ -535,7 +535,7 @@ ImplResult run_impl(const RunSetup& s, const Impl& impl, const Inputs& in,
 // 0.1 bounds them with margin (kFp8Tol of tests/cpu/test_layer_fp8.cpp, which says why) and stays
 // far below a broken path (a wrong scale or a missed operand is O(1)). Not for relu: e4m3 operands
 // flip the sign of H entries near zero and relu's step derivative turns each flip into a whole
-// dH error (dx, dw1 0.16 at cpu-default; docs/notes/fp8.md).
+// dH error (dx, dw1 0.16 at cpu-default; docs/experiments/2026-12-01-fp8-cpu-layer.md).
 double check_tolerance(const Impl& impl, DType dtype) {
   if (is_fp8(impl.compute)) return 0.1;
   return dtype == DType::bf16 ? 2e-2 : 1e-4;

@@ -34,9 +34,8 @@ const NamedConfig& require_config(const std::string& name);
 // naming it for a dimension below 1 or K > E.
 const NamedConfig* shape_config(const std::string& name);
 
-// The configs a --config flag names: "all" (every named config, in docs/DESIGN.md's order) or a
-// comma list of names and shapes by name (InvalidArgument listing the valid names for an unknown
-// one).
+// The configs a --config flag names: "all" (every named config, in DESIGN's order) or a comma list
+// of names and shapes by name (InvalidArgument listing the valid names for an unknown one).
 std::vector<const NamedConfig*> select_configs(const std::string& spec);
 
 // "mb-conf1, mb-conf3, ..., cpu-default"
