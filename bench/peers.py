@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""The side-by-side MoE layer benchmark (docs/DESIGN.md's "peers" rows): moeblaze through PyTorch, the
-public peers (SonicMoE, ScatterMoE) and the torch `_grouped_mm` reference, every one handed the
-same bf16 inputs, weights and top-K routing, forward + backward of the expert layer; `torch-fp8`
-is that reference on `torch._scaled_grouped_mm` with row-wise FP8 scales (the FP8 baseline,
+"""The side-by-side MoE layer benchmark (docs/DESIGN.md's "peers" rows): moeblaze through PyTorch,
+the public peers (SonicMoE, ScatterMoE) and the torch `_grouped_mm` reference, every one handed the
+same bf16 inputs, weights and top-K routing, forward + backward of the expert layer; `torch-fp8` is
+that reference on `torch._scaled_grouped_mm` with row-wise FP8 scales (the FP8 baseline,
 bench/torch_fp8_reference.py).
 
 Rows (JSON lines, `bench: "peers"`, the layer-row fields of docs/DESIGN.md):
@@ -31,20 +31,20 @@ temperature drift fall on all alike) their time against moeblaze-torch's is what
 path itself costs.
 
 Peers are optional imports: one that is missing or fails is reported as skipped, never an error.
-SonicMoE: the PyPI package `sonic-moe` (on a machine without network, install it from wheels
-brought along); its first call at a new shape compiles and autotunes its GEMMs for minutes
-(docs/notes/sonicmoe-and-quack.md). With QUACK_CACHE_AUTOTUNING=1 and QUACK_CACHE_DIR set, QuACK keeps the compiled
-kernels and each search's timings there: carry that folder between machines to skip the search,
-and read its GEMMs one by one with bench/quack_kernels.py.
+SonicMoE: the PyPI package `sonic-moe` (on a machine without network, install it from wheels brought
+along); its first call at a new shape compiles and autotunes its GEMMs for minutes
+(docs/notes/sonicmoe-and-quack.md). With QUACK_CACHE_AUTOTUNING=1 and QUACK_CACHE_DIR set, QuACK
+keeps the compiled kernels and each search's timings there: carry that folder between machines to
+skip the search, and read its GEMMs one by one with bench/quack_kernels.py.
 
   python3 bench/peers.py --config sm-7B-n256,olmoe [--impl ...] [--cli build/moeblaze]
                          [--out rows.jsonl] [--md table.md] [--profile FILE]
   python3 bench/peers.py --config sm-default --memory-timeline FILE.png   # bytes live over a step
   python3 bench/peers.py --config sm-default,dsv2-d5120 --max-tokens      # largest T per impl
 
---max-tokens writes docs/DESIGN.md's `bench: "max-tokens"` rows: the largest T (a multiple of 1024, found
-by doubling then bisecting to within 1/16) whose inputs, weights and one forward+backward fit on
-the GPU. --fits-at T1,T2,... instead probes those T only (`bench: "fits"` rows with fits true or
+--max-tokens writes docs/DESIGN.md's `bench: "max-tokens"` rows: the largest T (a multiple of 1024,
+found by doubling then bisecting to within 1/16) whose inputs, weights and one forward+backward fit
+on the GPU. --fits-at T1,T2,... instead probes those T only (`bench: "fits"` rows with fits true or
 false): a bracket for a peer whose every new T costs a search of its own (SonicMoE autotunes).
 With --peer-gemms default, SonicMoE's GEMMs take QuACK's default tile config instead of its
 autotuner's (what `quack.gemm(..., tuned=False)` runs): a probe then costs seconds, not a search
@@ -221,8 +221,9 @@ def impl_moeblaze_capi(inp, recompute):
 def impl_moeblaze_torch_routed(inp, rounding):
     """moeblaze's router (softmax top-K of inp.logits, as Inputs draws the routing), then, with
     `rounding` ("nr-f" ...), token rounding to multiples of 128 rows per expert, then the experts
-    through PyTorch: the two routings' steps side by side (what token rounding saves in a whole step). Their
-    routing is their own (the rounded one differs), so no error against inp's routing."""
+    through PyTorch: the two routings' steps side by side (what token rounding saves in a whole
+    step). Their routing is their own (the rounded one differs), so no error against inp's
+    routing."""
     try:
         import moeblaze
         from moeblaze import _lib, ops

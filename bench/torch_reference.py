@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""The `torch` baseline of docs/DESIGN.md's layer benchmark: an MoE layer the way a PyTorch user writes it
-today — sort the (token, expert) pairs by expert, gather X into an (S, d) copy, two
+"""The `torch` baseline of docs/DESIGN.md's layer benchmark: an MoE layer the way a PyTorch user
+writes it today — sort the (token, expert) pairs by expert, gather X into an (S, d) copy, two
 `torch._grouped_mm` calls with SwiGLU between them, router weights applied to the expert outputs,
 scatter-add back to tokens — forward and backward through autograd.
 
-Prints one JSON line per config with docs/DESIGN.md's layer-row fields (bench, config, impl="torch", T, d,
-n, E, K, activation, routing, fwd_ms, bwd_ms, total_ms, fwd_tflops, bwd_tflops, total_tflops,
+Prints one JSON line per config with docs/DESIGN.md's layer-row fields (bench, config, impl="torch",
+T, d, n, E, K, activation, routing, fwd_ms, bwd_ms, total_ms, fwd_tflops, bwd_tflops, total_tflops,
 kept_bytes, peak_bytes, max_rel_err, gpu, commit, date) and a Markdown table on stderr.
 
   kept_bytes  : bytes of the tensors autograd saved for backward (saved_tensors_hooks), counting
