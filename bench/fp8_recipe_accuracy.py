@@ -1,5 +1,5 @@
 """Per-tensor error of FP8 recipes for the MoE layer against float64, in torch: which GEMMs get
-e4m3 operands decides issue 20's design (docs/FP8.md). Prints a table.
+e4m3 operands decides the FP8 recipe (docs/FP8.md). Prints a table.
 
 Variants (all with bf16 inputs and weights, fp32 math on the dequantized operands):
   bf16       no quantization (the storage path's operands)
@@ -17,7 +17,7 @@ what trains: compute_dtype None ("library bf16", the storage path), "fp8" and "f
 moe_experts on the GPU, at a shape the GPU FP8 path takes (d and n multiples of 128; default
 4096,1024,1024,32,4, seconds on an H200), each against a float64 reference computed on the GPU one
 expert at a time (moeblaze.reference.torch_experts: dense_reference's memory grows with T*K*d*n),
-then each fp8 recipe's error over the library bf16 path's (issue 20 asks <= 4x, which no e4m3
+then each fp8 recipe's error over the library bf16 path's (the target was <= 4x, which no e4m3
 recipe meets: docs/FP8.md). The emulated variants run there too, on the GPU in fp32 (no TF32),
 unless --no-emulation. A variant that raises is printed as an error row and makes the exit status 1.
 
@@ -222,7 +222,7 @@ def markdown(results, args, shape, device):
             L.append(f"| {act} | {v} | " + " | ".join(cells) + " |")
     rat = {act: ratios(w) for act, w in results.items()}
     if any(rat.values()):
-        L += ["", "Each fp8 recipe's error over the library bf16 path's (issue 20's target: "
+        L += ["", "Each fp8 recipe's error over the library bf16 path's (the target: "
               "<= 4x; docs/FP8.md says why no e4m3 recipe meets it):", "",
               "| activation | recipe | " + " | ".join(TENSORS) + " |",
               "|---|---|" + "---:|" * len(TENSORS)]

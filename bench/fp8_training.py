@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The tiny MoE LM (examples/train_tiny_moe.py) trained with the experts in bf16, fp8 and
-fp8-wgrad, same init and batches, one run after the other in this process: issue 20's loss
+fp8-wgrad, same init and batches, one run after the other in this process: the FP8 recipe's loss
 criterion ("the tiny LM's loss after the example's default steps within 1 % of the bf16 run's,
 curves plotted together"), checked in one command because loss, not per-tensor error, is what
 says whether an FP8 recipe trains.
@@ -35,10 +35,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import train_tiny_moe as tt  # noqa: E402
-from prove_training import moving_avg  # noqa: E402  (the 20-step mean of issue 6's criterion)
+from prove_training import moving_avg  # noqa: E402  (the 20-step mean of the training proofs)
 
 COMPUTES = ("bf16", "fp8", "fp8-wgrad")
-TOLERANCE = 0.01  # issue 20: final val loss within 1 % of the bf16 run's
+TOLERANCE = 0.01  # the FP8 recipe's loss criterion: final val loss within 1 % of the bf16 run's
 
 
 def log(msg):
@@ -148,7 +148,7 @@ def table(res):
                  f"({'within' if within else 'NOT within'} {TOLERANCE * 100:g} %).")
     if "bf16" not in ok_runs:
         L.append("No bf16 run finished: nothing to compare the fp8 recipes with.")
-    L += ["", f"Issue 20's loss criterion (each fp8 recipe's final val loss within "
+    L += ["", f"The FP8 recipe's loss criterion (each fp8 recipe's final val loss within "
           f"{TOLERANCE * 100:g} % of bf16's): **{'PASS' if res['pass'] else 'FAIL'}**" +
           ("" if res["pass"] else " (" + "; ".join(res["failures"]) + ")") + ".",
           f"Total wall time {res['wall_s']:.0f} s."]

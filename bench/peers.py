@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""The side-by-side MoE layer benchmark (DESIGN's "peer rows"): moeblaze through PyTorch, the
-public peers (SonicMoE, ScatterMoE) and the torch `_grouped_mm` reference, every one handed the
-same bf16 inputs, weights and top-K routing, forward + backward of the expert layer; `torch-fp8`
-is that reference on `torch._scaled_grouped_mm` with row-wise FP8 scales (issue 20's baseline,
+"""The side-by-side MoE layer benchmark (docs/DESIGN.md's "peers" rows): moeblaze through PyTorch,
+the public peers (SonicMoE, ScatterMoE) and the torch `_grouped_mm` reference, every one handed the
+same bf16 inputs, weights and top-K routing, forward + backward of the expert layer; `torch-fp8` is
+that reference on `torch._scaled_grouped_mm` with row-wise FP8 scales (the FP8 baseline,
 bench/torch_fp8_reference.py).
 
-Rows (JSON lines, `bench: "peers"`, the layer-row fields of DESIGN):
+Rows (JSON lines, `bench: "peers"`, the layer-row fields of docs/DESIGN.md):
   fwd_ms / bwd_ms / total_ms  CUDA events around the call, L2 flushed before each repetition,
                               median of --reps after --warmup; bwd = median(total) - median(fwd)
   peak_bytes                  torch.cuda.max_memory_allocated over one forward+backward minus what
@@ -19,7 +19,7 @@ Rows (JSON lines, `bench: "peers"`, the layer-row fields of DESIGN):
 shape; its plan is built before the timing) when --cli names the binary.
 `moeblaze-torch-python` is moe_experts with its C++ fast path turned off (the Python path's
 host work: the same C calls). `moeblaze-torch-fp8` / `moeblaze-torch-fp8-cached`: compute_dtype
-"fp8" (issue 20), the weights quantized in every call / kept in an Fp8WeightCache (their error
+"fp8" (docs/FP8.md), the weights quantized in every call / kept in an Fp8WeightCache (their error
 column is FP8's, ~20x bf16's); `moeblaze-torch-fp8-wgrad-cached`: "fp8-wgrad", cached.
 `moeblaze-torch-routed` / `moeblaze-torch-nrf` route from the logits with moeblaze's router (and
 NR-f token rounding to 128-row tiles) before the experts: the top-K and rounded steps, router
@@ -31,20 +31,20 @@ temperature drift fall on all alike) their time against moeblaze-torch's is what
 path itself costs.
 
 Peers are optional imports: one that is missing or fails is reported as skipped, never an error.
-SonicMoE: `../shared/peers/sonicmoe-carry.sh` packs it for a machine without network; its first
-call at a new shape compiles and autotunes its GEMMs for minutes (times in the 2026-12-02
-experiment note). With QUACK_CACHE_AUTOTUNING=1 and QUACK_CACHE_DIR set, QuACK keeps the compiled
-kernels and each search's timings there: carry that folder between machines to skip the search,
-and read its GEMMs one by one with bench/quack_kernels.py.
+SonicMoE: the PyPI package `sonic-moe` (on a machine without network, install it from wheels brought
+along); its first call at a new shape compiles and autotunes its GEMMs for minutes
+(docs/notes/sonicmoe-and-quack.md). With QUACK_CACHE_AUTOTUNING=1 and QUACK_CACHE_DIR set, QuACK
+keeps the compiled kernels and each search's timings there: carry that folder between machines to
+skip the search, and read its GEMMs one by one with bench/quack_kernels.py.
 
   python3 bench/peers.py --config sm-7B-n256,olmoe [--impl ...] [--cli build/moeblaze]
                          [--out rows.jsonl] [--md table.md] [--profile FILE]
   python3 bench/peers.py --config sm-default --memory-timeline FILE.png   # bytes live over a step
   python3 bench/peers.py --config sm-default,dsv2-d5120 --max-tokens      # largest T per impl
 
---max-tokens writes DESIGN's `bench: "max-tokens"` rows: the largest T (a multiple of 1024, found
-by doubling then bisecting to within 1/16) whose inputs, weights and one forward+backward fit on
-the GPU. --fits-at T1,T2,... instead probes those T only (`bench: "fits"` rows with fits true or
+--max-tokens writes docs/DESIGN.md's `bench: "max-tokens"` rows: the largest T (a multiple of 1024,
+found by doubling then bisecting to within 1/16) whose inputs, weights and one forward+backward fit
+on the GPU. --fits-at T1,T2,... instead probes those T only (`bench: "fits"` rows with fits true or
 false): a bracket for a peer whose every new T costs a search of its own (SonicMoE autotunes).
 With --peer-gemms default, SonicMoE's GEMMs take QuACK's default tile config instead of its
 autotuner's (what `quack.gemm(..., tuned=False)` runs): a probe then costs seconds, not a search
@@ -221,8 +221,9 @@ def impl_moeblaze_capi(inp, recompute):
 def impl_moeblaze_torch_routed(inp, rounding):
     """moeblaze's router (softmax top-K of inp.logits, as Inputs draws the routing), then, with
     `rounding` ("nr-f" ...), token rounding to multiples of 128 rows per expert, then the experts
-    through PyTorch: the two routings' steps side by side (issue 16's rounded-step target). Their
-    routing is their own (the rounded one differs), so no error against inp's routing."""
+    through PyTorch: the two routings' steps side by side (what token rounding saves in a whole
+    step). Their routing is their own (the rounded one differs), so no error against inp's
+    routing."""
     try:
         import moeblaze
         from moeblaze import _lib, ops
@@ -284,7 +285,7 @@ def impl_sonicmoe(inp):
     except Exception as err:  # ImportError, or a CuTe-DSL / torch version mismatch
         raise Skip(f"sonicmoe is not importable ({type(err).__name__}: {err})")
     T, K, E = inp.T, inp.K, inp.E
-    # Its layouts (sonicmoe-carry.sh): w1 (2n, d, E) gate rows first, w2 (d, n, E); pairs in
+    # Its layouts (SonicMoE's own): w1 (2n, d, E) gate rows first, w2 (d, n, E); pairs in
     # token order with their token index.
     token_indices = torch.arange(T, device=inp.x.device, dtype=torch.int32).repeat_interleave(K)
     expert_indices = inp.ids.reshape(-1).to(torch.int32)
@@ -309,7 +310,7 @@ def impl_torch(inp):
 
 
 def impl_torch_fp8(inp):
-    """Issue 20's baseline: the torch layer on torch._scaled_grouped_mm, row-wise FP8 scales."""
+    """The FP8 baseline: the torch layer on torch._scaled_grouped_mm, row-wise FP8 scales."""
     if not hasattr(torch, "_scaled_grouped_mm"):
         raise Skip(f"torch {torch.__version__} has no _scaled_grouped_mm")
     if torch.cuda.get_device_capability(inp.x.device) != (9, 0):

@@ -1,4 +1,4 @@
-"""Host time per call of moeblaze's Python boundary (issue 18 item 5), on the CPU at a tiny shape,
+"""Host time per call of moeblaze's Python boundary, on the CPU at a tiny shape,
 or on the GPU (--device cuda, bf16) at a layer's d, n, E, K with few tokens, so that the GPU keeps
 up and the time is the host's: there "real" minus "stubbed" is the library's own host time.
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where the GPU time of one forward + backward step of the expert layer goes, kernel family by
 kernel family, for several implementations side by side at the same inputs: which kernel limits
-the FP8 step against the bf16 step (issue 20, docs/FP8.md). Prints Markdown tables.
+the FP8 step against the bf16 step (docs/FP8.md). Prints Markdown tables.
 
 Per config the inputs are built once, as bench/peers.py builds them (its Inputs, the same seed:
 the peer table's inputs), and every implementation is one of peers' (its IMPLS). Per implementation:

@@ -1,6 +1,6 @@
 """How much of the tiny LM's training step (examples/train_tiny_moe.py, its CUDA preset) is the
-MoE layer's, so how much faster any MoE implementation could make the step (issue 16's "≥ 1.3×
-torch's step"):
+MoE layer's, so how much faster any MoE implementation could make the step (the target was
+"≥ 1.3× torch's step"):
 
     python3 bench/tiny_lm_share.py [--rounds 5] [--steps 20] [--json OUT.json] [-- EXAMPLE FLAGS]
 

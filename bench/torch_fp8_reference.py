@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 20's torch FP8 reference: bench/torch_reference.py's MoE layer with every grouped GEMM on
+"""The torch FP8 reference: bench/torch_reference.py's MoE layer with every grouped GEMM on
 `torch._scaled_grouped_mm` and row-wise e4m3 scales, the recipe torchao's MoE training uses on
 Hopper (written here from its description; torchao is not a dependency):
 

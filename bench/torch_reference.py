@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""The `torch` baseline of DESIGN's layer benchmark: an MoE layer the way a PyTorch user writes it
-today — sort the (token, expert) pairs by expert, gather X into an (S, d) copy, two
+"""The `torch` baseline of docs/DESIGN.md's layer benchmark: an MoE layer the way a PyTorch user
+writes it today — sort the (token, expert) pairs by expert, gather X into an (S, d) copy, two
 `torch._grouped_mm` calls with SwiGLU between them, router weights applied to the expert outputs,
 scatter-add back to tokens — forward and backward through autograd.
 
-Prints one JSON line per config with DESIGN's layer-row fields (bench, config, impl="torch", T, d,
-n, E, K, activation, routing, fwd_ms, bwd_ms, total_ms, fwd_tflops, bwd_tflops, total_tflops,
+Prints one JSON line per config with docs/DESIGN.md's layer-row fields (bench, config, impl="torch",
+T, d, n, E, K, activation, routing, fwd_ms, bwd_ms, total_ms, fwd_tflops, bwd_tflops, total_tflops,
 kept_bytes, peak_bytes, max_rel_err, gpu, commit, date) and a Markdown table on stderr.
 
   kept_bytes  : bytes of the tensors autograd saved for backward (saved_tensors_hooks), counting
@@ -35,7 +35,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-# DESIGN's named configs (T, d, n, E, K).
+# docs/DESIGN.md's named configs (T, d, n, E, K).
 CONFIGS = {
     "mb-conf1": (65536, 512, 2048, 4, 1),
     "mb-conf3": (65536, 1024, 4096, 16, 4),
@@ -50,7 +50,7 @@ CONFIGS = {
     "cpu-default": (2048, 256, 512, 16, 4),
 }
 
-# Shapes off the named configs (issue 15's wide and fine-grained families; DeepSeek-V2's layer).
+# Shapes off the named configs (a wide and a fine-grained family; DeepSeek-V2's layer).
 EXTRA_SHAPES = {
     "wide-d7168-E256": (16384, 7168, 2048, 256, 8),
     "fine-n320-E512": (16384, 2048, 320, 512, 10),
@@ -171,7 +171,7 @@ def run_config(name, reps, seed, dev, flush):
     w2 = (torch.randn(E, d, n, device=dev, generator=gen) / math.sqrt(n)).to(torch.bfloat16).requires_grad_()
     logits = torch.randn(T, E, device=dev, generator=gen)
     probs = torch.softmax(logits, dim=-1)
-    topk_w, topk_ids = torch.topk(probs, K, dim=-1)  # ties to the lower id, as DESIGN's router
+    topk_w, topk_ids = torch.topk(probs, K, dim=-1)  # ties to the lower id, as moeblaze's router
     topk_w = topk_w.detach().requires_grad_()
     dout = torch.randn(T, d, device=dev, generator=gen).to(torch.bfloat16)
     inputs = [x, w1, w2, topk_w]
@@ -258,7 +258,7 @@ def main():
     ap.add_argument("--out", default="", help="append JSON lines here too")
     args = ap.parse_args()
     if args.reps < 20:
-        ap.error("--reps must be >= 20 (DESIGN's protocol)")
+        ap.error("--reps must be >= 20 (the benchmark protocol)")
     if not torch.cuda.is_available():
         print("torch_reference: skipped: no GPU", file=sys.stderr)
         return 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The training proofs of issue 6, run end to end on one GPU (about 3-4 minutes on an H200):
+"""The training proofs, run end to end on one GPU (about 3-4 minutes on an H200):
 
  (a) the tiny MoE LM (4 layers, d=512, E=32, K=4, n=256) trained --steps steps with moeblaze and
      with the pure-PyTorch MoE, same init and batches: the loss curves must agree within bf16

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A/B of two builds on one GPU in one lease, alternating rounds (the machines drift; compare the
-# ratio of neighbouring runs, not two runs minutes apart):
+# A/B of two builds on one GPU, alternating rounds (clocks drift; compare the ratio of
+# neighbouring runs, not two runs minutes apart):
 #   A = BASE, a git revision of this checkout's .git, built into BASE_DIR (default /tmp/ba);
 #   B = the working tree, built into BUILD_DIR (default /tmp/bg; gpu_check.sh may have built it).
 #
@@ -9,8 +9,8 @@
 #     with MOEBLAZE_COMMIT = A_LABEL (default: BASE's short sha) or B_LABEL (default: tree), so
 #     each JSON row names its build. The console output of every run goes to OUT/ab.log.
 #
-# On the device tool's machine pass B_LABEL=<the tree's sha> (its .git keeps the session's first
-# HEAD, so `git rev-parse` there names the wrong commit).
+# Where the tree was copied with a .git that is not its own, pass B_LABEL=<the tree's sha>
+# (`git rev-parse` there names the wrong commit).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: scripts/ab_builds.sh OUT BASE ROUNDS -- ARGS...}

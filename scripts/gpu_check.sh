@@ -30,11 +30,11 @@
 #                      the machine's Python lacks it (pip download pytest -d DIR/wheels).
 #                      PYTHON_ALLOW_CPU=1 accepts a CPU-only library (to try the part without a GPU).
 #       peers          bench/peers.py: moeblaze through PyTorch, SonicMoE (SONICMOE_CARRY, or
-#                      SONICMOE_SITE=/tmp/sonicmoe-site where an earlier call on the same warm
-#                      machine ran `source .sonic/install.sh`: SonicMoE's 54 MiB and the tree
-#                      with a prebuilt library no longer fit one 64 MiB carry; with its
-#                      cutlass_dsl.tar.xz recompressed by `xz -9e` (52 MB) it fits beside the tree
-#                      and .device/third_party.tar.xz, building on the device), torch, and
+#                      SONICMOE_SITE=/tmp/sonicmoe-site where an earlier run on the same
+#                      machine ran `source .sonic/install.sh`, so SonicMoE's 54 MiB need not be
+#                      copied again with the tree; recompressing its cutlass_dsl.tar.xz with
+#                      `xz -9e` (52 MB) keeps that copy small beside the tree and
+#                      .device/third_party.tar.xz, building on the GPU machine), torch, and
 #                      the C++ path, same inputs → OUT/peers.jsonl, peers.md; PEERS_ARGS adds flags.
 #                      SonicMoE's autotune results (its first call at a shape otherwise searches
 #                      for minutes) are restored from bench/cache/sonicmoe-autotune.tgz and
@@ -51,8 +51,8 @@
 #   scripts/gpu_check.sh --pack-deps
 #     copies GoogleTest and CLI11 (headers, static libs) from this machine into
 #     third_party/gpudeps, for a GPU machine that has a CUDA toolkit but no such packages; the
-#     check uses them when the machine lacks its own. Carry third_party/ to the GPU machine, or
-#     (the device tool's 64 MiB carry limit, with SonicMoE's 58 MB beside it) the 0.9 MB
+#     check uses them when the machine lacks its own. Copy third_party/ to the GPU machine, or
+#     (where the copy must stay small, beside SonicMoE's 58 MB) the 0.9 MB
 #     .device/third_party.tar.xz this also writes (CUTLASS's headers only): the check unpacks it
 #     where third_party/ is missing.
 #
@@ -63,7 +63,7 @@
 # autotune file in OUT),
 # ROUTING_BENCH_ARGS (extra flags for bench routing, e.g. "--quick"),
 # MOEBLAZE_COMMIT (commit recorded in result rows; set it when the tree was copied with a .git
-# that is not the tree's own — the device tool's copy keeps the session's first HEAD — else
+# that is not the tree's own — a copy that kept an older HEAD — else
 # `git describe --dirty` marks such a tree "<stale HEAD>-dirty"), BUILD_DIR
 # (default build-gpu), JOBS (default nproc), PREBUILT=1 (use the binaries already in BUILD_DIR,
 # e.g. built on a CPU machine with nvcc and carried over: skips configure and build, and runs
@@ -438,7 +438,7 @@ if want python && install_python; then
 fi
 
 # ---- peers: bench/peers.py, moeblaze through PyTorch side by side with SonicMoE (when
-# SONICMOE_CARRY names the folder ../shared/peers/sonicmoe-carry.sh packed), ScatterMoE and
+# SONICMOE_CARRY names a folder with SonicMoE's wheels and its install.sh), ScatterMoE and
 # torch, plus the C++ path's rows; PEERS_ARGS adds flags (e.g. "--config olmoe --profile DIR") ----
 if want peers && install_python; then
   t0=$(date +%s)
@@ -446,7 +446,7 @@ if want peers && install_python; then
     if [ -n "${SONICMOE_CARRY:-}" ]; then
       # shellcheck disable=SC1091
       source "$SONICMOE_CARRY/install.sh" >>"$OUT/peers.log" 2>&1 || echo "gpu_check: SonicMoE install failed" >>"$OUT/peers.log"
-    else  # installed by an earlier call on this machine (install.sh's folder): no carry needed
+    else  # installed by an earlier run on this machine (install.sh's folder): nothing to copy
       [ -d "$SONICMOE_SITE/sonicmoe" ] || echo "gpu_check: no SonicMoE in $SONICMOE_SITE" >>"$OUT/peers.log"
       export PYTHONPATH="$SONICMOE_SITE:$SONICMOE_SITE/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}"
     fi
@@ -460,7 +460,7 @@ if want peers && install_python; then
   cli="$BUILD/moeblaze"
   # shellcheck disable=SC2086
   # PEERS_TIMEOUT (seconds, default none): stop peers.py in time for the autotune results below
-  # to be packed even when SonicMoE's first call at a shape outlasts the device call.
+  # to be packed even when SonicMoE's first call at a shape outlasts the run's time limit.
   if PYTHONUNBUFFERED=1 timeout "${PEERS_TIMEOUT:-0}" python3 bench/peers.py --cli "$cli" \
       --out "$OUT/peers.jsonl" --md "$OUT/peers.md" ${PEERS_ARGS:-} >>"$OUT/peers.log" 2>&1; then
     summary+=("bench peers: $(grep -c '"bench": "peers"' "$OUT/peers.jsonl") rows [$(( $(date +%s) - t0 )) s]")
@@ -588,8 +588,8 @@ fi
 if want peers && [ -s "$OUT/peers.md" ]; then
   cat "$OUT/peers.md"
 fi
-# ---- PACK=1: everything in OUT into one archive beside the summary and the Markdown tables (a
-# machine that hands back only a few files, such as the project's device tool); SonicMoE's
+# ---- PACK=1: everything in OUT into one archive beside the summary and the Markdown tables (for
+# a GPU machine from which only a few files can be copied back); SonicMoE's
 # autotune file stays beside them, whole (it is committed as it is) ----
 if [ -n "${PACK:-}" ]; then
   printf '%s\n' "${summary[@]}" >"$OUT/summary.txt"

@@ -18,11 +18,11 @@
 //    E % W != 0 is skipped with the reason (every rank holds an equal block of experts).
 //
 // How it is timed: host wall clock (steady_clock) around each call after its stream is
-// synchronised; the EP calls block until their data has moved, so wall time is what a step
-// costs. Before every repetition each GPU's L2 is flushed (a 256 MiB write, DESIGN's protocol) and
-// the rank threads meet at a barrier, so repetitions start together; the time of a repetition is
-// the max over ranks (the step is over when the slowest rank is). --warmup repetitions first (the
-// first also pays NCCL's lazy connection setup), then the median of --reps repetitions.
+// synchronised; the EP calls block until their data has moved, so wall time is what a step costs.
+// Before every repetition each GPU's L2 is flushed (a 256 MiB write, as the protocol asks) and the
+// rank threads meet at a barrier, so repetitions start together; the time of a repetition is the
+// max over ranks (the step is over when the slowest rank is). --warmup repetitions first (the first
+// also pays NCCL's lazy connection setup), then the median of --reps repetitions.
 //
 // Exchange share: EpTimings of both calls, exchange_s / total_s, mean over ranks. It is host wall
 // time inside the blocking collectives, so waiting for a slower peer counts as exchange: load
@@ -130,7 +130,7 @@ double seconds_since(Clock::time_point t0) {
 Plan parse_flags(const Flags& f) {
   Plan p;
   MOEBLAZE_REQUIRE(f.reps >= 20, "--reps (", f.reps,
-                   ") must be >= 20 (DESIGN's protocol: median of >= 20 runs)");
+                   ") must be >= 20 (the benchmark protocol: median of >= 20 runs)");
   MOEBLAZE_REQUIRE(f.warmup >= 1, "--warmup (", f.warmup, ") must be >= 1");
   MOEBLAZE_REQUIRE(f.mode == "keep_h" || f.mode == "recompute", "--mode '", f.mode,
                    "' is not one of: keep_h, recompute");

@@ -1,6 +1,7 @@
 // `moeblaze bench gemm`: the six grouped GEMMs of the CUDA pipeline (src/cuda/gemm/), each alone,
-// by DESIGN's protocol: CUDA events around one launch, warm-up first, median of --reps (>= 20)
-// repetitions, L2 flushed between repetitions (a 256 MiB write, more than 2x the H200's 60 MB L2).
+// by docs/DESIGN.md's protocol: CUDA events around one launch, warm-up first, median of
+// --reps (>= 20) repetitions, L2 flushed between repetitions (a 256 MiB write, more than 2x the
+// H200's 60 MB L2).
 // Inputs are random N(0, 1) bf16 (weights scaled by 1/sqrt(fan-in)), never zeros; the routing is
 // near balanced (each token picks K distinct experts uniformly). The GEMMs' other inputs (h, a,
 // dh, a′) are what the chain computed (--operands chain), or, with --operands random, refilled
@@ -14,8 +15,8 @@
 // (max_rel_err) so that no broken kernel is timed.
 //
 // FLOPs: up 2·S·w1_rows·d, down 2·S·d·n, dH 2·S·d·n, dW2 2·S·d·n, dX 2·S·w1_rows·d,
-// dW1 2·S·w1_rows·d (their sum is DESIGN's 6·S·n·d forward + 12·S·n·d backward for gated).
-// down-fp8 (issue 20; where d and n are multiples of 128): the down-projection on e4m3 operands
+// dW1 2·S·w1_rows·d (their sum is docs/DESIGN.md's 6·S·n·d forward + 12·S·n·d backward for gated).
+// down-fp8 (docs/FP8.md; where d and n are multiples of 128): the down-projection on e4m3 operands
 // with DeepSeek-V3's scales (cuda/gemm/fp8_grouped_gemm.hpp), its operands quantized once before
 // the timing (the layer will quantize A in the up-projection's epilogue and cache W2's codes);
 // its output is checked by the GPU tests, not here. dW2-fp8 / dW1-fp8 (compute fp8-wgrad): the
@@ -80,9 +81,9 @@ struct Flags {
   std::string md;   // write the table as Markdown here
 };
 
-// "gemm-big" is the GEMM issue's shape (S = 65536 slots, E = 16, d = 2048, n = 1024);
+// "gemm-big" is bench gemm's own shape (S = 65536 slots, E = 16, d = 2048, n = 1024);
 // "T<T>-d<d>-n<n>-E<E>-K<K>" any shape (the name `bench layer --shape` gives its rows); the others
-// are DESIGN's named configs.
+// are docs/DESIGN.md's named configs.
 Shape find_shape(const std::string& name) {
   if (name == "gemm-big") return {name, 16384, 2048, 1024, 16, 4};
   const NamedConfig* c = shape_config(name);

@@ -5,9 +5,9 @@
 // (cuda/layer/token_chunks.hpp), which follow from the same choice, and a third recompute's
 // backward in expert ranges (cuda/layer/expert_ranges.hpp) at the config's T and from which T on.
 // A fourth gives FP8 backward's memory plan (cuda::fp8_backward_plan). With --rounding, a fifth
-// table counts the rows each GEMM multiplies, its tiles' padding
-// included, under DESIGN's top-K routing and under token rounding of it: the GPU work rounding can
-// save, whatever else it costs.
+// table counts the rows each GEMM multiplies, its tiles' padding included, under the benchmark's
+// top-K routing and under token rounding of it: the GPU work rounding can save, whatever else it
+// costs.
 #include <CLI/CLI.hpp>
 
 #include <cmath>
@@ -181,7 +181,7 @@ void run_kernels(const KernelsFlags& f) {
                {"schedule", Align::left}, {"tile", Align::left}, {"stages"}, {"cluster"},
                {"order", Align::left}, {"rule", Align::left}});
   for (const NamedConfig* c : configs) {
-    const int64_t S = c->T * c->K;  // softmax top-K, DESIGN's benchmark routing
+    const int64_t S = c->T * c->K;  // softmax top-K, the benchmark routing
     const gg::LayerKernels k = gg::choose_kernels({S, c->E, c->d, c->n, act}, o);
     for (int i = 0; i < gg::LayerKernels::kCount; ++i) {
       const gg::GemmKernel& g = k.at(i);

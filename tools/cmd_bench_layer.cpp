@@ -1,8 +1,9 @@
 // `moeblaze bench layer`: forward and backward of the MoE layer on the GPU, per named config and
 // implementation (moeblaze, moeblaze-recompute, materialized, dense-bound; moeblaze-fp8 and
-// moeblaze-recompute-fp8 on request: the same layer with FP8 compute), by DESIGN's protocol:
-// CUDA events around the region, warm-up first, median of --reps (>= 20) repetitions, L2 flushed
-// between repetitions by writing a 256 MiB buffer, backward = median(fwd+bwd) - median(fwd).
+// moeblaze-recompute-fp8 on request: the same layer with FP8 compute), by docs/DESIGN.md's
+// protocol: CUDA events around the region, warm-up first, median of --reps (>= 20) repetitions,
+// L2 flushed between repetitions by writing a 256 MiB buffer,
+// backward = median(fwd+bwd) - median(fwd).
 // Rows carry kept-for-backward bytes (SavedForBackward::bytes() + RoutingPlan::bytes(), read off
 // the allocator's buffers), peak device bytes above the inputs (PeakScope over forward+backward)
 // and the max relative error against a float64 host reference on a random subsample of tokens
@@ -58,7 +59,7 @@ struct BenchFlags {
   bool json = false;
   bool no_aggregate = false;
   bool breakdown = false;
-  // Routing of the plan timed: "topk" (softmax top-K, DESIGN's benchmark routing) or a token
+  // Routing of the plan timed: "topk" (softmax top-K, the benchmark routing) or a token
   // rounding mode ("nr-f", "sr-f", "up", "down") applied to that top-K with tile m_tile.
   std::string routing = "topk";
   int m_tile = 128;
@@ -251,8 +252,8 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
   const cudaStream_t stream = nullptr;
   const int64_t R = c.w1_rows();
 
-  // Routing: DESIGN's (top-K, or a token rounding of it), on the host; the plan is copied to the
-  // device.
+  // Routing: the benchmark's (top-K, or a token rounding of it), on the host; the plan is copied to
+  // the device.
   const Routing routing = benchmark_routing(c, f.seed, f.routing, f.m_tile);
   RoutingPlan host_plan;
   build_routing_plan(routing.view(), PlanBuilder::atomic_free, host_plan);
@@ -456,7 +457,7 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
 
 void run_bench(const BenchFlags& f) {
   // Validate every flag before any work.
-  MOEBLAZE_REQUIRE(f.reps >= 20, "reps (", f.reps, ") must be >= 20 (DESIGN's protocol)");
+  MOEBLAZE_REQUIRE(f.reps >= 20, "reps (", f.reps, ") must be >= 20 (the benchmark protocol)");
   MOEBLAZE_REQUIRE(f.warmup >= 1, "warmup (", f.warmup, ") must be >= 1");
   MOEBLAZE_REQUIRE(f.sample_tokens >= 1, "sample-tokens (", f.sample_tokens, ") must be >= 1");
   MOEBLAZE_REQUIRE(f.m_tile >= 1, "m-tile (", f.m_tile, ") must be >= 1");

@@ -1,7 +1,7 @@
-// `moeblaze bench routing`: the routing-plan build (atomic-free vs the CUB radix-sort baseline)
-// and the router kernel on the GPU, by DESIGN's protocol: CUDA events around the region, warm-up
-// first, median of --reps (>= 20) repetitions, L2 flushed between repetitions (a 256 MiB write,
-// more than 2x the H200's 60 MB L2).
+// `moeblaze bench routing`: the routing-plan build (atomic-free vs the CUB radix-sort baseline) and
+// the router kernel on the GPU, by docs/DESIGN.md's protocol: CUDA events around the region,
+// warm-up first, median of --reps (>= 20) repetitions, L2 flushed between repetitions (a 256 MiB
+// write, more than 2x the H200's 60 MB L2).
 //
 // Inputs are generated on the device: "balanced" routings are the softmax→top-K router's output
 // on N(0, 1) logits (near balanced), "skewed" ones put 80% of the pairs on 20% of the experts.

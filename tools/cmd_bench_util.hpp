@@ -1,6 +1,6 @@
-// What the GPU benchmark subcommands (tools/cmd_bench_*.cpp) share: DESIGN's timing protocol
-// (CUDA events around the region, L2 flushed before every repetition, median) and the driver
-// version for result rows. Compiled only into CUDA builds.
+// What the GPU benchmark subcommands (tools/cmd_bench_*.cpp) share: docs/DESIGN.md's timing
+// protocol (CUDA events around the region, L2 flushed before every repetition, median) and the
+// driver version for result rows. Compiled only into CUDA builds.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -64,9 +64,9 @@ class GpuTimer {
   cudaEvent_t start_, stop_;
 };
 
-// DESIGN's benchmark routing of a layer shape, on the host: softmax top-K of N(0, 1) logits drawn
-// from `seed`, then, unless `rounding` is "topk", that token rounding of it (SonicMoE's, tile
-// m_tile; parse_rounding names the valid modes).
+// The benchmark routing of a layer shape (docs/DESIGN.md), on the host: softmax top-K of N(0, 1)
+// logits drawn from `seed`, then, unless `rounding` is "topk", that token rounding of it
+// (SonicMoE's, tile m_tile; parse_rounding names the valid modes).
 Routing benchmark_routing(const LayerConfig& c, uint64_t seed, const std::string& rounding = "topk",
                           int m_tile = 128);
 

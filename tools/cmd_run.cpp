@@ -267,7 +267,7 @@ struct Inputs {
   HostTensor x;       // (T, d) cfg.dtype, N(0, 1)
   HostTensor w1;      // (E, w1_rows, d) cfg.dtype, N(0, 1/sqrt(d))
   HostTensor w2;      // (E, d, n) cfg.dtype, N(0, 1/sqrt(n))
-  HostTensor logits;  // (T, E) fp32, N(0, 1): DESIGN's benchmark routing (near balanced)
+  HostTensor logits;  // (T, E) fp32, N(0, 1): the benchmark routing (near balanced)
   HostTensor bias;    // (E,) fp32, N(0, 0.1), sigmoid-bias only; empty otherwise
   HostTensor d_out;   // (T, d) cfg.dtype, N(0, 1)
 };
@@ -482,7 +482,7 @@ ImplResult run_impl(const RunSetup& s, const Impl& impl, const Inputs& in,
                              dw10 = snapshot(o.dw1);
 
   // Timed repetitions: plan build + forward, then backward. The router is outside the clock
-  // (the same for every implementation and outside DESIGN's FLOP count).
+  // (the same for every implementation and outside docs/DESIGN.md's FLOP count).
   std::vector<double> fwd(static_cast<size_t>(s.reps)), tot(static_cast<size_t>(s.reps));
   for (int i = 0; i < s.reps; ++i) {
     std::ostringstream msg;
@@ -559,8 +559,8 @@ void run_command(const RunFlags& f) {
   ThreadCountScope thread_scope(s.threads);
   const int threads = s.threads > 0 ? s.threads : max_threads();
   const LayerConfig& c = s.cfg;
-  // Expected work: DESIGN's FLOPs per step, times warm-up + reps, per implementation, plus the
-  // reference; above ~3e11 (half a minute at ~10 GFLOP/s) the progress shows from the start.
+  // Expected work: docs/DESIGN.md's FLOPs per step, times warm-up + reps, per implementation, plus
+  // the reference; above ~3e11 (half a minute at ~10 GFLOP/s) the progress shows from the start.
   const double step_flops = 3.0 * forward_flops(c, c.T * c.K);
   const double work =
       step_flops * (double(s.reps) + 1.0) * double(s.impls.size()) + (s.reference ? step_flops : 0);
@@ -619,7 +619,7 @@ void run_command(const RunFlags& f) {
       if (std::isnan(r.max_rel_err)) j.add_null("max_rel_err");
       else j.add("max_rel_err", r.max_rel_err);
       j.add("gpu", gpu).add("commit", commit).add("date", date);
-      // Beyond DESIGN's common fields: what else fixes the result.
+      // Beyond docs/DESIGN.md's common fields: what else fixes the result.
       j.add("dtype", dtype_name(c.dtype)).add("compute", compute_name(r.impl->compute));
       j.add("S", r.S).add("threads", threads);
       j.add("reps", s.reps).add("seed", s.seed).add("deterministic", r.deterministic);
@@ -688,7 +688,7 @@ void add_run_command(CLI::App& app) {
       "memory and error against a float64 reference. No flags: the embedded default config "
       "cpu-default (T=2048 d=256 n=512 E=16 K=4, swiglu, softmax-topk router, bf16).");
   run->add_option("--config", f->config,
-                  "named layer shape (DESIGN's benchmark configs); 'list' prints them all: " +
+                  "named layer shape (the benchmark configs); 'list' prints them all: " +
                       config_names())
       ->capture_default_str();
   // Shapes: any int64 parses; LayerConfig::validate then names the rule a value breaks.
@@ -747,9 +747,10 @@ void add_run_command(CLI::App& app) {
                 "skip the float64 reference (max rel err shows '-'); skipped automatically, with "
                 "a notice, when S*n*d exceeds 4e9");
   run->add_flag("--json", f->json,
-                "print one JSON line per implementation (DESIGN's layer-row fields: bench, "
-                "config, impl, T, d, n, E, K, activation, routing, fwd_ms, bwd_ms, total_ms, "
-                "fwd_tflops, bwd_tflops, total_tflops, kept_bytes, peak_bytes, max_rel_err, "
+                "print one JSON line per implementation (docs/DESIGN.md's layer-row fields: "
+                "bench, config, impl, T, d, n, E, K, activation, routing, fwd_ms, bwd_ms, "
+                "total_ms, fwd_tflops, bwd_tflops, total_tflops, kept_bytes, peak_bytes, "
+                "max_rel_err, "
                 "gpu, commit, date; plus dtype, compute (storage or fp8), S, threads, reps, seed, "
                 "deterministic, and rel_err_out, rel_err_dx, rel_err_dw1, rel_err_dw2, "
                 "rel_err_d_pair_weights, rel_err_d_logits: each tensor's error behind max_rel_err) "
@@ -766,7 +767,7 @@ void add_run_command(CLI::App& app) {
       "  bwd ms      median(plan build + forward + layer_backward) - median(fwd ms)\n"
       "              The router (route, router_backward) is not timed: it is the same for\n"
       "              every implementation and outside the FLOP count.\n"
-      "  GFLOP/s     DESIGN's count, 18*S*n*d (gated) or 12*S*n*d per forward+backward, over\n"
+      "  GFLOP/s     the FLOP count, 18*S*n*d (gated) or 12*S*n*d per forward+backward, over\n"
       "              total ms (recompute's extra up-projection is not counted)\n"
       "  kept        bytes kept from forward to backward: SavedForBackward + routing plan\n"
       "              (the -fp8 impls keep H as e4m3 codes + fp32 scales per 128 values)\n"

@@ -10,8 +10,8 @@
 namespace moeblaze::tools {
 
 const std::vector<NamedConfig>& named_configs() {
-  // Kept identical to DESIGN.md's "Named benchmark configs" table; benchmark result files refer
-  // to these names, so a shape never changes under an existing name.
+  // Kept identical to docs/DESIGN.md's "Named benchmark configs" table; benchmark result files
+  // refer to these names, so a shape never changes under an existing name.
   static const std::vector<NamedConfig> configs = {
       {"mb-conf1", 65536, 512, 2048, 4, 1, "MoEBlaze Table 1 (n = 4d)"},
       {"mb-conf3", 65536, 1024, 4096, 16, 4, "MoEBlaze"},

@@ -1,4 +1,4 @@
-// DESIGN's named benchmark configurations (T, d, n, E, K), shared by `moeblaze run` and the
+// docs/DESIGN.md's named benchmark configurations (T, d, n, E, K), shared by `moeblaze run` and the
 // `moeblaze bench` commands so that every result row names its shape the same way.
 #pragma once
 
@@ -17,7 +17,7 @@ struct NamedConfig {
   const char* source;  // where the shape comes from (paper table, model family)
 };
 
-// Every named config, in DESIGN's order; the last one is the CLI's embedded default.
+// Every named config, in docs/DESIGN.md's order; the last one is the CLI's embedded default.
 const std::vector<NamedConfig>& named_configs();
 
 // The embedded default of `moeblaze run`: cpu-default (T=2048, d=256, n=512, E=16, K=4).

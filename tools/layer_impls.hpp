@@ -1,5 +1,5 @@
 // The layer implementations the CLI runs by name (`moeblaze run --impl`, `moeblaze bench layer
-// --impl`): DESIGN's `impl` names, each a layer mode and the precision of its GEMMs.
+// --impl`): docs/DESIGN.md's `impl` names, each a layer mode and the precision of its GEMMs.
 #pragma once
 
 #include <string>

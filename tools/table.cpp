@@ -186,7 +186,7 @@ std::string shell_quote(const std::string& s) {
 }  // namespace
 
 std::string git_commit() {
-  // Device machines get a copy of the tree without .git; the scripts pass the commit along.
+  // A copy of the tree without .git cannot name its commit; the scripts pass it along.
   const char* env = std::getenv("MOEBLAZE_COMMIT");
   if (env && *env) return env;
   const std::string dir = shell_quote(exe_dir());

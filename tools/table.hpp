@@ -1,5 +1,5 @@
 // Output of the `moeblaze` commands: aligned text tables for people, JSON lines for tools
-// (DESIGN's benchmark row format), and the metadata every result row carries (machine, commit,
+// (docs/DESIGN.md's result rows), and the metadata every result row carries (machine, commit,
 // date). No JSON library: rows are flat objects of strings and numbers.
 #pragma once
 

@@ -1,4 +1,4 @@
-// Layer and router configuration (DESIGN.md's notation: T tokens, d hidden, n expert
+// Layer and router configuration (docs/DESIGN.md's notation: T tokens, d hidden, n expert
 // intermediate size, E experts, K experts per token).
 #pragma once
 
@@ -97,7 +97,7 @@ struct LayerConfig {
   void validate() const;
 };
 
-// FLOPs by DESIGN's count for S assignments (router excluded).
+// FLOPs by docs/DESIGN.md's count for S assignments (router excluded).
 inline double forward_flops(const LayerConfig& c, int64_t S) {
   return (is_gated(c.activation) ? 6.0 : 4.0) * double(S) * double(c.n) * double(c.d);
 }

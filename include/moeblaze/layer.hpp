@@ -1,4 +1,4 @@
-// The MoE layer: forward and backward through a routing plan (DESIGN.md's eight steps).
+// The MoE layer: forward and backward through a routing plan (docs/DESIGN.md's eight steps).
 //
 // Tensors (all one dtype, cfg.dtype, on one device; gradients likewise):
 //   x   (T, d)        input tokens                 out (T, d)   o_t = sum_p s_p W2_e a_p

@@ -9,7 +9,7 @@
 //   expert_token_indices (S,)   int32  token id of each slot
 //   slot_weights         (S,)   fp32   gate weight s_p of each slot
 //   token_pair_offsets   (T+1,) int32  pairs of token t are [tpo[t], tpo[t+1]) (CSR; = t*K for
-//                                      plain top-K). DESIGN's token_slot_offsets.
+//                                      plain top-K).
 //   token_expert_indices (S,)   int32  expert of each pair, token-major
 //   token_index_map      (S,)   int32  slot of each pair, token-major
 //

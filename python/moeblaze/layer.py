@@ -1,6 +1,6 @@
 """moeblaze.MoE (nn.Module), its pure-PyTorch twin TorchMoE, and the functional forms.
 
-Weights follow DESIGN's stacked nn.Linear layout (out x in):
+Weights follow docs/DESIGN.md's stacked nn.Linear layout (out x in):
   gate.weight (E, d)            the router: logits = x @ gate.weight^T, computed in float32
   w1          (E, 2n, d)        gated activations: rows [0, n) gate, [n, 2n) up; (E, n, d) else
   w2          (E, d, n)

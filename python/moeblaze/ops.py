@@ -541,7 +541,7 @@ def _(pair_offsets, pair_experts, pair_weights, num_experts):
 
 
 # ---------------------------------------------------------------------------------------------
-# the experts (DESIGN's eight steps)
+# the experts (docs/DESIGN.md's eight steps)
 # ---------------------------------------------------------------------------------------------
 # LayerCfg.mode codes (capi.h): keep_h, recompute, keep_h with dH written over h in backward.
 _MODE_KEEP_H, _MODE_RECOMPUTE, _MODE_DH_OVER_H = 0, 1, 2

@@ -1,4 +1,4 @@
-"""compute_dtype="fp8" through the PyTorch front end (CPU emulation of the FP8 recipe, issue 20):
+"""compute_dtype="fp8" through the PyTorch front end (CPU emulation of the FP8 recipe, docs/FP8.md):
 within the e4m3 bound of the float64 reference, eager and traced paths bitwise equal, H kept as
 e4m3 codes and scales (about half bf16's bytes), and clear errors where it cannot run."""
 import pytest

@@ -1,4 +1,4 @@
-"""Seeded fuzzing of the Python front end (issue 19). Random valid calls (small shapes, every
+"""Seeded fuzzing of the Python front end. Random valid calls (small shapes, every
 activation, fp32/bf16, recompute on/off, any integer id dtype, strided inputs) must match the
 float64 reference; random invalid calls (dtypes, devices incl. meta, shapes, out-of-range ids and
 integers, bad router bias, bad plan arrays) must raise ValueError or the package's own errors,
@@ -426,8 +426,8 @@ def _plan_cases_in_subprocesses(indices):
 
 
 def test_corrupted_plan_contents(capsys):
-    # Until the C++ plan validation (issue 19 item 1) is in the library, corrupted plan contents
-    # read out of bounds (SIGSEGV) or are silently used. The probe is the issue's repro; the
+    # Until the C++ plan validation is in the library, corrupted plan contents read out of
+    # bounds (SIGSEGV) or are silently used. The probe is the defect's reproducer; the
     # cases run when the library rejects it, or always with MOEBLAZE_FUZZ_PLAN_CONTENTS=1.
     forced = os.environ.get("MOEBLAZE_FUZZ_PLAN_CONTENTS") == "1"
     if not forced:

@@ -1,4 +1,4 @@
-"""bench/torch_fp8_reference.py, issue 20's torch FP8 baseline (row-wise scales on
+"""bench/torch_fp8_reference.py, the torch FP8 baseline (row-wise scales on
 torch._scaled_grouped_mm), checked on the CPU through its float32 emulation of the scaled GEMM:
 the scale rule, the layouts each GEMM hands the kernel, and the layer's error against float64."""
 import os

@@ -1,4 +1,4 @@
-"""Issue 19 (trust under bad input), the Python half: one regression test per defect. Every bad
+"""Trust under bad input, the Python half: one regression test per defect. Every bad
 argument fails with a ValueError naming the argument and the rule, before any C call, and leaves
 the inputs untouched; what the checks make contiguous gives the contiguous result."""
 import re

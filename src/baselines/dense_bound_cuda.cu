@@ -1,5 +1,5 @@
-// The dense upper bound of the MoE layer (DESIGN's "dense-bound" baseline): every expert gets
-// exactly m = S / E tokens, stored contiguously, so each GEMM of forward and backward is one
+// The dense upper bound of the MoE layer (docs/DESIGN.md's "dense-bound" baseline): every expert
+// gets exactly m = S / E tokens, stored contiguously, so each GEMM of forward and backward is one
 // cuBLAS strided-batched bf16 GEMM (fp32 compute) over the E experts. Same FLOPs as the layer
 // (forward 2 GEMMs + activation, backward 4 GEMMs + activation backward), none of the routing,
 // gather or aggregation: what any grouped GEMM could at best reach on this GPU.

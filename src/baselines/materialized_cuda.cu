@@ -1,4 +1,4 @@
-// The materialized MoE pipeline on the GPU (DESIGN's "materialized" baseline), the way most
+// The materialized MoE pipeline on the GPU (docs/DESIGN.md's "materialized" baseline), the way most
 // frameworks run it: the tokens are copied into an (S, d) buffer Xs grouped by expert, the
 // GEMMs read contiguous operands, the activation is a separate pass, and autograd-style saving
 // keeps Xs, H, act(g), A and Y for backward; the gate-weight gradient is <dO, Y>. It runs the

@@ -1,9 +1,9 @@
-// FP8 numerics of the FP8 compute path (issue 20): the e4m3 storage type, the fine-grained scale
+// FP8 numerics of the FP8 compute path (docs/FP8.md): the e4m3 storage type, the fine-grained scale
 // rule (1x128 tiles along K for activations and gradients, 128x128 blocks for weights) and a
 // reference FP8 GEMM with FP32 promotion every 128 elements of K. The GPU kernels reproduce the
 // quantized bytes and scales bit for bit, so every rule below is written in IEEE fp32 operations
 // and the cvt.rn.satfinite.e4m3x2.f32 conversion. Why these rules:
-// docs/experiments/2026-12-01-fp8-numerics.md.
+// docs/notes/fp8.md.
 //
 // The rules (GPU kernels must follow them exactly):
 //  e4m3      OCP FP8 E4M3FN: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities;

@@ -71,7 +71,7 @@ namespace {
 // about 1 ms per layer call on sm-7B-n256 with cudaMalloc/cudaFree). Set once per DEVICE: a
 // process driving several GPUs (expert parallelism, one thread per GPU) needs it on each; a
 // once-per-process flag left every GPU but the first re-allocating at each call (the suspected
-// cause of the EP benchmark's slow local layers on 2 H200s; bench/NOTES.md, "Expert parallelism").
+// cause of the EP benchmark's slow local layers on 2 H200s; docs/EXPERT_PARALLEL.md).
 void keep_pool_cached() {
   constexpr int kMaxDevices = 64;
   static std::atomic<bool> done[kMaxDevices];

@@ -1,4 +1,4 @@
-// CPU layer backward through the routing plan (DESIGN.md kernels 4-8). Three phases, each over
+// CPU layer backward through the routing plan (docs/DESIGN.md's steps 4-8). Three phases, each over
 // a fixed decomposition, so every result is bitwise independent of the thread count:
 //
 // 1. per (expert e, tile of its slots):

@@ -1,4 +1,4 @@
-// CPU layer forward through the routing plan (DESIGN.md kernels 1-3):
+// CPU layer forward through the routing plan (docs/DESIGN.md's steps 1-3):
 //   per (expert e, tile of its slots), in parallel:
 //     Hf = X[expert_token_indices[tile]] · W1_eᵀ (+ b1_e)  gathered rows, fp32 accumulation
 //     (keep_h) H[tile] = Hf stored in cfg.dtype        kept for backward

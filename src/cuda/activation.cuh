@@ -52,7 +52,7 @@ __device__ __forceinline__ float dev_sigmoid(float x) { return 1.0f / (1.0f + ex
 // bf16's rounding). x -> -inf: exp -> inf, 1 / inf -> 0; x -> +inf: 1. For the up-projection's
 // epilogue only (dev_act_fast), which measured instruction-bound and 2-25 % faster with it; the
 // dH epilogue keeps dev_sigmoid: there the shorter code raised register pressure and spills,
-// and the kernels measured 0-5 % slower (bench/NOTES.md, sixth session).
+// and the kernels measured 0-5 % slower (docs/notes/dh-epilogue.md).
 __device__ __forceinline__ float dev_sigmoid_fast(float x) {
   return __fdividef(1.0f, 1.0f + __expf(-x));
 }

@@ -1,5 +1,5 @@
-// A float64 reference of the MoE layer, computed directly from DESIGN.md's math: dense loops per
-// routing pair, no routing plan, no tiling, no threads, its own activation formulas (not the
+// A float64 reference of the MoE layer, computed directly from docs/DESIGN.md's math: dense loops
+// per routing pair, no routing plan, no tiling, no threads, its own activation formulas (not the
 // backend's). It is the yardstick for the CPU and GPU layers and the `moeblaze` command's error
 // column; its backward is checked against central finite differences of its own forward.
 //

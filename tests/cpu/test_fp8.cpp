@@ -2,7 +2,7 @@
 // reference, the 1x128 / 128x128 quantizers (scales bit-exact, error within half an e4m3 ulp),
 // and the reference FP8 GEMM against float64 GEMMs of the dequantized and of the original inputs.
 // The DISABLED_ tests are one-off measurements (all 2^32 floats; the error table of
-// docs/experiments/2026-12-01-fp8-numerics.md): --gtest_also_run_disabled_tests.
+// docs/notes/fp8.md): --gtest_also_run_disabled_tests.
 #include <gtest/gtest.h>
 
 #include <algorithm>

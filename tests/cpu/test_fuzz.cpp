@@ -1,4 +1,4 @@
-// Seeded fuzzing of the layer (issue 19): random valid layers must match the float64 reference
+// Seeded fuzzing of the layer: random valid layers must match the float64 reference
 // (C++ API in every mode, and the C ABI over a borrowed plan bit for bit), and random corruptions
 // of a valid plan or of one argument through the C ABI must fail cleanly: error code
 // MOEBLAZE_ERR_INVALID_ARGUMENT with a message, every output untouched.

@@ -30,13 +30,13 @@ LayerConfig fp8_config(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K, Ac
 
 // e4m3 keeps 3 mantissa bits: one quantized operand adds a relative error of about
 // 2^-4 / sqrt(3) = 0.036 (uniform rounding over half an ulp of 2^-3), measured 0.037 for one GEMM
-// (docs/experiments/2026-12-01-fp8-numerics.md). out and dx pass two quantized GEMMs in series
+// (docs/notes/fp8.md). out and dx pass two quantized GEMMs in series
 // (~0.036 sqrt(2)), the weight gradients inherit one from dA' and H: 0.1 bounds all of them with
 // margin, and stays far below a broken path (a wrong scale or a missed operand is O(1)).
 constexpr double kFp8Tol = 0.1;
 // relu's step derivative turns every h whose sign the FP8 up-projection gets wrong (~1 % of H at
 // cpu-default) into a whole error of dH, so dx and dw1 reach ~0.16
-// (docs/experiments/2026-12-01-fp8-cpu-layer.md); the other outputs keep kFp8Tol.
+// (docs/notes/fp8.md); the other outputs keep kFp8Tol.
 constexpr double kFp8ReluDhTol = 0.25;
 
 TEST(Fp8Layer, MatchesFloat64WithinTheE4m3BoundInBothModes) {

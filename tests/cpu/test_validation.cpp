@@ -1,4 +1,4 @@
-// Regression tests of issue 19 ("trust under bad input"), C++ API and C ABI: every bad argument
+// Regression tests for bad input, C++ API and C ABI: every bad argument
 // fails with InvalidArgument (C ABI: MOEBLAZE_ERR_INVALID_ARGUMENT) naming the argument and the
 // rule, and leaves the outputs untouched (they are filled with a pattern before the call).
 #include <gtest/gtest.h>
@@ -240,7 +240,7 @@ TEST(PlanValidation, ValidBorrowedPlanMatchesBuiltPlan) {
   EXPECT_TRUE(test::bitwise_equal(via_c, f.t.out));
 }
 
-// ---- checked size arithmetic (issue 19 item 8) ----
+// ---- checked size arithmetic ----
 
 constexpr int64_t k2to(int b) { return int64_t(1) << b; }
 
@@ -317,7 +317,7 @@ TEST(CheckedSizes, RepeatCheckForManyPairsPerToken) {
                  "pair_experts: expert id 5 is repeated in token 1 (pairs 45 and 77)");
 }
 
-// ---- enum ranges (issue 19 item 4) ----
+// ---- enum ranges ----
 
 TEST(EnumRanges, OutOfRangeEnumsAreRejectedBeforeAnyWork) {
   for (LayerMode mode : {LayerMode::keep_h, LayerMode::recompute, LayerMode::materialized}) {
@@ -411,7 +411,7 @@ TEST(TokenRoundingCAbi, TwoCallPathRefusesTheCpuAndBadArguments) {
   EXPECT_EQ(P, -1);
 }
 
-// ---- aliasing (issue 19 item 7) ----
+// ---- aliasing ----
 
 TEST(Aliasing, OutputsOverlappingInputsOrEachOtherAreRejected) {
   for (LayerMode mode : {LayerMode::keep_h, LayerMode::recompute, LayerMode::materialized}) {
@@ -499,7 +499,7 @@ TEST(Aliasing, CAbiRejectsInPlaceAndPlanOverlap) {
   EXPECT_TRUE(test::bitwise_equal(f.t.x, x0));
 }
 
-// ---- thread counts (issue 19 item 9, library side) ----
+// ---- thread counts (the strict-numbers checks, library side) ----
 
 TEST(ThreadCounts, OutOfRangeThreadCountsAreInvalidArguments) {
   Fixture f;

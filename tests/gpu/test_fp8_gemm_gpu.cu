@@ -1,4 +1,4 @@
-// The FP8 grouped GEMM with a contiguous A (src/cuda/gemm/fp8_grouped_gemm.hpp, issue 20) against
+// The FP8 grouped GEMM with a contiguous A (src/cuda/gemm/fp8_grouped_gemm.hpp) against
 // a float64 GEMM of the dequantized operands: codes and scales come from the CPU core's
 // quantizers (src/core/fp8.hpp, which the GPU quantizers match bit for bit), so the two sides
 // multiply the same values and differ only by fp32 summation order and D's bf16 rounding. Fresh

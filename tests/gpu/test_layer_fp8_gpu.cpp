@@ -1,4 +1,4 @@
-// FP8 compute on the GPU layer (src/cuda/layer/layer_fp8.cu, issue 20) against the CPU emulation
+// FP8 compute on the GPU layer (src/cuda/layer/layer_fp8.cu) against the CPU emulation
 // of the same recipe (src/cpu/layer_forward.cpp, layer_backward.cpp) and the float64 reference of
 // the unquantized inputs: fresh random inputs (seed printed), routings with empty experts and
 // skew, gated and plain activations, expert biases, both modes; keep_h and recompute bitwise

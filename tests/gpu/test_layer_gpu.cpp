@@ -125,7 +125,7 @@ struct Ref {
   std::vector<double> dpw_abs;
 };
 
-// Straight from DESIGN's math, per slot, in double, on the bf16 input values.
+// Straight from docs/DESIGN.md's math, per slot, in double, on the bf16 input values.
 Ref reference(const LayerConfig& c, const RoutingPlan& plan, const std::vector<bf16>& x,
               const std::vector<bf16>& w1, const std::vector<bf16>& w2,
               const std::vector<bf16>& dout) {

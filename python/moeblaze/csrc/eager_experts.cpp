@@ -5,7 +5,7 @@
 // reached through function pointers that the Python side resolved with ctypes, so this file links
 // against torch only. Why: on a GPU the forward kernels wait for the Python checks, allocations
 // and autograd node before their launch (measured in
-// docs/experiments/2026-12-03-pytorch-wait-and-override-sweep.md).
+// docs/notes/pytorch-host-path.md).
 //
 // experts_from_ids (moe_experts) and experts_from_routing return the output tensor, None where
 // this fast path does not apply (the Python path then runs, raising the error that names the

@@ -1,4 +1,4 @@
-// The FP8 layer's passes between its GEMMs (issue 20; act_quantize.cu): the activation and its
+// The FP8 layer's passes between its GEMMs (docs/FP8.md; act_quantize.cu): the activation and its
 // backward on one slot row at a time, with the 1x128 quantization of what the next FP8 GEMM
 // reads (and of the kept H). Codes and scales follow src/core/fp8.hpp's rules (the device steps
 // of fp8_device.cuh); the activation formulas are src/cuda/activation.cuh's, so the CPU

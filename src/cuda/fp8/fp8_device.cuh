@@ -1,4 +1,4 @@
-// Device-side steps of the FP8 quantization rules of src/core/fp8.hpp (issue 20), shared by the
+// Device-side steps of the FP8 quantization rules of src/core/fp8.hpp, shared by the
 // standalone quantizers (quantize.cu) and, later, the GEMM producers / epilogues that fuse
 // quantization. Each step reproduces the CPU core bit for bit:
 //   widen     bf16 -> fp32 by a 16-bit shift (exact), fp32 as is;

@@ -1,4 +1,4 @@
-// Standalone FP8 quantizers on the GPU (issue 20): e4m3 codes and fp32 scales bit-identical to
+// Standalone FP8 quantizers on the GPU (docs/FP8.md): e4m3 codes and fp32 scales bit-identical to
 // src/core/fp8.hpp's quantize_1x128 / quantize_128x128 (the rules are stated there; the device
 // steps are src/cuda/fp8/fp8_device.cuh). Internal to the CUDA backend, like ep/ep_cuda.hpp: the
 // layer's FP8 path and the GPU tests include it; nothing public dispatches here yet.

@@ -1,4 +1,4 @@
-// FP8 operands of the weight-gradient GEMMs (issue 20): dW1 = dHᵀ X and dW2 = dOᵀ A' reduce over
+// FP8 operands of the weight-gradient GEMMs (docs/FP8.md): dW1 = dHᵀ X and dW2 = dOᵀ A' reduce over
 // the tokens of each expert, so their FP8 operands are quantized along the TOKEN axis — 128x1
 // tiles, 128 consecutive slots of one column sharing a scale — and stored K-major (the expert's
 // tokens contiguous, as FP8 WGMMA reads both operands), each expert's block padded to whole

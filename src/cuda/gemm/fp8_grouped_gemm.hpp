@@ -1,4 +1,4 @@
-// FP8 grouped GEMMs on e4m3 operands with DeepSeek-V3's fine-grained scales (issue 20): the
+// FP8 grouped GEMMs on e4m3 operands with DeepSeek-V3's fine-grained scales (docs/FP8.md): the
 // contract of the GEMM folder's FP8 entry points. Internal to the CUDA backend; the FP8 layer
 // (src/cuda/layer/layer_fp8.cu) runs its four data GEMMs on contiguous(); varlen_k() is the
 // weight gradients' GEMM (K = each expert's tokens).

@@ -1,4 +1,4 @@
-// Grouped GEMMs of the MoE pipeline on sm_90a (WGMMA), one per GEMM of DESIGN's eight-kernel
+// Grouped GEMMs of the MoE pipeline on sm_90a (WGMMA), one per GEMM of docs/DESIGN.md's eight-step
 // pipeline, each reading its per-expert row ranges ON THE DEVICE from the routing plan
 // (expert_token_offsets), so nothing here synchronises with the host and a whole step can be
 // captured in a CUDA graph. Grids are sized from host-known bounds (S, E, d, n); tiles beyond the
@@ -67,7 +67,7 @@ struct GemmScratch {
   size_t bytes = 0;
 };
 // choose_kernels(...).down / .dx say whether they run on the TMA path (for S >= 128 E, where it
-// is the faster path; docs/experiments/2026-11-29-token-rounding.md, the TMA threshold).
+// is the faster path; docs/notes/plan-build.md, the TMA threshold).
 // Scratch bytes the TMA path needs for E experts on the current device (the argument arrays,
 // ≈ 100 B per expert, and CUTLASS's per-SM TMA descriptors).
 size_t tma_gemm_scratch_bytes(int64_t E);
@@ -144,7 +144,7 @@ void down_proj_rows(const RoutingPlanView& plan, const ExpertRows& rows, const b
 //   dh[r, :] = gated: [da * u * act'(g); da * act(g)]   plain: da * act'(h)   (w1_rows,)
 //   a_scaled[r, :] = s_r * a                                                   (n,)
 // d_out (T, d); w2 (E, d, n); h (S, w1_rows); ds_partials (S, ds_partials_cols(n)) fp32;
-// dh (S, w1_rows); a_scaled (S, n) (A' of DESIGN, the second operand of dW2).
+// dh (S, w1_rows); a_scaled (S, n) (A' of docs/DESIGN.md, the second operand of dW2).
 // The per-slot gate gradient is ds[r] = sum_j ds_partials[r, j]: call reduce_ds next.
 // kernel as for up_proj.
 void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,

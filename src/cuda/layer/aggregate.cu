@@ -1,7 +1,7 @@
-// Aggregation through the plan's token view (DESIGN steps 3 and 7): out_t = sum over the pairs
-// of token t, in pair order, of w_p * rows[slot_p]. A gather-and-sum, not a scatter: every output
-// row is produced by the threads that own it, so no atomics and a fixed summation order. (The
-// layer's dx sum hands in a token view whose map lists each token's slots in ascending order,
+// Aggregation through the plan's token view (docs/DESIGN.md's steps 3 and 7): out_t = sum over the
+// pairs of token t, in pair order, of w_p * rows[slot_p]. A gather-and-sum, not a scatter: every
+// output row is produced by the threads that own it, so no atomics and a fixed summation order.
+// (The layer's dx sum hands in a token view whose map lists each token's slots in ascending order,
 // expert_ranges.hpp's ascending_token_slots: the order its expert ranges can keep.)
 //
 // Layout of the work: a thread owns C 16-byte column chunks of one token, spaced C-th of a row
@@ -12,7 +12,7 @@
 // average); C = 2, B = 4 for 2 < K <= 6 (8 loads in flight, the index walk shared by 2 chunks:
 // C = 1 left the K = 4 configs short of copy bandwidth); C = 4, B = 1 otherwise: with C = 1 a
 // K = 1 token gave each thread a single 16-byte load behind three dependent index loads
-// (docs/experiments/2026-11-29-aggregation.md). The index arrays (a few bytes per pair) stay in
+// (docs/notes/plan-build.md). The index arrays (a few bytes per pair) stay in
 // L1/L2. Every output element is summed over its pairs in pair order whatever C and B are, so
 // the result does not depend on them.
 #include <cuda_bf16.h>

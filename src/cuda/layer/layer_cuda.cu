@@ -1,4 +1,4 @@
-// The MoE layer on the GPU: DESIGN's eight kernels wired into forward and backward.
+// The MoE layer on the GPU: docs/DESIGN.md's eight steps wired into forward and backward.
 //
 // forward   1 up-proj (x gathered)  → H (kept, keep_h only) and A        [workspace: A]
 //           2 down-proj             → Y                                 [workspace: Y]

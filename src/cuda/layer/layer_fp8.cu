@@ -1,4 +1,4 @@
-// The MoE layer with FP8 compute on the GPU (LayerConfig::compute == fp8, issue 20): the recipe
+// The MoE layer with FP8 compute on the GPU (LayerConfig::compute == fp8; docs/FP8.md): the recipe
 // of docs/FP8.md, the CPU emulation's (src/cpu/layer_forward.cpp, layer_backward.cpp) values up
 // to rounding, built from the FP8 pieces that exist so far:
 //

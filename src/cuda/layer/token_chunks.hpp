@@ -9,7 +9,7 @@
 // Chunk c holds tokens [t_c, t_{c+1}): t_0 = 0, t_C = T, and t_c (0 < c < C) is the first token
 // whose pairs start at or after c·B, B = ceil(S / C), so a chunk has fewer than B + E slots (a
 // token has at most E pairs). Expert e's slots of chunk c are [lo[c][e], lo[c+1][e]), lo[c][e]
-// = its first slot whose token is >= t_c (slots ascend by token inside an expert: DESIGN's plan
+// = its first slot whose token is >= t_c (slots ascend by token inside an expert: the plan's
 // contract); they are packed in the chunk buffer from base[c][e] = the chunk's slots of the
 // experts before e. Everything is computed on the device from the plan: no host sync.
 #pragma once
@@ -56,7 +56,7 @@ constexpr int64_t kChunkRowsPerExpertAtScale = 2048;
 // S >= 0. Rules: one chunk unless the pass's GEMM runs on the TMA path or the warp-specialised
 // kernel (only they take row ranges);
 // keep_h, the speed-first mode, runs one chunk (each expert's rows end in a partial tile at every
-// chunk edge, which costs time; docs/experiments/2026-12-01-token-chunks.md); recompute, the
+// chunk edge, which costs time; docs/notes/memory-and-recompute.md); recompute, the
 // memory-first mode, runs ceil(d / n) chunks where d >= 2n (a chunk buffer no larger than A's
 // (S, n), which the pass holds anyway; below 2n a chunk would save under a third of dX̃'s
 // bytes), or S / (kChunkRowsPerExpertAtScale E) where that is more (large T, where memory is

@@ -15,7 +15,7 @@ namespace moeblaze::cuda {
 void fill_normal(void* dst, DType dtype, int64_t n, uint64_t seed, cudaStream_t stream);
 
 // A top-K routing (r allocated on the GPU with P = T*K) in which the first
-// round(hot_fraction * E) experts receive about hot_share of the pairs (DESIGN's skewed
+// round(hot_fraction * E) experts receive about hot_share of the pairs (docs/DESIGN.md's skewed
 // benchmark routing: 0.2 and 0.8). Weights uniform in (0, 1].
 void fill_skewed_topk(Routing& r, int K, double hot_fraction, double hot_share, uint64_t seed,
                       cudaStream_t stream);

@@ -71,7 +71,7 @@ __device__ __forceinline__ void warp_count(const int32_t* ids, uint32_t ids_base
     for (int u = 0; u < kUnroll; ++u) {
       const uint32_t base = begin + (s0 + u) * 32;
       if (s0 + u >= steps || base >= end) break;  // warp-uniform
-      // match.any beats the ballots at E <= 8, loses from E = 64 (results/plan-build-match-*).
+      // match.any beats the ballots at E <= 8, loses from E = 64 (docs/notes/plan-build.md).
       const unsigned peers = bits <= 3 ? __match_any_sync(detail::kFullMask, key[u])
                                        : detail::match_peers(key[u], bits);
       if constexpr (kKeepPeers) peers_out[base + lane - ids_base] = peers;
@@ -352,7 +352,7 @@ PlanTiling plan_tiling(int64_t P, int64_t E, int tile_steps) {
                           "counters must fit in shared memory); use PlanBuilder::sort");
   int steps = tile_steps;
   if (steps <= 0) {
-    // Measured on the H200 (docs/experiments/2026-11-29-gpu-routing.md, tile sweep, before the
+    // Measured on the H200 (docs/notes/plan-build.md, tile sweep, before the
     // staged scatter): 1024 pairs up to E = 128, 2048 beyond
     // (larger tiles were up to 1.9x slower; the (E, tiles) counts stay at E/2048 ints per pair).
     steps = E <= 128 ? 4 : 8;

@@ -27,7 +27,7 @@ __device__ __forceinline__ unsigned lanemask_lt() {
 // Lanes of the warp holding the same key as this lane, for keys in [0, 2^bits) and -1 for "no
 // key" (lanes with -1 match only each other). One ballot per key bit, as CUB's MatchAny does;
 // __match_any_sync is one instruction but slower than these ballots from E = 64 on, faster at
-// E <= 8 (the plan build picks by E; bench/results/plan-build-match-2026-12-04-f5ef891.md).
+// E <= 8 (the plan build picks by E; docs/notes/plan-build.md).
 // All 32 lanes must call it with the same `bits`.
 __device__ __forceinline__ unsigned match_peers(int key, int bits) {
   const bool valid = key >= 0;

@@ -1,4 +1,4 @@
-// choose_kernels: the measured rules (bench/NOTES.md) as one function of the shape, then the
+// choose_kernels: the measured rules (docs/notes/) as one function of the shape, then the
 // overrides; and the one place that reads the environment (MOEBLAZE_KERNELS).
 #include "cuda/gemm/dispatch/kernel_config.hpp"
 
@@ -67,7 +67,7 @@ int tma_bands_rule(int64_t S, int64_t E, int64_t N, int64_t K, int tile_m, int t
   const int64_t tiles = ((rows + tile_m - 1) / tile_m) * ((N + tile_n - 1) / tile_n);
   // Only where a CTA would meet a new expert at nearly every tile (fewer tiles per expert than SMs)
   // of a short mainloop (K <= 512); elsewhere bands cost L2 reuse of the weights for little
-  // (docs/experiments/2026-12-04-tma-bands.md).
+  // (docs/notes/tma-bands.md).
   if (tiles >= kBandSms || K > kBandMaxK) return 1;
   const int64_t w_bytes = 2 * N * K;  // the expert's bf16 weight, N x K
   int64_t b = (kBandRunTiles * kBandSms + tiles - 1) / tiles;

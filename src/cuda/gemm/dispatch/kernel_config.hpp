@@ -34,7 +34,7 @@ constexpr int kWsVarlenKStages = 4;
 constexpr int64_t kWsMaxExperts = 4096;  // the gather kernel's per-CTA expert table
 constexpr int kDefaultRasterGroup = 16;   // CTA rasterization band (raster_tile)
 
-// The measured thresholds of the automatic rules (docs/experiments/, docs/ARCHITECTURE.md):
+// The measured thresholds of the automatic rules (docs/notes/, docs/ARCHITECTURE.md):
 constexpr int64_t kTmaMinRowsPerExpert = 128;          // down/dx on the TMA path from here
 constexpr int64_t kWsContiguousMaxRowsPerExpert = 1024;  // below: down/dx on the ws kernel
 // dH of the activations that share the switch kernel (not swiglu's, not swiglu_oai's):
@@ -94,7 +94,7 @@ constexpr int kTmaPingPong = 3;  // kTmaVariants' 192x128 ping-pong
 // The index in kTmaVariants of a tma_grouped kernel's tile, schedule and cluster; -1 if not built.
 int tma_variant(const GemmKernel& k);
 
-// The six GEMMs in pipeline order (DESIGN's steps 1, 2, 4, 5, 6, 8).
+// The six GEMMs in pipeline order (docs/DESIGN.md's steps 1, 2, 4, 5, 6, 8).
 struct LayerKernels {
   GemmKernel up, down, dh, dw2, dx, dw1;
   enum : int { kUp, kDown, kDh, kDw2, kDx, kDw1 };  // at()'s index of each

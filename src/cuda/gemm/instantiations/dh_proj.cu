@@ -18,7 +18,7 @@ namespace sm90 {
 
 struct DhEpilogue {
   // Loads two tiles ahead (waits for each step's WGMMAs): dH gains from the deeper look-ahead
-  // more than it loses in WGMMA overlap (docs/experiments/2026-11-29-grouped-gemms.md).
+  // more than it loses in WGMMA overlap (docs/notes/gathered-gemms.md).
   static constexpr int kMmaInFlight = 0;
   using Params = DhParams;
   // This thread's H values (gate g, up u; plain: h in g) and slot weights. With kPrefetch they

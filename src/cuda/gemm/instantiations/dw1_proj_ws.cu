@@ -3,7 +3,7 @@
 // gathered operand x is the 128-wide P (8 cp.async per producer thread and stage) and dh, the
 // contiguous 256-wide Q, comes by TMA; the epilogue stores the tile transposed into
 // dw1 (E, w1_rows, d). (Transposed because a 256-wide gathered operand leaves the producer the
-// bottleneck; docs/experiments/2026-11-29-warp-specialised-kernels.md.)
+// bottleneck; docs/notes/gathered-gemms.md.)
 // This file: one CTA per tile, varlen_k_ws_kernel<true, 1>; the 2-CTA cluster variant, for
 // experts with many rows (the chosen kernel's cluster = 2), is in dw1_proj_mc.cu.
 #include "cuda/gemm/kernels/sm90_ws_varlen_k.cuh"

@@ -2,7 +2,7 @@
 // gathered through expert_token_indices (M = d), Q = a_scaled contiguous by TMA (N = n).
 // One instantiation: varlen_k_ws_kernel<false, 1> (one CTA per tile: dW2 is not L2-bound, so
 // 2-CTA clusters sharing a_scaled do not pay;
-// docs/experiments/2026-11-29-weight-gradients-2cta-clusters.md).
+// docs/notes/varlen-k-weight-gradients.md).
 #include "cuda/gemm/kernels/sm90_ws_varlen_k.cuh"
 #include "cuda/gemm/dispatch/raster.hpp"
 #include "cuda/gemm/dispatch/ws_paths.hpp"

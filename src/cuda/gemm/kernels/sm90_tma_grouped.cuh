@@ -51,7 +51,7 @@ using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
 // The persistent scheduler's tile order inside each expert's (M, N) grid. CUTLASS's default for
 // grouped problems walks M first (AlongM) with no swizzle; walking N first with swizzle 2 lets
 // consecutive CTAs share A row panels (pairs of N-tiles), which is faster on the coarse configs
-// (docs/experiments/2026-11-29-tma-paths.md). Across experts, the CTAs walk in bands
+// (docs/notes/gathered-gemms.md). Across experts, the CTAs walk in bands
 // (pipeline/sm90_band_scheduler.cuh). The host passes the order in force (dispatch/tma_paths.hpp:
 // the chosen kernel's, or tma_tile_order: the tma.order / tma.swizzle / tma.bands overrides).
 using SchedulerChoice = detail::TmaTileOrder;

@@ -1,5 +1,5 @@
 // FP8 varlen-M grouped GEMM with a CONTIGUOUS A operand and DeepSeek-V3's fine-grained scales
-// (issue 20), built from CUTLASS's Hopper pointer-array kernel with blockwise scaling (TMA loads
+// (docs/FP8.md), built from CUTLASS's Hopper pointer-array kernel with blockwise scaling (TMA loads
 // of the e4m3 codes, cp.async loads of the fp32 scales, the tensor cores' fp32 accumulators
 // promoted into a scaled fp32 sum every 128 of K; CUTLASS example 68):
 //   for every expert e and i < rows.end[e] - rows.begin[e], n < N:

@@ -3,7 +3,7 @@
 // or, with kTmaA, C[slot, :] = A[slot, :] · B_eᵀ (the contiguous-A GEMMs down_proj and dx_proj:
 // A's 128 rows of a tile come by TMA like B, from one descriptor for all experts; rows past the
 // expert's end are the next expert's and feed only rows the epilogue does not store)
-// the design of DESIGN.md's GEMM section for the gathered GEMMs, which the 2-CTA kernels of
+// the design of docs/DESIGN.md's kernel section for the gathered GEMMs, which the 2-CTA kernels of
 // sm90_varlen_m.cuh approximate without warp specialisation:
 //   * one CTA per SM (persistent), 384 threads: warpgroup 0 is the producer, warpgroups 1 and 2
 //     the consumers, which compute one 128 x 256 output tile together (cooperative: each owns

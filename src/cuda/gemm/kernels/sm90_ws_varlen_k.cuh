@@ -138,7 +138,7 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t a) {
 // pairs ws_frag_col(i)) stored as bf16 into out[e], 16 bytes per lane and store (the plain
 // fragment stores, 4 bytes per lane and 2 for the transposed tile, half-fill each 32-byte sector
 // they touch, and the GEMM pays for it;
-// docs/experiments/2026-11-29-weight-gradients-2cta-clusters.md):
+// docs/notes/varlen-k-weight-gradients.md):
 //   row-major (M, N): quads of column groups, a quad transpose (quad_transpose.cuh) gives each
 //     lane one whole 8-column group of its row: 16 bytes.
 //   transposed (N, M): per column group i and row half v1 the warp holds an 8 x 8 block (rows m,

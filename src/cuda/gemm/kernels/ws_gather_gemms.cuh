@@ -234,7 +234,7 @@ struct GatherDhEpilogue {
   // and a_scaled come out as whole groups, one 16-byte store per lane and array, with no
   // transpose back. (Transposing H in and the three outputs back instead took five transposes
   // per quad and row and left the epilogue instruction-bound; see
-  // docs/experiments/2026-11-29-gathered-gemm-epilogues-sigmoid.md.) A row's 64 bytes
+  // docs/notes/dh-epilogue.md.) A row's 64 bytes
   // per quad thus cost two 32-byte sector requests per array. Rows past the expert's end and columns
   // past n compute on zeros and store nothing: the shuffles need every lane. Each lane adds its
   // groups' columns to its ds partial in column order, quads in ascending order, and the quad's

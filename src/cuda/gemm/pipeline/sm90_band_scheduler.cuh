@@ -4,7 +4,7 @@
 // Why: CUTLASS walks the tiles of all experts in one linear order and CTA c takes tiles c, c + G,
 // c + 2G, ... (G CTAs). When an expert has fewer than G tiles, nearly every tile a CTA takes is in
 // another expert than its last, and at each change the kernel rewrites its TMA descriptors (A, B,
-// D) in global memory and fences them (docs/experiments/2026-12-04-tma-bands.md).
+// D) in global memory and fences them (docs/notes/tma-bands.md).
 // How: with B bands, the tile order is cut into B contiguous ranges of equal work, and the
 // clusters into B groups of consecutive clusters; group b walks range b with a stride of its own
 // cluster count, so a CTA stays in one expert for about B times as many tiles. B = 1 is CUTLASS's

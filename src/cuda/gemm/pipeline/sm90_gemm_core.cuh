@@ -36,7 +36,7 @@ constexpr int kThreads = 256;  // two warpgroups, each 64 x kBN of the output
 // Shared-memory stages (32 KiB each). Loads run 1 or 2 tiles ahead of the MMA (see mainloop).
 // 3 stages with 2 CTAs per SM rather than more stages with one: the second CTA's mainloop covers
 // this one's prologue (index loads, pipeline fill) and epilogue, which a non-persistent kernel
-// cannot overlap itself (docs/experiments/2026-11-29-grouped-gemms.md, stage variants).
+// cannot overlap itself (docs/notes/gathered-gemms.md, stage variants).
 #ifndef MOEBLAZE_GEMM_STAGES
 #define MOEBLAZE_GEMM_STAGES 3
 #endif
@@ -58,7 +58,7 @@ static_assert(kStages >= 3, "the pipeline needs at least 3 stages");
 // loads run kStages - 2 = 1 tile ahead; 0 waits for the step's WGMMAs, which frees the stage just
 // read, so the loads run kStages - 1 = 2 tiles ahead while the other resident CTA keeps the
 // tensor cores busy. Only dH uses 0: it gains from it, dW1 loses and the others do not move
-// (docs/experiments/2026-11-29-grouped-gemms.md, look-ahead).
+// (docs/notes/gathered-gemms.md, look-ahead).
 template <int kMmaInFlight>
 constexpr int lookahead() {
   static_assert(kMmaInFlight == 0 || kMmaInFlight == 1, "kMmaInFlight is 0 or 1");
