@@ -50,9 +50,9 @@ __device__ __forceinline__ float dev_sigmoid(float x) { return 1.0f / (1.0f + ex
 // The same with the hardware's exp2 and reciprocal (MUFU) instead of expf and an IEEE division:
 // a few instructions instead of ~25 and a slow-path branch, within 2 ulp of float (far below
 // bf16's rounding). x -> -inf: exp -> inf, 1 / inf -> 0; x -> +inf: 1. For the up-projection's
-// epilogue only (dev_act_fast), which measured instruction-bound and 2-25 % faster with it; the
-// dH epilogue keeps dev_sigmoid: there the shorter code raised register pressure and spills,
-// and the kernels measured 0-5 % slower (docs/notes/dh-epilogue.md).
+// epilogue (dev_act_fast), which measured instruction-bound and 2-25 % faster with it, and the
+// dH kernels compiled for swiglu alone (dh_epilogue.cuh's kFast); dH's shared activation switch
+// keeps dev_sigmoid: there the shorter code raised spills (docs/notes/dh-epilogue.md).
 __device__ __forceinline__ float dev_sigmoid_fast(float x) {
   return __fdividef(1.0f, 1.0f + __expf(-x));
 }
