@@ -1,7 +1,7 @@
 """The public-model grid is well formed, and its two copies agree: bench/model_shapes.py (what
 bench/peers.py reads) and tools/configs.cpp's model_grid() (what `moeblaze bench layer --config
-grid` reads). With MOEBLAZE_CLI naming the `moeblaze` binary, `moeblaze run --config list` must
-print every grid row. CPU only, no library calls."""
+grid` reads). With a `moeblaze` binary (MOEBLAZE_CLI, build/moeblaze or PATH), `moeblaze run
+--config list` must print every grid row. CPU only, no library calls."""
 import importlib.util
 import os
 import re
@@ -69,10 +69,16 @@ def test_cpp_and_python_grids_agree():
     assert cpp_grid() == [tuple(r) for r in load_grid().GRID]
 
 
-@pytest.mark.skipif(not (os.environ.get("MOEBLAZE_CLI") or shutil.which("moeblaze")),
-                    reason="skipped: no moeblaze CLI (set MOEBLAZE_CLI)")
+def find_cli():
+    """MOEBLAZE_CLI, else the repository's build/moeblaze, else `moeblaze` on PATH."""
+    built = os.path.join(ROOT, "build", "moeblaze")
+    return (os.environ.get("MOEBLAZE_CLI") or (built if os.access(built, os.X_OK) else None)
+            or shutil.which("moeblaze"))
+
+
+@pytest.mark.skipif(not find_cli(), reason="skipped: no moeblaze CLI (set MOEBLAZE_CLI)")
 def test_cli_lists_the_grid():
-    cli = os.environ.get("MOEBLAZE_CLI") or shutil.which("moeblaze")
+    cli = find_cli()
     out = subprocess.run([cli, "run", "--config", "list"], capture_output=True, text=True,
                          check=True).stdout
     listed = {}
