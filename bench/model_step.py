@@ -14,7 +14,7 @@ same numbers):
   gpt_oss      gpt-oss-20b        expert biases, clamped SwiGLU (moeblaze's swiglu_oai)
 
 Rows (JSON lines, `bench: "model-step"`): model, family, impl, layers, tokens (= batch * seq),
-batch, seq, d, n, E, K, vocab, dtype, step_ms (median over --reps of one forward + backward of the
+batch, seq, d, n, E, K, vocab, dtype, attn (the attention implementation), step_ms (median over --reps of one forward + backward of the
 whole model, after --warmup), first_step_s (the first step after the model is built: compile,
 autotune and workspace setup included), peak_bytes (torch.cuda.max_memory_allocated over one
 step minus what was allocated before it; null on the CPU), loss, loss_rel_err and grad_max_rel_err
@@ -23,9 +23,13 @@ parameters compared on a fixed sample of 2^22 entries), fp64_loss_rel_err and fp
 (the family's tiny variant, run by this impl in float32 on this device against transformers' eager
 experts in float64 on the CPU), gpu, commit, date, torch, transformers. An impl that cannot run
 says why in `skipped` ("not installed: ..." where its package is missing) and the others go on.
+transformers' `sonicmoe` loads the hub kernel kernels-community/sonic-moe through the `kernels`
+package (not PyPI's sonic-moe that bench/peers.py imports): on a GPU without network both must
+be in place beforehand (the kernel in the Hugging Face cache), else its rows say "not installed".
 
   python3 bench/model_step.py --family qwen3_moe,deepseek_v3 [--impl grouped_mm,moeblaze]
                               [--layers 2] [--batch 4] [--seq 4096] [--out rows.jsonl]
+                              [--md table.md]
   python3 bench/model_step.py --tiny --family olmoe   # CPU-sized models (the tests' mode)
 """
 import argparse
@@ -70,7 +74,8 @@ FAMILIES = {
                   num_experts_per_tok=8, num_attention_heads=16, num_key_value_heads=16,
                   pad_token_id=0, eos_token_id=None),
         tiny=dict(hidden_size=32, intermediate_size=24, num_experts=8, num_experts_per_tok=2,
-                  num_attention_heads=4, num_key_value_heads=4)),
+                  num_attention_heads=4, num_key_value_heads=4, pad_token_id=0,
+                  eos_token_id=None)),
     "deepseek_v3": dict(
         model="DeepSeek-V3", config="DeepseekV3Config", cls="DeepseekV3ForCausalLM", layers=1,
         real=dict(hidden_size=7168, moe_intermediate_size=2048, n_routed_experts=256,
@@ -83,8 +88,10 @@ FAMILIES = {
                   first_k_dense_replace=0, intermediate_size=40, num_attention_heads=4, num_key_value_heads=4,
                   kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
                   v_head_dim=8)),
+    # transformers' gpt-oss attention has no SDPA path: eager keeps (batch, 64, seq, seq) scores,
+    # hence 2 sequences by default (--attn flex_attention takes more).
     "gpt_oss": dict(
-        model="gpt-oss-20b", config="GptOssConfig", cls="GptOssForCausalLM", layers=2,
+        model="gpt-oss-20b", config="GptOssConfig", cls="GptOssForCausalLM", layers=2, batch=2,
         real=dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32,
                   num_experts_per_tok=4, num_attention_heads=64, num_key_value_heads=8,
                   head_dim=64),
@@ -108,7 +115,7 @@ class Skip(Exception):
     """An impl that cannot run here (not installed, or refuses the model)."""
 
 
-def make_config(family, tiny, layers, vocab, seq):
+def make_config(family, tiny, layers, vocab, seq, attn=""):
     import transformers
     f = FAMILIES[family]
     kw = dict(f["tiny"] if tiny else f["real"])
@@ -116,7 +123,10 @@ def make_config(family, tiny, layers, vocab, seq):
               initializer_range=0.1 if tiny else 0.02)
     if family == "gpt_oss":
         kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
-    return getattr(transformers, f["config"])(**kw)
+    cfg = getattr(transformers, f["config"])(**kw)
+    if attn:  # else the model's own default (sdpa where it has one)
+        cfg._attn_implementation = attn
+    return cfg
 
 
 def build(family, cfg, dtype, dev, seed, impl):
@@ -241,10 +251,11 @@ def run_impl(family, impl, args, dev, dtype, meta, ref):
     """One impl's row; `ref` holds grouped_mm's loss and gradients (filled by the grouped_mm row)."""
     f = FAMILIES[family]
     layers = args.layers or (2 if args.tiny else f["layers"])
-    cfg = make_config(family, args.tiny, layers, args.vocab, args.seq)
+    batch = args.batch or (2 if args.tiny else f.get("batch", 4))
+    cfg = make_config(family, args.tiny, layers, args.vocab, args.seq, args.attn)
     d, n, E, K = (getattr(cfg, k) for k in SHAPE_KEYS[family])
     row = {"bench": "model-step", "model": f["model"], "family": family, "impl": impl,
-           "layers": layers, "tokens": args.batch * args.seq, "batch": args.batch,
+           "layers": layers, "tokens": batch * args.seq, "batch": batch,
            "seq": args.seq, "d": d, "n": n, "E": E, "K": K, "vocab": args.vocab,
            "dtype": str(dtype).replace("torch.", ""), "tiny": bool(args.tiny)}
     row.update(meta)
@@ -254,10 +265,11 @@ def run_impl(family, impl, args, dev, dtype, meta, ref):
             row["extension"] = moeblaze.extension_status()  # "loaded: ..." or "disabled"
         except ImportError:
             pass
-    ids, labels = batch_of(args.vocab, args.batch, args.seq, args.seed, dev)
+    ids, labels = batch_of(args.vocab, batch, args.seq, args.seed, dev)
     model = None
     try:
         model = build(family, cfg, dtype, dev, args.seed, impl)
+        row["attn"] = model.config._attn_implementation
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
@@ -302,6 +314,8 @@ def run_impl(family, impl, args, dev, dtype, meta, ref):
         row["skipped"] = str(why)
     except torch.OutOfMemoryError:
         row["skipped"] = "out of memory"
+    except (ImportError, OSError) as err:  # e.g. SonicMoE's kernel, loaded at the first call
+        row["skipped"] = f"not installed: {impl} ({type(err).__name__}: {str(err)[:300]})"
     except Exception as err:  # an impl that breaks on this model is reported, not fatal
         row["skipped"] = f"failed: {type(err).__name__}: {str(err)[:300]}"
     finally:
@@ -356,7 +370,11 @@ def main(argv=None):
                     help="CPU-sized models (d 32, a few experts), float32, a short batch")
     ap.add_argument("--layers", type=int, default=0,
                     help="decoder layers (default: 2; 1 for deepseek_v3 at full size)")
-    ap.add_argument("--batch", type=int, default=0, help="sequences per step (default 4; tiny 2)")
+    ap.add_argument("--batch", type=int, default=0,
+                    help="sequences per step (default 4, gpt_oss 2; tiny 2)")
+    ap.add_argument("--attn", default="",
+                    help="attention implementation (default: the model's own; e.g. sdpa, eager, "
+                         "flex_attention)")
     ap.add_argument("--seq", type=int, default=0, help="tokens per sequence (default 4096; tiny 16)")
     ap.add_argument("--vocab", type=int, default=0, help="vocabulary (default 4096; tiny 64)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
@@ -379,12 +397,11 @@ def main(argv=None):
     for i in impls:
         if i not in IMPLS:
             ap.error(f"unknown impl '{i}'; one of {', '.join(IMPLS)}")
-    args.batch = args.batch or (2 if args.tiny else 4)
     args.seq = args.seq or (16 if args.tiny else 4096)
     args.vocab = args.vocab or (64 if args.tiny else 4096)
     args.reps = args.reps or (3 if args.tiny else 20)
     args.warmup = args.warmup if args.warmup >= 0 else (1 if args.tiny else 3)
-    if min(args.batch, args.seq, args.vocab, args.reps) < 1 or args.layers < 0:
+    if min(args.seq, args.vocab, args.reps) < 1 or args.layers < 0 or args.batch < 0:
         ap.error("--batch, --seq, --vocab and --reps must be >= 1, --layers >= 0")
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype or ("float32" if args.tiny else "bfloat16"))
