@@ -33,6 +33,7 @@ be in place beforehand (the kernel in the Hugging Face cache), else its rows say
   python3 bench/model_step.py --tiny --family olmoe   # CPU-sized models (the tests' mode)
 """
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -416,12 +417,24 @@ def main(argv=None):
             "commit": git_commit(), "torch": torch.__version__,
             "transformers": transformers.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
-    if args.moeblaze_python and "moeblaze" in impls:
-        try:
-            import moeblaze
-            moeblaze.use_extension(False)
-        except ImportError:
-            pass  # its rows say "not installed"
+    with contextlib.ExitStack() as scope:
+        if args.moeblaze_python and "moeblaze" in impls:
+            try:
+                import moeblaze
+                # as a context: the caller's setting comes back (main() runs inside pytest too)
+                scope.enter_context(moeblaze.use_extension(False))
+            except ImportError:
+                pass  # its rows say "not installed"
+        rows = run_all(families, impls, args, dev, dtype, meta)
+    md = table(rows)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(md)
+    print(md, file=sys.stderr)
+    return 0
+
+
+def run_all(families, impls, args, dev, dtype, meta):
     if dev.type == "cuda":  # the CUDA context and cuBLAS start before any timed first step
         torch.ones(64, 64, device=dev) @ torch.ones(64, 64, device=dev)
         sync(dev)
@@ -434,12 +447,7 @@ def main(argv=None):
             row = run_impl(family, impl, args, dev, dtype, meta, ref)
             rows.append(row)
             emit(row, args.out)
-    md = table(rows)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(md)
-    print(md, file=sys.stderr)
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

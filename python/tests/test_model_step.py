@@ -31,10 +31,13 @@ def load_model_step():
 
 
 def test_model_step_tiny_cpu(tmp_path):
+    import moeblaze
     out = tmp_path / "rows.jsonl"
     ms = load_model_step()
+    before = moeblaze.extension_status()
     assert ms.main(["--tiny", "--device", "cpu", "--family", "deepseek_v3,gpt_oss",
                     "--reps", "1", "--warmup", "0", "--moeblaze-python", "--out", str(out)]) == 0
+    assert moeblaze.extension_status() == before  # --moeblaze-python leaves the setting as found
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["family"], r["impl"]) for r in rows] == [
         (f, i) for f in ("deepseek_v3", "gpt_oss") for i in ("grouped_mm", "sonicmoe", "moeblaze")]
