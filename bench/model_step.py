@@ -37,7 +37,6 @@ import contextlib
 import copy
 import datetime
 import json
-import math
 import os
 import sys
 import time
