@@ -431,7 +431,9 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
     for (const Step& st : steps) {
       const double ms = timer.median_ms(f.warmup, f.reps, [] {}, st.fn);
       JsonLine j;
-      j.add("bench", "layer-step").add("config", nc.name).add("step", st.name).add("S", S);
+      j.add("bench", "layer-step").add("config", nc.name);
+      if (nc.model) j.add("model", nc.model);
+      j.add("step", st.name).add("S", S);
       j.add("ms", ms);
       if (st.flops > 0) j.add("tflops", st.flops / ms / 1e9); else j.add("gbps", st.bytes / ms / 1e6);
       j.add("gpu", meta.gpu).add("commit", meta.commit).add("date", meta.date);
@@ -460,7 +462,9 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
     });
     const double gbps = bytes / agg_ms / 1e6, copy_gbps = 2.0 * copy_bytes / copy_ms / 1e6;
     JsonLine j;
-    j.add("bench", "aggregate").add("config", nc.name).add("T", c.T).add("d", c.d).add("S", S);
+    j.add("bench", "aggregate").add("config", nc.name);
+    if (nc.model) j.add("model", nc.model);
+    j.add("T", c.T).add("d", c.d).add("S", S);
     j.add("us", agg_ms * 1e3).add("gbps", gbps).add("copy_gbps", copy_gbps);
     j.add("pct_of_copy", 100.0 * gbps / copy_gbps).add("copy_bytes", uint64_t(copy_bytes));
     j.add("gpu", meta.gpu).add("driver", meta.driver).add("commit", meta.commit).add("date", meta.date);
