@@ -41,6 +41,8 @@ and read its GEMMs one by one with bench/quack_kernels.py.
 
   python3 bench/peers.py --config sm-7B-n256,olmoe [--impl ...] [--cli build/moeblaze]
                          [--out rows.jsonl] [--md table.md] [--profile FILE]
+  python3 bench/peers.py --config grid --impl moeblaze-torch,torch,sonicmoe --cli build/moeblaze
+                         # the public-model grid (bench/model_shapes.py), rows with "model"
   python3 bench/peers.py --config sm-default --memory-timeline FILE.png   # bytes live over a step
   python3 bench/peers.py --config sm-default,dsv2-d5120 --max-tokens      # largest T per impl
 
