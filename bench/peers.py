@@ -15,6 +15,8 @@ Rows (JSON lines, `bench: "peers"`, the layer-row fields of docs/DESIGN.md):
                               and weights excluded
   max_rel_err                 largest relative Frobenius error against float64 over out and dx (a
                               token sample), d weights (same sample) and dw1, dw2 (two experts)
+  model                       the public model of a grid shape (`--config grid`,
+                              bench/model_shapes.py); every grid shape is timed with SwiGLU
 `moeblaze` / `moeblaze-recompute` rows come from the C++ path (`moeblaze bench layer`, the same
 shape; its plan is built before the timing) when --cli names the binary.
 `moeblaze-torch-python` is moe_experts with its C++ fast path turned off (the Python path's
@@ -39,6 +41,8 @@ skip the search, and read its GEMMs one by one with bench/quack_kernels.py.
 
   python3 bench/peers.py --config sm-7B-n256,olmoe [--impl ...] [--cli build/moeblaze]
                          [--out rows.jsonl] [--md table.md] [--profile FILE]
+  python3 bench/peers.py --config grid --impl moeblaze-torch,torch,sonicmoe --cli build/moeblaze
+                         # the public-model grid (bench/model_shapes.py), rows with "model"
   python3 bench/peers.py --config sm-default --memory-timeline FILE.png   # bytes live over a step
   python3 bench/peers.py --config sm-default,dsv2-d5120 --max-tokens      # largest T per impl
 
@@ -66,6 +70,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_reference import (CONFIGS, EXTRA_SHAPES, driver_version, git_commit,  # noqa: E402
                              median, moe_layer, reference_rows, rel_err, saved_storage_counter)
+from model_shapes import MODELS as GRID_MODELS, SHAPES as GRID_SHAPES  # noqa: E402
 
 DEFAULT_CONFIGS = "sm-7B-n256,sm-30B-n512,sm-default,olmoe"
 ALL_IMPLS = "moeblaze-torch,moeblaze-torch-recompute,sonicmoe,scattermoe,torch,torch-fp8"
@@ -80,11 +85,14 @@ def shape_of(name):
         return CONFIGS[name]
     if name in EXTRA_SHAPES:
         return EXTRA_SHAPES[name]
+    if name in GRID_SHAPES:
+        return GRID_SHAPES[name]
     try:
         T, d, n, E, K = (int(v) for v in name.split(","))
     except ValueError:
         raise SystemExit(f"peers: unknown config '{name}': a named config "
-                         f"({', '.join(list(CONFIGS) + list(EXTRA_SHAPES))}) or T,d,n,E,K")
+                         f"({', '.join(list(CONFIGS) + list(EXTRA_SHAPES))}), 'grid' or one of "
+                         f"its shapes ({', '.join(GRID_SHAPES)}), or T,d,n,E,K")
     return T, d, n, E, K
 
 
@@ -540,9 +548,13 @@ def trace_step(name, impl, step, inp, folder):
 
 def cpp_rows(cli, name, shape, reps):
     """moeblaze's C++ path on the same shape (`moeblaze bench layer`), rows as it prints them."""
+    # SwiGLU as the rows beside them (a grid config's own activation may differ); --check: its
+    # sampled float64 error within `run --check`'s bound, else a nonzero exit reported below.
     args = [cli, "bench", "layer", "--impl", "moeblaze,moeblaze-recompute,dense-bound", "--json",
-            "--no-aggregate", "--reps", str(max(reps, 20))]  # its protocol's minimum
-    args += ["--config", name] if name in CONFIGS else ["--shape", ",".join(map(str, shape))]
+            "--no-aggregate", "--reps", str(max(reps, 20)),  # its protocol's minimum
+            "--activation", "swiglu", "--check"]
+    named = name in CONFIGS or name in GRID_SHAPES
+    args += ["--config", name] if named else ["--shape", ",".join(map(str, shape))]
     try:
         p = subprocess.run(args, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as err:
@@ -572,15 +584,17 @@ def run_config(name, impls, args, dev, flush, meta):
     flops_fwd, flops_bwd = 6.0 * S * n * d, 12.0 * S * n * d
     rows, ready = [], []  # ready: (impl, inp, step, err, worst, kept, peak) awaiting --alternate
 
+    model = {"model": GRID_MODELS[name]} if name in GRID_MODELS else {}  # grid rows carry it
+
     def skipped(impl, why):
         print(f"peers: {name} {impl}: skipped: {why}", file=sys.stderr)
-        rows.append({"bench": "peers", "config": name, "impl": impl, "skipped": why})
+        rows.append({"bench": "peers", "config": name, **model, "impl": impl, "skipped": why})
         emit(rows[-1], args.out)
 
     def finish(impl, err, worst, kept, peak, fwd, total, issue):
         bwd = total - fwd
-        row = {"bench": "peers", "config": name, "impl": impl, "T": T, "d": d, "n": n, "E": E,
-               "K": K, "activation": "swiglu", "routing": "softmax-topk", "fwd_ms": fwd,
+        row = {"bench": "peers", "config": name, **model, "impl": impl, "T": T, "d": d, "n": n,
+               "E": E, "K": K, "activation": "swiglu", "routing": "softmax-topk", "fwd_ms": fwd,
                "bwd_ms": bwd, "total_ms": total, "fwd_tflops": flops_fwd / fwd / 1e9,
                "bwd_tflops": flops_bwd / bwd / 1e9 if bwd > 0 else None,
                "total_tflops": (flops_fwd + flops_bwd) / total / 1e9, "kept_bytes": int(kept),
@@ -622,7 +636,7 @@ def run_config(name, impls, args, dev, flush, meta):
             continue
         except Exception as err:  # a peer that breaks at this shape is reported, not fatal
             print(f"peers: {name} {impl}: failed: {type(err).__name__}: {err}", file=sys.stderr)
-            rows.append({"bench": "peers", "config": name, "impl": impl,
+            rows.append({"bench": "peers", "config": name, **model, "impl": impl,
                          "skipped": f"failed: {type(err).__name__}: {str(err)[:300]}"})
             emit(rows[-1], args.out)
             continue
@@ -873,7 +887,8 @@ def markdown(rows):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=DEFAULT_CONFIGS,
-                    help="comma list of named configs, extra shapes or T,d,n,E,K (';' between "
+                    help="comma list of named configs, extra shapes, 'grid' (the public-model "
+                         "grid of bench/model_shapes.py) or its names, or T,d,n,E,K (';' between "
                          "custom shapes)")
     ap.add_argument("--impl", default=ALL_IMPLS, help=f"comma list of {ALL_IMPLS}")
     ap.add_argument("--reps", type=int, default=20)
@@ -919,6 +934,8 @@ def main():
             ap.error(f"unknown impl '{i}'; one of {', '.join(IMPLS)}")
     names = [c for c in (args.config.split(";") if ";" in args.config else
                          args.config.split(",")) if c]
+    # "grid": every shape of the public-model grid (bench/model_shapes.py), in its order.
+    names = [g for c in names for g in (list(GRID_SHAPES) if c == "grid" else [c])]
     for c in names:
         shape_of(c)
     if args.plot_json:

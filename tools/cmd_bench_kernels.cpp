@@ -19,6 +19,7 @@
 #include "commands.hpp"
 #include "cmd_bench_util.hpp"
 #include "configs.hpp"
+#include "flags.hpp"
 #include "cuda/gemm/dispatch/kernel_config.hpp"
 #include "cuda/layer/expert_ranges.hpp"
 #include "cuda/layer/layer_cuda.hpp"
@@ -36,6 +37,7 @@ struct KernelsFlags {
   std::string rounding;  // comma list of token roundings for the padding table ("" = no table)
   int m_tile = 128;
   uint64_t seed = 1234;
+  int64_t sms = 0;  // the GPU's SM count the rules take (0: this machine's GPU, else kFallbackSms)
 };
 
 // FP8 backward's transients per config and recipe (cuda::fp8_backward_plan, weights cached): the
@@ -142,7 +144,7 @@ void padding_table(const KernelsFlags& f, const std::vector<const NamedConfig*>&
       std::vector<int64_t> rows(size_t(c.E), 0);  // (E,) pairs routed to each expert
       for (int64_t p = 0; p < routing.P(); ++p) ++rows[size_t(routing.pair_experts()[p])];
       const int64_t S = routing.P();
-      const gg::LayerKernels k = gg::choose_kernels({S, c.E, c.d, c.n, act}, o);
+      const gg::LayerKernels k = gg::choose_kernels({S, c.E, c.d, c.n, act, f.sms}, o);
       std::vector<std::string> row{nc->name,
                                    r == "topk" ? r : r + " m" + std::to_string(f.m_tile),
                                    std::to_string(S)};
@@ -177,12 +179,24 @@ void run_kernels(const KernelsFlags& f) {
   const gg::KernelOverrides o =
       f.kernels.empty() ? gg::kernel_overrides() : gg::parse_kernel_overrides(f.kernels);
   if (!o.spec.empty()) std::cout << "kernel overrides: " << o.spec << "\n";
+  // The SM count the rules read (the TMA path's bands): --sms, else this machine's GPU's.
+  const gg::DeviceSms dev = gg::current_device_sms();
+  std::cout << "SMs: " << (f.sms > 0 ? f.sms : dev.sms)
+            << (f.sms > 0           ? " (--sms)"
+                : dev.device >= 0   ? " (device " + std::to_string(dev.device) + ")"
+                                    : " (no GPU visible: the H200's, kFallbackSms)")
+            << "\n";
   Table table({{"config", Align::left}, {"S"}, {"GEMM", Align::left}, {"family", Align::left},
                {"schedule", Align::left}, {"tile", Align::left}, {"stages"}, {"cluster"},
                {"order", Align::left}, {"rule", Align::left}});
   for (const NamedConfig* c : configs) {
+<<<<<<< HEAD
     const int64_t S = c->T * c->K;  // softmax top-K, the benchmark routing
     const gg::LayerKernels k = gg::choose_kernels({S, c->E, c->d, c->n, act}, o);
+=======
+    const int64_t S = c->T * c->K;  // softmax top-K, docs/DESIGN.md's benchmark routing
+    const gg::LayerKernels k = gg::choose_kernels({S, c->E, c->d, c->n, act, f.sms}, o);
+>>>>>>> model-grid
     for (int i = 0; i < gg::LayerKernels::kCount; ++i) {
       const gg::GemmKernel& g = k.at(i);
       const bool tma = g.family == gg::KernelFamily::tma_grouped;
@@ -212,7 +226,7 @@ void run_kernels(const KernelsFlags& f) {
     const int64_t S = c->T * c->K;
     const LayerConfig lc = layer_config(*c, act, DType::bf16);
     for (const LayerMode mode : {LayerMode::keep_h, LayerMode::recompute}) {
-      const gg::LayerKernels k = gg::choose_kernels({S, c->E, c->d, c->n, act}, o);
+      const gg::LayerKernels k = gg::choose_kernels({S, c->E, c->d, c->n, act, f.sms}, o);
       const cuda::ExpertRanges ranges =
           cuda::choose_expert_ranges(lc, S, mode, k, o.expert_ranges);
       const cuda::LayerChunks lch = cuda::choose_token_chunks(lc, S, mode, k, o.token_chunks,
@@ -233,7 +247,7 @@ void run_kernels(const KernelsFlags& f) {
     const int64_t S = c->T * c->K;
     const LayerConfig lc = layer_config(*c, act, DType::bf16);
     const cuda::ExpertRanges here = cuda::choose_expert_ranges(
-        lc, S, LayerMode::recompute, gg::choose_kernels({S, c->E, c->d, c->n, act}, o),
+        lc, S, LayerMode::recompute, gg::choose_kernels({S, c->E, c->d, c->n, act, f.sms}, o),
         o.expert_ranges);
     // The automatic rule's threshold in tokens (the override, where given, holds at every T).
     const int64_t per_token = cuda::whole_step_range_bytes(lc, c->K);
@@ -254,7 +268,8 @@ void add_bench_kernels_command(CLI::App& bench) {
   CLI::App* sub = bench.add_subcommand(
       "kernels", "the kernel each grouped GEMM runs per config, field by field, and the rule "
                  "that chose it; needs no GPU");
-  sub->add_option("--config", flags->config, "a named config, a comma list, or 'all'")
+  sub->add_option("--config", flags->config,
+                  "a named config, a comma list, 'all' or 'grid' (the public-model grid)")
       ->capture_default_str();
   sub->add_option("--kernels", flags->kernels,
                   "kernel overrides, e.g. dw1.cluster=2,dh.schedule=pingpong (default: "
@@ -268,6 +283,10 @@ void add_bench_kernels_command(CLI::App& bench) {
   sub->add_option("--m-tile", flags->m_tile, "token rounding's tile")->capture_default_str();
   sub->add_option("--seed", flags->seed, "the logits' seed (as bench layer's)")
       ->capture_default_str();
+  sub->add_option("--sms", flags->sms,
+                  "choose for a GPU of this many SMs (default: this machine's GPU; 132, the "
+                  "H200's, where none is visible)")
+      ->check(integer_in(1, 4096));
   sub->callback([flags] { run_kernels(*flags); });
 }
 

@@ -50,7 +50,7 @@ namespace {
 struct BenchFlags {
   std::string config = "all";
   std::string impl = "moeblaze,moeblaze-recompute,materialized,dense-bound";
-  std::string activation = "swiglu";
+  std::string activation;  // "" = the config's own (swiglu; the grid's gpt-oss: swiglu-oai)
   int reps = 20;
   int warmup = 2;
   int sample_tokens = 16;
@@ -69,12 +69,21 @@ struct BenchFlags {
   // Expert biases b1, b2 (and db1, db2) on the moeblaze impls: rows "<impl>+bias", no error
   // column (the sampled reference has no biases).
   bool bias = false;
+  // Exit 1 after the tables when a moeblaze row's sampled error exceeds `run --check`'s bound
+  // (check_tolerance) or is missing (NaN output): a timing run that is also a correctness run.
+  bool check = false;
 };
 
 // The routing field of the rows: "softmax-topk" or, e.g., "softmax-topk+nr-f/128".
 std::string routing_label(const BenchFlags& f) {
   return f.routing == "topk" ? std::string("softmax-topk")
                              : "softmax-topk+" + f.routing + "/" + std::to_string(f.m_tile);
+}
+
+// --activation, else the config's own activation (the grid's gpt-oss rows: swiglu-oai).
+std::string activation_of(const BenchFlags& f, const NamedConfig& nc) {
+  if (!f.activation.empty()) return f.activation;
+  return nc.activation ? nc.activation : "swiglu";
 }
 
 // ---- float64 reference on sampled tokens --------------------------------------------------------
@@ -225,6 +234,7 @@ void emit(const BenchFlags& f, const Meta& m, const NamedConfig& nc, const Layer
   const double ff = forward_flops(c, S), fb = backward_flops(c, S);
   JsonLine j;
   j.add("bench", "layer").add("config", nc.name).add("impl", r.impl);
+  if (nc.model) j.add("model", nc.model);  // grid rows: the public model of the shape
   j.add("T", c.T).add("d", c.d).add("n", c.n).add("E", c.E).add("K", c.K).add("S", S);
   j.add("activation", activation_name(c.activation)).add("routing", routing_label(f));
   j.add("fwd_ms", r.fwd).add("bwd_ms", r.bwd).add("total_ms", r.total);
@@ -246,8 +256,9 @@ void emit(const BenchFlags& f, const Meta& m, const NamedConfig& nc, const Layer
 
 void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
                   const std::vector<std::string>& impls, void* flush, Table& table,
-                  Table& agg_table, Table& step_table, std::ofstream* jsonl) {
-  const LayerConfig c = layer_config(nc, parse_activation(f.activation), DType::bf16);
+                  Table& agg_table, Table& step_table, std::ofstream* jsonl,
+                  std::vector<std::string>& failures) {
+  const LayerConfig c = layer_config(nc, parse_activation(activation_of(f, nc)), DType::bf16);
   cuda::gemm::check_gemm_shape(c.d, c.n);  // Unsupported naming the dimension: skip the config
   const cudaStream_t stream = nullptr;
   const int64_t R = c.w1_rows();
@@ -368,6 +379,12 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
     }
     r.bwd = r.total - r.fwd;
     emit(f, meta, nc, c, S, r, int(ref.tokens.size()), table, jsonl);
+    if (f.check && impl != "dense-bound" && !f.bias) {  // the rows with an error column
+      const double tol = check_tolerance(parse_impl(impl), DType::bf16);
+      if (!(r.err <= tol))
+        failures.push_back(std::string(nc.name) + " " + impl + ": max rel err " +
+                           scientific(r.err, 2) + " > " + scientific(tol, 2));
+    }
     std::cerr << "bench layer: " << nc.name << " " << impl << " done\n";
   }
 
@@ -415,7 +432,9 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
     for (const Step& st : steps) {
       const double ms = timer.median_ms(f.warmup, f.reps, [] {}, st.fn);
       JsonLine j;
-      j.add("bench", "layer-step").add("config", nc.name).add("step", st.name).add("S", S);
+      j.add("bench", "layer-step").add("config", nc.name);
+      if (nc.model) j.add("model", nc.model);
+      j.add("step", st.name).add("S", S);
       j.add("ms", ms);
       if (st.flops > 0) j.add("tflops", st.flops / ms / 1e9); else j.add("gbps", st.bytes / ms / 1e6);
       j.add("gpu", meta.gpu).add("commit", meta.commit).add("date", meta.date);
@@ -444,7 +463,9 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
     });
     const double gbps = bytes / agg_ms / 1e6, copy_gbps = 2.0 * copy_bytes / copy_ms / 1e6;
     JsonLine j;
-    j.add("bench", "aggregate").add("config", nc.name).add("T", c.T).add("d", c.d).add("S", S);
+    j.add("bench", "aggregate").add("config", nc.name);
+    if (nc.model) j.add("model", nc.model);
+    j.add("T", c.T).add("d", c.d).add("S", S);
     j.add("us", agg_ms * 1e3).add("gbps", gbps).add("copy_gbps", copy_gbps);
     j.add("pct_of_copy", 100.0 * gbps / copy_gbps).add("copy_bytes", uint64_t(copy_bytes));
     j.add("gpu", meta.gpu).add("driver", meta.driver).add("commit", meta.commit).add("date", meta.date);
@@ -462,7 +483,7 @@ void run_bench(const BenchFlags& f) {
   MOEBLAZE_REQUIRE(f.sample_tokens >= 1, "sample-tokens (", f.sample_tokens, ") must be >= 1");
   MOEBLAZE_REQUIRE(f.m_tile >= 1, "m-tile (", f.m_tile, ") must be >= 1");
   if (f.routing != "topk") parse_rounding(f.routing);  // throws naming the valid modes
-  parse_activation(f.activation);
+  if (!f.activation.empty()) parse_activation(f.activation);
   if (!f.kernels.empty()) cuda::gemm::set_kernel_overrides(cuda::gemm::parse_kernel_overrides(f.kernels));
   std::vector<const NamedConfig*> configs;
   // --shape: one unnamed config, named after its shape in the rows (both live until the end of
@@ -514,9 +535,11 @@ void run_bench(const BenchFlags& f) {
   Table agg_table({{"config", Align::left}, {"S"}, {"aggregate us"}, {"GB/s"}, {"copy GB/s"},
                    {"% of copy"}});
   Table step_table({{"config", Align::left}, {"step", Align::left}, {"ms"}, {"TFLOPS"}, {"GB/s"}});
+  std::vector<std::string> failures;  // --check
   for (const NamedConfig* nc : configs) {
     try {
-      bench_config(f, meta, *nc, impls, flush.p, table, agg_table, step_table, out.get());
+      bench_config(f, meta, *nc, impls, flush.p, table, agg_table, step_table, out.get(),
+                   failures);
     } catch (const Unsupported& e) {
       std::cerr << "bench layer: " << nc->name << ": skipped: " << e.what() << "\n";
     } catch (const DeviceError& e) {
@@ -534,6 +557,8 @@ void run_bench(const BenchFlags& f) {
     os << "\n";
     agg_table.print(os);
   }
+  for (const std::string& m : failures) std::cerr << "bench layer: check failed: " << m << "\n";
+  if (!failures.empty()) throw CLI::RuntimeError(kExitFailure);
 }
 
 }  // namespace
@@ -542,11 +567,15 @@ void add_bench_layer_command(CLI::App& bench) {
   auto flags = std::make_shared<BenchFlags>();
   CLI::App* sub = bench.add_subcommand(
       "layer", "MoE layer forward/backward on the GPU: moeblaze, recompute, materialized and "
-               "dense-bound, by DESIGN's protocol");
-  sub->add_option("--config", flags->config, "a named config, a comma list, or 'all'")
+               "dense-bound, by docs/DESIGN.md's protocol");
+  sub->add_option("--config", flags->config,
+                  "a named config, a comma list, 'all' (the named configs) or 'grid' (the "
+                  "public-model grid; `moeblaze run --config list` prints both)")
       ->capture_default_str();
   sub->add_option("--impl", flags->impl, "comma list of implementations")->capture_default_str();
-  sub->add_option("--activation", flags->activation, "expert activation")->capture_default_str();
+  sub->add_option("--activation", flags->activation,
+                  "expert activation (default: the config's own: swiglu, swiglu-oai for the "
+                  "grid's gpt-oss rows)");
   sub->add_option("--reps", flags->reps, "timed repetitions (median; >= 20)")->capture_default_str()
       ->check(integer_in(1, INT32_MAX));
   sub->add_option("--warmup", flags->warmup, "untimed repetitions first")->capture_default_str()
@@ -568,6 +597,9 @@ void add_bench_layer_command(CLI::App& bench) {
                   "MOEBLAZE_KERNELS)");
   sub->add_flag("--bias", flags->bias,
                 "expert biases b1, b2 on the moeblaze impls (rows '<impl>+bias', no error column)");
+  sub->add_flag("--check", flags->check,
+                "exit 1 when a row's max rel err against the float64 sample exceeds `run "
+                "--check`'s bound (bf16 2e-2, FP8 0.1); --bias rows have no error to check");
   sub->add_flag("--show-kernels", flags->show_kernels,
                 "print each config's kernel choice (as `bench kernels`) before its rows");
   sub->add_flag("--breakdown", flags->breakdown,

@@ -15,15 +15,24 @@ struct NamedConfig {
   const char* name;
   int64_t T, d, n, E, K;
   const char* source;  // where the shape comes from (paper table, model family)
+  // The public-model grid only (model_grid()): the model whose config.json gives d, n, E, K
+  // (rows carry it as "model"), and its experts' activation where not SwiGLU.
+  const char* model = nullptr;
+  const char* activation = nullptr;  // nullptr: swiglu
 };
 
 // Every named config, in docs/DESIGN.md's order; the last one is the CLI's embedded default.
 const std::vector<NamedConfig>& named_configs();
 
+// The public-model grid: one expert layer per published MoE model (d, n, E, K from its
+// config.json; T a per-GPU batch in 8192..32768 tokens), selected together by `--config grid`
+// and one by one by name. bench/model_shapes.py holds the same list for bench/peers.py.
+const std::vector<NamedConfig>& model_grid();
+
 // The embedded default of `moeblaze run`: cpu-default (T=2048, d=256, n=512, E=16, K=4).
 const NamedConfig& default_config();
 
-// nullptr when `name` is not a named config.
+// nullptr when `name` is neither a named config nor a grid config.
 const NamedConfig* find_config(const std::string& name);
 
 // Throws InvalidArgument listing the valid names when `name` is unknown.
@@ -34,14 +43,16 @@ const NamedConfig& require_config(const std::string& name);
 // naming it for a dimension below 1 or K > E.
 const NamedConfig* shape_config(const std::string& name);
 
-// The configs a --config flag names: "all" (every named config, in DESIGN's order) or a comma list
-// of names and shapes by name (InvalidArgument listing the valid names for an unknown one).
+// The configs a --config flag names: "all" (every named config, in docs/DESIGN.md's order), "grid" (the
+// public-model grid, in its order) or a comma list of names (either list's) and shapes by name
+// (InvalidArgument listing the valid names for an unknown one).
 std::vector<const NamedConfig*> select_configs(const std::string& spec);
 
-// "mb-conf1, mb-conf3, ..., cpu-default"
+// "mb-conf1, mb-conf3, ..., cpu-default" (the grid's names: grid_names())
 std::string config_names();
+std::string grid_names();
 
-// The table printed by `--config list`.
+// The tables printed by `--config list`: the named configs, then the grid with its models.
 void print_config_list(std::ostream& os);
 
 // The layer shape of a named config with the given activation and storage dtype.

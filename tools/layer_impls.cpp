@@ -14,4 +14,9 @@ const Impl& parse_impl(const std::string& s) {
   throw InvalidArgument("impl '" + s + "' is not one of: " + impl_names());
 }
 
+double check_tolerance(const Impl& impl, DType dtype) {
+  if (is_fp8(impl.compute)) return 0.1;
+  return dtype == DType::bf16 ? 2e-2 : 1e-4;
+}
+
 }  // namespace moeblaze::tools

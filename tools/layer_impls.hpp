@@ -40,4 +40,14 @@ std::string impl_names();
 // The Impl named s; InvalidArgument naming the valid names otherwise.
 const Impl& parse_impl(const std::string& s);
 
+// Error bound of `run --check` and `bench layer --check`: bf16 storage rounds every stored value (x, w, H, out, gradients) to
+// 8 significant bits, ~2^-9 relative each, compounded over a few roundings; fp32 storage leaves
+// only fp32 accumulation error over sums of length d, n or S/E. FP8 compute: e4m3's 3-bit
+// mantissa gives ~0.036 per quantized operand, out and dx pass two quantized GEMMs in series;
+// 0.1 bounds them with margin (kFp8Tol of tests/cpu/test_layer_fp8.cpp, which says why) and stays
+// far below a broken path (a wrong scale or a missed operand is O(1)). Not for relu: e4m3 operands
+// flip the sign of H entries near zero and relu's step derivative turns each flip into a whole
+// dH error (dx, dw1 0.16 at cpu-default; docs/notes/fp8.md).
+double check_tolerance(const Impl& impl, DType dtype);
+
 }  // namespace moeblaze::tools

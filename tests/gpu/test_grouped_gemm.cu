@@ -721,14 +721,14 @@ TEST(GroupedGemmChecks, ShapeRule) {
 }
 
 // The automatic kernel choice follows the rules measured on the H200 (kernel_config.hpp), field
-// by field. Host-only: runs without a GPU.
+// by field, for its 132 SMs whatever GPU runs the test. Host-only: runs without a GPU.
 TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   using gg::KernelFamily;
   using gg::KernelSchedule;
   const gg::KernelOverrides none;
   auto choose = [&](int64_t S, int64_t E, int64_t d, int64_t n,
                     Activation act = Activation::swiglu) {
-    return gg::choose_kernels({S, E, d, n, act}, none);
+    return gg::choose_kernels({S, E, d, n, act, 132}, none);
   };
   // sm-default: every gathered GEMM warp-specialised, dH cooperative (d = 4096), TMA down/dX.
   const gg::LayerKernels sm = choose(262144, 128, 4096, 1024);
@@ -761,12 +761,12 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_EQ(choose(327680, 128, 768, 256).dx.tma_bands, 13);
   EXPECT_EQ(choose(49152, 32, 1536, 1024).down.tma_bands, 1);
   EXPECT_EQ(choose(131072, 64, 2048, 1024).dx.tma_bands, 1);
-  EXPECT_EQ(gg::tma_bands_rule(24576, 128, 12288, 512, 192, 128), 2);  // L2: 12 MiB weights
-  EXPECT_EQ(gg::tma_bands_rule(196608, 128, 1536, 513, 192, 128), 1);  // K > 512
-  EXPECT_EQ(gg::tma_bands_rule(196608, 4, 1536, 256, 192, 128), 1);  // 24576 rows per expert
-  EXPECT_EQ(gg::tma_bands_rule(1000, 1, 1536, 256, 192, 128), 1);    // one expert
-  EXPECT_EQ(gg::tma_bands_rule(96, 64, 128, 64, 192, 128), 64);      // one tile each: E's cap
-  EXPECT_EQ(gg::tma_bands_rule(0, 64, 128, 64, 192, 128), 1);
+  EXPECT_EQ(gg::tma_bands_rule(24576, 128, 12288, 512, 192, 128, 132), 2);  // L2: 12 MiB weights
+  EXPECT_EQ(gg::tma_bands_rule(196608, 128, 1536, 513, 192, 128, 132), 1);  // K > 512
+  EXPECT_EQ(gg::tma_bands_rule(196608, 4, 1536, 256, 192, 128, 132), 1);  // 24576 rows per expert
+  EXPECT_EQ(gg::tma_bands_rule(1000, 1, 1536, 256, 192, 128, 132), 1);    // one expert
+  EXPECT_EQ(gg::tma_bands_rule(96, 64, 128, 64, 192, 128, 132), 64);      // one tile each: E's cap
+  EXPECT_EQ(gg::tma_bands_rule(0, 64, 128, 64, 192, 128, 132), 1);
   EXPECT_EQ(s7.dh.family, KernelFamily::ws_gather);
   EXPECT_EQ(s7.dh.schedule, KernelSchedule::cooperative);
   EXPECT_EQ(choose(131072, 64, 2048, 1024).dh, sm.dh);  // olmoe
@@ -802,6 +802,50 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_EQ(choose(1000, 8, 512, 256).dx.family, KernelFamily::two_cta);
   EXPECT_EQ(choose(130944, 5000, 4096, 1024).dx.family, KernelFamily::two_cta);  // E > 4096
   EXPECT_EQ(gg::describe(sm.up), "ws_gather cooperative 128x256x64 stages=4 cluster=1 raster=16");
+  EXPECT_EQ(sm.sms, 132);  // the count the choice was made for
+}
+
+// The bands read the GPU's SM count (KernelShape::sms): 132 (H200, H100 SXM) gives the choices
+// above; on fewer SMs (114: H100 PCIe) an expert needs fewer tiles to be banded, the bands are
+// as many or fewer, and nothing but the bands changes. Host-only: runs without a GPU.
+TEST(GroupedGemmChecks, TmaBandsFollowTheSmCount) {
+  const gg::KernelOverrides none;
+  auto choose = [&](int64_t S, int64_t E, int64_t d, int64_t n, int64_t sms,
+                    Activation act = Activation::swiglu) {
+    return gg::choose_kernels({S, E, d, n, act, sms}, none);
+  };
+  // sm-7B-n256 (96 tiles per expert): ceil(8 * 114 / 96) = 10 bands on 114 SMs, 11 on 132.
+  EXPECT_EQ(choose(196608, 128, 1536, 256, 114).down.tma_bands, 10);
+  EXPECT_EQ(choose(196608, 128, 1536, 256, 114).dx.tma_bands, 10);
+  EXPECT_EQ(choose(196608, 128, 1536, 256, 132).down.tma_bands, 11);
+  // sm-1.4B-n256 (84 tiles): ceil(8 * 114 / 84) = 11; 13 on 132.
+  EXPECT_EQ(choose(327680, 128, 768, 256, 114).down.tma_bands, 11);
+  // 120 tiles per expert (10 x 12 at 192 x 128, K = 256): banded on 132 SMs (ceil(1056 / 120)
+  // = 9), not on 114 (as many tiles as SMs or more: CUTLASS's order).
+  EXPECT_EQ(gg::tma_bands_rule(122880, 64, 1536, 256, 192, 128, 132), 9);
+  EXPECT_EQ(gg::tma_bands_rule(122880, 64, 1536, 256, 192, 128, 114), 1);
+  EXPECT_EQ(gg::tma_bands_rule(122880, 64, 1536, 256, 192, 128, 0), 1);  // no SMs: no bands
+  // Over the named configs' and the public-model grid's kinds of shapes: only the bands differ
+  // between 114 and 132 SMs, never more of them on fewer SMs; sms = 0 takes the current device's
+  // count (kFallbackSms where no GPU is visible) and says which.
+  for (const int64_t d : {768, 1536, 2048, 2880, 4096, 7168})
+    for (const int64_t n : {256, 512, 768, 1408, 2048})
+      for (const int64_t E : {8, 16, 64, 128, 160, 256, 384})
+        for (const int64_t rows : {128, 256, 512, 1024, 2048, 4096}) {
+          const int64_t S = E * rows;
+          const gg::LayerKernels a = choose(S, E, d, n, 114), b = choose(S, E, d, n, 132);
+          EXPECT_EQ(a.sms, 114);
+          for (int i = 0; i < gg::LayerKernels::kCount; ++i) {
+            gg::GemmKernel x = a.at(i), y = b.at(i);
+            EXPECT_LE(x.tma_bands, y.tma_bands) << gg::LayerKernels::name(i) << " S " << S;
+            x.tma_bands = y.tma_bands;
+            EXPECT_TRUE(x == y) << gg::LayerKernels::name(i) << " S " << S;
+          }
+        }
+  const gg::DeviceSms dev = gg::current_device_sms();
+  EXPECT_GE(dev.sms, 1);
+  EXPECT_TRUE(dev.device >= 0 || dev.sms == gg::kFallbackSms);
+  EXPECT_EQ(choose(196608, 128, 1536, 256, 0).sms, dev.sms);
 }
 
 // The choice is total and deterministic over a grid of shapes (real models' sizes: d up to 8192,

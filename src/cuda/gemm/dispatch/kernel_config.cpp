@@ -61,16 +61,17 @@ GemmKernel tma_grouped(const char* rule, int v = 0) {
 
 }  // namespace
 
-int tma_bands_rule(int64_t S, int64_t E, int64_t N, int64_t K, int tile_m, int tile_n) {
-  if (E <= 1 || S <= 0 || N <= 0 || K <= 0 || tile_m <= 0 || tile_n <= 0) return 1;
+int tma_bands_rule(int64_t S, int64_t E, int64_t N, int64_t K, int tile_m, int tile_n,
+                   int64_t sms) {
+  if (E <= 1 || S <= 0 || N <= 0 || K <= 0 || tile_m <= 0 || tile_n <= 0 || sms <= 0) return 1;
   const int64_t rows = (S + E - 1) / E;  // per expert, on average
   const int64_t tiles = ((rows + tile_m - 1) / tile_m) * ((N + tile_n - 1) / tile_n);
   // Only where a CTA would meet a new expert at nearly every tile (fewer tiles per expert than SMs)
   // of a short mainloop (K <= 512); elsewhere bands cost L2 reuse of the weights for little
   // (docs/notes/tma-bands.md).
-  if (tiles >= kBandSms || K > kBandMaxK) return 1;
+  if (tiles >= sms || K > kBandMaxK) return 1;
   const int64_t w_bytes = 2 * N * K;  // the expert's bf16 weight, N x K
-  int64_t b = (kBandRunTiles * kBandSms + tiles - 1) / tiles;
+  int64_t b = (kBandRunTiles * sms + tiles - 1) / tiles;
   b = std::min({b, E, int64_t(kMaxTmaBands), kBandWeightBytes / w_bytes});
   return static_cast<int>(std::max<int64_t>(b, 1));
 }
@@ -123,9 +124,9 @@ LayerKernels automatic(const KernelShape& s) {
   // Bands on the TMA path: both GEMMs write N = d columns; down reduces over n, dX̃ over w1_rows.
   const int64_t w1_rows = is_gated(s.act) ? 2 * s.n : s.n;
   if (k.down.family == KernelFamily::tma_grouped)
-    k.down.tma_bands = tma_bands_rule(s.S, s.E, s.d, s.n, k.down.tile_m, k.down.tile_n);
+    k.down.tma_bands = tma_bands_rule(s.S, s.E, s.d, s.n, k.down.tile_m, k.down.tile_n, s.sms);
   if (k.dx.family == KernelFamily::tma_grouped)
-    k.dx.tma_bands = tma_bands_rule(s.S, s.E, s.d, w1_rows, k.dx.tile_m, k.dx.tile_n);
+    k.dx.tma_bands = tma_bands_rule(s.S, s.E, s.d, w1_rows, k.dx.tile_m, k.dx.tile_n, s.sms);
   if (!ws) {
     k.dw2 = k.dw1 = two_cta("E > 4096: the 2-CTA varlen-K kernel, as measured");
   } else {
@@ -483,8 +484,11 @@ bool pdl_launches() {
   return v == 1;
 }
 
-LayerKernels choose_kernels(const KernelShape& shape, const KernelOverrides& o) {
+LayerKernels choose_kernels(const KernelShape& given, const KernelOverrides& o) {
+  KernelShape shape = given;
+  if (shape.sms <= 0) shape.sms = current_device_sms().sms;
   LayerKernels k = automatic(shape);
+  k.sms = shape.sms;
   for (int i = 0; i < LayerKernels::kCount; ++i) apply(i, o.gemm[i], shape, k.at(i));
   if (shape.act == Activation::swiglu_oai)
     for (const int g : {kUp, kDh}) {

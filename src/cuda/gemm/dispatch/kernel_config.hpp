@@ -42,12 +42,11 @@ constexpr int64_t kWsDhMinD = 2048;      // on a gather kernel from here
 constexpr int64_t kWsDhCoopMinD = 4096;  // cooperative (not ping-pong) from here
 constexpr int64_t kWsDhSwigluCoopMaxExperts = 2000;  // the staged-H kernel's table room
 constexpr int64_t kDw1ClusterMinRowsPerExpert = 4096;  // dW1 on 2-CTA clusters from here
-// tma_grouped's bands (tma_bands_rule), where an expert has fewer tiles than kBandSms (the H200's
-// SMs) and the GEMM reduces over at most kBandMaxK: enough that a CTA takes about kBandRunTiles
-// tiles of an expert in a row, few enough that the weights of the experts the bands are in at
-// once fit in kBandWeightBytes of L2, at most one band per expert.
+// tma_grouped's bands (tma_bands_rule), where an expert has fewer tiles than the GPU has SMs
+// (KernelShape::sms, read from the device) and the GEMM reduces over at most kBandMaxK: enough
+// that a CTA takes about kBandRunTiles tiles of an expert in a row, few enough that the weights of
+// the experts the bands are in at once fit in kBandWeightBytes of L2, at most one band per expert.
 constexpr int64_t kBandRunTiles = 8;
-constexpr int64_t kBandSms = 132;
 constexpr int64_t kBandMaxK = 512;
 constexpr int64_t kBandWeightBytes = int64_t(24) << 20;
 constexpr int kMaxTmaBands = 64;
@@ -97,6 +96,7 @@ int tma_variant(const GemmKernel& k);
 // The six GEMMs in pipeline order (docs/DESIGN.md's steps 1, 2, 4, 5, 6, 8).
 struct LayerKernels {
   GemmKernel up, down, dh, dw2, dx, dw1;
+  int64_t sms = 0;  // the SM count the choice was made for (printed; not part of the value)
   enum : int { kUp, kDown, kDh, kDw2, kDx, kDw1 };  // at()'s index of each
   static constexpr int kCount = 6;
   static const char* name(int i);  // "up_proj", "down_proj", "dh_proj", "dw2_proj", ...
@@ -135,12 +135,30 @@ struct KernelShape {
   // up/dh run their activation's own kernels for swiglu (dh) and swiglu_oai (up, dh); the other
   // activations share kernels with an activation switch.
   Activation act = Activation::swiglu;
+  // The SMs of the GPU the kernels run on (the TMA path's bands); 0: the current device's
+  // (current_device_sms()). Host tests and `bench kernels --sms` pass it to choose for a GPU
+  // that is not here.
+  int64_t sms = 0;
 };
 
+// The SM count the rules take where no GPU is visible (a build machine's `bench kernels`): the
+// H200's and the H100 SXM's, the GPUs the rules were measured on.
+constexpr int64_t kFallbackSms = 132;
+
+// The current CUDA device's multiprocessor count (cudaDevAttrMultiProcessorCount), read once per
+// device; device -1 and kFallbackSms where no GPU is visible. The one CUDA runtime call of the
+// choice (device_sms.cpp): everything else here is host arithmetic.
+struct DeviceSms {
+  int64_t sms;
+  int device;
+};
+DeviceSms current_device_sms();
+
 // The bands for a tma_grouped GEMM with tile_m x tile_n tiles over S rows in E experts, N output
-// columns and a reduction over K (its weight per expert is N x K; pipeline/sm90_band_scheduler.cuh),
-// in [1, 64].
-int tma_bands_rule(int64_t S, int64_t E, int64_t N, int64_t K, int tile_m, int tile_n);
+// columns and a reduction over K (its weight per expert is N x K; pipeline/sm90_band_scheduler.cuh)
+// on a GPU of `sms` SMs (>= 1), in [1, 64].
+int tma_bands_rule(int64_t S, int64_t E, int64_t N, int64_t K, int tile_m, int tile_n,
+                   int64_t sms);
 
 // Overrides of the automatic choice. Spec (MOEBLAZE_KERNELS, or parse_kernel_overrides):
 // comma-separated key=value items, e.g. "dw1.cluster=2,dh.schedule=pingpong,down.family=two_cta".
@@ -205,8 +223,8 @@ KernelOverrides kernel_overrides();
 void set_kernel_overrides(const KernelOverrides& o);
 void clear_kernel_overrides();  // back to MOEBLAZE_KERNELS / none
 
-// The kernels for a shape, overrides applied. Total and deterministic for every shape with
-// S >= 0, E >= 1, d, n >= 1. Throws Unsupported where an override asks for what a kernel cannot
+// The kernels for a shape, overrides applied, for shape.sms SMs (0: the current device's).
+// Total and deterministic for every shape with S >= 0, E >= 1, d, n >= 1. Throws Unsupported where an override asks for what a kernel cannot
 // take (e.g. ws_gather with E > kWsMaxExperts, ping_pong on a varlen-K GEMM).
 LayerKernels choose_kernels(const KernelShape& shape, const KernelOverrides& overrides);
 LayerKernels choose_kernels(const KernelShape& shape);  // with kernel_overrides()
