@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <fcntl.h>
 #include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #define MOEBLAZE_COMPAT extern "C" __attribute__((visibility("hidden")))
@@ -70,4 +72,18 @@ MOEBLAZE_COMPAT uint32_t arc4random(void) noexcept {
   }
   errno = saved_errno;
   return value;
+}
+
+// fstat64, stat, lstat (glibc 2.33; before, <sys/stat.h> turned them into __fxstat64 & co.):
+// std::filebuf (libstdc++'s basic_file.o) and std::filesystem (fs_ops.o) call them. On x86_64
+// struct stat, struct stat64 and the kernel's struct stat are one layout, so each is its system
+// call; syscall() sets errno and returns -1 on failure, as the glibc functions do.
+MOEBLAZE_COMPAT int fstat64(int fd, struct stat64* buf) noexcept {
+  return static_cast<int>(syscall(SYS_fstat, fd, buf));
+}
+MOEBLAZE_COMPAT int stat(const char* path, struct stat* buf) noexcept {
+  return static_cast<int>(syscall(SYS_stat, path, buf));
+}
+MOEBLAZE_COMPAT int lstat(const char* path, struct stat* buf) noexcept {
+  return static_cast<int>(syscall(SYS_lstat, path, buf));
 }
