@@ -87,3 +87,19 @@ MOEBLAZE_COMPAT int stat(const char* path, struct stat* buf) noexcept {
 MOEBLAZE_COMPAT int lstat(const char* path, struct stat* buf) noexcept {
   return static_cast<int>(syscall(SYS_lstat, path, buf));
 }
+
+// exp, exp2, log, pow (libm, glibc 2.29): 2.29 gave them new versions without the old SVID error
+// handling; the GLIBC_2.2.5 versions, in every glibc, compute the same values (on 2.29 and later
+// they wrap the new code and only add the errno checks). Host code of the CUDA backend calls
+// them in double precision. Each forwards to the old version, bound with .symver. This file is
+// compiled with -fno-builtin (CMakeLists.txt): GCC's implicit declarations of these builtins
+// have default visibility and would override the hidden one.
+#define MOEBLAZE_OLD_LIBM(name, params, args)                                  \
+  extern "C" double moeblaze_old_##name params;                                \
+  __asm__(".symver moeblaze_old_" #name ", " #name "@GLIBC_2.2.5");            \
+  MOEBLAZE_COMPAT double name params noexcept { return moeblaze_old_##name args; }
+MOEBLAZE_OLD_LIBM(exp, (double x), (x))
+MOEBLAZE_OLD_LIBM(exp2, (double x), (x))
+MOEBLAZE_OLD_LIBM(log, (double x), (x))
+MOEBLAZE_OLD_LIBM(pow, (double x, double y), (x, y))
+#undef MOEBLAZE_OLD_LIBM
