@@ -89,11 +89,11 @@ MOEBLAZE_COMPAT int lstat(const char* path, struct stat* buf) noexcept {
 }
 
 // exp, exp2, log, pow (libm, glibc 2.29): 2.29 gave them new versions without the old SVID error
-// handling; the GLIBC_2.2.5 versions, in every glibc, compute the same values (on 2.29 and later
-// they wrap the new code and only add the errno checks). Host code of the CUDA backend calls
-// them in double precision. Each forwards to the old version, bound with .symver. This file is
-// compiled with -fno-builtin (CMakeLists.txt): GCC's implicit declarations of these builtins
-// have default visibility and would override the hidden one.
+// handling; the GLIBC_2.2.5 versions stay in every glibc and differ only in that handling (errno
+// on overflow and the like). Any double-precision call needs them, e.g. the float64 reference
+// (src/reference), which the C ABI does not link in today. Each forwards to the old version,
+// bound with .symver. This file is compiled with -fno-builtin (CMakeLists.txt): GCC's implicit
+// declarations of these builtins have default visibility and would override the hidden one.
 #define MOEBLAZE_OLD_LIBM(name, params, args)                                  \
   extern "C" double moeblaze_old_##name params;                                \
   __asm__(".symver moeblaze_old_" #name ", " #name "@GLIBC_2.2.5");            \
