@@ -17,7 +17,7 @@ libstdc++.a uses (src/capi/glibc-compat/shims.cpp) and binds the functions glibc
 libc to their old versions (src/capi/glibc-compat/old-versions.txt), so it needs no GLIBC_
 version above 2.28 and no GLIBCXX_/CXXABI_ one. scripts/check_wheel_abi.py checks a built wheel against the
 manylinux_2_28 policy (scripts/wheel_smoke.sh runs it); a library built without the option gets
-the larger N its symbol versions need.
+the larger N its symbol versions need. The measurements behind this: docs/notes/manylinux-wheel.md.
 """
 import os
 import platform
