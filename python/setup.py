@@ -15,9 +15,10 @@ Linux x86_64 with GCC) whatever the build machine's glibc: that build links libs
 and hidden, takes the unwinder from libgcc_s.so.1, defines the few newer glibc symbols
 libstdc++.a uses (src/capi/glibc-compat/shims.cpp) and binds the functions glibc 2.34 moved into
 libc to their old versions (src/capi/glibc-compat/old-versions.txt), so it needs no GLIBC_
-version above 2.28 and no GLIBCXX_/CXXABI_ one. scripts/check_wheel_abi.py checks a built wheel against the
-manylinux_2_28 policy (scripts/wheel_smoke.sh runs it); a library built without the option gets
-the larger N its symbol versions need. The measurements behind this: docs/notes/manylinux-wheel.md.
+version above 2.28 and no GLIBCXX_/CXXABI_ one. scripts/check_wheel_abi.py checks a built wheel
+against the manylinux_2_28 policy (scripts/wheel_smoke.sh runs it); a library built without the
+option gets the larger N its symbol versions need. The measurements behind this:
+docs/notes/manylinux-wheel.md.
 """
 import os
 import platform

@@ -155,7 +155,8 @@ def check_elf(path, policy, shown_as):
                 syms = sorted(set(symbols.get(version, [])))
                 bad.append(f"  {version} from {lib} is newer than {policy.name} allows: "
                            f"{' '.join(syms) or '(no symbol listed)'}")
-    print("  needs " + (", ".join(f"{f} {v}" for f, v in sorted(newest.items())) or "nothing versioned"))
+    needs = ", ".join(f"{f} {v}" for f, v in sorted(newest.items()))
+    print(f"  needs {needs or 'nothing versioned'}")
     for line in bad:
         print(line)
     return not bad

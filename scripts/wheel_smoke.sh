@@ -51,7 +51,7 @@ case "$name" in
   *) echo "moeblaze: wheel tag is not py3-none-manylinux_2_28_x86_64: $name"; exit 1 ;;
 esac
 python3 scripts/check_wheel_abi.py "$wheel" || {
-  echo "moeblaze: $name needs more than manylinux_2_28 allows (scripts/check_wheel_abi.py)"; exit 1; }
+  echo "moeblaze: $name needs more than manylinux_2_28 allows (above)"; exit 1; }
 
 "$py" -m pip install -q --disable-pip-version-check "$wheel" >"$work/install.log" 2>&1 || {
   tail -20 "$work/install.log"; echo "moeblaze: pip install $name FAILED"; exit 1; }
