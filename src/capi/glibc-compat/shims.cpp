@@ -1,7 +1,7 @@
 // glibc symbols newer than glibc 2.28 that the statically linked libstdc++ (built against the
-// build machine's glibc) references, defined here so that libmoeblaze_capi.so loads on
-// manylinux_2_28 systems (MOEBLAZE_CAPI_MANYLINUX in CMakeLists.txt; the rest of the scheme is
-// described in src/capi/glibc-compat/old-versions.txt and python/setup.py).
+// build machine's glibc), or our own code, references, defined here so that libmoeblaze_capi.so
+// loads on manylinux_2_28 systems (MOEBLAZE_CAPI_MANYLINUX in CMakeLists.txt; the rest of the
+// scheme is in src/capi/glibc-compat/old-versions.txt; why: docs/notes/manylinux-wheel.md).
 //
 // Every definition is hidden: the static link binds libstdc++.a's (and our objects') references
 // to these copies instead of libc.so.6's, and nothing here is exported, so the host process's
