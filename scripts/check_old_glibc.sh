@@ -1,27 +1,65 @@
 #!/usr/bin/env bash
 # Loads the C ABI library in an older glibc userland and runs it: Debian bullseye (glibc 2.31,
-# from Debian's own mirror via debootstrap) under chroot, Python's ctypes as the package loads it.
-# A manual check of what scripts/check_wheel_abi.py reads from the symbol versions (not run by
-# CI: it downloads a root file system, ~2-3 minutes). Needs root, debootstrap and network.
+# from Debian's own mirror via debootstrap) under chroot, Python's ctypes as the package loads it:
+# what scripts/check_wheel_abi.py reads from the symbol versions, tried for real. Needs root and
+# network the first time (the root file system, about 350 MB on disk, is kept for later runs).
 #   scripts/check_old_glibc.sh [LIB]       LIB: default build/libmoeblaze_capi.so
 #   MOEBLAZE_OLD_ROOTFS=/path              where the root file system is made (or reused);
-#                                          default /tmp/moeblaze-bullseye
+#                                          default /tmp/moeblaze-bullseye; / runs on this machine
+#   MOEBLAZE_OLD_LIBPATH=dir:dir           where to find NEEDED libraries bullseye lacks (a CUDA
+#                                          build's libcudart: torch's nvidia/cu13/lib); copied in
+#   MOEBLAZE_OLD_OPTIONAL=1                no root, or no root file system to be had (no
+#                                          network): say so and exit 0 (scripts/wheel_smoke.sh)
 # It calls the library three ways: its version; a plan from out-of-range expert ids (the C++
 # exception thrown inside the library must be caught there: error code 1 and the message); a
 # CPU layer forward on OpenMP threads. The forward's output checksum is printed so that a run on
-# the build machine (same command with MOEBLAZE_OLD_ROOTFS=/) can be compared with it.
+# the build machine (MOEBLAZE_OLD_ROOTFS=/) can be compared with it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 lib=$(realpath "${1:-build/libmoeblaze_capi.so}")
 root=${MOEBLAZE_OLD_ROOTFS:-/tmp/moeblaze-bullseye}
+skip() {
+  echo "moeblaze: glibc 2.31 check SKIPPED: $1"
+  [ -n "${MOEBLAZE_OLD_OPTIONAL:-}" ] && exit 0
+  exit 1
+}
 
 if [ "$root" != / ] && [ ! -x "$root/usr/bin/python3" ]; then
-  command -v debootstrap >/dev/null || apt-get install -y debootstrap
-  debootstrap --variant=minbase bullseye "$root" http://deb.debian.org/debian
-  chroot "$root" apt-get install -y --no-install-recommends python3 libgomp1
+  [ "$(id -u)" = 0 ] || skip "making a root file system needs root"
+  if ! command -v debootstrap >/dev/null; then
+    { apt-get install -y -qq debootstrap ||
+      { apt-get update -qq && apt-get install -y -qq debootstrap; }; } >/dev/null 2>&1 ||
+      skip "could not install debootstrap"
+  fi
+  echo "moeblaze: making a Debian bullseye root file system in $root (debootstrap) ..."
+  rm -rf "$root"
+  if ! { debootstrap --variant=minbase bullseye "$root" http://deb.debian.org/debian &&
+         chroot "$root" apt-get install -y --no-install-recommends python3 libgomp1; } \
+       >"$root.log" 2>&1; then
+    tail -5 "$root.log"
+    rm -rf "$root"
+    skip "debootstrap of bullseye failed (log: $root.log)"
+  fi
 fi
-mkdir -p "$root/tmp/moeblaze-check"
-cp "$lib" "$root/tmp/moeblaze-check/libmoeblaze_capi.so"
+[ "$root" = / ] || [ "$(id -u)" = 0 ] || skip "chroot needs root"
+check="$root/tmp/moeblaze-check"
+rm -rf "$check"
+mkdir -p "$check/lib"
+cp "$lib" "$check/libmoeblaze_capi.so"
+# NEEDED libraries the root file system lacks, from MOEBLAZE_OLD_LIBPATH.
+for soname in $(objdump -p "$lib" | awk '$1 == "NEEDED" {print $2}'); do
+  ls "$root"/lib/x86_64-linux-gnu/"$soname" "$root"/usr/lib/x86_64-linux-gnu/"$soname" \
+    >/dev/null 2>&1 && continue
+  found=
+  IFS=: read -r -a dirs <<<"${MOEBLAZE_OLD_LIBPATH:-}"
+  for dir in "${dirs[@]}"; do
+    if [ -n "$dir" ] && [ -e "$dir/$soname" ]; then
+      cp -L "$dir/$soname" "$check/lib/"; found=1; break
+    fi
+  done
+  [ -n "$found" ] || [ "$root" = / ] ||
+    echo "moeblaze: $soname: not in $root nor in MOEBLAZE_OLD_LIBPATH"
+done
 cat >"$root/tmp/moeblaze-check/run.py" <<'EOF'
 import ctypes, os, platform, struct, zlib
 
@@ -77,7 +115,7 @@ print(f"layer forward (CPU, 2 threads): ok, output crc32 {zlib.crc32(raw):08x}")
 EOF
 echo "moeblaze: running $lib in $root"
 if [ "$root" = / ]; then
-  python3 /tmp/moeblaze-check/run.py
+  LD_LIBRARY_PATH=/tmp/moeblaze-check/lib python3 /tmp/moeblaze-check/run.py
 else
-  chroot "$root" python3 /tmp/moeblaze-check/run.py
+  chroot "$root" env LD_LIBRARY_PATH=/tmp/moeblaze-check/lib python3 /tmp/moeblaze-check/run.py
 fi
