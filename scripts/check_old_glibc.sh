@@ -18,6 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 lib=$(realpath "${1:-build/libmoeblaze_capi.so}")
 root=${MOEBLAZE_OLD_ROOTFS:-/tmp/moeblaze-bullseye}
+export DEBIAN_FRONTEND=noninteractive
 skip() {
   echo "moeblaze: glibc 2.31 check SKIPPED: $1"
   [ -n "${MOEBLAZE_OLD_OPTIONAL:-}" ] && exit 0
