@@ -9,7 +9,16 @@
   (scripts/fetch_cutlass.sh); a CPU-only build needs nothing but CMake and a C++17 compiler.
 
 The wheel is tagged py3-none-manylinux_2_<N>_x86_64 (no CPython extension: the library is loaded
-with ctypes), N read from the symbol versions the library needs (manylinux_tag below).
+with ctypes), N read from the symbol versions the library needs (manylinux_tag below). It is 28,
+PyTorch's own tag, for a library built with CMake's MOEBLAZE_CAPI_MANYLINUX (ON by default on
+Linux x86_64 with GCC) whatever the build machine's glibc: that build links libstdc++ statically
+and hidden, takes the unwinder from libgcc_s.so.1, defines the few newer glibc symbols
+libstdc++.a uses (src/capi/glibc-compat/shims.cpp) and binds the functions glibc 2.34 moved into
+libc to their old versions (src/capi/glibc-compat/old-versions.txt), so it needs no GLIBC_
+version above 2.28 and no GLIBCXX_/CXXABI_ one. scripts/check_wheel_abi.py checks a built wheel
+against the manylinux_2_28 policy (scripts/wheel_smoke.sh runs it); a library built without the
+option gets the larger N its symbol versions need. The measurements behind this:
+docs/notes/manylinux-wheel.md.
 """
 import os
 import platform
@@ -96,14 +105,16 @@ _MANYLINUX = [  # (N, GLIBCXX, CXXABI, GCC)
 
 
 def manylinux_tag(lib):
-    """The oldest manylinux_2_N_x86_64 whose glibc (2.N), libstdc++ and libgcc_s provide every
-    symbol version the library needs: the GLIBC_/GLIBCXX_/CXXABI_/GCC_ names in its .dynstr,
-    what `objdump -T lib` lists. E.g. the CPU build with GCC 12 needs GLIBC_2.27 but also
-    GLIBCXX_3.4.26 (std::ostringstream's default constructor), which manylinux_2_28 does not
-    allow: manylinux_2_31. Those are the only libraries it loads that the policy covers;
-    libgomp.so.1 (and, in a CUDA build, libcudart/libcublas/libnccl) are outside every policy
-    but are loaded by torch (its wheels carry them), a declared dependency that moeblaze._lib
-    imports first, and the dynamic loader binds a NEEDED soname to the copy already loaded."""
+    """The oldest manylinux_2_N_x86_64, N >= 28, whose glibc (2.N), libstdc++ and libgcc_s provide
+    every symbol version the library needs: the GLIBC_/GLIBCXX_/CXXABI_/GCC_ names in its
+    .dynstr, what `objdump -T lib` lists. N is never below 28: torch, which moeblaze requires,
+    ships manylinux_2_28 wheels for x86_64, so an older tag installs nowhere more, and 28 is the
+    policy scripts/check_wheel_abi.py checks (the MOEBLAZE_CAPI_MANYLINUX build needs GLIBC_2.27,
+    GCC_4.2.0 and no GLIBCXX). A build without that option needs what the build machine's glibc
+    and GCC give (GCC 12 on glibc 2.36: GLIBC_2.36, so manylinux_2_36). libgomp.so.1 (and, in a
+    CUDA build, libcudart/libcublas/libnccl) are outside every policy but are loaded by torch
+    (its wheels carry them), a declared dependency that moeblaze._lib imports first, and the
+    dynamic loader binds a NEEDED soname to the copy already loaded."""
     if platform.machine() != "x86_64":
         return None
     dynstr = Path(lib).read_bytes()
@@ -114,7 +125,7 @@ def manylinux_tag(lib):
 
     glibc, cxx = need(b"GLIBC") or (2, 0), (need(b"GLIBCXX"), need(b"CXXABI"), need(b"GCC"))
     n = next((n for n, *newest in _MANYLINUX if all(v <= m for v, m in zip(cxx, newest))), None)
-    return None if n is None else f"manylinux_2_{max(n, glibc[1])}_x86_64"
+    return None if n is None else f"manylinux_2_{max(n, glibc[1], 28)}_x86_64"
 
 
 class SdistWithSources(sdist):
