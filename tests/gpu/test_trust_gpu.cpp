@@ -97,6 +97,8 @@ struct DeviceStep {
       : x(t.x), w1(t.w1), w2(t.w2), d_out(t.d_out), out(t.out), dx(t.dx), dw1(t.dw1),
         dw2(t.dw2), dpw(t.d_pair_weights) {
     for (DevTensor* o : {&out, &dx, &dw1, &dw2, &dpw}) o->mem.poison();
+    // The poison runs on the legacy stream, which a non-blocking stream does not wait for.
+    MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
   }
   LayerGrads grads() const {
     LayerGrads g;
@@ -275,6 +277,7 @@ TEST(TrustGpu, StepWaitingOnASlowProducerOfXGivesTheEagerBits) {
     const LayerTensors eager = alone(p, mode);
     DeviceStep dev(p.t);
     MOEBLAZE_CUDA_CHECK(cudaMemset(dev.x.mem.p, 0, dev.x.mem.bytes));  // a race reads zeros
+    MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
     void* pinned = nullptr;
     MOEBLAZE_CUDA_CHECK(cudaMallocHost(&pinned, p.t.x.bytes.size()));
     std::memcpy(pinned, p.t.x.bytes.data(), p.t.x.bytes.size());
