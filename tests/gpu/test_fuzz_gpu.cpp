@@ -302,19 +302,24 @@ void expect_full(const FuzzCase& c, const HostRouting& routing, const RoutingPla
                  const StepTensors& in, const StepTensors& gpu) {
   const LayerConfig& cfg = c.cfg;
   const Tolerances tol = tolerances(cfg);
+  // FP8 against float64 only over enough elements for e4m3's error to average to its bound
+  // (test_layer_fp8_gpu.cpp's steps have 64+ slots); below, the CPU emulation alone judges.
+  const bool against_float64 = !is_fp8(cfg.compute) || host_plan.S() >= 64;
   const reference::LayerReference ref = reference::reference_layer(
       cfg, routing.view(), in.t.x.view(), in.t.w1.view(), in.t.w2.view(), in.t.d_out.view(),
       in.b1.shape.empty() ? TensorView() : in.b1.view(),
       in.b2.shape.empty() ? TensorView() : in.b2.view());
-  expect_close("out", gpu.t.out, ref.out, tol.out);
-  expect_close("dx", gpu.t.dx, ref.dx, tol.dh);
-  expect_close("dw1", gpu.t.dw1, ref.dw1, tol.dh);
-  expect_close("dw2", gpu.t.dw2, ref.dw2, tol.dw2);
-  EXPECT_LE(scaled_error(gpu.t.d_pair_weights, ref.d_pair_weights, ref.d_pair_weights_abs),
-            tol.dpw)
-      << "d_pair_weights";
-  if (c.b1) expect_close("db1", gpu.db1, ref.db1, tol.dh);
-  if (c.b2) expect_close("db2", gpu.db2, ref.db2, tol.dw2);
+  if (against_float64) {
+    expect_close("out", gpu.t.out, ref.out, tol.out);
+    expect_close("dx", gpu.t.dx, ref.dx, tol.dh);
+    expect_close("dw1", gpu.t.dw1, ref.dw1, tol.dh);
+    expect_close("dw2", gpu.t.dw2, ref.dw2, tol.dw2);
+    EXPECT_LE(scaled_error(gpu.t.d_pair_weights, ref.d_pair_weights, ref.d_pair_weights_abs),
+              tol.dpw)
+        << "d_pair_weights";
+    if (c.b1) expect_close("db1", gpu.db1, ref.db1, tol.dh);
+    if (c.b2) expect_close("db2", gpu.db2, ref.db2, tol.dw2);
+  }
 
   // The CPU backend (for FP8, its emulation of the recipe) on the same inputs.
   StepTensors cpu = in;
@@ -323,6 +328,8 @@ void expect_full(const FuzzCase& c, const HostRouting& routing, const RoutingPla
   expect_close("dx vs CPU", gpu.t.dx, cpu.t.dx.to_double(), tol.vs_cpu);
   expect_close("dw1 vs CPU", gpu.t.dw1, cpu.t.dw1.to_double(), tol.vs_cpu);
   expect_close("dw2 vs CPU", gpu.t.dw2, cpu.t.dw2.to_double(), tol.vs_cpu);
+  if (c.b1) expect_close("db1 vs CPU", gpu.db1, cpu.db1.to_double(), tol.vs_cpu);
+  if (c.b2) expect_close("db2 vs CPU", gpu.db2, cpu.db2.to_double(), tol.vs_cpu);
   EXPECT_LE(scaled_error(gpu.t.d_pair_weights, cpu.t.d_pair_weights.to_double(),
                          ref.d_pair_weights_abs),
             tol.vs_cpu)
