@@ -60,11 +60,12 @@ def test_out_of_memory_raises_holds_nothing_and_the_next_step_works(seed, recomp
     # alone is 16384 * 4 * 1024 * 2 bytes = 128 MiB).
     torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (64 << 20)) / total)
     try:
-        with pytest.raises(torch.cuda.OutOfMemoryError, match="out of memory"):
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="out of memory") as info:
             _step(moe, big, g_big)
         assert all(p.grad is None for p in moe.parameters()), "a gradient was written"
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+    del info  # its traceback's frames hold the failed step's tensors
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == baseline, "the failed step left tensors behind"
@@ -87,12 +88,12 @@ def test_out_of_memory_in_backward_writes_no_gradient(seed):
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (16 << 20)) / total)
     try:
-        with pytest.raises(torch.cuda.OutOfMemoryError, match="out of memory"):
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="out of memory") as info:
             out.backward(g)
         assert xs.grad is None and all(p.grad is None for p in moe.parameters())
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    del out, xs
+    del info, out, xs
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == baseline, "the failed backward left tensors behind"
