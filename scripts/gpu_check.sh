@@ -5,7 +5,7 @@
 #
 #   scripts/gpu_check.sh OUT [PART ...]
 #     PART: all (default) | tests | gpu-tests | gpu-gtests | routing-tests | routing | layer | gemm
-#           | ep | python | peers | sanitize
+#           | ep | python | peers | sanitize | fuzz-long | sanitize-fuzz
 #       tests          ctest, every test (CPU and GPU)          → OUT/ctest.log
 #       gpu-tests      (not in `all`) the quick GPU check: moeblaze_gpu_tests (GTEST_FILTER picks
 #                      some) and the CUDA pytests (python/tests -k "gpu or cuda")
@@ -48,6 +48,20 @@
 #                      --tool racecheck over LayerGpu.AggregateRowsMatchesHostInFixedOrder; each
 #                      under a timeout (300, 240, 180 s) → OUT/sanitize.log, and one summary line
 #                      with each run's "ERROR SUMMARY" count. SANITIZE_FILTER replaces the filter.
+#       fuzz-long      (not in `all`) the GPU shape fuzz's long round: GpuFuzz.* with
+#                      MOEBLAZE_GPU_FUZZ_CASES=${FUZZ_CASES:-2000} and the big sizes
+#                      (MOEBLAZE_GPU_FUZZ_BIG=1), under a timeout of ${FUZZ_TIMEOUT:-3600} s
+#                      → OUT/fuzz_long.log; FUZZ_SEED fixes the first case's seed (default: a
+#                      fresh one, printed in the log; a failing case prints its own replay line).
+#       sanitize-fuzz  (not in `all`) compute-sanitizer over the fuzz's short round: memcheck,
+#                      racecheck and initcheck over GpuFuzz.* (MOEBLAZE_GPU_FUZZ_CASES=
+#                      ${SANITIZE_FUZZ_CASES:-25}: sanitized kernels run 10-100x slower; 100 is the
+#                      suite's short round) from seed ${FUZZ_SEED:-1}, the same cases for each tool,
+#                      then synccheck over the GEMM tests whose kernels synchronise warpgroups
+#                      through named and ordered barriers (the TMA grouped GEMMs, the
+#                      warp-specialised ping-pong schedule, the 2-CTA weight gradients;
+#                      SYNCCHECK_FILTER replaces the filter); each under ${SANITIZE_FUZZ_TIMEOUT:-1200} s
+#                      → OUT/sanitize_fuzz.log (sanitize's format: one summary line of error counts).
 #   scripts/gpu_check.sh --pack-deps
 #     copies GoogleTest and CLI11 (headers, static libs) from this machine into
 #     third_party/gpudeps, for a GPU machine that has a CUDA toolkit but no such packages; the
@@ -143,6 +157,7 @@ if [ -z "${PREBUILT:-}" ]; then
   if want routing-tests; then targets+=(moeblaze_gpu_tests); fi
   if want ep; then targets+=(moeblaze_gpu_tests); fi
   if want_named sanitize; then targets+=(moeblaze_gpu_tests); fi
+  if want_named fuzz-long || want_named sanitize-fuzz; then targets+=(moeblaze_gpu_tests); fi
   if want python || want peers; then targets+=(moeblaze_capi); fi
   cmake --build "$BUILD" -j "$JOBS" --target "${targets[@]}" >"$OUT/build.log" 2>&1 || {
     grep -E "error|Error" "$OUT/build.log" | head -40; echo "gpu_check: build FAILED"; exit 1; }
@@ -152,7 +167,7 @@ else
   need=()
   if want tests; then need+=(moeblaze_tests moeblaze_gpu_tests); fi
   if want routing-tests || want ep || want_named sanitize || want_named gpu-tests ||
-      want_named gpu-gtests; then
+      want_named gpu-gtests || want_named fuzz-long || want_named sanitize-fuzz; then
     need+=(moeblaze_gpu_tests)
   fi
   if want routing || want layer || want gemm || want ep || want_named sanitize; then need+=(moeblaze); fi
@@ -311,21 +326,23 @@ fi
 # over one small kernel test; every run appends to OUT/sanitize.log ----
 SANITIZE_FILTER=${SANITIZE_FILTER:-'PlanValidateGpu.*:RoutingPlanGpu.EdgeCases:RoutingPlanGpu.BadRoutingRaisesFlagsAndClearErrors:RouterGpu.EmptyBatch:RouterGpu.ExactTiesBreakToTheLowerExpertId:RouterGpu.NonFiniteLogitsAreRejectedWithTheCpuMessage:TokenRoundingGpu.TiesAndSmallBatches:LayerGpu.EmptyTokensAndEmptyPlan:LayerGpu.AggregateRowsMatchesHostInFixedOrder:LayerGpu.DPairWeightsGatherIsExact:LayerGpu.RejectsWhatTheGpuPathCannotTakeAndLeavesOutputsUntouched:GroupedGemmEdge.*:GroupedGemmChecks.InvalidArgumentsLeaveOutputsUntouched'}
 # One sanitized run: NAME SECONDS TOOL CMD...; appends "NAME: <errors> errors" (or why not).
+# Its output goes to $sanitize_log (OUT/sanitize.log; sanitize-fuzz's OUT/sanitize_fuzz.log).
+sanitize_log="$OUT/sanitize.log"
 sanitize_run() {
   local name=$1 secs=$2 tool=$3 rc=0 from
   shift 3
-  from=$(( $(wc -l <"$OUT/sanitize.log") + 1 ))  # this run's lines only
-  echo "==== $name: compute-sanitizer --tool $tool $* ====" >>"$OUT/sanitize.log"
+  from=$(( $(wc -l <"$sanitize_log") + 1 ))  # this run's lines only
+  echo "==== $name: compute-sanitizer --tool $tool $* ====" >>"$sanitize_log"
   timeout "$secs" compute-sanitizer --tool "$tool" --error-exitcode 99 "$@" \
-    >>"$OUT/sanitize.log" 2>&1 || rc=$?
+    >>"$sanitize_log" 2>&1 || rc=$?
   local errs
-  errs=$(tail -n +"$from" "$OUT/sanitize.log" | grep -E '^========= ERROR SUMMARY: [0-9]+ error' |
+  errs=$(tail -n +"$from" "$sanitize_log" | grep -E '^========= ERROR SUMMARY: [0-9]+ error' |
          tail -1 | sed -E 's/.*ERROR SUMMARY: ([0-9]+) error.*/\1/' || true)
   if [ $rc -eq 124 ]; then sanitize_parts+=("$name TIMED OUT after $secs s"); status=1
   elif [ $rc -eq 99 ]; then sanitize_parts+=("$name ${errs:-?} errors"); status=1
   elif [ $rc -ne 0 ]; then sanitize_parts+=("$name FAILED rc $rc (${errs:-?} errors)"); status=1
   else sanitize_parts+=("$name ${errs:-?} errors"); fi
-  echo "==== $name: rc $rc ====" >>"$OUT/sanitize.log"
+  echo "==== $name: rc $rc ====" >>"$sanitize_log"
 }
 if want_named sanitize; then
   t0=$(date +%s)
@@ -342,6 +359,52 @@ if want_named sanitize; then
     sanitize_run "racecheck aggregate" 180 racecheck "$BUILD/moeblaze_gpu_tests" \
       --gtest_filter='LayerGpu.AggregateRowsMatchesHostInFixedOrder'
     summary+=("sanitize: $(IFS=';'; echo "${sanitize_parts[*]}") [$(( $(date +%s) - t0 )) s] (sanitize.log)")
+  fi
+fi
+
+# ---- fuzz-long: the GPU shape fuzz's long round (tests/gpu/test_fuzz_gpu.cpp) ----
+if want_named fuzz-long; then
+  t0=$(date +%s)
+  rc=0
+  # shellcheck disable=SC2086
+  env -u GTEST_FILTER MOEBLAZE_GPU_FUZZ_CASES="${FUZZ_CASES:-2000}" MOEBLAZE_GPU_FUZZ_BIG=1 \
+    ${FUZZ_SEED:+MOEBLAZE_GPU_FUZZ_SEED=$FUZZ_SEED} \
+    timeout "${FUZZ_TIMEOUT:-3600}" "$BUILD/moeblaze_gpu_tests" --gtest_filter='GpuFuzz.*' \
+    >"$OUT/fuzz_long.log" 2>&1 || rc=$?
+  counts=$(grep -E '^\[gpu fuzz\] [0-9]+ valid' "$OUT/fuzz_long.log" | tail -1 || true)
+  if [ $rc -eq 0 ]; then
+    summary+=("fuzz long: ${counts:-?} [$(( $(date +%s) - t0 )) s]")
+  else
+    status=1
+    grep -E '^\[gpu fuzz\] FAILED' "$OUT/fuzz_long.log" | head -20 || true
+    if [ $rc -eq 124 ]; then summary+=("fuzz long: TIMED OUT after ${FUZZ_TIMEOUT:-3600} s (see fuzz_long.log)")
+    else summary+=("fuzz long: FAILED: ${counts:-no count line} (see fuzz_long.log)"); fi
+  fi
+fi
+
+# ---- sanitize-fuzz: memcheck, racecheck, initcheck over the fuzz's short round; synccheck
+# over the GEMM tests of the kernels with named / ordered barriers ----
+SYNCCHECK_FILTER=${SYNCCHECK_FILTER:-'Cases/GroupedGemm.*/E4_d320_n192_T250_rand_swiglu:Cases/GroupedGemm.*/E8_d1536_n128_T260_rand_relu2'}
+if want_named sanitize-fuzz; then
+  t0=$(date +%s)
+  sanitize_log="$OUT/sanitize_fuzz.log"
+  : >"$sanitize_log"
+  sanitize_parts=()
+  if ! command -v compute-sanitizer >/dev/null; then
+    status=1
+    summary+=("sanitize fuzz: FAILED: compute-sanitizer not found (PATH has /usr/local/cuda/bin)")
+  else
+    secs=${SANITIZE_FUZZ_TIMEOUT:-1200}
+    # The same cases for every tool: a fixed first seed.
+    export MOEBLAZE_GPU_FUZZ_CASES=${SANITIZE_FUZZ_CASES:-25} MOEBLAZE_GPU_FUZZ_SEED=${FUZZ_SEED:-1}
+    for tool in memcheck racecheck initcheck; do
+      sanitize_run "$tool fuzz" "$secs" "$tool" "$BUILD/moeblaze_gpu_tests" \
+        --gtest_filter='GpuFuzz.*'
+    done
+    unset MOEBLAZE_GPU_FUZZ_CASES MOEBLAZE_GPU_FUZZ_SEED
+    sanitize_run "synccheck barriers" "$secs" synccheck "$BUILD/moeblaze_gpu_tests" \
+      --gtest_filter="$SYNCCHECK_FILTER"
+    summary+=("sanitize fuzz: $(IFS=';'; echo "${sanitize_parts[*]}") [$(( $(date +%s) - t0 )) s] (sanitize_fuzz.log)")
   fi
 fi
 

@@ -16,6 +16,7 @@
 #include <new>
 #include <string>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "core/aliasing.hpp"
@@ -146,6 +147,25 @@ RoutingView routing_view(const moeblaze_routing* r, Device dev, const char* name
 // says where it may be NULL).
 RoutingPlan borrow_plan(const moeblaze_plan* p, Device dev, bool token_experts_optional = false) {
   require_ptr(p, "plan");
+  // Each array's NULL named here, with its rule, before RoutingPlan::borrow: Buffer::borrow's own
+  // check knows only a byte count, not which argument broke which rule.
+  MOEBLAZE_REQUIRE(p->expert_token_offsets != nullptr,
+                   "plan.expert_token_offsets has no data (null pointer): every plan needs its "
+                   "(E+1,) int32 expert offsets, also with S = 0 (E = ", p->E, ")");
+  MOEBLAZE_REQUIRE(p->token_pair_offsets != nullptr,
+                   "plan.token_pair_offsets has no data (null pointer): every plan needs its "
+                   "(T+1,) int32 token offsets, also with S = 0 (T = ", p->T, ")");
+  if (p->S > 0) {
+    for (const auto& [ptr, what] :
+         {std::pair<const void*, const char*>{p->expert_token_indices,
+                                              "expert_token_indices has no data (null pointer): "
+                                              "a plan of S = "},
+          {p->slot_weights, "slot_weights has no data (null pointer): a plan of S = "},
+          {p->token_index_map, "token_index_map has no data (null pointer): a plan of S = "}})
+      MOEBLAZE_REQUIRE(ptr != nullptr, "plan.", what, p->S,
+                       " slots needs this (S,) array (NULL only where S = 0)");
+  }
+  // token_expert_indices may be NULL in some calls: validate_routing_plan_header says which.
   RoutingPlan plan = RoutingPlan::borrow(dev, p->T, p->E, p->S, p->expert_token_offsets,
                                          p->expert_token_indices, p->slot_weights,
                                          p->token_pair_offsets, p->token_expert_indices,

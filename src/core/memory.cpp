@@ -101,6 +101,9 @@ Buffer::Buffer(Device device, size_t bytes, void* stream)
     cudaError_t err = cudaMallocAsync(&data_, bytes, static_cast<cudaStream_t>(stream));
     if (err != cudaSuccess) {
       data_ = nullptr;
+      // The exception reports it: left as the runtime's last error, it would fail the next
+      // launch check (cudaGetLastError) of a later, valid call.
+      (void)cudaGetLastError();
       throw DeviceError(detail::concat("cudaMallocAsync of ", bytes, " bytes failed: ",
                                        cudaGetErrorString(err)));
     }

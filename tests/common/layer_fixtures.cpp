@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <utility>
 
 #include "common/test_util.hpp"
 
@@ -57,6 +58,23 @@ HostRouting random_routing(const RoutingSpec& spec, uint64_t seed) {
   }
   r.offsets[spec.T] = static_cast<int32_t>(r.experts.size());
   return r;
+}
+
+void drop_some_tokens(HostRouting& routing, std::mt19937_64& rng, double p) {
+  HostRouting r;
+  r.T = routing.T;
+  r.E = routing.E;
+  r.offsets.push_back(0);
+  std::bernoulli_distribution drop(p);
+  for (int64_t t = 0; t < routing.T; ++t) {
+    if (!drop(rng))
+      for (int32_t q = routing.offsets[t]; q < routing.offsets[t + 1]; ++q) {
+        r.experts.push_back(routing.experts[q]);
+        r.weights.push_back(routing.weights[q]);
+      }
+    r.offsets.push_back(static_cast<int32_t>(r.experts.size()));
+  }
+  routing = std::move(r);
 }
 
 HostTensor::HostTensor(DType dt, std::vector<int64_t> dims) : dtype(dt), shape(std::move(dims)) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,9 @@ struct RoutingSpec {
 };
 // K distinct experts per token; positive weights in [0.05, 1).
 HostRouting random_routing(const RoutingSpec& spec, uint64_t seed);
+// Each token loses all its pairs with probability p (as token rounding can leave a token), so
+// the routing is a general CSR with S < T*K.
+void drop_some_tokens(HostRouting& r, std::mt19937_64& rng, double p = 0.25);
 
 // Dense host tensor in a storage dtype (fp32, bf16 or fp64), owned by the test.
 struct HostTensor {

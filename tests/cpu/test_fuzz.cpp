@@ -76,25 +76,8 @@ struct RandomLayer {
            static_cast<Activation>(pick(0, 5)),
            pick(0, 1) ? DType::bf16 : DType::f32};
     routing = test::random_routing({cfg.T, E, K, pick(0, E - K), pick(0, 1) == 1}, rng());
-    if (pick(0, 2) == 0) drop_some_tokens(rng);
+    if (pick(0, 2) == 0) test::drop_some_tokens(routing, rng);
     plan = test::make_plan(routing);
-  }
-
-  void drop_some_tokens(std::mt19937_64& rng) {
-    HostRouting r;
-    r.T = routing.T;
-    r.E = routing.E;
-    r.offsets.push_back(0);
-    std::bernoulli_distribution drop(0.25);
-    for (int64_t t = 0; t < routing.T; ++t) {
-      if (!drop(rng))
-        for (int32_t p = routing.offsets[t]; p < routing.offsets[t + 1]; ++p) {
-          r.experts.push_back(routing.experts[p]);
-          r.weights.push_back(routing.weights[p]);
-        }
-      r.offsets.push_back(static_cast<int32_t>(r.experts.size()));
-    }
-    routing = std::move(r);
   }
 };
 
