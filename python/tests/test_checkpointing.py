@@ -2,7 +2,8 @@
 block holding moeblaze.MoE, in the default mode and recompute=True, on the C++ fast path and the
 Python path, and Hugging Face's activation (gradient) checkpointing on a tiny Qwen3-MoE with
 experts_implementation="moeblaze". The library is deterministic and a checkpoint replays the
-same forward, so outputs and gradients are bitwise those of the plain run. Also counted: how
+same forward, so outputs and gradients are bitwise those of the plain run (the Hugging Face
+model on the GPU: within tolerance, its attention kernels promising no bits). Also counted: how
 often the experts' forward runs under a checkpoint (docs/PYTORCH.md, Training at scale: with
 recompute=True inside a checkpoint, H is computed three times)."""
 import copy
@@ -14,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import moeblaze
+from helpers import TOL, rel_err
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -128,11 +130,15 @@ def test_hf_gradient_checkpointing_matches_plain(seed, device, use_reentrant):
     out = [m(input_ids=ids, labels=labels) for m in (model, ref)]
     for o in out:
         o.loss.backward()
-    assert torch.equal(out[0].loss, out[1].loss)
+    # Bitwise on the CPU; on the GPU within the layer's bf16 tolerance, since the model's other
+    # CUDA kernels (attention's backward) make no promise of bits.
+    def same(a, b):
+        return torch.equal(a, b) if device == "cpu" else rel_err(a, b) <= TOL[dtype]
+    assert same(out[0].loss, out[1].loss)
     grads = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         assert p.grad is not None or grads[name].grad is None, name
         if p.grad is not None:
-            assert torch.equal(p.grad, grads[name].grad), f"{name} differs under checkpointing"
+            assert same(p.grad, grads[name].grad), f"{name} differs under checkpointing"
     experts = [p.grad for nm, p in model.named_parameters() if "experts.gate_up_proj" in nm]
     assert experts and all(g.abs().sum() > 0 for g in experts)

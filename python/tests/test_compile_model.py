@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import moeblaze
-from helpers import TOL_SINGLE, rel_err
+from helpers import TOL, TOL_SINGLE, rel_err
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.integrations.moe", reason="transformers < 5: no experts "
@@ -27,12 +27,20 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 BACKEND = {"cpu": "aot_eager", "cuda": "inductor"}
 
 
+def _tol(device, dtype):
+    """aot_eager runs eager's own kernels (summation order aside); inductor generates its own
+    fused bf16 kernels: the layer's bf16 tolerance."""
+    return TOL_SINGLE[dtype] if BACKEND[device] == "aot_eager" else TOL[dtype]
+
+
 def _setup(device):
-    # The GPU backend: bf16, d and n multiples of 64.
-    d, n, dtype = (64, 64, torch.bfloat16) if device == "cuda" else (32, 24, torch.float32)
+    # The GPU backend: bf16, d and n multiples of 64; one layer, so that inductor's and eager's
+    # bf16 roundings cannot flip a later layer's routing.
+    d, n, dtype, layers = ((64, 64, torch.bfloat16, 1) if device == "cuda" else
+                           (32, 24, torch.float32, 2))
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=64, hidden_size=d, intermediate_size=2 * d, moe_intermediate_size=n,
-        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=d // 4, max_position_embeddings=64,
         initializer_range=0.1)
     model = transformers.Qwen3MoeForCausalLM(cfg).to(device, dtype).train()
@@ -66,7 +74,7 @@ def test_compiled_hf_model_matches_eager(seed, device):
     loss, grads = _grads(model, model, ids, labels)
     compiled = torch.compile(model, backend=BACKEND[device])
     c_loss, c_grads = _grads(model, compiled, ids, labels)
-    tol = TOL_SINGLE[dtype]
+    tol = _tol(device, dtype)
     assert rel_err(c_loss, loss) <= tol
     assert c_grads.keys() == grads.keys()
     errs = {n: rel_err(c_grads[n], g) for n, g in grads.items()}
@@ -94,7 +102,7 @@ def test_no_graph_break_in_moe_block(seed, device):
     c_out = compiled(h)
     c_out = c_out[0] if isinstance(c_out, tuple) else c_out
     c_g = torch.autograd.grad(c_out.float().square().sum(), [h] + list(block.parameters()))
-    tol = TOL_SINGLE[model.dtype]
+    tol = _tol(device, model.dtype)
     assert rel_err(c_out, out) <= tol
     assert all(rel_err(a, b) <= tol for a, b in zip(c_g, g))
 

@@ -3,7 +3,8 @@ optimizer steps over a dataset made here, gradient accumulation 2, bf16 mixed pr
 CPU through Trainer's CPU autocast, which transformers allows with use_cpu=True; on the GPU its
 CUDA autocast); the loss falls, and a run resumed from the checkpoint saved half-way (the model
 loaded with from_pretrained, see below) logs the same losses and ends on the same weights as
-the uninterrupted run. Needs transformers >= 5 and
+the uninterrupted run (bitwise on the CPU; within tolerance on the GPU, whose attention kernels
+promise no bits). Needs transformers >= 5 and
 accelerate (Trainer's dependency)."""
 import os
 
@@ -16,6 +17,7 @@ pytest.importorskip("transformers.integrations.moe", reason="transformers < 5: n
 pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a tiny config built here: nothing to download
 
+from helpers import TOL, rel_err  # noqa: E402
 from moeblaze.integrations import hf as mb_hf  # noqa: E402
 
 mb_hf.register()
@@ -82,8 +84,13 @@ def test_trainer_trains_and_resumes(seed, device, tmp_path):
                                    args=_args(tmp_path / "full", device, seed, STEPS),
                                    train_dataset=data)
     resumed.train(resume_from_checkpoint=str(ckpt))
-    again = _losses(resumed)
-    assert again[-(STEPS - SAVE_AT):] == losses[SAVE_AT:], (losses, again)
+    again = _losses(resumed)[-(STEPS - SAVE_AT):]
     want = dict(full.model.named_parameters())
-    for name, p in resumed.model.named_parameters():
-        assert torch.equal(p, want[name]), f"{name} differs after resuming"
+    if device == "cpu":  # deterministic: the same bits
+        assert again == losses[SAVE_AT:], (losses, again)
+        for name, p in resumed.model.named_parameters():
+            assert torch.equal(p, want[name]), f"{name} differs after resuming"
+    else:  # CUDA kernels of the model (attention's backward) promise no bits
+        assert again == pytest.approx(losses[SAVE_AT:], rel=1e-2), (losses, again)
+        for name, p in resumed.model.named_parameters():
+            assert rel_err(p, want[name]) <= TOL[torch.bfloat16], f"{name} after resuming"
