@@ -451,9 +451,6 @@ def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", reco
         raise ValueError(f"moeblaze: expert_ids and expert_weights must both be (T, K), got "
                          f"{tuple(expert_ids.shape)} and {tuple(expert_weights.shape)}")
     T, K = expert_ids.shape
-    # Replicated DTensors become their full tensors, sharded ones are refused by name.
-    x, w1, w2, expert_weights, b1, b2 = _full_tensors(
-        ("x", "w1", "w2", "expert_weights", "b1", "b2"), x, w1, w2, expert_weights, b1, b2)
     if x.dim() != 2 or x.shape[0] != T:
         raise ValueError(f"moeblaze: x must be (T, d) with T = {T} (rows of expert_ids), got "
                          f"{tuple(x.shape)}")
@@ -465,6 +462,10 @@ def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", reco
             and _eager(x, w1, w2, expert_ids, expert_weights, b1, b2)):
         return _moe_experts_eager(x, w1, w2, expert_ids, expert_weights, activation, recompute,
                                   b1, b2, compute_dtype, fp8_weights)
+    # Not the eager path's types: replicated DTensors become their full tensors, sharded ones are
+    # refused by name.
+    x, w1, w2, expert_weights, b1, b2 = _full_tensors(
+        ("x", "w1", "w2", "expert_weights", "b1", "b2"), x, w1, w2, expert_weights, b1, b2)
     offsets = _fixed_k_offsets(T, K, x)
     check_range = x.device.type == "cpu" or bool(validate)  # on CUDA a host sync: opt-in
     experts = ops.expert_ids_int32(expert_ids, w2.shape[0], check_range).reshape(-1)
@@ -679,11 +680,11 @@ class MoE(nn.Module):
             raise ValueError(f"moeblaze: x has last dimension {shape[-1]}, expected hidden_size "
                              f"{self.hidden_size}")
         x2 = x.reshape(-1, self.hidden_size)
-        self._refuse_dtensors()
         r = self._layer_step(x2)
         if r is not None:
             out, aux, z, experts, self.last_flags = r
             return self._finish(x2, out, None, experts, shape, RouterLosses(aux, z))
+        self._refuse_dtensors()  # here, not before the fast step, which takes plain tensors only
         logits, offsets, experts, weights = self.route(x2)
         cache = self._fp8_cache() if _eager(x2, self.w1, self.w2) else None
         out = experts_from_routing(x2, self.w1, self.w2, offsets, experts, weights,
