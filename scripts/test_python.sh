@@ -5,7 +5,7 @@
 # is installed from build/libmoeblaze_capi.so (built by scripts/build.sh). GPU tests report
 # "skipped: no GPU" without CUDA. If torch cannot be installed at all, the step says so loudly
 # and is skipped (exit 0); every other failure fails. MOEBLAZE_SKIP_PYTHON=1 skips it.
-# transformers >= 5 is installed beside pytest for the Hugging Face tests.
+# transformers >= 5 and accelerate are installed beside pytest for the Hugging Face tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -46,6 +46,19 @@ if ! "$py" -c "import sys, transformers; sys.exit(int(transformers.__version__.s
   else
     tail -3 "$repo/build/transformers-install.log"
     echo "moeblaze: 'pip install transformers' FAILED: the Hugging Face tests (test_hf.py) skip"
+  fi
+fi
+# accelerate (a test dependency: transformers.Trainer needs it for test_trainer.py; pure Python).
+# Without it that test skips.
+if ! "$py" -c "import accelerate" 2>/dev/null; then
+  t0=$(date +%s)
+  mkdir -p "$repo/build"
+  if "$py" -m pip install -q --disable-pip-version-check accelerate \
+      >"$repo/build/accelerate-install.log" 2>&1; then
+    echo "moeblaze: accelerate installed in $(( $(date +%s) - t0 )) s"
+  else
+    tail -3 "$repo/build/accelerate-install.log"
+    echo "moeblaze: 'pip install accelerate' FAILED: the Trainer test (test_trainer.py) skips"
   fi
 fi
 echo "moeblaze: python tests with $("$py" -c 'import torch; print("torch", torch.__version__)')"

@@ -228,6 +228,8 @@ def experts_from_routing(x, w1, w2, pair_offsets, pair_experts, pair_weights, ac
     "fp8-wgrad": the weight gradients' GEMMs in e4m3 too (128x1 tiles along the tokens).
     fp8_weights: with "fp8" or "fp8-wgrad", an Fp8WeightCache holding w1 and w2's codes between calls (the
     caller tells it when the weights change)."""
+    # Replicated DTensors become their full tensors, sharded ones are refused by name.
+    x, w1, w2, b1, b2 = _full_tensors(("x", "w1", "w2", "b1", "b2"), x, w1, w2, b1, b2)
     x, w1, w2, b1, b2 = _compute_operands(x, w1, w2, b1, b2)
     E = w2.shape[0]
     act, compute = _activation_code(activation), _compute_code(compute_dtype)
@@ -278,6 +280,34 @@ def _compute_code(compute_dtype):
         return _lib.COMPUTES[compute_dtype]
     raise ValueError(f"moeblaze: compute_dtype {compute_dtype!r} is not None, 'bf16', 'fp8' or "
                      "'fp8-wgrad'")
+
+
+def _dtensor_rule(name, t):
+    """ValueError for a DTensor argument that is not taken as it is: the kernels take whole
+    weights."""
+    how = "replicated" if all(p.is_replicate() for p in t.placements) else "sharded"
+    return ValueError(
+        f"moeblaze: {name} is a DTensor {how} over {t.device_mesh} (placements "
+        f"{tuple(t.placements)}); moeblaze needs the full expert weights: call it inside FSDP's "
+        "forward (fully_shard unshards the parameters there) or pass .full_tensor()")
+
+
+def _full_tensors(names, *tensors):
+    """The tensors with each DTensor replaced by its full tensor when every placement is
+    Replicate (differentiable), else ValueError naming it: fully_shard hands forward plain
+    unsharded tensors, so a DTensor here was called outside that (docs/PYTORCH.md, Training at
+    scale). Plain tensors pass untouched (one type test each)."""
+    if all(t is None or type(t) in ops._PLAIN for t in tensors):
+        return tensors
+    from torch.distributed.tensor import DTensor, Replicate
+    out = []
+    for name, t in zip(names, tensors):
+        if isinstance(t, DTensor):
+            if not all(isinstance(p, Replicate) for p in t.placements):
+                raise _dtensor_rule(name, t)
+            t = t.full_tensor()
+        out.append(t)
+    return tuple(out)
 
 
 def _eager(*tensors):
@@ -432,6 +462,10 @@ def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", reco
             and _eager(x, w1, w2, expert_ids, expert_weights, b1, b2)):
         return _moe_experts_eager(x, w1, w2, expert_ids, expert_weights, activation, recompute,
                                   b1, b2, compute_dtype, fp8_weights)
+    # Not the eager path's types: replicated DTensors become their full tensors, sharded ones are
+    # refused by name.
+    x, w1, w2, expert_weights, b1, b2 = _full_tensors(
+        ("x", "w1", "w2", "expert_weights", "b1", "b2"), x, w1, w2, expert_weights, b1, b2)
     offsets = _fixed_k_offsets(T, K, x)
     check_range = x.device.type == "cpu" or bool(validate)  # on CUDA a host sync: opt-in
     experts = ops.expert_ids_int32(expert_ids, w2.shape[0], check_range).reshape(-1)
@@ -650,12 +684,25 @@ class MoE(nn.Module):
         if r is not None:
             out, aux, z, experts, self.last_flags = r
             return self._finish(x2, out, None, experts, shape, RouterLosses(aux, z))
+        self._refuse_dtensors()  # here, not before the fast step, which takes plain tensors only
         logits, offsets, experts, weights = self.route(x2)
         cache = self._fp8_cache() if _eager(x2, self.w1, self.w2) else None
         out = experts_from_routing(x2, self.w1, self.w2, offsets, experts, weights,
                                    self.activation, self.recompute, b1=self.b1, b2=self.b2,
                                    compute_dtype=self.compute_dtype, fp8_weights=cache)
         return self._finish(x2, out, logits, experts, shape)
+
+    def _refuse_dtensors(self):
+        """ValueError naming a DTensor parameter: fully_shard's forward hands the module plain
+        unsharded tensors, so one here means the module was called outside it (one type test
+        per parameter)."""
+        ps = (self.w1, self.w2, self.gate.weight, self.b1, self.b2)
+        if all(p is None or type(p) in ops._PLAIN for p in ps):
+            return
+        from torch.distributed.tensor import DTensor
+        for name, p in zip(("w1", "w2", "gate.weight", "b1", "b2"), ps):
+            if isinstance(p, DTensor):
+                raise _dtensor_rule(f"MoE.{name}", p)
 
     def _layer_step(self, x2):
         """The whole step (router layer, route, token rounding, experts, losses) as one C++

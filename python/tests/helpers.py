@@ -162,7 +162,9 @@ def run_ranks(world, fn, seed, backend="gloo", timeout_s=120, args=(), fail_grac
                 failed_at = now
             if failed_at is not None and now >= failed_at + fail_grace_s:
                 break
-            next(p for p in procs if p.is_alive()).join(0.2)
+            alive = next((p for p in procs if p.is_alive()), None)  # all may end meanwhile
+            if alive is not None:
+                alive.join(0.2)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for r in hung:
             procs[r].kill()
