@@ -31,6 +31,7 @@
 #include "common/layer_fixtures.hpp"
 #include "common/test_util.hpp"
 #include "core/parallel.hpp"
+#include "gpu/gpu_layer_util.hpp"
 #include "gpu/gpu_test_util.hpp"
 #include "moeblaze/moeblaze.hpp"
 #include "reference/reference_layer.hpp"
@@ -173,41 +174,6 @@ FuzzCase draw_case(uint64_t seed) {
 }
 
 // ---- one step on the GPU and on the CPU backend ------------------------------------------------
-
-// The host plan's arrays copied to the device (not library-built: opts.check_plan checks it).
-RoutingPlan device_copy(const RoutingPlan& h) {
-  RoutingPlan p(Device::cuda, h.T(), h.E(), h.S());
-  const auto copy = [](void* dst, const void* src, size_t bytes) {
-    if (bytes) MOEBLAZE_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
-  };
-  const RoutingPlanView v = h.view();
-  copy(p.expert_token_offsets(), v.expert_token_offsets, 4 * (h.E() + 1));
-  copy(p.expert_token_indices(), v.expert_token_indices, 4 * h.S());
-  copy(p.slot_weights(), v.slot_weights, 4 * h.S());
-  copy(p.token_pair_offsets(), v.token_pair_offsets, 4 * (h.T() + 1));
-  copy(p.token_expert_indices(), v.token_expert_indices, 4 * h.S());
-  copy(p.token_index_map(), v.token_index_map, 4 * h.S());
-  return p;
-}
-
-// A host tensor's bytes on the device (`offset` bytes into a slightly larger allocation).
-struct DevTensor {
-  DevMem mem;
-  TensorView v;
-  explicit DevTensor(const HostTensor& h, size_t offset = 0) : mem(h.bytes.size() + offset) {
-    if (!h.bytes.empty())
-      MOEBLAZE_CUDA_CHECK(cudaMemcpy(static_cast<char*>(mem.p) + offset, h.bytes.data(),
-                                     h.bytes.size(), cudaMemcpyHostToDevice));
-    v = h.view();
-    v.data = h.bytes.empty() ? nullptr : static_cast<char*>(mem.p) + offset;
-    v.device = Device::cuda;
-  }
-  void download_into(HostTensor& h) const {
-    MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
-    if (!h.bytes.empty())
-      MOEBLAZE_CUDA_CHECK(cudaMemcpy(h.bytes.data(), v.data, h.bytes.size(), cudaMemcpyDeviceToHost));
-  }
-};
 
 // A step's inputs and outputs on the host; b1 / b2 / db1 / db2 rank 0 where there is no bias.
 struct StepTensors {
@@ -512,7 +478,7 @@ void check_valid(const FuzzCase& c) {
     drop_some_tokens(routing, rng);
   }
   const RoutingPlan host_plan = make_plan(routing);
-  const RoutingPlan dev_plan = device_copy(host_plan);
+  const RoutingPlan dev_plan = device_plan(host_plan);
   const int64_t S = host_plan.S(), R = cfg.w1_rows();
   StepTensors in(cfg, S);
   in.t.randomize(c.seed + 3);
@@ -571,7 +537,7 @@ std::string rule_of(const FuzzCase& c) {
 void check_refused(const FuzzCase& c) {
   const LayerConfig& cfg = c.cfg;
   const HostRouting routing = random_routing(c.spec, c.seed + 1);
-  const RoutingPlan dev_plan = device_copy(make_plan(routing));
+  const RoutingPlan dev_plan = device_plan(make_plan(routing));
   LayerTensors t(cfg, dev_plan.S());
   t.randomize(c.seed + 3);
   const DevTensor x(t.x, c.reject == Reject::misaligned_x ? 2 : 0), w1(t.w1), w2(t.w2);

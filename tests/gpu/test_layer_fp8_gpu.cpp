@@ -16,6 +16,7 @@
 #include "common/layer_fixtures.hpp"
 #include "common/test_util.hpp"
 #include "cuda/gemm/dispatch/kernel_config.hpp"
+#include "gpu/gpu_layer_util.hpp"
 #include "gpu/gpu_test_util.hpp"
 #include "moeblaze/capi.h"
 #include "moeblaze/moeblaze.hpp"
@@ -38,36 +39,6 @@ LayerConfig fp8_config(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K, Ac
   cfg.compute = Compute::fp8;
   return cfg;
 }
-
-// The host plan's arrays copied to the device.
-RoutingPlan device_plan(const RoutingPlan& h) {
-  RoutingPlan p(Device::cuda, h.T(), h.E(), h.S());
-  const auto copy = [](void* dst, const void* src, size_t bytes) {
-    if (bytes) MOEBLAZE_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
-  };
-  const int64_t T = h.T(), E = h.E(), S = h.S();
-  const RoutingPlanView v = h.view();
-  copy(p.expert_token_offsets(), v.expert_token_offsets, 4 * (E + 1));
-  copy(p.expert_token_indices(), v.expert_token_indices, 4 * S);
-  copy(p.slot_weights(), v.slot_weights, 4 * S);
-  copy(p.token_pair_offsets(), v.token_pair_offsets, 4 * (T + 1));
-  copy(p.token_expert_indices(), v.token_expert_indices, 4 * S);
-  copy(p.token_index_map(), v.token_index_map, 4 * S);
-  return p;
-}
-
-// A host tensor's bytes on the device, viewed with its shape.
-struct DevTensor {
-  DevMem mem;
-  TensorView v;
-  explicit DevTensor(const HostTensor& h) : mem(h.bytes.size()) {
-    mem.upload(h.bytes);
-    v = h.view();
-    v.data = mem.p;
-    v.device = Device::cuda;
-  }
-  void download_into(HostTensor& h) const { h.bytes = mem.download<unsigned char>(); }
-};
 
 // The device outputs of a step into t's host tensors (after the step's stream is done).
 void download_outputs(const DevTensor& out, const DevTensor& dx, const DevTensor& dw1,

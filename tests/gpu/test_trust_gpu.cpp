@@ -33,6 +33,7 @@
 #include "common/layer_fixtures.hpp"
 #include "common/nonfinite_fixtures.hpp"
 #include "common/test_util.hpp"
+#include "gpu/gpu_layer_util.hpp"
 #include "gpu/gpu_test_util.hpp"
 #include "moeblaze/capi.h"
 #include "moeblaze/moeblaze.hpp"
@@ -42,33 +43,6 @@ namespace moeblaze::test {
 namespace {
 
 // ---- a step's tensors on the device ---------------------------------------------------------------
-
-RoutingPlan device_copy(const RoutingPlan& h) {
-  RoutingPlan p(Device::cuda, h.T(), h.E(), h.S());
-  const auto copy = [](void* dst, const void* src, size_t bytes) {
-    if (bytes) MOEBLAZE_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
-  };
-  const RoutingPlanView v = h.view();
-  copy(p.expert_token_offsets(), v.expert_token_offsets, 4 * (h.E() + 1));
-  copy(p.expert_token_indices(), v.expert_token_indices, 4 * h.S());
-  copy(p.slot_weights(), v.slot_weights, 4 * h.S());
-  copy(p.token_pair_offsets(), v.token_pair_offsets, 4 * (h.T() + 1));
-  copy(p.token_expert_indices(), v.token_expert_indices, 4 * h.S());
-  copy(p.token_index_map(), v.token_index_map, 4 * h.S());
-  return p;
-}
-
-struct DevTensor {
-  DevMem mem;
-  TensorView v;
-  explicit DevTensor(const HostTensor& h) : mem(h.bytes.size()) {
-    mem.upload(h.bytes);
-    v = h.view();
-    v.data = mem.p;
-    v.device = Device::cuda;
-  }
-  void download_into(HostTensor& h) const { h.bytes = mem.download<unsigned char>(); }
-};
 
 // One layer problem: config, routing, plans on both devices, host inputs.
 struct Problem {
@@ -80,7 +54,7 @@ struct Problem {
       : cfg(c),
         routing(random_routing({c.T, c.E, c.K, c.E > c.K ? 1 : 0, true}, seed)),
         host_plan(make_plan(routing)),
-        dev_plan(device_copy(host_plan)),
+        dev_plan(device_plan(host_plan)),
         t(c, host_plan.S()) {
     t.randomize(seed + 1);
   }
