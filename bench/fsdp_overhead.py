@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""What FSDP2 costs a model of moeblaze.MoE blocks at world size 1: the same model's training step
+(forward, backward, SGD step) unsharded and under torch.distributed.fsdp.fully_shard, timed in
+alternated rounds in one process, the same weights and batch. At world size 1 the all-gathers
+and reduce-scatters move nothing between GPUs, so the ratio is FSDP2's own bookkeeping around
+moeblaze's ops (unshard / reshard, hooks, the gradient reduction's copies).
+
+  python3 bench/fsdp_overhead.py                     # on the GPU: d 2048, n 768, E 128, K 8
+  python3 bench/fsdp_overhead.py --tiny              # CPU, a tiny shape (what the test runs)
+
+Prints a table and one JSON line (`bench: "fsdp-overhead"`, docs/DESIGN.md's common fields).
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import moeblaze
+
+
+class Block(nn.Module):
+    def __init__(self, d, n, E, K, device, dtype):
+        super().__init__()
+        self.norm = nn.LayerNorm(d, device=device, dtype=dtype)
+        self.moe = moeblaze.MoE(d, n, E, K, renormalize=True, aux_loss_coef=0.01, device=device,
+                                dtype=dtype)
+
+    def forward(self, x):
+        out, losses = self.moe(self.norm(x))
+        return x + out, losses.total
+
+
+class Net(nn.Module):
+    def __init__(self, layers, d, n, E, K, device, dtype):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, n, E, K, device, dtype) for _ in range(layers))
+
+    def forward(self, x):
+        aux = 0
+        for b in self.blocks:
+            x, a = b(x)
+            aux = aux + a
+        return x, aux
+
+
+def _commit():
+    env = os.environ.get("MOEBLAZE_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL,
+                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def step_timer(device):
+    if device == "cuda":
+        def run(fn):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b)
+    else:
+        def run(fn):
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+    return run
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--d", type=int, default=2048)
+    ap.add_argument("--n", type=int, default=768)
+    ap.add_argument("--E", type=int, default=128)
+    ap.add_argument("--K", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=20, help="timed steps per implementation and round")
+    ap.add_argument("--rounds", type=int, default=3, help="alternated rounds")
+    ap.add_argument("--tiny", action="store_true", help="a tiny CPU shape (tests)")
+    ap.add_argument("--out", help="append the JSON line to this file")
+    a = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and moeblaze.has_cuda() and not a.tiny else "cpu"
+    if a.tiny:
+        a.tokens, a.d, a.n, a.E, a.K, a.layers, a.reps, a.rounds = 64, 16, 12, 4, 2, 2, 3, 2
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    backend = "nccl" if device == "cuda" else "gloo"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group(backend, rank=0, world_size=1)
+    from torch.distributed.fsdp import fully_shard
+    try:
+        torch.manual_seed(0)
+        plain = Net(a.layers, a.d, a.n, a.E, a.K, device, dtype)
+        sharded = Net(a.layers, a.d, a.n, a.E, a.K, device, dtype)
+        sharded.load_state_dict(plain.state_dict())
+        for b in sharded.blocks:
+            fully_shard(b)
+        fully_shard(sharded)
+        x = torch.randn(a.tokens, a.d, device=device, dtype=dtype)
+        target = torch.randn(a.tokens, a.d, device=device, dtype=dtype)
+        opts = {m: torch.optim.SGD(m.parameters(), lr=1e-4) for m in (plain, sharded)}
+
+        def step(model):
+            def run():
+                out, aux = model(x)
+                (F.mse_loss(out.float(), target.float()) + aux).backward()
+                opts[model].step()
+                opts[model].zero_grad(set_to_none=True)
+            return run
+
+        timer = step_timer(device)
+        times = {"unsharded": [], "fully_shard": []}
+        for m in (plain, sharded):  # warm-up: the fast path's compile, FSDP's lazy init
+            for _ in range(2):
+                step(m)()
+        for r in range(a.rounds):
+            order = [("unsharded", plain), ("fully_shard", sharded)]
+            for name, m in (order if r % 2 == 0 else order[::-1]):
+                times[name] += [timer(step(m)) for _ in range(a.reps)]
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ratio = med["fully_shard"] / med["unsharded"]
+        gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+        print(f"FSDP2 at world size 1, {a.layers} blocks of moeblaze.MoE (T {a.tokens}, d {a.d}, "
+              f"n {a.n}, E {a.E}, K {a.K}, {str(dtype).split('.')[-1]}), {gpu}; median of "
+              f"{a.reps * a.rounds} steps in {a.rounds} alternated rounds")
+        print("| model | step ms | × unsharded |\n|---|---:|---:|")
+        for k in ("unsharded", "fully_shard"):
+            print(f"| {k} | {med[k]:.3f} | {med[k] / med['unsharded']:.3f} |")
+        row = {"bench": "fsdp-overhead", "T": a.tokens, "d": a.d, "n": a.n, "E": a.E, "K": a.K,
+               "layers": a.layers, "dtype": str(dtype).split(".")[-1],
+               "unsharded_ms": med["unsharded"], "fully_shard_ms": med["fully_shard"],
+               "ratio": ratio, "reps": a.reps, "rounds": a.rounds, "gpu": gpu,
+               "commit": _commit(),
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        print(json.dumps(row))
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        return row
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
