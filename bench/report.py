@@ -249,7 +249,7 @@ backward is {standing}:
 {', '.join(met) if met else 'none'} only; the backward alone is
 {span([x for c in FOUR for x in bwd[c]])}× SonicMoE's: level within about 1 % at
 {' and '.join(level) or 'no config'}, ahead at {' and '.join(bwd_ahead) or 'no config'}. SonicMoE
-spends more host time issuing each step (host issue {host['sonicmoe']} ms per step against
+spends more host time issuing each step ({host['sonicmoe']} ms of host time per step against
 moeblaze's {host['moeblaze-torch']}),
 while its GEMMs one by one are faster than moeblaze's (see "Each GEMM beside SonicMoE's").
 Against the dense bound (cuBLAS strided-batched GEMMs of the same FLOPs plus unfused activation
