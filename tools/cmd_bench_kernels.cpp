@@ -190,13 +190,8 @@ void run_kernels(const KernelsFlags& f) {
                {"schedule", Align::left}, {"tile", Align::left}, {"stages"}, {"cluster"},
                {"order", Align::left}, {"rule", Align::left}});
   for (const NamedConfig* c : configs) {
-<<<<<<< HEAD
-    const int64_t S = c->T * c->K;  // softmax top-K, the benchmark routing
-    const gg::LayerKernels k = gg::choose_kernels({S, c->E, c->d, c->n, act}, o);
-=======
     const int64_t S = c->T * c->K;  // softmax top-K, docs/DESIGN.md's benchmark routing
     const gg::LayerKernels k = gg::choose_kernels({S, c->E, c->d, c->n, act, f.sms}, o);
->>>>>>> model-grid
     for (int i = 0; i < gg::LayerKernels::kCount; ++i) {
       const gg::GemmKernel& g = k.at(i);
       const bool tma = g.family == gg::KernelFamily::tma_grouped;
