@@ -108,9 +108,12 @@ def main(argv=None):
         plain = Net(a.layers, a.d, a.n, a.E, a.K, device, dtype)
         sharded = Net(a.layers, a.d, a.n, a.E, a.K, device, dtype)
         sharded.load_state_dict(plain.state_dict())
+        # The mesh on the run's device: fully_shard's default is CUDA's wherever CUDA is present.
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(device, (1,))
         for b in sharded.blocks:
-            fully_shard(b)
-        fully_shard(sharded)
+            fully_shard(b, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
         x = torch.randn(a.tokens, a.d, device=device, dtype=dtype)
         target = torch.randn(a.tokens, a.d, device=device, dtype=dtype)
         opts = {m: torch.optim.SGD(m.parameters(), lr=1e-4) for m in (plain, sharded)}

@@ -155,7 +155,10 @@ def _check_config(kind, device, rank, world, seed, mp, reshard):
     ref_loss, ref_grads, ref = _reference(kind, model, batch, world, mp)
 
     sharded = copy.deepcopy(model)
-    kw = {"reshard_after_forward": reshard}
+    # The mesh on the test's own device: fully_shard's default mesh is CUDA's wherever CUDA is
+    # present, which would move the CPU case's parameters to the GPU.
+    from torch.distributed.device_mesh import init_device_mesh
+    kw = {"reshard_after_forward": reshard, "mesh": init_device_mesh(device, (world,))}
     if mp:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                reduce_dtype=torch.float32)
@@ -205,9 +208,10 @@ def _check_dtensor_rules(device, rank, world, seed):
     s = SIZES[device]
     torch.manual_seed(seed)
     net = Net(s["d"], s["n"], s["E"], s["K"]).to(device)
+    mesh = init_device_mesh(device, (world,))
     for b in net.blocks:
-        fully_shard(b)
-    fully_shard(net)
+        fully_shard(b, mesh=mesh)
+    fully_shard(net, mesh=mesh)
     x = torch.randn(5, s["d"], device=device)
     if device == "cuda":
         x = x.bfloat16()
@@ -216,7 +220,6 @@ def _check_dtensor_rules(device, rank, world, seed):
                                          r"weights: call it inside FSDP's forward"):
         net.blocks[0].moe(x)
 
-    mesh = init_device_mesh(device, (world,))
     E, d, n, K = s["E"], s["d"], s["n"], s["K"]
     dt = torch.bfloat16 if device == "cuda" else torch.float32
     w1 = torch.randn(E, 2 * n, d, device=device, dtype=dt)

@@ -103,3 +103,19 @@ MOEBLAZE_OLD_LIBM(exp2, (double x), (x))
 MOEBLAZE_OLD_LIBM(log, (double x), (x))
 MOEBLAZE_OLD_LIBM(pow, (double x, double y), (x, y))
 #undef MOEBLAZE_OLD_LIBM
+
+// __isoc23_strtol & co. (glibc 2.38): where the build machine's glibc is 2.38 or newer, its
+// headers send C++'s strtol family (g++ defines _GNU_SOURCE) to these C23 versions, which differ
+// only in also reading a "0b" prefix. Each forwards to the classic function, bound by .symver to
+// its GLIBC_2.2.5 version (plain strtol here would itself be redirected to the C23 name).
+#define MOEBLAZE_OLD_STRTO(type, name)                                                   \
+  extern "C" type moeblaze_old_##name(const char*, char**, int);                         \
+  __asm__(".symver moeblaze_old_" #name ", " #name "@GLIBC_2.2.5");                      \
+  MOEBLAZE_COMPAT type __isoc23_##name(const char* s, char** end, int base) noexcept {   \
+    return moeblaze_old_##name(s, end, base);                                            \
+  }
+MOEBLAZE_OLD_STRTO(long, strtol)
+MOEBLAZE_OLD_STRTO(unsigned long, strtoul)
+MOEBLAZE_OLD_STRTO(long long, strtoll)
+MOEBLAZE_OLD_STRTO(unsigned long long, strtoull)
+#undef MOEBLAZE_OLD_STRTO
