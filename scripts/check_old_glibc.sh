@@ -32,9 +32,13 @@ if [ "$root" != / ] && [ ! -x "$root/usr/bin/python3" ]; then
       { apt-get update -qq && apt-get install -y -qq debootstrap; }; } >/dev/null 2>&1 ||
       skip "could not install debootstrap"
   fi
+  # The Debian mirror this machine's apt already uses (its main archive, not the security one).
+  mirror=$(grep -h -o -E 'https?://[^ ]+/debian/?( |$)' /etc/apt/sources.list \
+             /etc/apt/sources.list.d/* 2>/dev/null | grep -v -- -security | head -n 1 | tr -d ' ')
+  [ -n "$mirror" ] || skip "no Debian mirror in this machine's apt sources"
   echo "moeblaze: making a Debian bullseye root file system in $root (debootstrap) ..."
   rm -rf "$root"
-  if ! { debootstrap --variant=minbase bullseye "$root" http://deb.debian.org/debian &&
+  if ! { debootstrap --variant=minbase bullseye "$root" "$mirror" &&
          chroot "$root" apt-get install -y --no-install-recommends python3 libgomp1; } \
        >"$root.log" 2>&1; then
     tail -5 "$root.log"
