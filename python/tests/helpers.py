@@ -216,3 +216,19 @@ def _rank_entry(rank, world, fn, seed, args, backend, tmp, errq):
 # Tests that run on both backends take `device` from DEVICES; the cuda case carries the `gpu`
 # marker (skipped without a GPU) and the GPU backend's sizes (d, n multiples of 64, bf16).
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def tiny_qwen3_moe(d, n, E=4, K=2, layers=2, vocab=64):
+    """A tiny Hugging Face Qwen3-MoE built from its config (random init, nothing downloaded) whose
+    experts run moeblaze. Needs transformers >= 5 (the caller skips without it)."""
+    import transformers
+    from moeblaze.integrations import hf as mb_hf
+    mb_hf.register()
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=d, intermediate_size=2 * d, moe_intermediate_size=n,
+        num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=d // 4, max_position_embeddings=64,
+        initializer_range=0.1)
+    model = transformers.Qwen3MoeForCausalLM(cfg)
+    model.set_experts_implementation("moeblaze")
+    return model

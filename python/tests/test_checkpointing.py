@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import moeblaze
-from helpers import TOL, rel_err
+from helpers import TOL, rel_err, tiny_qwen3_moe
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -95,20 +95,11 @@ def test_checkpoint_forward_count(monkeypatch, recompute):
 
 # ---- Hugging Face gradient checkpointing ---------------------------------------------------
 def _tiny_hf(d, n):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("transformers.integrations.moe", reason="transformers < 5: no experts "
                         "interface")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a tiny config built here: nothing to download
-    from moeblaze.integrations import hf as mb_hf
-    mb_hf.register()
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=d, intermediate_size=2 * d, moe_intermediate_size=n,
-        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=d // 4, max_position_embeddings=64,
-        initializer_range=0.1)
-    model = transformers.Qwen3MoeForCausalLM(cfg)
-    model.set_experts_implementation("moeblaze")
-    return model
+    return tiny_qwen3_moe(d, n)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import moeblaze
-from helpers import TOL, TOL_SINGLE, rel_err
+from helpers import TOL, TOL_SINGLE, rel_err, tiny_qwen3_moe
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.integrations.moe", reason="transformers < 5: no experts "
@@ -38,13 +38,7 @@ def _setup(device):
     # bf16 roundings cannot flip a later layer's routing.
     d, n, dtype, layers = ((64, 64, torch.bfloat16, 1) if device == "cuda" else
                            (32, 24, torch.float32, 2))
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=d, intermediate_size=2 * d, moe_intermediate_size=n,
-        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=d // 4, max_position_embeddings=64,
-        initializer_range=0.1)
-    model = transformers.Qwen3MoeForCausalLM(cfg).to(device, dtype).train()
-    model.set_experts_implementation("moeblaze")
+    model = tiny_qwen3_moe(d, n, layers=layers).to(device, dtype).train()
     ids = torch.randint(0, 64, (2, 12), device=device)
     labels = torch.randint(0, 64, (2, 12), device=device)
     return model, ids, labels, dtype

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import moeblaze
-from helpers import TOL_SINGLE, rel_err, run_ranks
+from helpers import TOL_SINGLE, rel_err, run_ranks, tiny_qwen3_moe
 
 try:
     import torch.distributed as dist
@@ -61,18 +61,6 @@ class Net(nn.Module):
             x, a = b(x)
             aux = aux + a
         return self.head(x), aux
-
-
-def tiny_qwen3_moe(d, n, E, K):
-    import transformers
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=d, intermediate_size=2 * d, moe_intermediate_size=n,
-        num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=d // 4, max_position_embeddings=64,
-        initializer_range=0.1)
-    model = transformers.Qwen3MoeForCausalLM(cfg)
-    model.set_experts_implementation("moeblaze")
-    return model
 
 
 def _make(kind, device, s):

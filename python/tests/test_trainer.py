@@ -17,7 +17,7 @@ pytest.importorskip("transformers.integrations.moe", reason="transformers < 5: n
 pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a tiny config built here: nothing to download
 
-from helpers import TOL, rel_err  # noqa: E402
+from helpers import TOL, rel_err, tiny_qwen3_moe  # noqa: E402
 from moeblaze.integrations import hf as mb_hf  # noqa: E402
 
 mb_hf.register()
@@ -29,14 +29,7 @@ STEPS, SAVE_AT = 8, 4
 def _model(device, seed):
     d, n = (64, 64) if device == "cuda" else (32, 24)  # the GPU backend: multiples of 64
     torch.manual_seed(seed)
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=32, hidden_size=d, intermediate_size=2 * d, moe_intermediate_size=n,
-        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=d // 4, max_position_embeddings=64,
-        initializer_range=0.1)
-    model = transformers.Qwen3MoeForCausalLM(cfg)
-    model.set_experts_implementation("moeblaze")
-    return model
+    return tiny_qwen3_moe(d, n, vocab=32)
 
 
 def _dataset(seed):
