@@ -85,8 +85,8 @@ def test_out_of_memory_in_backward_writes_no_gradient(seed):
     xs = x.clone().requires_grad_()
     out, _ = moe(xs)
     torch.cuda.synchronize()
-    # Forward's freed blocks out of the cache first: left there, they gave backward room under
-    # the cap (an H100 at da9f270 raised nothing).
+    # Forward's freed blocks out of the cache first: left there, they give backward room under
+    # the cap.
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (16 << 20)) / total)
