@@ -5,7 +5,7 @@
 #
 #   scripts/gpu_check.sh OUT [PART ...]
 #     PART: all (default) | tests | gpu-tests | gpu-gtests | routing-tests | routing | layer | gemm
-#           | ep | python | peers | sanitize | fuzz-long | sanitize-fuzz
+#           | ep | python | peers | sanitize | fuzz-long | sanitize-fuzz | search
 #       tests          ctest, every test (CPU and GPU)          → OUT/ctest.log
 #       gpu-tests      (not in `all`) the quick GPU check: moeblaze_gpu_tests (GTEST_FILTER picks
 #                      some) and the CUDA pytests (python/tests -k "gpu or cuda")
@@ -52,7 +52,13 @@
 #                      MOEBLAZE_GPU_FUZZ_CASES=${FUZZ_CASES:-2000} and the big sizes
 #                      (MOEBLAZE_GPU_FUZZ_BIG=1), under a timeout of ${FUZZ_TIMEOUT:-3600} s
 #                      → OUT/fuzz_long.log; FUZZ_SEED fixes the first case's seed (default: a
-#                      fresh one, printed in the log; a failing case prints its own replay line).
+#                      fresh one, printed in the log; a failing case prints its own replay line);
+#                      FUZZ_JOBS=J runs the cases in J processes at once (the host reference
+#                      is the slow part: one core each).
+#       search         (not in `all`) moeblaze bench gemm --search over the public-model grid and
+#                      17 random shapes (SEARCH_CONFIGS replaces them): each GEMM's automatic
+#                      kernel against the fastest built candidate → OUT/search.log (the table),
+#                      search.jsonl ("kernel-search" rows), search_progress.log
 #       sanitize-fuzz  (not in `all`) compute-sanitizer over the fuzz's short round: memcheck,
 #                      racecheck and initcheck over GpuFuzz.* (MOEBLAZE_GPU_FUZZ_CASES=
 #                      ${SANITIZE_FUZZ_CASES:-25}: sanitized kernels run 10-100x slower; 100 is the
@@ -170,7 +176,8 @@ else
       want_named gpu-gtests || want_named fuzz-long || want_named sanitize-fuzz; then
     need+=(moeblaze_gpu_tests)
   fi
-  if want routing || want layer || want gemm || want ep || want_named sanitize; then need+=(moeblaze); fi
+  if want routing || want layer || want gemm || want ep || want_named sanitize ||
+      want_named search; then need+=(moeblaze); fi
   for b in "${need[@]}"; do
     [ -x "$BUILD/$b" ] || { echo "gpu_check: PREBUILT set but $BUILD/$b is missing"; exit 1; }
   done
@@ -322,6 +329,23 @@ if want ep; then
   fi
 fi
 
+# ---- search: moeblaze bench gemm --search, every bf16 candidate of each GEMM against the
+# automatic choice (not in `all`). SEARCH_CONFIGS replaces the shapes: by default the
+# public-model grid and 17 shapes drawn once at random (seed 20261205: d and n multiples of 64 in
+# [512, 7168] and [192, 4096], E from 8 to 512, K up to 10, T in [4096, 16384], half of them
+# multiples of 128; 8 n and 9 T not multiples of 128) ----
+SEARCH_RANDOM='T4352-d576-n3136-E96-K10,T5832-d3712-n1984-E256-K3,T10624-d2624-n768-E160-K1,T5632-d3904-n1536-E40-K6,T12715-d2048-n3584-E60-K6,T15104-d5184-n960-E384-K9,T13916-d1216-n2112-E96-K2,T12711-d4608-n3200-E64-K10,T5120-d6720-n2240-E128-K4,T6272-d4480-n1856-E8-K4,T10112-d6656-n3392-E16-K10,T12800-d2432-n3008-E128-K3,T7694-d1280-n2496-E512-K3,T4133-d3840-n1024-E256-K1,T5376-d2752-n1472-E64-K5,T14331-d6912-n2240-E16-K4,T10624-d1792-n3136-E32-K7'
+if want_named search; then
+  t0=$(date +%s)
+  rc=0
+  "$BUILD/moeblaze" bench gemm --search --no-dense --reps 20 --warmup 2 \
+    --configs "${SEARCH_CONFIGS:-grid,$SEARCH_RANDOM}" --out "$OUT/search.jsonl" \
+    >"$OUT/search.log" 2>"$OUT/search_progress.log" || rc=$?
+  line=$(grep -E '^auto / best over' "$OUT/search.log" || true)
+  if [ $rc -eq 0 ]; then summary+=("kernel search: ${line:-no summary} [$(( $(date +%s) - t0 )) s]")
+  else status=1; tail -5 "$OUT/search_progress.log"; summary+=("kernel search: FAILED rc $rc (search_progress.log)"); fi
+fi
+
 # ---- sanitize: compute-sanitizer memcheck over small GPU tests and one layer bench, racecheck
 # over one small kernel test; every run appends to OUT/sanitize.log ----
 SANITIZE_FILTER=${SANITIZE_FILTER:-'PlanValidateGpu.*:RoutingPlanGpu.EdgeCases:RoutingPlanGpu.BadRoutingRaisesFlagsAndClearErrors:RouterGpu.EmptyBatch:RouterGpu.ExactTiesBreakToTheLowerExpertId:RouterGpu.NonFiniteLogitsAreRejectedWithTheCpuMessage:TokenRoundingGpu.TiesAndSmallBatches:LayerGpu.EmptyTokensAndEmptyPlan:LayerGpu.AggregateRowsMatchesHostInFixedOrder:LayerGpu.DPairWeightsGatherIsExact:LayerGpu.RejectsWhatTheGpuPathCannotTakeAndLeavesOutputsUntouched:GroupedGemmEdge.*:GroupedGemmChecks.InvalidArgumentsLeaveOutputsUntouched'}
@@ -366,12 +390,34 @@ fi
 if want_named fuzz-long; then
   t0=$(date +%s)
   rc=0
-  # shellcheck disable=SC2086
-  env -u GTEST_FILTER MOEBLAZE_GPU_FUZZ_CASES="${FUZZ_CASES:-2000}" MOEBLAZE_GPU_FUZZ_BIG=1 \
-    ${FUZZ_SEED:+MOEBLAZE_GPU_FUZZ_SEED=$FUZZ_SEED} \
-    timeout "${FUZZ_TIMEOUT:-3600}" "$BUILD/moeblaze_gpu_tests" --gtest_filter='GpuFuzz.*' \
-    >"$OUT/fuzz_long.log" 2>&1 || rc=$?
-  counts=$(grep -E '^\[gpu fuzz\] [0-9]+ valid' "$OUT/fuzz_long.log" | tail -1 || true)
+  # FUZZ_JOBS processes share the cases (case i has seed first + i, so job j runs the cases
+  # from first + j * per): the float64 reference is host work, one core each; their logs are
+  # appended to OUT/fuzz_long.log one after the other.
+  jobs=${FUZZ_JOBS:-1} cases=${FUZZ_CASES:-2000}
+  first=${FUZZ_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}
+  per=$(( (cases + jobs - 1) / jobs ))
+  pids=()
+  for (( j = 0; j < jobs; ++j )); do
+    n=$(( cases - j * per < per ? cases - j * per : per ))
+    (( n > 0 )) || break
+    env -u GTEST_FILTER OMP_NUM_THREADS=1 MOEBLAZE_GPU_FUZZ_CASES=$n MOEBLAZE_GPU_FUZZ_BIG=1 \
+      MOEBLAZE_GPU_FUZZ_SEED=$(( first + j * per )) \
+      timeout "${FUZZ_TIMEOUT:-3600}" "$BUILD/moeblaze_gpu_tests" --gtest_filter='GpuFuzz.*' \
+      >"$OUT/fuzz_long.$j.log" 2>&1 &
+    pids+=($!)
+  done
+  : >"$OUT/fuzz_long.log"
+  valid=0 refused=0 failed=0
+  for j in "${!pids[@]}"; do
+    wait "${pids[$j]}" || { r=$?; [ $rc -ne 0 ] || rc=$r; }  # the first failure's code
+    cat "$OUT/fuzz_long.$j.log" >>"$OUT/fuzz_long.log" && rm -f "$OUT/fuzz_long.$j.log"
+  done
+  while read -r v r f; do
+    valid=$(( valid + v )); refused=$(( refused + r )); failed=$(( failed + f ))
+  done < <(sed -nE 's/^\[gpu fuzz\] ([0-9]+) valid.*, ([0-9]+) refused, ([0-9]+) failed.*/\1 \2 \3/p' \
+           "$OUT/fuzz_long.log")
+  counts="$(( valid + refused )) cases from seed $first in $jobs jobs: $valid valid, $refused refused, $failed failed"
+  grep -qE '^\[gpu fuzz\] [0-9]+ valid' "$OUT/fuzz_long.log" || counts=""
   if [ $rc -eq 0 ]; then
     summary+=("fuzz long: ${counts:-?} [$(( $(date +%s) - t0 )) s]")
   else
@@ -397,9 +443,25 @@ if want_named sanitize-fuzz; then
     secs=${SANITIZE_FUZZ_TIMEOUT:-1200}
     # The same cases for every tool: a fixed first seed.
     export MOEBLAZE_GPU_FUZZ_CASES=${SANITIZE_FUZZ_CASES:-25} MOEBLAZE_GPU_FUZZ_SEED=${FUZZ_SEED:-1}
+    # The three tools at once, each in a subshell with its own log (a sanitized process keeps
+    # one core busy); the logs are joined in this order afterwards.
+    pids=()
     for tool in memcheck racecheck initcheck; do
-      sanitize_run "$tool fuzz" "$secs" "$tool" "$BUILD/moeblaze_gpu_tests" \
-        --gtest_filter='GpuFuzz.*'
+      (
+        sanitize_log="$OUT/sanitize_fuzz.$tool.log" && : >"$sanitize_log"
+        sanitize_parts=() && status=0
+        sanitize_run "$tool fuzz" "$secs" "$tool" "$BUILD/moeblaze_gpu_tests" \
+          --gtest_filter='GpuFuzz.*'
+        echo "${sanitize_parts[0]}" >"$OUT/sanitize_fuzz.$tool.part"
+        exit $status
+      ) &
+      pids+=($!)
+    done
+    for i in "${!pids[@]}"; do wait "${pids[$i]}" || status=1; done
+    for tool in memcheck racecheck initcheck; do
+      cat "$OUT/sanitize_fuzz.$tool.log" >>"$sanitize_log"
+      sanitize_parts+=("$(cat "$OUT/sanitize_fuzz.$tool.part")")
+      rm -f "$OUT/sanitize_fuzz.$tool.log" "$OUT/sanitize_fuzz.$tool.part"
     done
     unset MOEBLAZE_GPU_FUZZ_CASES MOEBLAZE_GPU_FUZZ_SEED
     sanitize_run "synccheck barriers" "$secs" synccheck "$BUILD/moeblaze_gpu_tests" \

@@ -25,6 +25,11 @@
 // layer runs those passes in every step: `bench layer` times them); checked by the GPU tests too.
 // The -fp8-pp rows run the same on the ping-pong schedule (64 x 128 tiles), the -fp8-c2 rows on
 // CTA pairs sharing A by multicast (gemm::kFp8Kernels).
+//
+// The *-auto rows run each GEMM on the kernel the layer would choose (choose_kernels), called as
+// the layer calls it. --search times every bf16 candidate of each GEMM beside it and prints, per
+// shape and GEMM, the choice against the fastest candidate: how far the rules are from the best
+// kernel this run could find (docs/notes/gathered-gemms.md, "Kernel choice").
 #ifdef MOEBLAZE_WITH_CUDA
 
 #include <CLI/CLI.hpp>
@@ -65,6 +70,7 @@ constexpr double kDenseCeilingTflops = 760.0;  // measured cuBLAS 8192^3 bf16 on
 struct Shape {
   std::string name;
   int64_t T, d, n, E, K;
+  std::string model;  // the public model of a grid shape ("" otherwise)
 };
 
 struct Flags {
@@ -79,16 +85,24 @@ struct Flags {
   std::string kernels;  // kernel overrides under every kernel's own (e.g. tma.bands=4)
   std::string out;  // append JSON lines here
   std::string md;   // write the table as Markdown here
+  bool search = false;  // every bf16 candidate per GEMM against the automatic choice (below)
 };
 
 // "gemm-big" is bench gemm's own shape (S = 65536 slots, E = 16, d = 2048, n = 1024);
 // "T<T>-d<d>-n<n>-E<E>-K<K>" any shape (the name `bench layer --shape` gives its rows); the others
 // are docs/DESIGN.md's named configs.
-Shape find_shape(const std::string& name) {
-  if (name == "gemm-big") return {name, 16384, 2048, 1024, 16, 4};
-  const NamedConfig* c = shape_config(name);
-  if (c == nullptr) c = &require_config(name);
-  return {name, c->T, c->d, c->n, c->E, c->K};
+// "grid" and "all" stand for their lists (select_configs).
+std::vector<Shape> find_shapes(const std::string& spec) {
+  std::vector<Shape> shapes;
+  for (const std::string& name : split_commas(spec)) {
+    if (name == "gemm-big") {
+      shapes.push_back({name, 16384, 2048, 1024, 16, 4, ""});
+      continue;
+    }
+    for (const NamedConfig* c : select_configs(name))
+      shapes.push_back({c->name, c->T, c->d, c->n, c->E, c->K, c->model ? c->model : ""});
+  }
+  return shapes;
 }
 
 // Host-drawn N(0, stddev) bf16, in parallel chunks with per-chunk seeds (reproducible).
@@ -140,6 +154,7 @@ struct Row {
   std::string config, kernel;
   int64_t T, S, E, K, d, n;
   double ms, tflops, dense_ms, dense_tflops, max_rel_err;
+  std::string writes, model;  // the kernel's output (its GEMM) and the shape's public model
 };
 
 // What every row and output file names: the card, its driver, the commit and the date.
@@ -229,7 +244,10 @@ struct ShapeData {
   };
   std::unique_ptr<Fp8Wgrad> fp8w;  // null where d or n is not a multiple of 128
 
-  ShapeData(const Shape& sh, Activation act, uint64_t seed, const BalancedRouting& rt)
+  // with_fp8: the FP8 rows' operands too, where d and n are multiples of 128 (they take as
+  // many bytes again as the bf16 weights and their gradients).
+  ShapeData(const Shape& sh, Activation act, uint64_t seed, const BalancedRouting& rt,
+            bool with_fp8)
       : T(sh.T), d(sh.d), n(sh.n), E(sh.E), K(sh.K), S(sh.T * sh.K),
         R(is_gated(act) ? 2 * sh.n : sh.n),
         hx(random_bf16(size_t(T * d), seed + 1, 1.0f)),
@@ -241,7 +259,7 @@ struct ShapeData {
         parts(size_t(S * cuda::gemm::ds_partials_cols(n)) * 4), dh(size_t(S * R) * 2),
         as(size_t(S * n) * 2), dx(size_t(S * d) * 2), dw1(size_t(E * R * d) * 2),
         dw2(size_t(E * d * n) * 2) {
-    if (d % 128 == 0 && n % 128 == 0) {
+    if (with_fp8 && d % 128 == 0 && n % 128 == 0) {
       fp8 = std::make_unique<Fp8Down>(S, d, n, E);
       fp8w = std::make_unique<Fp8Wgrad>(S, d, n, E, R);
     }
@@ -443,6 +461,20 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
           // the 2-CTA cluster variant at every shape (the rule takes it only at >= 4096 rows
           // per expert), to time against dW1-ws
           with_overrides("dw1.family=ws,dw1.cluster=2", dw1("dW1-mc", GK::warp_specialized))};
+  // The automatic choice of each GEMM (choose_kernels under the --kernels overrides), called as
+  // the layer calls it: the TMA scratch only where the choice is the TMA path, dH over H. Last
+  // in the chain, each is its output's last writer, so the sampled check is the layer's kernel.
+  const gg::LayerKernels chosen = gg::choose_kernels({S, s.E, d, n, act},
+                                                     gg::parse_kernel_overrides(extra));
+  const auto scratch_for = [&tma_scratch](const gg::GemmKernel& k) {
+    return k.family == gg::KernelFamily::tma_grouped ? tma_scratch : gg::GemmScratch{};
+  };
+  all.push_back(up("up-auto", GK::automatic));
+  all.push_back(down("down-auto", scratch_for(chosen.down)));
+  all.push_back(dh_over_h("dH-auto", GK::automatic));
+  all.push_back(dw2("dW2-auto", GK::automatic));
+  all.push_back(dx("dX-auto", scratch_for(chosen.dx)));
+  all.push_back(dw1("dW1-auto", GK::automatic));
   if (s.fp8) {  // after the up-projections, in kFp8Kernels' order
     int at = 3;
     for (const gg::Fp8Kernel& k : gg::kFp8Kernels) all.insert(all.begin() + at++, down_fp8(k));
@@ -582,8 +614,10 @@ void time_kernels(const Flags& f, const Shape& sh, const ShapeData& s,
     const auto& k = kernels[i];
     if (!only.empty() && std::find(only.begin(), only.end(), std::string(k.name)) == only.end())
       continue;
+    if (f.search && std::string(k.writes).find("fp8") != std::string::npos) continue;
     const std::string name = k.tag.empty() ? k.name : std::string(k.name) + " [" + k.tag + "]";
-    Row row{sh.name, name, s.T, s.S, s.E, s.K, s.d, s.n, 0, 0, NAN, NAN, errs[i]};
+    Row row{sh.name, name, s.T, s.S, s.E, s.K, s.d, s.n, 0, 0, NAN, NAN, errs[i], k.writes,
+            sh.model};
     refill();
     row.ms = timer.median_ms(f.warmup, f.reps, k.before, k.launch);
     row.tflops = k.flops / (row.ms * 1e-3) / 1e12;
@@ -611,6 +645,15 @@ std::string kernel_specs(const Flags& f) {
   return !f.kernels.empty() ? f.kernels : cuda::gemm::kernel_overrides().spec;
 }
 
+// Whether any FP8 row is asked for (--only empty without --search, or naming one).
+bool wants_fp8(const Flags& f) {
+  if (f.search) return false;
+  if (f.only.empty()) return true;
+  for (const std::string& k : split_commas(f.only))
+    if (k.find("fp8") != std::string::npos) return true;
+  return false;
+}
+
 // One shape: routing, inputs, the chain once and its sampled check, then the timed rows.
 void bench_shape(const Flags& f, const Shape& sh, Activation act, cudaStream_t stream,
                  GpuTimer& timer, cublasHandle_t blas, std::vector<Row>& rows) {
@@ -619,7 +662,7 @@ void bench_shape(const Flags& f, const Shape& sh, Activation act, cudaStream_t s
             << " E=" << E << " K=" << K << " S=" << T * K << "\n";
   std::mt19937_64 rng(f.seed);
   const BalancedRouting rt = near_balanced_routing(T, E, K, rng);
-  ShapeData s(sh, act, f.seed, rt);
+  ShapeData s(sh, act, f.seed, rt, wants_fp8(f));
   namespace gg = cuda::gemm;
   Dev scratch_buf(gg::tma_gemm_scratch_bytes(E));
   const gg::GemmScratch tma_scratch{scratch_buf.as<char>(), gg::tma_gemm_scratch_bytes(E)};
@@ -679,6 +722,7 @@ void append_jsonl(const std::string& path, const std::vector<Row>& rows, Activat
   for (const auto& r : rows) {
     JsonLine j;
     j.add("bench", "gemm").add("config", r.config).add("impl", "moeblaze").add("gemm", r.kernel);
+    if (!r.model.empty()) j.add("model", r.model);
     j.add("activation", activation_name(act)).add("T", r.T).add("S", r.S).add("E", r.E);
     j.add("K", r.K).add("d", r.d).add("n", r.n).add("ms", r.ms).add("tflops", r.tflops);
     j.add("pct_of_dense_ceiling", 100.0 * r.tflops / kDenseCeilingTflops);
@@ -707,13 +751,93 @@ void write_markdown(const std::string& path, const std::vector<Row>& rows, Activ
        << " | " << fixed(r.tflops / r.dense_tflops, 2) << " |\n";
 }
 
+// --search: per shape and GEMM, the automatic choice's time against the fastest of the GEMM's
+// other bf16 candidates (every built kernel, timed in the same run).
+struct SearchRow {
+  std::string config, gemm, chosen, best;
+  double auto_ms, best_ms;
+};
+
+// One shape's search rows from its timed rows; with --out, their JSON lines (bench
+// "kernel-search") are appended at once, so a run cut short keeps the shapes it finished.
+std::vector<SearchRow> search_rows(const Flags& f, const Shape& sh, const std::vector<Row>& rows,
+                                   Activation act, const RunInfo& info) {
+  namespace gg = cuda::gemm;
+  // The GEMMs by their output, in LayerKernels order.
+  const std::pair<const char*, int> gemms[] = {
+      {"h", gg::LayerKernels::kUp},   {"y", gg::LayerKernels::kDown},
+      {"dh", gg::LayerKernels::kDh},  {"dw2", gg::LayerKernels::kDw2},
+      {"dx", gg::LayerKernels::kDx},  {"dw1", gg::LayerKernels::kDw1}};
+  const int64_t S = sh.T * sh.K;
+  const gg::LayerKernels chosen = gg::choose_kernels(
+      {S, sh.E, sh.d, sh.n, act}, gg::parse_kernel_overrides(kernel_specs(f)));
+  std::ofstream os;
+  if (!f.out.empty()) os.open(f.out, std::ios::app);
+  std::vector<SearchRow> out;
+  for (const auto& [writes, index] : gemms) {
+    const Row* automatic = nullptr;
+    const Row* best = nullptr;
+    for (const Row& r : rows) {
+      if (r.config != sh.name || r.writes != writes) continue;
+      const bool is_auto =
+          r.kernel.size() > 5 && r.kernel.compare(r.kernel.size() - 5, 5, "-auto") == 0;
+      if (is_auto) automatic = &r;
+      else if (!best || r.ms < best->ms) best = &r;
+    }
+    if (!automatic || !best) continue;
+    out.push_back({sh.name, gg::LayerKernels::name(index), gg::describe(chosen.at(index)),
+                   best->kernel, automatic->ms, best->ms});
+    const SearchRow& x = out.back();
+    if (os) {
+      JsonLine j;
+      j.add("bench", "kernel-search").add("config", sh.name);
+      if (!sh.model.empty()) j.add("model", sh.model);
+      j.add("gemm", x.gemm).add("activation", activation_name(act));
+      j.add("T", sh.T).add("S", S).add("E", sh.E).add("K", sh.K).add("d", sh.d).add("n", sh.n);
+      j.add("chosen", x.chosen).add("auto_ms", x.auto_ms).add("best", x.best);
+      j.add("best_ms", x.best_ms).add("auto_over_best", x.auto_ms / x.best_ms);
+      j.add("reps", f.reps).add("operands", f.operands).add("kernels", kernel_specs(f));
+      j.add("gpu", info.gpu).add("driver", info.driver).add("commit", info.commit);
+      j.add("date", info.date);
+      os << j.str() << "\n";
+    }
+  }
+  return out;
+}
+
+// The search's table and a summary line: geomean and worst of auto / best, and how many GEMMs are
+// within 3 % of the fastest candidate.
+void print_search(const std::vector<SearchRow>& rows, int reps, const RunInfo& info) {
+  Table t({{"config", Align::left}, {"gemm", Align::left}, {"chosen", Align::left},
+           {"auto ms"}, {"best", Align::left}, {"best ms"}, {"auto / best"}});
+  double log_sum = 0, worst = 0;
+  int within = 0;
+  for (const SearchRow& r : rows) {
+    const double ratio = r.auto_ms / r.best_ms;
+    log_sum += std::log(ratio);
+    worst = std::max(worst, ratio);
+    within += ratio <= 1.03;
+    t.add_row({r.config, r.gemm, r.chosen, fixed(r.auto_ms, 3), r.best, fixed(r.best_ms, 3),
+               fixed(ratio, 3)});
+  }
+  std::cout << "\nKernel search (" << info.gpu << "): the automatic choice against the fastest "
+            << "other candidate of each GEMM, median of " << reps << " reps each\n";
+  t.print(std::cout);
+  if (!rows.empty())
+    std::cout << "auto / best over " << rows.size() << " GEMMs: geomean "
+              << fixed(std::exp(log_sum / double(rows.size())), 3) << ", worst " << fixed(worst, 3)
+              << ", " << within << " within 3 %\n";
+}
+
 void run(const Flags& f) {
   MOEBLAZE_REQUIRE(f.reps >= 20, "--reps (", f.reps, ") must be at least 20");
   MOEBLAZE_REQUIRE(f.warmup >= 1, "--warmup (", f.warmup, ") must be at least 1");
   const Activation act = parse_activation(f.activation);
-  std::vector<Shape> shapes;
-  for (const auto& name : split_commas(f.configs)) shapes.push_back(find_shape(name));
+  std::vector<Shape> shapes = find_shapes(f.configs);
   MOEBLAZE_REQUIRE(!shapes.empty(), "--configs is empty");
+  MOEBLAZE_REQUIRE(!f.search || kernel_specs(f).find(';') == std::string::npos,
+                   "--search compares the candidates under one set of overrides: --kernels "
+                   "(or MOEBLAZE_KERNELS) must not list variants with ';'");
   for (const auto& s : shapes) cuda::gemm::check_gemm_shape(s.d, s.n);
 
   const RunInfo info = describe_run();
@@ -728,11 +852,32 @@ void run(const Flags& f) {
     cublas_check(cublasSetStream(blas, stream), "cublasSetStream");
   }
   std::vector<Row> rows;
-  for (const Shape& sh : shapes) bench_shape(f, sh, act, stream, timer, blas, rows);
+  std::vector<std::string> skipped;
+  std::vector<SearchRow> searched;
+  for (const Shape& sh : shapes) {
+    try {
+      bench_shape(f, sh, act, stream, timer, blas, rows);
+      if (f.search) {
+        const std::vector<SearchRow> found = search_rows(f, sh, rows, act, info);
+        searched.insert(searched.end(), found.begin(), found.end());
+      }
+    } catch (const DeviceError& e) {  // out of device memory: the next shapes still run
+      if (std::string(e.what()).find("out of memory") == std::string::npos) throw;
+      std::cerr << "bench gemm: " << sh.name << " skipped: " << e.what() << "\n";
+      (void)cudaGetLastError();
+      skipped.push_back(sh.name);
+    }
+  }
   if (blas) cublasDestroy(blas);
 
   print_table(rows);
-  if (!f.out.empty()) append_jsonl(f.out, rows, act, f.operands, kernel_specs(f), info);
+  for (const std::string& name : skipped)
+    std::cout << "skipped (out of device memory): " << name << "\n";
+  if (f.search) {
+    print_search(searched, f.reps, info);
+  } else if (!f.out.empty()) {
+    append_jsonl(f.out, rows, act, f.operands, kernel_specs(f), info);
+  }
   if (!f.md.empty()) write_markdown(f.md, rows, act, f.reps, f.operands, info);
 }
 
@@ -742,8 +887,8 @@ void add_bench_gemm_command(CLI::App& bench) {
   auto flags = std::make_shared<Flags>();
   CLI::App* sub = bench.add_subcommand("gemm", "the grouped GEMM kernels alone on the GPU");
   sub->add_option("--configs", flags->configs,
-                  "comma list: gemm-big (S=65536, E=16, d=2048, n=1024), named configs, or "
-                  "shapes as T<T>-d<d>-n<n>-E<E>-K<K>");
+                  "comma list: gemm-big (S=65536, E=16, d=2048, n=1024), named configs, grid "
+                  "shapes, 'all', 'grid', or shapes as T<T>-d<d>-n<n>-E<E>-K<K>");
   sub->add_option("--activation", flags->activation,
                   "swiglu, geglu, relu, silu, gelu, relu2");
   sub->add_option("--reps", flags->reps, "timed repetitions (>= 20)")
@@ -757,7 +902,7 @@ void add_bench_gemm_command(CLI::App& bench) {
                   "time only these kernels (comma list of up, up-ws, up-pp, down, dH, dH-ws, dH-ws-ip, "
                   "dH-pp, dW2, dW2-ws, dX, down-tma, dX-tma, down-tma256, down-tmapp, dX-tma256, "
                   "dX-tmapp, down-ws, down-pp, dX-ws, dX-pp, "
-                  "dW1, dW1-ws, dW1-mc, down-fp8, down-fp8-c2, down-fp8-pp, dW2-fp8, dW2-fp8-c2, "
+                  "dW1, dW1-ws, dW1-mc, up-auto, down-auto, dH-auto, dW2-auto, dX-auto, dW1-auto, down-fp8, down-fp8-c2, down-fp8-pp, dW2-fp8, dW2-fp8-c2, "
                   "dW2-fp8-pp, dW1-fp8, dW1-fp8-c2, dW1-fp8-pp); all of them still run once "
                   "for the correctness check");
   sub->add_option("--operands", flags->operands,
@@ -768,6 +913,10 @@ void add_bench_gemm_command(CLI::App& bench) {
                   "kernel overrides for every kernel timed, under each kernel's own (e.g. "
                   "tma.bands=4; syntax as MOEBLAZE_KERNELS); ';' separates variants, each "
                   "kernel timed under each in turn (\"tma.bands=1;tma.bands=4\")");
+  sub->add_flag("--search", flags->search,
+               "time every bf16 candidate of each GEMM and the automatic choice (the *-auto "
+               "rows), and print the choice against the fastest candidate per GEMM (--out: one "
+               "\"kernel-search\" JSON line per GEMM)");
   sub->add_option("--out", flags->out, "append JSON lines to this file");
   sub->add_option("--md", flags->md, "write the table as Markdown to this file");
   sub->callback([flags] { run(*flags); });
