@@ -8,6 +8,13 @@ moeblaze's ops (unshard / reshard, hooks, the gradient reduction's copies).
   python3 bench/fsdp_overhead.py                     # on the GPU: d 2048, n 768, E 128, K 8
   python3 bench/fsdp_overhead.py --tiny              # CPU, a tiny shape (what the test runs)
 
+A third model keeps the blocks' weights unsharded from forward to backward
+(`reshard_after_forward=False`: one unshard per step, not two), and the step is set beside the
+time of copying every weight once (`torch._foreach_copy_`, the same bytes): FSDP2 copies the
+weights into its unsharded parameters at each unshard, even at world size 1, and the gradients
+into and out of its reduce-scatter buffers, so the overhead in units of that copy says how much of
+it is bytes FSDP2 moves.
+
 Prints a table and one JSON line (`bench: "fsdp-overhead"`, docs/DESIGN.md's common fields).
 """
 import argparse
@@ -106,17 +113,23 @@ def main(argv=None):
     try:
         torch.manual_seed(0)
         plain = Net(a.layers, a.d, a.n, a.E, a.K, device, dtype)
-        sharded = Net(a.layers, a.d, a.n, a.E, a.K, device, dtype)
-        sharded.load_state_dict(plain.state_dict())
         # The mesh on the run's device: fully_shard's default is CUDA's wherever CUDA is present.
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh(device, (1,))
-        for b in sharded.blocks:
-            fully_shard(b, mesh=mesh)
-        fully_shard(sharded, mesh=mesh)
+        models = {"unsharded": plain}
+        for name, reshard in (("fully_shard", True), ("fully_shard_keep", False)):
+            m = Net(a.layers, a.d, a.n, a.E, a.K, device, dtype)
+            m.load_state_dict(plain.state_dict())
+            for b in m.blocks:
+                fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(m, mesh=mesh, reshard_after_forward=reshard)
+            models[name] = m
         x = torch.randn(a.tokens, a.d, device=device, dtype=dtype)
         target = torch.randn(a.tokens, a.d, device=device, dtype=dtype)
-        opts = {m: torch.optim.SGD(m.parameters(), lr=1e-4) for m in (plain, sharded)}
+        opts = {m: torch.optim.SGD(m.parameters(), lr=1e-4) for m in models.values()}
+        weights = [p.detach() for p in plain.parameters()]
+        copies = [torch.empty_like(w) for w in weights]
+        weight_bytes = sum(w.numel() * w.element_size() for w in weights)
 
         def step(model):
             def run():
@@ -127,27 +140,37 @@ def main(argv=None):
             return run
 
         timer = step_timer(device)
-        times = {"unsharded": [], "fully_shard": []}
-        for m in (plain, sharded):  # warm-up: the fast path's compile, FSDP's lazy init
+        times = {name: [] for name in models}
+        times["weight_copy"] = []
+        copy = lambda: torch._foreach_copy_(copies, weights)  # noqa: E731
+        for m in models.values():  # warm-up: the fast path's compile, FSDP's lazy init
             for _ in range(2):
                 step(m)()
         for r in range(a.rounds):
-            order = [("unsharded", plain), ("fully_shard", sharded)]
-            for name, m in (order if r % 2 == 0 else order[::-1]):
-                times[name] += [timer(step(m)) for _ in range(a.reps)]
+            order = [(name, step(m)) for name, m in models.items()] + [("weight_copy", copy)]
+            for name, fn in (order if r % 2 == 0 else order[::-1]):
+                times[name] += [timer(fn) for _ in range(a.reps)]
         med = {k: statistics.median(v) for k, v in times.items()}
         ratio = med["fully_shard"] / med["unsharded"]
+        overhead_copies = (med["fully_shard"] - med["unsharded"]) / med["weight_copy"]
         gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
         print(f"FSDP2 at world size 1, {a.layers} blocks of moeblaze.MoE (T {a.tokens}, d {a.d}, "
               f"n {a.n}, E {a.E}, K {a.K}, {str(dtype).split('.')[-1]}), {gpu}; median of "
               f"{a.reps * a.rounds} steps in {a.rounds} alternated rounds")
-        print("| model | step ms | × unsharded |\n|---|---:|---:|")
-        for k in ("unsharded", "fully_shard"):
-            print(f"| {k} | {med[k]:.3f} | {med[k] / med['unsharded']:.3f} |")
+        print("| model | step ms | × unsharded | overhead in weight copies |\n|---|---:|---:|---:|")
+        for k in models:
+            print(f"| {k} | {med[k]:.3f} | {med[k] / med['unsharded']:.3f} | "
+                  f"{(med[k] - med['unsharded']) / med['weight_copy']:.2f} |")
+        print(f"one copy of the {weight_bytes / 2**20:.0f} MiB of weights: "
+              f"{med['weight_copy']:.3f} ms")
         row = {"bench": "fsdp-overhead", "T": a.tokens, "d": a.d, "n": a.n, "E": a.E, "K": a.K,
                "layers": a.layers, "dtype": str(dtype).split(".")[-1],
                "unsharded_ms": med["unsharded"], "fully_shard_ms": med["fully_shard"],
-               "ratio": ratio, "reps": a.reps, "rounds": a.rounds, "gpu": gpu,
+               "ratio": ratio, "fully_shard_keep_ms": med["fully_shard_keep"],
+               "keep_ratio": med["fully_shard_keep"] / med["unsharded"],
+               "weight_bytes": weight_bytes, "weight_copy_ms": med["weight_copy"],
+               "overhead_in_weight_copies": overhead_copies,
+               "reps": a.reps, "rounds": a.rounds, "torch": torch.__version__, "gpu": gpu,
                "commit": _commit(),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         print(json.dumps(row))
