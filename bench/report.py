@@ -44,6 +44,7 @@ EP = "ep-2026-11-29-63a4c5b.jsonl"
 PLAN_BUILD = "plan-build-final-2026-12-04-485e5d5.jsonl"
 GRID = "grid-2026-12-05-6badf31-h100.jsonl"
 FSDP = "fsdp-overhead-2026-12-05-6badf31-h100.jsonl"
+SEARCH = []  # kernel-search rows, one file per GPU
 GTESTS = ["gpu-gtests-2026-12-05-6badf31-h100.txt", "gpu-gtests-trust-2026-12-05-da9f270-h100.txt"]
 PYTESTS = ["gpu-pytests-fp8-2026-12-05-5d8a446-h100.txt", "gpu-pytests-2026-12-05-163376b.txt",
            "gpu-pytests-2026-12-05-6badf31-h100.txt", "gpu-pytests-new-2026-12-05-da9f270-h100.txt"]
@@ -700,6 +701,45 @@ yet been run on the grid.
                          ["---", "---", "---", "---", "---:", "---:", "---:", "---:"]) + "\n"
 
 
+def search_section():
+    if not SEARCH:
+        return ""
+    body, misses = [], []
+    for name in SEARCH:
+        rows = jsonl(name)
+        ratios = [r["auto_over_best"] for r in rows]
+        geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        shapes = len({r["config"] for r in rows})
+        within = sum(x <= 1.03 for x in ratios)
+        body.append([short_gpu(rows[0]["gpu"]), rows[0]["commit"], shapes, len(rows), f3(geo),
+                     f3(max(ratios)), f"{within} of {len(rows)}", source(name)])
+        for r in sorted(rows, key=lambda r: -r["auto_over_best"]):
+            if r["auto_over_best"] > 1.03:
+                misses.append([short_gpu(r["gpu"]), r.get("model", r["config"]), shape(r),
+                               r["gemm"], r["chosen"], r["best"], f3(r["auto_over_best"])])
+    words = f"""\
+## The kernel choice against a search
+
+**Where it stands.** `moeblaze bench gemm --search` times every built bf16 kernel of each of the
+six GEMMs on a shape, and the layer's automatic choice beside them (`scripts/gpu_check.sh OUT
+search`: the public-model grid and 17 random shapes, odd n and T among them). The target is the
+choice within 3 % of the fastest candidate on every GEMM of at least 40 shapes, on the H100 and
+the H200. *auto / best* is the automatic kernel's time over the fastest other candidate's (a
+choice that is the fastest reads at or below 1 within the run's noise).
+
+"""
+    out = words + table(["GPU", "commit", "shapes", "GEMMs", "auto / best geomean", "worst",
+                         "within 3 %", "rows"], body,
+                        ["---", "---", "---:", "---:", "---:", "---:", "---:", "---"]) + "\n"
+    if misses:
+        out += ("\nThe GEMMs where the choice is more than 3 % slower than the fastest "
+                "candidate:\n\n" +
+                table(["GPU", "model or shape", "T / d / n / E / K", "gemm", "chosen",
+                       "fastest", "auto / best"], misses,
+                      ["---", "---", "---", "---", "---", "---", "---:"]) + "\n")
+    return out
+
+
 def fsdp_section():
     rows = jsonl(FSDP)
     r = rows[-1]
@@ -941,10 +981,11 @@ def reflow(page, width=100):
 
 def render():
     parts = [HEAD, figures_section(), sonicmoe_section(), ten_section(), max_tokens_section(),
-             gemms_section(), fp8_section(), training_section(), grid_section(), fsdp_section(), ep_section(),
+             gemms_section(), fp8_section(), training_section(), grid_section(), search_section(),
+             fsdp_section(), ep_section(),
              plan_section(),
              tests_section(), known_gaps(), files_section()]
-    return reflow("\n".join(p.rstrip("\n") + "\n" for p in parts).rstrip("\n")) + "\n"
+    return reflow("\n".join(p.rstrip("\n") + "\n" for p in parts if p).rstrip("\n")) + "\n"
 
 
 # ---------------------------------------------------------------- figures
