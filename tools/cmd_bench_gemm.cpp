@@ -357,7 +357,8 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
             S, d, R};
   };
   // A kernel under a kernel-choice override set around its launch (the entry points read the
-  // choice, not an argument): the TMA path's other tiles, the contiguous-A GEMMs on the
+  // choice, not an argument): the TMA path's other tiles (family=tma: also where the rule picks
+  // another family), the contiguous-A GEMMs on the
   // warp-specialised kernel (down/dx.family=ws, + schedule), dW1 on 2-CTA clusters.
   // `extra` (--kernels) comes first, under every kernel's own overrides.
   auto with_overrides = [&extra](const char* spec, Kernel k) -> Kernel {
@@ -448,16 +449,29 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
           down("down-tma", tma_scratch),
           dx("dX-tma", tma_scratch),
           // the TMA path's other built kernels (kTmaVariants)
-          with_overrides("down.tile=256x128", down("down-tma256", tma_scratch)),
-          with_overrides("down.tile=192x128", down("down-tmapp", tma_scratch)),
-          with_overrides("dx.tile=256x128", dx("dX-tma256", tma_scratch)),
-          with_overrides("dx.tile=192x128", dx("dX-tmapp", tma_scratch)),
+          with_overrides("down.family=tma,down.tile=256x128",
+                         down("down-tma256", tma_scratch)),
+          with_overrides("down.family=tma,down.tile=192x128",
+                         down("down-tmapp", tma_scratch)),
+          with_overrides("down.family=tma,down.tile=128x256,down.cluster=2",
+                         down("down-tma128", tma_scratch)),
+          with_overrides("down.family=tma,down.tile=128x256,down.cluster=1",
+                         down("down-tma128c1", tma_scratch)),
+          with_overrides("dx.family=tma,dx.tile=256x128",
+                         dx("dX-tma256", tma_scratch)),
+          with_overrides("dx.family=tma,dx.tile=192x128",
+                         dx("dX-tmapp", tma_scratch)),
+          with_overrides("dx.family=tma,dx.tile=128x256,dx.cluster=2",
+                         dx("dX-tma128", tma_scratch)),
+          with_overrides("dx.family=tma,dx.tile=128x256,dx.cluster=1",
+                         dx("dX-tma128c1", tma_scratch)),
           with_overrides("down.family=ws", down("down-ws", {})),
           with_overrides("down.family=ws,down.schedule=pingpong", down("down-pp", {})),
           with_overrides("dx.family=ws", dx("dX-ws", {})),
           with_overrides("dx.family=ws,dx.schedule=pingpong", dx("dX-pp", {})),
           dw1("dW1", GK::two_cta),
-          dw1("dW1-ws", GK::warp_specialized),
+          // one CTA per tile, whatever the rule picks (dW1-mc: 2-CTA clusters)
+          with_overrides("dw1.family=ws,dw1.cluster=1", dw1("dW1-ws", GK::warp_specialized)),
           // the 2-CTA cluster variant at every shape (the rule takes it only at >= 4096 rows
           // per expert), to time against dW1-ws
           with_overrides("dw1.family=ws,dw1.cluster=2", dw1("dW1-mc", GK::warp_specialized))};
@@ -900,9 +914,11 @@ void add_bench_gemm_command(CLI::App& bench) {
   sub->add_flag("--no-dense", flags->no_dense, "skip the cuBLAS same-FLOP comparison");
   sub->add_option("--only", flags->only,
                   "time only these kernels (comma list of up, up-ws, up-pp, down, dH, dH-ws, dH-ws-ip, "
-                  "dH-pp, dW2, dW2-ws, dX, down-tma, dX-tma, down-tma256, down-tmapp, dX-tma256, "
-                  "dX-tmapp, down-ws, down-pp, dX-ws, dX-pp, "
-                  "dW1, dW1-ws, dW1-mc, up-auto, down-auto, dH-auto, dW2-auto, dX-auto, dW1-auto, down-fp8, down-fp8-c2, down-fp8-pp, dW2-fp8, dW2-fp8-c2, "
+                  "dH-pp, dW2, dW2-ws, dX, down-tma, dX-tma, down-tma256, down-tmapp, down-tma128, "
+                  "down-tma128c1, dX-tma256, dX-tmapp, dX-tma128, dX-tma128c1, down-ws, down-pp, "
+                  "dX-ws, dX-pp, "
+                  "dW1, dW1-ws, dW1-mc, up-auto, down-auto, dH-auto, dW2-auto, dX-auto, "
+                  "dW1-auto, down-fp8, down-fp8-c2, down-fp8-pp, dW2-fp8, dW2-fp8-c2, "
                   "dW2-fp8-pp, dW1-fp8, dW1-fp8-c2, dW1-fp8-pp); all of them still run once "
                   "for the correctness check");
   sub->add_option("--operands", flags->operands,
