@@ -83,7 +83,7 @@ def test_out_of_memory_in_backward_writes_no_gradient(seed):
     torch.cuda.empty_cache()
     baseline = torch.cuda.memory_allocated()
     xs = x.clone().requires_grad_()
-    out, _ = moe(xs)
+    out, losses = moe(xs)  # losses hold the router's graph (and xs) as out does
     torch.cuda.synchronize()
     # Forward's freed blocks out of the cache first: left there, they give backward room under
     # the cap.
@@ -96,7 +96,7 @@ def test_out_of_memory_in_backward_writes_no_gradient(seed):
         assert xs.grad is None and all(p.grad is None for p in moe.parameters())
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    del info, out, xs
+    del info, out, losses, xs
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == baseline, "the failed backward left tensors behind"

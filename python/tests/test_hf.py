@@ -104,7 +104,17 @@ def test_hf_logits_and_grads_match_eager(seed, family, dtype):
     errs = {n: rel_err(g, ref_grads[n]) for n, g in grads.items()
             if g is not None and not n.endswith(noise)}
     bad = {n: e for n, e in errs.items() if not e <= tol}
-    assert not bad, f"{family}: gradients above {tol}: {bad}"
+    if bad and dtype == torch.bfloat16:
+        # A gradient summed over every token that cancels (a router bias, like the norm weights)
+        # carries bf16's rounding of the sum on both sides: such a one passes when its error
+        # against the same step in fp32 is at most twice eager bf16's own.
+        _, grads32 = step(copy.deepcopy(ref).float(), ids, labels)
+        bad = {n: (e, rel_err(grads[n], grads32[n].to(dtype)),
+                   rel_err(ref_grads[n], grads32[n].to(dtype)))
+               for n, e in bad.items()}
+        bad = {n: v for n, v in bad.items() if not v[1] <= 2 * v[2]}
+    assert not bad, f"{family}: gradients above {tol} (and, in bf16, (err vs eager, vs fp32, " \
+                    f"eager's vs fp32)): {bad}"
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
