@@ -27,9 +27,10 @@
 // CTA pairs sharing A by multicast (gemm::kFp8Kernels).
 //
 // The *-auto rows run each GEMM on the kernel the layer would choose (choose_kernels), called as
-// the layer calls it. --search times every bf16 candidate of each GEMM beside it and prints, per
-// shape and GEMM, the choice against the fastest candidate: how far the rules are from the best
-// kernel this run could find (docs/notes/gathered-gemms.md, "Kernel choice").
+// the layer calls it. --search times every bf16 candidate of each GEMM beside it, in rounds
+// (time_search), and prints, per shape and GEMM, the choice against the fastest candidate: how
+// far the rules are from the best kernel this run could find (docs/notes/gathered-gemms.md, "The
+// kernel choice against a search").
 #ifdef MOEBLAZE_WITH_CUDA
 
 #include <CLI/CLI.hpp>
@@ -652,6 +653,48 @@ void time_kernels(const Flags& f, const Shape& sh, const ShapeData& s,
   }
 }
 
+// --search's timing: the candidates of one GEMM (the rows writing one output) timed together in
+// kSearchRounds rounds, each candidate reps / kSearchRounds repetitions per round, the round's
+// order rotated by one each time; a candidate's ms is the median of all its repetitions. One
+// pass per kernel, one after the other, read the same kernel 0.78-1.68x apart on an H100 (the
+// clock drifts over a shape's minutes of GEMMs): pooled rounds put every candidate under every
+// part of that drift.
+constexpr int kSearchRounds = 5;
+
+void time_search(const Flags& f, const Shape& sh, const ShapeData& s,
+                 const std::vector<Kernel>& kernels, const std::vector<double>& errs,
+                 GpuTimer& timer, std::vector<Row>& rows) {
+  std::vector<std::string> outputs;  // in pipeline order
+  for (const Kernel& k : kernels)
+    if (std::string(k.writes).find("fp8") == std::string::npos &&
+        std::find(outputs.begin(), outputs.end(), k.writes) == outputs.end())
+      outputs.push_back(k.writes);
+  const int per_round = std::max(1, (f.reps + kSearchRounds - 1) / kSearchRounds);
+  for (const std::string& out : outputs) {
+    std::vector<size_t> group;
+    for (size_t i = 0; i < kernels.size(); ++i)
+      if (kernels[i].writes == out) group.push_back(i);
+    std::vector<std::vector<double>> samples(group.size());
+    for (int round = 0; round < kSearchRounds; ++round)
+      for (size_t step = 0; step < group.size(); ++step) {
+        const size_t g = (step + size_t(round)) % group.size();
+        const Kernel& k = kernels[group[g]];
+        const std::vector<double> t =
+            timer.samples_ms(round == 0 ? f.warmup : 1, per_round, k.before, k.launch);
+        samples[g].insert(samples[g].end(), t.begin(), t.end());
+      }
+    for (size_t g = 0; g < group.size(); ++g) {
+      const Kernel& k = kernels[group[g]];
+      Row row{sh.name, k.name, s.T, s.S, s.E, s.K, s.d, s.n, 0, 0, NAN, NAN, errs[group[g]],
+              k.writes, sh.model};
+      row.ms = median(samples[g]);
+      row.tflops = k.flops / (row.ms * 1e-3) / 1e12;
+      rows.push_back(row);
+      std::cerr << "  " << k.name << ": " << row.ms << " ms, " << row.tflops << " TFLOP/s\n";
+    }
+  }
+}
+
 // The overrides every kernel is timed under: --kernels, else MOEBLAZE_KERNELS as the library
 // parsed it (the kernels timed under their own overrides, down-tmapp's down.tile=192x128 ...,
 // replace the variable's with theirs, so they get it under their own instead).
@@ -698,7 +741,7 @@ void bench_shape(const Flags& f, const Shape& sh, Activation act, cudaStream_t s
   for (size_t j = 0; j < per_spec[0].size(); ++j)
     for (auto& list : per_spec) kernels.push_back(std::move(list[j]));
   DenseOperands dense;
-  if (!f.no_dense) dense = dense_operands(kernels, f.seed);
+  if (!f.no_dense && !f.search) dense = dense_operands(kernels, f.seed);
 
   for (const auto& k : kernels) {
     k.before();
@@ -715,7 +758,12 @@ void bench_shape(const Flags& f, const Shape& sh, Activation act, cudaStream_t s
       cuda::fill_normal(buf->p, DType::bf16, int64_t(buf->bytes / 2), f.seed + salt, 1.0f, stream);
     MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(stream));
   };
-  time_kernels(f, sh, s, kernels, errs, timer, blas, dense, refill, rows);
+  if (f.search) {
+    refill();
+    time_search(f, sh, s, kernels, errs, timer, rows);
+  } else {
+    time_kernels(f, sh, s, kernels, errs, timer, blas, dense, refill, rows);
+  }
 }
 
 void print_table(const std::vector<Row>& rows) {
@@ -810,7 +858,8 @@ std::vector<SearchRow> search_rows(const Flags& f, const Shape& sh, const std::v
       j.add("T", sh.T).add("S", S).add("E", sh.E).add("K", sh.K).add("d", sh.d).add("n", sh.n);
       j.add("chosen", x.chosen).add("auto_ms", x.auto_ms).add("best", x.best);
       j.add("best_ms", x.best_ms).add("auto_over_best", x.auto_ms / x.best_ms);
-      j.add("reps", f.reps).add("operands", f.operands).add("kernels", kernel_specs(f));
+      j.add("reps", f.reps).add("rounds", kSearchRounds).add("operands", f.operands);
+      j.add("kernels", kernel_specs(f));
       j.add("gpu", info.gpu).add("driver", info.driver).add("commit", info.commit);
       j.add("date", info.date);
       os << j.str() << "\n";
@@ -861,7 +910,7 @@ void run(const Flags& f) {
   Dev flush(kL2FlushBytes);
   GpuTimer timer(stream, flush.p);
   cublasHandle_t blas = nullptr;
-  if (!f.no_dense) {
+  if (!f.no_dense && !f.search) {
     cublas_check(cublasCreate(&blas), "cublasCreate");
     cublas_check(cublasSetStream(blas, stream), "cublasSetStream");
   }
@@ -931,8 +980,9 @@ void add_bench_gemm_command(CLI::App& bench) {
                   "kernel timed under each in turn (\"tma.bands=1;tma.bands=4\")");
   sub->add_flag("--search", flags->search,
                "time every bf16 candidate of each GEMM and the automatic choice (the *-auto "
-               "rows), and print the choice against the fastest candidate per GEMM (--out: one "
-               "\"kernel-search\" JSON line per GEMM)");
+               "rows) together, in 5 rounds of rotated order, and print the choice against the "
+               "fastest candidate per GEMM (--out: one \"kernel-search\" JSON line per GEMM; "
+               "no cuBLAS column, --only ignored)");
   sub->add_option("--out", flags->out, "append JSON lines to this file");
   sub->add_option("--md", flags->md, "write the table as Markdown to this file");
   sub->callback([flags] { run(*flags); });

@@ -34,6 +34,11 @@ class GpuTimer {
 
   template <typename Before, typename Fn>
   double median_ms(int warmup, int reps, Before&& before, Fn&& fn) {
+    return median(samples_ms(warmup, reps, before, fn));
+  }
+  // Every timed repetition's ms (warm-up left out), for callers that pool several calls' samples.
+  template <typename Before, typename Fn>
+  std::vector<double> samples_ms(int warmup, int reps, Before&& before, Fn&& fn) {
     std::vector<double> t;
     for (int i = 0; i < warmup + reps; ++i) {
       before();
@@ -46,7 +51,7 @@ class GpuTimer {
       MOEBLAZE_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
       if (i >= warmup) t.push_back(ms);
     }
-    return median(t);
+    return t;
   }
   template <typename Fn>
   double median_ms(int warmup, int reps, Fn&& fn) {
