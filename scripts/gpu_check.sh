@@ -58,7 +58,9 @@
 #       search         (not in `all`) moeblaze bench gemm --search over the public-model grid and
 #                      17 random shapes (SEARCH_CONFIGS replaces them): each GEMM's automatic
 #                      kernel against the fastest built candidate → OUT/search.log (the table),
-#                      search.jsonl ("kernel-search" rows), search_progress.log
+#                      search.jsonl ("kernel-search" rows), search_progress.log. One pass took
+#                      about 20 s a grid shape on an H100 (the rounds add a quarter): split the
+#                      42 shapes over calls with SEARCH_CONFIGS to stay within 10 minutes each
 #       sanitize-fuzz  (not in `all`) compute-sanitizer over the fuzz's short round: memcheck,
 #                      racecheck and initcheck over GpuFuzz.* (MOEBLAZE_GPU_FUZZ_CASES=
 #                      ${SANITIZE_FUZZ_CASES:-25}: sanitized kernels run 10-100x slower; 100 is the
