@@ -790,8 +790,11 @@ def fsdp_section():
 {f3(r['ratio'])}× as long under `fully_shard` as unsharded, at world size 1, where no bytes cross
 GPUs: the difference is FSDP2's own work around moeblaze's step (unsharding and resharding
 {mib(2 * r['layers'] * r['E'] * 3 * r['n'] * r['d'])} MiB of bf16 expert weights per step, the
-gradient reduction's copies, its hooks); it has not yet been profiled. The target is at most
-1.03×; not met.
+gradient reduction's copies, its hooks); it has not yet been profiled. At about 3 TB/s a copy of
+those weights takes {f2(2 * r['layers'] * r['E'] * 3 * r['n'] * r['d'] * 2 / 3e12 * 1e3)} ms, so
+the {f2(r['fully_shard_ms'] - r['unsharded_ms'])} ms of overhead is what about four copies per
+step predict: one at each unshard (forward and backward) and two through the reduce-scatter
+(docs/PYTORCH.md, "FSDP2"). The target is at most 1.03×; not met.
 
 {caption(rows, FSDP)} Median of {r['reps'] * r['rounds']} steps each, {r['rounds']} alternated
 rounds (`python3 bench/fsdp_overhead.py`).
