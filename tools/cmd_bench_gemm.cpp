@@ -449,23 +449,6 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
           dx("dX", {}),
           down("down-tma", tma_scratch),
           dx("dX-tma", tma_scratch),
-          // the TMA path's other built kernels (kTmaVariants)
-          with_overrides("down.family=tma,down.tile=256x128",
-                         down("down-tma256", tma_scratch)),
-          with_overrides("down.family=tma,down.tile=192x128",
-                         down("down-tmapp", tma_scratch)),
-          with_overrides("down.family=tma,down.tile=128x256,down.cluster=2",
-                         down("down-tma128", tma_scratch)),
-          with_overrides("down.family=tma,down.tile=128x256,down.cluster=1",
-                         down("down-tma128c1", tma_scratch)),
-          with_overrides("dx.family=tma,dx.tile=256x128",
-                         dx("dX-tma256", tma_scratch)),
-          with_overrides("dx.family=tma,dx.tile=192x128",
-                         dx("dX-tmapp", tma_scratch)),
-          with_overrides("dx.family=tma,dx.tile=128x256,dx.cluster=2",
-                         dx("dX-tma128", tma_scratch)),
-          with_overrides("dx.family=tma,dx.tile=128x256,dx.cluster=1",
-                         dx("dX-tma128c1", tma_scratch)),
           with_overrides("down.family=ws", down("down-ws", {})),
           with_overrides("down.family=ws,down.schedule=pingpong", down("down-pp", {})),
           with_overrides("dx.family=ws", dx("dX-ws", {})),
@@ -476,6 +459,27 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
           // the 2-CTA cluster variant at every shape (the rule takes it only at >= 4096 rows
           // per expert), to time against dW1-ws
           with_overrides("dw1.family=ws,dw1.cluster=2", dw1("dW1-mc", GK::warp_specialized))};
+  // The TMA path's built kernels (kTmaVariants) for down and dX, each forced (family=tma: also
+  // where the rule picks another family), after dX-tma.
+  struct TmaRow {
+    const char *down, *dx, *spec;  // spec: after "<gemm>.family=tma,<gemm>."
+  };
+  static const TmaRow kTmaRows[] = {{"down-tma256", "dX-tma256", "tile=256x128"},
+                                    {"down-tmapp", "dX-tmapp", "tile=192x128"},
+                                    {"down-tma128", "dX-tma128", "tile=128x256,#.cluster=2"},
+                                    {"down-tma128c1", "dX-tma128c1", "tile=128x256,#.cluster=1"}};
+  const auto tma_spec = [](const std::string& gemm, std::string spec) {
+    for (size_t at; (at = spec.find('#')) != std::string::npos;) spec.replace(at, 1, gemm);
+    return gemm + ".family=tma," + gemm + "." + spec;
+  };
+  std::vector<Kernel> tma_rows;
+  for (const TmaRow& r : kTmaRows)
+    tma_rows.push_back(with_overrides(tma_spec("down", r.spec).c_str(), down(r.down, tma_scratch)));
+  for (const TmaRow& r : kTmaRows)
+    tma_rows.push_back(with_overrides(tma_spec("dx", r.spec).c_str(), dx(r.dx, tma_scratch)));
+  const auto after = std::find_if(all.begin(), all.end(),
+                                  [](const Kernel& k) { return std::string(k.name) == "dX-tma"; });
+  all.insert(after + 1, tma_rows.begin(), tma_rows.end());
   // The automatic choice of each GEMM (choose_kernels under the --kernels overrides), called as
   // the layer calls it: the TMA scratch only where the choice is the TMA path, dH over H. Last
   // in the chain, each is its output's last writer, so the sampled check is the layer's kernel.
