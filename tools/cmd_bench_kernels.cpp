@@ -38,7 +38,27 @@ struct KernelsFlags {
   int m_tile = 128;
   uint64_t seed = 1234;
   int64_t sms = 0;  // the GPU's SM count the rules take (0: this machine's GPU, else kFallbackSms)
+  bool candidates = false;  // the table of every GEMM's legal candidates (kernel_candidates)
 };
+
+// Per config and GEMM, every legal candidate (cuda::gemm::kernel_candidates): the spec that
+// selects it, the kernel, and a mark on the automatic choice.
+void candidates_table(const KernelsFlags& f, const std::vector<const NamedConfig*>& configs,
+                      Activation act) {
+  namespace gg = cuda::gemm;
+  Table t({{"config", Align::left}, {"GEMM", Align::left}, {"candidate", Align::left},
+           {"spec", Align::left}, {"auto", Align::left}});
+  for (const NamedConfig* c : configs) {
+    const gg::KernelShape shape{c->T * c->K, c->E, c->d, c->n, act, f.sms};
+    const gg::LayerKernels chosen = gg::choose_kernels(shape, gg::KernelOverrides{});
+    for (int i = 0; i < gg::LayerKernels::kCount; ++i)
+      for (const gg::KernelCandidate& k : gg::kernel_candidates(i, shape))
+        t.add_row({c->name, gg::LayerKernels::name(i), gg::describe(k.kernel), k.spec,
+                   k.kernel == chosen.at(i) ? "*" : ""});
+  }
+  std::cout << "\nEvery GEMM's legal candidates (* the automatic choice, no overrides)\n";
+  t.print(std::cout);
+}
 
 // FP8 backward's transients per config and recipe (cuda::fp8_backward_plan, weights cached): the
 // bytes placed in dW2, dx and dW1 before they are written, and what stays in the workspace. The
@@ -254,6 +274,7 @@ void run_kernels(const KernelsFlags& f) {
   ranges.print(std::cout);
   fp8_memory_table(configs, act);
   if (!f.rounding.empty()) padding_table(f, configs, act, o);
+  if (f.candidates) candidates_table(f, configs, act);
 }
 
 }  // namespace
@@ -282,6 +303,8 @@ void add_bench_kernels_command(CLI::App& bench) {
                   "choose for a GPU of this many SMs (default: this machine's GPU; 132, the "
                   "H200's, where none is visible)")
       ->check(integer_in(1, 4096));
+  sub->add_flag("--candidates", flags->candidates,
+               "add the table of every GEMM's legal candidates (what bench gemm --search ranks)");
   sub->callback([flags] { run_kernels(*flags); });
 }
 

@@ -808,6 +808,48 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
 // The bands read the GPU's SM count (KernelShape::sms): 132 (H200, H100 SXM) gives the choices
 // above; on fewer SMs (114: H100 PCIe) an expert needs fewer tiles to be banded, the bands are
 // as many or fewer, and nothing but the bands changes. Host-only: runs without a GPU.
+// kernel_candidates: per GEMM and shape, distinct kernels, each reproduced by its own spec, the
+// automatic choice among them, and nothing an override refuses (E > 4096 leaves no ws kernel on
+// the gathered GEMMs, swiglu_oai one kernel for up and dH).
+TEST(GroupedGemmChecks, CandidatesHoldTheAutomaticChoiceOnce) {
+  using gg::KernelFamily;
+  const gg::KernelShape shapes[] = {
+      {262144, 128, 4096, 1024, Activation::swiglu, 132},  // sm-default: TMA down / dX
+      {131072, 64, 2048, 1024, Activation::swiglu, 114},   // olmoe on 114 SMs
+      {327680, 512, 2048, 320, Activation::swiglu, 132},   // 640 rows per expert: ws down / dX
+      {4000, 64, 512, 128, Activation::gelu, 132},         // < 128 rows per expert: two_cta
+      {65536, 5000, 512, 256, Activation::swiglu, 132},    // E > 4096
+      {65536, 32, 2880, 2880, Activation::swiglu_oai, 132},
+      {131072, 16, 1024, 512, Activation::swiglu, 132}};   // 8192 rows per expert: dW1 clusters
+  for (const gg::KernelShape& sh : shapes)
+    for (int g = 0; g < gg::LayerKernels::kCount; ++g) {
+      SCOPED_TRACE(std::string(gg::LayerKernels::name(g)) + " at S=" + std::to_string(sh.S) +
+                   " E=" + std::to_string(sh.E));
+      const std::vector<gg::KernelCandidate> c = gg::kernel_candidates(g, sh);
+      ASSERT_FALSE(c.empty());
+      const gg::GemmKernel chosen = gg::choose_kernels(sh, gg::KernelOverrides{}).at(g);
+      int hits = 0;
+      for (size_t i = 0; i < c.size(); ++i) {
+        EXPECT_EQ(gg::choose_kernels(sh, gg::parse_kernel_overrides(c[i].spec)).at(g),
+                  c[i].kernel) << c[i].spec;
+        for (size_t j = 0; j < i; ++j) EXPECT_NE(c[i].kernel, c[j].kernel) << c[i].spec;
+        hits += c[i].kernel == chosen;
+        if (sh.E > gg::kWsMaxExperts && g != gg::LayerKernels::kDw2 &&
+            g != gg::LayerKernels::kDw1)
+          EXPECT_NE(c[i].kernel.family, KernelFamily::ws_gather) << c[i].spec;
+      }
+      EXPECT_EQ(hits, 1) << gg::describe(chosen);
+      const bool oai_own = sh.act == Activation::swiglu_oai &&
+                           (g == gg::LayerKernels::kUp || g == gg::LayerKernels::kDh);
+      if (oai_own) EXPECT_EQ(c.size(), 1u);
+    }
+  // Both schedules and every built TMA tile for dX at sm-default; dW1 on 1 and 2 CTAs.
+  EXPECT_EQ(gg::kernel_candidates(gg::LayerKernels::kDx, shapes[0]).size(),
+            size_t(gg::kTmaVariantCount) + 3);
+  EXPECT_EQ(gg::kernel_candidates(gg::LayerKernels::kDw1, shapes[0]).size(), 3u);
+  EXPECT_THROW(gg::kernel_candidates(6, shapes[0]), InvalidArgument);
+}
+
 TEST(GroupedGemmChecks, TmaBandsFollowTheSmCount) {
   const gg::KernelOverrides none;
   auto choose = [&](int64_t S, int64_t E, int64_t d, int64_t n, int64_t sms,

@@ -516,6 +516,57 @@ LayerKernels choose_kernels(const KernelShape& shape) {
   return choose_kernels(shape, kernel_overrides());
 }
 
+std::vector<KernelCandidate> kernel_candidates(int gemm, const KernelShape& shape) {
+  MOEBLAZE_REQUIRE(gemm >= 0 && gemm < LayerKernels::kCount, "kernel_candidates: gemm (", gemm,
+                   ") must be a LayerKernels index in [0, ", LayerKernels::kCount, ")");
+  const std::string g = kShort[gemm];
+  const auto ws = [&](const char* schedule) {
+    return g + ".family=ws," + g + ".schedule=" + schedule;
+  };
+  std::vector<std::string> specs;
+  switch (gemm) {
+    case kUp:
+      specs = {ws("cooperative"), ws("pingpong"), g + ".family=two_cta," + g + ".b_tma=1",
+               g + ".family=two_cta," + g + ".b_tma=0"};
+      break;
+    case kDh:
+      specs = {ws("cooperative"), ws("pingpong"), g + ".family=two_cta"};
+      break;
+    case kDw2:
+      specs = {g + ".family=ws", g + ".family=two_cta"};
+      break;
+    case kDw1:
+      specs = {g + ".family=ws," + g + ".cluster=1", g + ".family=ws," + g + ".cluster=2",
+               g + ".family=two_cta"};
+      break;
+    default: {  // down, dx: the TMA path's built tiles, the ws kernel's schedules, two_cta
+      // Where the rule already picks the TMA path, a tile override keeps its bands.
+      const bool on_tma = choose_kernels(shape, KernelOverrides{}).at(gemm).family ==
+                          KernelFamily::tma_grouped;
+      for (const TmaVariant& v : kTmaVariants)
+        specs.push_back((on_tma ? "" : g + ".family=tma,") + g + ".tile=" +
+                        std::to_string(v.tile_m) + "x" + std::to_string(v.tile_n) + "," + g +
+                        ".cluster=" + std::to_string(v.cluster));
+      specs.push_back(ws("cooperative"));
+      specs.push_back(ws("pingpong"));
+      specs.push_back(g + ".family=two_cta");
+    }
+  }
+  std::vector<KernelCandidate> out;
+  for (const std::string& spec : specs) {
+    GemmKernel k;
+    try {
+      k = choose_kernels(shape, parse_kernel_overrides(spec)).at(gemm);
+    } catch (const Unsupported&) {
+      continue;  // not a kernel this shape can run (E > 4096 on ws, swiglu_oai's own kernels)
+    }
+    const bool seen = std::any_of(out.begin(), out.end(),
+                                  [&](const KernelCandidate& c) { return c.kernel == k; });
+    if (!seen) out.push_back({spec, k});
+  }
+  return out;
+}
+
 LayerKernels contiguous_kernels(int64_t S, int64_t E, const KernelOverrides& overrides) {
   KernelOverrides o = overrides;
   for (int i = 0; i < LayerKernels::kCount; ++i)

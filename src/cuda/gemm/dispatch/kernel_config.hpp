@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "moeblaze/config.hpp"  // Activation
 
@@ -228,6 +229,19 @@ void clear_kernel_overrides();  // back to MOEBLAZE_KERNELS / none
 // take (e.g. ws_gather with E > kWsMaxExperts, ping_pong on a varlen-K GEMM).
 LayerKernels choose_kernels(const KernelShape& shape, const KernelOverrides& overrides);
 LayerKernels choose_kernels(const KernelShape& shape);  // with kernel_overrides()
+// One legal kernel of a GEMM at a shape: the override spec that selects it (MOEBLAZE_KERNELS /
+// --kernels syntax, e.g. "dx.tile=128x256,dx.cluster=1") and the kernel that spec gives there.
+struct KernelCandidate {
+  std::string spec;
+  GemmKernel kernel;
+};
+// Every built kernel that can run GEMM `gemm` (a LayerKernels index) at `shape`, each once (by
+// value), in a fixed order: the kernel families, their schedules, the TMA path's built tiles and
+// dW1's clusters, less what an override would refuse there (E > 4096 for the ws kernels,
+// swiglu_oai's own kernels). The automatic choice is among them. The set a search ranks
+// (`moeblaze bench kernels --candidates` prints it).
+std::vector<KernelCandidate> kernel_candidates(int gemm, const KernelShape& shape);
+
 // down's and dx's choice (.down, .dx) for S slots over E experts, where d and n are not at hand:
 // their rule reads S and E only; the other GEMMs get placeholder dimensions and none of their
 // overrides (which may apply only at the real d, e.g. a dh schedule).
