@@ -24,6 +24,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_reference import git_commit  # noqa: E402
+
 
 def worker(a):
     """One process: the step under the library MOEBLAZE_LIB names, --reps timed steps."""
@@ -69,18 +72,6 @@ def run_round(lib, a):
         raise RuntimeError(f"capi_ab: the step under {lib} failed ({p.returncode}):\n"
                            f"{p.stderr[-2000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
-
-
-def commit():
-    env = os.environ.get("MOEBLAZE_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL,
-                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv=None):
@@ -131,7 +122,7 @@ def main(argv=None):
     rows = [{"bench": "capi-ab", "T": a.tokens, "d": a.d, "n": a.n, "E": a.E, "K": a.K,
              "lib": lib, "ms": med[i], "round_ms": rounds[i], "ratio": med[i] / med[0],
              "reps": a.reps, "rounds": a.rounds, "torch": info["torch"], "gpu": info["gpu"],
-             "commit": commit(), "date": date} for i, lib in enumerate(a.libs)]
+             "commit": git_commit(), "date": date} for i, lib in enumerate(a.libs)]
     for row in rows:
         print(json.dumps(row))
     if a.out:

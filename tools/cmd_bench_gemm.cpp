@@ -658,11 +658,8 @@ void time_kernels(const Flags& f, const Shape& sh, const ShapeData& s,
 }
 
 // --search's timing: the candidates of one GEMM (the rows writing one output) timed together in
-// kSearchRounds rounds, each candidate reps / kSearchRounds repetitions per round, the round's
-// order rotated by one each time; a candidate's ms is the median of all its repetitions. One
-// pass per kernel, one after the other, read the same kernel 0.84-1.68x apart on an H100 (the
-// clock drifts over a shape's minutes of GEMMs): pooled rounds put every candidate under every
-// part of that drift.
+// kSearchRounds rounds of rotated order, a candidate's ms the median of all its repetitions, so
+// that the clock's drift over a shape falls on every candidate alike (docs/notes/gathered-gemms.md).
 constexpr int kSearchRounds = 5;
 
 void time_search(const Flags& f, const Shape& sh, const ShapeData& s,
