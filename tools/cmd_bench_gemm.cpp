@@ -659,7 +659,8 @@ void time_kernels(const Flags& f, const Shape& sh, const ShapeData& s,
 
 // --search's timing: the candidates of one GEMM (the rows writing one output) timed together in
 // kSearchRounds rounds of rotated order, a candidate's ms the median of all its repetitions, so
-// that the clock's drift over a shape falls on every candidate alike (docs/notes/gathered-gemms.md).
+// that the clock's drift over a shape falls on every candidate alike
+// (docs/notes/gathered-gemms.md).
 constexpr int kSearchRounds = 5;
 
 void time_search(const Flags& f, const Shape& sh, const ShapeData& s,
