@@ -343,7 +343,7 @@ if want_named search; then
   "$BUILD/moeblaze" bench gemm --search --no-dense --reps 20 --warmup 2 \
     --configs "${SEARCH_CONFIGS:-grid,$SEARCH_RANDOM}" --out "$OUT/search.jsonl" \
     >"$OUT/search.log" 2>"$OUT/search_progress.log" || rc=$?
-  line=$(grep -E '^auto / best over' "$OUT/search.log" || true)
+  line=$(grep -E '^choice / best over|^auto / choice' "$OUT/search.log" | paste -sd ';' - || true)
   if [ $rc -eq 0 ]; then summary+=("kernel search: ${line:-no summary} [$(( $(date +%s) - t0 )) s]")
   else status=1; tail -5 "$OUT/search_progress.log"; summary+=("kernel search: FAILED rc $rc (search_progress.log)"); fi
 fi

@@ -275,7 +275,7 @@ struct ShapeData {
 };
 
 struct Kernel {
-  const char* name;
+  std::string name;  // a row's name: up-ws, dX-tma128 ..., or the search's candidate labels
   const char* writes;  // the output buffer (the sampled check's key)
   double flops;
   std::function<void()> launch;
@@ -289,23 +289,27 @@ struct Kernel {
 // run on each of their kernels (two_cta, then the warp-specialised persistent ones), the
 // contiguous-A ones (down, dX) on the cp.async kernel, the TMA path (CUTLASS pointer-array) and
 // the warp-specialised kernel (both schedules); variants of one GEMM write the same output.
+//
+// search: instead, each GEMM's legal candidates (cuda::gemm::kernel_candidates, the set the rule
+// chooses from), each called as the layer calls it under the override spec that selects it and
+// named by the kernel it runs (gemm::describe), then the GEMM's *-auto row.
 std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t stream,
                                   const cuda::gemm::GemmScratch& tma_scratch,
-                                  const std::string& extra) {
+                                  const std::string& extra, bool search) {
   namespace gg = cuda::gemm;
   using GK = gg::GatherKernel;
   const int64_t S = s.S, R = s.R, d = s.d, n = s.n;
   const double up_flops = 2.0 * S * R * d, down_flops = 2.0 * S * d * n;
   auto B = [](const Dev& b) { return b.as<const bf16>(); };
   auto M = [](const Dev& b) { return b.as<bf16>(); };
-  auto up = [&](const char* name, GK g) -> Kernel {
+  auto up = [&](const std::string& name, GK g) -> Kernel {
     return {name, "h", up_flops,
             [&s, act, stream, B, M, g] {
               gg::up_proj(s.plan, B(s.x), B(s.w1), M(s.h), M(s.a), s.d, s.n, act, stream, g);
             },
             S, R, d};
   };
-  auto dh = [&](const char* name, GK g) -> Kernel {
+  auto dh = [&](const std::string& name, GK g) -> Kernel {
     return {name, "dh", down_flops,
             [&s, act, stream, B, M, g] {
               gg::dh_proj(s.plan, B(s.dO), B(s.w2), B(s.h), s.parts.as<float>(), M(s.dh),
@@ -315,7 +319,7 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
   };
   // dH written over H, as the layer's backward runs it: dh holds a copy of H (before(), untimed)
   // and the kernel reads H from it and writes dH into it.
-  auto dh_over_h = [&](const char* name, GK g) -> Kernel {
+  auto dh_over_h = [&](const std::string& name, GK g) -> Kernel {
     Kernel k{name, "dh", down_flops,
              [&s, act, stream, B, M, g] {
                gg::dh_proj(s.plan, B(s.dO), B(s.w2), B(s.dh), s.parts.as<float>(), M(s.dh),
@@ -328,14 +332,14 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
     };
     return k;
   };
-  auto dw2 = [&](const char* name, GK g) -> Kernel {
+  auto dw2 = [&](const std::string& name, GK g) -> Kernel {
     return {name, "dw2", down_flops,
             [&s, stream, B, M, g] {
               gg::dw2_proj(s.plan, B(s.dO), B(s.as), M(s.dw2), s.d, s.n, stream, g);
             },
             d, n, S};
   };
-  auto dw1 = [&](const char* name, GK g) -> Kernel {
+  auto dw1 = [&](const std::string& name, GK g) -> Kernel {
     return {name, "dw1", up_flops,
             [&s, act, stream, B, M, g] {
               gg::dw1_proj(s.plan, B(s.dh), B(s.x), M(s.dw1), s.d, s.n, act, stream, g);
@@ -343,14 +347,14 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
             R, d, S};
   };
   // scratch: the TMA path's (data == nullptr: the cp.async kernel).
-  auto down = [&](const char* name, gg::GemmScratch scratch) -> Kernel {
+  auto down = [&](const std::string& name, gg::GemmScratch scratch) -> Kernel {
     return {name, "y", down_flops,
             [&s, stream, B, M, scratch] {
               gg::down_proj(s.plan, B(s.a), B(s.w2), M(s.y), s.d, s.n, stream, scratch);
             },
             S, d, n};
   };
-  auto dx = [&](const char* name, gg::GemmScratch scratch) -> Kernel {
+  auto dx = [&](const std::string& name, gg::GemmScratch scratch) -> Kernel {
     return {name, "dx", up_flops,
             [&s, act, stream, B, M, scratch] {
               gg::dx_proj(s.plan, B(s.dh), B(s.w1), M(s.dx), s.d, s.n, act, stream, scratch);
@@ -371,6 +375,42 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
     };
     return k;
   };
+  const auto scratch_for = [&tma_scratch](const gg::GemmKernel& k) {
+    return k.family == gg::KernelFamily::tma_grouped ? tma_scratch : gg::GemmScratch{};
+  };
+  // One GEMM (a LayerKernels index) called as the layer calls it: the gathered ones on the
+  // automatic kernel (which reads the overrides), dH over H, the TMA scratch only where `k` is
+  // the TMA path.
+  const auto as_layer = [&](int gemm, const std::string& name, const gg::GemmKernel& k) -> Kernel {
+    using LK = gg::LayerKernels;
+    switch (gemm) {
+      case LK::kUp: return up(name, GK::automatic);
+      case LK::kDown: return down(name, scratch_for(k));
+      case LK::kDh: return dh_over_h(name, GK::automatic);
+      case LK::kDw2: return dw2(name, GK::automatic);
+      case LK::kDx: return dx(name, scratch_for(k));
+      default: return dw1(name, GK::automatic);
+    }
+  };
+  // The automatic choice of each GEMM (choose_kernels under the --kernels overrides).
+  const gg::LayerKernels chosen = gg::choose_kernels({S, s.E, d, n, act},
+                                                     gg::parse_kernel_overrides(extra));
+  static const char* const kAutoNames[] = {"up-auto", "down-auto", "dH-auto",
+                                           "dW2-auto", "dX-auto", "dW1-auto"};
+  if (search) {
+    // In LayerKernels order, which is the pipeline's: each GEMM reads what the ones before wrote.
+    std::vector<Kernel> all;
+    const gg::KernelShape shape{S, s.E, d, n, act};
+    for (int g = 0; g < gg::LayerKernels::kCount; ++g) {
+      for (const gg::KernelCandidate& c : gg::kernel_candidates(g, shape))
+        all.push_back(with_overrides(c.spec.c_str(), as_layer(g, gg::describe(c.kernel), c.kernel)));
+      // Last among its GEMM's rows: the output's last writer, so the sampled check is its.
+      all.push_back(as_layer(g, kAutoNames[g], chosen.at(g)));
+    }
+    if (!extra.empty())
+      for (Kernel& k : all) k = with_overrides("", std::move(k));  // the set inside wins
+    return all;
+  }
   // down-fp8: W2 quantized here, A at the first launch (the chain's up-proj has written it).
   // The rows' names on each built FP8 kernel (kFp8Kernels' order: "", "-c2", "-pp").
   const auto fp8_name = [](int gemm, const gg::Fp8Kernel& k) -> const char* {
@@ -480,20 +520,10 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
   const auto after = std::find_if(all.begin(), all.end(),
                                   [](const Kernel& k) { return std::string(k.name) == "dX-tma"; });
   all.insert(after + 1, tma_rows.begin(), tma_rows.end());
-  // The automatic choice of each GEMM (choose_kernels under the --kernels overrides), called as
-  // the layer calls it: the TMA scratch only where the choice is the TMA path, dH over H. Last
-  // in the chain, each is its output's last writer, so the sampled check is the layer's kernel.
-  const gg::LayerKernels chosen = gg::choose_kernels({S, s.E, d, n, act},
-                                                     gg::parse_kernel_overrides(extra));
-  const auto scratch_for = [&tma_scratch](const gg::GemmKernel& k) {
-    return k.family == gg::KernelFamily::tma_grouped ? tma_scratch : gg::GemmScratch{};
-  };
-  all.push_back(up("up-auto", GK::automatic));
-  all.push_back(down("down-auto", scratch_for(chosen.down)));
-  all.push_back(dh_over_h("dH-auto", GK::automatic));
-  all.push_back(dw2("dW2-auto", GK::automatic));
-  all.push_back(dx("dX-auto", scratch_for(chosen.dx)));
-  all.push_back(dw1("dW1-auto", GK::automatic));
+  // Each GEMM's automatic choice, called as the layer calls it. Last in the chain, each is its
+  // output's last writer, so the sampled check is the layer's kernel.
+  for (int g = 0; g < gg::LayerKernels::kCount; ++g)
+    all.push_back(as_layer(g, kAutoNames[g], chosen.at(g)));
   if (s.fp8) {  // after the up-projections, in kFp8Kernels' order
     int at = 3;
     for (const gg::Fp8Kernel& k : gg::kFp8Kernels) all.insert(all.begin() + at++, down_fp8(k));
@@ -735,7 +765,7 @@ void bench_shape(const Flags& f, const Shape& sh, Activation act, cudaStream_t s
   }
   std::vector<std::vector<Kernel>> per_spec;
   for (const std::string& spec : specs) {
-    per_spec.push_back(shape_kernels(s, act, stream, tma_scratch, spec));
+    per_spec.push_back(shape_kernels(s, act, stream, tma_scratch, spec, f.search));
     if (specs.size() > 1)
       for (Kernel& k : per_spec.back()) k.tag = spec;
   }
@@ -816,10 +846,12 @@ void write_markdown(const std::string& path, const std::vector<Row>& rows, Activ
 }
 
 // --search: per shape and GEMM, the automatic choice's time against the fastest of the GEMM's
-// other bf16 candidates (every built kernel, timed in the same run).
+// legal candidates (kernel_candidates), timed in the same rounds. The chosen kernel is one of
+// the candidates too (its twin row): choice_ms / best_ms is the verdict, from rows timed alike;
+// auto_ms beside choice_ms (the same kernel, called once more) shows the run's noise.
 struct SearchRow {
   std::string config, gemm, chosen, best;
-  double auto_ms, best_ms;
+  double auto_ms, best_ms, choice_ms;  // choice_ms: NaN where no candidate is the choice
 };
 
 // One shape's search rows from its timed rows; with --out, their JSON lines (bench
@@ -849,8 +881,12 @@ std::vector<SearchRow> search_rows(const Flags& f, const Shape& sh, const std::v
       else if (!best || r.ms < best->ms) best = &r;
     }
     if (!automatic || !best) continue;
-    out.push_back({sh.name, gg::LayerKernels::name(index), gg::describe(chosen.at(index)),
-                   best->kernel, automatic->ms, best->ms});
+    const std::string choice = gg::describe(chosen.at(index));
+    double choice_ms = NAN;
+    for (const Row& r : rows)
+      if (r.config == sh.name && r.writes == writes && r.kernel == choice) choice_ms = r.ms;
+    out.push_back({sh.name, gg::LayerKernels::name(index), choice, best->kernel, automatic->ms,
+                   best->ms, choice_ms});
     const SearchRow& x = out.back();
     if (os) {
       JsonLine j;
@@ -860,6 +896,8 @@ std::vector<SearchRow> search_rows(const Flags& f, const Shape& sh, const std::v
       j.add("T", sh.T).add("S", S).add("E", sh.E).add("K", sh.K).add("d", sh.d).add("n", sh.n);
       j.add("chosen", x.chosen).add("auto_ms", x.auto_ms).add("best", x.best);
       j.add("best_ms", x.best_ms).add("auto_over_best", x.auto_ms / x.best_ms);
+      if (std::isfinite(x.choice_ms))
+        j.add("choice_ms", x.choice_ms).add("choice_over_best", x.choice_ms / x.best_ms);
       j.add("reps", f.reps).add("rounds", kSearchRounds).add("operands", f.operands);
       j.add("kernels", kernel_specs(f));
       j.add("gpu", info.gpu).add("driver", info.driver).add("commit", info.commit);
@@ -870,28 +908,38 @@ std::vector<SearchRow> search_rows(const Flags& f, const Shape& sh, const std::v
   return out;
 }
 
-// The search's table and a summary line: geomean and worst of auto / best, and how many GEMMs are
+// The search's table and summary lines: geomean and worst of choice / best, how many GEMMs are
 // within 3 % of the fastest candidate.
 void print_search(const std::vector<SearchRow>& rows, int reps, const RunInfo& info) {
   Table t({{"config", Align::left}, {"gemm", Align::left}, {"chosen", Align::left},
-           {"auto ms"}, {"best", Align::left}, {"best ms"}, {"auto / best"}});
-  double log_sum = 0, worst = 0;
+           {"choice ms"}, {"auto ms"}, {"best", Align::left}, {"best ms"}, {"choice / best"}});
+  double log_sum = 0, worst = 0, twin_lo = INFINITY, twin_hi = 0;
   int within = 0;
   for (const SearchRow& r : rows) {
-    const double ratio = r.auto_ms / r.best_ms;
+    // The choice's candidate row where there is one, else its *-auto row.
+    const double choice = std::isfinite(r.choice_ms) ? r.choice_ms : r.auto_ms;
+    const double ratio = choice / r.best_ms;
     log_sum += std::log(ratio);
     worst = std::max(worst, ratio);
     within += ratio <= 1.03;
-    t.add_row({r.config, r.gemm, r.chosen, fixed(r.auto_ms, 3), r.best, fixed(r.best_ms, 3),
-               fixed(ratio, 3)});
+    if (std::isfinite(r.choice_ms)) {
+      twin_lo = std::min(twin_lo, r.auto_ms / r.choice_ms);
+      twin_hi = std::max(twin_hi, r.auto_ms / r.choice_ms);
+    }
+    t.add_row({r.config, r.gemm, r.chosen, fixed(r.choice_ms, 3), fixed(r.auto_ms, 3), r.best,
+               fixed(r.best_ms, 3), fixed(ratio, 3)});
   }
   std::cout << "\nKernel search (" << info.gpu << "): the automatic choice against the fastest "
-            << "other candidate of each GEMM, median of " << reps << " reps each\n";
+            << "legal candidate of each GEMM, median of " << reps << " reps each in "
+            << kSearchRounds << " rotated rounds\n";
   t.print(std::cout);
-  if (!rows.empty())
-    std::cout << "auto / best over " << rows.size() << " GEMMs: geomean "
-              << fixed(std::exp(log_sum / double(rows.size())), 3) << ", worst " << fixed(worst, 3)
-              << ", " << within << " within 3 %\n";
+  if (rows.empty()) return;
+  std::cout << "choice / best over " << rows.size() << " GEMMs: geomean "
+            << fixed(std::exp(log_sum / double(rows.size())), 3) << ", worst " << fixed(worst, 3)
+            << ", " << within << " within 3 %\n";
+  if (twin_hi > 0)  // the same kernel timed twice (as the choice's candidate and as *-auto)
+    std::cout << "auto / choice (the same kernel twice, the run's noise): " << fixed(twin_lo, 3)
+              << " to " << fixed(twin_hi, 3) << "\n";
 }
 
 void run(const Flags& f) {
