@@ -144,6 +144,20 @@ struct Dev {
     MOEBLAZE_CUDA_CHECK(cudaMemcpy(v.data(), p, bytes, cudaMemcpyDeviceToHost));
     return v;
   }
+  // count elements from element `first` (a row, an expert's weights), or with `stride` > 1 every
+  // stride-th one (a column).
+  template <typename T>
+  std::vector<T> get(int64_t first, int64_t count, int64_t stride = 1) const {
+    const int64_t end = count ? first + (count - 1) * stride + 1 : first;
+    MOEBLAZE_REQUIRE(first >= 0 && count >= 0 && stride >= 1 && size_t(end) * sizeof(T) <= bytes,
+                     "bench gemm: a slice past its buffer");
+    std::vector<T> v(static_cast<size_t>(count));
+    if (count)
+      MOEBLAZE_CUDA_CHECK(cudaMemcpy2D(v.data(), sizeof(T), as<const T>() + first,
+                                       size_t(stride) * sizeof(T), sizeof(T), size_t(count),
+                                       cudaMemcpyDeviceToHost));
+    return v;
+  }
 };
 
 void cublas_check(cublasStatus_t s, const char* what) {
@@ -213,11 +227,12 @@ BalancedRouting near_balanced_routing(int64_t T, int64_t E, int64_t K, std::mt19
   return r;
 }
 
-// One shape's inputs (host copies kept for the check) and every GEMM's output, on the device.
+// One shape's inputs, drawn on the device (host copies of x and dO kept for the check; the
+// weights are read back per expert where the check needs them), and every GEMM's output.
 struct ShapeData {
   int64_t T, d, n, E, K, S, R;  // R = w1_rows
-  std::vector<bf16> hx, hw1, hw2, hdo;
-  Dev off, tok, wts, x, w1, w2, dO;
+  Dev off, tok, wts, x, w1, w2, dO;  // x, dO (T, d); w1 (E, R, d); w2 (E, d, n) bf16
+  std::vector<bf16> hx, hdo;        // x and dO on the host
   Dev h, a, y, parts, dh, as, dx, dw1, dw2;
   RoutingPlanView plan;
   // down-fp8's operands and output: A (S, n) and W2 (E, d, n) as codes and scales, Y (S, d).
@@ -250,16 +265,21 @@ struct ShapeData {
   ShapeData(const Shape& sh, Activation act, uint64_t seed, const BalancedRouting& rt,
             bool with_fp8)
       : T(sh.T), d(sh.d), n(sh.n), E(sh.E), K(sh.K), S(sh.T * sh.K),
-        R(is_gated(act) ? 2 * sh.n : sh.n),
-        hx(random_bf16(size_t(T * d), seed + 1, 1.0f)),
-        hw1(random_bf16(size_t(E * R * d), seed + 2, 1.0f / std::sqrt(float(d)))),
-        hw2(random_bf16(size_t(E * d * n), seed + 3, 1.0f / std::sqrt(float(n)))),
-        hdo(random_bf16(size_t(T * d), seed + 4, 1.0f)),
-        off(rt.offsets), tok(rt.tokens), wts(rt.weights), x(hx), w1(hw1), w2(hw2), dO(hdo),
+        R(is_gated(act) ? 2 * sh.n : sh.n), off(rt.offsets), tok(rt.tokens), wts(rt.weights),
+        x(size_t(T * d) * 2), w1(size_t(E * R * d) * 2), w2(size_t(E * d * n) * 2),
+        dO(size_t(T * d) * 2),
         h(size_t(S * R) * 2), a(size_t(S * n) * 2), y(size_t(S * d) * 2),
         parts(size_t(S * cuda::gemm::ds_partials_cols(n)) * 4), dh(size_t(S * R) * 2),
         as(size_t(S * n) * 2), dx(size_t(S * d) * 2), dw1(size_t(E * R * d) * 2),
         dw2(size_t(E * d * n) * 2) {
+    // N(0, 1) inputs, weights N(0, 1/fan-in), never zeros: drawn on the device, since the host
+    // would take seconds for the largest grid shapes' billions of weights.
+    cuda::fill_normal(x.p, DType::bf16, T * d, seed + 1, 1.0f, nullptr);
+    cuda::fill_normal(w1.p, DType::bf16, E * R * d, seed + 2, 1.0f / std::sqrt(float(d)), nullptr);
+    cuda::fill_normal(w2.p, DType::bf16, E * d * n, seed + 3, 1.0f / std::sqrt(float(n)), nullptr);
+    cuda::fill_normal(dO.p, DType::bf16, T * d, seed + 4, 1.0f, nullptr);
+    hx = x.get<bf16>();
+    hdo = dO.get<bf16>();
     if (with_fp8 && d % 128 == 0 && n % 128 == 0) {
       fp8 = std::make_unique<Fp8Down>(S, d, n, E);
       fp8w = std::make_unique<Fp8Wgrad>(S, d, n, E, R);
@@ -574,53 +594,55 @@ struct SampledErrors {
 SampledErrors check_samples(const ShapeData& s, const BalancedRouting& rt, std::mt19937_64& rng) {
   const int64_t S = s.S, R = s.R, d = s.d, n = s.n, E = s.E;
   const auto& hx = s.hx;
-  const auto& hw1 = s.hw1;
-  const auto& hw2 = s.hw2;
   const auto& hdo = s.hdo;
   const auto& tokens = rt.tokens;
   const auto& offsets = rt.offsets;
-  const auto gh = s.h.get<bf16>(), gy = s.y.get<bf16>(), ga = s.a.get<bf16>(),
-             gdx = s.dx.get<bf16>();
-  const auto gdh = s.dh.get<bf16>(), gas = s.as.get<bf16>(), gdw2 = s.dw2.get<bf16>();
   auto f32 = [](bf16 v) { return double(float(v)); };
   std::vector<int64_t> sample;
   for (int i = 0; i < 8; ++i) sample.push_back(int64_t(rng() % uint64_t(S)));
   auto rel = [](double num, double den) { return std::sqrt(num / std::max(den, 1e-300)); };
   SampledErrors err;
   double nu = 0, du = 0, nd = 0, dd = 0, nx = 0, dxx = 0;
-  for (int64_t r : sample) {
+  for (int64_t r : sample) {  // each sampled slot's rows, and its expert's weights, read back
     const int64_t e = rt.expert_of[r], t = tokens[r];
+    const auto w1 = s.w1.get<bf16>(e * R * d, R * d);  // (R, d)
+    const auto w2 = s.w2.get<bf16>(e * d * n, d * n);  // (d, n)
+    const auto gh = s.h.get<bf16>(r * R, R), gdh = s.dh.get<bf16>(r * R, R);
+    const auto gy = s.y.get<bf16>(r * d, d), gdx = s.dx.get<bf16>(r * d, d);
+    const auto ga = s.a.get<bf16>(r * n, n);
     for (int64_t o = 0; o < R; ++o) {  // h = W1_e x_t
       double acc = 0;
-      for (int64_t k = 0; k < d; ++k) acc += f32(hx[t * d + k]) * f32(hw1[(e * R + o) * d + k]);
-      nu += (f32(gh[r * R + o]) - acc) * (f32(gh[r * R + o]) - acc);
+      for (int64_t k = 0; k < d; ++k) acc += f32(hx[t * d + k]) * f32(w1[o * d + k]);
+      nu += (f32(gh[o]) - acc) * (f32(gh[o]) - acc);
       du += acc * acc;
     }
     for (int64_t o = 0; o < d; ++o) {  // y = W2_e a (a as the kernel stored it)
       double acc = 0;
-      for (int64_t k = 0; k < n; ++k) acc += f32(ga[r * n + k]) * f32(hw2[(e * d + o) * n + k]);
-      nd += (f32(gy[r * d + o]) - acc) * (f32(gy[r * d + o]) - acc);
+      for (int64_t k = 0; k < n; ++k) acc += f32(ga[k]) * f32(w2[o * n + k]);
+      nd += (f32(gy[o]) - acc) * (f32(gy[o]) - acc);
       dd += acc * acc;
     }
     for (int64_t o = 0; o < d; ++o) {  // dx = W1_eᵀ dh
       double acc = 0;
-      for (int64_t k = 0; k < R; ++k) acc += f32(gdh[r * R + k]) * f32(hw1[(e * R + k) * d + o]);
-      nx += (f32(gdx[r * d + o]) - acc) * (f32(gdx[r * d + o]) - acc);
+      for (int64_t k = 0; k < R; ++k) acc += f32(gdh[k]) * f32(w1[k * d + o]);
+      nx += (f32(gdx[o]) - acc) * (f32(gdx[o]) - acc);
       dxx += acc * acc;
     }
   }
   err.up = rel(nu, du);
   err.down = rel(nd, dd);
   err.dx = rel(nx, dxx);
-  // dW2: a few entries of expert 0's (d, n) gradient.
+  // dW2: a few entries, each over its expert's slots (a′'s column read back).
   double nw = 0, dw = 0;
   for (int i = 0; i < 16; ++i) {
     const int64_t e = int64_t(rng() % uint64_t(E)), row = int64_t(rng() % uint64_t(d)),
                   col = int64_t(rng() % uint64_t(n));
+    const int64_t first = offsets[e], count = offsets[e + 1] - offsets[e];
+    const auto gas = s.as.get<bf16>(first * n + col, count, n);  // a′[first.., col]
     double acc = 0;
-    for (int32_t r = offsets[e]; r < offsets[e + 1]; ++r)
-      acc += f32(hdo[int64_t(tokens[r]) * d + row]) * f32(gas[int64_t(r) * n + col]);
-    const double g = f32(gdw2[(e * d + row) * n + col]);
+    for (int64_t j = 0; j < count; ++j)
+      acc += f32(hdo[int64_t(tokens[first + j]) * d + row]) * f32(gas[j]);
+    const double g = f32(s.dw2.get<bf16>((e * d + row) * n + col, 1)[0]);
     nw += (g - acc) * (g - acc);
     dw += acc * acc;
   }
