@@ -19,7 +19,9 @@ def test_fsdp_overhead_tiny_runs():
                        timeout=240, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "| fully_shard |" in r.stdout
-    row = json.loads(r.stdout.strip().splitlines()[-1])
-    assert row["bench"] == "fsdp-overhead" and row["gpu"] == "cpu"
-    assert row["unsharded_ms"] > 0 and row["fully_shard_ms"] > 0
-    assert row["ratio"] == pytest.approx(row["fully_shard_ms"] / row["unsharded_ms"])
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [row["experts"] for row in rows] == ["moeblaze", "torch"]  # --experts both
+    for row in rows:
+        assert row["bench"] == "fsdp-overhead" and row["gpu"] == "cpu"
+        assert row["unsharded_ms"] > 0 and row["fully_shard_ms"] > 0
+        assert row["ratio"] == pytest.approx(row["fully_shard_ms"] / row["unsharded_ms"])
