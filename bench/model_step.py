@@ -24,8 +24,12 @@ parameters compared on a fixed sample of 2^22 entries), fp64_loss_rel_err and fp
 experts in float64 on the CPU), gpu, commit, date, torch, transformers. An impl that cannot run
 says why in `skipped` ("not installed: ..." where its package is missing) and the others go on.
 transformers' `sonicmoe` loads the hub kernel kernels-community/sonic-moe through the `kernels`
-package (not PyPI's sonic-moe that bench/peers.py imports): on a GPU without network both must
-be in place beforehand (the kernel in the Hugging Face cache), else its rows say "not installed".
+package. On a GPU without network (no hub cache), --sonicmoe-source package (or auto, the
+default, where the hub kernel does not load) puts PyPI's sonic-moe package, the one bench/peers.py
+imports, in the hub kernel's place: both export `enums.ActivationType` and
+`moe_general_routing_inputs` with the same arguments, and transformers' own glue (routing
+flatten, weight permutes, activation map) runs unchanged. The rows name what ran in
+`sonicmoe_source`; where neither loads they say "not installed".
 
   python3 bench/model_step.py --family qwen3_moe,deepseek_v3 [--impl grouped_mm,moeblaze]
                               [--layers 2] [--batch 4] [--seq 4096] [--out rows.jsonl]
@@ -157,6 +161,49 @@ def build(family, cfg, dtype, dev, seed, impl):
     return model
 
 
+# --sonicmoe-source, and what the sonicmoe rows ran on (use_sonicmoe's description).
+SONICMOE = {"source": "auto", "used": None}
+
+
+def use_sonicmoe(choice):
+    """Make transformers' `sonicmoe` experts runnable: its hub kernel where that loads (`hub`, or
+    `auto`), else (`package`, or `auto`) PyPI's sonic-moe package in the hub kernel's place.
+    Returns what it runs on; raises Skip where neither is there."""
+    import transformers.integrations.sonicmoe as sm
+    hub = None
+    if choice in ("auto", "hub"):
+        try:
+            sm.is_sonicmoe_loadable(raise_error=True)
+            return "hub kernel kernels-community/sonic-moe"
+        except Exception as err:
+            hub = f"{type(err).__name__}: {err}"
+            if choice == "hub":
+                raise Skip(f"not installed: sonicmoe's hub kernel ({hub})")
+    try:
+        import importlib.metadata
+        import inspect
+        from sonicmoe.enums import ActivationType
+        from sonicmoe.functional import moe_general_routing_inputs
+        version = importlib.metadata.version("sonic-moe")
+        params = inspect.signature(moe_general_routing_inputs).parameters
+        stream_arg = "stream_id" if "stream_id" in params else "_stream_id"
+        sm.SonicMoE, sm._SONICMOE  # noqa: B018 (the loader's cache, which the stand-in fills)
+    except Exception as err:
+        raise Skip(f"not installed: sonicmoe (hub kernel: {hub}; sonic-moe package: "
+                   f"{type(err).__name__}: {err})")
+
+    def routed(*args, stream_id=None, **kwargs):
+        # transformers passes stream_id=None (the hub kernel's default); the package launches
+        # on the stream it is given.
+        if stream_id is None:
+            stream_id = torch.cuda.current_stream().cuda_stream
+        return moe_general_routing_inputs(*args, **{stream_arg: stream_id}, **kwargs)
+
+    sm._SONICMOE = sm.SonicMoE(activation_type_enum=ActivationType,
+                               moe_general_routing_inputs=routed)
+    return f"sonic-moe {version} package in place of the hub kernel"
+
+
 def set_impl(model, impl):
     if impl == "moeblaze":
         try:
@@ -169,9 +216,11 @@ def set_impl(model, impl):
         # first step, which is to count what a new shape costs, not a new install.
         moeblaze._ext.get()
     if impl == "sonicmoe":
+        SONICMOE["used"] = None
         try:
-            from transformers.integrations.sonicmoe import is_sonicmoe_loadable
-            is_sonicmoe_loadable(raise_error=True)
+            SONICMOE["used"] = use_sonicmoe(SONICMOE["source"])
+        except Skip:
+            raise
         except Exception as err:
             raise Skip(f"not installed: sonicmoe ({type(err).__name__}: {err})")
     try:
@@ -270,6 +319,8 @@ def run_impl(family, impl, args, dev, dtype, meta, ref):
     try:
         model = build(family, cfg, dtype, dev, args.seed, impl)
         row["attn"] = model.config._attn_implementation
+        if impl == "sonicmoe":
+            row["sonicmoe_source"] = SONICMOE["used"]
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
@@ -386,9 +437,14 @@ def main(argv=None):
     ap.add_argument("--no-fp64", action="store_true", help="skip the tiny float64 check")
     ap.add_argument("--moeblaze-python", action="store_true",
                     help="moeblaze's Python path only (its C++ fast path off: no compile)")
+    ap.add_argument("--sonicmoe-source", choices=("auto", "hub", "package"), default="auto",
+                    help="what transformers' sonicmoe runs on: its hub kernel, PyPI's sonic-moe "
+                         "package in its place, or the hub kernel where it loads, else the "
+                         "package")
     ap.add_argument("--out", default="", help="append the JSON lines here")
     ap.add_argument("--md", default="", help="write the Markdown table here")
     args = ap.parse_args(argv)
+    SONICMOE["source"] = args.sonicmoe_source
     families = [f for f in args.family.split(",") if f]
     impls = [i for i in args.impl.split(",") if i]
     for f in families:

@@ -54,3 +54,53 @@ def test_model_step_tiny_cpu(tmp_path):
         tol = TOL[torch.float32]
         assert r["loss_rel_err"] <= tol and r["grad_max_rel_err"] <= tol, r
         assert r["fp64_loss_rel_err"] <= tol and r["fp64_grad_max_rel_err"] <= tol, r
+
+
+def test_sonicmoe_package_stands_in_for_the_hub_kernel(monkeypatch):
+    """--sonicmoe-source package: transformers' sonicmoe experts call the sonic-moe package's
+    moe_general_routing_inputs (a fake here: the real one needs a Hopper GPU) with every argument
+    as transformers passed it, the stream given through; `hub` without the hub kernel says
+    "not installed"."""
+    import sys
+    import types
+    sm = pytest.importorskip("transformers.integrations.sonicmoe")
+    if not hasattr(sm, "SonicMoE"):
+        pytest.skip("this transformers' sonicmoe integration has no SonicMoE bundle")
+    calls = []
+
+    class ActivationType:
+        SWIGLU = "swiglu"
+
+    def moe_general_routing_inputs(x, router_scores, token_indices, expert_indices, w1, b1, w2,
+                                   b2, E, stream_id, activation_type,
+                                   is_inference_mode_enabled=False, concat_layout=False):
+        calls.append(dict(E=E, stream_id=stream_id, activation_type=activation_type,
+                          concat_layout=concat_layout))
+        return x + 1, None
+
+    pkg = types.ModuleType("sonicmoe")
+    enums = types.ModuleType("sonicmoe.enums")
+    enums.ActivationType = ActivationType
+    functional = types.ModuleType("sonicmoe.functional")
+    functional.moe_general_routing_inputs = moe_general_routing_inputs
+    for name, mod in (("sonicmoe", pkg), ("sonicmoe.enums", enums),
+                      ("sonicmoe.functional", functional)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    import importlib.metadata
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda d: "0.0-test" if d == "sonic-moe" else real_version(d))
+    monkeypatch.setattr(sm, "_SONICMOE", None)
+    ms = load_model_step()
+    assert ms.use_sonicmoe("package") == "sonic-moe 0.0-test package in place of the hub kernel"
+    bundle = sm.load_sonicmoe_kernel()
+    assert bundle.activation_type_enum is ActivationType
+    x = torch.zeros(3, 2)
+    out, _ = bundle.moe_general_routing_inputs(x, None, None, None, None, None, None, None, E=4,
+                                               activation_type="swiglu", concat_layout=True,
+                                               is_inference_mode_enabled=False, stream_id=7)
+    assert torch.equal(out, x + 1)
+    assert calls == [dict(E=4, stream_id=7, activation_type="swiglu", concat_layout=True)]
+    if not torch.cuda.is_available():
+        with pytest.raises(ms.Skip, match="not installed"):
+            ms.use_sonicmoe("hub")
