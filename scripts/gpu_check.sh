@@ -5,7 +5,7 @@
 #
 #   scripts/gpu_check.sh OUT [PART ...]
 #     PART: all (default) | tests | gpu-tests | gpu-gtests | routing-tests | routing | layer | gemm
-#           | ep | python | peers | sanitize | fuzz-long | sanitize-fuzz | search
+#           | ep | python | peers | sanitize | fuzz-long | sanitize-fuzz | search | model-step
 #       tests          ctest, every test (CPU and GPU)          → OUT/ctest.log
 #       gpu-tests      (not in `all`) the quick GPU check: moeblaze_gpu_tests (GTEST_FILTER picks
 #                      some) and the CUDA pytests (python/tests -k "gpu or cuda")
@@ -70,6 +70,13 @@
 #                      warp-specialised ping-pong schedule, the 2-CTA weight gradients;
 #                      SYNCCHECK_FILTER replaces the filter); each under ${SANITIZE_FUZZ_TIMEOUT:-1200} s
 #                      → OUT/sanitize_fuzz.log (sanitize's format: one summary line of error counts).
+#       model-step     (not in `all`) bench/model_step.py: whole Hugging Face models (Qwen3-MoE,
+#                      Mixtral, OLMoE, DeepSeek-V3, gpt-oss), one training step per experts
+#                      implementation (grouped_mm, sonicmoe, moeblaze) → OUT/model_step.jsonl,
+#                      model_step.md, model_step.log. SonicMoE as for peers (SONICMOE_CARRY or
+#                      SONICMOE_SITE; its package stands in for transformers' hub kernel, and its
+#                      autotune file is written back the same way); MODEL_STEP_ARGS adds flags
+#                      (e.g. "--family qwen3_moe,olmoe"), MODEL_STEP_TIMEOUT=S stops it after S s.
 #   scripts/gpu_check.sh --pack-deps
 #     copies GoogleTest and CLI11 (headers, static libs) from this machine into
 #     third_party/gpudeps, for a GPU machine that has a CUDA toolkit but no such packages; the
@@ -166,7 +173,7 @@ if [ -z "${PREBUILT:-}" ]; then
   if want ep; then targets+=(moeblaze_gpu_tests); fi
   if want_named sanitize; then targets+=(moeblaze_gpu_tests); fi
   if want_named fuzz-long || want_named sanitize-fuzz; then targets+=(moeblaze_gpu_tests); fi
-  if want python || want peers; then targets+=(moeblaze_capi); fi
+  if want python || want peers || want_named model-step; then targets+=(moeblaze_capi); fi
   cmake --build "$BUILD" -j "$JOBS" --target "${targets[@]}" >"$OUT/build.log" 2>&1 || {
     grep -E "error|Error" "$OUT/build.log" | head -40; echo "gpu_check: build FAILED"; exit 1; }
   summary+=("build: ok in $(( $(date +%s) - start )) s (${targets[*]})")
@@ -567,23 +574,32 @@ fi
 # ---- peers: bench/peers.py, moeblaze through PyTorch side by side with SonicMoE (when
 # SONICMOE_CARRY names a folder with SonicMoE's wheels and its install.sh), ScatterMoE and
 # torch, plus the C++ path's rows; PEERS_ARGS adds flags (e.g. "--config olmoe --profile DIR") ----
+# SonicMoE from SONICMOE_CARRY or SONICMOE_SITE (see peers above), once per check, and its
+# autotuner's cache restored from bench/cache/sonicmoe-autotune.tgz; logs into OUT/$1.
+sonicmoe_ready=
+setup_sonicmoe() {
+  [ -n "$sonicmoe_ready" ] && return 0
+  sonicmoe_ready=1
+  [ -n "${SONICMOE_CARRY:-}${SONICMOE_SITE:-}" ] || return 0
+  if [ -n "${SONICMOE_CARRY:-}" ]; then
+    # shellcheck disable=SC1091
+    source "$SONICMOE_CARRY/install.sh" >>"$OUT/$1" 2>&1 || echo "gpu_check: SonicMoE install failed" >>"$OUT/$1"
+  else  # installed by an earlier run on this machine (install.sh's folder): nothing to copy
+    [ -d "$SONICMOE_SITE/sonicmoe" ] || echo "gpu_check: no SonicMoE in $SONICMOE_SITE" >>"$OUT/$1"
+    export PYTHONPATH="$SONICMOE_SITE:$SONICMOE_SITE/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  # Its autotuner's results and compiled kernels in one folder; the results saved at the end.
+  export QUACK_CACHE_DIR=/tmp/quack-cache QUACK_CACHE_AUTOTUNING=1
+  export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}
+  mkdir -p "$QUACK_CACHE_DIR"
+  [ -f bench/cache/sonicmoe-autotune.tgz ] &&
+    tar xzf bench/cache/sonicmoe-autotune.tgz -C "$QUACK_CACHE_DIR"
+  return 0
+}
+
 if want peers && install_python; then
   t0=$(date +%s)
-  if [ -n "${SONICMOE_CARRY:-}${SONICMOE_SITE:-}" ]; then
-    if [ -n "${SONICMOE_CARRY:-}" ]; then
-      # shellcheck disable=SC1091
-      source "$SONICMOE_CARRY/install.sh" >>"$OUT/peers.log" 2>&1 || echo "gpu_check: SonicMoE install failed" >>"$OUT/peers.log"
-    else  # installed by an earlier run on this machine (install.sh's folder): nothing to copy
-      [ -d "$SONICMOE_SITE/sonicmoe" ] || echo "gpu_check: no SonicMoE in $SONICMOE_SITE" >>"$OUT/peers.log"
-      export PYTHONPATH="$SONICMOE_SITE:$SONICMOE_SITE/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}"
-    fi
-    # Its autotuner's results and compiled kernels in one folder; the results saved below.
-    export QUACK_CACHE_DIR=/tmp/quack-cache QUACK_CACHE_AUTOTUNING=1
-    export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}
-    mkdir -p "$QUACK_CACHE_DIR"
-    [ -f bench/cache/sonicmoe-autotune.tgz ] &&
-      tar xzf bench/cache/sonicmoe-autotune.tgz -C "$QUACK_CACHE_DIR"
-  fi
+  setup_sonicmoe peers.log
   cli="$BUILD/moeblaze"
   # shellcheck disable=SC2086
   # PEERS_TIMEOUT (seconds, default none): stop peers.py in time for the autotune results below
@@ -596,11 +612,27 @@ if want peers && install_python; then
     tail -20 "$OUT/peers.log"
     summary+=("bench peers: FAILED (see peers.log)")
   fi
-  if [ -n "${QUACK_CACHE_DIR:-}" ]; then
-    (cd "$QUACK_CACHE_DIR" && find . -name '*.autotune.json' -print0 |
-       tar czf "$OUT/sonicmoe-autotune.tgz" --null -T -) 2>/dev/null &&
-      summary+=("sonicmoe autotune results: $(tar tzf "$OUT/sonicmoe-autotune.tgz" | grep -c json) in sonicmoe-autotune.tgz")
+fi
+
+# ---- model-step: whole Hugging Face models, one training step per experts implementation ----
+if want_named model-step && install_python; then
+  t0=$(date +%s)
+  setup_sonicmoe model_step.log
+  # shellcheck disable=SC2086
+  if PYTHONUNBUFFERED=1 timeout "${MODEL_STEP_TIMEOUT:-0}" python3 bench/model_step.py \
+      --out "$OUT/model_step.jsonl" --md "$OUT/model_step.md" ${MODEL_STEP_ARGS:-} \
+      >>"$OUT/model_step.log" 2>&1; then
+    summary+=("model step: $(grep -c '"step_ms"' "$OUT/model_step.jsonl") timed rows, $(grep -c '"skipped"' "$OUT/model_step.jsonl") skipped [$(( $(date +%s) - t0 )) s]")
+  else
+    status=1
+    tail -20 "$OUT/model_step.log"
+    summary+=("model step: FAILED (see model_step.log)")
   fi
+fi
+if [ -n "${QUACK_CACHE_DIR:-}" ]; then  # SonicMoE's autotune results, this run's added
+  (cd "$QUACK_CACHE_DIR" && find . -name '*.autotune.json' -print0 |
+     tar czf "$OUT/sonicmoe-autotune.tgz" --null -T -) 2>/dev/null &&
+    summary+=("sonicmoe autotune results: $(tar tzf "$OUT/sonicmoe-autotune.tgz" | grep -c json) in sonicmoe-autotune.tgz")
 fi
 
 # ---- short table last ----
