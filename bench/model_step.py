@@ -35,6 +35,7 @@ flatten, weight permutes, activation map) runs unchanged. The rows name what ran
                               [--layers 2] [--batch 4] [--seq 4096] [--out rows.jsonl]
                               [--md table.md]
   python3 bench/model_step.py --tiny --family olmoe   # CPU-sized models (the tests' mode)
+  python3 bench/model_step.py --family qwen3_moe --compile   # the whole model under torch.compile
 """
 import argparse
 import contextlib
@@ -321,15 +322,24 @@ def run_impl(family, impl, args, dev, dtype, meta, ref):
         row["attn"] = model.config._attn_implementation
         if impl == "sonicmoe":
             row["sonicmoe_source"] = SONICMOE["used"]
+        step_model = model
+        if args.compile:  # the whole model; its first step below includes the compile
+            from torch._dynamo.utils import counters
+            torch._dynamo.reset()
+            counters.clear()
+            step_model = torch.compile(model, backend=args.compile)
+            row["compile"] = args.compile
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
         before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
         sync(dev)
         t0 = time.perf_counter()
-        loss = train_step(model, ids, labels)
+        loss = train_step(step_model, ids, labels)
         sync(dev)
         row["first_step_s"] = time.perf_counter() - t0
+        if args.compile:  # anywhere in the model, as dynamo counted them
+            row["graph_breaks"] = sum(counters["graph_break"].values())
         row["peak_bytes"] = (torch.cuda.max_memory_allocated(dev) - before
                              if dev.type == "cuda" else None)
         row["loss"] = float(loss)
@@ -349,13 +359,13 @@ def run_impl(family, impl, args, dev, dtype, meta, ref):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
                     enable_timing=True)
                 start.record()
-                train_step(model, ids, labels)
+                train_step(step_model, ids, labels)
                 end.record()
                 end.synchronize()
                 ms = start.elapsed_time(end)
             else:
                 t = time.perf_counter()
-                train_step(model, ids, labels)
+                train_step(step_model, ids, labels)
                 ms = (time.perf_counter() - t) * 1e3
             if i >= args.warmup:
                 times.append(ms)
@@ -441,6 +451,10 @@ def main(argv=None):
                     help="what transformers' sonicmoe runs on: its hub kernel, PyPI's sonic-moe "
                          "package in its place, or the hub kernel where it loads, else the "
                          "package")
+    ap.add_argument("--compile", nargs="?", const="inductor", default="",
+                    help="torch.compile the whole model (backend: inductor, or the one given, "
+                         "e.g. aot_eager); rows say which in `compile` and count dynamo's "
+                         "graph breaks in `graph_breaks`")
     ap.add_argument("--out", default="", help="append the JSON lines here")
     ap.add_argument("--md", default="", help="write the Markdown table here")
     args = ap.parse_args(argv)

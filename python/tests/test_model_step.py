@@ -104,3 +104,21 @@ def test_sonicmoe_package_stands_in_for_the_hub_kernel(monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(ms.Skip, match="not installed"):
             ms.use_sonicmoe("hub")
+
+
+def test_model_step_whole_model_compiled_cpu(tmp_path):
+    """--compile: the whole model under torch.compile (aot_eager on the CPU: dynamo's graphs
+    and autograd's, no code generation), moeblaze's experts included: no graph break anywhere in
+    the model, and the loss and gradients of grouped_mm's compiled run."""
+    out = tmp_path / "rows.jsonl"
+    ms = load_model_step()
+    assert ms.main(["--tiny", "--device", "cpu", "--family", "olmoe", "--impl",
+                    "grouped_mm,moeblaze", "--reps", "1", "--warmup", "0", "--moeblaze-python",
+                    "--no-fp64", "--compile", "aot_eager", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["impl"] for r in rows] == ["grouped_mm", "moeblaze"]
+    for r in rows:
+        assert "skipped" not in r, r.get("skipped")
+        assert r["compile"] == "aot_eager" and r["graph_breaks"] == 0, r
+    tol = TOL[torch.float32]
+    assert rows[1]["loss_rel_err"] <= tol and rows[1]["grad_max_rel_err"] <= tol, rows[1]
