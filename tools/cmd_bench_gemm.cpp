@@ -170,6 +170,7 @@ struct Row {
   int64_t T, S, E, K, d, n;
   double ms, tflops, dense_ms, dense_tflops, max_rel_err;
   std::string writes, model;  // the kernel's output (its GEMM) and the shape's public model
+  std::vector<double> round_ms;  // --search: the median of each round's repetitions
 };
 
 // What every row and output file names: the card, its driver, the commit and the date.
@@ -423,7 +424,8 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
     const gg::KernelShape shape{S, s.E, d, n, act};
     for (int g = 0; g < gg::LayerKernels::kCount; ++g) {
       for (const gg::KernelCandidate& c : gg::kernel_candidates(g, shape))
-        all.push_back(with_overrides(c.spec.c_str(), as_layer(g, gg::describe(c.kernel), c.kernel)));
+        all.push_back(
+            with_overrides(c.spec.c_str(), as_layer(g, gg::describe(c.kernel), c.kernel)));
       // Last among its GEMM's rows: the output's last writer, so the sampled check is its.
       all.push_back(as_layer(g, kAutoNames[g], chosen.at(g)));
     }
@@ -728,7 +730,7 @@ void time_search(const Flags& f, const Shape& sh, const ShapeData& s,
     std::vector<size_t> group;
     for (size_t i = 0; i < kernels.size(); ++i)
       if (kernels[i].writes == out) group.push_back(i);
-    std::vector<std::vector<double>> samples(group.size());
+    std::vector<std::vector<double>> samples(group.size()), rounds(group.size());
     for (int round = 0; round < kSearchRounds; ++round)
       for (size_t step = 0; step < group.size(); ++step) {
         const size_t g = (step + size_t(round)) % group.size();
@@ -736,6 +738,7 @@ void time_search(const Flags& f, const Shape& sh, const ShapeData& s,
         const std::vector<double> t =
             timer.samples_ms(round == 0 ? f.warmup : 1, per_round, k.before, k.launch);
         samples[g].insert(samples[g].end(), t.begin(), t.end());
+        rounds[g].push_back(median(t));
       }
     for (size_t g = 0; g < group.size(); ++g) {
       const Kernel& k = kernels[group[g]];
@@ -743,6 +746,7 @@ void time_search(const Flags& f, const Shape& sh, const ShapeData& s,
               k.writes, sh.model};
       row.ms = median(samples[g]);
       row.tflops = k.flops / (row.ms * 1e-3) / 1e12;
+      row.round_ms = rounds[g];
       rows.push_back(row);
       std::cerr << "  " << k.name << ": " << row.ms << " ms, " << row.tflops << " TFLOP/s\n";
     }
@@ -874,6 +878,8 @@ void write_markdown(const std::string& path, const std::vector<Row>& rows, Activ
 struct SearchRow {
   std::string config, gemm, chosen, best;
   double auto_ms, best_ms, choice_ms;  // choice_ms: NaN where no candidate is the choice
+  // choice / best round by round (each round's medians): lo > 1.03 is a miss in every round.
+  double round_lo = NAN, round_hi = NAN;
 };
 
 // One shape's search rows from its timed rows; with --out, their JSON lines (bench
@@ -904,12 +910,18 @@ std::vector<SearchRow> search_rows(const Flags& f, const Shape& sh, const std::v
     }
     if (!automatic || !best) continue;
     const std::string choice = gg::describe(chosen.at(index));
-    double choice_ms = NAN;
+    const Row* own = nullptr;  // the choice's own candidate row
     for (const Row& r : rows)
-      if (r.config == sh.name && r.writes == writes && r.kernel == choice) choice_ms = r.ms;
+      if (r.config == sh.name && r.writes == writes && r.kernel == choice) own = &r;
     out.push_back({sh.name, gg::LayerKernels::name(index), choice, best->kernel, automatic->ms,
-                   best->ms, choice_ms});
-    const SearchRow& x = out.back();
+                   best->ms, own ? own->ms : NAN});
+    SearchRow& x = out.back();
+    if (own && own->round_ms.size() == best->round_ms.size())
+      for (size_t i = 0; i < own->round_ms.size(); ++i) {
+        const double q = own->round_ms[i] / best->round_ms[i];
+        x.round_lo = std::isfinite(x.round_lo) ? std::min(x.round_lo, q) : q;
+        x.round_hi = std::isfinite(x.round_hi) ? std::max(x.round_hi, q) : q;
+      }
     if (os) {
       JsonLine j;
       j.add("bench", "kernel-search").add("config", sh.name);
@@ -920,6 +932,8 @@ std::vector<SearchRow> search_rows(const Flags& f, const Shape& sh, const std::v
       j.add("best_ms", x.best_ms).add("auto_over_best", x.auto_ms / x.best_ms);
       if (std::isfinite(x.choice_ms))
         j.add("choice_ms", x.choice_ms).add("choice_over_best", x.choice_ms / x.best_ms);
+      if (std::isfinite(x.round_lo))
+        j.add("choice_over_best_round_lo", x.round_lo).add("choice_over_best_round_hi", x.round_hi);
       j.add("reps", f.reps).add("rounds", kSearchRounds).add("operands", f.operands);
       j.add("kernels", kernel_specs(f));
       j.add("gpu", info.gpu).add("driver", info.driver).add("commit", info.commit);
@@ -934,9 +948,10 @@ std::vector<SearchRow> search_rows(const Flags& f, const Shape& sh, const std::v
 // within 3 % of the fastest candidate.
 void print_search(const std::vector<SearchRow>& rows, int reps, const RunInfo& info) {
   Table t({{"config", Align::left}, {"gemm", Align::left}, {"chosen", Align::left},
-           {"choice ms"}, {"auto ms"}, {"best", Align::left}, {"best ms"}, {"choice / best"}});
+           {"choice ms"}, {"auto ms"}, {"best", Align::left}, {"best ms"}, {"choice / best"},
+           {"by round"}});
   double log_sum = 0, worst = 0, twin_lo = INFINITY, twin_hi = 0;
-  int within = 0;
+  int within = 0, every_round = 0;
   for (const SearchRow& r : rows) {
     // The choice's candidate row where there is one, else its *-auto row.
     const double choice = std::isfinite(r.choice_ms) ? r.choice_ms : r.auto_ms;
@@ -944,12 +959,14 @@ void print_search(const std::vector<SearchRow>& rows, int reps, const RunInfo& i
     log_sum += std::log(ratio);
     worst = std::max(worst, ratio);
     within += ratio <= 1.03;
+    every_round += r.round_lo > 1.03;  // false for NaN
     if (std::isfinite(r.choice_ms)) {
       twin_lo = std::min(twin_lo, r.auto_ms / r.choice_ms);
       twin_hi = std::max(twin_hi, r.auto_ms / r.choice_ms);
     }
     t.add_row({r.config, r.gemm, r.chosen, fixed(r.choice_ms, 3), fixed(r.auto_ms, 3), r.best,
-               fixed(r.best_ms, 3), fixed(ratio, 3)});
+               fixed(r.best_ms, 3), fixed(ratio, 3),
+               fixed(r.round_lo, 3) + " to " + fixed(r.round_hi, 3)});
   }
   std::cout << "\nKernel search (" << info.gpu << "): the automatic choice against the fastest "
             << "legal candidate of each GEMM, median of " << reps << " reps each in "
@@ -958,7 +975,8 @@ void print_search(const std::vector<SearchRow>& rows, int reps, const RunInfo& i
   if (rows.empty()) return;
   std::cout << "choice / best over " << rows.size() << " GEMMs: geomean "
             << fixed(std::exp(log_sum / double(rows.size())), 3) << ", worst " << fixed(worst, 3)
-            << ", " << within << " within 3 %\n";
+            << ", " << within << " within 3 %, " << every_round
+            << " more than 3 % slower in every round\n";
   if (twin_hi > 0)  // the same kernel timed twice (as the choice's candidate and as *-auto)
     std::cout << "auto / choice (the same kernel twice, the run's noise): " << fixed(twin_lo, 3)
               << " to " << fixed(twin_hi, 3) << "\n";
