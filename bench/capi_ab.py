@@ -6,9 +6,12 @@ the wheel's build (MOEBLAZE_CAPI_MANYLINUX, the default on Linux x86_64 with GCC
 without it: their device code is the same, so the question is whether the linking changes a
 step's time beyond the run-to-run spread.
 
-  cmake -S . -B build-plain -DMOEBLAZE_CUDA=ON -DMOEBLAZE_CAPI_MANYLINUX=OFF
-  cmake --build build-plain --target moeblaze_capi
-  python3 bench/capi_ab.py build-gpu/libmoeblaze_capi.so build-plain/libmoeblaze_capi.so
+  cmake -S . -B build-gpu -DMOEBLAZE_CUDA=ON -DMOEBLAZE_CAPI_AB_TWIN=ON
+  cmake --build build-gpu --target moeblaze_capi moeblaze_capi_plain
+  python3 bench/capi_ab.py build-gpu/libmoeblaze_capi.so build-gpu/libmoeblaze_capi_plain.so
+
+(moeblaze_capi_plain: the same objects linked as without MOEBLAZE_CAPI_MANYLINUX, so the second
+library costs one link, not a second build.)
   python3 bench/capi_ab.py LIB LIB --tiny          # CPU, a tiny shape (what the test runs)
 
 Prints a table (each library's median ms over every round, its ratio to the first library's, and
