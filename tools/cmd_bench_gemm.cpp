@@ -152,7 +152,10 @@ struct Dev {
     MOEBLAZE_REQUIRE(first >= 0 && count >= 0 && stride >= 1 && size_t(end) * sizeof(T) <= bytes,
                      "bench gemm: a slice past its buffer");
     std::vector<T> v(static_cast<size_t>(count));
-    if (count)
+    if (count && stride == 1)  // one run (a 2D copy of 2-byte rows would crawl)
+      MOEBLAZE_CUDA_CHECK(cudaMemcpy(v.data(), as<const T>() + first, size_t(count) * sizeof(T),
+                                     cudaMemcpyDeviceToHost));
+    else if (count)
       MOEBLAZE_CUDA_CHECK(cudaMemcpy2D(v.data(), sizeof(T), as<const T>() + first,
                                        size_t(stride) * sizeof(T), sizeof(T), size_t(count),
                                        cudaMemcpyDeviceToHost));
