@@ -1072,8 +1072,9 @@ void add_bench_gemm_command(CLI::App& bench) {
                   "tma.bands=4; syntax as MOEBLAZE_KERNELS); ';' separates variants, each "
                   "kernel timed under each in turn (\"tma.bands=1;tma.bands=4\")");
   sub->add_flag("--search", flags->search,
-               "time every bf16 candidate of each GEMM and the automatic choice (the *-auto "
-               "rows) together, in 5 rounds of rotated order, and print the choice against the "
+               "time every legal bf16 candidate of each GEMM (the set the automatic choice is "
+               "made from, each named by its kernel) and the automatic choice (the *-auto rows) "
+               "together, in 5 rounds of rotated order, and print the choice against the "
                "fastest candidate per GEMM (--out: one \"kernel-search\" JSON line per GEMM; "
                "no cuBLAS column, --only ignored)");
   sub->add_option("--out", flags->out, "append JSON lines to this file");
