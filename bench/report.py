@@ -771,9 +771,11 @@ def search_section():
     words = f"""\
 ## The kernel choice against a search
 
-**Where it stands.** `moeblaze bench gemm --search` times every built bf16 kernel of each of the
-six GEMMs on a shape, and the layer's automatic choice beside them (`scripts/gpu_check.sh OUT
-search`: the public-model grid and 17 random shapes, odd n and T among them). The target is the
+**Where it stands.** `moeblaze bench gemm --search` times every legal bf16 kernel of each of the
+six GEMMs on a shape (`kernel_candidates`, the set the rule chooses from; before 34823b3 the
+bench's own list of built kernels), and the layer's automatic choice beside them
+(`scripts/gpu_check.sh OUT search`: the public-model grid and 17 random shapes, odd n and T among
+them). The target is the
 choice within 3 % of the fastest candidate on every GEMM of at least 40 shapes, on the H100 and
 the H200. *choice / best* is the chosen kernel's time over the fastest candidate's, both from
 the candidates' rows timed in the same rounds (runs before 34823b3: the `*-auto` row over the

@@ -19,3 +19,33 @@ def test_performance_page_matches_the_result_files():
     assert got.returncode == 0, (
         "docs/PERFORMANCE.md differs from bench/results/; regenerate it with "
         "`python3 bench/report.py`\n" + got.stdout[-4000:] + got.stderr[-2000:])
+
+
+@pytest.mark.skipif(not os.path.isfile(REPORT), reason="the repository's bench/ is not here")
+def test_search_section_reads_the_choice_rows_and_the_rounds(monkeypatch):
+    """A rounds-based search file (34823b3 on): the verdict is choice_ms / best_ms, not the *-auto
+    row's; auto / choice is the noise column; a miss says whether it held in every round."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("report", REPORT)
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    base = {"bench": "kernel-search", "config": "s", "T": 4096, "d": 2048, "n": 512, "E": 32,
+            "K": 4, "S": 16384, "gpu": "NVIDIA H100 80GB HBM3", "commit": "abc1234", "rounds": 5,
+            "chosen": "chosen kernel", "best": "fastest kernel"}
+    rows = [dict(base, gemm="up_proj", auto_ms=1.0, best_ms=1.0, auto_over_best=1.0,
+                 choice_ms=1.02, choice_over_best=1.02, choice_over_best_round_lo=0.99,
+                 choice_over_best_round_hi=1.04),
+            dict(base, gemm="down_proj", auto_ms=1.5, best_ms=1.0, auto_over_best=1.5,
+                 choice_ms=1.2, choice_over_best=1.2, choice_over_best_round_lo=1.1,
+                 choice_over_best_round_hi=1.3),
+            dict(base, gemm="dx_proj", auto_ms=1.1, best_ms=1.0, auto_over_best=1.1,
+                 choice_ms=1.08, choice_over_best=1.08, choice_over_best_round_lo=0.97,
+                 choice_over_best_round_hi=1.15)]
+    monkeypatch.setattr(report, "SEARCH", ["kernel-search-2026-12-07-abc1234-h100.jsonl"])
+    monkeypatch.setattr(report, "jsonl", lambda name: rows)
+    out = report.search_section()
+    geo = (1.02 * 1.2 * 1.08) ** (1 / 3)
+    assert f"| {geo:.3f} | 1.200 | 1 of 3 |" in out  # choice / best, not auto / best (1.5)
+    assert "0.980–1.250" in out  # auto / choice over the three GEMMs
+    assert "| down_proj | chosen kernel | fastest kernel | 1.200 | yes |" in out
+    assert "| dx_proj | chosen kernel | fastest kernel | 1.080 | no |" in out
