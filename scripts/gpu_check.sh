@@ -60,7 +60,9 @@
 #                      kernel against the fastest built candidate → OUT/search.log (the table),
 #                      search.jsonl ("kernel-search" rows), search_progress.log. One pass took
 #                      about 20 s a grid shape on an H100 (the rounds add a quarter): split the
-#                      42 shapes over calls with SEARCH_CONFIGS to stay within 10 minutes each
+#                      42 shapes over calls with SEARCH_SLICE=i/k (every k-th shape from the
+#                      i-th, so each part mixes big and small ones) or SEARCH_CONFIGS, to stay
+#                      within 10 minutes each
 #       sanitize-fuzz  (not in `all`) compute-sanitizer over the fuzz's short round: memcheck,
 #                      racecheck and initcheck over GpuFuzz.* (MOEBLAZE_GPU_FUZZ_CASES=
 #                      ${SANITIZE_FUZZ_CASES:-25}: sanitized kernels run 10-100x slower; 100 is the
@@ -348,7 +350,8 @@ if want_named search; then
   t0=$(date +%s)
   rc=0
   "$BUILD/moeblaze" bench gemm --search --no-dense --reps 20 --warmup 2 \
-    --configs "${SEARCH_CONFIGS:-grid,$SEARCH_RANDOM}" --out "$OUT/search.jsonl" \
+    --configs "${SEARCH_CONFIGS:-grid,$SEARCH_RANDOM}" --slice "${SEARCH_SLICE:-1/1}" \
+    --out "$OUT/search.jsonl" \
     >"$OUT/search.log" 2>"$OUT/search_progress.log" || rc=$?
   line=$(grep -E '^choice / best over|^auto / choice' "$OUT/search.log" | paste -sd ';' - || true)
   if [ $rc -eq 0 ]; then summary+=("kernel search: ${line:-no summary} [$(( $(date +%s) - t0 )) s]")

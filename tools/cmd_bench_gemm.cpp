@@ -87,6 +87,7 @@ struct Flags {
   std::string out;  // append JSON lines here
   std::string md;   // write the table as Markdown here
   bool search = false;  // every bf16 candidate per GEMM against the automatic choice (below)
+  std::string slice;    // "i/k": every k-th of --configs' shapes from the i-th (split runs)
 };
 
 // "gemm-big" is bench gemm's own shape (S = 65536 slots, E = 16, d = 2048, n = 1024);
@@ -991,6 +992,20 @@ void run(const Flags& f) {
   const Activation act = parse_activation(f.activation);
   std::vector<Shape> shapes = find_shapes(f.configs);
   MOEBLAZE_REQUIRE(!shapes.empty(), "--configs is empty");
+  if (!f.slice.empty()) {  // every k-th from the i-th: big and small shapes in every part
+    const size_t slash = f.slice.find('/');
+    char* end = nullptr;
+    const long i = slash == std::string::npos ? 0 : std::strtol(f.slice.c_str(), &end, 10);
+    const bool i_ok = slash != std::string::npos && end == f.slice.c_str() + slash;
+    const long k = i_ok ? std::strtol(f.slice.c_str() + slash + 1, &end, 10) : 0;
+    MOEBLAZE_REQUIRE(i_ok && *end == '\0' && k >= 1 && k <= 1000 && i >= 1 && i <= k,
+                     "--slice (", f.slice, ") must be i/k with 1 <= i <= k <= 1000");
+    std::vector<Shape> part;
+    for (size_t j = size_t(i - 1); j < shapes.size(); j += size_t(k)) part.push_back(shapes[j]);
+    MOEBLAZE_REQUIRE(!part.empty(), "--slice ", f.slice, " leaves none of the ", shapes.size(),
+                     " shapes");
+    shapes = part;
+  }
   MOEBLAZE_REQUIRE(!f.search || kernel_specs(f).find(';') == std::string::npos,
                    "--search compares the candidates under one set of overrides: --kernels "
                    "(or MOEBLAZE_KERNELS) must not list variants with ';'");
@@ -1077,6 +1092,9 @@ void add_bench_gemm_command(CLI::App& bench) {
                "together, in 5 rounds of rotated order, and print the choice against the "
                "fastest candidate per GEMM (--out: one \"kernel-search\" JSON line per GEMM; "
                "no cuBLAS column, --only ignored)");
+  sub->add_option("--slice", flags->slice,
+                  "i/k: only every k-th of the --configs shapes, from the i-th (a long search "
+                  "split over k runs, each with big and small shapes)");
   sub->add_option("--out", flags->out, "append JSON lines to this file");
   sub->add_option("--md", flags->md, "write the table as Markdown to this file");
   sub->callback([flags] { run(*flags); });
