@@ -25,10 +25,9 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_reference import git_commit  # noqa: E402
+from torch_reference import git_commit, step_timer  # noqa: E402
 
 
 def worker(a):
@@ -48,19 +47,8 @@ def worker(a):
 
     for _ in range(a.warmup):
         step()
-    times = []
-    for _ in range(a.reps):
-        if device == "cuda":
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record()
-            step()
-            t1.record()
-            t1.synchronize()
-            times.append(t0.elapsed_time(t1))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
+    timer = step_timer(device)
+    times = [timer(step) for _ in range(a.reps)]
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(json.dumps({"ms": times, "gpu": gpu, "torch": torch.__version__}))
 

@@ -29,9 +29,7 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -41,7 +39,7 @@ from torch import nn
 import moeblaze
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_reference import moe_layer  # noqa: E402
+from torch_reference import git_commit, moe_layer, step_timer  # noqa: E402
 
 
 def loop_grouped_mm(a, b_t, offs):
@@ -99,35 +97,6 @@ class Net(nn.Module):
             x, a = b(x)
             aux = aux + a
         return x, aux
-
-
-def _commit():
-    env = os.environ.get("MOEBLAZE_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL,
-                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def step_timer(device):
-    if device == "cuda":
-        def run(fn):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b)
-    else:
-        def run(fn):
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e3
-    return run
 
 
 def main(argv=None):
@@ -233,7 +202,7 @@ def measure(a, experts, device, dtype):
            "weight_bytes": weight_bytes, "weight_copy_ms": med["weight_copy"],
            "overhead_in_weight_copies": overhead_copies,
            "reps": a.reps, "rounds": a.rounds, "torch": torch.__version__, "gpu": gpu,
-           "commit": _commit(),
+           "commit": git_commit(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     print(json.dumps(row))
     return row

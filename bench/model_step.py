@@ -51,7 +51,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs are built here: nothing 
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_reference import driver_version, git_commit, median  # noqa: E402
+from torch_reference import driver_version, git_commit, median, step_timer  # noqa: E402
 
 IMPLS = ("grouped_mm", "sonicmoe", "moeblaze")
 # Per family: the public model, transformers' config and causal-LM classes, the real config's
@@ -353,20 +353,10 @@ def run_impl(family, impl, args, dev, dtype, meta, ref):
             row["loss_rel_err"] = row["grad_max_rel_err"] = row["grad_worst"] = None
         del grads
         times = []
+        timer = step_timer(dev.type)
         for i in range(args.warmup + args.reps):
             sync(dev)
-            if dev.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True)
-                start.record()
-                train_step(step_model, ids, labels)
-                end.record()
-                end.synchronize()
-                ms = start.elapsed_time(end)
-            else:
-                t = time.perf_counter()
-                train_step(step_model, ids, labels)
-                ms = (time.perf_counter() - t) * 1e3
+            ms = timer(lambda: train_step(step_model, ids, labels))
             if i >= args.warmup:
                 times.append(ms)
         row["step_ms"] = median(times)

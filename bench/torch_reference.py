@@ -31,6 +31,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -141,6 +142,24 @@ def median(v):
     v = sorted(v)
     m = len(v) // 2
     return v[m] if len(v) % 2 else 0.5 * (v[m - 1] + v[m])
+
+
+def step_timer(device):
+    """run(fn): fn's time in ms, by CUDA events on "cuda" (device type), else the wall clock."""
+    if device == "cuda":
+        def run(fn):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b)
+    else:
+        def run(fn):
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+    return run
 
 
 def git_commit():
