@@ -57,9 +57,9 @@
 #                      is the slow part: one core each).
 #       search         (not in `all`) moeblaze bench gemm --search over the public-model grid and
 #                      17 random shapes (SEARCH_CONFIGS replaces them): each GEMM's automatic
-#                      kernel against the fastest built candidate → OUT/search.log (the table),
-#                      search.jsonl ("kernel-search" rows), search_progress.log. One pass took
-#                      about 20 s a grid shape on an H100 (the rounds add a quarter): split the
+#                      kernel against the fastest legal candidate → OUT/search.log (the table),
+#                      search.jsonl ("kernel-search" rows), search_progress.log. About 20 s a grid
+#                      shape on an H100 (3137ddf, one pass a kernel): split the
 #                      42 shapes over calls with SEARCH_SLICE=i/k (every k-th shape from the
 #                      i-th, so each part mixes big and small ones) or SEARCH_CONFIGS, to stay
 #                      within 10 minutes each
