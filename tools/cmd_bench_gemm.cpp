@@ -27,7 +27,8 @@
 // CTA pairs sharing A by multicast (gemm::kFp8Kernels).
 //
 // The *-auto rows run each GEMM on the kernel the layer would choose (choose_kernels), called as
-// the layer calls it. --search times every bf16 candidate of each GEMM beside it, in rounds
+// the layer calls it. --search times every legal bf16 candidate of each GEMM (kernel_candidates)
+// beside it, in rounds
 // (time_search), and prints, per shape and GEMM, the choice against the fastest candidate: how
 // far the rules are from the best kernel this run could find (docs/notes/gathered-gemms.md, "The
 // kernel choice against a search").
