@@ -28,10 +28,9 @@
 //
 // The *-auto rows run each GEMM on the kernel the layer would choose (choose_kernels), called as
 // the layer calls it. --search times every legal bf16 candidate of each GEMM (kernel_candidates)
-// beside it, in rounds
-// (time_search), and prints, per shape and GEMM, the choice against the fastest candidate: how
-// far the rules are from the best kernel this run could find (docs/notes/gathered-gemms.md, "The
-// kernel choice against a search").
+// beside it, in rounds (time_search), and prints, per shape and GEMM, the choice against the
+// fastest candidate: how far the rules are from the best kernel this run could find
+// (docs/notes/gathered-gemms.md, "The kernel choice against a search").
 #ifdef MOEBLAZE_WITH_CUDA
 
 #include <CLI/CLI.hpp>
