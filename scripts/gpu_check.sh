@@ -600,21 +600,30 @@ setup_sonicmoe() {
   return 0
 }
 
+# A Python benchmark part: `python3 SCRIPT ARGS...` under a timeout of SECS (0: none), output
+# appended to OUT/LOG; on failure the log's tail and a FAILED summary line (status 1).
+#   run_python_part NAME LOG SECS SCRIPT ARGS...
+run_python_part() {
+  local name=$1 log=$2 secs=$3
+  shift 3
+  PYTHONUNBUFFERED=1 timeout "$secs" python3 "$@" >>"$OUT/$log" 2>&1 && return 0
+  status=1
+  tail -20 "$OUT/$log"
+  summary+=("$name: FAILED (see $log)")
+  return 1
+}
+
 if want peers && install_python; then
   t0=$(date +%s)
   setup_sonicmoe peers.log
   cli="$BUILD/moeblaze"
-  # shellcheck disable=SC2086
   # PEERS_TIMEOUT (seconds, default none): stop peers.py in time for the autotune results below
   # to be packed even when SonicMoE's first call at a shape outlasts the run's time limit.
-  if PYTHONUNBUFFERED=1 timeout "${PEERS_TIMEOUT:-0}" python3 bench/peers.py --cli "$cli" \
-      --out "$OUT/peers.jsonl" --md "$OUT/peers.md" ${PEERS_ARGS:-} >>"$OUT/peers.log" 2>&1; then
+  # shellcheck disable=SC2086
+  if run_python_part "bench peers" peers.log "${PEERS_TIMEOUT:-0}" bench/peers.py --cli "$cli" \
+      --out "$OUT/peers.jsonl" --md "$OUT/peers.md" ${PEERS_ARGS:-}; then
     rows=$(grep -c '"bench": "peers"' "$OUT/peers.jsonl" || true)
     summary+=("bench peers: $rows rows [$(( $(date +%s) - t0 )) s]")
-  else
-    status=1
-    tail -20 "$OUT/peers.log"
-    summary+=("bench peers: FAILED (see peers.log)")
   fi
 fi
 
@@ -623,23 +632,20 @@ if want_named model-step && install_python; then
   t0=$(date +%s)
   setup_sonicmoe model_step.log
   # shellcheck disable=SC2086
-  if PYTHONUNBUFFERED=1 timeout "${MODEL_STEP_TIMEOUT:-0}" python3 bench/model_step.py \
-      --out "$OUT/model_step.jsonl" --md "$OUT/model_step.md" ${MODEL_STEP_ARGS:-} \
-      >>"$OUT/model_step.log" 2>&1; then
+  if run_python_part "model step" model_step.log "${MODEL_STEP_TIMEOUT:-0}" bench/model_step.py \
+      --out "$OUT/model_step.jsonl" --md "$OUT/model_step.md" ${MODEL_STEP_ARGS:-}; then
     # grep -c exits 1 on no match (still printing 0): || true, or set -e ends the check here
     timed=$(grep -c '"step_ms"' "$OUT/model_step.jsonl" || true)
     skipped=$(grep -c '"skipped"' "$OUT/model_step.jsonl" || true)
     summary+=("model step: $timed timed rows, $skipped skipped [$(( $(date +%s) - t0 )) s]")
-  else
-    status=1
-    tail -20 "$OUT/model_step.log"
-    summary+=("model step: FAILED (see model_step.log)")
   fi
 fi
 if [ -n "${QUACK_CACHE_DIR:-}" ]; then  # SonicMoE's autotune results, this run's added
-  (cd "$QUACK_CACHE_DIR" && find . -name '*.autotune.json' -print0 |
-     tar czf "$OUT/sonicmoe-autotune.tgz" --null -T -) 2>/dev/null &&
-    summary+=("sonicmoe autotune results: $(tar tzf "$OUT/sonicmoe-autotune.tgz" | grep -c json) in sonicmoe-autotune.tgz")
+  if (cd "$QUACK_CACHE_DIR" && find . -name '*.autotune.json' -print0 |
+        tar czf "$OUT/sonicmoe-autotune.tgz" --null -T -) 2>/dev/null; then
+    tuned=$(tar tzf "$OUT/sonicmoe-autotune.tgz" | grep -c json || true)
+    summary+=("sonicmoe autotune results: $tuned in sonicmoe-autotune.tgz")
+  fi
 fi
 
 # ---- short table last ----
