@@ -135,18 +135,23 @@ def test_step_on_a_side_stream_waits_for_a_slow_producer(seed, producer_stream, 
 
 def test_functional_step_captured_on_a_side_stream_replays_the_eager_bits(seed):
     T, d, n, E, K = 512, 256, 128, 8, 2
-    x = torch.randn(T, d, device="cuda", dtype=BF16, requires_grad=True)
-    w1 = (torch.randn(E, 2 * n, d, device="cuda") / d ** 0.5).to(BF16).requires_grad_()
-    w2 = (torch.randn(E, d, n, device="cuda") / n ** 0.5).to(BF16).requires_grad_()
+    x = torch.randn(T, d, device="cuda", dtype=BF16)
+    w1 = (torch.randn(E, 2 * n, d, device="cuda") / d ** 0.5).to(BF16)
+    w2 = (torch.randn(E, d, n, device="cuda") / n ** 0.5).to(BF16)
     ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
-    wts = torch.rand(T, K, device="cuda", requires_grad=True)
+    wts = torch.rand(T, K, device="cuda")
     g = torch.randn(T, d, device="cuda", dtype=BF16)
 
     def step():
-        out = moeblaze.moe_experts(x, w1, w2, ids, wts)
-        return (out,) + torch.autograd.grad(out, [x, w1, w2, wts], g)
+        # Fresh leaves each step: a leaf's gradient node keeps the stream it was made on, and one
+        # made by the eager step on the default stream and still alive makes the captured
+        # backward wait on the legacy stream (cudaErrorStreamCaptureImplicit; torch's RNG is then
+        # left mid-capture for every later test). Inside the capture the copies are captured too.
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2, wts)]
+        out = moeblaze.moe_experts(leaves[0], leaves[1], leaves[2], ids, leaves[3])
+        return (out,) + torch.autograd.grad(out, leaves, g)
 
-    eager = [t.clone() for t in step()]
+    eager = [t.detach().clone() for t in step()]  # no autograd graph kept alive
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
