@@ -372,8 +372,11 @@ sanitize_run() {
   timeout "$secs" compute-sanitizer --tool "$tool" --error-exitcode 99 "$@" \
     >>"$sanitize_log" 2>&1 || rc=$?
   local errs
-  errs=$(tail -n +"$from" "$sanitize_log" | grep -E '^========= ERROR SUMMARY: [0-9]+ error' |
-         tail -1 | sed -E 's/.*ERROR SUMMARY: ([0-9]+) error.*/\1/' || true)
+  # memcheck, initcheck, synccheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: H
+  # hazards displayed (N errors, W warnings)".
+  errs=$(tail -n +"$from" "$sanitize_log" |
+         grep -E '^========= (ERROR SUMMARY: [0-9]+ error|RACECHECK SUMMARY: .*\([0-9]+ error)' |
+         tail -1 | sed -E 's/.*ERROR SUMMARY: ([0-9]+) error.*/\1/; s/.*\(([0-9]+) error.*/\1/' || true)
   if [ $rc -eq 124 ]; then sanitize_parts+=("$name TIMED OUT after $secs s"); status=1
   elif [ $rc -eq 99 ]; then sanitize_parts+=("$name ${errs:-?} errors"); status=1
   elif [ $rc -ne 0 ]; then sanitize_parts+=("$name FAILED rc $rc (${errs:-?} errors)"); status=1
