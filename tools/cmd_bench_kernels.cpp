@@ -38,6 +38,7 @@ struct KernelsFlags {
   int m_tile = 128;
   uint64_t seed = 1234;
   int64_t sms = 0;  // the GPU's SM count the rules take (0: this machine's GPU, else kFallbackSms)
+  int64_t l2_mib = 0;  // its L2 in MiB (0: this machine's GPU's, else kFallbackL2Bytes)
   bool candidates = false;  // the table of every GEMM's legal candidates (kernel_candidates)
 };
 
@@ -49,7 +50,7 @@ void candidates_table(const KernelsFlags& f, const std::vector<const NamedConfig
   Table t({{"config", Align::left}, {"GEMM", Align::left}, {"candidate", Align::left},
            {"spec", Align::left}, {"auto", Align::left}});
   for (const NamedConfig* c : configs) {
-    const gg::KernelShape shape{c->T * c->K, c->E, c->d, c->n, act, f.sms};
+    const gg::KernelShape shape{c->T * c->K, c->E, c->d, c->n, act, f.sms, f.l2_mib << 20};
     const gg::LayerKernels chosen = gg::choose_kernels(shape, gg::KernelOverrides{});
     for (int i = 0; i < gg::LayerKernels::kCount; ++i)
       for (const gg::KernelCandidate& k : gg::kernel_candidates(i, shape))
@@ -164,7 +165,7 @@ void padding_table(const KernelsFlags& f, const std::vector<const NamedConfig*>&
       std::vector<int64_t> rows(size_t(c.E), 0);  // (E,) pairs routed to each expert
       for (int64_t p = 0; p < routing.P(); ++p) ++rows[size_t(routing.pair_experts()[p])];
       const int64_t S = routing.P();
-      const gg::LayerKernels k = gg::choose_kernels({S, c.E, c.d, c.n, act, f.sms}, o);
+      const gg::LayerKernels k = gg::choose_kernels({S, c.E, c.d, c.n, act, f.sms, f.l2_mib << 20}, o);
       std::vector<std::string> row{nc->name,
                                    r == "topk" ? r : r + " m" + std::to_string(f.m_tile),
                                    std::to_string(S)};
@@ -199,19 +200,20 @@ void run_kernels(const KernelsFlags& f) {
   const gg::KernelOverrides o =
       f.kernels.empty() ? gg::kernel_overrides() : gg::parse_kernel_overrides(f.kernels);
   if (!o.spec.empty()) std::cout << "kernel overrides: " << o.spec << "\n";
-  // The SM count the rules read (the TMA path's bands): --sms, else this machine's GPU's.
-  const gg::DeviceSms dev = gg::current_device_sms();
-  std::cout << "SMs: " << (f.sms > 0 ? f.sms : dev.sms)
-            << (f.sms > 0           ? " (--sms)"
-                : dev.device >= 0   ? " (device " + std::to_string(dev.device) + ")"
-                                    : " (no GPU visible: the H200's, kFallbackSms)")
-            << "\n";
+  // What the rules read of the device (the TMA path's bands): --sms and --l2-mib, else this
+  // machine's GPU's.
+  const gg::DeviceProps dev = gg::current_device_props();
+  const std::string from = dev.device >= 0 ? " (device " + std::to_string(dev.device) + ")"
+                                           : " (no GPU visible: the H100 SXM's)";
+  std::cout << "SMs: " << (f.sms > 0 ? f.sms : dev.sms) << (f.sms > 0 ? " (--sms)" : from)
+            << "; L2: " << (f.l2_mib > 0 ? f.l2_mib : dev.l2_bytes >> 20) << " MiB"
+            << (f.l2_mib > 0 ? " (--l2-mib)" : from) << "\n";
   Table table({{"config", Align::left}, {"S"}, {"GEMM", Align::left}, {"family", Align::left},
                {"schedule", Align::left}, {"tile", Align::left}, {"stages"}, {"cluster"},
                {"order", Align::left}, {"rule", Align::left}});
   for (const NamedConfig* c : configs) {
     const int64_t S = c->T * c->K;  // softmax top-K, docs/DESIGN.md's benchmark routing
-    const gg::LayerKernels k = gg::choose_kernels({S, c->E, c->d, c->n, act, f.sms}, o);
+    const gg::LayerKernels k = gg::choose_kernels({S, c->E, c->d, c->n, act, f.sms, f.l2_mib << 20}, o);
     for (int i = 0; i < gg::LayerKernels::kCount; ++i) {
       const gg::GemmKernel& g = k.at(i);
       const bool tma = g.family == gg::KernelFamily::tma_grouped;
@@ -241,7 +243,7 @@ void run_kernels(const KernelsFlags& f) {
     const int64_t S = c->T * c->K;
     const LayerConfig lc = layer_config(*c, act, DType::bf16);
     for (const LayerMode mode : {LayerMode::keep_h, LayerMode::recompute}) {
-      const gg::LayerKernels k = gg::choose_kernels({S, c->E, c->d, c->n, act, f.sms}, o);
+      const gg::LayerKernels k = gg::choose_kernels({S, c->E, c->d, c->n, act, f.sms, f.l2_mib << 20}, o);
       const cuda::ExpertRanges ranges =
           cuda::choose_expert_ranges(lc, S, mode, k, o.expert_ranges);
       const cuda::LayerChunks lch = cuda::choose_token_chunks(lc, S, mode, k, o.token_chunks,
@@ -262,7 +264,7 @@ void run_kernels(const KernelsFlags& f) {
     const int64_t S = c->T * c->K;
     const LayerConfig lc = layer_config(*c, act, DType::bf16);
     const cuda::ExpertRanges here = cuda::choose_expert_ranges(
-        lc, S, LayerMode::recompute, gg::choose_kernels({S, c->E, c->d, c->n, act, f.sms}, o),
+        lc, S, LayerMode::recompute, gg::choose_kernels({S, c->E, c->d, c->n, act, f.sms, f.l2_mib << 20}, o),
         o.expert_ranges);
     // The automatic rule's threshold in tokens (the override, where given, holds at every T).
     const int64_t per_token = cuda::whole_step_range_bytes(lc, c->K);
@@ -303,6 +305,10 @@ void add_bench_kernels_command(CLI::App& bench) {
                   "choose for a GPU of this many SMs (default: this machine's GPU; 132, the "
                   "H200's, where none is visible)")
       ->check(integer_in(1, 4096));
+  sub->add_option("--l2-mib", flags->l2_mib,
+                  "choose for a GPU of this much L2 in MiB (default: this machine's GPU's; 50, "
+                  "the H100 SXM's, where none is visible)")
+      ->check(integer_in(1, 1 << 20));
   sub->add_flag("--candidates", flags->candidates,
                "add the table of every GEMM's legal candidates (what bench gemm --search ranks)");
   sub->callback([flags] { run_kernels(*flags); });

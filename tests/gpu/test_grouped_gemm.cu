@@ -728,7 +728,7 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   const gg::KernelOverrides none;
   auto choose = [&](int64_t S, int64_t E, int64_t d, int64_t n,
                     Activation act = Activation::swiglu) {
-    return gg::choose_kernels({S, E, d, n, act, 132}, none);
+    return gg::choose_kernels({S, E, d, n, act, 132, gg::kFallbackL2Bytes}, none);
   };
   // sm-default: every gathered GEMM warp-specialised, dH cooperative (d = 4096), TMA down/dX.
   const gg::LayerKernels sm = choose(262144, 128, 4096, 1024);
@@ -761,12 +761,13 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_EQ(choose(327680, 128, 768, 256).dx.tma_bands, 13);
   EXPECT_EQ(choose(49152, 32, 1536, 1024).down.tma_bands, 1);
   EXPECT_EQ(choose(131072, 64, 2048, 1024).dx.tma_bands, 1);
-  EXPECT_EQ(gg::tma_bands_rule(24576, 128, 12288, 512, 192, 128, 132), 2);  // L2: 12 MiB weights
-  EXPECT_EQ(gg::tma_bands_rule(196608, 128, 1536, 513, 192, 128, 132), 1);  // K > 512
-  EXPECT_EQ(gg::tma_bands_rule(196608, 4, 1536, 256, 192, 128, 132), 1);  // 24576 rows per expert
-  EXPECT_EQ(gg::tma_bands_rule(1000, 1, 1536, 256, 192, 128, 132), 1);    // one expert
-  EXPECT_EQ(gg::tma_bands_rule(96, 64, 128, 64, 192, 128, 132), 64);      // one tile each: E's cap
-  EXPECT_EQ(gg::tma_bands_rule(0, 64, 128, 64, 192, 128, 132), 1);
+  const int64_t kL2 = gg::kFallbackL2Bytes;  // 50 MiB, the H100 SXM's: 24 MiB of weights
+  EXPECT_EQ(gg::tma_bands_rule(24576, 128, 12288, 512, 192, 128, 132, kL2), 2);  // 12 MiB weights
+  EXPECT_EQ(gg::tma_bands_rule(196608, 128, 1536, 513, 192, 128, 132, kL2), 1);  // K > 512
+  EXPECT_EQ(gg::tma_bands_rule(196608, 4, 1536, 256, 192, 128, 132, kL2), 1);  // 24576 rows per expert
+  EXPECT_EQ(gg::tma_bands_rule(1000, 1, 1536, 256, 192, 128, 132, kL2), 1);    // one expert
+  EXPECT_EQ(gg::tma_bands_rule(96, 64, 128, 64, 192, 128, 132, kL2), 64);      // one tile each: E's cap
+  EXPECT_EQ(gg::tma_bands_rule(0, 64, 128, 64, 192, 128, 132, kL2), 1);
   EXPECT_EQ(s7.dh.family, KernelFamily::ws_gather);
   EXPECT_EQ(s7.dh.schedule, KernelSchedule::cooperative);
   EXPECT_EQ(choose(131072, 64, 2048, 1024).dh, sm.dh);  // olmoe
@@ -854,7 +855,7 @@ TEST(GroupedGemmChecks, TmaBandsFollowTheSmCount) {
   const gg::KernelOverrides none;
   auto choose = [&](int64_t S, int64_t E, int64_t d, int64_t n, int64_t sms,
                     Activation act = Activation::swiglu) {
-    return gg::choose_kernels({S, E, d, n, act, sms}, none);
+    return gg::choose_kernels({S, E, d, n, act, sms, gg::kFallbackL2Bytes}, none);
   };
   // sm-7B-n256 (96 tiles per expert): ceil(8 * 114 / 96) = 10 bands on 114 SMs, 11 on 132.
   EXPECT_EQ(choose(196608, 128, 1536, 256, 114).down.tma_bands, 10);
@@ -864,9 +865,18 @@ TEST(GroupedGemmChecks, TmaBandsFollowTheSmCount) {
   EXPECT_EQ(choose(327680, 128, 768, 256, 114).down.tma_bands, 11);
   // 120 tiles per expert (10 x 12 at 192 x 128, K = 256): banded on 132 SMs (ceil(1056 / 120)
   // = 9), not on 114 (as many tiles as SMs or more: CUTLASS's order).
-  EXPECT_EQ(gg::tma_bands_rule(122880, 64, 1536, 256, 192, 128, 132), 9);
-  EXPECT_EQ(gg::tma_bands_rule(122880, 64, 1536, 256, 192, 128, 114), 1);
-  EXPECT_EQ(gg::tma_bands_rule(122880, 64, 1536, 256, 192, 128, 0), 1);  // no SMs: no bands
+  const int64_t kL2 = gg::kFallbackL2Bytes;  // 50 MiB, the H100 SXM's
+  EXPECT_EQ(gg::tma_bands_rule(122880, 64, 1536, 256, 192, 128, 132, kL2), 9);
+  EXPECT_EQ(gg::tma_bands_rule(122880, 64, 1536, 256, 192, 128, 114, kL2), 1);
+  EXPECT_EQ(gg::tma_bands_rule(122880, 64, 1536, 256, 192, 128, 0, kL2), 1);  // no SMs: no bands
+  // The bands' weights fit in 24 MiB, or 12/25 of a smaller L2: 12 MiB of weights per band
+  // (N 12288 x K 512, bf16) take 2 bands with 50 MiB of L2 (and with 60: the 24 MiB cap), 1 with
+  // 40 MiB (19.2 MiB for them); no L2 read: no bands.
+  EXPECT_EQ(gg::tma_bands_rule(24576, 128, 12288, 512, 192, 128, 132, int64_t(60) << 20), 2);
+  EXPECT_EQ(gg::tma_bands_rule(24576, 128, 12288, 512, 192, 128, 132, int64_t(40) << 20), 1);
+  EXPECT_EQ(gg::tma_bands_rule(24576, 128, 12288, 512, 192, 128, 132, 0), 1);
+  EXPECT_EQ(gg::band_weight_bytes(int64_t(50) << 20), gg::kBandWeightBytes);
+  EXPECT_EQ(gg::band_weight_bytes(int64_t(25) << 20), int64_t(12) << 20);
   // Over the named configs' and the public-model grid's kinds of shapes: only the bands differ
   // between 114 and 132 SMs, never more of them on fewer SMs; sms = 0 takes the current device's
   // count (kFallbackSms where no GPU is visible) and says which.
@@ -884,10 +894,14 @@ TEST(GroupedGemmChecks, TmaBandsFollowTheSmCount) {
             EXPECT_TRUE(x == y) << gg::LayerKernels::name(i) << " S " << S;
           }
         }
-  const gg::DeviceSms dev = gg::current_device_sms();
+  const gg::DeviceProps dev = gg::current_device_props();
   EXPECT_GE(dev.sms, 1);
-  EXPECT_TRUE(dev.device >= 0 || dev.sms == gg::kFallbackSms);
+  EXPECT_GE(dev.l2_bytes, 1);
+  EXPECT_TRUE(dev.device >= 0 || (dev.sms == gg::kFallbackSms &&
+                                   dev.l2_bytes == gg::kFallbackL2Bytes));
   EXPECT_EQ(choose(196608, 128, 1536, 256, 0).sms, dev.sms);
+  EXPECT_EQ(gg::choose_kernels({196608, 128, 1536, 256, Activation::swiglu, 132}, none).l2_bytes,
+            dev.l2_bytes);
 }
 
 // The choice is total and deterministic over a grid of shapes (real models' sizes: d up to 8192,

@@ -5,7 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/cuda_backend.hpp"
-#include "cuda/gemm/dispatch/kernel_config.hpp"  // current_device_sms
+#include "cuda/gemm/dispatch/kernel_config.hpp"  // current_device_props
 #include "cuda/layer/layer_cuda.hpp"
 #include "moeblaze/error.hpp"
 
@@ -53,7 +53,7 @@ void fill_normal(void* data, DType dtype, int64_t count, uint64_t seed, float st
   const int threads = 256;
   // Grid-stride, 32 blocks per SM at most: each value depends on its index only.
   const int64_t blocks = std::min<int64_t>((count + threads - 1) / threads,
-                                          gemm::current_device_sms().sms * 32);
+                                          gemm::current_device_props().sms * 32);
   if (dtype == DType::bf16)
     fill_normal_kernel<<<unsigned(blocks), threads, 0, stream>>>(
         static_cast<__nv_bfloat16*>(data), count, seed, stddev);

@@ -8,7 +8,7 @@
 #include <cstdint>
 
 #include "cuda/cuda_backend.hpp"
-#include "cuda/gemm/dispatch/kernel_config.hpp"  // current_device_sms
+#include "cuda/gemm/dispatch/kernel_config.hpp"  // current_device_props
 #include "cuda/routing/bench_data.hpp"
 
 namespace moeblaze::cuda {
@@ -84,7 +84,7 @@ __global__ void skewed_topk_kernel(int64_t T, int E, int K, int hot, float hot_s
 
 void fill_normal(void* dst, DType dtype, int64_t n, uint64_t seed, cudaStream_t stream) {
   // Grid-stride: 32 blocks per SM at most (the values depend on the index only, not the grid).
-  const int grid = int(std::min<int64_t>(gemm::current_device_sms().sms * 32,
+  const int grid = int(std::min<int64_t>(gemm::current_device_props().sms * 32,
                                          std::max<int64_t>(1, (n + 255) / 256)));
   if (dtype == DType::bf16)
     normal_kernel<uint16_t><<<grid, 256, 0, stream>>>(static_cast<uint16_t*>(dst), n, seed);

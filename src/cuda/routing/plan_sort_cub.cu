@@ -10,7 +10,7 @@
 #include <cstdint>
 
 #include "cuda/cuda_backend.hpp"
-#include "cuda/gemm/dispatch/kernel_config.hpp"  // current_device_sms
+#include "cuda/gemm/dispatch/kernel_config.hpp"  // current_device_props
 #include "cuda/routing/plan_build.hpp"
 #include "cuda/routing/routing_device.cuh"
 #include "moeblaze/error.hpp"
@@ -129,7 +129,7 @@ SortLayout sort_layout(int64_t E, int64_t P) {
 int grid_for(int64_t n) {
   // Grid-stride, 16 blocks per SM at most (the kernels' results do not depend on the grid).
   return int(std::max<int64_t>(
-      1, std::min<int64_t>((n + kThreads - 1) / kThreads, gemm::current_device_sms().sms * 16)));
+      1, std::min<int64_t>((n + kThreads - 1) / kThreads, gemm::current_device_props().sms * 16)));
 }
 
 }  // namespace

@@ -62,8 +62,10 @@ GemmKernel tma_grouped(const char* rule, int v = 0) {
 }  // namespace
 
 int tma_bands_rule(int64_t S, int64_t E, int64_t N, int64_t K, int tile_m, int tile_n,
-                   int64_t sms) {
-  if (E <= 1 || S <= 0 || N <= 0 || K <= 0 || tile_m <= 0 || tile_n <= 0 || sms <= 0) return 1;
+                   int64_t sms, int64_t l2_bytes) {
+  if (E <= 1 || S <= 0 || N <= 0 || K <= 0 || tile_m <= 0 || tile_n <= 0 || sms <= 0 ||
+      l2_bytes <= 0)
+    return 1;
   const int64_t rows = (S + E - 1) / E;  // per expert, on average
   const int64_t tiles = ((rows + tile_m - 1) / tile_m) * ((N + tile_n - 1) / tile_n);
   // Only where a CTA would meet a new expert at nearly every tile (fewer tiles per expert than SMs)
@@ -72,7 +74,7 @@ int tma_bands_rule(int64_t S, int64_t E, int64_t N, int64_t K, int tile_m, int t
   if (tiles >= sms || K > kBandMaxK) return 1;
   const int64_t w_bytes = 2 * N * K;  // the expert's bf16 weight, N x K
   int64_t b = (kBandRunTiles * sms + tiles - 1) / tiles;
-  b = std::min({b, E, int64_t(kMaxTmaBands), kBandWeightBytes / w_bytes});
+  b = std::min({b, E, int64_t(kMaxTmaBands), band_weight_bytes(l2_bytes) / w_bytes});
   return static_cast<int>(std::max<int64_t>(b, 1));
 }
 
@@ -124,9 +126,11 @@ LayerKernels automatic(const KernelShape& s) {
   // Bands on the TMA path: both GEMMs write N = d columns; down reduces over n, dX̃ over w1_rows.
   const int64_t w1_rows = is_gated(s.act) ? 2 * s.n : s.n;
   if (k.down.family == KernelFamily::tma_grouped)
-    k.down.tma_bands = tma_bands_rule(s.S, s.E, s.d, s.n, k.down.tile_m, k.down.tile_n, s.sms);
+    k.down.tma_bands =
+        tma_bands_rule(s.S, s.E, s.d, s.n, k.down.tile_m, k.down.tile_n, s.sms, s.l2_bytes);
   if (k.dx.family == KernelFamily::tma_grouped)
-    k.dx.tma_bands = tma_bands_rule(s.S, s.E, s.d, w1_rows, k.dx.tile_m, k.dx.tile_n, s.sms);
+    k.dx.tma_bands =
+        tma_bands_rule(s.S, s.E, s.d, w1_rows, k.dx.tile_m, k.dx.tile_n, s.sms, s.l2_bytes);
   if (!ws) {
     k.dw2 = k.dw1 = two_cta("E > 4096: the 2-CTA varlen-K kernel, as measured");
   } else {
@@ -486,9 +490,14 @@ bool pdl_launches() {
 
 LayerKernels choose_kernels(const KernelShape& given, const KernelOverrides& o) {
   KernelShape shape = given;
-  if (shape.sms <= 0) shape.sms = current_device_sms().sms;
+  if (shape.sms <= 0 || shape.l2_bytes <= 0) {
+    const DeviceProps dev = current_device_props();
+    if (shape.sms <= 0) shape.sms = dev.sms;
+    if (shape.l2_bytes <= 0) shape.l2_bytes = dev.l2_bytes;
+  }
   LayerKernels k = automatic(shape);
   k.sms = shape.sms;
+  k.l2_bytes = shape.l2_bytes;
   for (int i = 0; i < LayerKernels::kCount; ++i) apply(i, o.gemm[i], shape, k.at(i));
   if (shape.act == Activation::swiglu_oai)
     for (const int g : {kUp, kDh}) {

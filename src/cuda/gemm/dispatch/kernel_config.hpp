@@ -46,10 +46,16 @@ constexpr int64_t kDw1ClusterMinRowsPerExpert = 4096;  // dW1 on 2-CTA clusters 
 // tma_grouped's bands (tma_bands_rule), where an expert has fewer tiles than the GPU has SMs
 // (KernelShape::sms, read from the device) and the GEMM reduces over at most kBandMaxK: enough
 // that a CTA takes about kBandRunTiles tiles of an expert in a row, few enough that the weights of
-// the experts the bands are in at once fit in kBandWeightBytes of L2, at most one band per expert.
+// the experts the bands are in at once fit in band_weight_bytes(L2) of the device's L2 (KernelShape::
+// l2_bytes), at most one band per expert.
 constexpr int64_t kBandRunTiles = 8;
 constexpr int64_t kBandMaxK = 512;
+// 24 MiB, as measured on the H100 and H200 (50 MiB of L2 or more): at most that, and 12/25 of a
+// smaller L2 (docs/notes/tma-bands.md).
 constexpr int64_t kBandWeightBytes = int64_t(24) << 20;
+constexpr int64_t band_weight_bytes(int64_t l2_bytes) {
+  return l2_bytes * 12 / 25 < kBandWeightBytes ? l2_bytes * 12 / 25 : kBandWeightBytes;
+}
 constexpr int kMaxTmaBands = 64;
 
 struct GemmKernel {
@@ -97,7 +103,8 @@ int tma_variant(const GemmKernel& k);
 // The six GEMMs in pipeline order (docs/DESIGN.md's steps 1, 2, 4, 5, 6, 8).
 struct LayerKernels {
   GemmKernel up, down, dh, dw2, dx, dw1;
-  int64_t sms = 0;  // the SM count the choice was made for (printed; not part of the value)
+  int64_t sms = 0;       // the SM count the choice was made for (printed; not part of the value)
+  int64_t l2_bytes = 0;  // the L2 size it was made for (the same)
   enum : int { kUp, kDown, kDh, kDw2, kDx, kDw1 };  // at()'s index of each
   static constexpr int kCount = 6;
   static const char* name(int i);  // "up_proj", "down_proj", "dh_proj", "dw2_proj", ...
@@ -136,30 +143,34 @@ struct KernelShape {
   // up/dh run their activation's own kernels for swiglu (dh) and swiglu_oai (up, dh); the other
   // activations share kernels with an activation switch.
   Activation act = Activation::swiglu;
-  // The SMs of the GPU the kernels run on (the TMA path's bands); 0: the current device's
-  // (current_device_sms()). Host tests and `bench kernels --sms` pass it to choose for a GPU
-  // that is not here.
+  // The SMs and L2 bytes of the GPU the kernels run on (the TMA path's bands); 0: the current
+  // device's (current_device_props()). Host tests and `bench kernels --sms / --l2-mib` pass them
+  // to choose for a GPU that is not here.
   int64_t sms = 0;
+  int64_t l2_bytes = 0;
 };
 
-// The SM count the rules take where no GPU is visible (a build machine's `bench kernels`): the
-// H200's and the H100 SXM's, the GPUs the rules were measured on.
+// What the rules take where no GPU is visible (a build machine's `bench kernels`): the H100
+// SXM's (the H200 has as many SMs), the GPUs the rules were measured on.
 constexpr int64_t kFallbackSms = 132;
+constexpr int64_t kFallbackL2Bytes = int64_t(50) << 20;
 
-// The current CUDA device's multiprocessor count (cudaDevAttrMultiProcessorCount), read once per
-// device; device -1 and kFallbackSms where no GPU is visible. The one CUDA runtime call of the
-// choice (device_sms.cpp): everything else here is host arithmetic.
-struct DeviceSms {
+// The current CUDA device's multiprocessor count and L2 size (cudaDevAttrMultiProcessorCount,
+// cudaDevAttrL2CacheSize), read once per device; device -1 and the fallbacks where no GPU is
+// visible. The one CUDA runtime call of the choice (device_props.cpp): everything else here is
+// host arithmetic.
+struct DeviceProps {
   int64_t sms;
+  int64_t l2_bytes;
   int device;
 };
-DeviceSms current_device_sms();
+DeviceProps current_device_props();
 
 // The bands for a tma_grouped GEMM with tile_m x tile_n tiles over S rows in E experts, N output
 // columns and a reduction over K (its weight per expert is N x K; pipeline/sm90_band_scheduler.cuh)
-// on a GPU of `sms` SMs (>= 1), in [1, 64].
+// on a GPU of `sms` SMs (>= 1) and `l2_bytes` of L2, in [1, 64].
 int tma_bands_rule(int64_t S, int64_t E, int64_t N, int64_t K, int tile_m, int tile_n,
-                   int64_t sms);
+                   int64_t sms, int64_t l2_bytes);
 
 // Overrides of the automatic choice. Spec (MOEBLAZE_KERNELS, or parse_kernel_overrides):
 // comma-separated key=value items, e.g. "dw1.cluster=2,dh.schedule=pingpong,down.family=two_cta".
