@@ -45,6 +45,14 @@ PLAN_BUILD = "plan-build-final-2026-12-04-485e5d5.jsonl"
 GRID = "grid-2026-12-05-6badf31-h100.jsonl"
 FSDP = "fsdp-overhead-2026-12-06-7bb3029-h100.jsonl"  # moeblaze's and torch's experts
 CAPI_AB = "capi-ab-2026-12-06-7bb3029-h100.jsonl"
+# Whole Hugging Face models, one training step per experts_implementation (bench/model_step.py's
+# "model-step" rows); None until a GPU run is committed. Its table and figure
+# (docs/figures/model_step.png) also go into README.md, between the two MODEL_STEP_MARKS lines
+# (put the two lines where the table belongs; this script fills them in).
+MODEL_STEP = None
+README = os.path.join(ROOT, "README.md")
+MODEL_STEP_MARKS = ("<!-- model-step table: bench/report.py writes what follows -->",
+                    "<!-- end of the model-step table -->")
 SEARCH = ["kernel-search-2026-12-06-3137ddf-h100.jsonl"]  # kernel-search rows, one file per run
 # Each single-pass search's per-kernel timings (its stderr), for the spread of twin rows.
 SEARCH_ROWS = {"kernel-search-2026-12-06-3137ddf-h100.jsonl":
@@ -846,6 +854,84 @@ rounds (`python3 bench/fsdp_overhead.py --experts both`).
                          ["---", "---", "---:", "---:", "---:"]) + "\n"
 
 
+def model_step_rows(rows):
+    """{(model, impl): row} of the runs that ran (skipped ones left out), the models in order."""
+    ran = {(r["model"], r["impl"]): r for r in rows if "skipped" not in r}
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    return ran, models
+
+
+def model_step_table(rows):
+    """Per model: each experts_implementation's step, moeblaze's ratio to the others, peak,
+    first step, and moeblaze's loss and gradient error against grouped_mm."""
+    ran, models = model_step_rows(rows)
+    body = []
+    for m in models:
+        mb, sm, gm = (ran.get((m, i)) for i in ("moeblaze", "sonicmoe", "grouped_mm"))
+
+        def cell(r, key, fmt):
+            return fmt(r[key]) if r and r.get(key) is not None else "—"
+
+        def ratio(a, b, key):
+            return f3(a[key] / b[key]) if a and b and a.get(key) and b.get(key) else "—"
+
+        body.append([m, cell(gm, "step_ms", f2), cell(sm, "step_ms", f2), cell(mb, "step_ms", f2),
+                     ratio(mb, sm, "step_ms"), ratio(mb, gm, "step_ms"),
+                     " / ".join(cell(r, "peak_bytes", lambda b: f"{b / 2**30:.2f}")
+                                for r in (gm, sm, mb)),
+                     " / ".join(cell(r, "first_step_s", f2) for r in (gm, sm, mb)),
+                     cell(mb, "grad_max_rel_err", lambda v: f"{v:.1e}")])
+    return table(["model", "grouped_mm ms", "sonicmoe ms", "moeblaze ms", "÷ sonicmoe",
+                  "÷ grouped_mm", "peak GiB (g / s / m)", "first step s (g / s / m)",
+                  "grad rel err"], body,
+                 ["---", "---:", "---:", "---:", "---:", "---:", "---", "---", "---:"])
+
+
+def model_step_section():
+    if not MODEL_STEP:
+        return ""
+    rows = jsonl(MODEL_STEP)
+    ran, models = model_step_rows(rows)
+    vs_s = [ran[(m, "moeblaze")]["step_ms"] / ran[(m, "sonicmoe")]["step_ms"] for m in models
+            if (m, "moeblaze") in ran and (m, "sonicmoe") in ran]
+    vs_g = [ran[(m, "moeblaze")]["step_ms"] / ran[(m, "grouped_mm")]["step_ms"] for m in models
+            if (m, "moeblaze") in ran and (m, "grouped_mm") in ran]
+    r0 = rows[0]
+    words = f"""\
+## Whole models: one training step
+
+**Where it stands.** One forward + backward of whole Hugging Face transformers models built
+from public configs ({r0['layers']} layers, random weights, {r0['tokens']} tokens a step), per
+`experts_implementation`: moeblaze's step is {span(vs_s, f3) if vs_s else "—"}× SonicMoE's
+(transformers' `"sonicmoe"`) over {len(vs_s)} models and {span(vs_g, f3) if vs_g else "—"}×
+`grouped_mm`'s over {len(vs_g)}. The targets: at most 0.95× SonicMoE's and 0.75× grouped_mm's,
+a peak at or below both, a first step at most 1/10 of SonicMoE's.
+
+{caption(rows, MODEL_STEP)} `python3 bench/model_step.py`; peak above what was allocated
+before the step; first step: the first after the model is built (compile and autotune
+included); grad rel err: moeblaze's largest relative gradient error against grouped_mm's on the
+same weights and tokens.
+
+![one training step per model](figures/model_step.png)
+
+"""
+    return words + model_step_table(rows) + "\n"
+
+
+def readme_with_model_step(readme):
+    """README.md's text with the model-step table between its marks (unchanged without them or
+    without data)."""
+    begin, end = MODEL_STEP_MARKS
+    if not MODEL_STEP or begin not in readme or end not in readme:
+        return readme
+    rows = jsonl(MODEL_STEP)
+    block = (f"{begin}\n\n{model_step_table(rows)}\n"
+             f"{caption(rows, MODEL_STEP).replace(LINK, 'bench/results/')}\n\n"
+             f"![one training step per model](docs/figures/model_step.png)\n\n{end}")
+    head, rest = readme.split(begin, 1)
+    return head + block + rest.split(end, 1)[1]
+
+
 def plan_section():
     rows = jsonl(PLAN_BUILD)
     landed = max(rows, key=lambda r: r["date"])["commit"]  # the later of the two builds
@@ -1084,7 +1170,7 @@ def reflow(page, width=100):
 def render():
     parts = [HEAD, figures_section(), sonicmoe_section(), ten_section(), max_tokens_section(),
              gemms_section(), fp8_section(), training_section(), grid_section(), search_section(),
-             fsdp_section(), ep_section(),
+             model_step_section(), fsdp_section(), ep_section(),
              plan_section(),
              tests_section(), known_gaps(), files_section()]
     return reflow("\n".join(p.rstrip("\n") + "\n" for p in parts if p).rstrip("\n")) + "\n"
@@ -1102,7 +1188,7 @@ def figures(out_dir):
     meta = {"Software": None}
     os.makedirs(out_dir, exist_ok=True)
     colors = {"moeblaze": "#1f6fb4", "recompute": "#7fb3e0", "SonicMoE": "#e07b39",
-              "torch": "#8c8c8c", "dense bound": "#2ca02c"}
+              "torch": "#8c8c8c", "grouped_mm": "#8c8c8c", "dense bound": "#2ca02c"}
 
     def bars(ax, configs, series, ylabel, fmt):
         width = 0.8 / len(series)
@@ -1176,8 +1262,32 @@ def figures(out_dir):
     fig.savefig(os.path.join(out_dir, "memory.png"), dpi=100, metadata=meta)
     plt.close(fig)
 
+    if MODEL_STEP:
+        rows = jsonl(MODEL_STEP)
+        ran, models = model_step_rows(rows)
+        impls = [("grouped_mm", "grouped_mm"), ("sonicmoe", "SonicMoE"), ("moeblaze", "moeblaze")]
+        fig, ax = plt.subplots(figsize=(8, 4))
+        bars(ax, models, [(label, [ran[(m, i)]["step_ms"] if (m, i) in ran else None
+                                   for m in models]) for i, label in impls],
+             "ms, one forward + backward of the model", lambda v: f"{v:.0f}")
+        ax.set_title(f"One training step per experts_implementation\n{prov(rows)}")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "model_step.png"), dpi=100, metadata=meta)
+        plt.close(fig)
+
 
 # ---------------------------------------------------------------- main
+
+def check_readme():
+    with open(README) as f:
+        committed = f.read()
+    if readme_with_model_step(committed) == committed:
+        return True
+    print("README.md's model-step table differs from the data: run `python3 bench/report.py`",
+          file=sys.stderr)
+    return False
+
 
 def check(page):
     try:
@@ -1203,10 +1313,16 @@ def main(argv=None):
     args = ap.parse_args(argv)
     page = render()
     if args.check:
-        return 0 if check(page) else 1
+        return 0 if check(page) & check_readme() else 1
     with open(DOC, "w") as f:
         f.write(page)
     print(f"report: {os.path.relpath(DOC, ROOT)}")
+    with open(README) as f:
+        readme = f.read()
+    if readme_with_model_step(readme) != readme:
+        with open(README, "w") as f:
+            f.write(readme_with_model_step(readme))
+        print("report: README.md (the model-step table)")
     if not args.no_figures:
         figures(FIGURES)
         print(f"report: {os.path.relpath(FIGURES, ROOT)}/throughput.png, memory.png")

@@ -49,3 +49,42 @@ def test_search_section_reads_the_choice_rows_and_the_rounds(monkeypatch):
     assert "0.980–1.250" in out  # auto / choice over the three GEMMs
     assert "| down_proj | chosen kernel | fastest kernel | 1.200 | yes |" in out
     assert "| dx_proj | chosen kernel | fastest kernel | 1.080 | no |" in out
+
+
+@pytest.mark.skipif(not os.path.isfile(REPORT), reason="the repository's bench/ is not here")
+def test_model_step_section_and_readme_table(monkeypatch):
+    """model-step rows: moeblaze's step over SonicMoE's and grouped_mm's per model (a skipped
+    impl shows as —), and README.md's table replaced between its marks, nothing else."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("report", REPORT)
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    base = {"bench": "model-step", "layers": 2, "tokens": 16384, "gpu": "NVIDIA H100 80GB HBM3",
+            "commit": "abc1234", "date": "2026-12-07T00:00:00+00:00", "loss": 10.0}
+
+    def row(model, impl, ms, peak, first, err):
+        return dict(base, model=model, impl=impl, step_ms=ms, peak_bytes=peak, first_step_s=first,
+                    grad_max_rel_err=err)
+    rows = [row("Qwen3-30B-A3B", "grouped_mm", 160.0, 18 << 30, 2.0, 0.0),
+            row("Qwen3-30B-A3B", "sonicmoe", 120.0, 13 << 30, 300.0, 0.004),
+            row("Qwen3-30B-A3B", "moeblaze", 108.0, 12 << 30, 1.5, 0.003),
+            row("OLMoE-1B-7B", "grouped_mm", 50.0, 6 << 30, 1.0, 0.0),
+            dict(base, model="OLMoE-1B-7B", impl="sonicmoe", skipped="not installed: x"),
+            row("OLMoE-1B-7B", "moeblaze", 30.0, 4 << 30, 1.0, 0.002)]
+    name = "model-step-2026-12-07-abc1234-h100.jsonl"
+    monkeypatch.setattr(report, "MODEL_STEP", name)
+    monkeypatch.setattr(report, "jsonl", lambda n: rows)
+    out = report.model_step_section()
+    assert "0.900× SonicMoE's" in out.replace("\n", " ") and "over 1 models" in out
+    assert "0.600–0.675×" in out  # grouped_mm: 108 / 160 and 30 / 50
+    assert ("| Qwen3-30B-A3B | 160.00 | 120.00 | 108.00 | 0.900 | 0.675 | 18.00 / 13.00 / 12.00 "
+            "| 2.00 / 300.00 / 1.50 | 3.0e-03 |") in out
+    assert "| OLMoE-1B-7B | 50.00 | — | 30.00 | — | 0.600 |" in out
+    begin, end = report.MODEL_STEP_MARKS
+    readme = f"# x\n\nbefore\n\n{begin}\nold table\n{end}\n\nafter\n"
+    got = report.readme_with_model_step(readme)
+    assert got.startswith("# x\n\nbefore\n\n" + begin) and got.endswith(end + "\n\nafter\n")
+    assert "old table" not in got and "| Qwen3-30B-A3B | 160.00 |" in got
+    assert "(bench/results/" + name + ")" in got and "../bench/results/" not in got
+    assert report.readme_with_model_step(got) == got
+    assert report.readme_with_model_step("# no marks\n") == "# no marks\n"
