@@ -861,26 +861,30 @@ def model_step_rows(rows):
     return ran, models
 
 
+def moeblaze_over(ran, model, impl):
+    """moeblaze's step time over impl's for one model; None where either did not run."""
+    a, b = ran.get((model, "moeblaze")), ran.get((model, impl))
+    return a["step_ms"] / b["step_ms"] if a and b else None
+
+
+def model_cell(r, key, fmt):
+    return fmt(r[key]) if r and r.get(key) is not None else "—"
+
+
 def model_step_table(rows):
-    """Per model: each experts_implementation's step, moeblaze's ratio to the others, peak,
-    first step, and moeblaze's loss and gradient error against grouped_mm."""
+    """Per model: each experts_implementation's step, moeblaze's ratio to the others, peaks,
+    first steps, and moeblaze's gradient error against grouped_mm."""
     ran, models = model_step_rows(rows)
     body = []
     for m in models:
-        mb, sm, gm = (ran.get((m, i)) for i in ("moeblaze", "sonicmoe", "grouped_mm"))
-
-        def cell(r, key, fmt):
-            return fmt(r[key]) if r and r.get(key) is not None else "—"
-
-        def ratio(a, b, key):
-            return f3(a[key] / b[key]) if a and b and a.get(key) and b.get(key) else "—"
-
-        body.append([m, cell(gm, "step_ms", f2), cell(sm, "step_ms", f2), cell(mb, "step_ms", f2),
-                     ratio(mb, sm, "step_ms"), ratio(mb, gm, "step_ms"),
-                     " / ".join(cell(r, "peak_bytes", lambda b: f"{b / 2**30:.2f}")
+        gm, sm, mb = (ran.get((m, i)) for i in ("grouped_mm", "sonicmoe", "moeblaze"))
+        ratios = [moeblaze_over(ran, m, i) for i in ("sonicmoe", "grouped_mm")]
+        body.append([m] + [model_cell(r, "step_ms", f2) for r in (gm, sm, mb)] +
+                    ["—" if v is None else f3(v) for v in ratios] +
+                    [" / ".join(model_cell(r, "peak_bytes", lambda b: f"{b / 2**30:.2f}")
                                 for r in (gm, sm, mb)),
-                     " / ".join(cell(r, "first_step_s", f2) for r in (gm, sm, mb)),
-                     cell(mb, "grad_max_rel_err", lambda v: f"{v:.1e}")])
+                     " / ".join(model_cell(r, "first_step_s", f2) for r in (gm, sm, mb)),
+                     model_cell(mb, "grad_max_rel_err", lambda v: f"{v:.1e}")])
     return table(["model", "grouped_mm ms", "sonicmoe ms", "moeblaze ms", "÷ sonicmoe",
                   "÷ grouped_mm", "peak GiB (g / s / m)", "first step s (g / s / m)",
                   "grad rel err"], body,
@@ -892,10 +896,8 @@ def model_step_section():
         return ""
     rows = jsonl(MODEL_STEP)
     ran, models = model_step_rows(rows)
-    vs_s = [ran[(m, "moeblaze")]["step_ms"] / ran[(m, "sonicmoe")]["step_ms"] for m in models
-            if (m, "moeblaze") in ran and (m, "sonicmoe") in ran]
-    vs_g = [ran[(m, "moeblaze")]["step_ms"] / ran[(m, "grouped_mm")]["step_ms"] for m in models
-            if (m, "moeblaze") in ran and (m, "grouped_mm") in ran]
+    vs_s, vs_g = ([v for v in (moeblaze_over(ran, m, i) for m in models) if v is not None]
+                  for i in ("sonicmoe", "grouped_mm"))
     r0 = rows[0]
     words = f"""\
 ## Whole models: one training step
