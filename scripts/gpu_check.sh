@@ -73,8 +73,7 @@
 #                      SYNCCHECK_FILTER replaces the filter); each under ${SANITIZE_FUZZ_TIMEOUT:-1200} s
 #                      → OUT/sanitize_fuzz.log (sanitize's format: one summary line of error counts).
 #                      SANITIZE_TOOLS picks some of "memcheck racecheck initcheck synccheck" (all
-#                      four by default; initcheck is the slowest: 25 cases outlast 5 minutes on an
-#                      H100).
+#                      four by default; initcheck is by far the slowest).
 #       model-step     (not in `all`) bench/model_step.py: whole Hugging Face models (Qwen3-MoE,
 #                      Mixtral, OLMoE, DeepSeek-V3, gpt-oss), one training step per experts
 #                      implementation (grouped_mm, sonicmoe, moeblaze) → OUT/model_step.jsonl,
@@ -463,10 +462,10 @@ if want_named sanitize-fuzz; then
     export MOEBLAZE_GPU_FUZZ_CASES=${SANITIZE_FUZZ_CASES:-25} MOEBLAZE_GPU_FUZZ_SEED=${FUZZ_SEED:-1}
     # The fuzz tools at once, each in a subshell with its own log (a sanitized process keeps
     # one core busy); the logs are joined in this order afterwards.
+    picked=" ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck} "
     tools=()
     for tool in memcheck racecheck initcheck; do
-      [[ " ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck} " == *" $tool "* ]] &&
-        tools+=("$tool")
+      [[ "$picked" == *" $tool "* ]] && tools+=("$tool")
     done
     pids=()
     for tool in "${tools[@]}"; do
@@ -487,7 +486,7 @@ if want_named sanitize-fuzz; then
       rm -f "$OUT/sanitize_fuzz.$tool.log" "$OUT/sanitize_fuzz.$tool.part"
     done
     unset MOEBLAZE_GPU_FUZZ_CASES MOEBLAZE_GPU_FUZZ_SEED
-    [[ " ${SANITIZE_TOOLS:-synccheck} " == *" synccheck "* ]] &&
+    [[ "$picked" == *" synccheck "* ]] &&
       sanitize_run "synccheck barriers" "$secs" synccheck "$BUILD/moeblaze_gpu_tests" \
         --gtest_filter="$SYNCCHECK_FILTER"
     summary+=("sanitize fuzz: $(IFS=';'; echo "${sanitize_parts[*]}") [$(( $(date +%s) - t0 )) s] (sanitize_fuzz.log)")
