@@ -404,9 +404,8 @@ void expect_sampled(const FuzzCase& c, const HostRouting& r, const StepTensors& 
       slots[r.experts[p]].push_back({t, r.weights[p]});
   // FP8 against float64 only where e4m3's error averages out, as in the full check: experts with
   // 64+ slots (an FP8 step's smaller experts are judged by the full checks of small steps against
-  // the CPU emulation), and db1 on 16 columns of each, not 3 (a handful of sums is too few). Under
-  // relu, 64: its step derivative zeroes or keeps whole dH entries where e4m3 flips H's sign, so
-  // each sum's error sits near the 0.25 bound and 16 of them read 0.32 once in 2000 cases.
+  // the CPU emulation), and db1 on 16 columns of each, not 3 (a handful of sums is too few); 64
+  // under relu, whose step derivative turns e4m3's sign flips of H into whole dH entries.
   const bool fp8 = is_fp8(cfg.compute);
   std::vector<int64_t> used;
   for (int64_t e = 0; e < cfg.E; ++e)

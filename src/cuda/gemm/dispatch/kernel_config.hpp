@@ -5,6 +5,7 @@
 // their choice from here; nothing else reads the environment. Host-only: no CUDA headers, no GPU.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -54,7 +55,7 @@ constexpr int64_t kBandMaxK = 512;
 // smaller L2 (docs/notes/tma-bands.md).
 constexpr int64_t kBandWeightBytes = int64_t(24) << 20;
 constexpr int64_t band_weight_bytes(int64_t l2_bytes) {
-  return l2_bytes * 12 / 25 < kBandWeightBytes ? l2_bytes * 12 / 25 : kBandWeightBytes;
+  return std::min(kBandWeightBytes, l2_bytes * 12 / 25);
 }
 constexpr int kMaxTmaBands = 64;
 
