@@ -70,7 +70,8 @@
 #                      then synccheck over the GEMM tests whose kernels synchronise warpgroups
 #                      through named and ordered barriers (the TMA grouped GEMMs, the
 #                      warp-specialised ping-pong schedule, the 2-CTA weight gradients;
-#                      SYNCCHECK_FILTER replaces the filter); each under ${SANITIZE_FUZZ_TIMEOUT:-1200} s
+#                      SYNCCHECK_FILTER replaces the filter), and initcheck over CUTLASS's TMA
+#                      descriptor copy alone (TmaDescriptorCopy.*); each under ${SANITIZE_FUZZ_TIMEOUT:-1200} s
 #                      → OUT/sanitize_fuzz.log (sanitize's format: one summary line of error counts).
 #                      SANITIZE_TOOLS picks some of "memcheck racecheck initcheck synccheck" (all
 #                      four by default; initcheck is by far the slowest).
@@ -486,6 +487,11 @@ if want_named sanitize-fuzz; then
       rm -f "$OUT/sanitize_fuzz.$tool.log" "$OUT/sanitize_fuzz.$tool.part"
     done
     unset MOEBLAZE_GPU_FUZZ_CASES MOEBLAZE_GPU_FUZZ_SEED
+    # CUTLASS's descriptor copy alone, where initcheck reports inside the TMA path's kernels
+    # (tests/gpu/test_tma_descriptor_copy.cu): a report here is the tool's model of that copy.
+    [[ "$picked" == *" initcheck "* ]] &&
+      sanitize_run "initcheck descriptor copy" 120 initcheck "$BUILD/moeblaze_gpu_tests" \
+        --gtest_filter='TmaDescriptorCopy.*'
     [[ "$picked" == *" synccheck "* ]] &&
       sanitize_run "synccheck barriers" "$secs" synccheck "$BUILD/moeblaze_gpu_tests" \
         --gtest_filter="$SYNCCHECK_FILTER"
