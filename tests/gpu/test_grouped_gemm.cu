@@ -790,11 +790,12 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_EQ(big.dh.family, KernelFamily::two_cta);
   EXPECT_EQ(big.dw1.family, KernelFamily::two_cta);
   // Few rows per expert: down/dX on the 2-CTA kernel below 128 per expert, the warp-specialised
-  // kernel (A by TMA; down ping-pong, dX cooperative) below 1024, the TMA path from there.
+  // kernel (A by TMA; both cooperative) below 1024, the TMA path from there.
   EXPECT_EQ(choose(1000, 8, 512, 256).dx.family, KernelFamily::two_cta);
   const gg::LayerKernels fine = choose(32768, 256, 2048, 1024);  // 128 rows per expert
   EXPECT_EQ(fine.down.family, KernelFamily::ws_gather);
-  EXPECT_EQ(fine.down.schedule, KernelSchedule::ping_pong);
+  EXPECT_EQ(fine.down.schedule, KernelSchedule::cooperative);
+  EXPECT_EQ(fine.down, choose(65536, 128, 2880, 2880).down);  // gpt-oss-120b: 512 rows, n 2880
   EXPECT_EQ(fine.dx.family, KernelFamily::ws_gather);
   EXPECT_EQ(fine.dx.schedule, KernelSchedule::cooperative);
   EXPECT_EQ(choose(163840, 512, 2048, 320).down.family, KernelFamily::ws_gather);  // 320 rows
@@ -802,6 +803,21 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_EQ(choose(130944, 256, 4096, 1024).down.family, KernelFamily::ws_gather);
   EXPECT_EQ(choose(1000, 8, 512, 256).dx.family, KernelFamily::two_cta);
   EXPECT_EQ(choose(130944, 5000, 4096, 1024).dx.family, KernelFamily::two_cta);  // E > 4096
+  // dX̃ on the TMA path: 128x256 cooperative on clusters of 2 where it reduces over >= 3072 rows
+  // of w1 and d >= 2560 (Mixtral-8x7B, ERNIE-4.5-21B), else 192x128 ping-pong (d = 2048 or
+  // 2n = 2816 just below); down-proj stays on 192x128 ping-pong.
+  const gg::LayerKernels mixtral = choose(32768, 8, 4096, 14336);
+  EXPECT_EQ(gg::tma_variant(mixtral.dx), gg::kTmaWide);
+  EXPECT_EQ(mixtral.dx.schedule, KernelSchedule::cooperative);
+  EXPECT_EQ(mixtral.dx.cluster, 2);
+  EXPECT_EQ(gg::tma_variant(mixtral.down), gg::kTmaPingPong);
+  EXPECT_EQ(gg::tma_variant(choose(72000, 64, 2560, 1536).dx), gg::kTmaWide);
+  EXPECT_EQ(gg::tma_variant(choose(72000, 64, 2048, 1536).dx), gg::kTmaPingPong);
+  EXPECT_EQ(gg::tma_variant(choose(196608, 128, 4096, 1408).dx), gg::kTmaPingPong);
+  // Ungated activations reduce over n rows of w1.
+  EXPECT_EQ(gg::tma_variant(choose(72000, 64, 2560, 3072, Activation::relu).dx), gg::kTmaWide);
+  EXPECT_EQ(gg::tma_variant(choose(72000, 64, 2560, 2048, Activation::relu).dx),
+            gg::kTmaPingPong);
   EXPECT_EQ(gg::describe(sm.up), "ws_gather cooperative 128x256x64 stages=4 cluster=1 raster=16");
   EXPECT_EQ(sm.sms, 132);  // the count the choice was made for
 }

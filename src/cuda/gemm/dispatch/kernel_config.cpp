@@ -115,16 +115,23 @@ LayerKernels automatic(const KernelShape& s) {
   k.down = tma ? tma_grouped("S >= 128 E rows: the TMA path, 192x128 ping-pong", kTmaPingPong)
                : two_cta("S < 128 E rows: the TMA path's tiles would be mostly tails");
   k.dx = k.down;
+  // Both GEMMs write N = d columns; down reduces over n, dX̃ over w1_rows.
+  const int64_t w1_rows = is_gated(s.act) ? 2 * s.n : s.n;
   if (tma && ws && s.S < s.E * kWsContiguousMaxRowsPerExpert) {
     // Few rows per expert: the ws kernel (one TMA descriptor per operand) wins there and only
-    // there (the 2026-12-02 note).
-    k.down = ws_gather(KernelSchedule::ping_pong,
-                       "128 E <= S < 1024 E rows: the ws kernel, A by TMA, ping-pong");
+    // there (the 2026-12-02 note); cooperative for both, as measured in the layer on the grid.
+    k.down = ws_gather(KernelSchedule::cooperative,
+                       "128 E <= S < 1024 E rows: the ws kernel, A by TMA, cooperative");
     k.dx = ws_gather(KernelSchedule::cooperative,
                      "128 E <= S < 1024 E rows: the ws kernel, A by TMA, cooperative");
+  } else if (k.dx.family == KernelFamily::tma_grouped && w1_rows >= kDxWideMinReduction &&
+             s.d >= kDxWideMinD) {
+    // A long reduction amortises the epilogue that ping-pong hides; the wider tile and the
+    // cluster's multicast then feed the tensor cores with less traffic.
+    k.dx = tma_grouped("dX̃, reduction >= 3072 and d >= 2560: 128x256 cooperative, clusters of 2",
+                       kTmaWide);
   }
-  // Bands on the TMA path: both GEMMs write N = d columns; down reduces over n, dX̃ over w1_rows.
-  const int64_t w1_rows = is_gated(s.act) ? 2 * s.n : s.n;
+  // Bands on the TMA path.
   if (k.down.family == KernelFamily::tma_grouped)
     k.down.tma_bands =
         tma_bands_rule(s.S, s.E, s.d, s.n, k.down.tile_m, k.down.tile_n, s.sms, s.l2_bytes);

@@ -44,6 +44,12 @@ constexpr int64_t kWsDhMinD = 2048;      // on a gather kernel from here
 constexpr int64_t kWsDhCoopMinD = 4096;  // cooperative (not ping-pong) from here
 constexpr int64_t kWsDhSwigluCoopMaxExperts = 2000;  // the staged-H kernel's table room
 constexpr int64_t kDw1ClusterMinRowsPerExpert = 4096;  // dW1 on 2-CTA clusters from here
+// dX̃ on the TMA path: 128x256 cooperative on 2-CTA clusters (kTmaWide) where it reduces over at
+// least this many of w1's rows (2n when gated) and writes at least this many columns (d), the
+// smallest of each that won in the layer on the model grid (docs/notes/gathered-gemms.md,
+// "Two rules in the layer"); 192x128 ping-pong below.
+constexpr int64_t kDxWideMinReduction = 3072;
+constexpr int64_t kDxWideMinD = 2560;
 // tma_grouped's bands (tma_bands_rule), where an expert has fewer tiles than the GPU has SMs
 // (KernelShape::sms, read from the device) and the GEMM reduces over at most kBandMaxK: enough
 // that a CTA takes about kBandRunTiles tiles of an expert in a row, few enough that the weights of
@@ -97,7 +103,10 @@ inline constexpr TmaVariant kTmaVariants[] = {
     {192, 128, KernelSchedule::ping_pong, 2},
 };
 constexpr int kTmaVariantCount = int(sizeof(kTmaVariants) / sizeof(kTmaVariants[0]));
+constexpr int kTmaWide = 0;      // kTmaVariants' 128x256 cooperative on clusters of 2
 constexpr int kTmaPingPong = 3;  // kTmaVariants' 192x128 ping-pong
+static_assert(kTmaVariants[kTmaWide].tile_m == 128 && kTmaVariants[kTmaWide].tile_n == 256 &&
+              kTmaVariants[kTmaWide].cluster == 2, "kTmaWide names the 128x256 tile on clusters of 2");
 // The index in kTmaVariants of a tma_grouped kernel's tile, schedule and cluster; -1 if not built.
 int tma_variant(const GemmKernel& k);
 
