@@ -44,13 +44,20 @@ struct KernelsFlags {
 
 // Per config and GEMM, every legal candidate (cuda::gemm::kernel_candidates): the spec that
 // selects it, the kernel, and a mark on the automatic choice.
+// The shape the rules take: S slots of an (E, d, n) layer, on the GPU that --sms and --l2-mib
+// describe (0: the current GPU's, or the fallbacks where none is visible).
+cuda::gemm::KernelShape shape_for(const KernelsFlags& f, int64_t S, int64_t E, int64_t d,
+                                  int64_t n, Activation act) {
+  return {S, E, d, n, act, f.sms, f.l2_mib << 20};
+}
+
 void candidates_table(const KernelsFlags& f, const std::vector<const NamedConfig*>& configs,
                       Activation act) {
   namespace gg = cuda::gemm;
   Table t({{"config", Align::left}, {"GEMM", Align::left}, {"candidate", Align::left},
            {"spec", Align::left}, {"auto", Align::left}});
   for (const NamedConfig* c : configs) {
-    const gg::KernelShape shape{c->T * c->K, c->E, c->d, c->n, act, f.sms, f.l2_mib << 20};
+    const gg::KernelShape shape = shape_for(f, c->T * c->K, c->E, c->d, c->n, act);
     const gg::LayerKernels chosen = gg::choose_kernels(shape, gg::KernelOverrides{});
     for (int i = 0; i < gg::LayerKernels::kCount; ++i)
       for (const gg::KernelCandidate& k : gg::kernel_candidates(i, shape))
@@ -165,7 +172,7 @@ void padding_table(const KernelsFlags& f, const std::vector<const NamedConfig*>&
       std::vector<int64_t> rows(size_t(c.E), 0);  // (E,) pairs routed to each expert
       for (int64_t p = 0; p < routing.P(); ++p) ++rows[size_t(routing.pair_experts()[p])];
       const int64_t S = routing.P();
-      const gg::LayerKernels k = gg::choose_kernels({S, c.E, c.d, c.n, act, f.sms, f.l2_mib << 20}, o);
+      const gg::LayerKernels k = gg::choose_kernels(shape_for(f, S, c.E, c.d, c.n, act), o);
       std::vector<std::string> row{nc->name,
                                    r == "topk" ? r : r + " m" + std::to_string(f.m_tile),
                                    std::to_string(S)};
@@ -213,7 +220,7 @@ void run_kernels(const KernelsFlags& f) {
                {"order", Align::left}, {"rule", Align::left}});
   for (const NamedConfig* c : configs) {
     const int64_t S = c->T * c->K;  // softmax top-K, docs/DESIGN.md's benchmark routing
-    const gg::LayerKernels k = gg::choose_kernels({S, c->E, c->d, c->n, act, f.sms, f.l2_mib << 20}, o);
+    const gg::LayerKernels k = gg::choose_kernels(shape_for(f, S, c->E, c->d, c->n, act), o);
     for (int i = 0; i < gg::LayerKernels::kCount; ++i) {
       const gg::GemmKernel& g = k.at(i);
       const bool tma = g.family == gg::KernelFamily::tma_grouped;
@@ -242,8 +249,8 @@ void run_kernels(const KernelsFlags& f) {
   for (const NamedConfig* c : configs) {
     const int64_t S = c->T * c->K;
     const LayerConfig lc = layer_config(*c, act, DType::bf16);
+    const gg::LayerKernels k = gg::choose_kernels(shape_for(f, S, c->E, c->d, c->n, act), o);
     for (const LayerMode mode : {LayerMode::keep_h, LayerMode::recompute}) {
-      const gg::LayerKernels k = gg::choose_kernels({S, c->E, c->d, c->n, act, f.sms, f.l2_mib << 20}, o);
       const cuda::ExpertRanges ranges =
           cuda::choose_expert_ranges(lc, S, mode, k, o.expert_ranges);
       const cuda::LayerChunks lch = cuda::choose_token_chunks(lc, S, mode, k, o.token_chunks,
@@ -264,7 +271,7 @@ void run_kernels(const KernelsFlags& f) {
     const int64_t S = c->T * c->K;
     const LayerConfig lc = layer_config(*c, act, DType::bf16);
     const cuda::ExpertRanges here = cuda::choose_expert_ranges(
-        lc, S, LayerMode::recompute, gg::choose_kernels({S, c->E, c->d, c->n, act, f.sms, f.l2_mib << 20}, o),
+        lc, S, LayerMode::recompute, gg::choose_kernels(shape_for(f, S, c->E, c->d, c->n, act), o),
         o.expert_ranges);
     // The automatic rule's threshold in tokens (the override, where given, holds at every T).
     const int64_t per_token = cuda::whole_step_range_bytes(lc, c->K);
