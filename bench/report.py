@@ -50,6 +50,10 @@ CAPI_AB = "capi-ab-2026-12-06-7bb3029-h100.jsonl"
 RULES_AB = "rules-layer-ab-2026-12-06-63de4e2-h100.jsonl"
 RULES_DX = "dx.tile=128x256,dx.cluster=2"
 RULES_DOWN = "down.family=ws,down.schedule=cooperative"
+# The rule's thresholds as src/cuda/gemm/dispatch/kernel_config.hpp states them, to split the rows
+# by where each rule applies (python/tests/test_report.py checks the two agree).
+RULE_CONSTANTS = {"kTmaMinRowsPerExpert": 128, "kWsContiguousMaxRowsPerExpert": 1024,
+                  "kDxWideMinReduction": 3072, "kDxWideMinD": 2560}
 # Whole Hugging Face models, one training step per experts_implementation (bench/model_step.py's
 # "model-step" rows); None until a GPU run is committed. Its table and figure
 # (docs/figures/model_step.png) also go into README.md, between the two MODEL_STEP_MARKS lines
@@ -832,11 +836,12 @@ def rules_section():
         r = first[c]
         w1 = 2 * r["n"] if r["activation"] in ("swiglu", "swiglu-oai", "geglu") else r["n"]
         rows_pe = r["S"] / r["E"]
-        ws = 128 <= rows_pe < 1024
+        k = RULE_CONSTANTS
+        ws = k["kTmaMinRowsPerExpert"] <= rows_pe < k["kWsContiguousMaxRowsPerExpert"]
         auto = mean(d[""])
         dx = mean(d[RULES_DX]) / auto if RULES_DX in d else None
         down = mean(d[RULES_DOWN]) / auto if RULES_DOWN in d else None
-        wide = not ws and w1 >= 3072 and r["d"] >= 2560
+        wide = not ws and w1 >= k["kDxWideMinReduction"] and r["d"] >= k["kDxWideMinD"]
         if dx is not None:
             (dx_in if wide else dx_out).append(dx)
         if down is not None:

@@ -88,3 +88,20 @@ def test_model_step_section_and_readme_table(monkeypatch):
     assert "(bench/results/" + name + ")" in got and "../bench/results/" not in got
     assert report.readme_with_model_step(got) == got
     assert report.readme_with_model_step("# no marks\n") == "# no marks\n"
+
+
+@pytest.mark.skipif(not os.path.isfile(REPORT), reason="the repository's bench/ is not here")
+def test_rules_section_uses_the_kernel_rules_thresholds():
+    """The rules section splits its rows by the C++ rule's thresholds: its copy of them must be
+    the constants kernel_config.hpp defines."""
+    import importlib.util
+    import re
+    spec = importlib.util.spec_from_file_location("report", REPORT)
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    hpp = os.path.join(ROOT, "src", "cuda", "gemm", "dispatch", "kernel_config.hpp")
+    text = open(hpp).read()
+    for name, value in report.RULE_CONSTANTS.items():
+        m = re.search(r"constexpr int64_t " + name + r" = (\d+);", text)
+        assert m, f"{name} is not defined in kernel_config.hpp"
+        assert int(m.group(1)) == value, f"{name}: report.py says {value}, the code {m.group(1)}"
