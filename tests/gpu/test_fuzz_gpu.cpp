@@ -404,15 +404,17 @@ void expect_sampled(const FuzzCase& c, const HostRouting& r, const StepTensors& 
       slots[r.experts[p]].push_back({t, r.weights[p]});
   // FP8 against float64 only where e4m3's error averages out, as in the full check: experts with
   // 64+ slots (an FP8 step's smaller experts are judged by the full checks of small steps against
-  // the CPU emulation), and db1 on 16 columns of each, not 3 (a handful of sums is too few); 64
-  // under relu, whose step derivative turns e4m3's sign flips of H into whole dH entries.
+  // the CPU emulation). db1 on 16 columns of each expert, not 3: its rms error over 6 sums of a
+  // few slots each is too noisy for the bound (a bf16 silu case, E=101, ~10 slots an expert, read
+  // 1.09 % over 6 sums); 64 under FP8 relu, whose step derivative turns e4m3's sign flips of H
+  // into whole dH entries.
   const bool fp8 = is_fp8(cfg.compute);
   std::vector<int64_t> used;
   for (int64_t e = 0; e < cfg.E; ++e)
     if (!slots[e].empty() && (!fp8 || slots[e].size() >= 64)) used.push_back(e);
   std::shuffle(used.begin(), used.end(), rng);
   used.resize(std::min<size_t>(used.size(), 2));
-  const int columns = !(fp8 && c.b1) ? 3 : cfg.activation == Activation::relu ? 64 : 16;
+  const int columns = !c.b1 ? 3 : fp8 && cfg.activation == Activation::relu ? 64 : 16;
   for (int64_t e : used) {
     for (int rep = 0; rep < columns; ++rep) {
       const int64_t j = int64_t(rng() % uint64_t(n));
@@ -463,6 +465,12 @@ void expect_sampled(const FuzzCase& c, const HostRouting& r, const StepTensors& 
       for (int64_t i = 0; i < d; ++i) db2.add(gpu.db2.at(e * d + i), acc[i]);
     }
   }
+  // A replay (one case) prints every sampled error, to read how far a case is from its bound.
+  if (env_int("MOEBLAZE_GPU_FUZZ_CASES", 100) == 1)
+    std::printf("[gpu fuzz] sampled errors: out %.4g dx %.4g dpw %.4g dw1 %.4g dw2 %.4g db1 %.4g "
+                "(%zu sums) db2 %.4g; bounds out %.3g dh %.3g dw2 %.3g dpw %.3g\n",
+                out.error(), dx.error(), dpw.error(), dw1.error(), dw2.error(), db1.error(),
+                db1.got.size(), db2.error(), tol.out, tol.dh, tol.dw2, tol.dpw);
   EXPECT_LE(out.error(), tol.out) << "out (sampled)";
   EXPECT_LE(dx.error(), tol.dh) << "dx (sampled)";
   EXPECT_LE(dpw.error(), tol.dpw) << "d_pair_weights (sampled)";
