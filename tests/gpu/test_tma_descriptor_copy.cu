@@ -75,8 +75,8 @@ __global__ void tma_store_tile_kernel(const uint16_t* src, CUTE_GRID_CONSTANT Tm
   using namespace cute;
   __shared__ alignas(128) uint16_t smem[kTileRows * kTileCols];
   for (int i = threadIdx.x; i < kTileRows * kTileCols; i += blockDim.x) smem[i] = src[i];
-  __syncthreads();
-  tma_store_fence();  // the generic proxy's shared-memory writes, visible to the TMA unit
+  tma_store_fence();  // each thread's shared-memory writes, visible to the TMA unit, before
+  __syncthreads();    // the one thread that issues the store
   if (threadIdx.x == 0) {
     Tensor s = make_tensor(make_smem_ptr(smem), TileSmem{});
     Tensor m = tma.get_tma_tensor(make_shape(Int<kTileRows>{}, Int<kTileCols>{}));
