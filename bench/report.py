@@ -1141,7 +1141,7 @@ activation-independent GEMM cases already run under another activation.
   into never-written memory, arrives whole and draws {desc} reports, one per word of its
   destination ({from_name(SANITIZE_DESC)[0]}): the tool counts TMA writes as unwritten
   (docs/notes/gathered-gemms.md, "compute-sanitizer's initcheck and the TMA copies").
-  gpu_check.sh's initcheck run now keeps bf16 outputs off TMA stores; it has not run yet.
+  gpu_check.sh's initcheck run now keeps every output off TMA stores; it has not run yet.
 - **The wheel's C ABI library** (linked for glibc 2.28) against the same objects linked plainly:
   a moeblaze.MoE step read {f3(ab[1]['ms'] / ab[0]['ms'])}× ({f3(ab[0]['ms'])} against
   {f3(ab[1]['ms'])} ms, {ab[0]['rounds']} alternated rounds, {ab[0]['gpu']}, {ab[0]['commit']};

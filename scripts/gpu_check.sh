@@ -74,8 +74,9 @@
 #                      alone (TmaDescriptorCopy.*: the descriptor copy, whose destination the
 #                      tool reports as read uninitialized, and a tile store read back by
 #                      __ldg, reported so over the fuzz); so the initcheck fuzz run has
-#                      MOEBLAZE_KERNELS=${INITCHECK_KERNELS-down.family=ws,dx.family=ws} (no
-#                      TMA-stored outputs; INITCHECK_KERNELS= keeps the automatic kernels);
+#                      MOEBLAZE_KERNELS=${INITCHECK_KERNELS-down.family=ws,dx.family=ws} and
+#                      MOEBLAZE_GPU_FUZZ_NO_FP8=1 (no TMA-stored outputs; INITCHECK_KERNELS=
+#                      keeps the automatic kernels);
 #                      each under ${SANITIZE_FUZZ_TIMEOUT:-1200} s
 #                      → OUT/sanitize_fuzz.log (sanitize's format: one summary line of error counts).
 #                      SANITIZE_TOOLS picks some of "memcheck racecheck initcheck synccheck" (all
@@ -480,10 +481,11 @@ if want_named sanitize-fuzz; then
         sanitize_parts=() && status=0
         # initcheck counts what the TMA unit writes as never written (the descriptor copy's
         # destination, and every output the tma_grouped epilogue stores, read by the next
-        # kernel): down / dx on the ws kernels keep its bf16 cases free of that noise (FP8
-        # cases' GEMMs store by TMA whatever the override: read their reports with that in
-        # mind; docs/notes/gathered-gemms.md, "compute-sanitizer's initcheck and the TMA copies").
-        [ "$tool" = initcheck ] && export MOEBLAZE_KERNELS=${INITCHECK_KERNELS-down.family=ws,dx.family=ws}
+        # kernel): down / dx on the ws kernels, and the drawn FP8 cases in bf16 (the FP8 GEMMs
+        # store by TMA whatever the override), keep its run free of that noise
+        # (docs/notes/gathered-gemms.md, "compute-sanitizer's initcheck and the TMA copies").
+        [ "$tool" = initcheck ] && export MOEBLAZE_GPU_FUZZ_NO_FP8=1 \
+          MOEBLAZE_KERNELS=${INITCHECK_KERNELS-down.family=ws,dx.family=ws}
         sanitize_run "$tool fuzz" "$secs" "$tool" "$BUILD/moeblaze_gpu_tests" \
           --gtest_filter='GpuFuzz.*'
         echo "${sanitize_parts[0]}" >"$OUT/sanitize_fuzz.$tool.part"
