@@ -43,6 +43,7 @@ TINY_LM_SHARE = "tiny-lm-share-2026-12-04-7c9f348.json"
 EP = "ep-2026-11-29-63a4c5b.jsonl"
 PLAN_BUILD = "plan-build-final-2026-12-04-485e5d5.jsonl"
 GRID = "grid-2026-12-05-6badf31-h100.jsonl"
+TILE_WORK_GRID = "tile-work-grid-2026-12-06-47b5497.md"  # host arithmetic, the grid's padding
 FSDP = "fsdp-overhead-2026-12-06-7bb3029-h100.jsonl"  # moeblaze's and torch's experts
 CAPI_AB = "capi-ab-2026-12-06-7bb3029-h100.jsonl"
 # The layer under two candidate kernel rules and the rule of its commit, alternated, on the grid
@@ -139,6 +140,8 @@ DESCRIBE = {
     "override-sweeps-2026-12-05-163376b.jsonl": "kernel-choice overrides (schedules, programmatic "
                                                 "dependent launch) against the automatic choice",
     FP8_CACHE: "the FP8 step through PyTorch with and without the weight-code cache",
+    TILE_WORK_GRID: "host arithmetic: each GEMM's tile padding on the "
+        "public-model grid under top-K and NR-f, and the most of the dense bound it leaves",
     "tile-work-2026-12-04-3048eb0.md": "host arithmetic: the multiply-adds each GEMM's tiles "
                                        "compute beyond the useful ones, top-K and NR-f",
     "nrf-profile-2026-12-05-163376b.md": "NR-f against top-K in the tiny LM's step under the "
@@ -695,8 +698,20 @@ row gathers and combines).
                          ["---", "---"] + ["---:"] * 6) + "\n"
 
 
+def tile_bounds(name):
+    """{config: (top-K's, NR-f's) most of the dense bound the tiles' padding leaves} from a
+    `bench kernels --rounding nr-f` table."""
+    out = {}
+    for line in text(name).splitlines():
+        m = re.match(r"(\S+)\s+\| (topk|nr-f) .*\|\s+([\d.]+) %$", line)
+        if m:
+            out.setdefault(m.group(1), {})[m.group(2)] = float(m.group(3)) / 100
+    return {c: (v["topk"], v.get("nr-f")) for c, v in out.items()}
+
+
 def grid_section():
     rows = jsonl(GRID)
+    bounds = tile_bounds(TILE_WORK_GRID)
     by = {}
     for r in rows:
         by.setdefault(r["config"], {})[r["impl"]] = r
@@ -712,7 +727,8 @@ def grid_section():
             missing.append(m["model"])
         body.append([m["model"], c, f"{m['T']} / {m['d']} / {m['n']} / {m['E']} / {m['K']}",
                      m["activation"], f2(m["total_ms"]), f2(b["total_ms"]) if b else "—",
-                     pct(f) if f is not None else "—", f"{m['max_rel_err']:.1e}"])
+                     pct(f) if f is not None else "—", pct(bounds[c][0]) if c in bounds else "—",
+                     f"{m['max_rel_err']:.1e}"])
     ran = {r["config"] for r in rows}
     geo = math.exp(sum(math.log(f) for f in frac) / len(frac))
     low = sorted((f, c) for c, d in by.items() if "dense-bound" in d and "moeblaze" in d
@@ -730,12 +746,29 @@ shape's float64 check on a token sample passed (largest error {max(errs):.1e}, b
 Shapes that did not fit the GPU at all are not in the file. SonicMoE and the PyTorch path have not
 yet been run on the grid.
 
-{caption(rows, GRID)} *Of dense bound* is the dense bound's time over moeblaze's.
+**What the tiles allow.** The dense bound runs only the useful multiply-adds; moeblaze's tiles
+also compute the padding of each expert's last 128-row tile and of N and K to the tile
+([`{TILE_WORK_GRID}`]({LINK}{TILE_WORK_GRID}), host arithmetic). Under top-K that padding alone
+caps the step, at the dense rate, at {cap_list(bounds, 3)}: below the 85 % floor where experts get
+few rows (Kimi-K2: 171 rows an expert; Llama-4-Maverick: 128, K = 1), whatever the kernels'
+speed. NR-f token rounding lifts those caps to {cap_list(bounds, 3, 1)}; 64-row last tiles would
+cut the token-side GEMMs' multiply-adds by about a quarter at Kimi-K2 and a sixth at
+Llama-4-Maverick (docs/notes/gathered-gemms.md, "Open").
+
+{caption(rows, GRID)} *Of dense bound* is the dense bound's time over moeblaze's; *tiles allow*
+the most of it the tiles' padding leaves under top-K.
 
 """
     return words + table(["model", "config", "T / d / n / E / K", "activation", "moeblaze ms",
-                          "dense bound ms", "of dense bound", "max rel err"], body,
-                         ["---", "---", "---", "---", "---:", "---:", "---:", "---:"]) + "\n"
+                          "dense bound ms", "of dense bound", "tiles allow", "max rel err"], body,
+                         ["---", "---", "---", "---", "---:", "---:", "---:", "---:", "---:"]) + "\n"
+
+
+def cap_list(bounds, k, which=0):
+    """The k lowest caps of top-K's (which 0) shapes, as 'config (NN %)', and NR-f's (which 1)
+    at the same shapes."""
+    low = sorted((v[0], c) for c, v in bounds.items())[:k]
+    return ", ".join(f"{c} ({pct(bounds[c][which])})" for _, c in low)
 
 
 def twin_spread(name):
