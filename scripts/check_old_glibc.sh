@@ -33,8 +33,11 @@ if [ "$root" != / ] && [ ! -x "$root/usr/bin/python3" ]; then
       skip "could not install debootstrap"
   fi
   # The Debian mirror this machine's apt already uses (its main archive, not the security one).
-  mirror=$(grep -h -o -E 'https?://[^ ]+/debian/?( |$)' /etc/apt/sources.list \
-             /etc/apt/sources.list.d/* 2>/dev/null | grep -v -- -security | head -n 1 | tr -d ' ')
+  # (grep exits 2 where a listed file is missing, e.g. no /etc/apt/sources.list on bookworm:
+  # not a failure here.)
+  mirror=$({ grep -h -o -E 'https?://[^ ]+/debian/?( |$)' /etc/apt/sources.list \
+               /etc/apt/sources.list.d/* 2>/dev/null || true; } |
+           grep -v -- -security | head -n 1 | tr -d ' ')
   [ -n "$mirror" ] || skip "no Debian mirror in this machine's apt sources"
   echo "moeblaze: making a Debian bullseye root file system in $root (debootstrap) ..."
   rm -rf "$root"
