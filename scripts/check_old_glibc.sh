@@ -33,8 +33,7 @@ if [ "$root" != / ] && [ ! -x "$root/usr/bin/python3" ]; then
       skip "could not install debootstrap"
   fi
   # The Debian mirror this machine's apt already uses (its main archive, not the security one).
-  # (grep exits 2 where a listed file is missing, e.g. no /etc/apt/sources.list on bookworm:
-  # not a failure here.)
+  # A missing listed file (bookworm has no /etc/apt/sources.list) makes grep exit 2: not a failure.
   mirror=$({ grep -h -o -E 'https?://[^ ]+/debian/?( |$)' /etc/apt/sources.list \
                /etc/apt/sources.list.d/* 2>/dev/null || true; } |
            grep -v -- -security | head -n 1 | tr -d ' ')

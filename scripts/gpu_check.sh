@@ -71,12 +71,9 @@
 #                      through named and ordered barriers (the TMA grouped GEMMs, the
 #                      warp-specialised ping-pong schedule, the 2-CTA weight gradients;
 #                      SYNCCHECK_FILTER replaces the filter), and initcheck over two TMA writes
-#                      alone (TmaDescriptorCopy.*: the descriptor copy, whose destination the
-#                      tool reports as read uninitialized, and a tile store read back by
-#                      __ldg, reported so over the fuzz); so the initcheck fuzz run has
-#                      MOEBLAZE_KERNELS=${INITCHECK_KERNELS-down.family=ws,dx.family=ws} and
-#                      MOEBLAZE_GPU_FUZZ_NO_FP8=1 (no TMA-stored outputs; INITCHECK_KERNELS=
-#                      keeps the automatic kernels);
+#                      alone (TmaDescriptorCopy.*: a descriptor copy and a tile store); the
+#                      initcheck fuzz run stores no output by TMA (down / dx on the ws kernels,
+#                      FP8 cases in bf16), as the tool counts TMA writes as unwritten;
 #                      each under ${SANITIZE_FUZZ_TIMEOUT:-1200} s
 #                      → OUT/sanitize_fuzz.log (sanitize's format: one summary line of error counts).
 #                      SANITIZE_TOOLS picks some of "memcheck racecheck initcheck synccheck" (all
@@ -479,13 +476,10 @@ if want_named sanitize-fuzz; then
       (
         sanitize_log="$OUT/sanitize_fuzz.$tool.log" && : >"$sanitize_log"
         sanitize_parts=() && status=0
-        # initcheck counts what the TMA unit writes as never written (the descriptor copy's
-        # destination, and every output the tma_grouped epilogue stores, read by the next
-        # kernel): down / dx on the ws kernels, and the drawn FP8 cases in bf16 (the FP8 GEMMs
-        # store by TMA whatever the override), keep its run free of that noise
-        # (docs/notes/gathered-gemms.md, "compute-sanitizer's initcheck and the TMA copies").
+        # initcheck counts TMA writes as unwritten: no output by TMA in its run (the FP8 GEMMs
+        # store by TMA whatever the override; docs/notes/gathered-gemms.md).
         [ "$tool" = initcheck ] && export MOEBLAZE_GPU_FUZZ_NO_FP8=1 \
-          MOEBLAZE_KERNELS=${INITCHECK_KERNELS-down.family=ws,dx.family=ws}
+          MOEBLAZE_KERNELS=down.family=ws,dx.family=ws
         sanitize_run "$tool fuzz" "$secs" "$tool" "$BUILD/moeblaze_gpu_tests" \
           --gtest_filter='GpuFuzz.*'
         echo "${sanitize_parts[0]}" >"$OUT/sanitize_fuzz.$tool.part"

@@ -42,8 +42,6 @@ struct KernelsFlags {
   bool candidates = false;  // the table of every GEMM's legal candidates (kernel_candidates)
 };
 
-// Per config and GEMM, every legal candidate (cuda::gemm::kernel_candidates): the spec that
-// selects it, the kernel, and a mark on the automatic choice.
 // The shape the rules take: S slots of an (E, d, n) layer, on the GPU that --sms and --l2-mib
 // describe (0: the current GPU's, or the fallbacks where none is visible).
 cuda::gemm::KernelShape shape_for(const KernelsFlags& f, int64_t S, int64_t E, int64_t d,
@@ -51,6 +49,8 @@ cuda::gemm::KernelShape shape_for(const KernelsFlags& f, int64_t S, int64_t E, i
   return {S, E, d, n, act, f.sms, f.l2_mib << 20};
 }
 
+// Per config and GEMM, every legal candidate (cuda::gemm::kernel_candidates): the spec that
+// selects it, the kernel, and a mark on the automatic choice.
 void candidates_table(const KernelsFlags& f, const std::vector<const NamedConfig*>& configs,
                       Activation act) {
   namespace gg = cuda::gemm;
