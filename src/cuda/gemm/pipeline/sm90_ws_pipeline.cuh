@@ -182,13 +182,24 @@ using RingPos = RingPosT<>;
 
 // One tile's mainloop on a consumer warpgroup: k_tiles ring stages, one WGMMA batch in flight,
 // each stage released once the batch after it is issued and it has retired. issued() runs after
-// the last batch is issued, before waiting for it (the ping-pong hand-over).
+// the last batch is issued, before waiting for it (the ping-pong hand-over). With issue = false
+// the warpgroup only keeps the ring's pace (waits for each stage, releases it) and leaves acc
+// alone: its rows of the tile are all padding (the gather kernel's half tiles).
 template <class R, class Mma, class FragA, class FragB, class Acc, class Issued>
 __device__ __forceinline__ void mma_mainloop(const R& r, RingPosT<R::kStageCount>& pos, Mma& mma,
                                              FragA& tCrA, FragB& tCrB, Acc& acc, int k_tiles,
-                                             Issued issued) {
+                                             Issued issued, bool issue = true) {
   using namespace cute;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  if (!issue) {  // keep the ring's pace: each stage waited for and released at once, no MMAs
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      Barrier::wait(&r.full[pos.stage], pos.phase);
+      r.release(pos.stage);
+      pos.advance();
+    }
+    issued();
+    return;
+  }
   int release = pos.stage;  // the stage whose MMAs retire next
   mma.accumulate_ = GMMA::ScaleOut::Zero;
   for (int kt = 0; kt < k_tiles; ++kt) {
@@ -222,10 +233,15 @@ __device__ __forceinline__ void mma_mainloop(const R& r, RingPosT<R::kStageCount
 // on this thread's fp32 accumulators (zeros when k_tiles = 0). L gives TiledMma (two warpgroups
 // along M), the stage layouts and kTileN.
 // The CTA's tiles are first, first + stride, ... (blockIdx.x, gridDim.x; a cluster's index and
-// count in a kernel whose clusters share their tiles).
-template <class L, int kRegs, class R, class Begin, class End>
+// count in a kernel whose clusters share their tiles). active(t), after begin(t): whether this
+// thread's warpgroup issues the tile's MMAs (else its accumulators are zeros; the gather
+// kernel's half tiles).
+struct AllActive {
+  __device__ bool operator()(int) const { return true; }
+};
+template <class L, int kRegs, class R, class Begin, class End, class Active = AllActive>
 __device__ __forceinline__ void consumer_loop(const R& r, int first, int stride, int num_tiles,
-                                              Begin begin, End end) {
+                                              Begin begin, End end, Active active = {}) {
   using namespace cute;
   cutlass::arch::warpgroup_reg_alloc<kRegs>();
   typename L::TiledMma mma;
@@ -238,8 +254,9 @@ __device__ __forceinline__ void consumer_loop(const R& r, int first, int stride,
   RingPosT<R::kStageCount> pos;
   for (int t = first; t < num_tiles; t += stride) {
     const int k_tiles = begin(t);
-    if (k_tiles == 0) clear(acc);
-    mma_mainloop(r, pos, mma, tCrA, tCrB, acc, k_tiles, [] {});
+    const bool on = active(t);
+    if (k_tiles == 0 || !on) clear(acc);
+    mma_mainloop(r, pos, mma, tCrA, tCrB, acc, k_tiles, [] {}, on);
     end(t, acc);
   }
 }
