@@ -14,6 +14,11 @@ spec in force added as `kernels` (bench layer's rows carry it themselves).
         --rounds 4
     python3 bench/override_sweep.py --bench layer --impl moeblaze-fp8 --configs sm-default \
         --specs ";fp8.cluster=2" --rounds 2
+    python3 bench/override_sweep.py --bench layer --configs kimi-k2 \
+        --shapes "12288,2560,768,256,6;9000,4096,1024,96,4" --specs ";half_tiles=1"
+
+--shapes (bench layer only) adds shapes by T,d,n,E,K, one `bench layer --shape` call each, so
+a rule can be checked away from the named configs.
 """
 import argparse
 import json
@@ -25,8 +30,9 @@ import tempfile
 import time
 
 
-def run_once(cli, bench, configs, only, spec, reps, timeout, impl="moeblaze"):
-    """The rows of one `bench gemm` / `bench layer` call under MOEBLAZE_KERNELS=spec."""
+def run_once(cli, bench, configs, only, spec, reps, timeout, impl="moeblaze", shape=None):
+    """The rows of one `bench gemm` / `bench layer` call under MOEBLAZE_KERNELS=spec (bench layer:
+    of `--shape shape` instead of the configs when shape is given)."""
     env = dict(os.environ)
     env.pop("MOEBLAZE_KERNELS", None)
     if spec:
@@ -36,7 +42,8 @@ def run_once(cli, bench, configs, only, spec, reps, timeout, impl="moeblaze"):
             cmd = [cli, "bench", "gemm", "--configs", configs, "--only", only, "--no-dense",
                    "--reps", str(reps), "--out", f.name]
         else:
-            cmd = [cli, "bench", "layer", "--config", configs, "--impl", impl,
+            which = ["--shape", shape] if shape else ["--config", configs]
+            cmd = [cli, "bench", "layer", *which, "--impl", impl,
                    "--no-aggregate", "--reps", str(reps), "--out", f.name]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if p.returncode != 0:
@@ -75,7 +82,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cli", default="build/moeblaze", help="the moeblaze binary")
     ap.add_argument("--bench", default="gemm", choices=("gemm", "layer"), help="which benchmark")
-    ap.add_argument("--configs", required=True, help="named configs (comma list)")
+    ap.add_argument("--configs", default="", help="named configs (comma list)")
+    ap.add_argument("--shapes", default="",
+                    help="bench layer: ';'-separated T,d,n,E,K shapes, timed after the configs")
     ap.add_argument("--only", default="", help="bench gemm --only (the GEMMs to time)")
     ap.add_argument("--impl", default="moeblaze",
                     help="bench layer --impl (comma list, e.g. moeblaze-fp8,moeblaze-fp8-wgrad)")
@@ -89,6 +98,11 @@ def main():
     specs = [s.strip() for s in args.specs.split(";")]
     if args.rounds < 1 or len(specs) < 1:
         ap.error("--rounds must be >= 1 and --specs must name at least one spec")
+    shapes = [x.strip() for x in args.shapes.split(";") if x.strip()]
+    if not args.configs and not shapes:
+        ap.error("give --configs, --shapes (bench layer) or both")
+    if shapes and args.bench != "layer":
+        ap.error("--shapes takes bench layer only")
     if args.bench == "gemm" and not args.only:
         ap.error("--bench gemm needs --only (the GEMMs to time)")
     rows = []
@@ -99,8 +113,12 @@ def main():
             done = r * len(specs) + i
             print(f"override_sweep: [{done + 1}/{calls}] round {r + 1}, "
                   f"MOEBLAZE_KERNELS={spec!r} ({time.time() - t0:.0f} s)", file=sys.stderr)
-            rows += run_once(args.cli, args.bench, args.configs, args.only, spec, args.reps,
-                             args.timeout, args.impl)
+            if args.configs:
+                rows += run_once(args.cli, args.bench, args.configs, args.only, spec, args.reps,
+                                 args.timeout, args.impl)
+            for shape in shapes:
+                rows += run_once(args.cli, args.bench, "", "", spec, args.reps, args.timeout,
+                                 args.impl, shape)
     text = table(rows, specs)
     print(text)
     if args.out:

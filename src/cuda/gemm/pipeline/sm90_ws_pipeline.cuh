@@ -180,26 +180,28 @@ struct RingPosT {
 };
 using RingPos = RingPosT<>;
 
+// A consumer warpgroup that issues no MMAs for a tile still keeps the ring's pace: it waits for
+// each of the tile's k_tiles stages and releases it (the gather kernel's half tiles).
+template <class R>
+__device__ __forceinline__ void keep_ring_pace(const R& r, RingPosT<R::kStageCount>& pos,
+                                               int k_tiles) {
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    Barrier::wait(&r.full[pos.stage], pos.phase);
+    r.release(pos.stage);
+    pos.advance();
+  }
+}
+
 // One tile's mainloop on a consumer warpgroup: k_tiles ring stages, one WGMMA batch in flight,
 // each stage released once the batch after it is issued and it has retired. issued() runs after
-// the last batch is issued, before waiting for it (the ping-pong hand-over). With issue = false
-// the warpgroup only keeps the ring's pace (waits for each stage, releases it) and leaves acc
-// alone: its rows of the tile are all padding (the gather kernel's half tiles).
+// the last batch is issued, before waiting for it (the ping-pong hand-over).
 template <class R, class Mma, class FragA, class FragB, class Acc, class Issued>
 __device__ __forceinline__ void mma_mainloop(const R& r, RingPosT<R::kStageCount>& pos, Mma& mma,
                                              FragA& tCrA, FragB& tCrB, Acc& acc, int k_tiles,
-                                             Issued issued, bool issue = true) {
+                                             Issued issued) {
   using namespace cute;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  if (!issue) {  // keep the ring's pace: each stage waited for and released at once, no MMAs
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      Barrier::wait(&r.full[pos.stage], pos.phase);
-      r.release(pos.stage);
-      pos.advance();
-    }
-    issued();
-    return;
-  }
   int release = pos.stage;  // the stage whose MMAs retire next
   mma.accumulate_ = GMMA::ScaleOut::Zero;
   for (int kt = 0; kt < k_tiles; ++kt) {
@@ -254,9 +256,13 @@ __device__ __forceinline__ void consumer_loop(const R& r, int first, int stride,
   RingPosT<R::kStageCount> pos;
   for (int t = first; t < num_tiles; t += stride) {
     const int k_tiles = begin(t);
+    // An inactive warpgroup takes the k_tiles = 0 path below after keeping the ring's pace:
+    // a skip inside mma_mainloop made ptxas serialise the dH kernels' wgmmas (C7514).
     const bool on = active(t);
-    if (k_tiles == 0 || !on) clear(acc);
-    mma_mainloop(r, pos, mma, tCrA, tCrB, acc, k_tiles, [] {}, on);
+    if (!on) keep_ring_pace(r, pos, k_tiles);
+    const int mma_tiles = on ? k_tiles : 0;
+    if (mma_tiles == 0) clear(acc);
+    mma_mainloop(r, pos, mma, tCrA, tCrB, acc, mma_tiles, [] {});
     end(t, acc);
   }
 }
