@@ -45,6 +45,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs are built here: nothing to download
 
@@ -261,7 +262,8 @@ def sampled_grads(model):
             continue
         g = p.grad.detach().reshape(-1)
         if g.numel() > SAMPLE:
-            idx = torch.linspace(0, g.numel() - 1, SAMPLE, device=g.device).long()
+            # integer positions: a float32 linspace rounds numel - 1 up past the end above 2^24
+            idx = torch.arange(SAMPLE, device=g.device) * (g.numel() - 1) // (SAMPLE - 1)
             g = g[idx]
         out[name] = g.double().cpu()
     return out
@@ -369,9 +371,10 @@ def run_impl(family, impl, args, dev, dtype, meta, ref):
         row["skipped"] = f"not installed: {impl} ({type(err).__name__}: {str(err)[:300]})"
     except Exception as err:  # an impl that breaks on this model is reported, not fatal
         row["skipped"] = f"failed: {type(err).__name__}: {str(err)[:300]}"
+        traceback.print_exc()
     finally:
         del model
-        if dev.type == "cuda":
+        if dev.type == "cuda" and "skipped" not in row:
             torch.cuda.empty_cache()
     if "skipped" not in row and not args.no_fp64:
         try:

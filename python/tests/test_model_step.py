@@ -122,3 +122,15 @@ def test_model_step_whole_model_compiled_cpu(tmp_path):
         assert r["compile"] == "aot_eager" and r["graph_breaks"] == 0, r
     tol = TOL[torch.float32]
     assert rows[1]["loss_rel_err"] <= tol and rows[1]["grad_max_rel_err"] <= tol, rows[1]
+
+
+def test_sampled_grads_reach_the_last_entry_of_a_large_parameter():
+    # 2^24 + 4 entries: a float32 linspace to numel - 1 rounds its end up to numel (out of range)
+    ms = load_model_step()
+    p = torch.nn.Parameter(torch.zeros((1 << 24) + 4))
+    p.grad = torch.zeros_like(p)
+    p.grad[-1] = 1.0
+    model = torch.nn.Module()
+    model.w = p
+    g = ms.sampled_grads(model)["w"]
+    assert g.numel() == ms.SAMPLE and g[0] == 0 and g[-1] == 1.0
