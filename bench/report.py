@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import textwrap
 
@@ -42,7 +43,8 @@ TRAINING_FP8_CPU = "training-fp8-wgrad-cpu-2026-12-05-a47ee42.json"
 TINY_LM_SHARE = "tiny-lm-share-2026-12-04-7c9f348.json"
 EP = "ep-2026-11-29-63a4c5b.jsonl"
 PLAN_BUILD = "plan-build-final-2026-12-04-485e5d5.jsonl"
-GRID = "grid-2026-12-05-6badf31-h100.jsonl"
+GRID = "grid-2026-12-06-21b5cd3-h100.jsonl"
+HALF_TILES_AB = "half-tiles-ab-2026-12-06-21b5cd3-h100.jsonl"  # the half_tiles switch, alternated
 TILE_WORK_GRID = "tile-work-grid-2026-12-06-47b5497.md"  # host arithmetic, the grid's padding
 FSDP = "fsdp-overhead-2026-12-06-7bb3029-h100.jsonl"  # moeblaze's and torch's experts
 CAPI_AB = "capi-ab-2026-12-06-7bb3029-h100.jsonl"
@@ -67,12 +69,11 @@ SEARCH = ["kernel-search-2026-12-06-3137ddf-h100.jsonl"]  # kernel-search rows, 
 # Each single-pass search's per-kernel timings (its stderr), for the spread of twin rows.
 SEARCH_ROWS = {"kernel-search-2026-12-06-3137ddf-h100.jsonl":
                "kernel-search-rows-2026-12-06-3137ddf-h100.txt"}
-GPU_FUZZ = "gpu-fuzz-2026-12-06-0f6b230-h100.txt"  # the long round, 2000 cases
-SANITIZE_FUZZ = "sanitize-fuzz-2026-12-06-7bb3029-h100.txt"  # memcheck, racecheck
-SANITIZE_SYNC = "sanitize-fuzz-2026-12-06-63de4e2-h100.txt"  # synccheck, initcheck
-SANITIZE_DESC = "sanitize-descriptor-2026-12-06-80d39ab-h100.txt"  # initcheck, the copy alone
+GPU_FUZZ = "gpu-fuzz-2026-12-06-21b5cd3-h100.txt"  # the long round, 2000 cases
+# memcheck, racecheck, initcheck over the fuzz's short round; synccheck; initcheck, TMA writes alone
+SANITIZE_FUZZ = "sanitize-fuzz-2026-12-06-21b5cd3-h100.txt"
 SANITIZE_INIT = "sanitize-initcheck-2026-12-06-0f6b230-h100.txt"  # initcheck, every report
-GTESTS = ["gpu-gtests-2026-12-06-80d39ab-h100.txt"]  # every GPU gtest, the latest run
+GTESTS = ["gpu-gtests-2026-12-06-21b5cd3-h100.txt"]  # every GPU gtest, the latest run
 PYTESTS = ["gpu-pytests-2026-12-06-80d39ab-h100.txt"]  # the whole Python suite with CUDA
 
 FOUR = ["sm-7B-n256", "olmoe", "sm-30B-n512", "sm-default"]
@@ -107,21 +108,20 @@ DESCRIBE = {
         "the fastest built candidate on 24 grid shapes, one pass per kernel",
     "kernel-search-rows-2026-12-06-3137ddf-h100.txt": "that search's per-kernel timings in the "
         "order they ran",
-    GPU_FUZZ: "the GPU shape fuzz's long round, 2000 cases, and the replay of the round "
-              "before's failure",
-    SANITIZE_DESC: "compute-sanitizer's initcheck over CUTLASS's TMA descriptor copy alone",
+    GPU_FUZZ: "the GPU shape fuzz's long round, 2000 cases",
     SANITIZE_INIT: "compute-sanitizer's initcheck over the fuzz with every report printed, "
                    "grouped by instruction and kernel",
     SANITIZE_FUZZ: "compute-sanitizer's memcheck, racecheck and initcheck over the fuzz's short "
-                   "round",
+                   "round, synccheck over the barrier kernels' tests, initcheck over two TMA "
+                   "writes alone",
+    HALF_TILES_AB: "the layer with and without the half_tiles switch on the grid's "
+                   "few-rows-per-expert shapes and four shapes off it, alternated",
     RULES_AB: "the layer on the grid under its rule and two candidate kernel rules, alternated",
     CAPI_AB: "moeblaze.MoE's step with the wheel's C ABI library against the same objects "
              "linked plainly, alternated",
     "fp8-recipe-accuracy-cpu-2026-12-05-267af5d.txt": "each FP8 recipe's error against float64, "
                                                       "CPU emulation",
     TRAINING_FP8_CPU: "the tiny LM in bf16, fp8 and fp8-wgrad on the CPU emulation",
-    SANITIZE_SYNC: "compute-sanitizer's synccheck over 400 fuzz cases and initcheck over two "
-                   "short rounds",
     GTESTS[0]: "every GPU gtest (the GPU shape fuzz's short round, out of memory, streams, "
                "concurrency and non-finite values included)",
     PYTESTS[0]: "the whole Python suite with CUDA",
@@ -753,7 +753,10 @@ caps the step, at the dense rate, at {cap_list(bounds, 3)}: below the 85 % floor
 few rows (Kimi-K2: 171 rows an expert; Llama-4-Maverick: 128, K = 1), whatever the kernels'
 speed. NR-f token rounding lifts those caps to {cap_list(bounds, 3, 1)}; 64-row last tiles would
 cut the token-side GEMMs' multiply-adds by about a quarter at Kimi-K2 and a sixth at
-Llama-4-Maverick (docs/notes/gathered-gemms.md, "Open").
+Llama-4-Maverick. The `half_tiles` switch tries that inside the ws_gather kernels (the second
+consumer warpgroup skips its MMAs where its 64 rows are all padding) and is bitwise the same, but
+it made the step slower, not faster: {half_tiles_words()} It stays off (docs/notes/gathered-gemms.md,
+"Open").
 
 {caption(rows, GRID)} *Of dense bound* is the dense bound's time over moeblaze's; *tiles allow*
 the most of it the tiles' padding leaves under top-K.
@@ -762,6 +765,21 @@ the most of it the tiles' padding leaves under top-K.
     return words + table(["model", "config", "T / d / n / E / K", "activation", "moeblaze ms",
                           "dense bound ms", "of dense bound", "tiles allow", "max rel err"], body,
                          ["---", "---", "---", "---", "---:", "---:", "---:", "---:", "---:"]) + "\n"
+
+
+def half_tiles_words():
+    """The half_tiles A/B: each shape's median step with the switch over without, as words."""
+    rows = jsonl(HALF_TILES_AB)
+    by = {}
+    for r in rows:
+        by.setdefault(r["config"], {}).setdefault(r["kernels"], []).append(r["total_ms"])
+    ratio = {c: statistics.median(d["half_tiles=1"]) / statistics.median(d[""])
+             for c, d in by.items()}
+    worst = sorted(ratio.items(), key=lambda kv: -kv[1])[:3]
+    return (f"{f3(min(ratio.values()))}-{f3(max(ratio.values()))}x the step's time over "
+            f"{len(ratio)} shapes, worst {', '.join(f'{c} {f3(v)}x' for c, v in worst)} "
+            f"({prov(rows)}, {len(rows) // (2 * len(ratio))} alternated rounds; "
+            f"[`{HALF_TILES_AB}`]({LINK}{HALF_TILES_AB})).")
 
 
 def cap_list(bounds, k, which=0):
@@ -1142,11 +1160,10 @@ def tests_section():
     fuzz_fp8 = re.search(r"Of the valid ones: (\d+) FP8, about (\d+) checked against float64 on a "
                          r"token sample and the other (\d+) in full", fuzz)
     san = text(SANITIZE_FUZZ)
-    mem = re.search(r"memcheck: +(\d+) errors", san).group(1)
-    race = re.search(r"racecheck: (\d+) hazards", san).group(1)
-    sync = text(SANITIZE_SYNC)
-    sync_errs = re.search(r"synccheck: (\d+) errors.*?CASES=(\d+)", sync, re.S)
-    desc = re.search(r"It PASSED, and initcheck printed (\d+) reports", text(SANITIZE_DESC)).group(1)
+    tool = {t: re.search(rf"#   {t}: +(\d+) (?:errors|hazards)", san).group(1)
+            for t in ("memcheck", "racecheck", "initcheck", "synccheck")}
+    cases = re.search(r"\((\d+) cases: (\d+) valid", san)
+    tma = re.search(r"the tool printed (\d+) reports", san).group(1)
     init = text(SANITIZE_INIT)
     init_counts = [int(x.replace(",", "")) for x in re.findall(r"seed \d+: +([\d,]+) reports", init)]
     ab = jsonl(CAPI_AB)
@@ -1162,19 +1179,19 @@ activation-independent GEMM cases already run under another activation.
   expert by 8 ulps of the logits' rms.
 - **The GPU shape fuzz**, its long round at {from_name(GPU_FUZZ)[0]}: {fuzz_line}; of the valid
   cases {fuzz_fp8.group(1)} FP8, about {fuzz_fp8.group(2)} checked against float64 on a token
-  sample and {fuzz_fp8.group(3)} in full. The round before (80d39ab) failed one bf16 case's
-  sampled db1 check, 6 sums of ~10 slots reading 1.09 % against a 1 % bound; db1 is now sampled
-  on 16 columns, and that case's replay reads 0.20 %.
-- **compute-sanitizer over the fuzz**: memcheck {mem} errors and racecheck {race} hazards over its
-  short round ({from_name(SANITIZE_FUZZ)[0]}); synccheck {sync_errs.group(1)} errors over
-  {sync_errs.group(2)} cases ({from_name(SANITIZE_SYNC)[0]}). initcheck printed
-  {sum(init_counts):,} reports over two runs at {from_name(SANITIZE_INIT)[0]}, every one after a
-  write by the TMA unit: at the copy of a TMA descriptor into the kernel's workspace, and in the
-  aggregation's reads of Y, which the tma_grouped epilogue had stored by TMA. That copy alone,
-  into never-written memory, arrives whole and draws {desc} reports, one per word of its
-  destination ({from_name(SANITIZE_DESC)[0]}): the tool counts TMA writes as unwritten
-  (docs/notes/gathered-gemms.md, "compute-sanitizer's initcheck and the TMA copies").
-  gpu_check.sh's initcheck run now keeps every output off TMA stores; it has not run yet.
+  sample and {fuzz_fp8.group(3)} in full.
+- **compute-sanitizer** at {from_name(SANITIZE_FUZZ)[0]}, over the fuzz's short round
+  ({cases.group(1)} cases, {cases.group(2)} valid): memcheck {tool["memcheck"]} errors, racecheck
+  {tool["racecheck"]} hazards, initcheck {tool["initcheck"]} errors; synccheck
+  {tool["synccheck"]} errors over the tests of the kernels with named and ordered barriers. The
+  initcheck run keeps every output off TMA stores, because the tool counts bytes the TMA unit
+  wrote as unwritten: run alone, a descriptor copy and a tile store into never-written memory
+  both arrive whole (the tests check every byte) and still draw {tma} reports, all at those
+  bytes. With TMA stores on, initcheck printed {sum(init_counts):,} reports over two fuzz runs at
+  {from_name(SANITIZE_INIT)[0]}, every one at the same two kinds of site: the copy of a TMA
+  descriptor into the kernel's workspace, and the aggregation's reads of Y, which the
+  tma_grouped epilogue had stored by TMA (docs/notes/gathered-gemms.md, "compute-sanitizer's
+  initcheck and the TMA copies").
 - **The wheel's C ABI library** (linked for glibc 2.28) against the same objects linked plainly:
   a moeblaze.MoE step read {f3(ab[1]['ms'] / ab[0]['ms'])}× ({f3(ab[0]['ms'])} against
   {f3(ab[1]['ms'])} ms, {ab[0]['rounds']} alternated rounds, {ab[0]['gpu']}, {ab[0]['commit']};
