@@ -37,6 +37,9 @@ struct Vec;  // one 16-byte chunk of T, unpacked to floats
 template <>
 struct Vec<__nv_bfloat16> {
   static constexpr int kElems = 8;
+  static __device__ __forceinline__ uint4 nan() {  // 8 quiet NaNs
+    return make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u);
+  }
   static __device__ __forceinline__ void unpack(const uint4& raw, float* f) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
@@ -57,6 +60,9 @@ struct Vec<__nv_bfloat16> {
 template <>
 struct Vec<float> {
   static constexpr int kElems = 4;
+  static __device__ __forceinline__ uint4 nan() {  // 4 quiet NaNs
+    return make_uint4(0x7FC00000u, 0x7FC00000u, 0x7FC00000u, 0x7FC00000u);
+  }
   static __device__ __forceinline__ void unpack(const uint4& raw, float* f) {
     f[0] = __uint_as_float(raw.x);
     f[1] = __uint_as_float(raw.y);
@@ -113,6 +119,15 @@ __device__ __forceinline__ void aggregate_token(int64_t t, int64_t q, int64_t qu
     for (int b = 0; b < kBatch; ++b) {
       if (p + b < p1) {
         const int64_t slot = token_index_map[p + b];
+        if (slot < 0) {  // a pair the plan builder left out (its flag is raised): NaN, not short
+#pragma unroll
+          for (int k = 0; k < C; ++k) {
+            raw[b][k] = Vec<T>::nan();
+            if constexpr (kBias) braw[b][k] = make_uint4(0u, 0u, 0u, 0u);
+          }
+          w[b] = 1.0f;
+          continue;
+        }
         w[b] = kWeighted ? slot_weights[slot] : 1.0f;
         const int64_t r = kChunk ? int64_t(row_map[p + b]) : slot;
         const uint4* row = reinterpret_cast<const uint4*>(rows + r * d);
@@ -221,6 +236,10 @@ __global__ void __launch_bounds__(kThreads)
   float acc = 0.0f;
   for (int p = token_pair_offsets[t]; p < token_pair_offsets[t + 1]; ++p) {
     const int64_t slot = token_index_map[p];
+    if (slot < 0) {  // a pair the plan builder left out (its flag is raised): NaN, not short
+      acc = __uint_as_float(0x7FC00000u);
+      continue;
+    }
     const float v = to_f(rows[slot * d + col]);
     acc = kWeighted ? fmaf(slot_weights[slot], v, acc) : acc + v;
   }
@@ -304,7 +323,10 @@ __global__ void gather_pair_grads_kernel(const int32_t* __restrict__ token_index
   pdl_wait();
   pdl_launch_dependents();
   const int64_t p = int64_t(blockIdx.x) * kThreads + threadIdx.x;
-  if (p < S) d_pair_weights[p] = ds[token_index_map[p]];
+  if (p < S) {
+    const int32_t slot = token_index_map[p];  // < 0: a pair left out of the plan (flagged)
+    d_pair_weights[p] = slot >= 0 ? ds[slot] : __uint_as_float(0x7FC00000u);
+  }
 }
 
 }  // namespace
