@@ -37,9 +37,6 @@ struct Vec;  // one 16-byte chunk of T, unpacked to floats
 template <>
 struct Vec<__nv_bfloat16> {
   static constexpr int kElems = 8;
-  static __device__ __forceinline__ uint4 nan() {  // 8 quiet NaNs
-    return make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u);
-  }
   static __device__ __forceinline__ void unpack(const uint4& raw, float* f) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
@@ -60,9 +57,6 @@ struct Vec<__nv_bfloat16> {
 template <>
 struct Vec<float> {
   static constexpr int kElems = 4;
-  static __device__ __forceinline__ uint4 nan() {  // 4 quiet NaNs
-    return make_uint4(0x7FC00000u, 0x7FC00000u, 0x7FC00000u, 0x7FC00000u);
-  }
   static __device__ __forceinline__ void unpack(const uint4& raw, float* f) {
     f[0] = __uint_as_float(raw.x);
     f[1] = __uint_as_float(raw.y);
@@ -119,16 +113,10 @@ __device__ __forceinline__ void aggregate_token(int64_t t, int64_t q, int64_t qu
     for (int b = 0; b < kBatch; ++b) {
       if (p + b < p1) {
         const int64_t slot = token_index_map[p + b];
-        if (slot < 0) {  // a pair the plan builder left out (its flag is raised): NaN, not short
-#pragma unroll
-          for (int k = 0; k < C; ++k) {
-            raw[b][k] = Vec<T>::nan();
-            if constexpr (kBias) braw[b][k] = make_uint4(0u, 0u, 0u, 0u);
-          }
-          w[b] = 1.0f;
-          continue;
-        }
-        w[b] = kWeighted ? slot_weights[slot] : 1.0f;
+        // slot < 0: a pair the plan builder left out (its flag is raised). Its weight is NaN and
+        // nothing is loaded for it, so the token's row comes out NaN instead of a pair short.
+        w[b] = slot < 0 ? __uint_as_float(0x7FC00000u) : kWeighted ? slot_weights[slot] : 1.0f;
+        if (slot < 0) continue;
         const int64_t r = kChunk ? int64_t(row_map[p + b]) : slot;
         const uint4* row = reinterpret_cast<const uint4*>(rows + r * d);
         const uint4* brow =
@@ -152,13 +140,12 @@ __device__ __forceinline__ void aggregate_token(int64_t t, int64_t q, int64_t qu
             float f[V];
             Vec<T>::unpack(raw[b][k], f);
 #pragma unroll
-            for (int j = 0; j < V; ++j)
-              acc[k][j] = kWeighted ? fmaf(w[b], f[j], acc[k][j]) : acc[k][j] + f[j];
+            for (int j = 0; j < V; ++j)  // unweighted: w = 1, and fma(1, f, acc) = acc + f
+              acc[k][j] = fmaf(w[b], f[j], acc[k][j]);
             if constexpr (kBias) {  // the pair's y_p + b2_e, weighted like y_p
               Vec<T>::unpack(braw[b][k], f);
 #pragma unroll
-              for (int j = 0; j < V; ++j)
-                acc[k][j] = kWeighted ? fmaf(w[b], f[j], acc[k][j]) : acc[k][j] + f[j];
+              for (int j = 0; j < V; ++j) acc[k][j] = fmaf(w[b], f[j], acc[k][j]);
             }
           }
         }
