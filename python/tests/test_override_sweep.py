@@ -1,0 +1,57 @@
+"""bench/override_sweep.py without a GPU: a stand-in for the moeblaze binary records each call and
+writes bench layer rows, and the sweep alternates the specs' order, times --shapes one `--shape`
+call each after the configs, sets MOEBLAZE_KERNELS per spec, and tables each shape's median ratio."""
+import json
+import os
+import stat
+import subprocess
+import sys
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+
+FAKE_CLI = r'''#!/usr/bin/env python3
+import json, os, sys
+args = sys.argv[1:]
+out = args[args.index("--out") + 1]
+with open(os.environ["FAKE_LOG"], "a") as log:
+    log.write(json.dumps({"args": args, "kernels": os.environ.get("MOEBLAZE_KERNELS", "")}) + "\n")
+names = ([args[args.index("--shape") + 1]] if "--shape" in args
+         else args[args.index("--config") + 1].split(","))
+ms = 2.0 if "half_tiles=1" in os.environ.get("MOEBLAZE_KERNELS", "") else 1.0
+with open(out, "w") as f:
+    for n in names:
+        name = "T" + n.replace(",", "-") if "," in n else n
+        f.write(json.dumps({"config": name, "impl": "moeblaze", "total_ms": ms}) + "\n")
+'''
+
+
+def test_shapes_run_one_call_each_after_the_configs(tmp_path):
+    cli = tmp_path / "moeblaze"
+    cli.write_text(FAKE_CLI)
+    cli.chmod(cli.stat().st_mode | stat.S_IEXEC)
+    log = tmp_path / "calls.jsonl"
+    env = dict(os.environ, FAKE_LOG=str(log))
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "override_sweep.py"), "--cli", str(cli),
+                        "--bench", "layer", "--configs", "a,b", "--shapes", "8,64,32,4,2; 9,64,32,4,2",
+                        "--specs", ";half_tiles=1", "--rounds", "2", "--out", str(tmp_path / "r.jsonl")],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    calls = [json.loads(line) for line in open(log)]
+    # Round 1 runs the specs forwards, round 2 backwards; per spec the configs, then each shape.
+    assert [c["kernels"] for c in calls] == [""] * 3 + ["half_tiles=1"] * 6 + [""] * 3
+    assert [c["args"][2:4] for c in calls[:3]] == [["--config", "a,b"], ["--shape", "8,64,32,4,2"],
+                                                   ["--shape", "9,64,32,4,2"]]
+    rows = [json.loads(line) for line in open(tmp_path / "r.jsonl")]
+    assert len(rows) == 16 and {r["kernels"] for r in rows} == {"", "half_tiles=1"}
+    for name in ("a", "b", "T8-64-32-4-2", "T9-64-32-4-2"):
+        assert f"| {name} | moeblaze | 1.000 | 2.000 (2.000) |" in p.stdout
+
+
+def test_shapes_need_bench_layer_and_something_to_run(tmp_path):
+    sweep = os.path.join(BENCH, "override_sweep.py")
+    for extra, message in ((["--bench", "gemm", "--only", "up", "--shapes", "8,64,32,4,2"],
+                            "--shapes takes bench layer only"),
+                           (["--bench", "layer"], "give --configs, --shapes")):
+        p = subprocess.run([sys.executable, sweep, "--specs", ";x", *extra], capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 2 and message in p.stderr, p.stderr
