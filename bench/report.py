@@ -730,6 +730,7 @@ def grid_section():
                      pct(f) if f is not None else "—", pct(bounds[c][0]) if c in bounds else "—",
                      f"{m['max_rel_err']:.1e}"])
     ran = {r["config"] for r in rows}
+    absent = [c for c in bounds if c not in ran]  # grid shapes (the tile-work table has them all)
     geo = math.exp(sum(math.log(f) for f in frac) / len(frac))
     low = sorted((f, c) for c, d in by.items() if "dense-bound" in d and "moeblaze" in d
                  for f in [d["dense-bound"]["total_ms"] / d["moeblaze"]["total_ms"]])[:3]
@@ -743,8 +744,8 @@ the C++ path runs at {pct(geo)} of the dense bound's speed in geometric mean (th
 and no shape below 85 %); the slowest are {', '.join(f"{c} ({pct(f)})" for f, c in low)}. Every
 shape's float64 check on a token sample passed (largest error {max(errs):.1e}, bound 2e-2).
 {"Without a dense-bound row (it ran out of memory): " + ", ".join(missing) + "." if missing else ""}
-Shapes that did not fit the GPU at all are not in the file. SonicMoE and the PyTorch path have not
-yet been run on the grid.
+{"Not in the file (out of GPU memory in this run; the moeblaze step alone fits, see the half_tiles A/B below): " + ", ".join(absent) + "." if absent else ""}
+SonicMoE and the PyTorch path have not yet been run on the grid.
 
 **What the tiles allow.** The dense bound runs only the useful multiply-adds; moeblaze's tiles
 also compute the padding of each expert's last 128-row tile and of N and K to the tile
