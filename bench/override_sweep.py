@@ -15,7 +15,7 @@ spec in force added as `kernels` (bench layer's rows carry it themselves).
     python3 bench/override_sweep.py --bench layer --impl moeblaze-fp8 --configs sm-default \
         --specs ";fp8.cluster=2" --rounds 2
     python3 bench/override_sweep.py --bench layer --configs kimi-k2 \
-        --shapes "12288,2560,768,256,6;9000,4096,1024,96,4" --specs ";half_tiles=1"
+        --shapes "12288,2560,768,256,6;9000,4096,1024,96,4" --specs ";raster=8"
 
 --shapes (bench layer only) adds shapes by T,d,n,E,K, one `bench layer --shape` call each, so
 a rule can be checked away from the named configs.

@@ -44,7 +44,7 @@ TINY_LM_SHARE = "tiny-lm-share-2026-12-04-7c9f348.json"
 EP = "ep-2026-11-29-63a4c5b.jsonl"
 PLAN_BUILD = "plan-build-final-2026-12-04-485e5d5.jsonl"
 GRID = "grid-2026-12-06-21b5cd3-h100.jsonl"
-HALF_TILES_AB = "half-tiles-ab-2026-12-06-21b5cd3-h100.jsonl"  # the half_tiles switch, alternated
+HALF_TILES_AB = "half-tiles-ab-2026-12-06-21b5cd3-h100.jsonl"  # the half_tiles override, alternated
 TILE_WORK_GRID = "tile-work-grid-2026-12-06-47b5497.md"  # host arithmetic, the grid's padding
 FSDP = "fsdp-overhead-2026-12-06-7bb3029-h100.jsonl"  # moeblaze's and torch's experts
 CAPI_AB = "capi-ab-2026-12-06-7bb3029-h100.jsonl"
@@ -114,7 +114,7 @@ DESCRIBE = {
     SANITIZE_FUZZ: "compute-sanitizer's memcheck, racecheck and initcheck over the fuzz's short "
                    "round, synccheck over the barrier kernels' tests, initcheck over two TMA "
                    "writes alone",
-    HALF_TILES_AB: "the layer with and without the half_tiles switch on the grid's "
+    HALF_TILES_AB: "the layer with and without the half_tiles override (since removed) on the grid's "
                    "few-rows-per-expert shapes and four shapes off it, alternated",
     RULES_AB: "the layer on the grid under its rule and two candidate kernel rules, alternated",
     CAPI_AB: "moeblaze.MoE's step with the wheel's C ABI library against the same objects "
@@ -744,7 +744,7 @@ the C++ path runs at {pct(geo)} of the dense bound's speed in geometric mean (th
 and no shape below 85 %); the slowest are {', '.join(f"{c} ({pct(f)})" for f, c in low)}. Every
 shape's float64 check on a token sample passed (largest error {max(errs):.1e}, bound 2e-2).
 {"Without a dense-bound row (it ran out of memory): " + ", ".join(missing) + "." if missing else ""}
-{"Not in the file (out of GPU memory in this run; the moeblaze step alone fits, see the half_tiles A/B below): " + ", ".join(absent) + "." if absent else ""}
+{"Not in the file (out of GPU memory in this run; the moeblaze step alone fits, see the half-tiles A/B below): " + ", ".join(absent) + "." if absent else ""}
 SonicMoE and the PyTorch path have not yet been run on the grid.
 
 **What the tiles allow.** The dense bound runs only the useful multiply-adds; moeblaze's tiles
@@ -754,10 +754,10 @@ caps the step, at the dense rate, at {cap_list(bounds, 3)}: below the 85 % floor
 few rows (Kimi-K2: 171 rows an expert; Llama-4-Maverick: 128, K = 1), whatever the kernels'
 speed. NR-f token rounding lifts those caps to {cap_list(bounds, 3, 1)}; 64-row last tiles would
 cut the token-side GEMMs' multiply-adds by about a quarter at Kimi-K2 and a sixth at
-Llama-4-Maverick. The `half_tiles` switch tries that inside the ws_gather kernels (the second
-consumer warpgroup skips its MMAs where its 64 rows are all padding) and is bitwise the same, but
-it made the step slower, not faster: {half_tiles_words()} It stays off (docs/notes/gathered-gemms.md,
-"Open").
+Llama-4-Maverick. A `half_tiles` kernel override tried that inside the ws_gather kernels (the
+second consumer warpgroup skipped its MMAs where its 64 rows were all padding); it was bitwise the
+same, but it made the step slower, not faster: {half_tiles_words()} It was taken off main again
+(docs/notes/gathered-gemms.md, "Open").
 
 {caption(rows, GRID)} *Of dense bound* is the dense bound's time over moeblaze's; *tiles allow*
 the most of it the tiles' padding leaves under top-K.

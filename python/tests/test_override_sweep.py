@@ -17,7 +17,7 @@ with open(os.environ["FAKE_LOG"], "a") as log:
     log.write(json.dumps({"args": args, "kernels": os.environ.get("MOEBLAZE_KERNELS", "")}) + "\n")
 names = ([args[args.index("--shape") + 1]] if "--shape" in args
          else args[args.index("--config") + 1].split(","))
-ms = 2.0 if "half_tiles=1" in os.environ.get("MOEBLAZE_KERNELS", "") else 1.0
+ms = 2.0 if "raster=8" in os.environ.get("MOEBLAZE_KERNELS", "") else 1.0
 with open(out, "w") as f:
     for n in names:
         name = "T" + n.replace(",", "-") if "," in n else n
@@ -33,16 +33,16 @@ def test_shapes_run_one_call_each_after_the_configs(tmp_path):
     env = dict(os.environ, FAKE_LOG=str(log))
     p = subprocess.run([sys.executable, os.path.join(BENCH, "override_sweep.py"), "--cli", str(cli),
                         "--bench", "layer", "--configs", "a,b", "--shapes", "8,64,32,4,2; 9,64,32,4,2",
-                        "--specs", ";half_tiles=1", "--rounds", "2", "--out", str(tmp_path / "r.jsonl")],
+                        "--specs", ";raster=8", "--rounds", "2", "--out", str(tmp_path / "r.jsonl")],
                        env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     calls = [json.loads(line) for line in open(log)]
     # Round 1 runs the specs forwards, round 2 backwards; per spec the configs, then each shape.
-    assert [c["kernels"] for c in calls] == [""] * 3 + ["half_tiles=1"] * 6 + [""] * 3
+    assert [c["kernels"] for c in calls] == [""] * 3 + ["raster=8"] * 6 + [""] * 3
     assert [c["args"][2:4] for c in calls[:3]] == [["--config", "a,b"], ["--shape", "8,64,32,4,2"],
                                                    ["--shape", "9,64,32,4,2"]]
     rows = [json.loads(line) for line in open(tmp_path / "r.jsonl")]
-    assert len(rows) == 16 and {r["kernels"] for r in rows} == {"", "half_tiles=1"}
+    assert len(rows) == 16 and {r["kernels"] for r in rows} == {"", "raster=8"}
     for name in ("a", "b", "T8-64-32-4-2", "T9-64-32-4-2"):
         assert f"| {name} | moeblaze | 1.000 | 2.000 (2.000) |" in p.stdout
 

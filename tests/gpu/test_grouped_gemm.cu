@@ -252,27 +252,6 @@ void expect_bitwise_across_bands(const std::string& gemm, const DevBuf& out, F l
   }
 }
 
-// Half tiles (the half_tiles override) leave out only the MMAs of rows past an expert's end:
-// what `launch` writes to `outs` (poisoned before each run) is bitwise the same with them on as
-// off, under the overrides `base`.
-template <class F>
-void expect_bitwise_with_half_tiles(const std::string& base,
-                                    const std::vector<const DevBuf*>& outs, F launch) {
-  const ClearOverridesOnExit clear_on_exit;
-  std::vector<std::vector<uint8_t>> off;
-  for (const bool on : {false, true}) {
-    const std::string spec = base + (base.empty() ? "" : ",") + (on ? "half_tiles=1" : "half_tiles=0");
-    gg::set_kernel_overrides(gg::parse_kernel_overrides(spec));
-    run_twice(outs, launch);
-    for (size_t i = 0; i < outs.size(); ++i) {
-      if (!on)
-        off.push_back(download<uint8_t>(*outs[i]));
-      else
-        EXPECT_TRUE(bytes_equal(*outs[i], off[i])) << "output " << i << " differs under " << spec;
-    }
-  }
-}
-
 // Inputs shared by the tests of one case.
 struct Inputs {
   Case c;
@@ -353,10 +332,6 @@ TEST_P(GroupedGemm, UpProjGatheredWithActivationEpilogue) {
     gg::up_proj(dp.view, cb(x), cb(w1), nullptr, mb(a), d, n, c.act, nullptr, k);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_TRUE(bytes_equal(a, a_full)) << "a differs when h is not stored";
-    if (k == gg::GatherKernel::warp_specialized)
-      expect_bitwise_with_half_tiles("", {&h, &a}, [&] {
-        gg::up_proj(dp.view, cb(x), cb(w1), mb(h), mb(a), d, n, c.act, nullptr, k);
-      });
   }
 }
 
@@ -421,9 +396,6 @@ TEST_P(GroupedGemm, DownProjContiguous) {
                             y_ref, rel_tolerance(DType::bf16));
     }
   }
-  expect_bitwise_with_half_tiles("down.family=ws", {&y}, [&] {
-    gg::down_proj(dp.view, cb(a), cb(w2), mb(y), d, n, nullptr);
-  });
   std::printf("[down %s] S=%lld err y %.2e, TMA path %.2e, ws %.2e, ws-pp %.2e\n",
               case_name(c).c_str(), (long long)S, ey, ey_tma, ey_ws[0], ey_ws[1]);
 }
@@ -509,11 +481,6 @@ TEST_P(GroupedGemm, DhProjGatheredWithBackwardEpilogue) {
     }
     std::printf("[dH  %s %s] S=%lld err dh %.2e a' %.2e ds %.2e\n", case_name(c).c_str(), kname,
                 (long long)S, edh, eas, eds);
-    if (k == gg::GatherKernel::warp_specialized)
-      expect_bitwise_with_half_tiles("", {&partials, &dh, &as}, [&] {
-        gg::dh_proj(dp.view, cb(dO), cb(w2), cb(h), partials.as<float>(), mb(dh), mb(as), d, n,
-                    c.act, nullptr, k);
-      });
   }
 }
 
@@ -675,9 +642,6 @@ TEST_P(GroupedGemm, DxProjWeightNMajor) {
                             download<bf16>(dx), dx_ref, rel_tolerance(DType::bf16));
     }
   }
-  expect_bitwise_with_half_tiles("dx.family=ws", {&dx}, [&] {
-    gg::dx_proj(dp.view, cb(dh), cb(w1), mb(dx), d, c.n, c.act, nullptr);
-  });
   std::printf("[dX  %s] S=%lld err dx %.2e, TMA path %.2e, ws %.2e, ws-pp %.2e\n",
               case_name(c).c_str(), (long long)S, ex, ex_tma, ex_ws[0], ex_ws[1]);
 }
@@ -1153,8 +1117,6 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   EXPECT_FALSE(gg::parse_kernel_overrides("").pdl.has_value());
   EXPECT_EQ(gg::parse_kernel_overrides("pdl=1").pdl, std::optional<bool>(true));
   EXPECT_EQ(gg::parse_kernel_overrides("raster=4,pdl=0").pdl, std::optional<bool>(false));
-  EXPECT_FALSE(gg::parse_kernel_overrides("").half_tiles.has_value());
-  EXPECT_EQ(gg::parse_kernel_overrides("half_tiles=1").half_tiles, std::optional<bool>(true));
   // tma.bands: both TMA-path GEMMs, nothing else.
   const gg::LayerKernels banded =
       gg::choose_kernels(sm, gg::parse_kernel_overrides("tma.bands=5,dw2.family=ws"));
@@ -1209,7 +1171,6 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   refused("tma.bands=0", "[1, 64]");
   refused("tma.bands=65", "[1, 64]");
   refused("pdl=2", "[0, 1]");
-  refused("half_tiles=2", "[0, 1]");
   // swiglu_oai: up and dh on its own ws cooperative kernels; nothing else takes it.
   const gg::KernelShape oai_shape{196608, 128, 1536, 256, Activation::swiglu_oai};
   const gg::LayerKernels oai = gg::choose_kernels(oai_shape, gg::KernelOverrides{});

@@ -392,10 +392,6 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
       o.expert_ranges = parse_int(item, v, 1, 1024);
       continue;
     }
-    if (key == "half_tiles") {
-      o.half_tiles = parse_int(item, v, 0, 1) == 1;
-      continue;
-    }
     if (key == "pdl") {
       o.pdl = parse_int(item, v, 0, 1) == 1;
       continue;
@@ -423,7 +419,7 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
     MOEBLAZE_REQUIRE(g >= 0, "kernel override '", item, "': unknown key '", key,
                      "' (<gemm>.family|schedule|cluster|b_tma|tile with <gemm> one of up, down, dh, "
                      "dw2, dx, dw1; raster; tma.order; tma.swizzle; tma.bands; chunks[.fwd|.bwd]; "
-                     "ranges; half_tiles; pdl; fp8.schedule; fp8.cluster; impl)");
+                     "ranges; pdl; fp8.schedule; fp8.cluster; impl)");
     const std::string field = key.substr(dot + 1);
     GemmOverride& go = o.gemm[g];
     if (field == "family") {

@@ -228,9 +228,6 @@ struct KernelOverrides {
   } token_chunks;
   std::optional<int> expert_ranges;  // ranges' count (1: none)
   std::optional<bool> pdl;           // programmatic dependent launch (pdl_launches)
-  // ws_gather cooperative kernels: a consumer warpgroup whose 64 rows of a tile all lie past its
-  // expert's end issues no MMAs (and, A by TMA, its rows are not loaded); sm90::half_tiles().
-  std::optional<bool> half_tiles;
   struct Fp8Override {
     std::optional<KernelSchedule> schedule;
     std::optional<int> cluster;

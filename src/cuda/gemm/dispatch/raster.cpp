@@ -1,5 +1,4 @@
-// The varlen kernels' CTA band height and the gather kernel's half tiles: kernel_config.hpp's
-// overrides or their defaults.
+// The varlen kernels' CTA band height: kernel_config.hpp's `raster` override or its default.
 #include "cuda/gemm/dispatch/raster.hpp"
 
 #include "cuda/gemm/dispatch/kernel_config.hpp"
@@ -7,7 +6,5 @@
 namespace moeblaze::cuda::gemm::sm90 {
 
 int raster_group() { return kernel_overrides().raster_group.value_or(kDefaultRasterGroup); }
-
-bool half_tiles() { return kernel_overrides().half_tiles.value_or(false); }
 
 }  // namespace moeblaze::cuda::gemm::sm90

@@ -43,7 +43,6 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "cuda/cuda_backend.hpp"
-#include "cuda/gemm/dispatch/raster.hpp"  // half_tiles
 #include "cuda/gemm/pipeline/sm90_gemm_core.cuh"
 #include "cuda/pdl.cuh"
 #include "cuda/gemm/pipeline/sm90_tma_desc.cuh"  // make_tma_kmajor
@@ -113,12 +112,7 @@ struct Args {
   const int32_t* rows_begin;
   const int32_t* rows_end;
   const int32_t* rows_out;
-  // Cooperative only (set by launch_gather_gemm from sm90::half_tiles()): a tile with at most 64
-  // rows left in its expert runs on the first consumer warpgroup alone (the second issues no
-  // MMAs), and with A by TMA only A's first 64 rows are loaded.
-  int half_tiles;
 };
-
 
 // The Args fields every gathered GEMM sets alike: A (rows, K) bf16 gathered per slot through the
 // plan, the plan's offsets and E, the reduction length K.
@@ -138,11 +132,6 @@ inline Args gather_args(const RoutingPlanView& plan, const void* a, int64_t K) {
 struct Tile {
   int expert, m_begin, m_end, n_tile, out_shift;
 };
-
-// Whether tile tl's second 64 rows all lie past its expert's end (a half tile).
-__device__ __forceinline__ bool second_half_empty(const Tile& tl) {
-  return tl.m_end - tl.m_begin <= kBM / 2;
-}
 
 // Expert e's A rows: [offsets[e], offsets[e + 1]) for the gathered GEMMs, the ExpertRows range
 // for the contiguous-A ones (kRows).
@@ -248,8 +237,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     RingPosT<Sched::kStages> pos;
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const Tile tl = decode_tile<kTmaA>(p, tile_start, m_total, t);
-      // A's 64-row boxes this tile loads by TMA: the second only where a consumer reads it.
-      const int a_boxes = p.half_tiles && second_half_empty(tl) ? 1 : kBM / kBox;
       // This thread's source row of each j (an A row id), or -1 past the expert's end.
       int src[8];
 #pragma unroll
@@ -280,7 +267,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         Barrier::wait(&ring.empty[stage], pos.phase ^ 1);  // the consumers released this stage
         if (tid == 0) {
           Barrier::arrive_and_expect_tx(&ring.full[stage],
-                                        kBoxes * kBoxBytes + (kTmaA ? a_boxes * kBoxBytes : 0));
+                                        kBoxes * kBoxBytes + (kTmaA ? kStageBytesA : 0));
           char* dst = ring.b + stage * R::kStageBytesB;
 #pragma unroll
           for (int h = 0; h < kBoxes; ++h)
@@ -291,7 +278,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                                    kMajorB == GMajor::K ? b_y[h] : b_y[h] + kt * kBK);
           if constexpr (kTmaA) {  // the tile's 128 rows as two 64-row boxes (past S: zero fill)
             char* a_dst = ring.a + stage * kStageBytesA;
-            for (int h = 0; h < a_boxes; ++h)
+#pragma unroll
+            for (int h = 0; h < kBM / kBox; ++h)
               SM90_TMA_LOAD_2D::copy(&p.tma_a, &ring.full[stage],
                                      static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
                                      a_dst + h * kBoxBytes, kt * kBK, tl.m_begin + h * kBox);
@@ -322,15 +310,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       Epi::apply(ep, acc, tl.m_begin + tl.out_shift, tl.m_end + tl.out_shift, tl.n_tile,
                  tl.expert, epi_smem);
     };
-    if constexpr (Sched::kPingPong) {
+    if constexpr (Sched::kPingPong)
       pingpong_consumer_loop<L, kConsumerRegs>(ring, num_tiles, k_tiles, begin, end);
-    } else {
-      // Half tiles: the second consumer warpgroup (rows 64..127 of the tile) sits out a tile
-      // whose rows there are all past the expert's end; the epilogue stores none of them.
-      const bool second_wg = threadIdx.x >= kProducerThreads + 128;
-      auto active = [&](int) { return !(p.half_tiles && second_wg && second_half_empty(tl)); };
-      consumer_loop<L, kConsumerRegs>(ring, blockIdx.x, gridDim.x, num_tiles, begin, end, active);
-    }
+    else
+      consumer_loop<L, kConsumerRegs>(ring, blockIdx.x, gridDim.x, num_tiles, begin, end);
   }
 }
 
@@ -345,7 +328,6 @@ void launch_gather_gemm(const Args& p, const void* b, const typename Epi::Params
   const int grid = persistent_grid(((S + kBM - 1) / kBM + p.E) * p.n_tiles);
   Args q = p;
   q.raster_group = clamp_raster_group(raster_group, (S + kBM - 1) / kBM + p.E);
-  q.half_tiles = !Sched::kPingPong && half_tiles();  // ping-pong's warpgroups own whole tiles
   const int64_t b_rows = int64_t(p.E) * p.b_rows_per_expert;
   MOEBLAZE_UNSUPPORTED_IF(b_rows > INT32_MAX, "the weight stack's ", b_rows,
                           " rows exceed the TMA coordinate range (2^31 - 1)");

@@ -180,19 +180,6 @@ struct RingPosT {
 };
 using RingPos = RingPosT<>;
 
-// A consumer warpgroup that issues no MMAs for a tile still keeps the ring's pace: it waits for
-// each of the tile's k_tiles stages and releases it (the gather kernel's half tiles).
-template <class R>
-__device__ __forceinline__ void keep_ring_pace(const R& r, RingPosT<R::kStageCount>& pos,
-                                               int k_tiles) {
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  for (int kt = 0; kt < k_tiles; ++kt) {
-    Barrier::wait(&r.full[pos.stage], pos.phase);
-    r.release(pos.stage);
-    pos.advance();
-  }
-}
-
 // One tile's mainloop on a consumer warpgroup: k_tiles ring stages, one WGMMA batch in flight,
 // each stage released once the batch after it is issued and it has retired. issued() runs after
 // the last batch is issued, before waiting for it (the ping-pong hand-over).
@@ -235,15 +222,10 @@ __device__ __forceinline__ void mma_mainloop(const R& r, RingPosT<R::kStageCount
 // on this thread's fp32 accumulators (zeros when k_tiles = 0). L gives TiledMma (two warpgroups
 // along M), the stage layouts and kTileN.
 // The CTA's tiles are first, first + stride, ... (blockIdx.x, gridDim.x; a cluster's index and
-// count in a kernel whose clusters share their tiles). active(t), after begin(t): whether this
-// thread's warpgroup issues the tile's MMAs (else its accumulators are zeros; the gather
-// kernel's half tiles).
-struct AllActive {
-  __device__ bool operator()(int) const { return true; }
-};
-template <class L, int kRegs, class R, class Begin, class End, class Active = AllActive>
+// count in a kernel whose clusters share their tiles).
+template <class L, int kRegs, class R, class Begin, class End>
 __device__ __forceinline__ void consumer_loop(const R& r, int first, int stride, int num_tiles,
-                                              Begin begin, End end, Active active = {}) {
+                                              Begin begin, End end) {
   using namespace cute;
   cutlass::arch::warpgroup_reg_alloc<kRegs>();
   typename L::TiledMma mma;
@@ -256,13 +238,8 @@ __device__ __forceinline__ void consumer_loop(const R& r, int first, int stride,
   RingPosT<R::kStageCount> pos;
   for (int t = first; t < num_tiles; t += stride) {
     const int k_tiles = begin(t);
-    // An inactive warpgroup takes the k_tiles = 0 path below after keeping the ring's pace:
-    // a skip inside mma_mainloop made ptxas serialise the dH kernels' wgmmas (C7514).
-    const bool on = active(t);
-    if (!on) keep_ring_pace(r, pos, k_tiles);
-    const int mma_tiles = on ? k_tiles : 0;
-    if (mma_tiles == 0) clear(acc);
-    mma_mainloop(r, pos, mma, tCrA, tCrB, acc, mma_tiles, [] {});
+    if (k_tiles == 0) clear(acc);
+    mma_mainloop(r, pos, mma, tCrA, tCrB, acc, k_tiles, [] {});
     end(t, acc);
   }
 }
