@@ -374,7 +374,8 @@ def run_impl(family, impl, args, dev, dtype, meta, ref):
         traceback.print_exc()
     finally:
         del model
-        if dev.type == "cuda" and "skipped" not in row:
+        # not after a failure: a device-side assert would raise again here and hide its traceback
+        if dev.type == "cuda" and not row.get("skipped", "").startswith("failed:"):
             torch.cuda.empty_cache()
     if "skipped" not in row and not args.no_fp64:
         try:
