@@ -442,8 +442,9 @@ def moe_experts(x, w1, w2, expert_ids, expert_weights, activation="swiglu", reco
     """Functional MoE with caller-supplied routing: expert_ids (T, K) integer, expert_weights
     (T, K) (gradients flow to them). x (T, d), w1 (E, rows, d), w2 (E, d, n), one dtype, one
     device. On the CPU a bad id (outside [0, E), of any integer dtype) raises ValueError naming
-    it; on CUDA pass validate=True to check (a host sync), otherwise a bad id gives garbage but
-    never an out-of-bounds write (and is never narrowed into a valid one). b1 (E, w1_rows) and
+    it; on CUDA pass validate=True to check (a host sync), otherwise a bad id (out of range or
+    repeated) makes its token's output row and gradients NaN, never a plausible row and never
+    an out-of-bounds access (and is never narrowed into a valid one). b1 (E, w1_rows) and
     b2 (E, d), optional, each alone or both: expert biases, h = W1_e x + b1_e and
     y = W2_e a + b2_e (gpt-oss), with gradients, on the CPU and the GPU. compute_dtype and
     fp8_weights: as experts_from_routing's ("fp8": e4m3 operands, docs/FP8.md)."""

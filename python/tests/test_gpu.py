@@ -90,6 +90,26 @@ def test_gpu_bad_ids_raise_with_validate():
         moeblaze.moe_experts(x, w1, w2, ids, torch.rand(4, 2, device="cuda"), validate=True)
 
 
+@pytest.mark.parametrize("bad", ["out of range", "negative", "repeated"])
+def test_gpu_bad_ids_without_validate_give_their_token_nan(bad):
+    # No host sync by default: the plan builder leaves the bad pair out of the token view and the
+    # aggregations give that token NaN (output, dx, its pair-weight gradients) instead of a row
+    # silently short of a pair or counted twice; the other tokens are computed as usual.
+    T, d, n, E, K, t = 64, 128, 128, 8, 2, 5
+    x, w1, w2, ids, wts = _supplied_routing_inputs(T, d, n, E, K)
+    bad_ids = ids.clone()
+    bad_ids[t, 1] = {"out of range": E + 3, "negative": -2, "repeated": int(ids[t, 0])}[bad]
+    out = moeblaze.moe_experts(x, w1, w2, bad_ids, wts)
+    out.backward(torch.ones_like(out))
+    others = torch.arange(T, device="cuda") != t
+    assert torch.isnan(out[t]).all() and torch.isfinite(out[others]).all()
+    assert torch.isnan(x.grad[t]).all() and torch.isfinite(x.grad[others]).all()
+    assert torch.isnan(wts.grad[t, 1]) and torch.isfinite(wts.grad[others]).all()
+    with torch.no_grad():  # the other tokens as with valid ids
+        ref = moeblaze.moe_experts(x, w1, w2, ids, wts)
+    assert rel_err(out[others], ref[others]) <= TOL[BF16]
+
+
 def test_gpu_rejects_shapes_it_cannot_run():
     moe = _moe(d=96, n=64)
     with pytest.raises(moeblaze.UnsupportedError, match=r"d \(96\) must be a multiple of 64"):

@@ -105,8 +105,9 @@ size_t plan_build_workspace_bytes(int64_t T, int64_t E, int64_t P, PlanBuilder b
 
 // Builds `plan` (allocated on the GPU with (T, E, S = P)) from a GPU routing on `stream`.
 // No host synchronisation, no allocation, no atomics: capturable in a CUDA graph. Bad input
-// raises d_flags (kRoutingFlagCount int32 on the device, may be nullptr); the plan is then
-// garbage but every write stays in bounds.
+// raises d_flags (kRoutingFlagCount int32 on the device, may be nullptr); every write stays in
+// bounds, and a pair with an out-of-range or repeated expert id is left out of the token view
+// (token_index_map -1), so the layer's aggregations give its token NaN instead of a plausible row.
 void build_plan_async(const RoutingView& routing, PlanBuilder builder, RoutingPlan& plan,
                       void* workspace, size_t workspace_bytes, int32_t* d_flags,
                       cudaStream_t stream, const PlanBuildOptions& opts = {});

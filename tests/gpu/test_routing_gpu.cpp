@@ -383,20 +383,21 @@ TEST(RoutingPlanGpu, BadRoutingRaisesFlagsAndClearErrors) {
     int flag;
     const char* message;
     void (*mutate)(HostRouting&);
+    int left_out;  // the pair the graph-capturable build leaves out of the token view (-1: none)
   };
   const Case cases[] = {
       {"out of range", cuda::kFlagExpertOutOfRange, "is out of range [0, 8)",
-       [](HostRouting& h) { h.experts[2 * 4321 + 1] = 9; }},
+       [](HostRouting& h) { h.experts[2 * 4321 + 1] = 9; }, 2 * 4321 + 1},
       {"negative", cuda::kFlagExpertOutOfRange, "is out of range [0, 8)",
-       [](HostRouting& h) { h.experts[2 * 17] = -3; }},
+       [](HostRouting& h) { h.experts[2 * 17] = -3; }, 2 * 17},
       {"repeated", cuda::kFlagExpertRepeated, "is repeated in token 5000",
-       [](HostRouting& h) { h.experts[2 * 5000 + 1] = h.experts[2 * 5000]; }},
+       [](HostRouting& h) { h.experts[2 * 5000 + 1] = h.experts[2 * 5000]; }, 2 * 5000 + 1},
       {"nan weight", cuda::kFlagNonFinite, "is not finite",
-       [](HostRouting& h) { h.weights[777] = NAN; }},
+       [](HostRouting& h) { h.weights[777] = NAN; }, -1},
       {"inf weight", cuda::kFlagNonFinite, "is not finite",
-       [](HostRouting& h) { h.weights[8000] = -INFINITY; }},
+       [](HostRouting& h) { h.weights[8000] = -INFINITY; }, -1},
       {"decreasing offsets", cuda::kFlagBadOffsets, "pair_offsets must be non-decreasing: token",
-       [](HostRouting& h) { std::swap(h.offsets[300], h.offsets[301]); }},
+       [](HostRouting& h) { std::swap(h.offsets[300], h.offsets[301]); }, -1},
   };
   // A valid plan the failed calls must leave alone.
   const Routing dgood = to_device(good);
@@ -422,6 +423,16 @@ TEST(RoutingPlanGpu, BadRoutingRaisesFlagsAndClearErrors) {
       RoutingPlan p2;
       const std::vector<int32_t> flags = build_async(d, b, p2);
       EXPECT_EQ(flags[size_t(c.flag)], 1) << "flag " << c.flag;
+      // A bad id's pair has no slot in the token view (-1), so the aggregations give its token
+      // NaN rather than a row short of a pair or counted twice; every other pair keeps one.
+      if (c.left_out >= 0) {
+        const HostPlan h = plan_to_host(p2);
+        for (size_t p = 0; p < h.token_slots.size(); ++p)
+          if (int(p) == c.left_out)
+            EXPECT_EQ(h.token_slots[p], -1) << "pair " << p;
+          else
+            ASSERT_GE(h.token_slots[p], 0) << "pair " << p;
+      }
     }
   }
 }

@@ -113,7 +113,10 @@ __device__ __forceinline__ void aggregate_token(int64_t t, int64_t q, int64_t qu
     for (int b = 0; b < kBatch; ++b) {
       if (p + b < p1) {
         const int64_t slot = token_index_map[p + b];
-        w[b] = kWeighted ? slot_weights[slot] : 1.0f;
+        // slot < 0: a pair the plan builder left out (its flag is raised). Its weight is NaN and
+        // nothing is loaded for it, so the token's row comes out NaN instead of a pair short.
+        w[b] = slot < 0 ? __uint_as_float(0x7FC00000u) : kWeighted ? slot_weights[slot] : 1.0f;
+        if (slot < 0) continue;
         const int64_t r = kChunk ? int64_t(row_map[p + b]) : slot;
         const uint4* row = reinterpret_cast<const uint4*>(rows + r * d);
         const uint4* brow =
@@ -137,13 +140,12 @@ __device__ __forceinline__ void aggregate_token(int64_t t, int64_t q, int64_t qu
             float f[V];
             Vec<T>::unpack(raw[b][k], f);
 #pragma unroll
-            for (int j = 0; j < V; ++j)
-              acc[k][j] = kWeighted ? fmaf(w[b], f[j], acc[k][j]) : acc[k][j] + f[j];
+            for (int j = 0; j < V; ++j)  // unweighted: w = 1, and fma(1, f, acc) = acc + f
+              acc[k][j] = fmaf(w[b], f[j], acc[k][j]);
             if constexpr (kBias) {  // the pair's y_p + b2_e, weighted like y_p
               Vec<T>::unpack(braw[b][k], f);
 #pragma unroll
-              for (int j = 0; j < V; ++j)
-                acc[k][j] = kWeighted ? fmaf(w[b], f[j], acc[k][j]) : acc[k][j] + f[j];
+              for (int j = 0; j < V; ++j) acc[k][j] = fmaf(w[b], f[j], acc[k][j]);
             }
           }
         }
@@ -221,6 +223,10 @@ __global__ void __launch_bounds__(kThreads)
   float acc = 0.0f;
   for (int p = token_pair_offsets[t]; p < token_pair_offsets[t + 1]; ++p) {
     const int64_t slot = token_index_map[p];
+    if (slot < 0) {  // a pair the plan builder left out (its flag is raised): NaN, not short
+      acc = __uint_as_float(0x7FC00000u);
+      continue;
+    }
     const float v = to_f(rows[slot * d + col]);
     acc = kWeighted ? fmaf(slot_weights[slot], v, acc) : acc + v;
   }
@@ -304,7 +310,10 @@ __global__ void gather_pair_grads_kernel(const int32_t* __restrict__ token_index
   pdl_wait();
   pdl_launch_dependents();
   const int64_t p = int64_t(blockIdx.x) * kThreads + threadIdx.x;
-  if (p < S) d_pair_weights[p] = ds[token_index_map[p]];
+  if (p < S) {
+    const int32_t slot = token_index_map[p];  // < 0: a pair left out of the plan (flagged)
+    d_pair_weights[p] = slot >= 0 ? ds[slot] : __uint_as_float(0x7FC00000u);
+  }
 }
 
 }  // namespace

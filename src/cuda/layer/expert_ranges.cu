@@ -60,8 +60,12 @@ __global__ void __launch_bounds__(kThreads)
     uint4* hi_bits = reinterpret_cast<uint4*>(dx + t * d + col);  // 8 x the carry's high half
     uint4* lo_bits = reinterpret_cast<uint4*>(carry_lo + t * d + col);
     if (first) {
+      // A pair left out of the plan (flagged) sorts first as slot -1: the token's dx is NaN.
+      const int32_t p0 = pair_offsets[t];
+      const float zero = p0 < pair_offsets[t + 1] && slots[p0] < 0 ? __uint_as_float(0x7FC00000u)
+                                                                   : 0.0f;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+      for (int j = 0; j < 8; ++j) acc[j] = zero;
     } else {
       const uint4 h = *hi_bits, l = *lo_bits;
       const uint32_t hw[4] = {h.x, h.y, h.z, h.w}, lw[4] = {l.x, l.y, l.z, l.w};

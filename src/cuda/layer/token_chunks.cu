@@ -86,6 +86,10 @@ __global__ void chunk_pair_rows_kernel(const int32_t* __restrict__ pair_offsets,
   const int64_t c = upper_bound(token_bounds, 0, C + 1, t) - 1;
   for (int64_t p = pair_offsets[t]; p < pair_offsets[t + 1]; ++p) {
     const int64_t slot = token_index_map[p];
+    if (slot < 0) {  // a pair left out of the plan (flagged): no row; the aggregation gives NaN
+      pair_rows[p] = -1;
+      continue;
+    }
     const int64_t e = upper_bound(offsets, 0, E + 1, slot) - 1;  // off[e] <= slot < off[e+1]
     pair_rows[p] = int32_t(packed_base[c * E + e] + (slot - expert_rows[c * E + e]));
   }

@@ -269,7 +269,9 @@ plan_scatter_kernel(const int32_t* __restrict__ pair_experts,  // (P,) int32, to
       s_oslot[j] = slot;
       s_otok[j] = t;
       s_ow[j] = wgt;
-      token_index_map[p] = slot;
+      // A repeated pair keeps its slot (computed, in bounds) but leaves the token view, like an
+      // out-of-range one: the aggregation then gives the token NaN, not a silent double count.
+      token_index_map[p] = repeated ? -1 : slot;
     } else {
       token_index_map[p] = -1;
     }

@@ -86,14 +86,17 @@ sort_finish_kernel(const uint32_t* __restrict__ keys,       // (P,) expert id, s
     if (!isfinite(w)) raise_flag(flags, kFlagNonFinite);
     expert_token_indices[s] = t;
     slot_weights[s] = w;
-    token_index_map[p] = int32_t(s);
     const int32_t prev = s > 0 ? int32_t(min(keys[s - 1], uint32_t(E - 1))) : -1;
     for (int32_t f = prev + 1; f <= e; ++f) expert_token_offsets[f] = int32_t(s);
     if (s == P - 1)
       for (int32_t f = e + 1; f <= E; ++f) expert_token_offsets[f] = int32_t(P);
     // Equal neighbours in one expert segment with the same token: a repeated expert.
-    if (s > 0 && prev == e && sort_token_of(pair_offsets, pairs[s - 1], uniform, K0, T) == t)
-      raise_flag(flags, kFlagExpertRepeated);
+    const bool repeated =
+        s > 0 && prev == e && sort_token_of(pair_offsets, pairs[s - 1], uniform, K0, T) == t;
+    if (repeated) raise_flag(flags, kFlagExpertRepeated);
+    // A clamped (out-of-range) or repeated pair keeps its slot but leaves the token view: the
+    // aggregation gives the token NaN rather than expert E - 1's row or a double count.
+    token_index_map[p] = keys[s] >= uint32_t(E) || repeated ? -1 : int32_t(s);
   }
 }
 
