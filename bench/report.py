@@ -61,7 +61,7 @@ RULE_CONSTANTS = {"kTmaMinRowsPerExpert": 128, "kWsContiguousMaxRowsPerExpert": 
 # "model-step" rows); None until a GPU run is committed. Its table and figure
 # (docs/figures/model_step.png) also go into README.md, between the two MODEL_STEP_MARKS lines
 # (put the two lines where the table belongs; this script fills them in).
-MODEL_STEP = None
+MODEL_STEP = "model-step-2026-12-06-5bd519a-h100.jsonl"
 README = os.path.join(ROOT, "README.md")
 MODEL_STEP_MARKS = ("<!-- model-step table: bench/report.py writes what follows -->",
                     "<!-- end of the model-step table -->")
@@ -1017,6 +1017,10 @@ def model_step_table(rows):
                  ["---", "---:", "---:", "---:", "---:", "---:", "---", "---", "---:"])
 
 
+def plural(k, noun):
+    return f"{k} {noun}{'' if k == 1 else 's'}"
+
+
 def model_step_section():
     if not MODEL_STEP:
         return ""
@@ -1031,7 +1035,7 @@ def model_step_section():
 **Where it stands.** One forward + backward of whole Hugging Face transformers models built
 from public configs ({r0['layers']} layers, random weights, {r0['tokens']} tokens a step), per
 `experts_implementation`: moeblaze's step is {span(vs_s, f3) if vs_s else "—"}× SonicMoE's
-(transformers' `"sonicmoe"`) over {len(vs_s)} models and {span(vs_g, f3) if vs_g else "—"}×
+(transformers' `"sonicmoe"`) over {plural(len(vs_s), "model")} and {span(vs_g, f3) if vs_g else "—"}×
 `grouped_mm`'s over {len(vs_g)}. The targets: at most 0.95× SonicMoE's and 0.75× grouped_mm's,
 a peak at or below both, a first step at most 1/10 of SonicMoE's.
 
@@ -1458,7 +1462,8 @@ def main(argv=None):
         print("report: README.md (the model-step table)")
     if not args.no_figures:
         figures(FIGURES)
-        print(f"report: {os.path.relpath(FIGURES, ROOT)}/throughput.png, memory.png")
+        print(f"report: {os.path.relpath(FIGURES, ROOT)}/throughput.png, memory.png"
+              + (", model_step.png" if MODEL_STEP else ""))
     return 0
 
 

@@ -75,7 +75,7 @@ def test_model_step_section_and_readme_table(monkeypatch):
     monkeypatch.setattr(report, "MODEL_STEP", name)
     monkeypatch.setattr(report, "jsonl", lambda n: rows)
     out = report.model_step_section()
-    assert "0.900× SonicMoE's" in out.replace("\n", " ") and "over 1 models" in out
+    assert "0.900× SonicMoE's" in out.replace("\n", " ") and "over 1 model and" in out
     assert "0.600–0.675×" in out  # grouped_mm: 108 / 160 and 30 / 50
     assert ("| Qwen3-30B-A3B | 160.00 | 120.00 | 108.00 | 0.900 | 0.675 | 18.00 / 13.00 / 12.00 "
             "| 2.00 / 300.00 / 1.50 | 3.0e-03 |") in out
