@@ -98,6 +98,9 @@ DESCRIBE = {
     STEP_KERNELS: "one profiled step's kernels by family, bf16 / fp8 / fp8-wgrad",
     FP8_ACCURACY: "each FP8 recipe's error against float64 on the GPU",
     "ncu-act-passes-2026-12-05-5d8a446-h100.txt": "Nsight Compute on the FP8 activation passes",
+    "ncu-backward-2026-12-06-5bd519a-h100.md": "Nsight Compute on every GEMM of the chain at four "
+        "grid shapes, the weight gradients' time per tile against their K, and cuBLAS's "
+        "same-FLOP GEMM",
     TRAINING_FP8: "the tiny LM with bf16, fp8 and fp8-wgrad experts on the GPU, 300 steps",
     TRAINING: "training proofs: the tiny LM through moeblaze and torch, the largest micro-batch in "
               "8 GiB, NR-f token rounding against top-K",
@@ -125,6 +128,8 @@ DESCRIBE = {
     GTESTS[0]: "every GPU gtest (the GPU shape fuzz's short round, out of memory, streams, "
                "concurrency and non-finite values included)",
     PYTESTS[0]: "the whole Python suite with CUDA",
+    MODEL_STEP: "one training step of a whole Hugging Face model per experts_implementation "
+                "(grouped_mm, sonicmoe, moeblaze): step, peak, first step, loss and gradients",
     GRID: "the public-model grid on the C++ path: moeblaze and the dense bound per shape, with "
           "the float64 check on a token sample",
     FSDP: "a training step of MoE blocks (moeblaze's experts, then torch._grouped_mm's) "
