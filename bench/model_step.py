@@ -363,7 +363,7 @@ def run_impl(family, impl, args, dev, dtype, meta, ref):
                 times.append(ms)
         row["step_ms"] = median(times)
         if impl == "moeblaze" and "extension" in row:  # what the steps ran: "loaded: ..." etc.
-            row["extension"] = sys.modules["moeblaze"].extension_status()
+            row["extension"] = moeblaze.extension_status()
         row["reps"], row["warmup"] = args.reps, args.warmup
     except Skip as why:
         row["skipped"] = str(why)
