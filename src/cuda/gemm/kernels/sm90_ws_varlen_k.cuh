@@ -203,60 +203,57 @@ __device__ __forceinline__ void varlen_k_store(const VarlenKArgs& p, Acc& acc, i
 
 // The epilogue through shared memory (kTmaStore): each consumer warpgroup w writes its 64 rows
 // of the tile as bf16 into its 32 KiB of `staging`, four 64 x 64 boxes in the 128-byte swizzle
-// of a TMA box (16-byte chunk c of row r at r * 128 + (c ^ r % 8) * 16), and one thread of it
+// of a TMA box (16-byte chunk c of box row r at r * 128 + (c ^ r % 8) * 16), and one thread of it
 // stores them by TMA and does not wait: the stores drain under the next tile's MMAs, where the
 // plain stores held every CTA until its tile was written (docs/notes/varlen-k-weight-gradients.md,
 // "Few rows an expert"). Before writing the staging tile again, that thread waits until its
 // previous stores have read it (cp.async.bulk.wait_group.read). Same values, same bits as
 // varlen_k_store.
+// The fragment goes to shared memory by stmatrix, four 8 x 8 blocks an instruction: block
+// (i, v1) is the warp's rows 8 v1 .. + 8 of its 16, columns 8 i .. + 8, and a lane holds its
+// row lane / 4, columns 2 (lane % 4), + 1 (the WGMMA fragment is stmatrix's). Lane L gives the
+// address of row L % 8 of block L / 8; those 8 rows differ in r % 8, so each 8-lane phase
+// meets 8 different bank groups.
 //   row-major (M, N): box j of warpgroup w is rows m0 + 64 w .. + 64, columns n0 + 64 j .. + 64;
-//   transposed (N, M): box j is out rows n0 + 64 j .. + 64, columns m0 + 64 w .. + 64.
+//     a block row is 8 columns n of one row m: box row = m, chunk = i % 8.
+//   transposed (N, M): box j is out rows n0 + 64 j .. + 64, columns m0 + 64 w .. + 64;
+//     stmatrix.trans writes a block's column as a row: box row = n = 8 i + L % 8, chunk = the
+//     block's 8 rows m.
 // Boxes wholly past M or N (multiples of 64) are not stored.
 template <bool kTransposed, class Acc>
 __device__ __forceinline__ void varlen_k_store_tma(const VarlenKArgs& p, Acc& acc, int expert,
                                                    int m_tile, int n_tile, char* staging) {
-  const int t = threadIdx.x - kProducerThreads, w = t >> 7;
+  const int t = threadIdx.x - kProducerThreads, w = t >> 7, warp = (t >> 5) & 3;
   const bool issuer = (t & 127) == 0;
-  const int lane = threadIdx.x & 31, q = lane & 3;
+  const int lane = threadIdx.x & 31, rho = lane & 7, blk = lane >> 3;
   char* mine = staging + w * (4 * kBoxBytes);
   const uint32_t base = smem_u32(mine);
   if (issuer) cute::tma_store_wait<0>();  // the previous tile's stores have read `mine`
   cutlass::arch::NamedBarrier::sync(128, 1 + w);
-  auto put = [&](int r, int j, int c, uint32_t (&v)[4]) {  // row r of box j, chunk c
-    const uint32_t a = base + j * kBoxBytes + r * 128 + ((c ^ (r & 7)) << 4);
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(v[0]), "r"(v[1]),
-                 "r"(v[2]), "r"(v[3]));
-  };
-  if constexpr (kTransposed) {
-    const int m_t = ws_frag_row(0) - (lane >> 2) + 8 * (q & 1);  // tile-relative, 8 of them
-    const int c = (m_t & 63) >> 3;
 #pragma unroll
-    for (int i0 = 0; i0 < kFragColGroups; i0 += 2) {
-      uint32_t v[4];
+  for (int i = 0; i < kFragColGroups; i += 2) {
+    uint32_t v[4];  // blocks (i, 0), (i, 1), (i + 1, 0), (i + 1, 1)
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int e = 4 * (i0 + (k >> 1)) + 2 * (k & 1);
-        v[k] = movmatrix_trans(pack_bf16x2(acc(e), acc(e + 1)));
-      }
-      quad_transpose(v);
-      const int n_t = 8 * (i0 + (q >> 1)) + (lane >> 2);
-      put(n_t & 63, n_t >> 6, c, v);
+    for (int k = 0; k < 4; ++k) {
+      const int e = 4 * (i + (k >> 1)) + 2 * (k & 1);
+      v[k] = pack_bf16x2(acc(e), acc(e + 1));
     }
-  } else {
-#pragma unroll
-    for (int v1 = 0; v1 < 2; ++v1) {
-      const int r = ws_frag_row(v1) - 64 * w;
-#pragma unroll
-      for (int i0 = 0; i0 < kFragColGroups; i0 += 4) {
-        uint32_t v[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          v[k] = pack_bf16x2(acc(4 * (i0 + k) + 2 * v1), acc(4 * (i0 + k) + 2 * v1 + 1));
-        quad_transpose(v);
-        const int col_t = 8 * (i0 + q);
-        put(r, col_t >> 6, (col_t & 63) >> 3, v);
-      }
+    const int ii = i + (blk >> 1), vv = blk & 1;  // this lane's address: block (ii, vv)
+    int r, c;
+    if constexpr (kTransposed) {
+      r = 8 * (ii & 7) + rho;
+      c = 2 * warp + vv;
+    } else {
+      r = 16 * warp + 8 * vv + rho;
+      c = ii & 7;
     }
+    const uint32_t a = base + (ii >> 3) * kBoxBytes + r * 128 + ((c ^ (r & 7)) << 4);
+    if constexpr (kTransposed)
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(a),
+                   "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]));
+    else
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(a),
+                   "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]));
   }
   cute::tma_store_fence();  // this thread's shared-memory writes, visible to the TMA unit
   cutlass::arch::NamedBarrier::sync(128, 1 + w);
