@@ -8,6 +8,9 @@
 
 namespace moeblaze::cuda::gemm::detail {
 
+// The ring depth the kernel builds is the one the kernel choice reports (GemmKernel::stages).
+static_assert(sm90::ws::kVkTmaStoreStages == kWsVarlenKTmaStoreStages);
+
 void dw2_proj_ws_ts(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled,
                     bf16* dw2, int64_t d, int64_t n, cudaStream_t stream) {
   // d_out (T, d) gathered: M = d; a_scaled (S, n): N = n; dw2 (E, d, n).
