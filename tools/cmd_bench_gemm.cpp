@@ -511,7 +511,8 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
           dh("dH-pp", GK::ping_pong),
           dh_over_h("dH-ws-ip", GK::warp_specialized),
           dw2("dW2", GK::two_cta),
-          dw2("dW2-ws", GK::warp_specialized),
+          // the plain-store epilogue, whatever the rule picks (dW2-ts: the TMA-store one)
+          with_overrides("dw2.family=ws", dw2("dW2-ws", GK::warp_specialized)),
           dx("dX", {}),
           down("down-tma", tma_scratch),
           dx("dX-tma", tma_scratch),

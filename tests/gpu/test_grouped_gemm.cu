@@ -756,6 +756,24 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_EQ(sm.dw2.family, KernelFamily::ws_varlen_k);
   EXPECT_EQ(sm.dw1.family, KernelFamily::ws_varlen_k);
   EXPECT_EQ(sm.dw1.cluster, 1);  // 2048 rows per expert: no clusters
+  // Below 4096 rows per expert both weight gradients leave by TMA store (3 ring stages); from
+  // there (olmoe: 4096) dW1 runs on clusters and both store plainly (4 stages).
+  EXPECT_TRUE(sm.dw2.store_by_tma);
+  EXPECT_TRUE(sm.dw1.store_by_tma);
+  EXPECT_EQ(sm.dw1.stages, gg::kWsVarlenKTmaStoreStages);
+  const gg::LayerKernels olmoe = choose(262144, 64, 2048, 1024);
+  EXPECT_EQ(olmoe.dw1.cluster, 2);
+  EXPECT_FALSE(olmoe.dw1.store_by_tma);
+  EXPECT_FALSE(olmoe.dw2.store_by_tma);
+  EXPECT_EQ(olmoe.dw2.stages, gg::kWsVarlenKStages);
+  // A cluster override drops the TMA-store epilogue (one CTA a tile's) with its ring depth.
+  const gg::GemmKernel c2 =
+      gg::choose_kernels({262144, 128, 4096, 1024, Activation::swiglu, 132, gg::kFallbackL2Bytes},
+                         gg::parse_kernel_overrides("dw1.cluster=2"))
+          .dw1;
+  EXPECT_EQ(c2.cluster, 2);
+  EXPECT_FALSE(c2.store_by_tma);
+  EXPECT_EQ(c2.stages, gg::kWsVarlenKStages);
   EXPECT_EQ(sm.up.raster_group, gg::kDefaultRasterGroup);
   // swiglu's dH: its own ws kernels, cooperative, at every d (sm-7B-n256: d = 1536).
   const gg::LayerKernels s7 = choose(196608, 128, 1536, 256);

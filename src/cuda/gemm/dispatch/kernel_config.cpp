@@ -141,10 +141,20 @@ LayerKernels automatic(const KernelShape& s) {
   if (!ws) {
     k.dw2 = k.dw1 = two_cta("E > 4096: the 2-CTA varlen-K kernel, as measured");
   } else {
-    k.dw2 = ws_varlen_k(1, "warp-specialised varlen-K at every shape measured");
+    const bool few_rows = s.S < s.E * kVarlenKTmaStoreMaxRowsPerExpert;
+    k.dw2 = few_rows ? ws_varlen_k(1, "S < 4096 E rows: warp-specialised varlen-K, the tile "
+                                      "leaves by TMA store under the next tile's MMAs")
+                     : ws_varlen_k(1, "S >= 4096 E rows: warp-specialised varlen-K, plain "
+                                      "stores (the epilogue is a small share of the tile)");
     k.dw1 = s.S >= s.E * kDw1ClusterMinRowsPerExpert
                 ? ws_varlen_k(2, "S >= 4096 E rows: 2-CTA clusters share dh by TMA multicast")
-                : ws_varlen_k(1, "S < 4096 E rows: clusters measured no gain");
+                : ws_varlen_k(1, "S < 4096 E rows: one CTA a tile (clusters measured no gain), "
+                                 "the tile leaves by TMA store under the next tile's MMAs");
+    for (GemmKernel* w : {&k.dw2, &k.dw1})
+      if (few_rows && w->cluster == 1) {
+        w->store_by_tma = true;
+        w->stages = kWsVarlenKTmaStoreStages;
+      }
   }
   return k;
 }
@@ -228,6 +238,10 @@ void apply(int g, const GemmOverride& o, const KernelShape& s, GemmKernel& k) {
                             name, ".cluster: only dw1_proj on ws_varlen_k and down_proj / "
                             "dx_proj on tma_grouped run on clusters");
     k.cluster = *o.cluster;
+    if (k.cluster != 1 && k.store_by_tma) {  // the TMA-store epilogue is one CTA a tile's
+      k.store_by_tma = false;
+      k.stages = kWsVarlenKStages;
+    }
     k.rule = "override";
   }
   if (o.b_by_tma) {
