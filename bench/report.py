@@ -52,6 +52,12 @@ CAPI_AB = "capi-ab-2026-12-06-7bb3029-h100.jsonl"
 # (bench/override_sweep.py --bench layer --rounds 2: each spec's rows in run order).
 RULES_AB = "rules-layer-ab-2026-12-06-63de4e2-h100.jsonl"
 RULES_DX = "dx.tile=128x256,dx.cluster=2"
+# The weight gradients' TMA-store epilogue against their plain stores: the GEMMs alone (bench gemm
+# rows dW2-ws / dW2-ts, dW1-ws / dW1-mc / dW1-ts, two rounds in alternated order) and the layer
+# (override_sweep --bench layer --rounds 2, the spec TMA_STORE_SPEC against the rule of the time).
+TMA_STORE_GEMM = "tma-store-gemm-ab-2026-12-06-fb1ceb3-h100.jsonl"
+TMA_STORE_LAYER = "tma-store-layer-ab-2026-12-06-fb1ceb3-h100.jsonl"
+TMA_STORE_SPEC = "dw2.store_tma=1,dw1.store_tma=1"
 RULES_DOWN = "down.family=ws,down.schedule=cooperative"
 # The rule's thresholds as src/cuda/gemm/dispatch/kernel_config.hpp states them, to split the rows
 # by where each rule applies (python/tests/test_report.py checks the two agree).
@@ -73,8 +79,8 @@ GPU_FUZZ = "gpu-fuzz-2026-12-06-21b5cd3-h100.txt"  # the long round, 2000 cases
 # memcheck, racecheck, initcheck over the fuzz's short round; synccheck; initcheck, TMA writes alone
 SANITIZE_FUZZ = "sanitize-fuzz-2026-12-06-21b5cd3-h100.txt"
 SANITIZE_INIT = "sanitize-initcheck-2026-12-06-0f6b230-h100.txt"  # initcheck, every report
-GTESTS = ["gpu-gtests-2026-12-06-5bd519a-h100.txt"]  # every GPU gtest, the latest run
-PYTESTS = ["gpu-pytests-2026-12-06-5bd519a-h100.txt"]  # the whole Python suite with CUDA
+GTESTS = ["gpu-gtests-2026-12-06-8e6001d-h200.txt"]  # every GPU gtest, the latest run
+PYTESTS = ["gpu-pytests-2026-12-06-8e6001d-h200.txt"]  # the whole Python suite with CUDA
 
 FOUR = ["sm-7B-n256", "olmoe", "sm-30B-n512", "sm-default"]
 
@@ -120,6 +126,10 @@ DESCRIBE = {
     HALF_TILES_AB: "the layer with and without the half_tiles override (since removed) on the grid's "
                    "few-rows-per-expert shapes and four shapes off it, alternated",
     RULES_AB: "the layer on the grid under its rule and two candidate kernel rules, alternated",
+    TMA_STORE_GEMM: "dW2 and dW1 alone with plain stores, on clusters and with the TMA-store "
+                    "epilogue, two rounds in alternated order",
+    TMA_STORE_LAYER: "the layer with plain-store and TMA-store weight gradients on grid and "
+                     "off-grid shapes, alternated",
     CAPI_AB: "moeblaze.MoE's step with the wheel's C ABI library against the same objects "
              "linked plainly, alternated",
     "fp8-recipe-accuracy-cpu-2026-12-05-267af5d.txt": "each FP8 recipe's error against float64, "
@@ -938,6 +948,50 @@ commit that adopted both. {caption(rows, RULES_AB)}
                          ["---", "---", "---:", "---:", "---:", "---:", "---"]) + "\n"
 
 
+def tma_store_section():
+    g, lay = jsonl(TMA_STORE_GEMM), jsonl(TMA_STORE_LAYER)
+    ms, first = {}, {}
+    for r in g:
+        ms.setdefault((r["config"], r["gemm"]), []).append(r["ms"])
+        first.setdefault(r["config"], r)
+    gbody, r2, r1 = [], [], []
+    for c, r in sorted(first.items(), key=lambda kv: kv[1]["S"] / kv[1]["E"]):
+        m = {k: mean(ms[(c, k)]) for k in ("dW2-ws", "dW2-ts", "dW1-ws", "dW1-mc", "dW1-ts")}
+        r2.append(m["dW2-ts"] / m["dW2-ws"])
+        r1.append(m["dW1-ts"] / m["dW1-ws"])
+        gbody.append([r["model"], shape(r), f"{r['S'] / r['E']:.0f}", f3(m["dW2-ws"]),
+                      f"{f3(m['dW2-ts'])} ({f3(r2[-1])})", f3(m["dW1-ws"]), f3(m["dW1-mc"]),
+                      f"{f3(m['dW1-ts'])} ({f3(r1[-1])})"])
+    by, lfirst = rules_rows(lay), {}
+    for r in lay:
+        lfirst.setdefault(r["config"], r)
+    lbody, ratios = [], []
+    for c, d in sorted(by.items(), key=lambda kv: lfirst[kv[0]]["S"] / lfirst[kv[0]]["E"]):
+        r = lfirst[c]
+        plain, ts = mean(d[""]), mean(d[TMA_STORE_SPEC])
+        ratios.append(ts / plain)
+        lbody.append([r.get("model") or "(off the grid)", shape(r), f"{r['S'] / r['E']:.0f}",
+                      f2(plain), f"{f2(ts)} ({f3(ts / plain)})"])
+    words = f"""## The weight gradients' TMA-store epilogue
+
+**Where it stands.** Below 4096 rows per expert, dW2 and dW1 now leave their tiles through shared
+memory by TMA store, not waited for before the next tile's MMAs (docs/notes/varlen-k-weight-gradients.md,
+"TMA-store epilogue"). Alone, dW2 took {span(r2)}× its plain-store time and dW1 {span(r1)}× (one
+CTA a tile; *dW1 clusters* is the 2-CTA kernel the rule keeps from 4096 rows per expert). In the
+layer, forward and backward, the step took {span(ratios)}× its time with plain stores. Means of
+two rounds in alternated order; {caption(g, TMA_STORE_GEMM)}
+
+"""
+    words += table(["model", "T / d / n / E / K", "rows per expert", "dW2 ms", "dW2 TMA store",
+                    "dW1 ms", "dW1 clusters", "dW1 TMA store"], gbody) + "\n\n"
+    words += f"""The layer, plain stores (the rule of {lay[0]['commit']}) against the TMA-store epilogue
+for both. {caption(lay, TMA_STORE_LAYER)}
+
+"""
+    return words + table(["model", "T / d / n / E / K", "rows per expert", "plain ms",
+                          "TMA store ms"], lbody) + "\n"
+
+
 def fsdp_section():
     rows = jsonl(FSDP)
     by = {r.get("experts", "moeblaze"): r for r in rows}
@@ -1311,7 +1365,7 @@ def reflow(page, width=100):
 def render():
     parts = [HEAD, figures_section(), sonicmoe_section(), ten_section(), max_tokens_section(),
              gemms_section(), fp8_section(), training_section(), grid_section(), search_section(),
-             rules_section(),
+             rules_section(), tma_store_section(),
              model_step_section(), fsdp_section(), ep_section(),
              plan_section(),
              tests_section(), known_gaps(), files_section()]

@@ -511,7 +511,8 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
           dh("dH-pp", GK::ping_pong),
           dh_over_h("dH-ws-ip", GK::warp_specialized),
           dw2("dW2", GK::two_cta),
-          dw2("dW2-ws", GK::warp_specialized),
+          // the plain-store epilogue, whatever the rule picks (dW2-ts: the TMA-store one)
+          with_overrides("dw2.family=ws", dw2("dW2-ws", GK::warp_specialized)),
           dx("dX", {}),
           down("down-tma", tma_scratch),
           dx("dX-tma", tma_scratch),
@@ -524,7 +525,13 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
           with_overrides("dw1.family=ws,dw1.cluster=1", dw1("dW1-ws", GK::warp_specialized)),
           // the 2-CTA cluster variant at every shape (the rule takes it only at >= 4096 rows
           // per expert), to time against dW1-ws
-          with_overrides("dw1.family=ws,dw1.cluster=2", dw1("dW1-mc", GK::warp_specialized))};
+          with_overrides("dw1.family=ws,dw1.cluster=2,dw1.store_tma=0",
+                         dw1("dW1-mc", GK::warp_specialized)),
+          // one CTA per tile with the TMA-store epilogue (dw2/dw1.store_tma=1), to time against
+          // dW2-ws and dW1-ws
+          with_overrides("dw2.family=ws,dw2.store_tma=1", dw2("dW2-ts", GK::warp_specialized)),
+          with_overrides("dw1.family=ws,dw1.cluster=1,dw1.store_tma=1",
+                         dw1("dW1-ts", GK::warp_specialized))};
   // The TMA path's built kernels (kTmaVariants) for down and dX, each forced (family=tma: also
   // where the rule picks another family), after dX-tma.
   struct TmaRow {
@@ -1074,7 +1081,7 @@ void add_bench_gemm_command(CLI::App& bench) {
                   "dH-pp, dW2, dW2-ws, dX, down-tma, dX-tma, down-tma256, down-tmapp, down-tma128, "
                   "down-tma128c1, dX-tma256, dX-tmapp, dX-tma128, dX-tma128c1, down-ws, down-pp, "
                   "dX-ws, dX-pp, "
-                  "dW1, dW1-ws, dW1-mc, up-auto, down-auto, dH-auto, dW2-auto, dX-auto, "
+                  "dW1, dW1-ws, dW1-mc, dW2-ts, dW1-ts, up-auto, down-auto, dH-auto, dW2-auto, dX-auto, "
                   "dW1-auto, down-fp8, down-fp8-c2, down-fp8-pp, dW2-fp8, dW2-fp8-c2, "
                   "dW2-fp8-pp, dW1-fp8, dW1-fp8-c2, dW1-fp8-pp); all of them still run once "
                   "for the correctness check");

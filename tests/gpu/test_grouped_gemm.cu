@@ -527,40 +527,48 @@ TEST_P(GroupedGemm, WeightGradsVarlenK) {
   upload(dh, dh_in);
   upload(x, in.x);
   DevBuf dw2(size_t(E * d * n) * 2), dw1(size_t(E * R * d) * 2);
-  // The warp-specialised kernel twice: dW1 with 2-CTA clusters sharing dh (dw1.cluster=2; odd
-  // m-tile counts, d = 128 and 320, leave a cluster's second CTA without a tile), and one CTA per
-  // tile (dw1.cluster=1), through the kernel overrides.
+  // The warp-specialised kernel three times: dW1 with 2-CTA clusters sharing dh (dw1.cluster=2;
+  // odd m-tile counts, d = 128 and 320, leave a cluster's second CTA without a tile), one CTA per
+  // tile (dw1.cluster=1), and both with the TMA-store epilogue (store_tma=1), through the kernel
+  // overrides.
   struct Variant {
     gg::GatherKernel kernel;
     bool clusters;
+    bool store_tma = false;
   };
   std::vector<uint8_t> ws_dw2, ws_dw1;  // the clusters' outputs
   const ClearOverridesOnExit clear_on_exit;
   for (const Variant v : {Variant{gg::GatherKernel::two_cta, false},
                           Variant{gg::GatherKernel::warp_specialized, true},
-                          Variant{gg::GatherKernel::warp_specialized, false}}) {
+                          Variant{gg::GatherKernel::warp_specialized, false},
+                          Variant{gg::GatherKernel::warp_specialized, false, true}}) {
     const gg::GatherKernel k = v.kernel;
     const std::string kname = std::string(gather_kernel_name(k)) +
                               (k == gg::GatherKernel::warp_specialized
-                                   ? (v.clusters ? "/dw1.cluster=2" : "/dw1.cluster=1")
+                                   ? (v.clusters    ? "/dw1.cluster=2"
+                                      : v.store_tma ? "/dw1.cluster=1,store_tma=1"
+                                                    : "/dw1.cluster=1")
                                    : "");
     SCOPED_TRACE(kname);
-    gg::set_kernel_overrides(gg::parse_kernel_overrides(v.clusters ? "dw1.cluster=2" : "dw1.cluster=1"));
+    gg::set_kernel_overrides(gg::parse_kernel_overrides(
+        v.clusters    ? "dw1.cluster=2"
+        : v.store_tma ? "dw1.cluster=1,dw1.store_tma=1,dw2.store_tma=1"
+                      : "dw1.cluster=1"));
     run_twice({&dw2, &dw1}, [&] {
       gg::dw2_proj(dp.view, cb(dO), cb(as), mb(dw2), d, n, nullptr, k);
       gg::dw1_proj(dp.view, cb(dh), cb(x), mb(dw1), d, n, c.act, nullptr, k);
     });
     const auto g2 = download<bf16>(dw2);
     const auto g1 = download<bf16>(dw1);
-    // Clusters change who loads the operands, not the order of any element's sums: the two
-    // warp-specialised variants agree bit for bit.
+    // Clusters change who loads the operands, and the TMA-store epilogue how the tile leaves,
+    // not the order of any element's sums: the warp-specialised variants agree bit for bit.
     if (k == gg::GatherKernel::warp_specialized) {
       if (v.clusters) {
         ws_dw2 = download<uint8_t>(dw2);
         ws_dw1 = download<uint8_t>(dw1);
       } else {
-        EXPECT_TRUE(bytes_equal(dw2, ws_dw2)) << "dw2: clusters and one CTA per tile differ";
-        EXPECT_TRUE(bytes_equal(dw1, ws_dw1)) << "dw1: clusters and one CTA per tile differ";
+        EXPECT_TRUE(bytes_equal(dw2, ws_dw2)) << "dw2: " << kname << " and clusters differ";
+        EXPECT_TRUE(bytes_equal(dw1, ws_dw1)) << "dw1: " << kname << " and clusters differ";
       }
     }
     const double e2 = check_rel("dw2", g2, dw2_ref, rel_tolerance(DType::bf16));
@@ -748,6 +756,24 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_EQ(sm.dw2.family, KernelFamily::ws_varlen_k);
   EXPECT_EQ(sm.dw1.family, KernelFamily::ws_varlen_k);
   EXPECT_EQ(sm.dw1.cluster, 1);  // 2048 rows per expert: no clusters
+  // Below 4096 rows per expert both weight gradients leave by TMA store (3 ring stages); from
+  // there (olmoe: 4096) dW1 runs on clusters and both store plainly (4 stages).
+  EXPECT_TRUE(sm.dw2.store_by_tma);
+  EXPECT_TRUE(sm.dw1.store_by_tma);
+  EXPECT_EQ(sm.dw1.stages, gg::kWsVarlenKTmaStoreStages);
+  const gg::LayerKernels olmoe = choose(262144, 64, 2048, 1024);
+  EXPECT_EQ(olmoe.dw1.cluster, 2);
+  EXPECT_FALSE(olmoe.dw1.store_by_tma);
+  EXPECT_FALSE(olmoe.dw2.store_by_tma);
+  EXPECT_EQ(olmoe.dw2.stages, gg::kWsVarlenKStages);
+  // A cluster override drops the TMA-store epilogue (one CTA a tile's) with its ring depth.
+  const gg::GemmKernel c2 =
+      gg::choose_kernels({262144, 128, 4096, 1024, Activation::swiglu, 132, gg::kFallbackL2Bytes},
+                         gg::parse_kernel_overrides("dw1.cluster=2"))
+          .dw1;
+  EXPECT_EQ(c2.cluster, 2);
+  EXPECT_FALSE(c2.store_by_tma);
+  EXPECT_EQ(c2.stages, gg::kWsVarlenKStages);
   EXPECT_EQ(sm.up.raster_group, gg::kDefaultRasterGroup);
   // swiglu's dH: its own ws kernels, cooperative, at every d (sm-7B-n256: d = 1536).
   const gg::LayerKernels s7 = choose(196608, 128, 1536, 256);
@@ -860,10 +886,23 @@ TEST(GroupedGemmChecks, CandidatesHoldTheAutomaticChoiceOnce) {
                            (g == gg::LayerKernels::kUp || g == gg::LayerKernels::kDh);
       if (oai_own) EXPECT_EQ(c.size(), 1u);
     }
-  // Both schedules and every built TMA tile for dX at sm-default; dW1 on 1 and 2 CTAs.
+  // Both schedules and every built TMA tile for dX at sm-default; dW1 on 1 and 2 CTAs, on 1 with
+  // the TMA-store epilogue, and on two_cta.
   EXPECT_EQ(gg::kernel_candidates(gg::LayerKernels::kDx, shapes[0]).size(),
             size_t(gg::kTmaVariantCount) + 3);
-  EXPECT_EQ(gg::kernel_candidates(gg::LayerKernels::kDw1, shapes[0]).size(), 3u);
+  EXPECT_EQ(gg::kernel_candidates(gg::LayerKernels::kDw1, shapes[0]).size(), 4u);
+  // The TMA-store epilogue: dW1 and dW2 on ws_varlen_k, one CTA a tile (shapes[6] puts dW1 on
+  // clusters), 3 ring stages, and named in describe().
+  const gg::GemmKernel ts = gg::choose_kernels(shapes[6], gg::parse_kernel_overrides(
+                                                              "dw1.cluster=1,dw1.store_tma=1")).dw1;
+  EXPECT_TRUE(ts.store_by_tma);
+  EXPECT_EQ(ts.stages, gg::kWsVarlenKTmaStoreStages);
+  EXPECT_NE(gg::describe(ts).find("store=tma"), std::string::npos) << gg::describe(ts);
+  EXPECT_THROW(gg::choose_kernels(shapes[6], gg::parse_kernel_overrides("dw1.store_tma=1")),
+               Unsupported);
+  EXPECT_THROW(gg::choose_kernels(shapes[0], gg::parse_kernel_overrides("up.store_tma=1")),
+               Unsupported);
+  EXPECT_THROW(gg::parse_kernel_overrides("dw2.store_tma=2"), InvalidArgument);
   EXPECT_THROW(gg::kernel_candidates(6, shapes[0]), InvalidArgument);
 }
 

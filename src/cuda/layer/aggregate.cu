@@ -17,6 +17,7 @@
 // the result does not depend on them.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <math_constants.h>  // CUDART_NAN_F
 
 #include <algorithm>
 #include <cstdint>
@@ -115,7 +116,7 @@ __device__ __forceinline__ void aggregate_token(int64_t t, int64_t q, int64_t qu
         const int64_t slot = token_index_map[p + b];
         // slot < 0: a pair the plan builder left out (its flag is raised). Its weight is NaN and
         // nothing is loaded for it, so the token's row comes out NaN instead of a pair short.
-        w[b] = slot < 0 ? __uint_as_float(0x7FC00000u) : kWeighted ? slot_weights[slot] : 1.0f;
+        w[b] = slot < 0 ? CUDART_NAN_F : kWeighted ? slot_weights[slot] : 1.0f;
         if (slot < 0) continue;
         const int64_t r = kChunk ? int64_t(row_map[p + b]) : slot;
         const uint4* row = reinterpret_cast<const uint4*>(rows + r * d);
@@ -224,7 +225,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int p = token_pair_offsets[t]; p < token_pair_offsets[t + 1]; ++p) {
     const int64_t slot = token_index_map[p];
     if (slot < 0) {  // a pair the plan builder left out (its flag is raised): NaN, not short
-      acc = __uint_as_float(0x7FC00000u);
+      acc = CUDART_NAN_F;
       continue;
     }
     const float v = to_f(rows[slot * d + col]);
@@ -312,7 +313,7 @@ __global__ void gather_pair_grads_kernel(const int32_t* __restrict__ token_index
   const int64_t p = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (p < S) {
     const int32_t slot = token_index_map[p];  // < 0: a pair left out of the plan (flagged)
-    d_pair_weights[p] = slot >= 0 ? ds[slot] : __uint_as_float(0x7FC00000u);
+    d_pair_weights[p] = slot >= 0 ? ds[slot] : CUDART_NAN_F;
   }
 }
 

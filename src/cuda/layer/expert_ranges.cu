@@ -6,6 +6,7 @@
 #include "cuda/layer/expert_ranges.hpp"
 
 #include <cuda_bf16.h>
+#include <math_constants.h>  // CUDART_NAN_F
 
 #include <algorithm>
 
@@ -62,10 +63,9 @@ __global__ void __launch_bounds__(kThreads)
     if (first) {
       // A pair left out of the plan (flagged) sorts first as slot -1: the token's dx is NaN.
       const int32_t p0 = pair_offsets[t];
-      const float zero = p0 < pair_offsets[t + 1] && slots[p0] < 0 ? __uint_as_float(0x7FC00000u)
-                                                                   : 0.0f;
+      const float init = p0 < pair_offsets[t + 1] && slots[p0] < 0 ? CUDART_NAN_F : 0.0f;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] = zero;
+      for (int j = 0; j < 8; ++j) acc[j] = init;
     } else {
       const uint4 h = *hi_bits, l = *lo_bits;
       const uint32_t hw[4] = {h.x, h.y, h.z, h.w}, lw[4] = {l.x, l.y, l.z, l.w};

@@ -141,10 +141,20 @@ LayerKernels automatic(const KernelShape& s) {
   if (!ws) {
     k.dw2 = k.dw1 = two_cta("E > 4096: the 2-CTA varlen-K kernel, as measured");
   } else {
-    k.dw2 = ws_varlen_k(1, "warp-specialised varlen-K at every shape measured");
+    const bool few_rows = s.S < s.E * kVarlenKTmaStoreMaxRowsPerExpert;
+    k.dw2 = few_rows ? ws_varlen_k(1, "S < 4096 E rows: warp-specialised varlen-K, the tile "
+                                      "leaves by TMA store under the next tile's MMAs")
+                     : ws_varlen_k(1, "S >= 4096 E rows: warp-specialised varlen-K, plain "
+                                      "stores (the epilogue is a small share of the tile)");
     k.dw1 = s.S >= s.E * kDw1ClusterMinRowsPerExpert
                 ? ws_varlen_k(2, "S >= 4096 E rows: 2-CTA clusters share dh by TMA multicast")
-                : ws_varlen_k(1, "S < 4096 E rows: clusters measured no gain");
+                : ws_varlen_k(1, "S < 4096 E rows: one CTA a tile (clusters measured no gain), "
+                                 "the tile leaves by TMA store under the next tile's MMAs");
+    for (GemmKernel* w : {&k.dw2, &k.dw1})
+      if (few_rows && w->cluster == 1) {
+        w->store_by_tma = true;
+        w->stages = kWsVarlenKTmaStoreStages;
+      }
   }
   return k;
 }
@@ -228,12 +238,27 @@ void apply(int g, const GemmOverride& o, const KernelShape& s, GemmKernel& k) {
                             name, ".cluster: only dw1_proj on ws_varlen_k and down_proj / "
                             "dx_proj on tma_grouped run on clusters");
     k.cluster = *o.cluster;
+    if (k.cluster != 1 && k.store_by_tma) {  // the TMA-store epilogue is one CTA a tile's
+      k.store_by_tma = false;
+      k.stages = kWsVarlenKStages;
+    }
     k.rule = "override";
   }
   if (o.b_by_tma) {
     MOEBLAZE_UNSUPPORTED_IF(g != kUp || k.family != KernelFamily::two_cta,
                             "kernel override ", name, ".b_tma: only up_proj on two_cta has it");
     k.b_by_tma = *o.b_by_tma;
+    k.rule = "override";
+  }
+  if (o.store_tma) {
+    MOEBLAZE_UNSUPPORTED_IF(!varlen_k || k.family != KernelFamily::ws_varlen_k, "kernel override ",
+                            name, ".store_tma: only dw2_proj and dw1_proj on ws_varlen_k have it; ",
+                            name, " runs ", family_name(k.family));
+    MOEBLAZE_UNSUPPORTED_IF(*o.store_tma && k.cluster != 1, "kernel override ", name,
+                            ".store_tma=1: the TMA-store epilogue is built for one CTA a tile (",
+                            name, " runs on clusters of ", k.cluster, ")");
+    k.store_by_tma = *o.store_tma;
+    k.stages = k.store_by_tma ? kWsVarlenKTmaStoreStages : kWsVarlenKStages;
     k.rule = "override";
   }
 }
@@ -311,6 +336,7 @@ std::string describe(const GemmKernel& k) {
   else
     s += detail::concat(" raster=", k.raster_group);
   if (k.family == KernelFamily::two_cta && k.b_by_tma) s += " b_tma";
+  if (k.store_by_tma) s += " store=tma";
   return s;
 }
 
@@ -438,6 +464,8 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
       go.cluster = c;
     } else if (field == "b_tma") {
       go.b_by_tma = parse_int(item, v, 0, 1) == 1;
+    } else if (field == "store_tma") {
+      go.store_tma = parse_int(item, v, 0, 1) == 1;
     } else if (field == "tile") {
       const size_t x = v.find('x');
       MOEBLAZE_REQUIRE(x != std::string::npos, "kernel override '", item,
@@ -446,7 +474,7 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
       go.tile_n = parse_int(item, v.substr(x + 1), 1, 1024);
     } else {
       MOEBLAZE_REQUIRE(false, "kernel override '", item, "': unknown field '", field,
-                       "' (family, schedule, cluster, b_tma, tile)");
+                       "' (family, schedule, cluster, b_tma, tile, store_tma)");
     }
   }
   return o;
@@ -549,10 +577,11 @@ std::vector<KernelCandidate> kernel_candidates(int gemm, const KernelShape& shap
       specs = {ws("cooperative"), ws("pingpong"), g + ".family=two_cta"};
       break;
     case kDw2:
-      specs = {g + ".family=ws", g + ".family=two_cta"};
+      specs = {g + ".family=ws", g + ".family=ws," + g + ".store_tma=1", g + ".family=two_cta"};
       break;
     case kDw1:
       specs = {g + ".family=ws," + g + ".cluster=1", g + ".family=ws," + g + ".cluster=2",
+               g + ".family=ws," + g + ".cluster=1," + g + ".store_tma=1",
                g + ".family=two_cta"};
       break;
     default: {  // down, dx: the TMA path's built tiles, the ws kernel's schedules, two_cta

@@ -33,6 +33,7 @@ constexpr int kTwoCtaStages = 3;
 constexpr int kWsCooperativeStages = 4;
 constexpr int kWsPingPongStages = 6;
 constexpr int kWsVarlenKStages = 4;
+constexpr int kWsVarlenKTmaStoreStages = 3;  // with the epilogue's 64 KiB staging tile
 constexpr int64_t kWsMaxExperts = 4096;  // the gather kernel's per-CTA expert table
 constexpr int kDefaultRasterGroup = 16;   // CTA rasterization band (raster_tile)
 
@@ -44,6 +45,10 @@ constexpr int64_t kWsDhMinD = 2048;      // on a gather kernel from here
 constexpr int64_t kWsDhCoopMinD = 4096;  // cooperative (not ping-pong) from here
 constexpr int64_t kWsDhSwigluCoopMaxExperts = 2000;  // the staged-H kernel's table room
 constexpr int64_t kDw1ClusterMinRowsPerExpert = 4096;  // dW1 on 2-CTA clusters from here
+// dW2 and dW1 leave by the TMA-store epilogue below this many rows per expert, where the tile's
+// fixed epilogue cost is a large share of its short reduction (1-9 % faster in the layer at
+// 170-3750 rows, level at 3750-4096: docs/notes/varlen-k-weight-gradients.md, "TMA-store epilogue").
+constexpr int64_t kVarlenKTmaStoreMaxRowsPerExpert = 4096;
 // dX̃ on the TMA path: 128x256 cooperative on 2-CTA clusters (kTmaWide) where it reduces over at
 // least this many of w1's rows (2n when gated) and writes at least this many columns (d), the
 // smallest of each that won in the layer on the model grid (docs/notes/gathered-gemms.md,
@@ -76,6 +81,7 @@ struct GemmKernel {
   bool tma_along_n = true;     // tma_grouped: tile order walks N first ...
   int tma_swizzle = 2;         // ... with this swizzle; across experts, the CTAs in
   int tma_bands = 1;           // this many bands (tma_bands_rule)
+  bool store_by_tma = false;   // ws_varlen_k: the epilogue leaves by TMA store, 3 ring stages
   const char* rule = "";       // why this kernel (printed; not part of the value)
 
   bool operator==(const GemmKernel& o) const {
@@ -83,7 +89,7 @@ struct GemmKernel {
            tile_n == o.tile_n && tile_k == o.tile_k && stages == o.stages &&
            cluster == o.cluster && raster_group == o.raster_group && b_by_tma == o.b_by_tma &&
            tma_along_n == o.tma_along_n && tma_swizzle == o.tma_swizzle &&
-           tma_bands == o.tma_bands;
+           tma_bands == o.tma_bands && store_by_tma == o.store_by_tma;
   }
   bool operator!=(const GemmKernel& o) const { return !(*this == o); }
 };
@@ -195,6 +201,8 @@ int tma_bands_rule(int64_t S, int64_t E, int64_t N, int64_t K, int tile_m, int t
 //   first of kTmaVariants with the given ones (dx.tile=256x128: cooperative on clusters of 2);
 //   a combination not built is refused.
 //   up.b_tma         0 | 1                   (up on two_cta)
+//   dw2.store_tma, dw1.store_tma  0 | 1     (on ws, one CTA a tile: the epilogue by TMA store,
+//                                            not waited for before the next tile; 3 ring stages)
 //   raster           1..65536                (every varlen kernel's band height)
 //   tma.order        m | n,  tma.swizzle 1 | 2 | 4 | 8   (down, dx on tma)
 //   tma.bands        1..64                   (down, dx on tma: the CTAs' bands across experts)
@@ -216,6 +224,7 @@ struct GemmOverride {
   std::optional<int> cluster;
   std::optional<bool> b_by_tma;
   std::optional<int> tile_m, tile_n;  // tma_grouped's tile
+  std::optional<bool> store_tma;      // ws_varlen_k's epilogue by TMA store
 };
 struct KernelOverrides {
   GemmOverride gemm[LayerKernels::kCount];  // in LayerKernels order

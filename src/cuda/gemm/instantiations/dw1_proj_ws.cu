@@ -13,7 +13,12 @@
 namespace moeblaze::cuda::gemm::detail {
 
 void dw1_proj_ws(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
-                 int64_t d, int64_t w1_rows, int cluster, cudaStream_t stream) {
+                 int64_t d, int64_t w1_rows, int cluster, bool store_by_tma,
+                 cudaStream_t stream) {
+  if (store_by_tma) {  // one CTA a tile (the override refuses clusters with it)
+    dw1_proj_ws_ts(plan, dh, x, dw1, d, w1_rows, stream);
+    return;
+  }
   if (cluster == 2) {
     dw1_proj_ws_cluster(plan, dh, x, dw1, d, w1_rows, stream);
     return;

@@ -48,6 +48,7 @@ struct VarlenKArgs {
   int raster_group;         // band height of raster_tile within an expert
   __nv_bfloat16* out;       // (E, M, N), or (E, N, M) for the kernel's kTransposed
   CUtensorMap tma;          // q as a 2D (S, N) tensor, 64 x 64 boxes
+  CUtensorMap out_tma;      // kTmaStore: out as a 3D (E, rows, cols) tensor, 64 x 64 boxes
 };
 
 // Args for out (E, M, N) = per expert P[token]ᵀ ⊗ Q[slot] over the plan (M, N from the caller).
@@ -70,6 +71,7 @@ __device__ __forceinline__ uint32_t kfirst_offset(int mn, int k) {
   return (mn >> 6) * 8192 + k * 128 + ((((mn & 63) >> 3) ^ (k & 7)) << 4) + (mn & 7) * 2;
 }
 
+template <int kStagesN = kStages>
 struct VarlenKLayouts {
   static constexpr int kTileN = kBN;
   using TiledMma = decltype(ct::make_tiled_mma(
@@ -78,15 +80,24 @@ struct VarlenKLayouts {
   using Order = ct::Step<ct::_2, ct::_1, ct::_3>;
   using SmemLayoutA = decltype(ct::tile_to_shape(
       ct::GMMA::Layout_MN_SW128_Atom<Elem>{},
-      ct::Shape<ct::Int<kBM>, ct::Int<kBK>, ct::Int<kStages>>{}, Order{}));  // (BM, BK, stages)
+      ct::Shape<ct::Int<kBM>, ct::Int<kBK>, ct::Int<kStagesN>>{}, Order{}));  // (BM, BK, stages)
   using SmemLayoutB = decltype(ct::tile_to_shape(
       ct::GMMA::Layout_MN_SW128_Atom<Elem>{},
-      ct::Shape<ct::Int<kBN>, ct::Int<kBK>, ct::Int<kStages>>{}, Order{}));  // (BN, BK, stages)
+      ct::Shape<ct::Int<kBN>, ct::Int<kBK>, ct::Int<kStagesN>>{}, Order{}));  // (BN, BK, stages)
 };
 
-// The varlen-K kernel's ring: the cooperative one, its stages shared by kCluster CTAs.
-template <int kCluster>
-using VarlenKRing = RingT<kBN, kStages, kConsumerThreads, kCluster>;
+// The varlen-K kernel's ring: the cooperative one, its stages shared by kCluster CTAs. With
+// kTmaStore the epilogue's 64 KiB staging tile takes one stage's place (3 x 48 + 64 KiB).
+constexpr int kVkTmaStoreStages = 3;
+constexpr size_t kVkStagingBytes = size_t(kBM) * kBN * 2;  // (2 warpgroups, 4 boxes, 64, 64) bf16
+template <int kCluster, bool kTmaStore = false>
+using VarlenKRing =
+    RingT<kBN, kTmaStore ? kVkTmaStoreStages : kStages, kConsumerThreads, kCluster>;
+template <int kCluster, bool kTmaStore>
+constexpr size_t varlen_k_smem_bytes() {
+  return VarlenKRing<kCluster, kTmaStore>::kBytes + (kTmaStore ? 1024 + kVkStagingBytes : 0);
+}
+static_assert(varlen_k_smem_bytes<1, true>() <= 227 * 1024, "staging tile + 3 stages fit");
 
 // Registers after setmaxnreg: 128 x 88 + 256 x 208 = 64512. The producer holds 8 row ids
 // of the next stage besides the current ones; the consumers' epilogue is a plain store.
@@ -190,6 +201,77 @@ __device__ __forceinline__ void varlen_k_store(const VarlenKArgs& p, Acc& acc, i
   }
 }
 
+// The epilogue through shared memory (kTmaStore): each consumer warpgroup w writes its 64 rows
+// of the tile as bf16 into its 32 KiB of `staging`, four 64 x 64 boxes in the 128-byte swizzle
+// of a TMA box (16-byte chunk c of box row r at r * 128 + (c ^ r % 8) * 16), and one thread of it
+// stores them by TMA and does not wait: the stores drain under the next tile's MMAs, where the
+// plain stores held every CTA until its tile was written (docs/notes/varlen-k-weight-gradients.md,
+// "Few rows an expert"). Before writing the staging tile again, that thread waits until its
+// previous stores have read it (cp.async.bulk.wait_group.read). Same values, same bits as
+// varlen_k_store.
+// The fragment goes to shared memory by stmatrix, four 8 x 8 blocks an instruction: block
+// (i, v1) is the warp's rows 8 v1 .. + 8 of its 16, columns 8 i .. + 8, and a lane holds its
+// row lane / 4, columns 2 (lane % 4), + 1 (the WGMMA fragment is stmatrix's). Lane L gives the
+// address of row L % 8 of block L / 8; those 8 rows differ in r % 8, so each 8-lane phase
+// meets 8 different bank groups.
+//   row-major (M, N): box j of warpgroup w is rows m0 + 64 w .. + 64, columns n0 + 64 j .. + 64;
+//     a block row is 8 columns n of one row m: box row = m, chunk = i % 8.
+//   transposed (N, M): box j is out rows n0 + 64 j .. + 64, columns m0 + 64 w .. + 64;
+//     stmatrix.trans writes a block's column as a row: box row = n = 8 i + L % 8, chunk = the
+//     block's 8 rows m.
+// Boxes wholly past M or N (multiples of 64) are not stored.
+template <bool kTransposed, class Acc>
+__device__ __forceinline__ void varlen_k_store_tma(const VarlenKArgs& p, Acc& acc, int expert,
+                                                   int m_tile, int n_tile, char* staging) {
+  const int t = threadIdx.x - kProducerThreads, w = t >> 7, warp = (t >> 5) & 3;
+  const bool issuer = (t & 127) == 0;
+  const int lane = threadIdx.x & 31, rho = lane & 7, blk = lane >> 3;
+  char* mine = staging + w * (4 * kBoxBytes);
+  const uint32_t base = smem_u32(mine);
+  if (issuer) cute::tma_store_wait<0>();  // the previous tile's stores have read `mine`
+  cutlass::arch::NamedBarrier::sync(128, 1 + w);
+#pragma unroll
+  for (int i = 0; i < kFragColGroups; i += 2) {
+    uint32_t v[4];  // blocks (i, 0), (i, 1), (i + 1, 0), (i + 1, 1)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int e = 4 * (i + (k >> 1)) + 2 * (k & 1);
+      v[k] = pack_bf16x2(acc(e), acc(e + 1));
+    }
+    const int ii = i + (blk >> 1), vv = blk & 1;  // this lane's address: block (ii, vv)
+    int r, c;
+    if constexpr (kTransposed) {
+      r = 8 * (ii & 7) + rho;
+      c = 2 * warp + vv;
+    } else {
+      r = 16 * warp + 8 * vv + rho;
+      c = ii & 7;
+    }
+    const uint32_t a = base + (ii >> 3) * kBoxBytes + r * 128 + ((c ^ (r & 7)) << 4);
+    if constexpr (kTransposed)
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(a),
+                   "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]));
+    else
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(a),
+                   "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]));
+  }
+  cute::tma_store_fence();  // this thread's shared-memory writes, visible to the TMA unit
+  cutlass::arch::NamedBarrier::sync(128, 1 + w);
+  if (issuer) {
+    const int m_box = m_tile * kBM + 64 * w;  // this warpgroup's 64 of M
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int n_box = n_tile * kBN + 64 * j;
+      if (m_box >= p.M || n_box >= p.N) continue;
+      if constexpr (kTransposed)
+        cute::SM90_TMA_STORE_3D::copy(&p.out_tma, mine + j * kBoxBytes, m_box, n_box, expert);
+      else
+        cute::SM90_TMA_STORE_3D::copy(&p.out_tma, mine + j * kBoxBytes, n_box, m_box, expert);
+    }
+    cute::tma_store_arrive();
+  }
+}
+
 // kTransposed: out[e] is stored as (N, M) instead of (M, N), so a GEMM whose gathered operand is
 // the wide one can be computed transposed with the gathered operand as the 128-wide P (dW1).
 // kCluster: CTAs per cluster (1 or 2). With 2, a cluster computes the two m-tiles 2 g, 2 g + 1
@@ -198,21 +280,25 @@ __device__ __forceinline__ void varlen_k_store(const VarlenKArgs& p, Acc& acc, i
 // CTA). When m_tiles is odd the last cluster's second CTA has no m-tile: it reads zero rows of P,
 // takes part in the loads and barriers, and stores nothing. An expert's partial last K step is
 // copied by each CTA for itself (cp.async), as without a cluster.
-template <bool kTransposed, int kCluster>
+// kTmaStore: the epilogue leaves through shared memory by TMA store (varlen_k_store_tma), the
+// ring one stage shorter; one CTA per tile only.
+template <bool kTransposed, int kCluster, bool kTmaStore = false>
 __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_constant__
                                                                   VarlenKArgs p) {
+  static_assert(kCluster == 1 || !kTmaStore, "the TMA-store epilogue is built for one CTA a tile");
   pdl_wait();  // before any global memory access (src/cuda/pdl.cuh)
   pdl_launch_dependents();
   using namespace cute;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  using L = VarlenKLayouts;
-  using R = VarlenKRing<kCluster>;
+  using R = VarlenKRing<kCluster, kTmaStore>;
+  using L = VarlenKLayouts<R::kStageCount>;
   using CopyG = MnCopy<kBM>;  // P, gathered
   using CopyC = MnCopy<kBN>;  // Q, contiguous (an expert's partial last K step only)
   constexpr int kBoxesC = kBN / kBox;          // TMA boxes of a Q stage
   constexpr int kBoxesOwn = kBoxesC / kCluster;  // of which this CTA loads
   extern __shared__ char smem_raw[];
   const R ring = R::carve(smem_raw);
+  char* const staging = kTmaStore ? align_smem_1k(ring.end()) : nullptr;  // (2, 4, 64, 64) bf16
   ring.init_barriers();
   // The cluster's barriers are initialised before any CTA multicasts into, or arrives on, them.
   if constexpr (kCluster > 1) cute::cluster_sync(); else __syncthreads();
@@ -234,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
     const uint32_t a_base = smem_u32(ring.a), b_base = smem_u32(ring.b);
     const uint32_t g_chunk_off = kfirst_offset(CopyG::chunk() * 8, CopyG::first_row());
     const int g_row_bytes = p.M * 2;  // < 2^31 (launch_varlen_k_ws)
-    RingPos pos;
+    RingPosT<R::kStageCount> pos;
     for (int t = first; t < num_tiles; t += stride) {
       int expert, m_tile, n_tile;
       decode(t, expert, m_tile, n_tile);
@@ -315,14 +401,23 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
           decode(t, expert, m_tile, n_tile);
           return (p.offsets[expert + 1] - p.offsets[expert] + kBK - 1) / kBK;
         },
-        [&](int, auto& acc) { varlen_k_store<kTransposed>(p, acc, expert, m_tile, n_tile); });
+        [&](int, auto& acc) {
+          if constexpr (kTmaStore)
+            varlen_k_store_tma<kTransposed>(p, acc, expert, m_tile, n_tile, staging);
+          else
+            varlen_k_store<kTransposed>(p, acc, expert, m_tile, n_tile);
+        });
+    // The last stores complete (not only read their staging) before the CTA leaves.
+    if constexpr (kTmaStore)
+      if (((threadIdx.x - kProducerThreads) & 127) == 0)
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
   }
   // No CTA leaves while another may still multicast into it or arrive on its barriers.
   if constexpr (kCluster > 1) cute::cluster_sync();
 }
 
 // S: rows of q (the plan's slots); raster_group: the host's band height (dispatch/raster.hpp).
-template <bool kTransposed, int kCluster>
+template <bool kTransposed, int kCluster, bool kTmaStore = false>
 void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, int raster_group, cudaStream_t stream) {
   VarlenKArgs q = a;
   q.m_tiles = (a.M + kBM - 1) / kBM;
@@ -338,8 +433,12 @@ void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, int raster_group, cudaS
   // (its operands may be null), but a descriptor needs a valid address: the output's first
   // 64 x 64 elements stand in.
   q.tma = S > 0 ? make_tma_kmajor(a.q, S, a.N) : make_tma_kmajor(a.out, 1, 64);
-  const size_t smem = VarlenKRing<kCluster>::kBytes;
-  auto kernel = &varlen_k_ws_kernel<kTransposed, kCluster>;
+  // out as (E, rows, cols): (E, M, N), or (E, N, M) transposed; M, N multiples of 64.
+  if constexpr (kTmaStore)
+    q.out_tma = kTransposed ? make_tma_store_3d(a.out, a.E, a.N, a.M)
+                            : make_tma_store_3d(a.out, a.E, a.M, a.N);
+  const size_t smem = varlen_k_smem_bytes<kCluster, kTmaStore>();
+  auto kernel = &varlen_k_ws_kernel<kTransposed, kCluster, kTmaStore>;
   MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)));
   if constexpr (kCluster == 1) {

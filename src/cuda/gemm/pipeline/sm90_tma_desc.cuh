@@ -43,4 +43,27 @@ inline CUtensorMap make_tma_kmajor(const void* b, int64_t rows, int64_t K) {
   return m;
 }
 
+// The TMA descriptor of a stack of E row-major bf16 matrices (E, rows, cols), for storing 64 x 64
+// boxes (64 rows of 64 columns, one 128-byte swizzle row each) from shared memory; a box past
+// rows or cols is clipped by the TMA unit.
+inline CUtensorMap make_tma_store_3d(void* out, int64_t E, int64_t rows, int64_t cols) {
+  bind_current_context();
+  CUtensorMap m{};
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(E)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols) * 2,
+                                 static_cast<cuuint64_t>(cols) * rows * 2};  // bytes
+  const cuuint32_t box[3] = {64, 64, 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = cutlass::call_cuTensorMapEncodeTiled(
+      &m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, out, dims, strides, box, elem_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw DeviceError(::moeblaze::detail::concat("cuTensorMapEncodeTiled failed (", int(r),
+                                                 ") for a (", E, ", ", rows, ", ", cols,
+                                                 ") bf16 output"));
+  return m;
+}
+
 }  // namespace moeblaze::cuda::gemm::sm90
