@@ -233,7 +233,8 @@ void run_kernels(const KernelsFlags& f) {
                                std::to_string(g.tma_swizzle) + " bands " +
                                std::to_string(g.tma_bands)
                          : "raster " + std::to_string(g.raster_group) +
-                               (g.b_by_tma ? ", b by TMA" : ""),
+                               (g.b_by_tma ? ", b by TMA" : "") +
+                               (g.store_by_tma ? ", store by TMA" : ""),
                      g.rule});
     }
   }
