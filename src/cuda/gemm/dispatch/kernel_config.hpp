@@ -46,8 +46,8 @@ constexpr int64_t kWsDhCoopMinD = 4096;  // cooperative (not ping-pong) from her
 constexpr int64_t kWsDhSwigluCoopMaxExperts = 2000;  // the staged-H kernel's table room
 constexpr int64_t kDw1ClusterMinRowsPerExpert = 4096;  // dW1 on 2-CTA clusters from here
 // dW2 and dW1 leave by the TMA-store epilogue below this many rows per expert, where the tile's
-// fixed epilogue cost is a large share of its short reduction (1-9 % faster in the layer at
-// 170-3750 rows, level at 3750-4096: docs/notes/varlen-k-weight-gradients.md, "TMA-store epilogue").
+// fixed epilogue cost is a large share of its short reduction (0.3-9 % faster in the layer at
+// 171-2048 rows, level at 3750-4096: docs/notes/varlen-k-weight-gradients.md, "TMA-store epilogue").
 constexpr int64_t kVarlenKTmaStoreMaxRowsPerExpert = 4096;
 // dX̃ on the TMA path: 128x256 cooperative on 2-CTA clusters (kTmaWide) where it reduces over at
 // least this many of w1's rows (2n when gated) and writes at least this many columns (d), the
