@@ -1289,6 +1289,11 @@ KNOWN_GAPS = """\
   happens around the GEMMs, not inside them.
 - **The dense bound.** At sm-7B-n256 and sm-30B-n512 the step runs below 90 % of the dense
   bound's speed (SonicMoE section).
+- **Weight gradients where experts get few rows.** Each 128 x 256 tile of dW2 and dW1 reduces over
+  one expert's rows only, and a fixed cost per tile (epilogue and tile switch) weighs on short
+  reductions: at 512 rows an expert dW1 took 5.34 ms under ncu against cuBLAS's 3.33 for the same
+  FLOPs, and the TMA-store epilogue took back only 3–10 % of dW (TMA-store section;
+  docs/notes/varlen-k-weight-gradients.md, "Open").
 - **FP8 is slower than bf16 and peaks higher.** On the C++ path the fp8 step takes
   {fp8_speed}× the bf16 step's time and peaks at {fp8_peak}× bf16's ({fp8_prov}):
   the quantize and activation passes take back what the FP8 GEMMs save, and the weights' FP8
