@@ -525,7 +525,7 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
           with_overrides("dw1.family=ws,dw1.cluster=1", dw1("dW1-ws", GK::warp_specialized)),
           // the 2-CTA cluster variant at every shape (the rule takes it only at >= 4096 rows
           // per expert), to time against dW1-ws
-          with_overrides("dw1.family=ws,dw1.cluster=2,dw1.store_tma=0",
+          with_overrides("dw1.family=ws,dw1.cluster=2",
                          dw1("dW1-mc", GK::warp_specialized)),
           // one CTA per tile with the TMA-store epilogue (dw2/dw1.store_tma=1), to time against
           // dW2-ws and dW1-ws

@@ -45,6 +45,11 @@ GemmKernel ws_varlen_k(int cluster, const char* rule) {
   k.rule = rule;
   return k;
 }
+// ws_varlen_k's epilogue by TMA store or not, with the ring depth each one builds.
+void set_store_by_tma(GemmKernel& k, bool by_tma) {
+  k.store_by_tma = by_tma;
+  k.stages = by_tma ? kWsVarlenKTmaStoreStages : kWsVarlenKStages;
+}
 // kTmaVariants[v] (0: 128x256 cooperative on clusters of 2, the overrides' starting point).
 GemmKernel tma_grouped(const char* rule, int v = 0) {
   GemmKernel k;
@@ -151,10 +156,7 @@ LayerKernels automatic(const KernelShape& s) {
                 : ws_varlen_k(1, "S < 4096 E rows: one CTA a tile (clusters measured no gain), "
                                  "the tile leaves by TMA store under the next tile's MMAs");
     for (GemmKernel* w : {&k.dw2, &k.dw1})
-      if (few_rows && w->cluster == 1) {
-        w->store_by_tma = true;
-        w->stages = kWsVarlenKTmaStoreStages;
-      }
+      if (few_rows && w->cluster == 1) set_store_by_tma(*w, true);
   }
   return k;
 }
@@ -238,10 +240,8 @@ void apply(int g, const GemmOverride& o, const KernelShape& s, GemmKernel& k) {
                             name, ".cluster: only dw1_proj on ws_varlen_k and down_proj / "
                             "dx_proj on tma_grouped run on clusters");
     k.cluster = *o.cluster;
-    if (k.cluster != 1 && k.store_by_tma) {  // the TMA-store epilogue is one CTA a tile's
-      k.store_by_tma = false;
-      k.stages = kWsVarlenKStages;
-    }
+    if (k.cluster != 1 && k.store_by_tma)  // the TMA-store epilogue is one CTA a tile's
+      set_store_by_tma(k, false);
     k.rule = "override";
   }
   if (o.b_by_tma) {
@@ -257,8 +257,7 @@ void apply(int g, const GemmOverride& o, const KernelShape& s, GemmKernel& k) {
     MOEBLAZE_UNSUPPORTED_IF(*o.store_tma && k.cluster != 1, "kernel override ", name,
                             ".store_tma=1: the TMA-store epilogue is built for one CTA a tile (",
                             name, " runs on clusters of ", k.cluster, ")");
-    k.store_by_tma = *o.store_tma;
-    k.stages = k.store_by_tma ? kWsVarlenKTmaStoreStages : kWsVarlenKStages;
+    set_store_by_tma(k, *o.store_tma);
     k.rule = "override";
   }
 }

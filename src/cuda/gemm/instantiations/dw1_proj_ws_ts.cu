@@ -1,7 +1,7 @@
 // (8) dW1 on the warp-specialised varlen-K kernel, transposed, with the TMA-store epilogue
 // (sm90_ws_varlen_k.cuh, kTmaStore; 3 ring stages). Orientation and operands as in
-// dw1_proj_ws.cu. One instantiation: varlen_k_ws_kernel<true, 1, true> (the dw1.store_tma=1
-// override, with dw1.cluster=1).
+// dw1_proj_ws.cu. One instantiation: varlen_k_ws_kernel<true, 1, true> (the rule below 4096
+// rows per expert, or the dw1.store_tma=1 override with dw1.cluster=1).
 #include "cuda/gemm/kernels/sm90_ws_varlen_k.cuh"
 #include "cuda/gemm/dispatch/raster.hpp"
 #include "cuda/gemm/dispatch/ws_paths.hpp"

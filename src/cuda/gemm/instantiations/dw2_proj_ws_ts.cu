@@ -1,7 +1,8 @@
 // (5) dW2 on the warp-specialised varlen-K kernel with the TMA-store epilogue
 // (sm90_ws_varlen_k.cuh, kTmaStore: the tile leaves through shared memory by TMA store, not
 // waited for before the next tile's MMAs; 3 ring stages). Operands as in dw2_proj_ws.cu.
-// One instantiation: varlen_k_ws_kernel<false, 1, true> (the dw2.store_tma=1 override).
+// One instantiation: varlen_k_ws_kernel<false, 1, true> (the rule below 4096 rows per expert,
+// or the dw2.store_tma=1 override).
 #include "cuda/gemm/kernels/sm90_ws_varlen_k.cuh"
 #include "cuda/gemm/dispatch/raster.hpp"
 #include "cuda/gemm/dispatch/ws_paths.hpp"

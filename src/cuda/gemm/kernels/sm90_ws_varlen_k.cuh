@@ -22,7 +22,8 @@
 // k % 8 — the layout of one TMA box with 128-byte swizzle, which the cp.async copies reproduce
 // (kfirst_offset). Tiles are (expert, m-tile, n-tile), expert by expert, raster_tile's order
 // within an expert; an expert with no slot gets zeros. The epilogue stores 16 bytes per lane
-// (varlen_k_store). A 2-CTA cluster variant (kCluster = 2, dW1 where experts have many rows)
+// (varlen_k_store), or, with kTmaStore, leaves through shared memory by TMA store
+// (varlen_k_store_tma). A 2-CTA cluster variant (kCluster = 2, dW1 where experts have many rows)
 // shares Q's stages between two m-tiles by TMA multicast.
 #pragma once
 
@@ -100,7 +101,7 @@ constexpr size_t varlen_k_smem_bytes() {
 static_assert(varlen_k_smem_bytes<1, true>() <= 227 * 1024, "staging tile + 3 stages fit");
 
 // Registers after setmaxnreg: 128 x 88 + 256 x 208 = 64512. The producer holds 8 row ids
-// of the next stage besides the current ones; the consumers' epilogue is a plain store.
+// of the next stage besides the current ones.
 constexpr int kVkProducerRegs = 88;
 constexpr int kVkConsumerRegs = 208;
 
