@@ -43,7 +43,7 @@ TRAINING_FP8_CPU = "training-fp8-wgrad-cpu-2026-12-05-a47ee42.json"
 TINY_LM_SHARE = "tiny-lm-share-2026-12-04-7c9f348.json"
 EP = "ep-2026-11-29-63a4c5b.jsonl"
 PLAN_BUILD = "plan-build-final-2026-12-04-485e5d5.jsonl"
-GRID = "grid-2026-12-06-21b5cd3-h100.jsonl"
+GRID = "grid-2026-12-06-80183b5-h200.jsonl"
 HALF_TILES_AB = "half-tiles-ab-2026-12-06-21b5cd3-h100.jsonl"  # the half_tiles override, alternated
 TILE_WORK_GRID = "tile-work-grid-2026-12-06-47b5497.md"  # host arithmetic, the grid's padding
 FSDP = "fsdp-overhead-2026-12-06-7bb3029-h100.jsonl"  # moeblaze's and torch's experts
@@ -71,7 +71,8 @@ MODEL_STEP = "model-step-2026-12-06-5bd519a-h100.jsonl"
 README = os.path.join(ROOT, "README.md")
 MODEL_STEP_MARKS = ("<!-- model-step table: bench/report.py writes what follows -->",
                     "<!-- end of the model-step table -->")
-SEARCH = ["kernel-search-2026-12-06-3137ddf-h100.jsonl"]  # kernel-search rows, one file per run
+# kernel-search rows, one file per run (a run split in slices: their rows in one file)
+SEARCH = ["kernel-search-2026-12-06-80183b5-h200.jsonl", "kernel-search-2026-12-06-3137ddf-h100.jsonl"]
 # Each single-pass search's per-kernel timings (its stderr), for the spread of twin rows.
 SEARCH_ROWS = {"kernel-search-2026-12-06-3137ddf-h100.jsonl":
                "kernel-search-rows-2026-12-06-3137ddf-h100.txt"}
@@ -142,6 +143,18 @@ DESCRIBE = {
                 "(grouped_mm, sonicmoe, moeblaze): step, peak, first step, loss and gradients",
     GRID: "the public-model grid on the C++ path: moeblaze and the dense bound per shape, with "
           "the float64 check on a token sample",
+    "grid-2026-12-06-21b5cd3-h100.jsonl": "the same grid on the H100 at 21b5cd3",
+    "kernel-search-2026-12-06-80183b5-h200.jsonl": "the automatic kernel of each GEMM against "
+        "the fastest legal candidate on the grid and 17 random shapes, five rotated rounds, run "
+        "in four slices",
+    "kernel-search-candidates-2026-12-06-80183b5-h200.txt": "that search's progress output: "
+        "every candidate's time per GEMM and shape (three of its four slices)",
+    "tma-store-heldout-layer-ab-2026-12-06-80183b5-h200.jsonl": "the layer with the TMA-store "
+        "rule against plain-store weight gradients on ten shapes the rule was not set on, "
+        "alternated",
+    "switch-prefetch-gemm-ab-2026-12-06-e55c249-h200.jsonl": "dW2 and dW1 with the varlen-K "
+        "producer fetching the next tile's offsets and row ids a tile ahead (e55c249, not kept) "
+        "against 80183b5, two rounds in alternated order",
     FSDP: "a training step of MoE blocks (moeblaze's experts, then torch._grouped_mm's) "
           "unsharded and under FSDP2's fully_shard at world size 1, alternated",
     PLAN_BUILD: "the atomic-free plan build against the CUB sort at T = 1M and 8M, two builds",
@@ -725,7 +738,7 @@ def tile_bounds(name):
 
 
 def grid_section():
-    rows = jsonl(GRID)
+    rows = [r for r in jsonl(GRID) if "impl" in r]  # not its aggregation rows
     bounds = tile_bounds(TILE_WORK_GRID)
     by = {}
     for r in rows:
@@ -750,6 +763,12 @@ def grid_section():
     low = sorted((f, c) for c, d in by.items() if "dense-bound" in d and "moeblaze" in d
                  for f in [d["dense-bound"]["total_ms"] / d["moeblaze"]["total_ms"]])[:3]
     errs = [d["moeblaze"]["max_rel_err"] for d in by.values() if "moeblaze" in d]
+    gaps = "".join(
+        "\n" + t for t in
+        (["Without a dense-bound row (it ran out of memory): " + ", ".join(missing) + "."]
+         if missing else []) +
+        (["Not in the file (out of GPU memory in this run; the moeblaze step alone fits, see the "
+          "half-tiles A/B below): " + ", ".join(absent) + "."] if absent else []))
     words = f"""\
 ## The public-model grid on the C++ path
 
@@ -757,9 +776,7 @@ def grid_section():
 (`moeblaze run --config list` prints the grid; `moeblaze bench layer --config grid` runs it)
 the C++ path runs at {pct(geo)} of the dense bound's speed in geometric mean (the target is 92 %,
 and no shape below 85 %); the slowest are {', '.join(f"{c} ({pct(f)})" for f, c in low)}. Every
-shape's float64 check on a token sample passed (largest error {max(errs):.1e}, bound 2e-2).
-{"Without a dense-bound row (it ran out of memory): " + ", ".join(missing) + "." if missing else ""}
-{"Not in the file (out of GPU memory in this run; the moeblaze step alone fits, see the half-tiles A/B below): " + ", ".join(absent) + "." if absent else ""}
+shape's float64 check on a token sample passed (largest error {max(errs):.1e}, bound 2e-2).{gaps}
 SonicMoE and the PyTorch path have not yet been run on the grid.
 
 **What the tiles allow.** The dense bound runs only the useful multiply-adds; moeblaze's tiles
@@ -849,6 +866,8 @@ def search_section():
         body.append([short_gpu(rows[0]["gpu"]), rows[0]["commit"], shapes, len(rows), f3(geo),
                      f3(max(ratios)), f"{within} of {len(rows)}",
                      span(twins) if twins else "-", source(name)])
+        if "rounds" not in rows[0]:
+            continue  # single-pass ratios: no list of misses from a run that cannot tell them
         for r in sorted(rows, key=lambda r: -verdict(r)):
             if verdict(r) > 1.03:
                 lo = r.get("choice_over_best_round_lo")
@@ -875,7 +894,6 @@ as the GEMM's `*-auto` row: the run's noise.
                         ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---"]) + "\n"
     if notes:
         out += "\n" + "\n\n".join(notes) + "\n"
-        return out  # no list of misses from a run that cannot tell them from noise
     if misses:
         out += ("\nThe GEMMs where the choice is more than 3 % slower than the fastest "
                 "candidate:\n\n" +
