@@ -1312,6 +1312,11 @@ KNOWN_GAPS = """\
   reductions: at 512 rows an expert dW1 took 5.34 ms under ncu against cuBLAS's 3.33 for the same
   FLOPs, and the TMA-store epilogue took back only 3–10 % of dW (TMA-store section;
   docs/notes/varlen-k-weight-gradients.md, "Open").
+- **down-proj and dX̃ where experts get few rows.** Below about 512 rows an expert on the H200
+  these GEMMs are weight-bound, and the rule's kernels there read the weights twice or run on the
+  2-CTA kernel: 1.25–1.75x the fastest built kernel at Kimi-K2, Llama-4-Maverick and five random
+  shapes (kernel-search section). A rule that reads the device's FLOPs per DRAM byte is written
+  but has not run on a GPU (docs/notes/weight-bound-down-dx.md).
 - **FP8 is slower than bf16 and peaks higher.** On the C++ path the fp8 step takes
   {fp8_speed}× the bf16 step's time and peaks at {fp8_peak}× bf16's ({fp8_prov}):
   the quantize and activation passes take back what the FP8 GEMMs save, and the weights' FP8
