@@ -39,6 +39,7 @@ struct KernelsFlags {
   uint64_t seed = 1234;
   int64_t sms = 0;  // the GPU's SM count the rules take (0: this machine's GPU, else kFallbackSms)
   int64_t l2_mib = 0;  // its L2 in MiB (0: this machine's GPU's, else kFallbackL2Bytes)
+  int64_t flops_per_byte = 0;  // its FLOPs per DRAM byte (0: this machine's GPU's, else the fallback)
   bool candidates = false;  // the table of every GEMM's legal candidates (kernel_candidates)
 };
 
@@ -46,7 +47,7 @@ struct KernelsFlags {
 // describe (0: the current GPU's, or the fallbacks where none is visible).
 cuda::gemm::KernelShape shape_for(const KernelsFlags& f, int64_t S, int64_t E, int64_t d,
                                   int64_t n, Activation act) {
-  return {S, E, d, n, act, f.sms, f.l2_mib << 20};
+  return {S, E, d, n, act, f.sms, f.l2_mib << 20, f.flops_per_byte};
 }
 
 // Per config and GEMM, every legal candidate (cuda::gemm::kernel_candidates): the spec that
@@ -207,14 +208,18 @@ void run_kernels(const KernelsFlags& f) {
   const gg::KernelOverrides o =
       f.kernels.empty() ? gg::kernel_overrides() : gg::parse_kernel_overrides(f.kernels);
   if (!o.spec.empty()) std::cout << "kernel overrides: " << o.spec << "\n";
-  // What the rules read of the device (the TMA path's bands): --sms and --l2-mib, else this
-  // machine's GPU's.
+  // What the rules read of the device (the TMA path's bands, down/dx's weight-bound rule):
+  // --sms, --l2-mib and --flops-per-byte, else this machine's GPU's.
   const gg::DeviceProps dev = gg::current_device_props();
   const std::string from = dev.device >= 0 ? " (device " + std::to_string(dev.device) + ")"
                                            : " (no GPU visible: the H100 SXM's)";
   std::cout << "SMs: " << (f.sms > 0 ? f.sms : dev.sms) << (f.sms > 0 ? " (--sms)" : from)
             << "; L2: " << (f.l2_mib > 0 ? f.l2_mib : dev.l2_bytes >> 20) << " MiB"
-            << (f.l2_mib > 0 ? " (--l2-mib)" : from) << "\n";
+            << (f.l2_mib > 0 ? " (--l2-mib)" : from) << "; FLOPs per DRAM byte: "
+            << (f.flops_per_byte > 0 ? f.flops_per_byte : dev.flops_per_byte)
+            << (f.flops_per_byte > 0 ? " (--flops-per-byte)" : from) << " (down/dx weight-bound below "
+            << gg::weight_bound_rows(f.flops_per_byte > 0 ? f.flops_per_byte : dev.flops_per_byte)
+            << " rows an expert)\n";
   Table table({{"config", Align::left}, {"S"}, {"GEMM", Align::left}, {"family", Align::left},
                {"schedule", Align::left}, {"tile", Align::left}, {"stages"}, {"cluster"},
                {"order", Align::left}, {"rule", Align::left}});
@@ -316,6 +321,11 @@ void add_bench_kernels_command(CLI::App& bench) {
   sub->add_option("--l2-mib", flags->l2_mib,
                   "choose for a GPU of this much L2 in MiB (default: this machine's GPU's; 50, "
                   "the H100 SXM's, where none is visible)")
+      ->check(integer_in(1, 1 << 20));
+  sub->add_option("--flops-per-byte", flags->flops_per_byte,
+                  "choose for a GPU of this peak dense bf16 FLOP/s over DRAM bytes/s (default: "
+                  "this machine's GPU's; 319, the H100 SXM's, where none is visible; the H200's "
+                  "is 217)")
       ->check(integer_in(1, 1 << 20));
   sub->add_flag("--candidates", flags->candidates,
                "add the table of every GEMM's legal candidates (what bench gemm --search ranks)");

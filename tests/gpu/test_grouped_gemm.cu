@@ -736,7 +736,8 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   const gg::KernelOverrides none;
   auto choose = [&](int64_t S, int64_t E, int64_t d, int64_t n,
                     Activation act = Activation::swiglu) {
-    return gg::choose_kernels({S, E, d, n, act, 132, gg::kFallbackL2Bytes}, none);
+    return gg::choose_kernels(
+        {S, E, d, n, act, 132, gg::kFallbackL2Bytes, gg::kFallbackFlopsPerByte}, none);
   };
   // sm-default: every gathered GEMM warp-specialised, dH cooperative (d = 4096), TMA down/dX.
   const gg::LayerKernels sm = choose(262144, 128, 4096, 1024);
@@ -815,19 +816,42 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_TRUE(big.up.b_by_tma);
   EXPECT_EQ(big.dh.family, KernelFamily::two_cta);
   EXPECT_EQ(big.dw1.family, KernelFamily::two_cta);
-  // Few rows per expert: down/dX on the 2-CTA kernel below 128 per expert, the warp-specialised
-  // kernel (A by TMA; both cooperative) below 1024, the TMA path from there.
-  EXPECT_EQ(choose(1000, 8, 512, 256).dx.family, KernelFamily::two_cta);
+  // Few rows per expert (docs/notes/weight-bound-down-dx.md). Below 128 an expert: one 128x256
+  // tile on single CTAs (the 2-CTA kernel where E > 4096 or S = 0). From 128, where the GEMM is
+  // weight-bound (rows below 2.5 x the device's FLOPs per DRAM byte: 797 on the H100 SXM, 542 on
+  // the H200): 192x128 ping-pong; then the ws kernel (A by TMA, cooperative) below 1024 rows, the
+  // TMA path from there.
+  EXPECT_EQ(gg::flops_per_dram_byte(132, 1980000, 3201000, 6144), 217);  // the H200's
+  EXPECT_EQ(gg::flops_per_dram_byte(132, 1980000, 0, 6144), 0);          // unknown clock
+  EXPECT_EQ(gg::weight_bound_rows(gg::kFallbackFlopsPerByte), 797);
+  const gg::LayerKernels few = choose(1000, 8, 512, 256);  // 125 rows per expert
+  EXPECT_EQ(few.down.family, KernelFamily::tma_grouped);
+  EXPECT_EQ(gg::tma_variant(few.down), gg::kTmaSingle);
+  EXPECT_EQ(few.dx, few.down);
+  EXPECT_EQ(choose(0, 8, 512, 256).down.family, KernelFamily::two_cta);  // S = 0: no scratch
+  EXPECT_EQ(gg::tma_variant(choose(32767, 256, 2048, 1024).dx), gg::kTmaSingle);
   const gg::LayerKernels fine = choose(32768, 256, 2048, 1024);  // 128 rows per expert
-  EXPECT_EQ(fine.down.family, KernelFamily::ws_gather);
-  EXPECT_EQ(fine.down.schedule, KernelSchedule::cooperative);
-  EXPECT_EQ(fine.down, choose(65536, 128, 2880, 2880).down);  // gpt-oss-120b: 512 rows, n 2880
-  EXPECT_EQ(fine.dx.family, KernelFamily::ws_gather);
-  EXPECT_EQ(fine.dx.schedule, KernelSchedule::cooperative);
-  EXPECT_EQ(choose(163840, 512, 2048, 320).down.family, KernelFamily::ws_gather);  // 320 rows
+  EXPECT_EQ(fine.down.family, KernelFamily::tma_grouped);
+  EXPECT_EQ(gg::tma_variant(fine.down), gg::kTmaPingPong);
+  EXPECT_EQ(fine.dx, fine.down);  // no wide dX̃ tile where weight-bound
+  auto on = [&](int64_t fpb, int64_t S, int64_t E) {
+    return gg::choose_kernels({S, E, 7168, 2048, Activation::swiglu, 132,
+                               gg::kFallbackL2Bytes, fpb}, none);
+  };
+  const int64_t h100 = gg::kFallbackFlopsPerByte, h200 = 217;
+  EXPECT_EQ(gg::tma_variant(on(h100, 796 * 160, 160).down), gg::kTmaPingPong);
+  EXPECT_EQ(on(h100, 797 * 160, 160).down.family, KernelFamily::ws_gather);
+  EXPECT_EQ(gg::tma_variant(on(h200, 541 * 160, 160).dx), gg::kTmaPingPong);
+  EXPECT_EQ(on(h200, 542 * 160, 160).dx.family, KernelFamily::ws_gather);
+  EXPECT_EQ(on(h200, 542 * 160, 160).dx.schedule, KernelSchedule::cooperative);
+  EXPECT_EQ(on(h200, 542 * 160, 160).sms, 132);
+  EXPECT_EQ(on(h200, 542 * 160, 160).flops_per_byte, h200);  // the ratio it was made for
+  // DeepSeek-V2 (614 rows an expert): weight-bound on the H100, not on the H200.
+  EXPECT_EQ(on(h100, 98304, 160).down.family, KernelFamily::tma_grouped);
+  EXPECT_EQ(on(h200, 98304, 160).down.family, KernelFamily::ws_gather);
+  EXPECT_EQ(on(h200, 1023 * 160, 160).down.family, KernelFamily::ws_gather);
+  EXPECT_EQ(on(h200, 1024 * 160, 160).down.family, KernelFamily::tma_grouped);
   EXPECT_EQ(choose(262144, 256, 2048, 1024).dx.family, KernelFamily::tma_grouped);  // 1024 rows
-  EXPECT_EQ(choose(130944, 256, 4096, 1024).down.family, KernelFamily::ws_gather);
-  EXPECT_EQ(choose(1000, 8, 512, 256).dx.family, KernelFamily::two_cta);
   EXPECT_EQ(choose(130944, 5000, 4096, 1024).dx.family, KernelFamily::two_cta);  // E > 4096
   // dX̃ on the TMA path: 128x256 cooperative on clusters of 2 where it reduces over >= 3072 rows
   // of w1 and d >= 2560 (Mixtral-8x7B, ERNIE-4.5-21B), else 192x128 ping-pong (d = 2048 or
@@ -859,8 +883,8 @@ TEST(GroupedGemmChecks, CandidatesHoldTheAutomaticChoiceOnce) {
   const gg::KernelShape shapes[] = {
       {262144, 128, 4096, 1024, Activation::swiglu, 132},  // sm-default: TMA down / dX
       {131072, 64, 2048, 1024, Activation::swiglu, 114},   // olmoe on 114 SMs
-      {327680, 512, 2048, 320, Activation::swiglu, 132},   // 640 rows per expert: ws down / dX
-      {4000, 64, 512, 128, Activation::gelu, 132},         // < 128 rows per expert: two_cta
+      {327680, 512, 2048, 320, Activation::swiglu, 132},   // 640 rows per expert
+      {4000, 64, 512, 128, Activation::gelu, 132},         // < 128 rows per expert: 128x256 TMA
       {65536, 5000, 512, 256, Activation::swiglu, 132},    // E > 4096
       {65536, 32, 2880, 2880, Activation::swiglu_oai, 132},
       {131072, 16, 1024, 512, Activation::swiglu, 132}};   // 8192 rows per expert: dW1 clusters
@@ -1033,14 +1057,16 @@ TEST(GroupedGemmChecks, TokenChunksFollowTheRule) {
   EXPECT_EQ(chunks(262144, 16, 1024, 4096).backward.count, 1);  // mb-conf3: d < n
   EXPECT_EQ(chunks(49152, 32, 1536, 1024).backward.count, 1);   // sm-7B-n1024: d < 2n
   EXPECT_EQ(chunks(49152, 32, 2048, 1024).backward.count, 2);   // d = 2n
-  EXPECT_EQ(chunks(1000, 8, 512, 256).backward.count, 1);       // the cp.async kernel
+  EXPECT_EQ(chunks(20000, 5000, 512, 256).backward.count, 1);   // the cp.async kernel (E > 4096)
+  EXPECT_EQ(chunks(1000, 8, 512, 256).backward.count, 1);       // 125 rows per expert
   EXPECT_EQ(chunks(0, 8, 512, 128).forward, cuda::TokenChunks::none(0));
   // The override: any count on the TMA path (also for d < 2n and in keep_h), still one chunk
   // on the cp.async kernel.
   EXPECT_EQ(chunks(4096, 8, 256, 512, 5).backward, (cuda::TokenChunks{5, 820 + 8}));
   EXPECT_EQ(chunks(4096, 8, 256, 512, 5).forward, (cuda::TokenChunks{5, 820 + 8}));
   EXPECT_EQ(chunks(4096, 8, 256, 512, 5, LayerMode::keep_h).forward.count, 5);
-  EXPECT_EQ(chunks(1000, 8, 512, 256, 5).backward.count, 1);
+  EXPECT_EQ(chunks(20000, 5000, 512, 256, 5).backward.count, 1);
+  EXPECT_EQ(chunks(1000, 8, 512, 256, 5).backward.count, 5);  // 128x256 TMA tiles: chunks
   EXPECT_EQ(chunks(4096, 8, 256, 128, 1).backward.count, 1);
   EXPECT_EQ(gg::parse_kernel_overrides("chunks=7").token_chunks.forward, 7);
   EXPECT_EQ(gg::parse_kernel_overrides("chunks=7").token_chunks.backward, 7);

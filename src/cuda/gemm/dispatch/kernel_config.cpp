@@ -118,17 +118,30 @@ LayerKernels automatic(const KernelShape& s) {
   // On the TMA path, 192x128 ping-pong (one warpgroup's epilogue under the other's mainloop):
   // ahead of 128x256 cooperative in the layer at the four TMA-path configs measured.
   k.down = tma ? tma_grouped("S >= 128 E rows: the TMA path, 192x128 ping-pong", kTmaPingPong)
-               : two_cta("S < 128 E rows: the TMA path's tiles would be mostly tails");
+               : two_cta("E > 4096 or S = 0: the 2-CTA kernel");
+  // Below 128 rows an expert, one 128-row tile holds all of an expert's rows: the TMA path's
+  // single-CTA 128x256 tile, 1.00-1.10x the best where the 2-CTA kernel took 1.26-1.50x
+  // (docs/notes/weight-bound-down-dx.md).
+  if (!tma && ws && s.S > 0)
+    k.down = tma_grouped("S < 128 E rows: one 128-row tile an expert, 128x256 on single CTAs",
+                         kTmaSingle);
   k.dx = k.down;
   // Both GEMMs write N = d columns; down reduces over n, dX̃ over w1_rows.
   const int64_t w1_rows = is_gated(s.act) ? 2 * s.n : s.n;
   if (tma && ws && s.S < s.E * kWsContiguousMaxRowsPerExpert) {
-    // Few rows per expert: the ws kernel (one TMA descriptor per operand) wins there and only
-    // there (the 2026-12-02 note); cooperative for both, as measured in the layer on the grid.
-    k.down = ws_gather(KernelSchedule::cooperative,
-                       "128 E <= S < 1024 E rows: the ws kernel, A by TMA, cooperative");
-    k.dx = ws_gather(KernelSchedule::cooperative,
-                     "128 E <= S < 1024 E rows: the ws kernel, A by TMA, cooperative");
+    if (s.S < s.E * weight_bound_rows(s.flops_per_byte)) {
+      // Weight-bound (kWeightBoundRatioTenths): 192-row tiles read an expert's weights once for
+      // up to 192 rows, where the ws kernel's 128-row tiles read them twice.
+      k.down = k.dx = tma_grouped(
+          "128 E <= S < 2.5 x FLOPs/byte E rows: weight-bound, 192x128 ping-pong", kTmaPingPong);
+    } else {
+      // The ws kernel (one TMA descriptor per operand) leads here (the 2026-12-02 note);
+      // cooperative for both, as measured in the layer on the grid.
+      k.down = ws_gather(KernelSchedule::cooperative,
+                         "2.5 x FLOPs/byte E <= S < 1024 E rows: the ws kernel, A by TMA, "
+                         "cooperative");
+      k.dx = k.down;
+    }
   } else if (k.dx.family == KernelFamily::tma_grouped && w1_rows >= kDxWideMinReduction &&
              s.d >= kDxWideMinD) {
     // A long reduction amortises the epilogue that ping-pong hides; the wider tile and the
@@ -524,14 +537,16 @@ bool pdl_launches() {
 
 LayerKernels choose_kernels(const KernelShape& given, const KernelOverrides& o) {
   KernelShape shape = given;
-  if (shape.sms <= 0 || shape.l2_bytes <= 0) {
+  if (shape.sms <= 0 || shape.l2_bytes <= 0 || shape.flops_per_byte <= 0) {
     const DeviceProps dev = current_device_props();
     if (shape.sms <= 0) shape.sms = dev.sms;
     if (shape.l2_bytes <= 0) shape.l2_bytes = dev.l2_bytes;
+    if (shape.flops_per_byte <= 0) shape.flops_per_byte = dev.flops_per_byte;
   }
   LayerKernels k = automatic(shape);
   k.sms = shape.sms;
   k.l2_bytes = shape.l2_bytes;
+  k.flops_per_byte = shape.flops_per_byte;
   for (int i = 0; i < LayerKernels::kCount; ++i) apply(i, o.gemm[i], shape, k.at(i));
   if (shape.act == Activation::swiglu_oai)
     for (const int g : {kUp, kDh}) {

@@ -38,8 +38,27 @@ constexpr int64_t kWsMaxExperts = 4096;  // the gather kernel's per-CTA expert t
 constexpr int kDefaultRasterGroup = 16;   // CTA rasterization band (raster_tile)
 
 // The measured thresholds of the automatic rules (docs/notes/, docs/ARCHITECTURE.md):
-constexpr int64_t kTmaMinRowsPerExpert = 128;          // down/dx on the TMA path from here
+constexpr int64_t kTmaMinRowsPerExpert = 128;  // below: down/dx on 128-row TMA tiles
 constexpr int64_t kWsContiguousMaxRowsPerExpert = 1024;  // below: down/dx on the ws kernel
+// ... unless weight-bound: an expert's down or dX̃ GEMM does r FLOPs per byte of its weights (r:
+// its rows, S / E). Below kWeightBoundRatio x the device's FLOPs per DRAM byte
+// (DeviceProps::flops_per_byte) the weights' stream limits it, and the 192-row TMA tile, which
+// reads them once for up to 192 rows, beats the ws kernel's 128-row tiles by up to 1.75x; above,
+// the ws kernel leads by up to 8 % (docs/notes/weight-bound-down-dx.md).
+constexpr int64_t kWeightBoundRatioTenths = 25;  // 2.5
+constexpr int64_t weight_bound_rows(int64_t flops_per_byte) {
+  return flops_per_byte * kWeightBoundRatioTenths / 10;
+}
+// Dense bf16 tensor-core FLOPs per SM per clock on Hopper (989 TFLOP/s = 132 SMs x 1.83 GHz x 4096).
+constexpr int64_t kHopperBf16FlopsPerSmClock = 4096;
+// The device's peak dense bf16 FLOP/s over its DRAM bytes/s, from its SMs, SM clock (kHz), memory
+// clock (kHz; two transfers a clock) and bus width (bits); 0 if any is unknown.
+constexpr int64_t flops_per_dram_byte(int64_t sms, int64_t clock_khz, int64_t mem_clock_khz,
+                                      int64_t bus_bits) {
+  return sms <= 0 || clock_khz <= 0 || mem_clock_khz <= 0 || bus_bits <= 0
+             ? 0
+             : sms * clock_khz * kHopperBf16FlopsPerSmClock * 8 / (2 * mem_clock_khz * bus_bits);
+}
 // dH of the activations that share the switch kernel (not swiglu's, not swiglu_oai's):
 constexpr int64_t kWsDhMinD = 2048;      // on a gather kernel from here
 constexpr int64_t kWsDhCoopMinD = 4096;  // cooperative (not ping-pong) from here
@@ -110,7 +129,10 @@ inline constexpr TmaVariant kTmaVariants[] = {
 };
 constexpr int kTmaVariantCount = int(sizeof(kTmaVariants) / sizeof(kTmaVariants[0]));
 constexpr int kTmaWide = 0;      // kTmaVariants' 128x256 cooperative on clusters of 2
+constexpr int kTmaSingle = 1;    // kTmaVariants' 128x256 cooperative on single CTAs
 constexpr int kTmaPingPong = 3;  // kTmaVariants' 192x128 ping-pong
+static_assert(kTmaVariants[kTmaSingle].tile_m == 128 && kTmaVariants[kTmaSingle].cluster == 1,
+              "kTmaSingle names the 128-row tile on single CTAs");
 static_assert(kTmaVariants[kTmaWide].tile_m == 128 && kTmaVariants[kTmaWide].tile_n == 256 &&
               kTmaVariants[kTmaWide].cluster == 2, "kTmaWide names the 128x256 tile on clusters of 2");
 // The index in kTmaVariants of a tma_grouped kernel's tile, schedule and cluster; -1 if not built.
@@ -121,6 +143,7 @@ struct LayerKernels {
   GemmKernel up, down, dh, dw2, dx, dw1;
   int64_t sms = 0;       // the SM count the choice was made for (printed; not part of the value)
   int64_t l2_bytes = 0;  // the L2 size it was made for (the same)
+  int64_t flops_per_byte = 0;  // the device's FLOPs per DRAM byte it was made for (the same)
   enum : int { kUp, kDown, kDh, kDw2, kDx, kDw1 };  // at()'s index of each
   static constexpr int kCount = 6;
   static const char* name(int i);  // "up_proj", "down_proj", "dh_proj", "dw2_proj", ...
@@ -164,21 +187,29 @@ struct KernelShape {
   // to choose for a GPU that is not here.
   int64_t sms = 0;
   int64_t l2_bytes = 0;
+  // Its peak dense bf16 FLOPs per DRAM byte (flops_per_dram_byte; down/dx's weight-bound rule);
+  // 0: the current device's.
+  int64_t flops_per_byte = 0;
 };
 
 // What the rules take where no GPU is visible (a build machine's `bench kernels`): the H100
 // SXM's (the H200 has as many SMs), the GPUs the rules were measured on.
 constexpr int64_t kFallbackSms = 132;
 constexpr int64_t kFallbackL2Bytes = int64_t(50) << 20;
+// 132 SMs at 1980 MHz over HBM3 at 2619 MHz on 5120 bits: 319.
+constexpr int64_t kFallbackFlopsPerByte = flops_per_dram_byte(132, 1980000, 2619000, 5120);
+static_assert(kFallbackFlopsPerByte == 319, "the H100 SXM's FLOPs per DRAM byte");
 
-// The current CUDA device's multiprocessor count and L2 size (cudaDevAttrMultiProcessorCount,
-// cudaDevAttrL2CacheSize), read once per device; device -1 and the fallbacks where no GPU is
+// The current CUDA device's multiprocessor count, L2 size and FLOPs per DRAM byte
+// (cudaDevAttrMultiProcessorCount, cudaDevAttrL2CacheSize; ClockRate, MemoryClockRate and
+// GlobalMemoryBusWidth), read once per device; device -1 and the fallbacks where no GPU is
 // visible. The one CUDA runtime call of the choice (device_props.cpp): everything else here is
 // host arithmetic.
 struct DeviceProps {
   int64_t sms;
   int64_t l2_bytes;
   int device;
+  int64_t flops_per_byte = kFallbackFlopsPerByte;
 };
 DeviceProps current_device_props();
 
