@@ -1081,7 +1081,7 @@ TEST(GroupedGemmChecks, TokenChunksFollowTheRule) {
   EXPECT_EQ(keep_bwd.forward.count, 1);
   EXPECT_EQ(keep_bwd.backward.count, 3);
   // The warp-specialised kernel takes row ranges too (down/dx.family=ws), also at a shape whose
-  // automatic choice is the cp.async kernel.
+  // automatic choice is another (125 rows an expert: the single-CTA TMA tile).
   const gg::KernelOverrides on_ws =
       gg::parse_kernel_overrides("down.family=ws,dx.family=ws,chunks=5");
   LayerConfig small = sm_cfg;

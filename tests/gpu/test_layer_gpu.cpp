@@ -713,7 +713,9 @@ TEST(LayerGpu, Dw1ReuseRuleAndRegionBytes) {
 // pointer); counting bytes (no base) needs no dw1. Host only: the carve touches no memory.
 TEST(LayerGpu, BackwardWorkspaceWithTheRegionInDw1NeedsDw1) {
   LayerConfig cfg;
-  cfg.T = 1024, cfg.d = 512, cfg.n = 128, cfg.E = 8, cfg.K = 2;  // S = 2 n E: the region fits
+  // S = 2 n E: the region fits; 896 rows an expert, on the ws kernel at the fallback's and the
+  // H100's and H200's FLOPs per DRAM byte, so no TMA scratch (whose size reads the device).
+  cfg.T = 3584, cfg.d = 512, cfg.n = 448, cfg.E = 8, cfg.K = 2;
   cfg.activation = Activation::swiglu;
   cfg.dtype = DType::bf16;
   const int64_t S = cfg.T * cfg.K;
@@ -744,11 +746,12 @@ TEST(LayerGpu, BackwardPiecesInDw1GiveTheWorkspacesBits) {
     ~Restore() { cuda::set_backward_dw1_reuse(true); }  // the library's default
   } restore;
   // (T, d, n, E, K): on the TMA path with dX̃ exactly dw1's size (S = 2 n E), the scratch then in
-  // the workspace; the region too large for dw1 (S > 2 n E: both runs alike); the cp.async path
-  // (no scratch); 8 token chunks in recompute with the region in dw1 (keep_h: too large).
+  // the workspace; the region too large for dw1 (S > 2 n E: both runs alike); the ws kernel
+  // (896 rows an expert: no scratch); 8 token chunks in recompute with the region in dw1 (keep_h:
+  // too large).
   for (const auto& [T, d, n, E, K] : {std::array<int64_t, 5>{1024, 512, 128, 8, 2},
                                       std::array<int64_t, 5>{4096, 256, 128, 8, 4},
-                                      std::array<int64_t, 5>{96, 256, 128, 8, 2},
+                                      std::array<int64_t, 5>{3584, 256, 448, 8, 2},
                                       std::array<int64_t, 5>{15360, 4096, 512, 4, 2}})
   for (LayerMode mode : {LayerMode::keep_h, LayerMode::recompute}) {
     SCOPED_TRACE("T " + std::to_string(T) + " d " + std::to_string(d) + " n " +
