@@ -945,6 +945,12 @@ std::vector<SearchRow> search_rows(const Flags& f, const Shape& sh, const std::v
         j.add("choice_ms", x.choice_ms).add("choice_over_best", x.choice_ms / x.best_ms);
       if (std::isfinite(x.round_lo))
         j.add("choice_over_best_round_lo", x.round_lo).add("choice_over_best_round_hi", x.round_hi);
+      // Every candidate's time (the rule's next revision reads them, not only the fastest).
+      JsonLine candidates;
+      for (const Row& r : rows)
+        if (r.config == sh.name && r.writes == writes && &r != automatic)
+          candidates.add(r.kernel, r.ms);
+      j.add("candidate_ms", candidates);
       j.add("reps", f.reps).add("rounds", kSearchRounds).add("operands", f.operands);
       j.add("kernels", kernel_specs(f));
       j.add("gpu", info.gpu).add("driver", info.driver).add("commit", info.commit);

@@ -99,6 +99,10 @@ JsonLine& JsonLine::add(const std::string& key, bool value) {
   fields_.emplace_back(key, value ? "true" : "false");
   return *this;
 }
+JsonLine& JsonLine::add(const std::string& key, const JsonLine& object) {
+  fields_.emplace_back(key, object.str());
+  return *this;
+}
 JsonLine& JsonLine::add_null(const std::string& key) {
   fields_.emplace_back(key, "null");
   return *this;

@@ -46,6 +46,7 @@ class JsonLine {
   JsonLine& add(const std::string& key, double value);
   JsonLine& add(const std::string& key, bool value);
   JsonLine& add_null(const std::string& key);
+  JsonLine& add(const std::string& key, const JsonLine& object);  // a nested object
   std::string str() const;  // {"key": value, ...} without a trailing newline
 
  private:
