@@ -213,13 +213,12 @@ void run_kernels(const KernelsFlags& f) {
   const gg::DeviceProps dev = gg::current_device_props();
   const std::string from = dev.device >= 0 ? " (device " + std::to_string(dev.device) + ")"
                                            : " (no GPU visible: the H100 SXM's)";
+  const int64_t fpb = f.flops_per_byte > 0 ? f.flops_per_byte : dev.flops_per_byte;
   std::cout << "SMs: " << (f.sms > 0 ? f.sms : dev.sms) << (f.sms > 0 ? " (--sms)" : from)
             << "; L2: " << (f.l2_mib > 0 ? f.l2_mib : dev.l2_bytes >> 20) << " MiB"
-            << (f.l2_mib > 0 ? " (--l2-mib)" : from) << "; FLOPs per DRAM byte: "
-            << (f.flops_per_byte > 0 ? f.flops_per_byte : dev.flops_per_byte)
-            << (f.flops_per_byte > 0 ? " (--flops-per-byte)" : from) << " (down/dx weight-bound below "
-            << gg::weight_bound_rows(f.flops_per_byte > 0 ? f.flops_per_byte : dev.flops_per_byte)
-            << " rows an expert)\n";
+            << (f.l2_mib > 0 ? " (--l2-mib)" : from) << "; FLOPs per DRAM byte: " << fpb
+            << (f.flops_per_byte > 0 ? " (--flops-per-byte)" : from)
+            << " (down/dx weight-bound below " << gg::weight_bound_rows(fpb) << " rows an expert)\n";
   Table table({{"config", Align::left}, {"S"}, {"GEMM", Align::left}, {"family", Align::left},
                {"schedule", Align::left}, {"tile", Align::left}, {"stages"}, {"cluster"},
                {"order", Align::left}, {"rule", Align::left}});

@@ -117,14 +117,13 @@ LayerKernels automatic(const KernelShape& s) {
   }
   // On the TMA path, 192x128 ping-pong (one warpgroup's epilogue under the other's mainloop):
   // ahead of 128x256 cooperative in the layer at the four TMA-path configs measured.
+  // Below 128 rows an expert one 128-row tile holds all of an expert's rows: the TMA path's
+  // single-CTA 128x256 tile (docs/notes/weight-bound-down-dx.md).
   k.down = tma ? tma_grouped("S >= 128 E rows: the TMA path, 192x128 ping-pong", kTmaPingPong)
+           : ws && s.S > 0
+               ? tma_grouped("S < 128 E rows: one 128-row tile an expert, 128x256 on single CTAs",
+                             kTmaSingle)
                : two_cta("E > 4096 or S = 0: the 2-CTA kernel");
-  // Below 128 rows an expert, one 128-row tile holds all of an expert's rows: the TMA path's
-  // single-CTA 128x256 tile, 1.00-1.10x the best where the 2-CTA kernel took 1.26-1.50x
-  // (docs/notes/weight-bound-down-dx.md).
-  if (!tma && ws && s.S > 0)
-    k.down = tma_grouped("S < 128 E rows: one 128-row tile an expert, 128x256 on single CTAs",
-                         kTmaSingle);
   k.dx = k.down;
   // Both GEMMs write N = d columns; down reduces over n, dX̃ over w1_rows.
   const int64_t w1_rows = is_gated(s.act) ? 2 * s.n : s.n;

@@ -41,10 +41,9 @@ constexpr int kDefaultRasterGroup = 16;   // CTA rasterization band (raster_tile
 constexpr int64_t kTmaMinRowsPerExpert = 128;  // below: down/dx on 128-row TMA tiles
 constexpr int64_t kWsContiguousMaxRowsPerExpert = 1024;  // below: down/dx on the ws kernel
 // ... unless weight-bound: an expert's down or dX̃ GEMM does r FLOPs per byte of its weights (r:
-// its rows, S / E). Below kWeightBoundRatio x the device's FLOPs per DRAM byte
-// (DeviceProps::flops_per_byte) the weights' stream limits it, and the 192-row TMA tile, which
-// reads them once for up to 192 rows, beats the ws kernel's 128-row tiles by up to 1.75x; above,
-// the ws kernel leads by up to 8 % (docs/notes/weight-bound-down-dx.md).
+// its rows, S / E); below 2.5 x the device's FLOPs per DRAM byte (DeviceProps::flops_per_byte)
+// the weights' stream limits it, and the 192-row TMA tile reads them once where the ws kernel's
+// 128-row tiles read them twice (docs/notes/weight-bound-down-dx.md).
 constexpr int64_t kWeightBoundRatioTenths = 25;  // 2.5
 constexpr int64_t weight_bound_rows(int64_t flops_per_byte) {
   return flops_per_byte * kWeightBoundRatioTenths / 10;
