@@ -218,7 +218,8 @@ void run_kernels(const KernelsFlags& f) {
             << "; L2: " << (f.l2_mib > 0 ? f.l2_mib : dev.l2_bytes >> 20) << " MiB"
             << (f.l2_mib > 0 ? " (--l2-mib)" : from) << "; FLOPs per DRAM byte: " << fpb
             << (f.flops_per_byte > 0 ? " (--flops-per-byte)" : from)
-            << " (down/dx weight-bound below " << gg::weight_bound_rows(fpb) << " rows an expert)\n";
+            << " (down/dx on the 192-row tile from 128 to " << gg::weight_bound_max_rows(fpb)
+            << " rows an expert)\n";
   Table table({{"config", Align::left}, {"S"}, {"GEMM", Align::left}, {"family", Align::left},
                {"schedule", Align::left}, {"tile", Align::left}, {"stages"}, {"cluster"},
                {"order", Align::left}, {"rule", Align::left}});

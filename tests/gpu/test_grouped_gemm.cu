@@ -817,13 +817,16 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_EQ(big.dh.family, KernelFamily::two_cta);
   EXPECT_EQ(big.dw1.family, KernelFamily::two_cta);
   // Few rows per expert (docs/notes/weight-bound-down-dx.md). Below 128 an expert: one 128x256
-  // tile on single CTAs (the 2-CTA kernel where E > 4096 or S = 0). From 128, where the GEMM is
-  // weight-bound (rows below 2.5 x the device's FLOPs per DRAM byte: 797 on the H100 SXM, 542 on
-  // the H200): 192x128 ping-pong; then the ws kernel (A by TMA, cooperative) below 1024 rows, the
-  // TMA path from there.
+  // tile on single CTAs (the 2-CTA kernel where E > 4096 or S = 0). From 128 to 178 rows (an
+  // expert's rows fit one 192-row tile, r + sqrt(r) <= 192, and the GEMM is weight-bound, r below
+  // the device's FLOPs per DRAM byte): 192x128 ping-pong; then the ws kernel (A by TMA,
+  // cooperative) below 1024 rows, the TMA path from there.
   EXPECT_EQ(gg::flops_per_dram_byte(132, 1980000, 3201000, 6144), 217);  // the H200's
   EXPECT_EQ(gg::flops_per_dram_byte(132, 1980000, 0, 6144), 0);          // unknown clock
-  EXPECT_EQ(gg::weight_bound_rows(gg::kFallbackFlopsPerByte), 797);
+  EXPECT_EQ(gg::one_tile_rows(192), 178);  // 178 + 13.3 <= 192 < 179 + 13.4
+  EXPECT_EQ(gg::weight_bound_max_rows(gg::kFallbackFlopsPerByte), 178);
+  EXPECT_EQ(gg::weight_bound_max_rows(217), 178);
+  EXPECT_EQ(gg::weight_bound_max_rows(150), 149);  // memory fast enough to stop short of 178
   const gg::LayerKernels few = choose(1000, 8, 512, 256);  // 125 rows per expert
   EXPECT_EQ(few.down.family, KernelFamily::tma_grouped);
   EXPECT_EQ(gg::tma_variant(few.down), gg::kTmaSingle);
@@ -839,16 +842,19 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
                                gg::kFallbackL2Bytes, fpb}, none);
   };
   const int64_t h100 = gg::kFallbackFlopsPerByte, h200 = 217;
-  EXPECT_EQ(gg::tma_variant(on(h100, 796 * 160, 160).down), gg::kTmaPingPong);
-  EXPECT_EQ(on(h100, 797 * 160, 160).down.family, KernelFamily::ws_gather);
-  EXPECT_EQ(gg::tma_variant(on(h200, 541 * 160, 160).dx), gg::kTmaPingPong);
-  EXPECT_EQ(on(h200, 542 * 160, 160).dx.family, KernelFamily::ws_gather);
-  EXPECT_EQ(on(h200, 542 * 160, 160).dx.schedule, KernelSchedule::cooperative);
-  EXPECT_EQ(on(h200, 542 * 160, 160).sms, 132);
-  EXPECT_EQ(on(h200, 542 * 160, 160).flops_per_byte, h200);  // the ratio it was made for
-  // DeepSeek-V2 (614 rows an expert): weight-bound on the H100, not on the H200.
-  EXPECT_EQ(on(h100, 98304, 160).down.family, KernelFamily::tma_grouped);
-  EXPECT_EQ(on(h200, 98304, 160).down.family, KernelFamily::ws_gather);
+  for (const int64_t fpb : {h100, h200}) {
+    EXPECT_EQ(gg::tma_variant(on(fpb, 178 * 160, 160).down), gg::kTmaPingPong);
+    EXPECT_EQ(gg::tma_variant(on(fpb, 178 * 160, 160).dx), gg::kTmaPingPong);
+    EXPECT_EQ(on(fpb, 178 * 160 + 1, 160).down.family, KernelFamily::ws_gather);
+    EXPECT_EQ(on(fpb, 178 * 160 + 1, 160).dx.schedule, KernelSchedule::cooperative);
+  }
+  EXPECT_EQ(gg::tma_variant(on(150, 149 * 160, 160).down), gg::kTmaPingPong);
+  EXPECT_EQ(on(150, 149 * 160 + 1, 160).down.family, KernelFamily::ws_gather);
+  EXPECT_EQ(on(100, 128 * 160, 160).down.family, KernelFamily::ws_gather);  // not weight-bound
+  EXPECT_EQ(on(h200, 178 * 160, 160).sms, 132);
+  EXPECT_EQ(on(h200, 178 * 160, 160).flops_per_byte, h200);  // the ratio it was made for
+  // DeepSeek-V2 (614 rows an expert): two M tiles of either size, the ws kernel.
+  EXPECT_EQ(on(h100, 98304, 160).down.family, KernelFamily::ws_gather);
   EXPECT_EQ(on(h200, 1023 * 160, 160).down.family, KernelFamily::ws_gather);
   EXPECT_EQ(on(h200, 1024 * 160, 160).down.family, KernelFamily::tma_grouped);
   EXPECT_EQ(choose(262144, 256, 2048, 1024).dx.family, KernelFamily::tma_grouped);  // 1024 rows

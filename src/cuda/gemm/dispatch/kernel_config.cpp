@@ -128,17 +128,17 @@ LayerKernels automatic(const KernelShape& s) {
   // Both GEMMs write N = d columns; down reduces over n, dX̃ over w1_rows.
   const int64_t w1_rows = is_gated(s.act) ? 2 * s.n : s.n;
   if (tma && ws && s.S < s.E * kWsContiguousMaxRowsPerExpert) {
-    if (s.S < s.E * weight_bound_rows(s.flops_per_byte)) {
-      // Weight-bound (kWeightBoundRatioTenths): 192-row tiles read an expert's weights once for
-      // up to 192 rows, where the ws kernel's 128-row tiles read them twice.
+    if (s.S <= s.E * weight_bound_max_rows(s.flops_per_byte)) {
+      // Weight-bound, and an expert's rows fit one 192-row tile (weight_bound_max_rows): that
+      // tile reads the weights once where the ws kernel's 128-row tiles read them twice.
       k.down = k.dx = tma_grouped(
-          "128 E <= S < 2.5 x FLOPs/byte E rows: weight-bound, 192x128 ping-pong", kTmaPingPong);
+          "128 E <= S <= 178 E rows (weight-bound, one 192-row tile an expert): 192x128 "
+          "ping-pong", kTmaPingPong);
     } else {
       // The ws kernel (one TMA descriptor per operand) leads here (the 2026-12-02 note);
       // cooperative for both, as measured in the layer on the grid.
       k.down = ws_gather(KernelSchedule::cooperative,
-                         "2.5 x FLOPs/byte E <= S < 1024 E rows: the ws kernel, A by TMA, "
-                         "cooperative");
+                         "178 E < S < 1024 E rows: the ws kernel, A by TMA, cooperative");
       k.dx = k.down;
     }
   } else if (k.dx.family == KernelFamily::tma_grouped && w1_rows >= kDxWideMinReduction &&

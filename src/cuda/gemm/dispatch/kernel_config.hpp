@@ -40,14 +40,28 @@ constexpr int kDefaultRasterGroup = 16;   // CTA rasterization band (raster_tile
 // The measured thresholds of the automatic rules (docs/notes/, docs/ARCHITECTURE.md):
 constexpr int64_t kTmaMinRowsPerExpert = 128;  // below: down/dx on 128-row TMA tiles
 constexpr int64_t kWsContiguousMaxRowsPerExpert = 1024;  // below: down/dx on the ws kernel
-// ... unless weight-bound: an expert's down or dX̃ GEMM does r FLOPs per byte of its weights (r:
-// its rows, S / E); below 2.5 x the device's FLOPs per DRAM byte (DeviceProps::flops_per_byte)
-// the weights' stream limits it, and the 192-row TMA tile reads them once where the ws kernel's
-// 128-row tiles read them twice (docs/notes/weight-bound-down-dx.md).
-constexpr int64_t kWeightBoundRatioTenths = 25;  // 2.5
-constexpr int64_t weight_bound_rows(int64_t flops_per_byte) {
-  return flops_per_byte * kWeightBoundRatioTenths / 10;
+// ... except where an expert's rows fit one 192-row tile and its GEMM is weight-bound: down or dX̃
+// does r FLOPs per byte of an expert's weights (r: its rows, S / E), and below the device's FLOPs
+// per DRAM byte (DeviceProps::flops_per_byte) the weights' stream limits it. One 192-row tile
+// reads them once where the ws kernel's 128-row tiles read them twice. "Fit": r + sqrt(r) <= 192,
+// room for the spread of a balanced routing's per-expert rows (about sqrt(r)); above that both
+// tiles need two M tiles and the 128-row one wastes fewer MMAs (docs/notes/weight-bound-down-dx.md).
+// The most rows an expert of tile_m rows holds in one tile by that measure: 178 for 192.
+constexpr int64_t one_tile_rows(int64_t tile_m) {
+  int64_t r = tile_m;
+  while (r > 0 && (tile_m - r) * (tile_m - r) < r) --r;
+  return r;
 }
+// The most rows an expert (S / E) for which down/dX̃ take the 192-row tile on a device of this
+// many FLOPs per DRAM byte (from kTmaMinRowsPerExpert up): 178 on Hopper, less where memory is
+// fast enough that the GEMM stops being weight-bound first.
+constexpr int64_t kWeightBoundTileRows = 192;  // kTmaVariants[kTmaPingPong].tile_m
+constexpr int64_t weight_bound_max_rows(int64_t flops_per_byte) {
+  return flops_per_byte - 1 < one_tile_rows(kWeightBoundTileRows)
+             ? flops_per_byte - 1
+             : one_tile_rows(kWeightBoundTileRows);
+}
+static_assert(one_tile_rows(192) == 178 && one_tile_rows(128) == 117, "r + sqrt(r) <= tile rows");
 // Dense bf16 tensor-core FLOPs per SM per clock on Hopper (989 TFLOP/s = 132 SMs x 1.83 GHz x 4096).
 constexpr int64_t kHopperBf16FlopsPerSmClock = 4096;
 // The device's peak dense bf16 FLOP/s over its DRAM bytes/s, from its SMs, SM clock (kHz), memory
@@ -132,6 +146,8 @@ constexpr int kTmaSingle = 1;    // kTmaVariants' 128x256 cooperative on single 
 constexpr int kTmaPingPong = 3;  // kTmaVariants' 192x128 ping-pong
 static_assert(kTmaVariants[kTmaSingle].tile_m == 128 && kTmaVariants[kTmaSingle].cluster == 1,
               "kTmaSingle names the 128-row tile on single CTAs");
+static_assert(kTmaVariants[kTmaPingPong].tile_m == kWeightBoundTileRows,
+              "the weight-bound rule's tile is the 192-row ping-pong one");
 static_assert(kTmaVariants[kTmaWide].tile_m == 128 && kTmaVariants[kTmaWide].tile_n == 256 &&
               kTmaVariants[kTmaWide].cluster == 2, "kTmaWide names the 128x256 tile on clusters of 2");
 // The index in kTmaVariants of a tma_grouped kernel's tile, schedule and cluster; -1 if not built.
