@@ -152,6 +152,10 @@ DESCRIBE = {
     "tma-store-heldout-layer-ab-2026-12-06-80183b5-h200.jsonl": "the layer with the TMA-store "
         "rule against plain-store weight gradients on ten shapes the rule was not set on, "
         "alternated",
+    "weight-bound-rule-layer-ab-2026-12-07-02dc30b-h100.jsonl": "the layer with down-proj and "
+        "dX̃ on the 192-row tile up to 2.5x the device's FLOPs per DRAM byte (02dc30b, not kept) "
+        "against the ws kernel, and on the single-CTA 128-row tile against the 2-CTA kernel below "
+        "128 rows an expert, on held-out shapes, alternated",
     "switch-prefetch-gemm-ab-2026-12-06-e55c249-h200.jsonl": "dW2 and dW1 with the varlen-K "
         "producer fetching the next tile's offsets and row ids a tile ahead (e55c249, not kept) "
         "against 80183b5, two rounds in alternated order",
