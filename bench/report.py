@@ -156,6 +156,10 @@ DESCRIBE = {
         "dX̃ on the 192-row tile up to 2.5x the device's FLOPs per DRAM byte (02dc30b, not kept) "
         "against the ws kernel, and on the single-CTA 128-row tile against the 2-CTA kernel below "
         "128 rows an expert, on held-out shapes, alternated",
+    "one-tile-rule-layer-ab-2026-12-07-67d2765-h100.jsonl": "the layer with down-proj and dX̃ "
+        "by the one-tile rule (the 192-row tile from 128 to 178 rows an expert, the single-CTA "
+        "128-row tile below 128) against the other side's kernel, on shapes either side of "
+        "both lines, alternated",
     "switch-prefetch-gemm-ab-2026-12-06-e55c249-h200.jsonl": "dW2 and dW1 with the varlen-K "
         "producer fetching the next tile's offsets and row ids a tile ahead (e55c249, not kept) "
         "against 80183b5, two rounds in alternated order",
@@ -1316,11 +1320,12 @@ KNOWN_GAPS = """\
   reductions: at 512 rows an expert dW1 took 5.34 ms under ncu against cuBLAS's 3.33 for the same
   FLOPs, and the TMA-store epilogue took back only 3–10 % of dW (TMA-store section;
   docs/notes/varlen-k-weight-gradients.md, "Open").
-- **down-proj and dX̃ where experts get few rows.** Below about 512 rows an expert on the H200
-  these GEMMs are weight-bound, and the rule's kernels there read the weights twice or run on the
-  2-CTA kernel: 1.25–1.75x the fastest built kernel at Kimi-K2, Llama-4-Maverick and five random
-  shapes (kernel-search section). A rule that reads the device's FLOPs per DRAM byte is written
-  but has not run on a GPU (docs/notes/weight-bound-down-dx.md).
+- **down-proj and dX̃ where experts get few rows.** These GEMMs are weight-bound where experts
+  get few rows. Since 67d2765 the 192-row tile takes them where it holds an expert in one M tile
+  (128 to 178 rows an expert) and the single-CTA 128-row tile below 128, each measured ahead on
+  the H100 (docs/notes/weight-bound-down-dx.md); the grid and the search above ran before that
+  (1.25–1.75x the fastest built kernel at Kimi-K2, Llama-4-Maverick and five random shapes), and
+  the layer on the H200 has not run with it.
 - **FP8 is slower than bf16 and peaks higher.** On the C++ path the fp8 step takes
   {fp8_speed}× the bf16 step's time and peaks at {fp8_peak}× bf16's ({fp8_prov}):
   the quantize and activation passes take back what the FP8 GEMMs save, and the weights' FP8
