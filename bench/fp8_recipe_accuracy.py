@@ -7,6 +7,9 @@ Variants (all with bf16 inputs and weights, fp32 math on the dequantized operand
              blocks, H kept quantized (1x128 along w1_rows); weight gradients on bf16 operands
   fp8-all    fp8-data, and the weight-gradient GEMMs' operands (dO, A' for dW2; dH, X for dW1)
              quantized in 128x1 tiles along their K, the expert's tokens
+  fp8-data-pow2  (with --pow2-scales) fp8-data with each scale rounded up to a power of two, so
+             x / scale is exact and a quantizer needs no division (docs/notes/fp8.md, "Tried and
+             not kept")
 The quantization follows src/core/fp8.hpp's rule (scale = max(amax, 448 * 2^-126) / 448, codes
 = e4m3(x / scale)), with torch's float8_e4m3fn cast (round to nearest even; |x / scale| <= 448
 so nothing saturates). The library's own fp8 paths (compute_dtype="fp8" and "fp8-wgrad") are
@@ -44,20 +47,23 @@ LIBRARY = {"library bf16": None, "library fp8": "fp8", "library fp8-wgrad": "fp8
 TENSORS = ("out", "dx", "dw1", "dw2")
 
 
-def _fq_groups(x, dims):
-    """Fake-quantize x (fp32) with one scale per group spanning `dims` (already shaped so)."""
+def _fq_groups(x, dims, pow2=False):
+    """Fake-quantize x (fp32) with one scale per group spanning `dims` (already shaped so);
+    pow2: the scale rounded up to a power of two."""
     amax = x.abs().amax(dim=dims, keepdim=True)
-    scale = torch.where(amax == 0, torch.ones_like(amax),
-                        torch.clamp(amax, min=FLOOR) / 448.0)
+    scale = torch.clamp(amax, min=FLOOR) / 448.0
+    if pow2:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    scale = torch.where(amax == 0, torch.ones_like(amax), scale)
     return (x / scale).to(torch.float8_e4m3fn).float() * scale
 
 
-def fq_rows(x):
+def fq_rows(x, pow2=False):
     """1x128 tiles along the last dimension (partial at the edge)."""
     r, c = x.shape
     pad = (-c) % G
     xp = torch.nn.functional.pad(x, (0, pad)).reshape(r, -1, G)
-    return _fq_groups(xp, (2,)).reshape(r, -1)[:, :c]
+    return _fq_groups(xp, (2,), pow2).reshape(r, -1)[:, :c]
 
 
 def fq_cols(x):
@@ -65,12 +71,12 @@ def fq_cols(x):
     return fq_rows(x.t().contiguous()).t()
 
 
-def fq_blocks(w):
+def fq_blocks(w, pow2=False):
     """128x128 blocks."""
     r, c = w.shape
     pr, pc = (-r) % G, (-c) % G
     wp = torch.nn.functional.pad(w, (0, pc, 0, pr)).reshape((r + pr) // G, G, (c + pc) // G, G)
-    return _fq_groups(wp, (1, 3)).reshape(r + pr, c + pc)[:r, :c]
+    return _fq_groups(wp, (1, 3), pow2).reshape(r + pr, c + pc)[:r, :c]
 
 
 def layer(x, w1, w2, ids, wts, d_out, activation, variant):
@@ -80,8 +86,9 @@ def layer(x, w1, w2, ids, wts, d_out, activation, variant):
     n = w2.shape[2]
     dev = x.device
     q = variant != "bf16"
-    fr = fq_rows if q else (lambda t: t)
-    fb = fq_blocks if q else (lambda t: t)
+    p2 = variant == "fp8-data-pow2"
+    fr = (lambda t: fq_rows(t, p2)) if q else (lambda t: t)
+    fb = (lambda t: fq_blocks(t, p2)) if q else (lambda t: t)
     fc = fq_cols if variant == "fp8-all" else (lambda t: t)
     x32, do32 = x.float(), d_out.float()
     out = torch.zeros(T, d, device=dev)
@@ -149,11 +156,13 @@ def library(x, w1, w2, ids, wts, d_out, activation, compute_dtype):
     return (o.detach(),) + torch.autograd.grad(o, [xl, w1l, w2l], d_out.to(o.dtype))
 
 
-def variants(device, emulation=True):
-    """The rows, in print order: the CPU's (unchanged since the script began) or the GPU's."""
+def variants(device, emulation=True, pow2=False):
+    """The rows, in print order: the CPU's (unchanged since the script began) or the GPU's;
+    pow2 adds fp8-data-pow2 after the emulated ones."""
+    emulated = list(EMULATED) + (["fp8-data-pow2"] if pow2 else [])
     if device == "cpu":
-        return list(EMULATED) + ["library fp8", "library fp8-wgrad"]
-    return list(LIBRARY) + (list(EMULATED) if emulation else [])
+        return emulated + ["library fp8", "library fp8-wgrad"]
+    return list(LIBRARY) + (emulated if emulation else [])
 
 
 def ratios(worst, base="library bf16"):
@@ -243,6 +252,8 @@ def main():
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--no-emulation", action="store_true",
                     help="with --device cuda: the library's rows only")
+    ap.add_argument("--pow2-scales", action="store_true",
+                    help="also the fp8-data-pow2 row: fp8-data with power-of-two scales")
     ap.add_argument("--md", help="also write the table as markdown here, with header lines")
     args = ap.parse_args()
     kind = torch.device(args.device).type
@@ -257,7 +268,7 @@ def main():
     T, d, n, E, K = shape = tuple(int(v) for v in (args.shape or DEFAULT_SHAPE[kind]).split(","))
     if kind == "cuda" and (d % G or n % G):
         ap.error(f"--device cuda: d ({d}) and n ({n}) must be multiples of {G} (the GPU FP8 path)")
-    names = variants(kind, not args.no_emulation)
+    names = variants(kind, not args.no_emulation, args.pow2_scales)
     t_start = time.perf_counter()
 
     def log(msg):

@@ -58,3 +58,29 @@ def test_md_table_and_exit_status(tmp_path, monkeypatch, capsys):
               "- command: `python fp8_recipe_accuracy.py --shape 64,128,128,2,1",
               "| gelu | fp8-all | "):
         assert s in text, s
+
+
+def test_pow2_scales_are_powers_of_two_and_only_on_request():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 300, generator=g) * torch.tensor([[1e-3], [1.0], [700.0]])
+    x[0, 5:] = 0  # one partial group nonzero, the rest all zero (scale 1)
+    exact, p2 = fa.fq_rows(x), fa.fq_rows(x, pow2=True)
+    for r in range(3):
+        for c0 in range(0, 300, 128):
+            grp, q = x[r, c0:c0 + 128], p2[r, c0:c0 + 128]
+            amax = float(grp.abs().max())
+            if amax == 0:
+                assert torch.equal(q, grp)
+                continue
+            scale = 2.0 ** torch.ceil(torch.log2(torch.tensor(max(amax, fa.FLOOR) / 448.0)))
+            # every value dequantizes to an e4m3 value times the group's power-of-two scale
+            codes = q / scale
+            assert torch.equal(codes.to(torch.float8_e4m3fn).float(), codes)
+            assert float(codes.abs().max()) <= 448.0
+    assert not torch.equal(exact, p2)  # a different rule, not the same bits renamed
+    assert "fp8-data-pow2" not in fa.variants("cpu")
+    assert fa.variants("cpu", pow2=True)[:4] == ["bf16", "fp8-data", "fp8-all", "fp8-data-pow2"]
+    ins = fa.make_inputs(*SHAPE, "swiglu", 0)
+    errs = [fa.rel(a, r) for a, r in zip(fa.layer(*ins, "swiglu", "fp8-data-pow2"),
+                                         fa.reference(*ins, "swiglu"))]
+    assert all(0.03 < e < 0.1 for e in errs)
