@@ -160,6 +160,8 @@ DESCRIBE = {
         "by the one-tile rule (the 192-row tile from 128 to 178 rows an expert, the single-CTA "
         "128-row tile below 128) against the other side's kernel, on shapes either side of "
         "both lines, alternated",
+    "fp8-pow2-scales-cpu-2026-12-07-cf90693.md": "the FP8 recipe's error against float64 with "
+        "power-of-two scales beside the exact ones (the CPU emulation, 3 seeds)",
     "switch-prefetch-gemm-ab-2026-12-06-e55c249-h200.jsonl": "dW2 and dW1 with the varlen-K "
         "producer fetching the next tile's offsets and row ids a tile ahead (e55c249, not kept) "
         "against 80183b5, two rounds in alternated order",
