@@ -19,10 +19,15 @@ spec in force added as `kernels` (bench layer's rows carry it themselves).
 
 --shapes (bench layer only) adds shapes by T,d,n,E,K, one `bench layer --shape` call each, so
 a rule can be checked away from the named configs.
+
+--out gets each call's rows as soon as the call returns, so a sweep stopped by SIGTERM (`timeout`)
+or by a failing call keeps what it measured; --md then gets the table of those rows with a line
+saying how many calls of how many ran.
 """
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -107,28 +112,43 @@ def main():
         ap.error("--bench gemm needs --only (the GEMMs to time)")
     rows = []
     calls = args.rounds * len(specs)
-    t0 = time.time()
-    for r in range(args.rounds):
-        for i, spec in enumerate(specs if r % 2 == 0 else specs[::-1]):
-            done = r * len(specs) + i
-            print(f"override_sweep: [{done + 1}/{calls}] round {r + 1}, "
-                  f"MOEBLAZE_KERNELS={spec!r} ({time.time() - t0:.0f} s)", file=sys.stderr)
-            if args.configs:
-                rows += run_once(args.cli, args.bench, args.configs, args.only, spec, args.reps,
-                                 args.timeout, args.impl)
-            for shape in shapes:
-                rows += run_once(args.cli, args.bench, "", "", spec, args.reps, args.timeout,
-                                 args.impl, shape)
-    text = table(rows, specs)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(text)
+    done = 0
+    out = open(args.out, "a") if args.out else None
 
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    t0 = time.time()
+    try:
+        for r in range(args.rounds):
+            for spec in specs if r % 2 == 0 else specs[::-1]:
+                print(f"override_sweep: [{done + 1}/{calls}] round {r + 1}, "
+                      f"MOEBLAZE_KERNELS={spec!r} ({time.time() - t0:.0f} s)", file=sys.stderr)
+                got = []
+                if args.configs:
+                    got += run_once(args.cli, args.bench, args.configs, args.only, spec,
+                                    args.reps, args.timeout, args.impl)
+                for shape in shapes:
+                    got += run_once(args.cli, args.bench, "", "", spec, args.reps, args.timeout,
+                                    args.impl, shape)
+                rows += got
+                done += 1
+                if out:
+                    for row in got:
+                        out.write(json.dumps(row) + "\n")
+                    out.flush()
+    finally:
+        if out:
+            out.close()
+        text = table(rows, specs)
+        if done < calls:
+            text += f"\npartial: {done} of {calls} calls ran\n"
+            print(f"override_sweep: stopped after {done} of {calls} calls", file=sys.stderr)
+        print(text)
+        if args.md:
+            with open(args.md, "w") as f:
+                f.write(text)
 
 if __name__ == "__main__":
     main()

@@ -3,9 +3,11 @@ writes bench layer rows, and the sweep alternates the specs' order, times --shap
 call each after the configs, sets MOEBLAZE_KERNELS per spec, and tables each shape's median ratio."""
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
+import time
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
 
@@ -55,3 +57,29 @@ def test_shapes_need_bench_layer_and_something_to_run(tmp_path):
         p = subprocess.run([sys.executable, sweep, "--specs", ";x", *extra], capture_output=True,
                            text=True, timeout=60)
         assert p.returncode == 2 and message in p.stderr, p.stderr
+
+
+def test_a_stopped_sweep_keeps_the_calls_that_ran(tmp_path):
+    cli = tmp_path / "moeblaze"
+    # the stand-in above, but a call under the spec "slow" hangs after logging itself
+    hang = 'import time\nif os.environ.get("MOEBLAZE_KERNELS") == "slow":\n    time.sleep(60)\n'
+    cli.write_text(FAKE_CLI.replace("names = (", hang + "names = (", 1))
+    cli.chmod(cli.stat().st_mode | stat.S_IEXEC)
+    log, out, md = tmp_path / "calls.jsonl", tmp_path / "r.jsonl", tmp_path / "r.md"
+    env = dict(os.environ, FAKE_LOG=str(log))
+    p = subprocess.Popen([sys.executable, os.path.join(BENCH, "override_sweep.py"), "--cli",
+                          str(cli), "--bench", "layer", "--configs", "a,b", "--specs", ";slow",
+                          "--rounds", "2", "--out", str(out), "--md", str(md)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 2):
+        time.sleep(0.1)
+    assert len(log.read_text().splitlines()) == 2  # the second call, "slow", has started
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM, stderr
+    rows = [json.loads(line) for line in open(out)]
+    assert [(r["config"], r["kernels"]) for r in rows] == [("a", ""), ("b", "")]
+    text = md.read_text()
+    assert "| a | moeblaze | 1.000 | — |" in text and "partial: 1 of 4 calls ran" in text
+    assert "stopped after 1 of 4 calls" in stderr
