@@ -853,8 +853,15 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_EQ(on(100, 128 * 160, 160).down.family, KernelFamily::ws_gather);  // not weight-bound
   EXPECT_EQ(on(h200, 178 * 160, 160).sms, 132);
   EXPECT_EQ(on(h200, 178 * 160, 160).flops_per_byte, h200);  // the ratio it was made for
-  // DeepSeek-V2 (614 rows an expert): two M tiles of either size, the ws kernel.
-  EXPECT_EQ(on(h100, 98304, 160).down.family, KernelFamily::ws_gather);
+  // Above 178 rows: two M tiles of either size, the ws kernel (A by TMA, cooperative for both).
+  EXPECT_EQ(on(h100, 98304, 160).down.family, KernelFamily::ws_gather);  // DeepSeek-V2: 614 rows
+  const gg::LayerKernels oss = choose(65536, 128, 2880, 2880);  // gpt-oss-120b: 512 rows, n 2880
+  EXPECT_EQ(oss.down.family, KernelFamily::ws_gather);
+  EXPECT_EQ(oss.down.schedule, KernelSchedule::cooperative);
+  EXPECT_EQ(oss.dx.family, KernelFamily::ws_gather);
+  EXPECT_EQ(oss.dx.schedule, KernelSchedule::cooperative);
+  EXPECT_EQ(choose(163840, 512, 2048, 320).down.family, KernelFamily::ws_gather);  // 320 rows
+  EXPECT_EQ(choose(130944, 256, 4096, 1024).down.family, KernelFamily::ws_gather);
   EXPECT_EQ(on(h200, 1023 * 160, 160).down.family, KernelFamily::ws_gather);
   EXPECT_EQ(on(h200, 1024 * 160, 160).down.family, KernelFamily::tma_grouped);
   EXPECT_EQ(choose(262144, 256, 2048, 1024).dx.family, KernelFamily::tma_grouped);  // 1024 rows
@@ -889,7 +896,7 @@ TEST(GroupedGemmChecks, CandidatesHoldTheAutomaticChoiceOnce) {
   const gg::KernelShape shapes[] = {
       {262144, 128, 4096, 1024, Activation::swiglu, 132},  // sm-default: TMA down / dX
       {131072, 64, 2048, 1024, Activation::swiglu, 114},   // olmoe on 114 SMs
-      {327680, 512, 2048, 320, Activation::swiglu, 132},   // 640 rows per expert
+      {327680, 512, 2048, 320, Activation::swiglu, 132},   // 640 rows per expert: ws down / dX
       {4000, 64, 512, 128, Activation::gelu, 132},         // < 128 rows per expert: 128x256 TMA
       {65536, 5000, 512, 256, Activation::swiglu, 132},    // E > 4096
       {65536, 32, 2880, 2880, Activation::swiglu_oai, 132},
