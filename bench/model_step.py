@@ -36,6 +36,14 @@ flatten, weight permutes, activation map) runs unchanged. The rows name what ran
                               [--md table.md]
   python3 bench/model_step.py --tiny --family olmoe   # CPU-sized models (the tests' mode)
   python3 bench/model_step.py --family qwen3_moe --compile   # the whole model under torch.compile
+  python3 bench/model_step.py --family qwen3_moe --kernels 3  # + where the step's GPU time goes
+
+--kernels N profiles N more steps per impl after the timed ones (torch.profiler, CUDA kernels,
+memcpys and memsets) and sums each kernel family's device time per step (MODEL_RULES below, then
+bench/step_kernels.py's rules for the expert layer's kernels): the rows carry `kernel_families`
+({family: ms per step}, the largest first) and `kernel_sum_ms`, and the Markdown gets one table per
+model, a column per impl. It tells how much of the step the experts take, hence how far a faster
+expert layer can move the whole step.
 """
 import argparse
 import contextlib
@@ -43,6 +51,7 @@ import copy
 import datetime
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -115,6 +124,18 @@ SHAPE_KEYS = {
     "gpt_oss": ("hidden_size", "intermediate_size", "num_local_experts", "num_experts_per_tok"),
 }
 SAMPLE = 1 << 22  # gradient entries compared per parameter, at most
+
+# Whole-model kernel families for --kernels, tried before step_kernels.RULES (first match wins):
+# the parts of a decoder layer that are not the routed experts. cuBLAS's dense GEMMs (attention
+# projections, router, shared experts, LM head) are named nvjet_* or sm90_xmma_* on Hopper.
+MODEL_RULES = [
+    (r"flash|fmha|sdpa|[Aa]ttention|attn", "attention"),
+    (r"nvjet|xmma_gemm|gemmSN|gemv|cublas|Kernel2<cutlass_80|cutlass3x_sm90",
+     "cuBLAS GEMM (dense layers)"),
+    (r"cross_entropy|log_softmax|LogSoftMax|nll_loss", "loss"),
+    (r"quack|sonic", "SonicMoE / QuACK kernels"),
+]
+KERNEL_FAMILIES_KEPT = 24  # families per row, the largest; the rest summed as "(rest)"
 
 
 class Skip(Exception):
@@ -365,6 +386,10 @@ def run_impl(family, impl, args, dev, dtype, meta, ref):
         if impl == "moeblaze" and "extension" in row:  # what the steps ran: "loaded: ..." etc.
             row["extension"] = moeblaze.extension_status()
         row["reps"], row["warmup"] = args.reps, args.warmup
+        if args.kernels:
+            row["kernel_families"], row["kernel_sum_ms"] = profile_step_kernels(
+                step_model, ids, labels, args.kernels, dev)
+            row["kernel_steps"] = args.kernels
     except Skip as why:
         row["skipped"] = str(why)
     except torch.OutOfMemoryError:
@@ -387,6 +412,72 @@ def run_impl(family, impl, args, dev, dtype, meta, ref):
             row["fp64_loss_rel_err"] = row["fp64_grad_max_rel_err"] = None
             row["fp64_skipped"] = f"{type(err).__name__}: {str(err)[:200]}"
     return row
+
+
+def classify_kernel(name):
+    """The family of a kernel of a whole-model step: MODEL_RULES, then step_kernels' rules."""
+    import step_kernels
+    for rx, fam in MODEL_RULES:
+        if re.search(rx, name):
+            return fam
+    return step_kernels.classify(name)[0]
+
+
+def kernel_families(records, steps, names=None):
+    """records: (name, start_us, dur_us) of the device kernels, memcpys and memsets of `steps`
+    steps; names: {raw: demangled}. ({family: ms per step}, largest first, at most
+    KERNEL_FAMILIES_KEPT and "(rest)"; the sum of every record per step in ms)."""
+    names = names or {}
+    fams = {}
+    for name, _, dur in records:
+        fam = classify_kernel(names.get(name, name))
+        fams[fam] = fams.get(fam, 0.0) + dur / 1e3 / steps
+    order = sorted(fams.items(), key=lambda kv: (-kv[1], kv[0]))
+    kept = dict(order[:KERNEL_FAMILIES_KEPT])
+    rest = sum(ms for _, ms in order[KERNEL_FAMILIES_KEPT:])
+    if rest:
+        kept["(rest)"] = rest
+    return {f: round(ms, 4) for f, ms in kept.items()}, round(sum(fams.values()), 4)
+
+
+def profile_step_kernels(step_model, ids, labels, steps, dev):
+    """(kernel_families, kernel_sum_ms) over `steps` profiled training steps."""
+    import step_kernels
+    from torch.profiler import ProfilerActivity, profile
+    sync(dev)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            train_step(step_model, ids, labels)
+        sync(dev)
+    records = step_kernels.device_records(prof.events())
+    return kernel_families(records, steps, step_kernels.demangle({r[0] for r in records}))
+
+
+def kernel_table(rows):
+    """One Markdown table per model: kernel family by impl, ms per step (rows with
+    kernel_families only; "" where none has them)."""
+    out = []
+    models = list(dict.fromkeys(r["model"] for r in rows if r.get("kernel_families")))
+    for model in models:
+        rs = [r for r in rows if r["model"] == model and r.get("kernel_families")]
+        fams = {}
+        for r in rs:
+            for f, ms in r["kernel_families"].items():
+                fams[f] = max(fams.get(f, 0.0), ms)
+        order = sorted(fams, key=lambda f: (f == "(rest)", -fams[f], f))
+        out += [f"### {model}: GPU time per step by kernel family, ms", "",
+                "| kernel family | " + " | ".join(r["impl"] for r in rs) + " |",
+                "|---|" + "---:|" * len(rs)]
+        for f in order:
+            cells = [format(r["kernel_families"][f], ".3f") if f in r["kernel_families"] else "—"
+                     for r in rs]
+            out.append(f"| {f} | " + " | ".join(cells) + " |")
+        out.append("| **kernel sum** | " + " | ".join(
+            format(r["kernel_sum_ms"], ".3f") for r in rs) + " |")
+        out.append("| **step (wall)** | " + " | ".join(
+            format(r["step_ms"], ".3f") for r in rs) + " |")
+        out.append("")
+    return "\n".join(out)
 
 
 def emit(row, path):
@@ -451,6 +542,9 @@ def main(argv=None):
                     help="torch.compile the whole model (backend: inductor, or the one given, "
                          "e.g. aot_eager); rows say which in `compile` and count dynamo's "
                          "graph breaks in `graph_breaks`")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="profile N more steps per impl and report the GPU time per kernel "
+                         "family (CUDA only)")
     ap.add_argument("--out", default="", help="append the JSON lines here")
     ap.add_argument("--md", default="", help="write the Markdown table here")
     args = ap.parse_args(argv)
@@ -470,6 +564,9 @@ def main(argv=None):
     if min(args.seq, args.vocab, args.reps) < 1 or args.layers < 0 or args.batch < 0:
         ap.error("--batch, --seq, --vocab and --reps must be >= 1, --layers >= 0")
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.kernels < 0 or (args.kernels and dev.type != "cuda"):
+        ap.error(f"--kernels {args.kernels}: a count of profiled steps >= 0, and only on a CUDA "
+                 f"device (this run's is {dev.type})")
     dtype = getattr(torch, args.dtype or ("float32" if args.tiny else "bfloat16"))
     try:
         import transformers
@@ -492,6 +589,8 @@ def main(argv=None):
                 pass  # its rows say "not installed"
         rows = run_all(families, impls, args, dev, dtype, meta)
     md = table(rows)
+    if args.kernels:
+        md += "\n" + kernel_table(rows)
     if args.md:
         with open(args.md, "w") as f:
             f.write(md)

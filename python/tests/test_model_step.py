@@ -134,3 +134,50 @@ def test_sampled_grads_reach_the_last_entry_of_a_large_parameter():
     model.w = p
     g = ms.sampled_grads(model)["w"]
     assert g.numel() == ms.SAMPLE and g[0] == 0 and g[-1] == 1.0
+
+
+def test_kernel_families_name_the_parts_of_a_whole_model_step():
+    """--kernels' families: the model's own parts first (attention, cuBLAS, loss), then the
+    expert layer's kernels as bench/step_kernels.py names them; per-step sums, the largest kept
+    and the rest summed, and the table's columns per impl."""
+    model_step = load_model_step()
+    names = {
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4> >(P)":
+            "attention",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3_64x64x128":
+            "attention",
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT": "cuBLAS GEMM (dense layers)",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1":
+            "cuBLAS GEMM (dense layers)",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, "
+        "at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>(float*, float const*, int)":
+            "loss",
+        "void moeblaze::cuda::gemm::sm90::ws::varlen_k_ws_kernel<true, 1>(moeblaze::cuda::gemm::sm9":
+            "wgrad dW1 varlen-K (ws)",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>(int)":
+            "torch elementwise (grad accumulation etc.)",
+    }
+    for name, fam in names.items():
+        assert model_step.classify_kernel(name) == fam, name
+    # 3 steps: each kernel's time per step; one family per distinct kernel here
+    recs = [(n, i, 1000.0 * (i + 1)) for i, n in enumerate(names)] * 3
+    fams, total = model_step.kernel_families(recs, 3)
+    assert total == pytest.approx(sum(1.0 * (i + 1) for i in range(len(names))))
+    assert fams["loss"] == pytest.approx(5.0) and fams["attention"] == pytest.approx(3.0)
+    assert list(fams)[0] == "torch elementwise (grad accumulation etc.)"  # the largest first
+    kept = model_step.KERNEL_FAMILIES_KEPT
+    many = [(f"other_kernel_{i}", 0, 1000.0) for i in range(kept + 3)]
+    fams, total = model_step.kernel_families(many, 1)
+    assert len(fams) == kept + 1 and fams["(rest)"] == pytest.approx(3.0) and total == kept + 3
+    rows = [dict(model="M", impl=i, kernel_families={"attention": 2.0, "x": ms},
+                 kernel_sum_ms=2.0 + ms, step_ms=3.0 + ms) for i, ms in (("a", 1.0), ("b", 4.0))]
+    rows[1]["kernel_families"].pop("attention")
+    md = model_step.kernel_table(rows)
+    assert "| kernel family | a | b |" in md and "| x | 1.000 | 4.000 |" in md
+    assert "| attention | 2.000 | — |" in md and "| **step (wall)** | 4.000 | 7.000 |" in md
+
+
+def test_kernels_is_refused_off_cuda():
+    model_step = load_model_step()
+    with pytest.raises(SystemExit):
+        model_step.main(["--tiny", "--device", "cpu", "--kernels", "2", "--family", "olmoe"])
