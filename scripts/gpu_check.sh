@@ -5,7 +5,8 @@
 #
 #   scripts/gpu_check.sh OUT [PART ...]
 #     PART: all (default) | tests | gpu-tests | gpu-gtests | routing-tests | routing | layer | gemm
-#           | ep | python | peers | sanitize | fuzz-long | sanitize-fuzz | search | model-step
+#           | ep | python | peers | sanitize | fuzz-long | sanitize-fuzz | search | peers-grid
+#           | model-step
 #       tests          ctest, every test (CPU and GPU)          → OUT/ctest.log
 #       gpu-tests      (not in `all`) the quick GPU check: moeblaze_gpu_tests (GTEST_FILTER picks
 #                      some) and the CUDA pytests (python/tests -k "gpu or cuda")
@@ -80,6 +81,14 @@
 #                      → OUT/sanitize_fuzz.log (sanitize's format: one summary line of error counts).
 #                      SANITIZE_TOOLS picks some of "memcheck racecheck initcheck synccheck" (all
 #                      four by default; initcheck is by far the slowest).
+#       peers-grid     (not in `all`) bench/peers.py over the public-model grid shapes that no
+#                      committed bench/results/sonicmoe-grid-*.jsonl holds yet (PEERS_GRID names
+#                      others), smallest layer first: moeblaze through PyTorch, SonicMoE and
+#                      torch, alternated, 10 repetitions → OUT/peers_grid.jsonl, peers_grid.log.
+#                      SonicMoE as for peers; its first shape compiles every candidate config
+#                      (minutes), later ones take about a minute each, so PEERS_TIMEOUT=S stops
+#                      it in time for the autotune file to be written; commit the rows as a new
+#                      sonicmoe-grid file and the set grows from run to run.
 #       model-step     (not in `all`) bench/model_step.py: whole Hugging Face models (Qwen3-MoE,
 #                      Mixtral, OLMoE, DeepSeek-V3, gpt-oss), one training step per experts
 #                      implementation (grouped_mm, sonicmoe, moeblaze) → OUT/model_step.jsonl,
@@ -138,6 +147,14 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(all)
+known_parts=" all tests gpu-tests gpu-gtests routing-tests routing layer gemm ep python peers sanitize \
+fuzz-long sanitize-fuzz search peers-grid model-step "
+for p in "${parts[@]}"; do
+  case "$known_parts" in
+    *" $p "*) ;;
+    *) echo "gpu_check: unknown PART '$p'; one of:$known_parts" >&2; exit 2 ;;
+  esac
+done
 want() {
   local p
   for p in "${parts[@]}"; do [ "$p" = all ] || [ "$p" = "$1" ] && return 0; done
@@ -668,6 +685,33 @@ if want peers && install_python; then
       --out "$OUT/peers.jsonl" --md "$OUT/peers.md" ${PEERS_ARGS:-}; then
     rows=$(grep -c '"bench": "peers"' "$OUT/peers.jsonl" || true)
     summary+=("bench peers: $rows rows [$(( $(date +%s) - t0 )) s]")
+  fi
+fi
+
+# ---- peers-grid: grid shapes through PyTorch beside SonicMoE and torch, the missing ones first ----
+if want_named peers-grid && install_python; then
+  t0=$(date +%s)
+  setup_sonicmoe peers_grid.log
+  grid_names=${PEERS_GRID:-$(python3 - <<'PY'
+import glob, json, sys
+sys.path.insert(0, "bench")
+import model_shapes
+done = {json.loads(line).get("config") for f in glob.glob("bench/results/sonicmoe-grid-*.jsonl")
+        for line in open(f) if line.strip()}
+todo = sorted((g for g in model_shapes.GRID if g[0] not in done),
+              key=lambda g: g[1] * g[5] * g[2] * g[3])  # T * K * d * n: the layer's work
+print(",".join(g[0] for g in todo))
+PY
+)}
+  if [ -z "$grid_names" ]; then
+    summary+=("bench peers-grid: every grid shape already has rows (PEERS_GRID names others)")
+  elif run_python_part "bench peers-grid" peers_grid.log "${PEERS_TIMEOUT:-0}" bench/peers.py \
+      --config "$grid_names" --impl moeblaze-torch,sonicmoe,torch --alternate --reps 10 \
+      --warmup 2 --out "$OUT/peers_grid.jsonl"; then
+    rows=$(grep -c '"bench": "peers"' "$OUT/peers_grid.jsonl" || true)
+    summary+=("bench peers-grid: $rows rows [$(( $(date +%s) - t0 )) s]")
+  elif [ -s "$OUT/peers_grid.jsonl" ]; then  # stopped by PEERS_TIMEOUT: the shapes done are kept
+    summary+=("bench peers-grid: stopped; $(grep -c '"bench": "peers"' "$OUT/peers_grid.jsonl" || true) rows kept")
   fi
 fi
 
