@@ -79,6 +79,9 @@ SEARCH = ["kernel-search-2026-12-06-80183b5-h200.jsonl", "kernel-search-2026-12-
 # Each single-pass search's per-kernel timings (its stderr), for the spread of twin rows.
 SEARCH_ROWS = {"kernel-search-2026-12-06-3137ddf-h100.jsonl":
                "kernel-search-rows-2026-12-06-3137ddf-h100.txt"}
+# A search's candidate timings re-scored against a later rule without a GPU (bench/rescore_search.py):
+# a prediction, shown as one; None where there is none newer than the searches.
+SEARCH_RESCORED = "kernel-search-rescored-2026-12-07-778d353-h200.md"
 GPU_FUZZ = "gpu-fuzz-2026-12-06-21b5cd3-h100.txt"  # the long round, 2000 cases
 # memcheck, racecheck, initcheck over the fuzz's short round; synccheck; initcheck, TMA writes alone
 SANITIZE_FUZZ = "sanitize-fuzz-2026-12-06-21b5cd3-h100.txt"
@@ -144,6 +147,8 @@ DESCRIBE = {
     PYTESTS[0]: "the whole Python suite with CUDA",
     MODEL_STEP: "one training step of a whole Hugging Face model per experts_implementation "
                 "(grouped_mm, sonicmoe, moeblaze): step, peak, first step, loss and gradients",
+    SEARCH_RESCORED: "the H200 search's candidate timings re-scored against a later kernel rule "
+                     "without a GPU (bench/rescore_search.py): a prediction, not a measurement",
     SONIC_GRID: "grid shapes through PyTorch beside SonicMoE and torch's _grouped_mm, alternated, "
                 "with the float64 check on a token sample (the shapes SonicMoE's autotuning left "
                 "time for)",
@@ -966,6 +971,16 @@ as the GEMM's `*-auto` row: the run's noise.
                         ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---"]) + "\n"
     if notes:
         out += "\n" + "\n\n".join(notes) + "\n"
+    if SEARCH_RESCORED:
+        head = text(SEARCH_RESCORED).splitlines()
+        found = next(line for line in head if "GEMMs within 3 %" in line)
+        rule = from_name(SEARCH_RESCORED)[0]
+        out += (f"\n**The rule at {rule}, predicted from those timings** (no GPU run yet: "
+                f"`bench/rescore_search.py` asks the build's rule for its kernel per shape and "
+                f"reads that kernel's time among the search's candidates): "
+                f"{found.split(': ', 1)[1]}, on the {found.split('(')[1].split(' shapes')[0]} "
+                f"shapes whose candidate lines the file kept "
+                f"([`{SEARCH_RESCORED}`]({LINK}{SEARCH_RESCORED})).\n")
     if misses:
         out += ("\nThe GEMMs where the choice is more than 3 % slower than the fastest "
                 "candidate:\n\n" +
