@@ -858,7 +858,7 @@ PyTorch takes {span(tot)}× SonicMoE's time for forward + backward ({f3(geo)} in
 and {span(bwd)}× for the backward alone. The targets, over at least 10 grid shapes: at most 0.90×
 in geometric mean and 0.97× on every shape, the backward at or below SonicMoE's everywhere. The
 forward carries the lead; the backward is level.{twin_words} SonicMoE's autotuner compiles every
-candidate config the first time (at the first shape here that took all of an 8-minute run) and
+candidate config the first time (more than 6 minutes at the first shape, H100) and
 keeps the compiled kernels on disk; at each later shape it only times them (about a minute a shape
 here). Its results are kept in `bench/cache/sonicmoe-autotune.tgz`, so the set of shapes grows
 from run to run. torch's `_grouped_mm` path is the PyTorch

@@ -96,20 +96,13 @@ def parse_kernels_table(text):
     return out
 
 
-def activation_of(name):
-    for g in model_shapes.GRID:
-        if g[0] == name:
-            return g[7]
-    return "swiglu"
-
-
 def rule_choices(cli, names, device_args):
     """{(config, gemm): row} of the binary's rule for every shape, one bench kernels call per
     activation (the grid's gpt-oss shapes run swiglu-oai)."""
     out = {}
     by_act = {}
     for n in names:
-        by_act.setdefault(activation_of(n), []).append(n)
+        by_act.setdefault(model_shapes.ACTIVATIONS.get(n, "swiglu"), []).append(n)
     for act, group in by_act.items():
         cmd = [cli, "bench", "kernels", "--config", ",".join(group), "--activation", act]
         cmd += device_args

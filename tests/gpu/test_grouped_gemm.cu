@@ -834,8 +834,7 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_EQ(choose(0, 8, 512, 256).down.family, KernelFamily::two_cta);  // S = 0: no scratch
   EXPECT_EQ(gg::tma_variant(choose(32767, 256, 2048, 1024).dx), gg::kTmaSingle);
   // ... also where the TMA path's wide-dX̃ rule (2n >= 3072, d >= 2560) would apply: that rule is
-  // the TMA path's (128 rows an expert and up). At 68 rows (T 5832, d 3712, n 1984, E 256, K 3)
-  // the H200 search timed its clusters of 2 at 1.60x the single CTA.
+  // the TMA path's, from 128 rows an expert (68 rows here: T 5832, d 3712, n 1984, E 256, K 3).
   EXPECT_EQ(gg::tma_variant(choose(17496, 256, 3712, 1984).dx), gg::kTmaSingle);
   EXPECT_EQ(choose(17496, 256, 3712, 1984).dx, choose(17496, 256, 3712, 1984).down);
   const gg::LayerKernels fine = choose(32768, 256, 2048, 1024);  // 128 rows per expert

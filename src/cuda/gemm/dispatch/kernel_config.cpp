@@ -142,8 +142,8 @@ LayerKernels automatic(const KernelShape& s) {
       k.dx = k.down;
     }
   } else if (tma && w1_rows >= kDxWideMinReduction && s.d >= kDxWideMinD) {
-    // The TMA path only (128 rows an expert and up): below it one 128-row tile on single CTAs
-    // holds an expert, and the wide tile's clusters of 2 took 1.60x its time (H200 search, 68 rows).
+    // The TMA path only: below 128 rows an expert the single-CTA tile stays
+    // (docs/notes/weight-bound-down-dx.md).
     // A long reduction amortises the epilogue that ping-pong hides; the wider tile and the
     // cluster's multicast then feed the tensor cores with less traffic.
     k.dx = tma_grouped("dX̃, reduction >= 3072 and d >= 2560: 128x256 cooperative, clusters of 2",
