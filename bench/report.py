@@ -61,6 +61,13 @@ RULES_DX = "dx.tile=128x256,dx.cluster=2"
 TMA_STORE_GEMM = "tma-store-gemm-ab-2026-12-06-fb1ceb3-h100.jsonl"
 TMA_STORE_LAYER = "tma-store-layer-ab-2026-12-06-fb1ceb3-h100.jsonl"
 TMA_STORE_SPEC = "dw2.store_tma=1,dw1.store_tma=1"
+# The varlen-K ping-pong schedule (built, measured slower, removed): dW2 and dW1 alone under the
+# rule's kernel and ping-pong on 1 and 2 CTAs, two rounds in alternated order; its ncu profile.
+PINGPONG_VK = "varlen-k-pingpong-gemm-ab-2026-12-07-403b23f-h100.jsonl"
+PINGPONG_VK_SPECS = ("dw2.schedule=pingpong,dw2.cluster=1,dw1.schedule=pingpong,dw1.cluster=1",
+                     "dw2.schedule=pingpong,dw2.cluster=2,dw1.schedule=pingpong,dw1.cluster=2")
+PINGPONG_VK_NCU = "ncu-varlen-k-pingpong-2026-12-07-403b23f-h100.md"
+DH_PINGPONG = "dh-pingpong-layer-ab-2026-12-07-403b23f-h100.jsonl"
 RULES_DOWN = "down.family=ws,down.schedule=cooperative"
 # The rule's thresholds as src/cuda/gemm/dispatch/kernel_config.hpp states them, to split the rows
 # by where each rule applies (python/tests/test_report.py checks the two agree).
@@ -111,6 +118,12 @@ DESCRIBE = {
     STEP_KERNELS: "one profiled step's kernels by family, bf16 / fp8 / fp8-wgrad",
     FP8_ACCURACY: "each FP8 recipe's error against float64 on the GPU",
     "ncu-act-passes-2026-12-05-5d8a446-h100.txt": "Nsight Compute on the FP8 activation passes",
+    PINGPONG_VK: "dW2 and dW1 alone: the rule's kernel against a ping-pong schedule on 1 and 2 "
+                 "CTAs (built at 403b23f, removed), two alternated rounds at five grid shapes",
+    PINGPONG_VK_NCU: "Nsight Compute's stall samples by instruction of the varlen-K ping-pong kernel and "
+                     "of the cooperative TMA-store one, with the barrier each wait reads",
+    DH_PINGPONG: "the layer with dH on the ping-pong schedule against the rule, at few rows an "
+                 "expert, two alternated rounds",
     "ncu-backward-2026-12-06-5bd519a-h100.md": "Nsight Compute on every GEMM of the chain at four "
         "grid shapes, the weight gradients' time per tile against their K, and cuBLAS's "
         "same-FLOP GEMM",
@@ -1097,6 +1110,37 @@ for both. {caption(lay, TMA_STORE_LAYER)}
                           "TMA store ms"], lbody) + "\n"
 
 
+def pingpong_vk_section():
+    rows = jsonl(PINGPONG_VK)
+    ms, first = {}, {}
+    for r in rows:
+        ms.setdefault((r["config"], r["gemm"], r["kernels"]), []).append(r["ms"])
+        first.setdefault(r["config"], r)
+    body, ratios = [], []
+    for c, r in sorted(first.items(), key=lambda kv: kv[1]["S"] / kv[1]["E"]):
+        cells = [r["model"], shape(r), f"{r['S'] / r['E']:.0f}"]
+        for g in ("dW2-auto", "dW1-auto"):
+            base = mean(ms[(c, g, "")])
+            cells.append(f3(base))
+            for spec in PINGPONG_VK_SPECS:
+                ratios.append(mean(ms[(c, g, spec)]) / base)
+                cells.append(f3(ratios[-1]))
+        body.append(cells)
+    words = f"""## The weight gradients on a ping-pong schedule (built, slower, removed)
+
+Each consumer warpgroup on its own 64 x 256 tiles, so that one's epilogue runs under the other's
+MMAs, took {span(ratios)}× the rule's time for dW2 and dW1 alone, on single CTAs and on clusters
+of 2 sharing the contiguous operand. Half the MMA work per stage leaves the ring too shallow for
+the loads in flight ([{PINGPONG_VK_NCU}](../bench/results/{PINGPONG_VK_NCU}),
+docs/notes/varlen-k-weight-gradients.md, "Ping-pong consumers"). Means of two rounds in
+alternated order; ratios are ping-pong time over the rule's. {caption(rows, PINGPONG_VK)}
+
+"""
+    return words + table(["model", "T / d / n / E / K", "rows per expert", "dW2 rule ms",
+                          "dW2 pp", "dW2 pp, 2 CTAs", "dW1 rule ms", "dW1 pp",
+                          "dW1 pp, 2 CTAs"], body) + "\n"
+
+
 def fsdp_section():
     rows = jsonl(FSDP)
     by = {r.get("experts", "moeblaze"): r for r in rows}
@@ -1483,7 +1527,7 @@ def render():
     parts = [HEAD, figures_section(), sonicmoe_section(), ten_section(), max_tokens_section(),
              gemms_section(), fp8_section(), training_section(), grid_section(), sonic_grid_section(),
              search_section(),
-             rules_section(), tma_store_section(),
+             rules_section(), tma_store_section(), pingpong_vk_section(),
              model_step_section(), fsdp_section(), ep_section(),
              plan_section(),
              tests_section(), known_gaps(), files_section()]

@@ -34,8 +34,6 @@ constexpr int kWsCooperativeStages = 4;
 constexpr int kWsPingPongStages = 6;
 constexpr int kWsVarlenKStages = 4;
 constexpr int kWsVarlenKTmaStoreStages = 3;  // with the epilogue's 64 KiB staging tile
-constexpr int kWsVarlenKPingPongStages = 4;  // 40 KiB each, beside the staging tile
-constexpr int kWsVarlenKPingPongTileM = 64;  // a warpgroup's own 64 x 256 tile
 constexpr int64_t kWsMaxExperts = 4096;  // the gather kernel's per-CTA expert table
 constexpr int kDefaultRasterGroup = 16;   // CTA rasterization band (raster_tile)
 
@@ -116,7 +114,6 @@ struct GemmKernel {
   int tma_swizzle = 2;         // ... with this swizzle; across experts, the CTAs in
   int tma_bands = 1;           // this many bands (tma_bands_rule)
   bool store_by_tma = false;   // ws_varlen_k: the epilogue leaves by TMA store, 3 ring stages
-                               // (4 of 40 KiB on the ping-pong schedule, which always has it)
   const char* rule = "";       // why this kernel (printed; not part of the value)
 
   bool operator==(const GemmKernel& o) const {

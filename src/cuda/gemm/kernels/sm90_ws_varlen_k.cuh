@@ -24,9 +24,7 @@
 // within an expert; an expert with no slot gets zeros. The epilogue stores 16 bytes per lane
 // (varlen_k_store), or, with kTmaStore, leaves through shared memory by TMA store
 // (varlen_k_store_tma). A 2-CTA cluster variant (kCluster = 2, dW1 where experts have many rows)
-// shares Q's stages between two m-tiles by TMA multicast. The ping-pong schedule (kPingPong)
-// gives each consumer warpgroup whole 64 x 256 tiles of its own, so that one's epilogue and tile
-// switch run under the other's MMAs; P's stage is then 64 columns wide.
+// shares Q's stages between two m-tiles by TMA multicast.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -47,7 +45,7 @@ struct VarlenKArgs {
   const int32_t* gather;    // (S,) slot -> row of p
   const int32_t* offsets;   // (E+1,)
   int E, M, N;
-  int m_tiles, n_tiles;     // ceil(M / tile rows), ceil(N / kBN); tile rows 128 (64 ping-pong)
+  int m_tiles, n_tiles;     // ceil(M / kBM), ceil(N / kBN)
   int raster_group;         // band height of raster_tile within an expert
   __nv_bfloat16* out;       // (E, M, N), or (E, N, M) for the kernel's kTransposed
   CUtensorMap tma;          // q as a 2D (S, N) tensor, 64 x 64 boxes
@@ -74,19 +72,16 @@ __device__ __forceinline__ uint32_t kfirst_offset(int mn, int k) {
   return (mn >> 6) * 8192 + k * 128 + ((((mn & 63) >> 3) ^ (k & 7)) << 4) + (mn & 7) * 2;
 }
 
-// kPingPong: each consumer warpgroup alone on a 64 x 256 tile (one WGMMA atom), not both on a
-// 128 x 256 one.
-template <int kStagesN = kStages, bool kPingPong = false>
+template <int kStagesN = kStages>
 struct VarlenKLayouts {
-  static constexpr int kTileM = kPingPong ? 64 : kBM;
   static constexpr int kTileN = kBN;
   using TiledMma = decltype(ct::make_tiled_mma(
       ct::SM90_64x256x16_F32BF16BF16_SS<GMajor::MN, GMajor::MN>{},
-      ct::Layout<ct::Shape<ct::Int<kPingPong ? 1 : 2>, ct::_1, ct::_1>>{}));
+      ct::Layout<ct::Shape<ct::_2, ct::_1, ct::_1>>{}));
   using Order = ct::Step<ct::_2, ct::_1, ct::_3>;
   using SmemLayoutA = decltype(ct::tile_to_shape(
       ct::GMMA::Layout_MN_SW128_Atom<Elem>{},
-      ct::Shape<ct::Int<kTileM>, ct::Int<kBK>, ct::Int<kStagesN>>{}, Order{}));  // (BM, BK, stages)
+      ct::Shape<ct::Int<kBM>, ct::Int<kBK>, ct::Int<kStagesN>>{}, Order{}));  // (BM, BK, stages)
   using SmemLayoutB = decltype(ct::tile_to_shape(
       ct::GMMA::Layout_MN_SW128_Atom<Elem>{},
       ct::Shape<ct::Int<kBN>, ct::Int<kBK>, ct::Int<kStagesN>>{}, Order{}));  // (BN, BK, stages)
@@ -94,24 +89,16 @@ struct VarlenKLayouts {
 
 // The varlen-K kernel's ring: the cooperative one, its stages shared by kCluster CTAs. With
 // kTmaStore the epilogue's 64 KiB staging tile takes one stage's place (3 x 48 + 64 KiB).
-// Ping-pong: stages of 64 rows of P (8 KiB) and 256 of Q (32 KiB), each read by one warpgroup;
-// 4 of them beside the staging tile (4 x 40 + 64 KiB).
 constexpr int kVkTmaStoreStages = 3;
-constexpr int kVkPingPongStages = 4;
 constexpr size_t kVkStagingBytes = size_t(kBM) * kBN * 2;  // (2 warpgroups, 4 boxes, 64, 64) bf16
-template <int kCluster, bool kTmaStore = false, bool kPingPong = false>
+template <int kCluster, bool kTmaStore = false>
 using VarlenKRing =
-    RingT<kBN, kPingPong ? kVkPingPongStages : kTmaStore ? kVkTmaStoreStages : kStages,
-          kPingPong ? kConsumerThreads / 2 : kConsumerThreads, kCluster,
-          VarlenKLayouts<kStages, kPingPong>::kTileM>;
-template <int kCluster, bool kTmaStore, bool kPingPong = false>
+    RingT<kBN, kTmaStore ? kVkTmaStoreStages : kStages, kConsumerThreads, kCluster>;
+template <int kCluster, bool kTmaStore>
 constexpr size_t varlen_k_smem_bytes() {
-  return VarlenKRing<kCluster, kTmaStore, kPingPong>::kBytes +
-         (kTmaStore ? 1024 + kVkStagingBytes : 0);
+  return VarlenKRing<kCluster, kTmaStore>::kBytes + (kTmaStore ? 1024 + kVkStagingBytes : 0);
 }
 static_assert(varlen_k_smem_bytes<1, true>() <= 227 * 1024, "staging tile + 3 stages fit");
-static_assert(varlen_k_smem_bytes<2, true, true>() <= 227 * 1024,
-              "staging tile + 4 ping-pong stages fit");
 
 // Registers after setmaxnreg: 128 x 88 + 256 x 208 = 64512. The producer holds 8 row ids
 // of the next stage besides the current ones.
@@ -172,16 +159,15 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t a) {
 //     16 contiguous bytes: out row n0 + 8 (i0 + q / 2) + r8, m = the warp's 16 rows' half q % 2.
 //     A warp's store covers 16 rows n of 32 contiguous bytes each: full sectors.
 // M and N are multiples of 64; nothing past them is stored.
-// m_wg: the first of the 64 rows m this warpgroup holds (its 64 x 256 WGMMA atom's).
 template <bool kTransposed, class Acc>
 __device__ __forceinline__ void varlen_k_store(const VarlenKArgs& p, Acc& acc, int expert,
-                                               int m_wg, int n_tile) {
+                                               int m_tile, int n_tile) {
   __nv_bfloat16* out = p.out + int64_t(expert) * p.M * p.N;
-  const int n0 = n_tile * kBN;
+  const int m0 = m_tile * kBM, n0 = n_tile * kBN;
   const int lane = threadIdx.x & 31, q = lane & 3;
   if constexpr (kTransposed) {
-    // The warp's 16 rows m start at its warpgroup's row ws_frag_row(0) % 64 - lane / 4.
-    const int m = m_wg + (ws_frag_row(0) & 63) - (lane >> 2) + 8 * (q & 1);
+    // The warp's 16 rows m start at ws_frag_row(0) - lane / 4.
+    const int m = m0 + ws_frag_row(0) - (lane >> 2) + 8 * (q & 1);
     const bool m_ok = m < p.M;
 #pragma unroll
     for (int i0 = 0; i0 < kFragColGroups; i0 += 2) {
@@ -199,7 +185,7 @@ __device__ __forceinline__ void varlen_k_store(const VarlenKArgs& p, Acc& acc, i
   } else {
 #pragma unroll
     for (int v1 = 0; v1 < 2; ++v1) {
-      const int m = m_wg + (ws_frag_row(v1) & 63);
+      const int m = m0 + ws_frag_row(v1);
 #pragma unroll
       for (int i0 = 0; i0 < kFragColGroups; i0 += 4) {
         uint32_t w[4];
@@ -235,11 +221,9 @@ __device__ __forceinline__ void varlen_k_store(const VarlenKArgs& p, Acc& acc, i
 //     stmatrix.trans writes a block's column as a row: box row = n = 8 i + L % 8, chunk = the
 //     block's 8 rows m.
 // Boxes wholly past M or N (multiples of 64) are not stored.
-// m_wg as for varlen_k_store. The two warpgroups' halves of `staging` and their named barriers
-// are their own, so the ping-pong schedule's warpgroups store independently.
 template <bool kTransposed, class Acc>
 __device__ __forceinline__ void varlen_k_store_tma(const VarlenKArgs& p, Acc& acc, int expert,
-                                                   int m_wg, int n_tile, char* staging) {
+                                                   int m_tile, int n_tile, char* staging) {
   const int t = threadIdx.x - kProducerThreads, w = t >> 7, warp = (t >> 5) & 3;
   const bool issuer = (t & 127) == 0;
   const int lane = threadIdx.x & 31, rho = lane & 7, blk = lane >> 3;
@@ -275,7 +259,7 @@ __device__ __forceinline__ void varlen_k_store_tma(const VarlenKArgs& p, Acc& ac
   cute::tma_store_fence();  // this thread's shared-memory writes, visible to the TMA unit
   cutlass::arch::NamedBarrier::sync(128, 1 + w);
   if (issuer) {
-    const int m_box = m_wg;  // this warpgroup's 64 of M
+    const int m_box = m_tile * kBM + 64 * w;  // this warpgroup's 64 of M
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int n_box = n_tile * kBN + 64 * j;
@@ -298,25 +282,18 @@ __device__ __forceinline__ void varlen_k_store_tma(const VarlenKArgs& p, Acc& ac
 // takes part in the loads and barriers, and stores nothing. An expert's partial last K step is
 // copied by each CTA for itself (cp.async), as without a cluster.
 // kTmaStore: the epilogue leaves through shared memory by TMA store (varlen_k_store_tma), the
-// ring one stage shorter; one CTA per tile (cooperative) only.
-// kPingPong: tiles of 64 x 256, each consumer warpgroup alone on every other tile of the CTA
-// (pingpong_varlen_consumer_loop), so one warpgroup's epilogue and tile switch run under the
-// other's MMAs (docs/notes/varlen-k-weight-gradients.md, "Ping-pong consumers"); it leaves by TMA
-// store, with 1 or 2 CTAs a cluster (the pair sharing Q keeps L2 reads per FLOP as cooperative).
-template <bool kTransposed, int kCluster, bool kTmaStore = false, bool kPingPong = false>
+// ring one stage shorter; one CTA per tile only.
+template <bool kTransposed, int kCluster, bool kTmaStore = false>
 __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_constant__
                                                                   VarlenKArgs p) {
-  static_assert(kCluster == 1 || !kTmaStore || kPingPong,
-                "the cooperative TMA-store epilogue is built for one CTA a tile");
-  static_assert(!kPingPong || kTmaStore, "the ping-pong schedule leaves by TMA store");
+  static_assert(kCluster == 1 || !kTmaStore, "the TMA-store epilogue is built for one CTA a tile");
   pdl_wait();  // before any global memory access (src/cuda/pdl.cuh)
   pdl_launch_dependents();
   using namespace cute;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  using R = VarlenKRing<kCluster, kTmaStore, kPingPong>;
-  using L = VarlenKLayouts<R::kStageCount, kPingPong>;
-  constexpr int kTileM = L::kTileM;
-  using CopyG = MnCopy<kTileM>;  // P, gathered
+  using R = VarlenKRing<kCluster, kTmaStore>;
+  using L = VarlenKLayouts<R::kStageCount>;
+  using CopyG = MnCopy<kBM>;  // P, gathered
   using CopyC = MnCopy<kBN>;  // Q, contiguous (an expert's partial last K step only)
   constexpr int kBoxesC = kBN / kBox;          // TMA boxes of a Q stage
   constexpr int kBoxesOwn = kBoxesC / kCluster;  // of which this CTA loads
@@ -350,7 +327,7 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
       decode(t, expert, m_tile, n_tile);
       const int k_begin = p.offsets[expert], k_end = p.offsets[expert + 1];
       const int k_tiles = (k_end - k_begin + kBK - 1) / kBK;
-      const int g_col0 = m_tile * kTileM, c_col0 = n_tile * kBN;
+      const int g_col0 = m_tile * kBM, c_col0 = n_tile * kBN;
       const bool g_col_ok = g_col0 + CopyG::chunk() * 8 < p.M;
       const bool c_col_ok = c_col0 + CopyC::chunk() * 8 < p.N;
       // This thread's ids start at k-row first_row() of each stage; its row j of stage kt exists
@@ -377,13 +354,13 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
       for (int kt = 0; kt < k_tiles; ++kt) {
         const int stage = pos.stage;
         Barrier::wait(&ring.empty[stage], pos.phase ^ 1);
-        const uint32_t sa = a_base + stage * R::kStageBytesA, sb = b_base + stage * R::kStageBytesB;
+        const uint32_t sa = a_base + stage * kStageBytesA, sb = b_base + stage * kStageBytesB;
         const int k0 = k_begin + kt * kBK;
         if (k0 + kBK <= k_end) {  // a whole K step: the contiguous operand by TMA
           if (threadIdx.x == 0) {
             // The whole stage lands here: this CTA's boxes and, multicast, the other CTAs'.
             Barrier::arrive_and_expect_tx(&ring.full[stage], kBoxesC * kBoxBytes);
-            char* dst = ring.b + stage * R::kStageBytesB;
+            char* dst = ring.b + stage * kStageBytesB;
 #pragma unroll
             for (int j = 0; j < kBoxesOwn; ++j) {
               const int h = rank * kBoxesOwn + j;
@@ -419,32 +396,18 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
     }
   } else {
     int expert, m_tile, n_tile;
-    auto k_steps = [&](int e) { return (p.offsets[e + 1] - p.offsets[e] + kBK - 1) / kBK; };
-    auto begin = [&](int t) {
-      decode(t, expert, m_tile, n_tile);
-      return k_steps(expert);
-    };
-    if constexpr (kPingPong) {
-      pingpong_varlen_consumer_loop<L, kVkConsumerRegs>(
-          ring, first, stride, num_tiles,
-          [&](int t) { return k_steps(t / tiles_per_expert); }, begin,
-          [&](int, auto& acc) {
-            varlen_k_store_tma<kTransposed>(p, acc, expert, m_tile * kTileM, n_tile, staging);
-          });
-    } else {
-      // This warpgroup's 64 rows of the 128-row tile.
-      const int w = (threadIdx.x - kProducerThreads) >> 7;
-      consumer_loop<L, kVkConsumerRegs>(ring, first, stride, num_tiles, begin,
-                                        [&](int, auto& acc) {
-                                          const int m_wg = m_tile * kBM + 64 * w;
-                                          if constexpr (kTmaStore)
-                                            varlen_k_store_tma<kTransposed>(p, acc, expert, m_wg,
-                                                                            n_tile, staging);
-                                          else
-                                            varlen_k_store<kTransposed>(p, acc, expert, m_wg,
-                                                                        n_tile);
-                                        });
-    }
+    consumer_loop<L, kVkConsumerRegs>(
+        ring, first, stride, num_tiles,
+        [&](int t) {
+          decode(t, expert, m_tile, n_tile);
+          return (p.offsets[expert + 1] - p.offsets[expert] + kBK - 1) / kBK;
+        },
+        [&](int, auto& acc) {
+          if constexpr (kTmaStore)
+            varlen_k_store_tma<kTransposed>(p, acc, expert, m_tile, n_tile, staging);
+          else
+            varlen_k_store<kTransposed>(p, acc, expert, m_tile, n_tile);
+        });
     // The last stores complete (not only read their staging) before the CTA leaves.
     if constexpr (kTmaStore)
       if (((threadIdx.x - kProducerThreads) & 127) == 0)
@@ -455,11 +418,10 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
 }
 
 // S: rows of q (the plan's slots); raster_group: the host's band height (dispatch/raster.hpp).
-template <bool kTransposed, int kCluster, bool kTmaStore = false, bool kPingPong = false>
+template <bool kTransposed, int kCluster, bool kTmaStore = false>
 void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, int raster_group, cudaStream_t stream) {
-  constexpr int kTileM = VarlenKLayouts<kStages, kPingPong>::kTileM;
   VarlenKArgs q = a;
-  q.m_tiles = (a.M + kTileM - 1) / kTileM;
+  q.m_tiles = (a.M + kBM - 1) / kBM;
   q.n_tiles = (a.N + kBN - 1) / kBN;
   const int64_t m_groups = (q.m_tiles + kCluster - 1) / kCluster;
   const int64_t tiles = int64_t(a.E) * m_groups * q.n_tiles;
@@ -476,8 +438,8 @@ void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, int raster_group, cudaS
   if constexpr (kTmaStore)
     q.out_tma = kTransposed ? make_tma_store_3d(a.out, a.E, a.N, a.M)
                             : make_tma_store_3d(a.out, a.E, a.M, a.N);
-  const size_t smem = varlen_k_smem_bytes<kCluster, kTmaStore, kPingPong>();
-  auto kernel = &varlen_k_ws_kernel<kTransposed, kCluster, kTmaStore, kPingPong>;
+  const size_t smem = varlen_k_smem_bytes<kCluster, kTmaStore>();
+  auto kernel = &varlen_k_ws_kernel<kTransposed, kCluster, kTmaStore>;
   MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)));
   if constexpr (kCluster == 1) {
