@@ -120,8 +120,9 @@ DESCRIBE = {
     "ncu-act-passes-2026-12-05-5d8a446-h100.txt": "Nsight Compute on the FP8 activation passes",
     PINGPONG_VK: "dW2 and dW1 alone: the rule's kernel against a ping-pong schedule on 1 and 2 "
                  "CTAs (built at 403b23f, removed), two alternated rounds at five grid shapes",
-    PINGPONG_VK_NCU: "Nsight Compute's stall samples by instruction of the varlen-K ping-pong kernel and "
-                     "of the cooperative TMA-store one, with the barrier each wait reads",
+    PINGPONG_VK_NCU: "Nsight Compute's stall samples by instruction of the varlen-K ping-pong "
+                     "kernel and of the cooperative TMA-store one, with the barrier each wait "
+                     "reads",
     DH_PINGPONG: "the layer with dH on the ping-pong schedule against the rule, at few rows an "
                  "expert, two alternated rounds",
     "ncu-backward-2026-12-06-5bd519a-h100.md": "Nsight Compute on every GEMM of the chain at four "
