@@ -20,6 +20,10 @@ spec in force added as `kernels` (bench layer's rows carry it themselves).
 --shapes (bench layer only) adds shapes by T,d,n,E,K, one `bench layer --shape` call each, so
 a rule can be checked away from the named configs.
 
+A config or shape that a call leaves without rows (bench layer skips one too large for the GPU's
+memory, or with a dimension a kernel cannot take, and says so on its stderr) is named under the
+table ("no rows: ..."), with the bench's own line passed on to stderr.
+
 --out gets each call's rows as soon as the call returns, so a sweep stopped by SIGTERM (`timeout`)
 or by a failing call keeps what it measured; --md then gets the table of those rows with a line
 saying how many calls of how many ran.
@@ -55,6 +59,11 @@ def run_once(cli, bench, configs, only, spec, reps, timeout, impl="moeblaze", sh
             raise RuntimeError(f"{' '.join(cmd)} (MOEBLAZE_KERNELS={spec!r}) failed "
                                f"({p.returncode}):\n{p.stderr[-2000:]}")
         rows = [json.loads(line) for line in open(f.name) if line.strip()]
+    # A config or shape the bench could not run (too large for the GPU's memory, a dimension a
+    # kernel cannot take) leaves no row and a line on its stderr, not a failure: say so here.
+    for line in p.stderr.splitlines():
+        if ": skipped" in line or ": device error" in line:
+            print(f"override_sweep: (MOEBLAZE_KERNELS={spec!r}) {line}", file=sys.stderr)
     for r in rows:
         r["kernels"] = spec
         if bench == "layer":  # the table's columns: the step's total under its impl's name
@@ -111,6 +120,7 @@ def main():
     if args.bench == "gemm" and not args.only:
         ap.error("--bench gemm needs --only (the GEMMs to time)")
     rows = []
+    missing = {}  # config or shape -> the specs under which it left no row
     calls = args.rounds * len(specs)
     done = 0
     out = open(args.out, "a") if args.out else None
@@ -127,11 +137,19 @@ def main():
                       f"MOEBLAZE_KERNELS={spec!r} ({time.time() - t0:.0f} s)", file=sys.stderr)
                 got = []
                 if args.configs:
-                    got += run_once(args.cli, args.bench, args.configs, args.only, spec,
+                    part = run_once(args.cli, args.bench, args.configs, args.only, spec,
                                     args.reps, args.timeout, args.impl)
+                    have = {r["config"] for r in part}
+                    for c in args.configs.split(","):
+                        if c.strip() and c.strip() not in have:
+                            missing.setdefault(c.strip(), set()).add(spec)
+                    got += part
                 for shape in shapes:
-                    got += run_once(args.cli, args.bench, "", "", spec, args.reps, args.timeout,
+                    part = run_once(args.cli, args.bench, "", "", spec, args.reps, args.timeout,
                                     args.impl, shape)
+                    if not part:
+                        missing.setdefault(shape, set()).add(spec)
+                    got += part
                 rows += got
                 done += 1
                 if out:
@@ -142,6 +160,9 @@ def main():
         if out:
             out.close()
         text = table(rows, specs)
+        for what, under in missing.items():
+            text += (f"\nno rows: {what} under " + ", ".join(repr(s) for s in specs if s in under)
+                     + " (the bench's own line is above, on stderr)\n")
         if done < calls:
             text += f"\npartial: {done} of {calls} calls ran\n"
             print(f"override_sweep: stopped after {done} of {calls} calls", file=sys.stderr)

@@ -83,3 +83,25 @@ def test_a_stopped_sweep_keeps_the_calls_that_ran(tmp_path):
     text = md.read_text()
     assert "| a | moeblaze | 1.000 | — |" in text and "partial: 1 of 4 calls ran" in text
     assert "stopped after 1 of 4 calls" in stderr
+
+
+def test_a_shape_the_bench_skips_is_named_not_dropped(tmp_path):
+    cli = tmp_path / "moeblaze"
+    # the stand-in above, but the shape 7,... gets no row and a device-error line, as a shape too
+    # large for the GPU's memory does
+    skip = ('if "--shape" in args and args[args.index("--shape") + 1].startswith("7,"):\n'
+            '    print("bench layer: T7: device error: out of memory", file=sys.stderr)\n'
+            '    open(out, "w").close()\n'
+            '    sys.exit(0)\n')
+    cli.write_text(FAKE_CLI.replace("names = (", skip + "names = (", 1))
+    cli.chmod(cli.stat().st_mode | stat.S_IEXEC)
+    env = dict(os.environ, FAKE_LOG=str(tmp_path / "calls.jsonl"))
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "override_sweep.py"), "--cli", str(cli),
+                        "--bench", "layer", "--configs", "a", "--shapes", "8,64,32,4,2;7,64,32,4,2",
+                        "--specs", ";raster=8", "--rounds", "1"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "device error: out of memory" in p.stderr
+    assert "no rows: 7,64,32,4,2 under '', 'raster=8'" in p.stdout
+    assert "no rows: 8," not in p.stdout and "no rows: a " not in p.stdout
+    assert "| T8-64-32-4-2 | moeblaze | 1.000 | 2.000 (2.000) |" in p.stdout
