@@ -46,7 +46,9 @@ PLAN_BUILD = "plan-build-final-2026-12-04-485e5d5.jsonl"
 GRID = "grid-2026-12-06-80183b5-h200.jsonl"
 # Grid shapes through PyTorch beside SonicMoE and torch's _grouped_mm, alternated (bench/peers.py
 # --config <grid names> --impl moeblaze-torch,sonicmoe,torch --alternate); shapes run so far.
-SONIC_GRID = "sonicmoe-grid-2026-12-07-e92629a-h100.jsonl"
+# SonicMoE on the grid through PyTorch, one file per run (scripts/gpu_check.sh peers-grid): append
+# each new run's file; a shape in several files is shown from the last one.
+SONIC_GRIDS = ["sonicmoe-grid-2026-12-07-e92629a-h100.jsonl"]
 HALF_TILES_AB = "half-tiles-ab-2026-12-06-21b5cd3-h100.jsonl"  # the half_tiles override, alternated
 TILE_WORK_GRID = "tile-work-grid-2026-12-06-47b5497.md"  # host arithmetic, the grid's padding
 FSDP = "fsdp-overhead-2026-12-06-7bb3029-h100.jsonl"  # moeblaze's and torch's experts
@@ -163,9 +165,6 @@ DESCRIBE = {
                 "(grouped_mm, sonicmoe, moeblaze): step, peak, first step, loss and gradients",
     SEARCH_RESCORED: "the H200 search's candidate timings re-scored against a later kernel rule "
                      "without a GPU (bench/rescore_search.py): a prediction, not a measurement",
-    SONIC_GRID: "grid shapes through PyTorch beside SonicMoE and torch's _grouped_mm, alternated, "
-                "with the float64 check on a token sample (the shapes SonicMoE's autotuning left "
-                "time for)",
     GRID: "the public-model grid on the C++ path: moeblaze and the dense bound per shape, with "
           "the float64 check on a token sample",
     "grid-2026-12-06-21b5cd3-h100.jsonl": "the same grid on the H100 at 21b5cd3",
@@ -210,6 +209,9 @@ DESCRIBE = {
     "nrf-profile-2026-12-05-163376b.md": "NR-f against top-K in the tiny LM's step under the "
                                          "profiler",
 }
+DESCRIBE.update({f: "grid shapes through PyTorch beside SonicMoE and torch's _grouped_mm, "
+                    "alternated, with the float64 check on a token sample (the shapes SonicMoE's "
+                    "autotuning left time for)" for f in SONIC_GRIDS})
 
 
 # ---------------------------------------------------------------- reading
@@ -836,15 +838,23 @@ the most of it the tiles' padding leaves under top-K.
 
 
 def sonic_grid_section():
-    rows = [r for r in jsonl(SONIC_GRID) if r.get("bench") == "peers" and "total_ms" in r]
+    by_config = {}  # config -> its rows from the last file that has it
+    for name in SONIC_GRIDS:
+        got = {}
+        for r in jsonl(name):
+            if r.get("bench") == "peers" and "total_ms" in r:
+                got.setdefault(r["config"], []).append(r)
+        by_config.update(got)
+    rows = [r for rs in by_config.values() for r in rs]
     body, tot, bwd = [], [], []
-    for c in dict.fromkeys(r["config"] for r in rows):
+    for c in by_config:
         mb, sm, th = (pick(rows, c, i) for i in ("moeblaze-torch", "sonicmoe", "torch"))
         if mb is None or sm is None:
             continue
         tot.append(mb["total_ms"] / sm["total_ms"])
         bwd.append(mb["bwd_ms"] / sm["bwd_ms"])
-        body.append([mb["model"], shape(mb), f3(mb["total_ms"]), f3(sm["total_ms"]), f3(tot[-1]), f3(bwd[-1]),
+        body.append([mb["model"], shape(mb), short_gpu(mb["gpu"]).replace("NVIDIA ", ""),
+                     f3(mb["total_ms"]), f3(sm["total_ms"]), f3(tot[-1]), f3(bwd[-1]),
                      f3(th["total_ms"]) if th else "—",
                      f3(mb["total_ms"] / th["total_ms"]) if th else "—",
                      f"{mib(mb['peak_bytes'])} / {mib(sm['peak_bytes'])}",
@@ -878,17 +888,17 @@ here). Its results are kept in `bench/cache/sonicmoe-autotune.tgz`, so the set o
 from run to run. torch's `_grouped_mm` path is the PyTorch
 reference of `bench/peers.py` (gather, grouped GEMMs, unfused SwiGLU).
 
-{caption(rows, SONIC_GRID)} The three implementations alternated in each shape's timed
+{caption(rows, *SONIC_GRIDS)} The three implementations alternated in each shape's timed
 repetitions. Peak: `torch.cuda.max_memory_allocated` over one forward + backward above what was
 allocated before it. Max rel err: moeblaze's largest relative error against float64 on a token
 sample.
 
 """
-    return words + table(["model", "T / d / n / E / K", "moeblaze ms", "SonicMoE ms",
+    return words + table(["model", "T / d / n / E / K", "GPU", "moeblaze ms", "SonicMoE ms",
                           "× SonicMoE", "bwd × SonicMoE", "torch ms", "× torch",
                           "peak MiB moeblaze / SonicMoE", "max rel err"], body,
-                         ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---",
-                          "---:"]) + "\n"
+                         ["---", "---", "---", "---:", "---:", "---:", "---:", "---:", "---:",
+                          "---", "---:"]) + "\n"
 
 
 def half_tiles_words():
