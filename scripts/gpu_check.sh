@@ -88,7 +88,8 @@
 #                      SonicMoE as for peers; its first shape compiles every candidate config
 #                      (minutes), later ones take about a minute each, so PEERS_TIMEOUT=S stops
 #                      it in time for the autotune file to be written; commit the rows as a new
-#                      sonicmoe-grid file and the set grows from run to run.
+#                      sonicmoe-grid file (and its name in bench/report.py's SONIC_GRIDS) and
+#                      the set grows from run to run.
 #       model-step     (not in `all`) bench/model_step.py: whole Hugging Face models (Qwen3-MoE,
 #                      Mixtral, OLMoE, DeepSeek-V3, gpt-oss), one training step per experts
 #                      implementation (grouped_mm, sonicmoe, moeblaze) → OUT/model_step.jsonl,
