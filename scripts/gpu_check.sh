@@ -6,7 +6,7 @@
 #   scripts/gpu_check.sh OUT [PART ...]
 #     PART: all (default) | tests | gpu-tests | gpu-gtests | routing-tests | routing | layer | gemm
 #           | ep | python | peers | sanitize | fuzz-long | sanitize-fuzz | search | peers-grid
-#           | model-step
+#           | model-step | sweep
 #       tests          ctest, every test (CPU and GPU)          → OUT/ctest.log
 #       gpu-tests      (not in `all`) the quick GPU check: moeblaze_gpu_tests (GTEST_FILTER picks
 #                      some) and the CUDA pytests (python/tests -k "gpu or cuda")
@@ -81,6 +81,13 @@
 #                      → OUT/sanitize_fuzz.log (sanitize's format: one summary line of error counts).
 #                      SANITIZE_TOOLS picks some of "memcheck racecheck initcheck synccheck" (all
 #                      four by default; initcheck is by far the slowest).
+#       sweep          (not in `all`) bench/override_sweep.py: kernel overrides side by side in
+#                      alternated rounds, SWEEP_SPECS (required; ';'-separated MOEBLAZE_KERNELS
+#                      specs, "" first for the automatic choice) over SWEEP_CONFIGS and, for
+#                      SWEEP_BENCH=layer, SWEEP_SHAPES; SWEEP_BENCH=gemm (default) times
+#                      SWEEP_ONLY's GEMMs (default: every GEMM's automatic choice);
+#                      SWEEP_ROUNDS (default 2), stopped after SWEEP_TIMEOUT s (default 480)
+#                      with what it measured kept → OUT/sweep.jsonl, sweep.md, sweep.log
 #       peers-grid     (not in `all`) bench/peers.py over the public-model grid shapes that no
 #                      committed bench/results/sonicmoe-grid-*.jsonl holds yet (PEERS_GRID names
 #                      others), smallest layer first: moeblaze through PyTorch, SonicMoE and
@@ -149,7 +156,7 @@ OUT=$(cd "$OUT" && pwd)
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(all)
 known_parts=" all tests gpu-tests gpu-gtests routing-tests routing layer gemm ep python peers sanitize \
-fuzz-long sanitize-fuzz search peers-grid model-step "
+fuzz-long sanitize-fuzz search peers-grid model-step sweep "
 for p in "${parts[@]}"; do
   case "$known_parts" in
     *" $p "*) ;;
@@ -167,6 +174,15 @@ want_named() {
   for p in "${parts[@]}"; do [ "$p" = "$1" ] && return 0; done
   return 1
 }
+# sweep without its specs, or with a bench it does not know, would build and then time nothing.
+if want_named sweep; then
+  [ -n "${SWEEP_SPECS:-}" ] || {
+    echo "gpu_check: sweep needs SWEEP_SPECS (';'-separated MOEBLAZE_KERNELS specs)" >&2; exit 2; }
+  case "${SWEEP_BENCH:-gemm}" in
+    gemm|layer) ;;
+    *) echo "gpu_check: SWEEP_BENCH must be gemm or layer (got '${SWEEP_BENCH}')" >&2; exit 2 ;;
+  esac
+fi
 
 export PATH="$PATH:/usr/local/cuda/bin"
 # The binaries link NCCL (expert parallelism). Where NCCL ships only inside PyTorch's wheels (the
@@ -214,7 +230,7 @@ else
     need+=(moeblaze_gpu_tests)
   fi
   if want routing || want layer || want gemm || want ep || want_named sanitize ||
-      want_named search; then need+=(moeblaze); fi
+      want_named search || want_named sweep; then need+=(moeblaze); fi
   for b in "${need[@]}"; do
     [ -x "$BUILD/$b" ] || { echo "gpu_check: PREBUILT set but $BUILD/$b is missing"; exit 1; }
   done
@@ -382,6 +398,23 @@ if want_named search; then
   line=$(grep -E '^choice / best over|^auto / choice' "$OUT/search.log" | paste -sd ';' - || true)
   if [ $rc -eq 0 ]; then summary+=("kernel search: ${line:-no summary} [$(( $(date +%s) - t0 )) s]")
   else status=1; tail -5 "$OUT/search_progress.log"; summary+=("kernel search: FAILED rc $rc (search_progress.log)"); fi
+fi
+
+# ---- sweep: kernel overrides side by side (bench/override_sweep.py), alternated rounds ----
+if want_named sweep; then
+  t0=$(date +%s)
+  rc=0
+  sweep_args=(--cli "$BUILD/moeblaze" --bench "${SWEEP_BENCH:-gemm}" --specs "$SWEEP_SPECS"
+              --rounds "${SWEEP_ROUNDS:-2}" --out "$OUT/sweep.jsonl" --md "$OUT/sweep.md")
+  [ -n "${SWEEP_CONFIGS:-}" ] && sweep_args+=(--configs "$SWEEP_CONFIGS")
+  [ -n "${SWEEP_SHAPES:-}" ] && sweep_args+=(--shapes "$SWEEP_SHAPES")
+  [ "${SWEEP_BENCH:-gemm}" = gemm ] &&
+    sweep_args+=(--only "${SWEEP_ONLY:-up-auto,down-auto,dH-auto,dW2-auto,dX-auto,dW1-auto}")
+  rm -f "$OUT/sweep.jsonl"
+  timeout "${SWEEP_TIMEOUT:-480}" python3 bench/override_sweep.py "${sweep_args[@]}" \
+    >"$OUT/sweep.log" 2>&1 || rc=$?
+  if [ $rc -eq 0 ]; then summary+=("sweep: $(wc -l <"$OUT/sweep.jsonl") rows [$(( $(date +%s) - t0 )) s]")
+  else status=1; tail -5 "$OUT/sweep.log"; summary+=("sweep: FAILED or stopped rc $rc, $( [ -f "$OUT/sweep.jsonl" ] && wc -l <"$OUT/sweep.jsonl" || echo 0) rows kept (sweep.log)"); fi
 fi
 
 # ---- sanitize: compute-sanitizer memcheck over small GPU tests and one layer bench, racecheck
@@ -848,6 +881,9 @@ if want python && [ -s "$OUT/training.md" ]; then
 fi
 if want peers && [ -s "$OUT/peers.md" ]; then
   cat "$OUT/peers.md"
+fi
+if want_named sweep && [ -s "$OUT/sweep.md" ]; then
+  cat "$OUT/sweep.md"
 fi
 # ---- PACK=1: everything in OUT into one archive beside the summary and the Markdown tables (for
 # a GPU machine from which only a few files can be copied back); SonicMoE's
