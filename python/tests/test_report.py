@@ -105,3 +105,31 @@ def test_rules_section_uses_the_kernel_rules_thresholds():
         m = re.search(r"constexpr int64_t " + name + r" = (\d+);", text)
         assert m, f"{name} is not defined in kernel_config.hpp"
         assert int(m.group(1)) == value, f"{name}: report.py says {value}, the code {m.group(1)}"
+
+
+@pytest.mark.skipif(not os.path.isfile(REPORT), reason="the repository's bench/ is not here")
+def test_sonic_grid_section_reads_every_run_and_keeps_a_shapes_last(monkeypatch):
+    """Two runs' sonicmoe-grid files: a shape in both comes from the later file (its three
+    implementations from one run, so the ratios stay within one run), each row names its GPU."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("report", REPORT)
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+
+    def rows(config, gpu, mb, commit):
+        base = {"bench": "peers", "config": config, "model": config.upper(), "T": 8192, "d": 1024,
+                "n": 512, "E": 32, "K": 4, "gpu": gpu, "commit": commit,
+                "date": "2026-12-07T00:00:00Z", "peak_bytes": 1 << 30, "max_rel_err": 0.0035}
+        return [dict(base, impl="moeblaze-torch", total_ms=mb, bwd_ms=mb / 2),
+                dict(base, impl="sonicmoe", total_ms=10.0, bwd_ms=5.0),
+                dict(base, impl="torch", total_ms=20.0, bwd_ms=10.0)]
+    files = {"old.jsonl": rows("a", "NVIDIA H100 80GB HBM3", 9.0, "aaaaaaa") +
+                          rows("b", "NVIDIA H100 80GB HBM3", 9.5, "aaaaaaa"),
+             "new.jsonl": rows("a", "NVIDIA H200", 8.0, "bbbbbbb")}
+    monkeypatch.setattr(report, "SONIC_GRIDS", ["old.jsonl", "new.jsonl"])
+    monkeypatch.setattr(report, "jsonl", lambda name: files[name])
+    out = report.sonic_grid_section()
+    assert "| A | 8192 / 1024 / 512 / 32 / 4 | H200 | 8.000 | 10.000 | 0.800 | 0.800 |" in out
+    assert "| B | 8192 / 1024 / 512 / 32 / 4 | H100 | 9.500 | 10.000 | 0.950 | 0.950 |" in out
+    assert "| A | 8192 / 1024 / 512 / 32 / 4 | H100 |" not in out
+    assert "`old.jsonl`" in out and "`new.jsonl`" in out
