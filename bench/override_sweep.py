@@ -140,9 +140,10 @@ def main():
                     part = run_once(args.cli, args.bench, args.configs, args.only, spec,
                                     args.reps, args.timeout, args.impl)
                     have = {r["config"] for r in part}
-                    for c in args.configs.split(","):
-                        if c.strip() and c.strip() not in have:
-                            missing.setdefault(c.strip(), set()).add(spec)
+                    for c in (c.strip() for c in args.configs.split(",")):
+                        # 'all' and 'grid' name groups: their rows carry each member's name
+                        if c and c not in ("all", "grid") and c not in have:
+                            missing.setdefault(c, set()).add(spec)
                     got += part
                 for shape in shapes:
                     part = run_once(args.cli, args.bench, "", "", spec, args.reps, args.timeout,

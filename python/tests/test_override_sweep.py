@@ -105,3 +105,19 @@ def test_a_shape_the_bench_skips_is_named_not_dropped(tmp_path):
     assert "no rows: 7,64,32,4,2 under '', 'raster=8'" in p.stdout
     assert "no rows: 8," not in p.stdout and "no rows: a " not in p.stdout
     assert "| T8-64-32-4-2 | moeblaze | 1.000 | 2.000 (2.000) |" in p.stdout
+
+
+def test_a_group_of_configs_is_not_named_as_missing(tmp_path):
+    cli = tmp_path / "moeblaze"
+    # the stand-in above, but 'grid' expands to two members' rows, as bench layer does
+    cli.write_text(FAKE_CLI.replace('else args[args.index("--config") + 1].split(","))',
+                                    'else [x for c in args[args.index("--config") + 1].split(",")'
+                                    ' for x in (["g1", "g2"] if c == "grid" else [c])])', 1))
+    cli.chmod(cli.stat().st_mode | stat.S_IEXEC)
+    env = dict(os.environ, FAKE_LOG=str(tmp_path / "calls.jsonl"))
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "override_sweep.py"), "--cli", str(cli),
+                        "--bench", "layer", "--configs", "grid,a", "--specs", ";raster=8",
+                        "--rounds", "1"], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "| g1 | moeblaze | 1.000 | 2.000 (2.000) |" in p.stdout
+    assert "no rows" not in p.stdout
