@@ -1511,8 +1511,8 @@ KNOWN_GAPS = """\
   reductions: at 512 rows an expert dW1 took 5.34 ms under ncu against cuBLAS's 3.33 for the same
   FLOPs, and the TMA-store epilogue took back only 3–10 % of dW (TMA-store section). A ping-pong
   schedule lost (section above); its profile and the cooperative kernel's point at the ring's depth
-  against the loads in flight, and a 4-stage TMA-store variant awaits its first GPU run
-  (docs/notes/varlen-k-weight-gradients.md, "Open").
+  against the loads in flight, yet a fourth ring stage beside the TMA store stayed inside the
+  noise (a section below; docs/notes/varlen-k-weight-gradients.md, "Open").
 - **down-proj and dX̃ where experts get few rows.** These GEMMs are weight-bound where experts
   get few rows. Since 67d2765 the 192-row tile takes them where it holds an expert in one M tile
   (128 to 178 rows an expert) and the single-CTA 128-row tile below 128, each measured ahead on

@@ -527,28 +527,33 @@ TEST_P(GroupedGemm, WeightGradsVarlenK) {
   upload(dh, dh_in);
   upload(x, in.x);
   DevBuf dw2(size_t(E * d * n) * 2), dw1(size_t(E * R * d) * 2);
-  // The warp-specialised kernel four times, through the kernel overrides: dW1 with 2-CTA clusters
-  // sharing dh (dw1.cluster=2; odd m-tile counts, d = 128 and 320, leave a cluster's second CTA
-  // without a tile), one CTA per tile (dw1.cluster=1), and both with the TMA-store epilogue
-  // (store_tma=1), the tile leaving whole (3 ring stages) or in two pieces (stages=4).
+  // The warp-specialised kernel three times: dW1 with 2-CTA clusters sharing dh (dw1.cluster=2;
+  // odd m-tile counts, d = 128 and 320, leave a cluster's second CTA without a tile), one CTA per
+  // tile (dw1.cluster=1), and both with the TMA-store epilogue (store_tma=1), through the kernel
+  // overrides.
   struct Variant {
     gg::GatherKernel kernel;
-    const char* spec;  // "": the two_cta kernel; the first ws spec is the bitwise reference
+    bool clusters;
+    bool store_tma = false;
   };
   std::vector<uint8_t> ws_dw2, ws_dw1;  // the clusters' outputs
   const ClearOverridesOnExit clear_on_exit;
-  for (const Variant v :
-       {Variant{gg::GatherKernel::two_cta, ""},
-        Variant{gg::GatherKernel::warp_specialized, "dw1.cluster=2"},
-        Variant{gg::GatherKernel::warp_specialized, "dw1.cluster=1"},
-        Variant{gg::GatherKernel::warp_specialized,
-                "dw1.cluster=1,dw1.store_tma=1,dw2.store_tma=1"},
-        Variant{gg::GatherKernel::warp_specialized,
-                "dw1.cluster=1,dw1.store_tma=1,dw1.stages=4,dw2.store_tma=1,dw2.stages=4"}}) {
+  for (const Variant v : {Variant{gg::GatherKernel::two_cta, false},
+                          Variant{gg::GatherKernel::warp_specialized, true},
+                          Variant{gg::GatherKernel::warp_specialized, false},
+                          Variant{gg::GatherKernel::warp_specialized, false, true}}) {
     const gg::GatherKernel k = v.kernel;
-    const std::string kname = std::string(gather_kernel_name(k)) + (*v.spec ? "/" : "") + v.spec;
+    const std::string kname = std::string(gather_kernel_name(k)) +
+                              (k == gg::GatherKernel::warp_specialized
+                                   ? (v.clusters    ? "/dw1.cluster=2"
+                                      : v.store_tma ? "/dw1.cluster=1,store_tma=1"
+                                                    : "/dw1.cluster=1")
+                                   : "");
     SCOPED_TRACE(kname);
-    gg::set_kernel_overrides(gg::parse_kernel_overrides(v.spec));
+    gg::set_kernel_overrides(gg::parse_kernel_overrides(
+        v.clusters    ? "dw1.cluster=2"
+        : v.store_tma ? "dw1.cluster=1,dw1.store_tma=1,dw2.store_tma=1"
+                      : "dw1.cluster=1"));
     run_twice({&dw2, &dw1}, [&] {
       gg::dw2_proj(dp.view, cb(dO), cb(as), mb(dw2), d, n, nullptr, k);
       gg::dw1_proj(dp.view, cb(dh), cb(x), mb(dw1), d, n, c.act, nullptr, k);
@@ -558,7 +563,7 @@ TEST_P(GroupedGemm, WeightGradsVarlenK) {
     // Clusters change who loads the operands, and the TMA-store epilogue how the tile leaves,
     // not the order of any element's sums: the warp-specialised variants agree bit for bit.
     if (k == gg::GatherKernel::warp_specialized) {
-      if (ws_dw2.empty()) {
+      if (v.clusters) {
         ws_dw2 = download<uint8_t>(dw2);
         ws_dw1 = download<uint8_t>(dw1);
       } else {
@@ -923,22 +928,10 @@ TEST(GroupedGemmChecks, CandidatesHoldTheAutomaticChoiceOnce) {
       if (oai_own) EXPECT_EQ(c.size(), 1u);
     }
   // Both schedules and every built TMA tile for dX at sm-default; dW1 on 1 and 2 CTAs, on 1 with
-  // the TMA-store epilogue on 3 or 4 stages, and on two_cta; dW2 the same but clusters.
+  // the TMA-store epilogue, and on two_cta.
   EXPECT_EQ(gg::kernel_candidates(gg::LayerKernels::kDx, shapes[0]).size(),
             size_t(gg::kTmaVariantCount) + 3);
-  EXPECT_EQ(gg::kernel_candidates(gg::LayerKernels::kDw1, shapes[0]).size(), 5u);
-  EXPECT_EQ(gg::kernel_candidates(gg::LayerKernels::kDw2, shapes[0]).size(), 4u);
-  // stages=4: the TMA store in two pieces, named by its ring depth in describe(); only with the
-  // TMA store.
-  const gg::GemmKernel ts4 =
-      gg::choose_kernels(shapes[0], gg::parse_kernel_overrides("dw2.stages=4")).dw2;
-  EXPECT_TRUE(ts4.store_by_tma);  // the rule's TMA store at 2048 rows an expert
-  EXPECT_EQ(ts4.stages, gg::kWsVarlenKTmaStore2Stages);
-  EXPECT_NE(gg::describe(ts4).find("stages=4"), std::string::npos) << gg::describe(ts4);
-  EXPECT_THROW(gg::choose_kernels(shapes[0], gg::parse_kernel_overrides(
-                                                 "dw2.store_tma=0,dw2.stages=4")),
-               Unsupported);
-  EXPECT_THROW(gg::parse_kernel_overrides("dw1.stages=5"), InvalidArgument);
+  EXPECT_EQ(gg::kernel_candidates(gg::LayerKernels::kDw1, shapes[0]).size(), 4u);
   // The TMA-store epilogue: dW1 and dW2 on ws_varlen_k, one CTA a tile (shapes[6] puts dW1 on
   // clusters), 3 ring stages, and named in describe().
   const gg::GemmKernel ts = gg::choose_kernels(shapes[6], gg::parse_kernel_overrides(
@@ -1248,8 +1241,6 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   refused("up.tile=128x128", "only down_proj and dx_proj on tma_grouped have a tile choice");
   refused("down.family=ws,down.tile=256x128", "only down_proj and dx_proj on tma_grouped");
   refused("dw2.schedule=pingpong", "only the ws_gather family");
-  refused("dh.stages=4", "only dw2_proj and dw1_proj on ws_varlen_k with the TMA-store epilogue");
-  refused("dw1.stages=2", "[3, 4]");
   refused("dh.cluster=2", "only dw1_proj on ws_varlen_k and down_proj / dx_proj on tma_grouped");
   refused("down.family=two_cta,down.cluster=1", "run on clusters");
   EXPECT_EQ(gg::choose_kernels(sm, gg::parse_kernel_overrides("dx.cluster=1")).dx.cluster, 1);

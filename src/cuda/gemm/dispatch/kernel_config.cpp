@@ -273,14 +273,6 @@ void apply(int g, const GemmOverride& o, const KernelShape& s, GemmKernel& k) {
     set_store_by_tma(k, *o.store_tma);
     k.rule = "override";
   }
-  if (o.stages) {
-    MOEBLAZE_UNSUPPORTED_IF(!varlen_k || k.family != KernelFamily::ws_varlen_k || !k.store_by_tma,
-                            "kernel override ", name, ".stages: only dw2_proj and dw1_proj on "
-                            "ws_varlen_k with the TMA-store epilogue have a ring-depth choice; ",
-                            name, " runs ", describe(k));
-    k.stages = *o.stages;
-    k.rule = "override";
-  }
 }
 
 int parse_int(const std::string& item, const std::string& v, long lo, long hi) {
@@ -486,8 +478,6 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
       go.b_by_tma = parse_int(item, v, 0, 1) == 1;
     } else if (field == "store_tma") {
       go.store_tma = parse_int(item, v, 0, 1) == 1;
-    } else if (field == "stages") {
-      go.stages = parse_int(item, v, kWsVarlenKTmaStoreStages, kWsVarlenKTmaStore2Stages);
     } else if (field == "tile") {
       const size_t x = v.find('x');
       MOEBLAZE_REQUIRE(x != std::string::npos, "kernel override '", item,
@@ -496,7 +486,7 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
       go.tile_n = parse_int(item, v.substr(x + 1), 1, 1024);
     } else {
       MOEBLAZE_REQUIRE(false, "kernel override '", item, "': unknown field '", field,
-                       "' (family, schedule, cluster, b_tma, tile, store_tma, stages)");
+                       "' (family, schedule, cluster, b_tma, tile, store_tma)");
     }
   }
   return o;
@@ -601,13 +591,11 @@ std::vector<KernelCandidate> kernel_candidates(int gemm, const KernelShape& shap
       specs = {ws("cooperative"), ws("pingpong"), g + ".family=two_cta"};
       break;
     case kDw2:
-      specs = {g + ".family=ws", g + ".family=ws," + g + ".store_tma=1",
-               g + ".family=ws," + g + ".store_tma=1," + g + ".stages=4", g + ".family=two_cta"};
+      specs = {g + ".family=ws", g + ".family=ws," + g + ".store_tma=1", g + ".family=two_cta"};
       break;
     case kDw1:
       specs = {g + ".family=ws," + g + ".cluster=1", g + ".family=ws," + g + ".cluster=2",
                g + ".family=ws," + g + ".cluster=1," + g + ".store_tma=1",
-               g + ".family=ws," + g + ".cluster=1," + g + ".store_tma=1," + g + ".stages=4",
                g + ".family=two_cta"};
       break;
     default: {  // down, dx: the TMA path's built tiles, the ws kernel's schedules, two_cta

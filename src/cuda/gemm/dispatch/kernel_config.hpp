@@ -34,7 +34,6 @@ constexpr int kWsCooperativeStages = 4;
 constexpr int kWsPingPongStages = 6;
 constexpr int kWsVarlenKStages = 4;
 constexpr int kWsVarlenKTmaStoreStages = 3;  // with the epilogue's 64 KiB staging tile
-constexpr int kWsVarlenKTmaStore2Stages = 4;  // the tile leaving in two pieces (32 KiB staging)
 constexpr int64_t kWsMaxExperts = 4096;  // the gather kernel's per-CTA expert table
 constexpr int kDefaultRasterGroup = 16;   // CTA rasterization band (raster_tile)
 
@@ -115,7 +114,6 @@ struct GemmKernel {
   int tma_swizzle = 2;         // ... with this swizzle; across experts, the CTAs in
   int tma_bands = 1;           // this many bands (tma_bands_rule)
   bool store_by_tma = false;   // ws_varlen_k: the epilogue leaves by TMA store, 3 ring stages
-                               // (4 with the `stages=4` override: the tile in two pieces)
   const char* rule = "";       // why this kernel (printed; not part of the value)
 
   bool operator==(const GemmKernel& o) const {
@@ -251,8 +249,6 @@ int tma_bands_rule(int64_t S, int64_t E, int64_t N, int64_t K, int tile_m, int t
 //   up.b_tma         0 | 1                   (up on two_cta)
 //   dw2.store_tma, dw1.store_tma  0 | 1     (on ws, one CTA a tile: the epilogue by TMA store,
 //                                            not waited for before the next tile; 3 ring stages)
-//   dw2.stages, dw1.stages  3 | 4            (with the TMA store: 4 keeps the ring's 4 stages,
-//                                            the tile leaving in two pieces)
 //   raster           1..65536                (every varlen kernel's band height)
 //   tma.order        m | n,  tma.swizzle 1 | 2 | 4 | 8   (down, dx on tma)
 //   tma.bands        1..64                   (down, dx on tma: the CTAs' bands across experts)
@@ -275,7 +271,6 @@ struct GemmOverride {
   std::optional<bool> b_by_tma;
   std::optional<int> tile_m, tile_n;  // tma_grouped's tile
   std::optional<bool> store_tma;      // ws_varlen_k's epilogue by TMA store
-  std::optional<int> stages;          // its ring depth (3 or 4)
 };
 struct KernelOverrides {
   GemmOverride gemm[LayerKernels::kCount];  // in LayerKernels order

@@ -75,23 +75,16 @@ void dx_proj_pp(const RoutingPlanView& plan, const ExpertRows& rows, const bf16*
 // dw2_proj / dw1_proj on the warp-specialised varlen-K kernel; same contracts (w1_rows = 2n for
 // gated activations, else n). dw1_proj_ws runs the 2-CTA-cluster variant (dw1_proj_ws_cluster,
 // its own file) for cluster = 2 (the chosen GemmKernel's cluster).
-// tma_store_stages: 0 for the plain epilogue, else the ring depth of the TMA-store epilogue's
-// instantiations (the chosen GemmKernel's stages where store_by_tma): 3 (dw2_proj_ws_ts,
-// dw1_proj_ws_ts: the tile leaves whole) or 4 (dw2_proj_ws_ts4, dw1_proj_ws_ts4: in two
-// pieces); their own files, one CTA a tile.
+// store_by_tma (the chosen GemmKernel's): the TMA-store epilogue's instantiations
+// (dw2_proj_ws_ts, dw1_proj_ws_ts, their own files; one CTA a tile).
 void dw2_proj_ws(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled, bf16* dw2,
-                 int64_t d, int64_t n, int tma_store_stages, cudaStream_t stream);
+                 int64_t d, int64_t n, bool store_by_tma, cudaStream_t stream);
 void dw1_proj_ws(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
-                 int64_t d, int64_t w1_rows, int cluster, int tma_store_stages,
-                 cudaStream_t stream);
+                 int64_t d, int64_t w1_rows, int cluster, bool store_by_tma, cudaStream_t stream);
 void dw2_proj_ws_ts(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled,
                     bf16* dw2, int64_t d, int64_t n, cudaStream_t stream);
 void dw1_proj_ws_ts(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
                     int64_t d, int64_t w1_rows, cudaStream_t stream);
-void dw2_proj_ws_ts4(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled,
-                     bf16* dw2, int64_t d, int64_t n, cudaStream_t stream);
-void dw1_proj_ws_ts4(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
-                     int64_t d, int64_t w1_rows, cudaStream_t stream);
 void dw1_proj_ws_cluster(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
                          int64_t d, int64_t w1_rows, cudaStream_t stream);
 

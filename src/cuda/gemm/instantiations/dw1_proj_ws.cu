@@ -13,11 +13,10 @@
 namespace moeblaze::cuda::gemm::detail {
 
 void dw1_proj_ws(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
-                 int64_t d, int64_t w1_rows, int cluster, int tma_store_stages,
+                 int64_t d, int64_t w1_rows, int cluster, bool store_by_tma,
                  cudaStream_t stream) {
-  if (tma_store_stages != 0) {  // one CTA a tile (the override refuses clusters with it)
-    (tma_store_stages == kWsVarlenKTmaStore2Stages ? dw1_proj_ws_ts4 : dw1_proj_ws_ts)(
-        plan, dh, x, dw1, d, w1_rows, stream);
+  if (store_by_tma) {  // one CTA a tile (the override refuses clusters with it)
+    dw1_proj_ws_ts(plan, dh, x, dw1, d, w1_rows, stream);
     return;
   }
   if (cluster == 2) {

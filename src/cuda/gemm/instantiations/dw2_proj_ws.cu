@@ -10,10 +10,9 @@
 namespace moeblaze::cuda::gemm::detail {
 
 void dw2_proj_ws(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled, bf16* dw2,
-                 int64_t d, int64_t n, int tma_store_stages, cudaStream_t stream) {
-  if (tma_store_stages != 0) {
-    (tma_store_stages == kWsVarlenKTmaStore2Stages ? dw2_proj_ws_ts4 : dw2_proj_ws_ts)(
-        plan, d_out, a_scaled, dw2, d, n, stream);
+                 int64_t d, int64_t n, bool store_by_tma, cudaStream_t stream) {
+  if (store_by_tma) {
+    dw2_proj_ws_ts(plan, d_out, a_scaled, dw2, d, n, stream);
     return;
   }
   // d_out (T, d) gathered: M = d; a_scaled (S, n): N = n; dw2 (E, d, n).

@@ -88,26 +88,17 @@ struct VarlenKLayouts {
 };
 
 // The varlen-K kernel's ring: the cooperative one, its stages shared by kCluster CTAs. With
-// kTmaStore the epilogue's 64 KiB staging tile takes one stage's place (3 x 48 + 64 KiB); with
-// kPieces = 2 the tile leaves in two pieces through a 32 KiB staging tile, so the ring keeps its
-// 4 stages (4 x 48 + 32 KiB; docs/notes/varlen-k-weight-gradients.md, "Open").
+// kTmaStore the epilogue's 64 KiB staging tile takes one stage's place (3 x 48 + 64 KiB).
 constexpr int kVkTmaStoreStages = 3;
-constexpr int kVkTmaStore2Stages = 4;  // kPieces = 2
 constexpr size_t kVkStagingBytes = size_t(kBM) * kBN * 2;  // (2 warpgroups, 4 boxes, 64, 64) bf16
-template <bool kTmaStore, int kPieces>
-constexpr int varlen_k_stages() {
-  return !kTmaStore ? kStages : kPieces == 2 ? kVkTmaStore2Stages : kVkTmaStoreStages;
-}
-template <int kCluster, bool kTmaStore = false, int kPieces = 1>
+template <int kCluster, bool kTmaStore = false>
 using VarlenKRing =
-    RingT<kBN, varlen_k_stages<kTmaStore, kPieces>(), kConsumerThreads, kCluster>;
-template <int kCluster, bool kTmaStore, int kPieces = 1>
+    RingT<kBN, kTmaStore ? kVkTmaStoreStages : kStages, kConsumerThreads, kCluster>;
+template <int kCluster, bool kTmaStore>
 constexpr size_t varlen_k_smem_bytes() {
-  return VarlenKRing<kCluster, kTmaStore, kPieces>::kBytes +
-         (kTmaStore ? 1024 + kVkStagingBytes / kPieces : 0);
+  return VarlenKRing<kCluster, kTmaStore>::kBytes + (kTmaStore ? 1024 + kVkStagingBytes : 0);
 }
 static_assert(varlen_k_smem_bytes<1, true>() <= 227 * 1024, "staging tile + 3 stages fit");
-static_assert(varlen_k_smem_bytes<1, true, 2>() <= 227 * 1024, "half staging + 4 stages fit");
 
 // Registers after setmaxnreg: 128 x 88 + 256 x 208 = 64512. The producer holds 8 row ids
 // of the next stage besides the current ones.
@@ -230,66 +221,55 @@ __device__ __forceinline__ void varlen_k_store(const VarlenKArgs& p, Acc& acc, i
 //     stmatrix.trans writes a block's column as a row: box row = n = 8 i + L % 8, chunk = the
 //     block's 8 rows m.
 // Boxes wholly past M or N (multiples of 64) are not stored.
-// kPieces = 2: `staging` holds two boxes a warpgroup (32 KiB in all); boxes 0 and 1 are written
-// and stored, and boxes 2 and 3 written over them once those stores have read them.
-template <bool kTransposed, int kPieces = 1, class Acc>
+template <bool kTransposed, class Acc>
 __device__ __forceinline__ void varlen_k_store_tma(const VarlenKArgs& p, Acc& acc, int expert,
                                                    int m_tile, int n_tile, char* staging) {
-  static_assert(kPieces == 1 || kPieces == 2, "the tile leaves whole or in two halves");
-  constexpr int kBoxesPiece = 4 / kPieces;  // boxes of a warpgroup in staging at once
   const int t = threadIdx.x - kProducerThreads, w = t >> 7, warp = (t >> 5) & 3;
   const bool issuer = (t & 127) == 0;
   const int lane = threadIdx.x & 31, rho = lane & 7, blk = lane >> 3;
-  char* mine = staging + w * (kBoxesPiece * kBoxBytes);
+  char* mine = staging + w * (4 * kBoxBytes);
   const uint32_t base = smem_u32(mine);
+  if (issuer) cute::tma_store_wait<0>();  // the previous tile's stores have read `mine`
+  cutlass::arch::NamedBarrier::sync(128, 1 + w);
 #pragma unroll
-  for (int piece = 0; piece < kPieces; ++piece) {
-    // The previous piece's (or tile's) stores have read `mine`.
-    if (issuer) cute::tma_store_wait<0>();
-    cutlass::arch::NamedBarrier::sync(128, 1 + w);
+  for (int i = 0; i < kFragColGroups; i += 2) {
+    uint32_t v[4];  // blocks (i, 0), (i, 1), (i + 1, 0), (i + 1, 1)
 #pragma unroll
-    for (int i = piece * kFragColGroups / kPieces; i < (piece + 1) * kFragColGroups / kPieces;
-         i += 2) {
-      uint32_t v[4];  // blocks (i, 0), (i, 1), (i + 1, 0), (i + 1, 1)
+    for (int k = 0; k < 4; ++k) {
+      const int e = 4 * (i + (k >> 1)) + 2 * (k & 1);
+      v[k] = pack_bf16x2(acc(e), acc(e + 1));
+    }
+    const int ii = i + (blk >> 1), vv = blk & 1;  // this lane's address: block (ii, vv)
+    int r, c;
+    if constexpr (kTransposed) {
+      r = 8 * (ii & 7) + rho;
+      c = 2 * warp + vv;
+    } else {
+      r = 16 * warp + 8 * vv + rho;
+      c = ii & 7;
+    }
+    const uint32_t a = base + (ii >> 3) * kBoxBytes + r * 128 + ((c ^ (r & 7)) << 4);
+    if constexpr (kTransposed)
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(a),
+                   "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]));
+    else
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(a),
+                   "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]));
+  }
+  cute::tma_store_fence();  // this thread's shared-memory writes, visible to the TMA unit
+  cutlass::arch::NamedBarrier::sync(128, 1 + w);
+  if (issuer) {
+    const int m_box = m_tile * kBM + 64 * w;  // this warpgroup's 64 of M
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int e = 4 * (i + (k >> 1)) + 2 * (k & 1);
-        v[k] = pack_bf16x2(acc(e), acc(e + 1));
-      }
-      const int ii = i + (blk >> 1), vv = blk & 1;  // this lane's address: block (ii, vv)
-      int r, c;
-      if constexpr (kTransposed) {
-        r = 8 * (ii & 7) + rho;
-        c = 2 * warp + vv;
-      } else {
-        r = 16 * warp + 8 * vv + rho;
-        c = ii & 7;
-      }
-      const uint32_t a =
-          base + ((ii >> 3) - piece * kBoxesPiece) * kBoxBytes + r * 128 + ((c ^ (r & 7)) << 4);
+    for (int j = 0; j < 4; ++j) {
+      const int n_box = n_tile * kBN + 64 * j;
+      if (m_box >= p.M || n_box >= p.N) continue;
       if constexpr (kTransposed)
-        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
-                     ::"r"(a), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]));
+        cute::SM90_TMA_STORE_3D::copy(&p.out_tma, mine + j * kBoxBytes, m_box, n_box, expert);
       else
-        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(a),
-                     "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]));
+        cute::SM90_TMA_STORE_3D::copy(&p.out_tma, mine + j * kBoxBytes, n_box, m_box, expert);
     }
-    cute::tma_store_fence();  // this thread's shared-memory writes, visible to the TMA unit
-    cutlass::arch::NamedBarrier::sync(128, 1 + w);
-    if (issuer) {
-      const int m_box = m_tile * kBM + 64 * w;  // this warpgroup's 64 of M
-#pragma unroll
-      for (int j = piece * kBoxesPiece; j < (piece + 1) * kBoxesPiece; ++j) {
-        const int n_box = n_tile * kBN + 64 * j;
-        if (m_box >= p.M || n_box >= p.N) continue;
-        char* box = mine + (j - piece * kBoxesPiece) * kBoxBytes;
-        if constexpr (kTransposed)
-          cute::SM90_TMA_STORE_3D::copy(&p.out_tma, box, m_box, n_box, expert);
-        else
-          cute::SM90_TMA_STORE_3D::copy(&p.out_tma, box, n_box, m_box, expert);
-      }
-      cute::tma_store_arrive();
-    }
+    cute::tma_store_arrive();
   }
 }
 
@@ -302,18 +282,16 @@ __device__ __forceinline__ void varlen_k_store_tma(const VarlenKArgs& p, Acc& ac
 // takes part in the loads and barriers, and stores nothing. An expert's partial last K step is
 // copied by each CTA for itself (cp.async), as without a cluster.
 // kTmaStore: the epilogue leaves through shared memory by TMA store (varlen_k_store_tma), the
-// ring one stage shorter (kPieces = 1) or, leaving in two pieces, as deep (kPieces = 2); one CTA
-// per tile only.
-template <bool kTransposed, int kCluster, bool kTmaStore = false, int kPieces = 1>
+// ring one stage shorter; one CTA per tile only.
+template <bool kTransposed, int kCluster, bool kTmaStore = false>
 __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_constant__
                                                                   VarlenKArgs p) {
   static_assert(kCluster == 1 || !kTmaStore, "the TMA-store epilogue is built for one CTA a tile");
-  static_assert(kPieces == 1 || kTmaStore, "pieces are the TMA store's");
   pdl_wait();  // before any global memory access (src/cuda/pdl.cuh)
   pdl_launch_dependents();
   using namespace cute;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  using R = VarlenKRing<kCluster, kTmaStore, kPieces>;
+  using R = VarlenKRing<kCluster, kTmaStore>;
   using L = VarlenKLayouts<R::kStageCount>;
   using CopyG = MnCopy<kBM>;  // P, gathered
   using CopyC = MnCopy<kBN>;  // Q, contiguous (an expert's partial last K step only)
@@ -321,8 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
   constexpr int kBoxesOwn = kBoxesC / kCluster;  // of which this CTA loads
   extern __shared__ char smem_raw[];
   const R ring = R::carve(smem_raw);
-  // (2, 4 / kPieces, 64, 64) bf16
-  char* const staging = kTmaStore ? align_smem_1k(ring.end()) : nullptr;
+  char* const staging = kTmaStore ? align_smem_1k(ring.end()) : nullptr;  // (2, 4, 64, 64) bf16
   ring.init_barriers();
   // The cluster's barriers are initialised before any CTA multicasts into, or arrives on, them.
   if constexpr (kCluster > 1) cute::cluster_sync(); else __syncthreads();
@@ -427,7 +404,7 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
         },
         [&](int, auto& acc) {
           if constexpr (kTmaStore)
-            varlen_k_store_tma<kTransposed, kPieces>(p, acc, expert, m_tile, n_tile, staging);
+            varlen_k_store_tma<kTransposed>(p, acc, expert, m_tile, n_tile, staging);
           else
             varlen_k_store<kTransposed>(p, acc, expert, m_tile, n_tile);
         });
@@ -441,7 +418,7 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
 }
 
 // S: rows of q (the plan's slots); raster_group: the host's band height (dispatch/raster.hpp).
-template <bool kTransposed, int kCluster, bool kTmaStore = false, int kPieces = 1>
+template <bool kTransposed, int kCluster, bool kTmaStore = false>
 void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, int raster_group, cudaStream_t stream) {
   VarlenKArgs q = a;
   q.m_tiles = (a.M + kBM - 1) / kBM;
@@ -461,8 +438,8 @@ void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, int raster_group, cudaS
   if constexpr (kTmaStore)
     q.out_tma = kTransposed ? make_tma_store_3d(a.out, a.E, a.N, a.M)
                             : make_tma_store_3d(a.out, a.E, a.M, a.N);
-  const size_t smem = varlen_k_smem_bytes<kCluster, kTmaStore, kPieces>();
-  auto kernel = &varlen_k_ws_kernel<kTransposed, kCluster, kTmaStore, kPieces>;
+  const size_t smem = varlen_k_smem_bytes<kCluster, kTmaStore>();
+  auto kernel = &varlen_k_ws_kernel<kTransposed, kCluster, kTmaStore>;
   MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)));
   if constexpr (kCluster == 1) {
