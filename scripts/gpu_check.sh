@@ -217,9 +217,14 @@ if [ -z "${PREBUILT:-}" ]; then
   if want ep; then targets+=(moeblaze_gpu_tests); fi
   if want_named sanitize; then targets+=(moeblaze_gpu_tests); fi
   if want_named fuzz-long || want_named sanitize-fuzz; then targets+=(moeblaze_gpu_tests); fi
-  if want python || want peers || want_named model-step; then targets+=(moeblaze_capi); fi
+  # every part that installs the PyTorch package (install_python) links this library
+  if want python || want peers || want_named peers-grid || want_named model-step; then
+    targets+=(moeblaze_capi)
+  fi
   cmake --build "$BUILD" -j "$JOBS" --target "${targets[@]}" >"$OUT/build.log" 2>&1 || {
-    grep -E "error|Error" "$OUT/build.log" | head -40; echo "gpu_check: build FAILED"; exit 1; }
+    # a failed build may print no "error" line: grep's status must not end the script here
+    { grep -E "error|Error" "$OUT/build.log" || tail -20 "$OUT/build.log"; } | head -40
+    echo "gpu_check: build FAILED"; exit 1; }
   summary+=("build: ok in $(( $(date +%s) - start )) s (${targets[*]})")
 else
   # Only the binaries the requested parts run (a carried build folder stays small).

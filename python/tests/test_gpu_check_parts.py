@@ -1,5 +1,6 @@
 """scripts/gpu_check.sh refuses a PART it does not know, by name, before it builds or runs
-anything (a misspelt part used to run nothing and report nothing)."""
+anything (a misspelt part used to run nothing and report nothing), and builds what each part
+runs."""
 import os
 import subprocess
 
@@ -50,3 +51,30 @@ with open(out, "w") as f:
     assert p.returncode == 0, p.stdout + p.stderr
     assert "sweep: 8 rows" in p.stdout
     assert "| a | moeblaze | 1.000 | 2.000 (2.000) |" in (out / "sweep.md").read_text()
+
+
+def test_parts_that_install_the_package_build_its_library(tmp_path):
+    # A stand-in cmake on PATH records what it is asked to build and fails the build, so the check
+    # stops right after choosing its targets.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "cmake.log"
+    fake = bin_dir / "cmake"
+    fake.write_text(f"""#!/usr/bin/env bash
+echo "$*" >> {log}
+[ "$1" = --build ] && exit 1
+exit 0
+""")
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", BUILD_DIR=str(tmp_path / "b"))
+    env.pop("PREBUILT", None)
+    for part, capi in (("peers-grid", True), ("model-step", True), ("peers", True),
+                       ("gemm", False)):
+        log.write_text("")
+        p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"),
+                            str(tmp_path / ("out-" + part)), part],
+                           capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+        assert p.returncode == 1 and "build FAILED" in p.stdout, p.stdout + p.stderr
+        built = [line for line in log.read_text().splitlines() if line.startswith("--build")]
+        assert len(built) == 1 and "moeblaze_cli" in built[0], built
+        assert ("moeblaze_capi" in built[0]) == capi, (part, built)
