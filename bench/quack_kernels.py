@@ -14,6 +14,13 @@ layer --breakdown --json`), moeblaze's ms for the same step and the ratio.
   python3 bench/quack_kernels.py bench/cache/sonicmoe-autotune.tgz \
       --ours bench/results/layer-breakdown-2026-12-04-bdfbe09.jsonl
   python3 bench/quack_kernels.py CACHE --json out.jsonl --md out.md --all-configs
+  python3 bench/quack_kernels.py bench/cache/sonicmoe-autotune.tgz \
+      --compare "128x256 coop c2x1,128x192 pingpong c2x1"
+
+Shapes are named from the named configs and the public-model grid (bench/model_shapes.py).
+--compare puts SonicMoE's own time for the given configs beside its best, as ratios to the best:
+one implementation, one timing method, so the ratio isolates the tile and schedule (for instance
+the 128 x 256 cooperative tile moeblaze's kernels use against the one the search picked).
 """
 import argparse
 import io
@@ -25,6 +32,7 @@ import tarfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_reference import CONFIGS, EXTRA_SHAPES  # noqa: E402  (imports torch)
+import model_shapes  # noqa: E402
 
 
 def load_cache(path):
@@ -86,7 +94,8 @@ def name_configs(kind, S, d, x, E):
     """Every (named config, moeblaze step) whose GEMM has these sizes (two configs can share
     one: sm-default's down-proj is sm-30B-n512's dX~ in shape)."""
     out = []
-    for name, (T, cd, cn, cE, cK) in list(CONFIGS.items()) + list(EXTRA_SHAPES.items()):
+    named = list(CONFIGS.items()) + list(EXTRA_SHAPES.items()) + list(model_shapes.SHAPES.items())
+    for name, (T, cd, cn, cE, cK) in named:
         if T * cK != S or cd != d or (E and cE != E):
             continue
         if kind in ("1 up-proj", "4 dH") and cn == x:
@@ -97,7 +106,7 @@ def name_configs(kind, S, d, x, E):
             out.append((name, kind))
         elif kind == "varlen-k" and x in (cn, 2 * cn):
             out.append((name, "5 dW2" if x == cn else "8 dW1"))
-    return out or [("?", kind)]
+    return out or [(f"(S {S}, d {d}, {x}, E {E})", kind)]  # no named shape: its sizes
 
 
 def short(cfg):
@@ -116,7 +125,11 @@ def main():
     ap.add_argument("--md", help="write the Markdown table here")
     ap.add_argument("--all-configs", action="store_true",
                     help="also print every config's median ms per GEMM")
+    ap.add_argument("--compare", default="",
+                    help="comma list of configs as printed (e.g. '128x256 coop c2x1'): each one's "
+                         "SonicMoE time over SonicMoE's best, a column per config")
     args = ap.parse_args()
+    compare = [c.strip() for c in args.compare.split(",") if c.strip()]
 
     ours = {}
     for path in args.ours:
@@ -142,18 +155,23 @@ def main():
             if mine:
                 row["moeblaze_ms"] = mine["ms"]
                 row["moeblaze_commit"] = mine.get("commit")
-            if args.all_configs:
+            if args.all_configs or compare:
                 row["all"] = {short(cfg): ms for cfg, ms in timed}
             rows.append(row)
     rows.sort(key=lambda r: (r["config"], r["step"]))
 
     lines = ["| config | step | SonicMoE best config | SonicMoE ms | TFLOP/s | moeblaze ms | "
-             "moeblaze TFLOP/s | moeblaze ÷ SonicMoE |", "|---|---|---|---:|---:|---:|---:|---:|"]
+             "moeblaze TFLOP/s | moeblaze ÷ SonicMoE |" + "".join(f" {c} ÷ best |" for c in compare),
+             "|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(compare)]
     for r in rows:
         m = r.get("moeblaze_ms")
+        if compare:  # "—": the search did not try that config at this shape
+            r["vs_best"] = {c: r["all"][c] / r["ms"] for c in compare if c in r["all"]}
         lines.append(f"| {r['config']} | {r['step']} | {r['best']} | {r['ms']:.3f} | "
                      f"{r['tflops']:.0f} | " + (f"{m:.3f} | {r['flops'] / m / 1e9:.0f} | "
-                                                f"{m / r['ms']:.2f} |" if m else "— | — | — |"))
+                                                f"{m / r['ms']:.2f} |" if m else "— | — | — |")
+                     + "".join(f" {r['vs_best'][c]:.3f} |" if c in r["vs_best"] else " — |"
+                               for c in compare))
     print("\n".join(lines))
     if args.all_configs:
         for r in rows:

@@ -131,6 +131,9 @@ DESCRIBE = {
     PINGPONG_VK_NCU: "Nsight Compute's stall samples by instruction of the varlen-K ping-pong "
                      "kernel and of the cooperative TMA-store one, with the barrier each wait "
                      "reads",
+    "sonicmoe-tile-search-2026-12-07-8cb563f.md": "host-side read of SonicMoE's autotune "
+        "cache: per GEMM its fastest tile and its own time for moeblaze's 128 x 256 tile and "
+        "for 128 x 192 ping-pong, as ratios to that fastest",
     TMA_STAGES: "dW2 alone: the rule's kernel against the TMA-store epilogue with three ring "
                 "stages and in two pieces with four (built at 6c05710, removed), dW1 unchanged "
                 "beside it as the noise, three alternated rounds",

@@ -90,4 +90,23 @@ def test_a_gemm_no_named_config_has_is_reported_not_dropped():
     shapes = [((1000, 64), ()), ((3, 64, 128), (2, 1, 2))]
     kind, S_, N, K, E_, flops = qk.classify("gemm_tuned", shapes)
     assert (kind, S_, N, K, E_, flops) == ("2 down-proj", 1000, 128, 64, 3, 2.0 * 1000 * 64 * 128)
-    assert qk.name_configs(kind, S_, N, K, E_) == [("?", "2 down-proj")]
+    assert qk.name_configs(kind, S_, N, K, E_) == [("(S 1000, d 128, 64, E 3)", "2 down-proj")]
+
+
+def test_grid_shapes_are_named_and_compare_gives_ratios_to_the_best(tmp_path):
+    # gpt-oss-120b's dW2 (T 16384, d = n = 2880, E 128, K 4): dO^T (d, T) gathered x a' (S, n)
+    T, dd, n, EE, S_ = 16384, 2880, 2880, 128, 16384 * 4
+    folder = tmp_path / "c" / "X"
+    folder.mkdir(parents=True)
+    (folder / "gemm_tuned.autotune.json").write_text(json.dumps(entry(
+        [((dd, T), "[1, 2]"), ((S_, n), "[2, 1]"), ((EE, dd, n), "[2, 2, 1]")],
+        [[cfg(256, 160, False, 2, 1), [2.0, 1.9, 2.1]], [cfg(128, 256, False, 2, 1), [2.25, 2.2, 2.3]]])))
+    out, md = tmp_path / "rows.jsonl", tmp_path / "t.md"
+    subprocess.run([sys.executable, os.path.join(BENCH, "quack_kernels.py"), str(tmp_path / "c"),
+                    "--json", str(out), "--md", str(md),
+                    "--compare", "128x256 coop c2x1,128x192 pingpong c2x1"],
+                   check=True, capture_output=True)
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (row["config"], row["step"], row["best"]) == ("gpt-oss-120b", "5 dW2", "256x160 coop c2x1")
+    assert row["vs_best"] == {"128x256 coop c2x1": 2.25 / 2.0}  # 128x192 ping-pong was not tried
+    assert "| 1.125 | — |" in md.read_text()
