@@ -1147,14 +1147,21 @@ for both. {caption(lay, TMA_STORE_LAYER)}
                           "TMA store ms"], lbody) + "\n"
 
 
-def pingpong_vk_section():
-    rows = jsonl(PINGPONG_VK)
+def sweep_gemm_ms(rows):
+    """An override sweep's bench-gemm rows: {(config, gemm, spec): [ms per round]} and each
+    config's first row, fewest rows per expert first."""
     ms, first = {}, {}
     for r in rows:
         ms.setdefault((r["config"], r["gemm"], r["kernels"]), []).append(r["ms"])
         first.setdefault(r["config"], r)
+    return ms, sorted(first.items(), key=lambda kv: kv[1]["S"] / kv[1]["E"])
+
+
+def pingpong_vk_section():
+    rows = jsonl(PINGPONG_VK)
+    ms, configs = sweep_gemm_ms(rows)
     body, ratios = [], []
-    for c, r in sorted(first.items(), key=lambda kv: kv[1]["S"] / kv[1]["E"]):
+    for c, r in configs:
         cells = [r["model"], shape(r), f"{r['S'] / r['E']:.0f}"]
         for g in ("dW2-auto", "dW1-auto"):
             base = mean(ms[(c, g, "")])
@@ -1180,12 +1187,9 @@ alternated order; ratios are ping-pong time over the rule's. {caption(rows, PING
 
 def tma_stages_section():
     rows = jsonl(TMA_STAGES)
-    ms, first = {}, {}
-    for r in rows:
-        ms.setdefault((r["config"], r["gemm"], r["kernels"]), []).append(r["ms"])
-        first.setdefault(r["config"], r)
+    ms, configs = sweep_gemm_ms(rows)
     body, r3, r4, noise = [], [], [], []
-    for c, r in sorted(first.items(), key=lambda kv: kv[1]["S"] / kv[1]["E"]):
+    for c, r in configs:
         base = mean(ms[(c, "dW2-auto", "")])
         r3.append(mean(ms[(c, "dW2-auto", TMA_STAGES_SPECS[0])]) / base)
         r4.append(mean(ms[(c, "dW2-auto", TMA_STAGES_SPECS[1])]) / base)
