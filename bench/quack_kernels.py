@@ -13,6 +13,8 @@ layer --breakdown --json`), moeblaze's ms for the same step and the ratio.
 
   python3 bench/quack_kernels.py bench/cache/sonicmoe-autotune.tgz \
       --ours bench/results/layer-breakdown-2026-12-04-bdfbe09.jsonl
+  python3 bench/quack_kernels.py bench/cache/sonicmoe-autotune.tgz \
+      --ours bench/results/tma-store-stages-ab-2026-12-07-91d0a74-h100.jsonl  # bench gemm rows
   python3 bench/quack_kernels.py CACHE --json out.jsonl --md out.md --all-configs
   python3 bench/quack_kernels.py bench/cache/sonicmoe-autotune.tgz \
       --compare "128x256 coop c2x1,128x192 pingpong c2x1"
@@ -116,6 +118,31 @@ def short(cfg):
     return f"{f['tile_m']}x{f['tile_n']} {sched} c{f['cluster_m']}x{f['cluster_n']}"
 
 
+# `moeblaze bench gemm` rows of each GEMM's automatic choice, by moeblaze's step names.
+GEMM_STEPS = {"up-auto": "1 up-proj", "down-auto": "2 down-proj", "dH-auto": "4 dH",
+              "dW2-auto": "5 dW2", "dX-auto": "6 dX~", "dW1-auto": "8 dW1"}
+
+
+def read_ours(paths):
+    """{(config, step): {"ms", "commit"}} from `layer-step` rows (bench layer --breakdown) and from
+    `bench gemm` rows of the automatic choices without kernel overrides (an override sweep's
+    baseline spec): the median over a key's rows (a sweep's rounds)."""
+    times = {}
+    for path in paths:
+        for line in open(path):
+            if not line.startswith("{"):
+                continue
+            r = json.loads(line)
+            if r.get("bench") == "layer-step":
+                key = (r["config"], r["step"])
+            elif r.get("bench") == "gemm" and r.get("gemm") in GEMM_STEPS and not r.get("kernels"):
+                key = (r["config"], GEMM_STEPS[r["gemm"]])
+            else:
+                continue
+            times.setdefault(key, []).append((r["ms"], r.get("commit")))
+    return {k: {"ms": sorted(v)[len(v) // 2][0], "commit": v[-1][1]} for k, v in times.items()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("cache", help="QuACK cache folder or .tgz of it")
@@ -131,13 +158,7 @@ def main():
     args = ap.parse_args()
     compare = [c.strip() for c in args.compare.split(",") if c.strip()]
 
-    ours = {}
-    for path in args.ours:
-        for line in open(path):
-            if line.startswith("{"):
-                r = json.loads(line)
-                if r.get("bench") == "layer-step":
-                    ours[(r["config"], r["step"])] = r
+    ours = read_ours(args.ours)
     rows = []
     for fn, data in load_cache(args.cache):
         shapes = shapes_of(data["key"])

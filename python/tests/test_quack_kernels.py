@@ -110,3 +110,17 @@ def test_grid_shapes_are_named_and_compare_gives_ratios_to_the_best(tmp_path):
     assert (row["config"], row["step"], row["best"]) == ("gpt-oss-120b", "5 dW2", "256x160 coop c2x1")
     assert row["vs_best"] == {"128x256 coop c2x1": 2.25 / 2.0}  # 128x192 ping-pong was not tried
     assert "| 1.125 | — |" in md.read_text()
+
+
+def test_ours_from_bench_gemm_rows_takes_the_rules_median(tmp_path):
+    # An override sweep's rows: the automatic choice ("" spec) in three rounds, and an override
+    # that must not count as moeblaze's time.
+    rows = [{"bench": "gemm", "config": "olmoe", "gemm": "dW2-auto", "kernels": "", "ms": ms,
+             "commit": "abc1234"} for ms in (1.3, 1.1, 1.2)]
+    rows.append({"bench": "gemm", "config": "olmoe", "gemm": "dW2-auto",
+                 "kernels": "dw2.schedule=pingpong", "ms": 0.5})
+    rows.append({"bench": "gemm", "config": "olmoe", "gemm": "dW2-ws", "kernels": "", "ms": 0.7})
+    path = tmp_path / "sweep.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    ours = qk.read_ours([str(path)])
+    assert ours == {("olmoe", "5 dW2"): {"ms": 1.2, "commit": "abc1234"}}
