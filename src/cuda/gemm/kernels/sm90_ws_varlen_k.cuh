@@ -24,10 +24,15 @@
 // within an expert; an expert with no slot gets zeros. The epilogue stores 16 bytes per lane
 // (varlen_k_store), or, with kTmaStore, leaves through shared memory by TMA store
 // (varlen_k_store_tma). A 2-CTA cluster variant (kCluster = 2, dW1 where experts have many rows)
-// shares Q's stages between two m-tiles by TMA multicast.
+// shares Q's stages between two m-tiles by TMA multicast. The ping-pong schedule (kPingPong)
+// gives each consumer warpgroup whole 128 x 192 tiles of its own (two 64 x 192 WGMMA atoms along
+// M), so that one's epilogue and tile switch run under the other's MMAs; Q's stage is then 192
+// columns wide (3 TMA boxes) and the ring 5 stages deep.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
+
+#include <type_traits>
 
 #include "cuda/cuda_backend.hpp"
 #include "cuda/gemm/epilogues/quad_transpose.cuh"
@@ -45,7 +50,7 @@ struct VarlenKArgs {
   const int32_t* gather;    // (S,) slot -> row of p
   const int32_t* offsets;   // (E+1,)
   int E, M, N;
-  int m_tiles, n_tiles;     // ceil(M / kBM), ceil(N / kBN)
+  int m_tiles, n_tiles;     // ceil(M / 128), ceil(N / tile columns): 256 (192 ping-pong)
   int raster_group;         // band height of raster_tile within an expert
   __nv_bfloat16* out;       // (E, M, N), or (E, N, M) for the kernel's kTransposed
   CUtensorMap tma;          // q as a 2D (S, N) tensor, 64 x 64 boxes
@@ -72,38 +77,59 @@ __device__ __forceinline__ uint32_t kfirst_offset(int mn, int k) {
   return (mn >> 6) * 8192 + k * 128 + ((((mn & 63) >> 3) ^ (k & 7)) << 4) + (mn & 7) * 2;
 }
 
-template <int kStagesN = kStages>
+// The ping-pong schedule's tile, a warpgroup's own: 192 columns (a divisor of n = 2880, 1536,
+// 768, where 256 pads; SonicMoE's search prefers it at few rows an expert:
+// docs/notes/varlen-k-weight-gradients.md, "Open").
+constexpr int kVkPingPongTileM = 128;
+constexpr int kVkPingPongTileN = 192;
+// kPingPong: each consumer warpgroup alone on a 128 x 192 tile (two 64 x 192 WGMMA atoms along
+// M, partition_fragment_C's repetition), not both on a 128 x 256 one (a 64 x 256 atom each).
+template <int kStagesN = kStages, bool kPingPong = false>
 struct VarlenKLayouts {
-  static constexpr int kTileN = kBN;
+  static constexpr int kTileM = kBM;
+  static constexpr int kTileN = kPingPong ? kVkPingPongTileN : kBN;
+  using Atom = std::conditional_t<kPingPong,
+                                  ct::SM90_64x192x16_F32BF16BF16_SS<GMajor::MN, GMajor::MN>,
+                                  ct::SM90_64x256x16_F32BF16BF16_SS<GMajor::MN, GMajor::MN>>;
   using TiledMma = decltype(ct::make_tiled_mma(
-      ct::SM90_64x256x16_F32BF16BF16_SS<GMajor::MN, GMajor::MN>{},
-      ct::Layout<ct::Shape<ct::_2, ct::_1, ct::_1>>{}));
+      Atom{}, ct::Layout<ct::Shape<ct::Int<kPingPong ? 1 : 2>, ct::_1, ct::_1>>{}));
   using Order = ct::Step<ct::_2, ct::_1, ct::_3>;
   using SmemLayoutA = decltype(ct::tile_to_shape(
       ct::GMMA::Layout_MN_SW128_Atom<Elem>{},
-      ct::Shape<ct::Int<kBM>, ct::Int<kBK>, ct::Int<kStagesN>>{}, Order{}));  // (BM, BK, stages)
+      ct::Shape<ct::Int<kTileM>, ct::Int<kBK>, ct::Int<kStagesN>>{}, Order{}));  // (BM, BK, stages)
   using SmemLayoutB = decltype(ct::tile_to_shape(
       ct::GMMA::Layout_MN_SW128_Atom<Elem>{},
-      ct::Shape<ct::Int<kBN>, ct::Int<kBK>, ct::Int<kStagesN>>{}, Order{}));  // (BN, BK, stages)
+      ct::Shape<ct::Int<kTileN>, ct::Int<kBK>, ct::Int<kStagesN>>{}, Order{}));  // (BN, BK, stages)
 };
 
 // The varlen-K kernel's ring: the cooperative one, its stages shared by kCluster CTAs. With
 // kTmaStore the epilogue's 64 KiB staging tile takes one stage's place (3 x 48 + 64 KiB).
+// Ping-pong: stages of 128 rows of P (16 KiB) and 192 of Q (24 KiB), each read by one
+// warpgroup; 5 of them (200 KiB), no staging tile (its epilogue is under the other's MMAs).
 constexpr int kVkTmaStoreStages = 3;
+constexpr int kVkPingPongStages = 5;
 constexpr size_t kVkStagingBytes = size_t(kBM) * kBN * 2;  // (2 warpgroups, 4 boxes, 64, 64) bf16
-template <int kCluster, bool kTmaStore = false>
+template <int kCluster, bool kTmaStore = false, bool kPingPong = false>
 using VarlenKRing =
-    RingT<kBN, kTmaStore ? kVkTmaStoreStages : kStages, kConsumerThreads, kCluster>;
-template <int kCluster, bool kTmaStore>
+    RingT<VarlenKLayouts<kStages, kPingPong>::kTileN,
+          kPingPong ? kVkPingPongStages : kTmaStore ? kVkTmaStoreStages : kStages,
+          kPingPong ? kConsumerThreads / 2 : kConsumerThreads, kCluster>;
+template <int kCluster, bool kTmaStore, bool kPingPong = false>
 constexpr size_t varlen_k_smem_bytes() {
-  return VarlenKRing<kCluster, kTmaStore>::kBytes + (kTmaStore ? 1024 + kVkStagingBytes : 0);
+  return VarlenKRing<kCluster, kTmaStore, kPingPong>::kBytes +
+         (kTmaStore ? 1024 + kVkStagingBytes : 0);
 }
 static_assert(varlen_k_smem_bytes<1, true>() <= 227 * 1024, "staging tile + 3 stages fit");
+static_assert(varlen_k_smem_bytes<1, false, true>() <= 227 * 1024, "5 ping-pong stages fit");
 
 // Registers after setmaxnreg: 128 x 88 + 256 x 208 = 64512. The producer holds 8 row ids
 // of the next stage besides the current ones.
 constexpr int kVkProducerRegs = 88;
 constexpr int kVkConsumerRegs = 208;
+// Ping-pong: a warpgroup's 128 x 192 tile is 192 fp32 accumulators a thread, so 128 x 40 +
+// 256 x 232 = 64512 (ptxas of CUDA 13.0 spills 4 bytes there, 12 at 56 / 224).
+constexpr int kVkPingPongProducerRegs = 40;
+constexpr int kVkPingPongConsumerRegs = 232;
 
 // Copies one stage's share of an MN-major operand of kCols columns (128 or 256) by cp.async:
 // thread t copies chunk t % (kCols / 8) of k-rows t / (kCols / 8) + j * (1024 / kCols) ... i.e.
@@ -124,6 +150,24 @@ struct MnCopy {
                   row[j] >= 0 ? src + int64_t(row[j]) * ld + col0 + c * 8 : src, row[j] >= 0);
   }
 };
+
+// An expert's partial last K step of a kCols-wide MN-major operand where kCols / 8 chunks do not
+// divide the producer's threads (192: the ping-pong schedule's Q): thread t copies chunks t,
+// t + 128, ... of the stage's 64 k-rows x kCols / 8, zero-filling rows at or past k_end and
+// columns at or past n_cols.
+template <int kCols>
+__device__ __forceinline__ void copy_mn_partial(uint32_t stage, const __nv_bfloat16* src,
+                                                int64_t ld, int col0, int n_cols, int k0,
+                                                int k_end) {
+  constexpr int kChunks = kCols / 8;
+#pragma unroll 4
+  for (int c = threadIdx.x; c < kChunks * kBK; c += kProducerThreads) {
+    const int r = c / kChunks, ch = c - r * kChunks;
+    const int k = k0 + r, col = col0 + ch * 8;
+    const bool ok = k < k_end && col < n_cols;
+    cp_async_16(stage + kfirst_offset(ch * 8, r), ok ? src + int64_t(k) * ld + col : src, ok);
+  }
+}
 
 // A whole stage of P (every row of it valid): thread t's row j, at k-row first_row() + kStep j,
 // lands at chunk_off + j * kStep * 128 (kStep = 8: the swizzle, k % 8, is the same for every j)
@@ -159,44 +203,54 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t a) {
 //     16 contiguous bytes: out row n0 + 8 (i0 + q / 2) + r8, m = the warp's 16 rows' half q % 2.
 //     A warp's store covers 16 rows n of 32 contiguous bytes each: full sectors.
 // M and N are multiples of 64; nothing past them is stored.
-template <bool kTransposed, class Acc>
+// m_wg: the first of the rows m this warpgroup holds: kAtomsM WGMMA atoms of 64 x kTileN, atom
+// a's rows m_wg + 64 a .. + 64 in its accumulators a kTileN / 2 on (the cooperative schedule: one
+// 64 x 256 atom; ping-pong: two 64 x 192 atoms).
+template <bool kTransposed, int kTileN = kBN, int kAtomsM = 1, class Acc>
 __device__ __forceinline__ void varlen_k_store(const VarlenKArgs& p, Acc& acc, int expert,
-                                               int m_tile, int n_tile) {
+                                               int m_wg, int n_tile) {
+  constexpr int kGroups = kTileN / 8;  // column groups of 8 per atom row
   __nv_bfloat16* out = p.out + int64_t(expert) * p.M * p.N;
-  const int m0 = m_tile * kBM, n0 = n_tile * kBN;
+  const int n0 = n_tile * kTileN;
   const int lane = threadIdx.x & 31, q = lane & 3;
-  if constexpr (kTransposed) {
-    // The warp's 16 rows m start at ws_frag_row(0) - lane / 4.
-    const int m = m0 + ws_frag_row(0) - (lane >> 2) + 8 * (q & 1);
-    const bool m_ok = m < p.M;
 #pragma unroll
-    for (int i0 = 0; i0 < kFragColGroups; i0 += 2) {
-      uint32_t w[4];
+  for (int a = 0; a < kAtomsM; ++a) {
+    const int m_atom = m_wg + 64 * a, e0 = a * (kTileN / 2);
+    if constexpr (kTransposed) {
+      // The warp's 16 rows m start at its warpgroup's row ws_frag_row(0) % 64 - lane / 4.
+      const int m = m_atom + (ws_frag_row(0) & 63) - (lane >> 2) + 8 * (q & 1);
+      const bool m_ok = m < p.M;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {  // block (i0 + k / 2, v1 = k % 2)
-        const int e = 4 * (i0 + (k >> 1)) + 2 * (k & 1);
-        w[k] = movmatrix_trans(pack_bf16x2(acc(e), acc(e + 1)));
-      }
-      quad_transpose(w);
-      const int n = n0 + 8 * (i0 + (q >> 1)) + (lane >> 2);
-      if (m_ok && n < p.N)
-        *reinterpret_cast<uint4*>(out + int64_t(n) * p.M + m) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-  } else {
-#pragma unroll
-    for (int v1 = 0; v1 < 2; ++v1) {
-      const int m = m0 + ws_frag_row(v1);
-#pragma unroll
-      for (int i0 = 0; i0 < kFragColGroups; i0 += 4) {
+      for (int i0 = 0; i0 < kGroups; i0 += 2) {
         uint32_t w[4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k)
-          w[k] = pack_bf16x2(acc(4 * (i0 + k) + 2 * v1), acc(4 * (i0 + k) + 2 * v1 + 1));
+        for (int k = 0; k < 4; ++k) {  // block (i0 + k / 2, v1 = k % 2)
+          const int e = e0 + 4 * (i0 + (k >> 1)) + 2 * (k & 1);
+          w[k] = movmatrix_trans(pack_bf16x2(acc(e), acc(e + 1)));
+        }
         quad_transpose(w);
-        const int n = n0 + 8 * (i0 + q);
-        if (m < p.M && n < p.N)
-          *reinterpret_cast<uint4*>(out + int64_t(m) * p.N + n) =
+        const int n = n0 + 8 * (i0 + (q >> 1)) + (lane >> 2);
+        if (m_ok && n < p.N)
+          *reinterpret_cast<uint4*>(out + int64_t(n) * p.M + m) =
               make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    } else {
+#pragma unroll
+      for (int v1 = 0; v1 < 2; ++v1) {
+        const int m = m_atom + (ws_frag_row(v1) & 63);
+#pragma unroll
+        for (int i0 = 0; i0 < kGroups; i0 += 4) {
+          uint32_t w[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            w[k] = pack_bf16x2(acc(e0 + 4 * (i0 + k) + 2 * v1),
+                               acc(e0 + 4 * (i0 + k) + 2 * v1 + 1));
+          quad_transpose(w);
+          const int n = n0 + 8 * (i0 + q);
+          if (m < p.M && n < p.N)
+            *reinterpret_cast<uint4*>(out + int64_t(m) * p.N + n) =
+                make_uint4(w[0], w[1], w[2], w[3]);
+        }
       }
     }
   }
@@ -221,9 +275,11 @@ __device__ __forceinline__ void varlen_k_store(const VarlenKArgs& p, Acc& acc, i
 //     stmatrix.trans writes a block's column as a row: box row = n = 8 i + L % 8, chunk = the
 //     block's 8 rows m.
 // Boxes wholly past M or N (multiples of 64) are not stored.
+// m_wg as for varlen_k_store (64 rows, one 64 x 256 atom). The two warpgroups' halves of
+// `staging` and their named barriers are their own.
 template <bool kTransposed, class Acc>
 __device__ __forceinline__ void varlen_k_store_tma(const VarlenKArgs& p, Acc& acc, int expert,
-                                                   int m_tile, int n_tile, char* staging) {
+                                                   int m_wg, int n_tile, char* staging) {
   const int t = threadIdx.x - kProducerThreads, w = t >> 7, warp = (t >> 5) & 3;
   const bool issuer = (t & 127) == 0;
   const int lane = threadIdx.x & 31, rho = lane & 7, blk = lane >> 3;
@@ -259,7 +315,7 @@ __device__ __forceinline__ void varlen_k_store_tma(const VarlenKArgs& p, Acc& ac
   cute::tma_store_fence();  // this thread's shared-memory writes, visible to the TMA unit
   cutlass::arch::NamedBarrier::sync(128, 1 + w);
   if (issuer) {
-    const int m_box = m_tile * kBM + 64 * w;  // this warpgroup's 64 of M
+    const int m_box = m_wg;  // this warpgroup's 64 of M
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int n_box = n_tile * kBN + 64 * j;
@@ -282,20 +338,27 @@ __device__ __forceinline__ void varlen_k_store_tma(const VarlenKArgs& p, Acc& ac
 // takes part in the loads and barriers, and stores nothing. An expert's partial last K step is
 // copied by each CTA for itself (cp.async), as without a cluster.
 // kTmaStore: the epilogue leaves through shared memory by TMA store (varlen_k_store_tma), the
-// ring one stage shorter; one CTA per tile only.
-template <bool kTransposed, int kCluster, bool kTmaStore = false>
+// ring one stage shorter; one CTA per tile (cooperative) only.
+// kPingPong: tiles of 128 x 192, each consumer warpgroup alone on every other tile of the CTA
+// (pingpong_varlen_consumer_loop), so one warpgroup's epilogue and tile switch run under the
+// other's MMAs with the same MMA work per ring byte as nearly as the cooperative tile
+// (docs/notes/varlen-k-weight-gradients.md: a 64 x 256 tile a warpgroup, half of it, lost);
+// 16-byte stores, single CTAs (Q's 3 boxes do not split over 2).
+template <bool kTransposed, int kCluster, bool kTmaStore = false, bool kPingPong = false>
 __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_constant__
                                                                   VarlenKArgs p) {
   static_assert(kCluster == 1 || !kTmaStore, "the TMA-store epilogue is built for one CTA a tile");
+  static_assert(!kPingPong || (kCluster == 1 && !kTmaStore),
+                "the ping-pong schedule: single CTAs, 16-byte stores");
   pdl_wait();  // before any global memory access (src/cuda/pdl.cuh)
   pdl_launch_dependents();
   using namespace cute;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  using R = VarlenKRing<kCluster, kTmaStore>;
-  using L = VarlenKLayouts<R::kStageCount>;
-  using CopyG = MnCopy<kBM>;  // P, gathered
-  using CopyC = MnCopy<kBN>;  // Q, contiguous (an expert's partial last K step only)
-  constexpr int kBoxesC = kBN / kBox;          // TMA boxes of a Q stage
+  using R = VarlenKRing<kCluster, kTmaStore, kPingPong>;
+  using L = VarlenKLayouts<R::kStageCount, kPingPong>;
+  constexpr int kTileM = L::kTileM, kTileN = L::kTileN;
+  using CopyG = MnCopy<kTileM>;  // P, gathered
+  constexpr int kBoxesC = kTileN / kBox;         // TMA boxes of a Q stage
   constexpr int kBoxesOwn = kBoxesC / kCluster;  // of which this CTA loads
   extern __shared__ char smem_raw[];
   const R ring = R::carve(smem_raw);
@@ -317,7 +380,7 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
   };
 
   if (threadIdx.x < kProducerThreads) {
-    cutlass::arch::warpgroup_reg_dealloc<kVkProducerRegs>();
+    cutlass::arch::warpgroup_reg_dealloc<kPingPong ? kVkPingPongProducerRegs : kVkProducerRegs>();
     const uint32_t a_base = smem_u32(ring.a), b_base = smem_u32(ring.b);
     const uint32_t g_chunk_off = kfirst_offset(CopyG::chunk() * 8, CopyG::first_row());
     const int g_row_bytes = p.M * 2;  // < 2^31 (launch_varlen_k_ws)
@@ -327,9 +390,8 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
       decode(t, expert, m_tile, n_tile);
       const int k_begin = p.offsets[expert], k_end = p.offsets[expert + 1];
       const int k_tiles = (k_end - k_begin + kBK - 1) / kBK;
-      const int g_col0 = m_tile * kBM, c_col0 = n_tile * kBN;
+      const int g_col0 = m_tile * kTileM, c_col0 = n_tile * kTileN;
       const bool g_col_ok = g_col0 + CopyG::chunk() * 8 < p.M;
-      const bool c_col_ok = c_col0 + CopyC::chunk() * 8 < p.N;
       // This thread's ids start at k-row first_row() of each stage; its row j of stage kt exists
       // when kStep j < rows_after - kt kBK.
       const int32_t* ids = p.gather + k_begin + CopyG::first_row();
@@ -354,13 +416,13 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
       for (int kt = 0; kt < k_tiles; ++kt) {
         const int stage = pos.stage;
         Barrier::wait(&ring.empty[stage], pos.phase ^ 1);
-        const uint32_t sa = a_base + stage * kStageBytesA, sb = b_base + stage * kStageBytesB;
+        const uint32_t sa = a_base + stage * R::kStageBytesA, sb = b_base + stage * R::kStageBytesB;
         const int k0 = k_begin + kt * kBK;
         if (k0 + kBK <= k_end) {  // a whole K step: the contiguous operand by TMA
           if (threadIdx.x == 0) {
             // The whole stage lands here: this CTA's boxes and, multicast, the other CTAs'.
             Barrier::arrive_and_expect_tx(&ring.full[stage], kBoxesC * kBoxBytes);
-            char* dst = ring.b + stage * kStageBytesB;
+            char* dst = ring.b + stage * R::kStageBytesB;
 #pragma unroll
             for (int j = 0; j < kBoxesOwn; ++j) {
               const int h = rank * kBoxesOwn + j;
@@ -376,13 +438,19 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
             }
           }
         } else {  // the expert's partial last step: cp.async with zero fill past k_end
-          int crow[CopyC::kRows];
+          if constexpr (kTileN == kBN) {
+            using CopyC = MnCopy<kBN>;  // Q, contiguous
+            const bool c_col_ok = c_col0 + CopyC::chunk() * 8 < p.N;
+            int crow[CopyC::kRows];
 #pragma unroll
-          for (int j = 0; j < CopyC::kRows; ++j) {
-            const int k = k0 + CopyC::first_row() + CopyC::kStep * j;
-            crow[j] = (c_col_ok && k < k_end) ? k : -1;
+            for (int j = 0; j < CopyC::kRows; ++j) {
+              const int k = k0 + CopyC::first_row() + CopyC::kStep * j;
+              crow[j] = (c_col_ok && k < k_end) ? k : -1;
+            }
+            CopyC::copy(sb, p.q, p.N, c_col0, crow);
+          } else {
+            copy_mn_partial<kTileN>(sb, p.q, p.N, c_col0, p.N, k0, k_end);
           }
-          CopyC::copy(sb, p.q, p.N, c_col0, crow);
           if (threadIdx.x == 0) Barrier::arrive(&ring.full[stage]);
         }
         if (g_whole)
@@ -396,18 +464,32 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
     }
   } else {
     int expert, m_tile, n_tile;
-    consumer_loop<L, kVkConsumerRegs>(
-        ring, first, stride, num_tiles,
-        [&](int t) {
-          decode(t, expert, m_tile, n_tile);
-          return (p.offsets[expert + 1] - p.offsets[expert] + kBK - 1) / kBK;
-        },
-        [&](int, auto& acc) {
-          if constexpr (kTmaStore)
-            varlen_k_store_tma<kTransposed>(p, acc, expert, m_tile, n_tile, staging);
-          else
-            varlen_k_store<kTransposed>(p, acc, expert, m_tile, n_tile);
-        });
+    auto k_steps = [&](int e) { return (p.offsets[e + 1] - p.offsets[e] + kBK - 1) / kBK; };
+    auto begin = [&](int t) {
+      decode(t, expert, m_tile, n_tile);
+      return k_steps(expert);
+    };
+    if constexpr (kPingPong) {
+      pingpong_varlen_consumer_loop<L, kVkPingPongConsumerRegs>(
+          ring, first, stride, num_tiles,
+          [&](int t) { return k_steps(t / tiles_per_expert); }, begin,
+          [&](int, auto& acc) {
+            varlen_k_store<kTransposed, kTileN, 2>(p, acc, expert, m_tile * kTileM, n_tile);
+          });
+    } else {
+      // This warpgroup's 64 rows of the 128-row tile.
+      const int w = (threadIdx.x - kProducerThreads) >> 7;
+      consumer_loop<L, kVkConsumerRegs>(ring, first, stride, num_tiles, begin,
+                                        [&](int, auto& acc) {
+                                          const int m_wg = m_tile * kBM + 64 * w;
+                                          if constexpr (kTmaStore)
+                                            varlen_k_store_tma<kTransposed>(p, acc, expert, m_wg,
+                                                                            n_tile, staging);
+                                          else
+                                            varlen_k_store<kTransposed>(p, acc, expert, m_wg,
+                                                                        n_tile);
+                                        });
+    }
     // The last stores complete (not only read their staging) before the CTA leaves.
     if constexpr (kTmaStore)
       if (((threadIdx.x - kProducerThreads) & 127) == 0)
@@ -418,11 +500,13 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
 }
 
 // S: rows of q (the plan's slots); raster_group: the host's band height (dispatch/raster.hpp).
-template <bool kTransposed, int kCluster, bool kTmaStore = false>
+template <bool kTransposed, int kCluster, bool kTmaStore = false, bool kPingPong = false>
 void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, int raster_group, cudaStream_t stream) {
+  constexpr int kTileM = VarlenKLayouts<kStages, kPingPong>::kTileM;
+  constexpr int kTileN = VarlenKLayouts<kStages, kPingPong>::kTileN;
   VarlenKArgs q = a;
-  q.m_tiles = (a.M + kBM - 1) / kBM;
-  q.n_tiles = (a.N + kBN - 1) / kBN;
+  q.m_tiles = (a.M + kTileM - 1) / kTileM;
+  q.n_tiles = (a.N + kTileN - 1) / kTileN;
   const int64_t m_groups = (q.m_tiles + kCluster - 1) / kCluster;
   const int64_t tiles = int64_t(a.E) * m_groups * q.n_tiles;
   MOEBLAZE_UNSUPPORTED_IF(tiles > int64_t(INT32_MAX), "weight-gradient GEMM of ", tiles,
@@ -438,8 +522,8 @@ void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, int raster_group, cudaS
   if constexpr (kTmaStore)
     q.out_tma = kTransposed ? make_tma_store_3d(a.out, a.E, a.N, a.M)
                             : make_tma_store_3d(a.out, a.E, a.M, a.N);
-  const size_t smem = varlen_k_smem_bytes<kCluster, kTmaStore>();
-  auto kernel = &varlen_k_ws_kernel<kTransposed, kCluster, kTmaStore>;
+  const size_t smem = varlen_k_smem_bytes<kCluster, kTmaStore, kPingPong>();
+  auto kernel = &varlen_k_ws_kernel<kTransposed, kCluster, kTmaStore, kPingPong>;
   MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)));
   if constexpr (kCluster == 1) {
