@@ -1268,8 +1268,9 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   refused("up.tile=128x128", "only down_proj and dx_proj on tma_grouped have a tile choice");
   refused("down.family=ws,down.tile=256x128", "only down_proj and dx_proj on tma_grouped");
   refused("dw2.family=two_cta,dw2.schedule=pingpong", "and ws_varlen_k (dw2_proj, dw1_proj) have schedules");
-  refused("dh.cluster=2", "only dw1_proj on ws_varlen_k, dw2_proj on ws_varlen_k ping-pong");
-  refused("dw2.schedule=pingpong,dw2.store_tma=0", "leaves by TMA store only");
+  refused("dh.cluster=2", "only dw1_proj on ws_varlen_k and down_proj / dx_proj");
+  refused("dw2.schedule=pingpong,dw2.store_tma=1", "stores 16 bytes a lane");
+  refused("dw1.schedule=pingpong,dw1.cluster=2", "runs on single CTAs");
   refused("down.family=two_cta,down.cluster=1", "run on clusters");
   EXPECT_EQ(gg::choose_kernels(sm, gg::parse_kernel_overrides("dx.cluster=1")).dx.cluster, 1);
   refused("dw1.cluster=3", "[1, 2]");

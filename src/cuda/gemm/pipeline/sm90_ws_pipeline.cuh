@@ -101,16 +101,15 @@ struct PingPong {
 // The shared-memory ring: kStagesN stages of A (BM x BK) and of B (kTileNB x BK), 1 KiB
 // aligned (the swizzle is a function of the address), then the full / empty mbarriers of each
 // stage and the ping-pong order barrier pair.
-// kTileMA: A's rows a stage (kBM; the varlen-K kernel's ping-pong schedule takes 64).
 // kCluster > 1 (the varlen-K kernel's multicast variant): the CTAs of a cluster share B, each
 // loading a part of every stage by TMA multicast into all of them, so a stage may only be
 // refilled when the consumers of every CTA of the cluster have released it: empty[s] counts
 // one arrival per consumer warp of each CTA (release() below, lane c of every warp arriving on
 // CTA c's barrier; without a cluster, lane 0 on its own CTA's).
-template <int kTileNB, int kStagesN, int kStageConsumers, int kCluster = 1, int kTileMA = kBM>
+template <int kTileNB, int kStagesN, int kStageConsumers, int kCluster = 1>
 struct RingT {
   static constexpr int kStageCount = kStagesN;
-  static constexpr int kStageBytesA = kTileMA * kBK * 2;
+  static constexpr int kStageBytesA = kBM * kBK * 2;
   static constexpr int kStageBytesB = kTileNB * kBK * 2;
   char* a;          // (kStagesN, BM, BK) swizzled
   char* b;          // (kStagesN, kTileNB, BK) swizzled
