@@ -527,11 +527,13 @@ TEST_P(GroupedGemm, WeightGradsVarlenK) {
   upload(dh, dh_in);
   upload(x, in.x);
   DevBuf dw2(size_t(E * d * n) * 2), dw1(size_t(E * R * d) * 2);
-  // The warp-specialised kernel four times, through the kernel overrides: dW1 with 2-CTA
+  // The warp-specialised kernel five times, through the kernel overrides: dW1 with 2-CTA
   // clusters sharing dh (dw1.cluster=2; odd m-tile counts, d = 128 and 320, leave a cluster's
   // second CTA without a tile), one CTA per tile (dw1.cluster=1), both with the TMA-store
-  // epilogue (store_tma=1), and the ping-pong schedule (a 128 x 192 tile a warpgroup: n and
-  // 2n not multiples of 192 leave a partial last n-tile, d = 320 a partial m-tile).
+  // epilogue (store_tma=1), the ping-pong schedule (a 128 x 192 tile a warpgroup: n and
+  // 2n not multiples of 192 leave a partial last n-tile, d = 320 a partial m-tile), and the
+  // wide 256 x 128 tile on clusters of 2 (d = 128, 320, 768: a partial m-tile, or a cluster's
+  // second CTA without one).
   struct Variant {
     gg::GatherKernel kernel;
     const char* spec;  // "": the two_cta kernel; the first ws spec is the bitwise reference
@@ -543,7 +545,8 @@ TEST_P(GroupedGemm, WeightGradsVarlenK) {
         Variant{gg::GatherKernel::warp_specialized, "dw1.cluster=2"},
         Variant{gg::GatherKernel::warp_specialized, "dw1.cluster=1"},
         Variant{gg::GatherKernel::warp_specialized, "dw1.cluster=1,dw1.store_tma=1,dw2.store_tma=1"},
-        Variant{gg::GatherKernel::warp_specialized, "dw1.schedule=pingpong,dw2.schedule=pingpong"}}) {
+        Variant{gg::GatherKernel::warp_specialized, "dw1.schedule=pingpong,dw2.schedule=pingpong"},
+        Variant{gg::GatherKernel::warp_specialized, "dw1.tile=256x128,dw2.tile=256x128"}}) {
     const gg::GatherKernel k = v.kernel;
     const std::string kname = std::string(gather_kernel_name(k)) + (*v.spec ? "/" : "") + v.spec;
     SCOPED_TRACE(kname);
@@ -927,8 +930,8 @@ TEST(GroupedGemmChecks, CandidatesHoldTheAutomaticChoiceOnce) {
   // cooperative clusters.
   EXPECT_EQ(gg::kernel_candidates(gg::LayerKernels::kDx, shapes[0]).size(),
             size_t(gg::kTmaVariantCount) + 3);
-  EXPECT_EQ(gg::kernel_candidates(gg::LayerKernels::kDw1, shapes[0]).size(), 5u);
-  EXPECT_EQ(gg::kernel_candidates(gg::LayerKernels::kDw2, shapes[0]).size(), 4u);
+  EXPECT_EQ(gg::kernel_candidates(gg::LayerKernels::kDw1, shapes[0]).size(), 6u);
+  EXPECT_EQ(gg::kernel_candidates(gg::LayerKernels::kDw2, shapes[0]).size(), 5u);
   // The ping-pong schedule of ws_varlen_k: a 128 x 192 tile a warpgroup, 5 stages, 16-byte
   // stores, single CTAs (dW1's clusters at 8192 rows an expert, shapes[6], are dropped); no
   // TMA store and no cluster for it, and a cooperative override brings back the 128 x 256 tile.
@@ -949,10 +952,31 @@ TEST(GroupedGemmChecks, CandidatesHoldTheAutomaticChoiceOnce) {
         << gg::describe(pp);
   }
   for (const char* bad : {"dw2.schedule=pingpong,dw2.store_tma=1",
-                          "dw1.schedule=pingpong,dw1.cluster=2"}) {
+                          "dw1.schedule=pingpong,dw1.cluster=2", "dw2.tile=256x128,dw2.cluster=1",
+                          "dw2.tile=256x128,dw2.store_tma=1", "dw1.tile=192x128",
+                          "dw2.tile=256x128,dw2.schedule=pingpong"}) {
     SCOPED_TRACE(bad);
     EXPECT_THROW(gg::choose_kernels(shapes[0], gg::parse_kernel_overrides(bad)), Unsupported);
   }
+  // The wide cooperative tile: 256 x 128 on clusters of 2, 4 stages, 16-byte stores; 128x256
+  // brings back the rule's tile.
+  for (const char* gemm : {"dw2", "dw1"}) {
+    SCOPED_TRACE(gemm);
+    const gg::LayerKernels lk = gg::choose_kernels(
+        shapes[0], gg::parse_kernel_overrides(std::string(gemm) + ".tile=256x128"));
+    const gg::GemmKernel w = std::string(gemm) == "dw2" ? lk.dw2 : lk.dw1;
+    EXPECT_EQ(w.family, KernelFamily::ws_varlen_k);
+    EXPECT_EQ(w.schedule, gg::KernelSchedule::cooperative);
+    EXPECT_EQ(w.tile_m, gg::kWsVarlenKWideTileM);
+    EXPECT_EQ(w.tile_n, gg::kWsVarlenKWideTileN);
+    EXPECT_EQ(w.cluster, 2);
+    EXPECT_EQ(w.stages, gg::kWsVarlenKStages);
+    EXPECT_FALSE(w.store_by_tma);
+    EXPECT_NE(gg::describe(w).find("cooperative 256x128x64 stages=4 cluster=2"), std::string::npos)
+        << gg::describe(w);
+  }
+  EXPECT_EQ(gg::choose_kernels(shapes[0], gg::parse_kernel_overrides("dw2.tile=128x256")).dw2.tile_n,
+            256);
   EXPECT_THROW(gg::choose_kernels(shapes[0], gg::parse_kernel_overrides("dw2.cluster=2")),
                Unsupported);  // cooperative dW2 has no cluster variant
   const gg::GemmKernel back = gg::choose_kernels(shapes[0], gg::parse_kernel_overrides(
@@ -1265,7 +1289,7 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   refused("dx.tile=192x128,dx.cluster=1", "no built kernel has tile 192x128 cluster 1");
   refused("down.tile=256x256", "(built: 128x256 cooperative cluster 2,");
   refused("dx.tile=12", "the tile must be MxN");
-  refused("up.tile=128x128", "only down_proj and dx_proj on tma_grouped have a tile choice");
+  refused("up.tile=128x128", "on ws_varlen_k have a tile choice");
   refused("down.family=ws,down.tile=256x128", "only down_proj and dx_proj on tma_grouped");
   refused("dw2.family=two_cta,dw2.schedule=pingpong", "and ws_varlen_k (dw2_proj, dw1_proj) have schedules");
   refused("dh.cluster=2", "only dw1_proj on ws_varlen_k and down_proj / dx_proj");

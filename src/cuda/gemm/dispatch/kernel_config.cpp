@@ -254,10 +254,30 @@ void apply(int g, const GemmOverride& o, const KernelShape& s, GemmKernel& k) {
     apply_tma(name, o, k);
     return;
   }
-  MOEBLAZE_UNSUPPORTED_IF(o.tile_m.has_value(), "kernel override ", name,
-                          ".tile: only down_proj and dx_proj on tma_grouped have a tile choice; ",
-                          name, " runs ", family_name(k.family));
   const bool on_varlen_k = varlen_k && k.family == KernelFamily::ws_varlen_k;
+  if (o.tile_m && on_varlen_k) {
+    // ws_varlen_k's cooperative tiles: 128x256 (one CTA, or a cluster of 2 for dW1) and the wide
+    // 256x128 on clusters of 2 (docs/notes/varlen-k-weight-gradients.md, "Open")
+    const bool wide = *o.tile_m == kWsVarlenKWideTileM && *o.tile_n == kWsVarlenKWideTileN;
+    MOEBLAZE_UNSUPPORTED_IF(!wide && !(*o.tile_m == 128 && *o.tile_n == 256), "kernel override ",
+                            name, ".tile=", *o.tile_m, "x", *o.tile_n, ": ws_varlen_k is built "
+                            "for 128x256 and 256x128 (clusters of 2)");
+    MOEBLAZE_UNSUPPORTED_IF(o.schedule == KernelSchedule::ping_pong, "kernel override ", name,
+                            ".tile with .schedule=pingpong: the ping-pong kernel's tile is 128x",
+                            kWsVarlenKPingPongTileN);
+    set_varlen_k_schedule(k, KernelSchedule::cooperative);
+    if (wide) {
+      k.tile_m = kWsVarlenKWideTileM;
+      k.tile_n = kWsVarlenKWideTileN;
+      k.cluster = 2;
+      set_store_by_tma(k, false);
+    }
+    k.rule = "override";
+  }
+  MOEBLAZE_UNSUPPORTED_IF(o.tile_m.has_value() && !on_varlen_k, "kernel override ", name,
+                          ".tile: only down_proj and dx_proj on tma_grouped and dw2_proj and "
+                          "dw1_proj on ws_varlen_k have a tile choice; ", name, " runs ",
+                          family_name(k.family));
   if (o.schedule) {
     MOEBLAZE_UNSUPPORTED_IF(k.family != KernelFamily::ws_gather && !on_varlen_k,
                             "kernel override ", name, ".schedule: only the ws_gather family "
@@ -265,7 +285,7 @@ void apply(int g, const GemmOverride& o, const KernelShape& s, GemmKernel& k) {
                             "tma) and ws_varlen_k (dw2_proj, dw1_proj) have schedules; ", name,
                             " runs ", family_name(k.family));
     if (on_varlen_k) {
-      set_varlen_k_schedule(k, *o.schedule);
+      if (!o.tile_m) set_varlen_k_schedule(k, *o.schedule);  // with a tile: set above
       k.rule = "override";
     } else {
       k = ws_gather(*o.schedule, "override");
@@ -273,13 +293,18 @@ void apply(int g, const GemmOverride& o, const KernelShape& s, GemmKernel& k) {
   }
   if (o.cluster) {
     const bool pp = on_varlen_k && k.schedule == KernelSchedule::ping_pong;
+    const bool wide = on_varlen_k && k.tile_m == kWsVarlenKWideTileM;
     const bool dw1_ws = g == kDw1 && on_varlen_k;
-    MOEBLAZE_UNSUPPORTED_IF(!dw1_ws && !pp && k.family != KernelFamily::tma_grouped,
-                            "kernel override ", name, ".cluster: only dw1_proj on ws_varlen_k "
-                            "and down_proj / dx_proj on tma_grouped run on clusters");
+    MOEBLAZE_UNSUPPORTED_IF(!dw1_ws && !pp && !wide && k.family != KernelFamily::tma_grouped,
+                            "kernel override ", name, ".cluster: only dw1_proj on ws_varlen_k, "
+                            "dw2_proj on its 256x128 tile and down_proj / dx_proj on "
+                            "tma_grouped run on clusters");
     // the 192-wide Q stage is 3 TMA boxes: no even share for 2 CTAs
     MOEBLAZE_UNSUPPORTED_IF(pp && *o.cluster != 1, "kernel override ", name, ".cluster=",
                             *o.cluster, ": the ping-pong varlen-K kernel runs on single CTAs");
+    MOEBLAZE_UNSUPPORTED_IF(on_varlen_k && k.tile_m == kWsVarlenKWideTileM && *o.cluster != 2,
+                            "kernel override ", name, ".cluster=", *o.cluster, ": the 256x128 "
+                            "varlen-K tile is built for clusters of 2");
     k.cluster = *o.cluster;
     if (k.cluster != 1 && k.store_by_tma)  // the TMA-store epilogue is one CTA a tile's
       set_store_by_tma(k, false);
@@ -624,13 +649,13 @@ std::vector<KernelCandidate> kernel_candidates(int gemm, const KernelShape& shap
       break;
     case kDw2:
       specs = {g + ".family=ws", g + ".family=ws," + g + ".store_tma=1",
-               ws("pingpong"), g + ".family=two_cta"};
+               ws("pingpong"), g + ".family=ws," + g + ".tile=256x128", g + ".family=two_cta"};
       break;
     case kDw1:
       specs = {g + ".family=ws," + g + ".cluster=1", g + ".family=ws," + g + ".cluster=2",
                g + ".family=ws," + g + ".cluster=1," + g + ".store_tma=1",
                g + ".family=ws," + g + ".cluster=1," + g + ".schedule=pingpong",
-               g + ".family=two_cta"};
+               g + ".family=ws," + g + ".tile=256x128", g + ".family=two_cta"};
       break;
     default: {  // down, dx: the TMA path's built tiles, the ws kernel's schedules, two_cta
       // Where the rule already picks the TMA path, a tile override keeps its bands.

@@ -37,6 +37,10 @@ constexpr int kWsVarlenKTmaStoreStages = 3;  // with the epilogue's 64 KiB stagi
 constexpr int kWsVarlenKPingPongStages = 5;    // 40 KiB each (P 128 + Q 192 columns)
 constexpr int kWsVarlenKPingPongTileM = 128;  // a warpgroup's own 128 x 192 tile
 constexpr int kWsVarlenKPingPongTileN = 192;
+// The wide cooperative varlen-K tile: 256 gathered rows (two warpgroups of 128) x 128 contiguous
+// columns, on clusters of 2 sharing the contiguous operand (dw2.tile=256x128 / dw1.tile=256x128).
+constexpr int kWsVarlenKWideTileM = 256;
+constexpr int kWsVarlenKWideTileN = 128;
 constexpr int64_t kWsMaxExperts = 4096;  // the gather kernel's per-CTA expert table
 constexpr int kDefaultRasterGroup = 16;   // CTA rasterization band (raster_tile)
 

@@ -93,6 +93,12 @@ void dw2_proj_ws_pp(const RoutingPlanView& plan, const bf16* d_out, const bf16* 
                     bf16* dw2, int64_t d, int64_t n, cudaStream_t stream);
 void dw1_proj_ws_pp(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
                     int64_t d, int64_t w1_rows, cudaStream_t stream);
+// The wide cooperative tile (the chosen GemmKernel's tile 256x128: 256 gathered rows, clusters
+// of 2 sharing the contiguous operand); their own files.
+void dw2_proj_ws_wide(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled,
+                      bf16* dw2, int64_t d, int64_t n, cudaStream_t stream);
+void dw1_proj_ws_wide(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
+                      int64_t d, int64_t w1_rows, cudaStream_t stream);
 
 
 }  // namespace moeblaze::cuda::gemm::detail

@@ -106,6 +106,8 @@ void dw2_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scal
                             "varlen-K ping-pong kernel: the <gemm>.schedule=pingpong override)");
     if (chosen.family == KernelFamily::ws_varlen_k && chosen.schedule == KernelSchedule::ping_pong)
       detail::dw2_proj_ws_pp(plan, d_out, a_scaled, dw2, d, n, stream);
+    else if (chosen.family == KernelFamily::ws_varlen_k && chosen.tile_m == kWsVarlenKWideTileM)
+      detail::dw2_proj_ws_wide(plan, d_out, a_scaled, dw2, d, n, stream);
     else
       detail::dw2_proj_ws(plan, d_out, a_scaled, dw2, d, n, chosen.store_by_tma, stream);
     return;
@@ -144,6 +146,8 @@ void dw1_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* 
     const int cluster = chosen.family == KernelFamily::ws_varlen_k ? chosen.cluster : 1;
     if (chosen.family == KernelFamily::ws_varlen_k && chosen.schedule == KernelSchedule::ping_pong)
       detail::dw1_proj_ws_pp(plan, dh, x, dw1, d, w1_rows, stream);
+    else if (chosen.family == KernelFamily::ws_varlen_k && chosen.tile_m == kWsVarlenKWideTileM)
+      detail::dw1_proj_ws_wide(plan, dh, x, dw1, d, w1_rows, stream);
     else
       detail::dw1_proj_ws(plan, dh, x, dw1, d, w1_rows, cluster, chosen.store_by_tma, stream);
     return;

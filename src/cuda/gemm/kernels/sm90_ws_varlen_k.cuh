@@ -82,15 +82,23 @@ __device__ __forceinline__ uint32_t kfirst_offset(int mn, int k) {
 // docs/notes/varlen-k-weight-gradients.md, "Open").
 constexpr int kVkPingPongTileM = 128;
 constexpr int kVkPingPongTileN = 192;
+// The wide cooperative tile (kWide): 256 gathered rows, a warpgroup's 128 of them as two 64 x 128
+// atoms, x 128 contiguous columns, on clusters of 2 sharing Q (SonicMoE's search prefers it for
+// dW2 at few rows an expert: docs/notes/varlen-k-weight-gradients.md, "Open").
+constexpr int kVkWideTileM = 256;
+constexpr int kVkWideTileN = 128;
 // kPingPong: each consumer warpgroup alone on a 128 x 192 tile (two 64 x 192 WGMMA atoms along
 // M, partition_fragment_C's repetition), not both on a 128 x 256 one (a 64 x 256 atom each).
-template <int kStagesN = kStages, bool kPingPong = false>
+// kWide: two warpgroups along M, the 128-row TiledMma repeated over 256 rows (warpgroup w holds
+// rows 64 w + 128 a of atom a).
+template <int kStagesN = kStages, bool kPingPong = false, bool kWide = false>
 struct VarlenKLayouts {
-  static constexpr int kTileM = kBM;
-  static constexpr int kTileN = kPingPong ? kVkPingPongTileN : kBN;
-  using Atom = std::conditional_t<kPingPong,
-                                  ct::SM90_64x192x16_F32BF16BF16_SS<GMajor::MN, GMajor::MN>,
-                                  ct::SM90_64x256x16_F32BF16BF16_SS<GMajor::MN, GMajor::MN>>;
+  static constexpr int kTileM = kWide ? kVkWideTileM : kBM;
+  static constexpr int kTileN = kPingPong ? kVkPingPongTileN : kWide ? kVkWideTileN : kBN;
+  using Atom = std::conditional_t<
+      kPingPong, ct::SM90_64x192x16_F32BF16BF16_SS<GMajor::MN, GMajor::MN>,
+      std::conditional_t<kWide, ct::SM90_64x128x16_F32BF16BF16_SS<GMajor::MN, GMajor::MN>,
+                         ct::SM90_64x256x16_F32BF16BF16_SS<GMajor::MN, GMajor::MN>>>;
   using TiledMma = decltype(ct::make_tiled_mma(
       Atom{}, ct::Layout<ct::Shape<ct::Int<kPingPong ? 1 : 2>, ct::_1, ct::_1>>{}));
   using Order = ct::Step<ct::_2, ct::_1, ct::_3>;
@@ -109,18 +117,21 @@ struct VarlenKLayouts {
 constexpr int kVkTmaStoreStages = 3;
 constexpr int kVkPingPongStages = 5;
 constexpr size_t kVkStagingBytes = size_t(kBM) * kBN * 2;  // (2 warpgroups, 4 boxes, 64, 64) bf16
-template <int kCluster, bool kTmaStore = false, bool kPingPong = false>
+// Wide: stages of 256 rows of P (32 KiB) and 128 of Q (16 KiB), 4 of them.
+template <int kCluster, bool kTmaStore = false, bool kPingPong = false, bool kWide = false>
 using VarlenKRing =
-    RingT<VarlenKLayouts<kStages, kPingPong>::kTileN,
+    RingT<VarlenKLayouts<kStages, kPingPong, kWide>::kTileN,
           kPingPong ? kVkPingPongStages : kTmaStore ? kVkTmaStoreStages : kStages,
-          kPingPong ? kConsumerThreads / 2 : kConsumerThreads, kCluster>;
-template <int kCluster, bool kTmaStore, bool kPingPong = false>
+          kPingPong ? kConsumerThreads / 2 : kConsumerThreads, kCluster,
+          VarlenKLayouts<kStages, kPingPong, kWide>::kTileM>;
+template <int kCluster, bool kTmaStore, bool kPingPong = false, bool kWide = false>
 constexpr size_t varlen_k_smem_bytes() {
-  return VarlenKRing<kCluster, kTmaStore, kPingPong>::kBytes +
+  return VarlenKRing<kCluster, kTmaStore, kPingPong, kWide>::kBytes +
          (kTmaStore ? 1024 + kVkStagingBytes : 0);
 }
 static_assert(varlen_k_smem_bytes<1, true>() <= 227 * 1024, "staging tile + 3 stages fit");
 static_assert(varlen_k_smem_bytes<1, false, true>() <= 227 * 1024, "5 ping-pong stages fit");
+static_assert(varlen_k_smem_bytes<2, false, false, true>() <= 227 * 1024, "4 wide stages fit");
 
 // Registers after setmaxnreg: 128 x 88 + 256 x 208 = 64512. The producer holds 8 row ids
 // of the next stage besides the current ones.
@@ -171,15 +182,24 @@ __device__ __forceinline__ void copy_mn_partial(uint32_t stage, const __nv_bfloa
 
 // A whole stage of P (every row of it valid): thread t's row j, at k-row first_row() + kStep j,
 // lands at chunk_off + j * kStep * 128 (kStep = 8: the swizzle, k % 8, is the same for every j)
-// and comes from src_col + row[j] * row_bytes, src_col the thread's 16-byte column chunk.
+// and comes from src_col + row[j] * row_bytes, src_col the thread's 16-byte column chunk. With
+// kStep = 4 (256 columns, the wide tile) the even and odd j alternate between two swizzle phases:
+// row j lands at (j odd ? chunk_off_odd : chunk_off) + (j / 2) * 1024, chunk_off_odd being the
+// offset of k-row first_row() + 4.
 template <class Copy>
-__device__ __forceinline__ void lean_copy_p(uint32_t stage, uint32_t chunk_off, const char* src_col,
+__device__ __forceinline__ void lean_copy_p(uint32_t stage, uint32_t chunk_off,
+                                            uint32_t chunk_off_odd, const char* src_col,
                                             int row_bytes, const int (&row)[Copy::kRows]) {
-  static_assert(Copy::kStep % 8 == 0, "one swizzle phase for all of a thread's rows");
+  static_assert(Copy::kStep % 8 == 0 || Copy::kStep == 4, "one or two swizzle phases");
 #pragma unroll
-  for (int j = 0; j < Copy::kRows; ++j)
-    cp_async_16(stage + chunk_off + j * Copy::kStep * 128, src_col + mul_wide(row[j], row_bytes),
-                true);
+  for (int j = 0; j < Copy::kRows; ++j) {
+    uint32_t off;
+    if constexpr (Copy::kStep % 8 == 0)
+      off = chunk_off + j * Copy::kStep * 128;
+    else
+      off = ((j & 1) ? chunk_off_odd : chunk_off) + (j >> 1) * 1024;
+    cp_async_16(stage + off, src_col + mul_wide(row[j], row_bytes), true);
+  }
 }
 
 // movmatrix: the 8 x 8 bf16 matrix a warp holds in the MMA fragment layout (lane l: row l / 4,
@@ -204,9 +224,10 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t a) {
 //     A warp's store covers 16 rows n of 32 contiguous bytes each: full sectors.
 // M and N are multiples of 64; nothing past them is stored.
 // m_wg: the first of the rows m this warpgroup holds: kAtomsM WGMMA atoms of 64 x kTileN, atom
-// a's rows m_wg + 64 a .. + 64 in its accumulators a kTileN / 2 on (the cooperative schedule: one
-// 64 x 256 atom; ping-pong: two 64 x 192 atoms).
-template <bool kTransposed, int kTileN = kBN, int kAtomsM = 1, class Acc>
+// a's rows m_wg + kAtomStride a .. + 64 in its accumulators a kTileN / 2 on (the cooperative
+// schedule: one 64 x 256 atom; ping-pong: two 64 x 192 atoms, stride 64; the wide tile: two
+// 64 x 128 atoms, stride 128, the two warpgroups' atoms interleaved).
+template <bool kTransposed, int kTileN = kBN, int kAtomsM = 1, int kAtomStride = 64, class Acc>
 __device__ __forceinline__ void varlen_k_store(const VarlenKArgs& p, Acc& acc, int expert,
                                                int m_wg, int n_tile) {
   constexpr int kGroups = kTileN / 8;  // column groups of 8 per atom row
@@ -215,7 +236,7 @@ __device__ __forceinline__ void varlen_k_store(const VarlenKArgs& p, Acc& acc, i
   const int lane = threadIdx.x & 31, q = lane & 3;
 #pragma unroll
   for (int a = 0; a < kAtomsM; ++a) {
-    const int m_atom = m_wg + 64 * a, e0 = a * (kTileN / 2);
+    const int m_atom = m_wg + kAtomStride * a, e0 = a * (kTileN / 2);
     if constexpr (kTransposed) {
       // The warp's 16 rows m start at its warpgroup's row ws_frag_row(0) % 64 - lane / 4.
       const int m = m_atom + (ws_frag_row(0) & 63) - (lane >> 2) + 8 * (q & 1);
@@ -344,18 +365,23 @@ __device__ __forceinline__ void varlen_k_store_tma(const VarlenKArgs& p, Acc& ac
 // other's MMAs with the same MMA work per ring byte as nearly as the cooperative tile
 // (docs/notes/varlen-k-weight-gradients.md: a 64 x 256 tile a warpgroup, half of it, lost);
 // 16-byte stores, single CTAs (Q's 3 boxes do not split over 2).
-template <bool kTransposed, int kCluster, bool kTmaStore = false, bool kPingPong = false>
+// kWide: the cooperative tile 256 x 128 (256 gathered rows, 128 a warpgroup as two atoms), on
+// clusters of 2 sharing Q; P's stage is 256 columns (16 cp.async rows a producer thread).
+template <bool kTransposed, int kCluster, bool kTmaStore = false, bool kPingPong = false,
+          bool kWide = false>
 __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_constant__
                                                                   VarlenKArgs p) {
   static_assert(kCluster == 1 || !kTmaStore, "the TMA-store epilogue is built for one CTA a tile");
   static_assert(!kPingPong || (kCluster == 1 && !kTmaStore),
                 "the ping-pong schedule: single CTAs, 16-byte stores");
+  static_assert(!kWide || (kCluster == 2 && !kTmaStore && !kPingPong),
+                "the wide tile: cooperative, clusters of 2, 16-byte stores");
   pdl_wait();  // before any global memory access (src/cuda/pdl.cuh)
   pdl_launch_dependents();
   using namespace cute;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  using R = VarlenKRing<kCluster, kTmaStore, kPingPong>;
-  using L = VarlenKLayouts<R::kStageCount, kPingPong>;
+  using R = VarlenKRing<kCluster, kTmaStore, kPingPong, kWide>;
+  using L = VarlenKLayouts<R::kStageCount, kPingPong, kWide>;
   constexpr int kTileM = L::kTileM, kTileN = L::kTileN;
   using CopyG = MnCopy<kTileM>;  // P, gathered
   constexpr int kBoxesC = kTileN / kBox;         // TMA boxes of a Q stage
@@ -383,6 +409,8 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
     cutlass::arch::warpgroup_reg_dealloc<kPingPong ? kVkPingPongProducerRegs : kVkProducerRegs>();
     const uint32_t a_base = smem_u32(ring.a), b_base = smem_u32(ring.b);
     const uint32_t g_chunk_off = kfirst_offset(CopyG::chunk() * 8, CopyG::first_row());
+    const uint32_t g_chunk_off_odd =  // the wide tile's second swizzle phase (lean_copy_p)
+        CopyG::kStep % 8 == 0 ? 0u : kfirst_offset(CopyG::chunk() * 8, CopyG::first_row() + 4);
     const int g_row_bytes = p.M * 2;  // < 2^31 (launch_varlen_k_ws)
     RingPosT<R::kStageCount> pos;
     for (int t = first; t < num_tiles; t += stride) {
@@ -454,7 +482,7 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
           if (threadIdx.x == 0) Barrier::arrive(&ring.full[stage]);
         }
         if (g_whole)
-          lean_copy_p<CopyG>(sa, g_chunk_off, g_src, g_row_bytes, grow);
+          lean_copy_p<CopyG>(sa, g_chunk_off, g_chunk_off_odd, g_src, g_row_bytes, grow);
         else
           CopyG::copy(sa, p.p, p.M, g_col0, grow);
         cutlass::arch::cpasync_barrier_arrive_noinc(&ring.full[stage]);
@@ -477,18 +505,18 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
             varlen_k_store<kTransposed, kTileN, 2>(p, acc, expert, m_tile * kTileM, n_tile);
           });
     } else {
-      // This warpgroup's 64 rows of the 128-row tile.
+      // This warpgroup's 64 rows of each 128 rows of the tile.
       const int w = (threadIdx.x - kProducerThreads) >> 7;
-      consumer_loop<L, kVkConsumerRegs>(ring, first, stride, num_tiles, begin,
-                                        [&](int, auto& acc) {
-                                          const int m_wg = m_tile * kBM + 64 * w;
-                                          if constexpr (kTmaStore)
-                                            varlen_k_store_tma<kTransposed>(p, acc, expert, m_wg,
-                                                                            n_tile, staging);
-                                          else
-                                            varlen_k_store<kTransposed>(p, acc, expert, m_wg,
-                                                                        n_tile);
-                                        });
+      consumer_loop<L, kVkConsumerRegs, kTileM>(
+          ring, first, stride, num_tiles, begin, [&](int, auto& acc) {
+            const int m_wg = m_tile * kTileM + 64 * w;
+            if constexpr (kTmaStore)
+              varlen_k_store_tma<kTransposed>(p, acc, expert, m_wg, n_tile, staging);
+            else if constexpr (kWide)
+              varlen_k_store<kTransposed, kTileN, 2, 128>(p, acc, expert, m_wg, n_tile);
+            else
+              varlen_k_store<kTransposed>(p, acc, expert, m_wg, n_tile);
+          });
     }
     // The last stores complete (not only read their staging) before the CTA leaves.
     if constexpr (kTmaStore)
@@ -500,10 +528,11 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
 }
 
 // S: rows of q (the plan's slots); raster_group: the host's band height (dispatch/raster.hpp).
-template <bool kTransposed, int kCluster, bool kTmaStore = false, bool kPingPong = false>
+template <bool kTransposed, int kCluster, bool kTmaStore = false, bool kPingPong = false,
+          bool kWide = false>
 void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, int raster_group, cudaStream_t stream) {
-  constexpr int kTileM = VarlenKLayouts<kStages, kPingPong>::kTileM;
-  constexpr int kTileN = VarlenKLayouts<kStages, kPingPong>::kTileN;
+  constexpr int kTileM = VarlenKLayouts<kStages, kPingPong, kWide>::kTileM;
+  constexpr int kTileN = VarlenKLayouts<kStages, kPingPong, kWide>::kTileN;
   VarlenKArgs q = a;
   q.m_tiles = (a.M + kTileM - 1) / kTileM;
   q.n_tiles = (a.N + kTileN - 1) / kTileN;
@@ -522,8 +551,8 @@ void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, int raster_group, cudaS
   if constexpr (kTmaStore)
     q.out_tma = kTransposed ? make_tma_store_3d(a.out, a.E, a.N, a.M)
                             : make_tma_store_3d(a.out, a.E, a.M, a.N);
-  const size_t smem = varlen_k_smem_bytes<kCluster, kTmaStore, kPingPong>();
-  auto kernel = &varlen_k_ws_kernel<kTransposed, kCluster, kTmaStore, kPingPong>;
+  const size_t smem = varlen_k_smem_bytes<kCluster, kTmaStore, kPingPong, kWide>();
+  auto kernel = &varlen_k_ws_kernel<kTransposed, kCluster, kTmaStore, kPingPong, kWide>;
   MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)));
   if constexpr (kCluster == 1) {

@@ -106,10 +106,11 @@ struct PingPong {
 // refilled when the consumers of every CTA of the cluster have released it: empty[s] counts
 // one arrival per consumer warp of each CTA (release() below, lane c of every warp arriving on
 // CTA c's barrier; without a cluster, lane 0 on its own CTA's).
-template <int kTileNB, int kStagesN, int kStageConsumers, int kCluster = 1>
+// kTileMA: A's rows a stage (kBM; the varlen-K kernel's wide tile takes 256).
+template <int kTileNB, int kStagesN, int kStageConsumers, int kCluster = 1, int kTileMA = kBM>
 struct RingT {
   static constexpr int kStageCount = kStagesN;
-  static constexpr int kStageBytesA = kBM * kBK * 2;
+  static constexpr int kStageBytesA = kTileMA * kBK * 2;
   static constexpr int kStageBytesB = kTileNB * kBK * 2;
   char* a;          // (kStagesN, BM, BK) swizzled
   char* b;          // (kStagesN, kTileNB, BK) swizzled
@@ -226,8 +227,9 @@ __device__ __forceinline__ void mma_mainloop(const R& r, RingPosT<R::kStageCount
 // on this thread's fp32 accumulators (zeros when k_tiles = 0). L gives TiledMma (two warpgroups
 // along M), the stage layouts and kTileN.
 // The CTA's tiles are first, first + stride, ... (blockIdx.x, gridDim.x; a cluster's index and
-// count in a kernel whose clusters share their tiles).
-template <class L, int kRegs, class R, class Begin, class End>
+// count in a kernel whose clusters share their tiles). kTileM: the tile's rows (the varlen-K
+// kernel's wide tile: 256, the TiledMma's 128 repeated along M).
+template <class L, int kRegs, int kTileM = kBM, class R, class Begin, class End>
 __device__ __forceinline__ void consumer_loop(const R& r, int first, int stride, int num_tiles,
                                               Begin begin, End end) {
   using namespace cute;
@@ -238,7 +240,7 @@ __device__ __forceinline__ void consumer_loop(const R& r, int first, int stride,
   auto thr = mma.get_slice(threadIdx.x - kProducerThreads);
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // GMMA descriptors
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
-  auto acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<L::kTileN>>{});
+  auto acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<L::kTileN>>{});
   RingPosT<R::kStageCount> pos;
   for (int t = first; t < num_tiles; t += stride) {
     const int k_tiles = begin(t);
