@@ -1292,7 +1292,7 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   refused("up.tile=128x128", "on ws_varlen_k have a tile choice");
   refused("down.family=ws,down.tile=256x128", "only down_proj and dx_proj on tma_grouped");
   refused("dw2.family=two_cta,dw2.schedule=pingpong", "and ws_varlen_k (dw2_proj, dw1_proj) have schedules");
-  refused("dh.cluster=2", "only dw1_proj on ws_varlen_k and down_proj / dx_proj");
+  refused("dh.cluster=2", "only dw1_proj on ws_varlen_k, dw2_proj on its 256x128 tile");
   refused("dw2.schedule=pingpong,dw2.store_tma=1", "stores 16 bytes a lane");
   refused("dw1.schedule=pingpong,dw1.cluster=2", "runs on single CTAs");
   refused("down.family=two_cta,down.cluster=1", "run on clusters");
