@@ -76,6 +76,7 @@ DH_PINGPONG = "dh-pingpong-layer-ab-2026-12-07-403b23f-h100.jsonl"
 # changes, timed beside it as the run's noise.
 TMA_STAGES = "tma-store-stages-ab-2026-12-07-91d0a74-h100.jsonl"
 TMA_STAGES_SPECS = ("dw2.store_tma=1", "dw2.store_tma=1,dw2.stages=4")
+VK_TILES = "varlen-k-pp192-wide256-gemm-ab-2026-12-07-26fa4c3-h100.jsonl"
 RULES_DOWN = "down.family=ws,down.schedule=cooperative"
 # The rule's thresholds as src/cuda/gemm/dispatch/kernel_config.hpp states them, to split the rows
 # by where each rule applies (python/tests/test_report.py checks the two agree).
@@ -137,6 +138,8 @@ DESCRIBE = {
     TMA_STAGES: "dW2 alone: the rule's kernel against the TMA-store epilogue with three ring "
                 "stages and in two pieces with four (built at 6c05710, removed), dW1 unchanged "
                 "beside it as the noise, three alternated rounds",
+    VK_TILES: "dW2 and dW1 alone: the rule's kernel against 128 x 192 ping-pong and 256 x 128 "
+              "on clusters of 2 (built at 26fa4c3, removed), three rounds in one process",
     DH_PINGPONG: "the layer with dH on the ping-pong schedule against the rule, at few rows an "
                  "expert, two alternated rounds",
     "ncu-backward-2026-12-06-5bd519a-h100.md": "Nsight Compute on every GEMM of the chain at four "
@@ -1215,6 +1218,35 @@ rule, and the variant was removed. Means of three rounds in alternated order.
                           "dW1 beside 3 stages", "dW1 beside 4 stages"], body) + "\n"
 
 
+def vk_tiles_section():
+    rows = jsonl(VK_TILES)
+    ms, configs = sweep_gemm_ms(rows)
+    body, ratios = [], []
+    for c, r in configs:
+        cells = [r.get("model") or "(off the grid)", shape(r), f"{r['S'] / r['E']:.0f}"]
+        for g in ("dW2", "dW1"):
+            base = statistics.median(ms[(c, f"{g}-auto", "")])
+            cells.append(f3(base))
+            for k in ("pp", "w256"):
+                ratios.append(statistics.median(ms[(c, f"{g}-{k}", "")]) / base)
+                cells.append(f3(ratios[-1]))
+        body.append(cells)
+    slower = sum(x > 1 for x in ratios)
+    words = f"""## dW2 and dW1 on SonicMoE's preferred tiles (built, slower, removed)
+
+SonicMoE's own search prefers 128 x 192 ping-pong and 256 x 128 tiles on clusters of 2 over our
+128 x 256 at 512–1024 rows per expert. Both were built into our varlen-K kernel (bits equal to the
+rule's, all GPU tests passing) and predicted 3–10 % faster there. Measured, each row's median over
+three rounds in one process, as a ratio to the rule's kernel in the same rounds: {span(ratios)}×,
+slower at {slower} of {len(ratios)} pairs (docs/notes/varlen-k-weight-gradients.md says why, from
+ncu). Both were removed. {caption(rows, VK_TILES)}
+
+"""
+    return words + table(["model", "T / d / n / E / K", "rows per expert", "dW2 rule ms",
+                          "dW2 pp 128x192", "dW2 256x128 c2", "dW1 rule ms", "dW1 pp 128x192",
+                          "dW1 256x128 c2"], body) + "\n"
+
+
 def fsdp_section():
     rows = jsonl(FSDP)
     by = {r.get("experts", "moeblaze"): r for r in rows}
@@ -1604,6 +1636,7 @@ def render():
              gemms_section(), fp8_section(), training_section(), grid_section(), sonic_grid_section(),
              search_section(),
              rules_section(), tma_store_section(), pingpong_vk_section(), tma_stages_section(),
+             vk_tiles_section(),
              model_step_section(), fsdp_section(), ep_section(),
              plan_section(),
              tests_section(), known_gaps(), files_section()]

@@ -531,17 +531,7 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
           // dW2-ws and dW1-ws
           with_overrides("dw2.family=ws,dw2.store_tma=1", dw2("dW2-ts", GK::warp_specialized)),
           with_overrides("dw1.family=ws,dw1.cluster=1,dw1.store_tma=1",
-                         dw1("dW1-ts", GK::warp_specialized)),
-          // the ping-pong schedule (a 128 x 192 tile a warpgroup, single CTAs), to time against
-          // dW2-ws / dW1-ts
-          with_overrides("dw2.family=ws,dw2.schedule=pingpong",
-                         dw2("dW2-pp", GK::warp_specialized)),
-          with_overrides("dw1.family=ws,dw1.schedule=pingpong",
-                         dw1("dW1-pp", GK::warp_specialized)),
-          // the wide cooperative tile (256 gathered rows x 128, clusters of 2 sharing the
-          // contiguous operand)
-          with_overrides("dw2.family=ws,dw2.tile=256x128", dw2("dW2-w256", GK::warp_specialized)),
-          with_overrides("dw1.family=ws,dw1.tile=256x128", dw1("dW1-w256", GK::warp_specialized))};
+                         dw1("dW1-ts", GK::warp_specialized))};
   // The TMA path's built kernels (kTmaVariants) for down and dX, each forced (family=tma: also
   // where the rule picks another family), after dX-tma.
   struct TmaRow {
@@ -1097,8 +1087,7 @@ void add_bench_gemm_command(CLI::App& bench) {
                   "dH-pp, dW2, dW2-ws, dX, down-tma, dX-tma, down-tma256, down-tmapp, down-tma128, "
                   "down-tma128c1, dX-tma256, dX-tmapp, dX-tma128, dX-tma128c1, down-ws, down-pp, "
                   "dX-ws, dX-pp, "
-                  "dW1, dW1-ws, dW1-mc, dW2-ts, dW1-ts, dW2-pp, dW1-pp, dW2-w256, dW1-w256, up-auto, "
-                  "down-auto, dH-auto, dW2-auto, dX-auto, "
+                  "dW1, dW1-ws, dW1-mc, dW2-ts, dW1-ts, up-auto, down-auto, dH-auto, dW2-auto, dX-auto, "
                   "dW1-auto, down-fp8, down-fp8-c2, down-fp8-pp, dW2-fp8, dW2-fp8-c2, "
                   "dW2-fp8-pp, dW1-fp8, dW1-fp8-c2, dW1-fp8-pp); all of them still run once "
                   "for the correctness check");

@@ -527,41 +527,43 @@ TEST_P(GroupedGemm, WeightGradsVarlenK) {
   upload(dh, dh_in);
   upload(x, in.x);
   DevBuf dw2(size_t(E * d * n) * 2), dw1(size_t(E * R * d) * 2);
-  // The warp-specialised kernel five times, through the kernel overrides: dW1 with 2-CTA
-  // clusters sharing dh (dw1.cluster=2; odd m-tile counts, d = 128 and 320, leave a cluster's
-  // second CTA without a tile), one CTA per tile (dw1.cluster=1), both with the TMA-store
-  // epilogue (store_tma=1), the ping-pong schedule (a 128 x 192 tile a warpgroup: n and
-  // 2n not multiples of 192 leave a partial last n-tile, d = 320 a partial m-tile), and the
-  // wide 256 x 128 tile on clusters of 2 (d = 128, 320, 768: a partial m-tile, or a cluster's
-  // second CTA without one).
+  // The warp-specialised kernel three times: dW1 with 2-CTA clusters sharing dh (dw1.cluster=2;
+  // odd m-tile counts, d = 128 and 320, leave a cluster's second CTA without a tile), one CTA per
+  // tile (dw1.cluster=1), and both with the TMA-store epilogue (store_tma=1), through the kernel
+  // overrides.
   struct Variant {
     gg::GatherKernel kernel;
-    const char* spec;  // "": the two_cta kernel; the first ws spec is the bitwise reference
+    bool clusters;
+    bool store_tma = false;
   };
   std::vector<uint8_t> ws_dw2, ws_dw1;  // the clusters' outputs
   const ClearOverridesOnExit clear_on_exit;
-  for (const Variant v :
-       {Variant{gg::GatherKernel::two_cta, ""},
-        Variant{gg::GatherKernel::warp_specialized, "dw1.cluster=2"},
-        Variant{gg::GatherKernel::warp_specialized, "dw1.cluster=1"},
-        Variant{gg::GatherKernel::warp_specialized, "dw1.cluster=1,dw1.store_tma=1,dw2.store_tma=1"},
-        Variant{gg::GatherKernel::warp_specialized, "dw1.schedule=pingpong,dw2.schedule=pingpong"},
-        Variant{gg::GatherKernel::warp_specialized, "dw1.tile=256x128,dw2.tile=256x128"}}) {
+  for (const Variant v : {Variant{gg::GatherKernel::two_cta, false},
+                          Variant{gg::GatherKernel::warp_specialized, true},
+                          Variant{gg::GatherKernel::warp_specialized, false},
+                          Variant{gg::GatherKernel::warp_specialized, false, true}}) {
     const gg::GatherKernel k = v.kernel;
-    const std::string kname = std::string(gather_kernel_name(k)) + (*v.spec ? "/" : "") + v.spec;
+    const std::string kname = std::string(gather_kernel_name(k)) +
+                              (k == gg::GatherKernel::warp_specialized
+                                   ? (v.clusters    ? "/dw1.cluster=2"
+                                      : v.store_tma ? "/dw1.cluster=1,store_tma=1"
+                                                    : "/dw1.cluster=1")
+                                   : "");
     SCOPED_TRACE(kname);
-    gg::set_kernel_overrides(gg::parse_kernel_overrides(v.spec));
+    gg::set_kernel_overrides(gg::parse_kernel_overrides(
+        v.clusters    ? "dw1.cluster=2"
+        : v.store_tma ? "dw1.cluster=1,dw1.store_tma=1,dw2.store_tma=1"
+                      : "dw1.cluster=1"));
     run_twice({&dw2, &dw1}, [&] {
       gg::dw2_proj(dp.view, cb(dO), cb(as), mb(dw2), d, n, nullptr, k);
       gg::dw1_proj(dp.view, cb(dh), cb(x), mb(dw1), d, n, c.act, nullptr, k);
     });
     const auto g2 = download<bf16>(dw2);
     const auto g1 = download<bf16>(dw1);
-    // Clusters change who loads the operands, the TMA-store epilogue how the tile leaves and
-    // the ping-pong schedule which warpgroup computes it and the WGMMA's width, not the order of
-    // any element's sums: the warp-specialised variants agree bit for bit.
+    // Clusters change who loads the operands, and the TMA-store epilogue how the tile leaves,
+    // not the order of any element's sums: the warp-specialised variants agree bit for bit.
     if (k == gg::GatherKernel::warp_specialized) {
-      if (ws_dw2.empty()) {
+      if (v.clusters) {
         ws_dw2 = download<uint8_t>(dw2);
         ws_dw1 = download<uint8_t>(dw1);
       } else {
@@ -925,64 +927,11 @@ TEST(GroupedGemmChecks, CandidatesHoldTheAutomaticChoiceOnce) {
                            (g == gg::LayerKernels::kUp || g == gg::LayerKernels::kDh);
       if (oai_own) EXPECT_EQ(c.size(), 1u);
     }
-  // Both schedules and every built TMA tile for dX at sm-default; dW1 cooperative on 1 and 2
-  // CTAs, on 1 with the TMA-store epilogue, ping-pong, and on two_cta; dW2 the same but
-  // cooperative clusters.
+  // Both schedules and every built TMA tile for dX at sm-default; dW1 on 1 and 2 CTAs, on 1 with
+  // the TMA-store epilogue, and on two_cta.
   EXPECT_EQ(gg::kernel_candidates(gg::LayerKernels::kDx, shapes[0]).size(),
             size_t(gg::kTmaVariantCount) + 3);
-  EXPECT_EQ(gg::kernel_candidates(gg::LayerKernels::kDw1, shapes[0]).size(), 6u);
-  EXPECT_EQ(gg::kernel_candidates(gg::LayerKernels::kDw2, shapes[0]).size(), 5u);
-  // The ping-pong schedule of ws_varlen_k: a 128 x 192 tile a warpgroup, 5 stages, 16-byte
-  // stores, single CTAs (dW1's clusters at 8192 rows an expert, shapes[6], are dropped); no
-  // TMA store and no cluster for it, and a cooperative override brings back the 128 x 256 tile.
-  for (const auto& [shape, gemm] : {std::pair{shapes[0], std::string("dw2")},
-                                    std::pair{shapes[6], std::string("dw1")}}) {
-    SCOPED_TRACE(gemm);
-    const gg::LayerKernels lk =
-        gg::choose_kernels(shape, gg::parse_kernel_overrides(gemm + ".schedule=pingpong"));
-    const gg::GemmKernel pp = gemm == "dw2" ? lk.dw2 : lk.dw1;
-    EXPECT_EQ(pp.family, KernelFamily::ws_varlen_k);
-    EXPECT_EQ(pp.schedule, gg::KernelSchedule::ping_pong);
-    EXPECT_EQ(pp.tile_m, gg::kWsVarlenKPingPongTileM);
-    EXPECT_EQ(pp.tile_n, gg::kWsVarlenKPingPongTileN);
-    EXPECT_EQ(pp.stages, gg::kWsVarlenKPingPongStages);
-    EXPECT_EQ(pp.cluster, 1);
-    EXPECT_FALSE(pp.store_by_tma);
-    EXPECT_NE(gg::describe(pp).find("ping_pong 128x192x64 stages=5 cluster=1"), std::string::npos)
-        << gg::describe(pp);
-  }
-  for (const char* bad : {"dw2.schedule=pingpong,dw2.store_tma=1",
-                          "dw1.schedule=pingpong,dw1.cluster=2", "dw2.tile=256x128,dw2.cluster=1",
-                          "dw2.tile=256x128,dw2.store_tma=1", "dw1.tile=192x128",
-                          "dw2.tile=256x128,dw2.schedule=pingpong"}) {
-    SCOPED_TRACE(bad);
-    EXPECT_THROW(gg::choose_kernels(shapes[0], gg::parse_kernel_overrides(bad)), Unsupported);
-  }
-  // The wide cooperative tile: 256 x 128 on clusters of 2, 4 stages, 16-byte stores; 128x256
-  // brings back the rule's tile.
-  for (const char* gemm : {"dw2", "dw1"}) {
-    SCOPED_TRACE(gemm);
-    const gg::LayerKernels lk = gg::choose_kernels(
-        shapes[0], gg::parse_kernel_overrides(std::string(gemm) + ".tile=256x128"));
-    const gg::GemmKernel w = std::string(gemm) == "dw2" ? lk.dw2 : lk.dw1;
-    EXPECT_EQ(w.family, KernelFamily::ws_varlen_k);
-    EXPECT_EQ(w.schedule, gg::KernelSchedule::cooperative);
-    EXPECT_EQ(w.tile_m, gg::kWsVarlenKWideTileM);
-    EXPECT_EQ(w.tile_n, gg::kWsVarlenKWideTileN);
-    EXPECT_EQ(w.cluster, 2);
-    EXPECT_EQ(w.stages, gg::kWsVarlenKStages);
-    EXPECT_FALSE(w.store_by_tma);
-    EXPECT_NE(gg::describe(w).find("cooperative 256x128x64 stages=4 cluster=2"), std::string::npos)
-        << gg::describe(w);
-  }
-  EXPECT_EQ(gg::choose_kernels(shapes[0], gg::parse_kernel_overrides("dw2.tile=128x256")).dw2.tile_n,
-            256);
-  EXPECT_THROW(gg::choose_kernels(shapes[0], gg::parse_kernel_overrides("dw2.cluster=2")),
-               Unsupported);  // cooperative dW2 has no cluster variant
-  const gg::GemmKernel back = gg::choose_kernels(shapes[0], gg::parse_kernel_overrides(
-                                                                "dw2.schedule=cooperative")).dw2;
-  EXPECT_EQ(back.tile_m, 128);
-  EXPECT_EQ(back, gg::choose_kernels(shapes[0], gg::KernelOverrides{}).dw2);
+  EXPECT_EQ(gg::kernel_candidates(gg::LayerKernels::kDw1, shapes[0]).size(), 4u);
   // The TMA-store epilogue: dW1 and dW2 on ws_varlen_k, one CTA a tile (shapes[6] puts dW1 on
   // clusters), 3 ring stages, and named in describe().
   const gg::GemmKernel ts = gg::choose_kernels(shapes[6], gg::parse_kernel_overrides(
@@ -1289,12 +1238,10 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   refused("dx.tile=192x128,dx.cluster=1", "no built kernel has tile 192x128 cluster 1");
   refused("down.tile=256x256", "(built: 128x256 cooperative cluster 2,");
   refused("dx.tile=12", "the tile must be MxN");
-  refused("up.tile=128x128", "on ws_varlen_k have a tile choice");
+  refused("up.tile=128x128", "only down_proj and dx_proj on tma_grouped have a tile choice");
   refused("down.family=ws,down.tile=256x128", "only down_proj and dx_proj on tma_grouped");
-  refused("dw2.family=two_cta,dw2.schedule=pingpong", "and ws_varlen_k (dw2_proj, dw1_proj) have schedules");
-  refused("dh.cluster=2", "only dw1_proj on ws_varlen_k, dw2_proj on its 256x128 tile");
-  refused("dw2.schedule=pingpong,dw2.store_tma=1", "stores 16 bytes a lane");
-  refused("dw1.schedule=pingpong,dw1.cluster=2", "runs on single CTAs");
+  refused("dw2.schedule=pingpong", "only the ws_gather family");
+  refused("dh.cluster=2", "only dw1_proj on ws_varlen_k and down_proj / dx_proj on tma_grouped");
   refused("down.family=two_cta,down.cluster=1", "run on clusters");
   EXPECT_EQ(gg::choose_kernels(sm, gg::parse_kernel_overrides("dx.cluster=1")).dx.cluster, 1);
   refused("dw1.cluster=3", "[1, 2]");

@@ -50,23 +50,6 @@ void set_store_by_tma(GemmKernel& k, bool by_tma) {
   k.store_by_tma = by_tma;
   k.stages = by_tma ? kWsVarlenKTmaStoreStages : kWsVarlenKStages;
 }
-// ws_varlen_k's schedule: ping-pong (a 128 x 192 tile a warpgroup, 16-byte stores, single CTAs;
-// docs/notes/varlen-k-weight-gradients.md, "Open") or cooperative (128 x 256, TMA store on
-// single CTAs only).
-void set_varlen_k_schedule(GemmKernel& k, KernelSchedule s) {
-  k.schedule = s;
-  if (s == KernelSchedule::ping_pong) {
-    k.tile_m = kWsVarlenKPingPongTileM;
-    k.tile_n = kWsVarlenKPingPongTileN;
-    k.store_by_tma = false;
-    k.cluster = 1;
-    k.stages = kWsVarlenKPingPongStages;
-  } else {
-    k.tile_m = 128;
-    k.tile_n = 256;
-    set_store_by_tma(k, k.store_by_tma && k.cluster == 1);
-  }
-}
 // kTmaVariants[v] (0: 128x256 cooperative on clusters of 2, the overrides' starting point).
 GemmKernel tma_grouped(const char* rule, int v = 0) {
   GemmKernel k;
@@ -254,57 +237,21 @@ void apply(int g, const GemmOverride& o, const KernelShape& s, GemmKernel& k) {
     apply_tma(name, o, k);
     return;
   }
-  const bool on_varlen_k = varlen_k && k.family == KernelFamily::ws_varlen_k;
-  if (o.tile_m && on_varlen_k) {
-    // ws_varlen_k's cooperative tiles: 128x256 (one CTA, or a cluster of 2 for dW1) and the wide
-    // 256x128 on clusters of 2 (docs/notes/varlen-k-weight-gradients.md, "Open")
-    const bool wide = *o.tile_m == kWsVarlenKWideTileM && *o.tile_n == kWsVarlenKWideTileN;
-    MOEBLAZE_UNSUPPORTED_IF(!wide && !(*o.tile_m == 128 && *o.tile_n == 256), "kernel override ",
-                            name, ".tile=", *o.tile_m, "x", *o.tile_n, ": ws_varlen_k is built "
-                            "for 128x256 and 256x128 (clusters of 2)");
-    MOEBLAZE_UNSUPPORTED_IF(o.schedule == KernelSchedule::ping_pong, "kernel override ", name,
-                            ".tile with .schedule=pingpong: the ping-pong kernel's tile is 128x",
-                            kWsVarlenKPingPongTileN);
-    set_varlen_k_schedule(k, KernelSchedule::cooperative);
-    if (wide) {
-      k.tile_m = kWsVarlenKWideTileM;
-      k.tile_n = kWsVarlenKWideTileN;
-      k.cluster = 2;
-      set_store_by_tma(k, false);
-    }
-    k.rule = "override";
-  }
-  MOEBLAZE_UNSUPPORTED_IF(o.tile_m.has_value() && !on_varlen_k, "kernel override ", name,
-                          ".tile: only down_proj and dx_proj on tma_grouped and dw2_proj and "
-                          "dw1_proj on ws_varlen_k have a tile choice; ", name, " runs ",
-                          family_name(k.family));
+  MOEBLAZE_UNSUPPORTED_IF(o.tile_m.has_value(), "kernel override ", name,
+                          ".tile: only down_proj and dx_proj on tma_grouped have a tile choice; ",
+                          name, " runs ", family_name(k.family));
   if (o.schedule) {
-    MOEBLAZE_UNSUPPORTED_IF(k.family != KernelFamily::ws_gather && !on_varlen_k,
-                            "kernel override ", name, ".schedule: only the ws_gather family "
-                            "(up_proj, dh_proj; down_proj and dx_proj with <gemm>.family=ws or "
-                            "tma) and ws_varlen_k (dw2_proj, dw1_proj) have schedules; ", name,
+    MOEBLAZE_UNSUPPORTED_IF(k.family != KernelFamily::ws_gather, "kernel override ", name,
+                            ".schedule: only the ws_gather family (up_proj, dh_proj; down_proj "
+                            "and dx_proj with <gemm>.family=ws or tma) has schedules; ", name,
                             " runs ", family_name(k.family));
-    if (on_varlen_k) {
-      if (!o.tile_m) set_varlen_k_schedule(k, *o.schedule);  // with a tile: set above
-      k.rule = "override";
-    } else {
-      k = ws_gather(*o.schedule, "override");
-    }
+    k = ws_gather(*o.schedule, "override");
   }
   if (o.cluster) {
-    const bool pp = on_varlen_k && k.schedule == KernelSchedule::ping_pong;
-    const bool wide = on_varlen_k && k.tile_m == kWsVarlenKWideTileM;
-    const bool dw1_ws = g == kDw1 && on_varlen_k;
-    MOEBLAZE_UNSUPPORTED_IF(!dw1_ws && !pp && !wide && k.family != KernelFamily::tma_grouped,
-                            "kernel override ", name, ".cluster: only dw1_proj on ws_varlen_k, "
-                            "dw2_proj on its 256x128 tile and down_proj / dx_proj on "
-                            "tma_grouped run on clusters");
-    // the 192-wide Q stage is 3 TMA boxes: no even share for 2 CTAs
-    MOEBLAZE_UNSUPPORTED_IF(pp && *o.cluster != 1, "kernel override ", name, ".cluster=",
-                            *o.cluster, ": the ping-pong varlen-K kernel runs on single CTAs");
-    MOEBLAZE_UNSUPPORTED_IF(on_varlen_k && k.tile_m == kWsVarlenKWideTileM && *o.cluster != 2,
-                            "kernel override ", name, ".cluster=", *o.cluster, ": the 256x128 "
-                            "varlen-K tile is built for clusters of 2");
+    const bool dw1_ws = g == kDw1 && k.family == KernelFamily::ws_varlen_k;
+    MOEBLAZE_UNSUPPORTED_IF(!dw1_ws && k.family != KernelFamily::tma_grouped, "kernel override ",
+                            name, ".cluster: only dw1_proj on ws_varlen_k and down_proj / "
+                            "dx_proj on tma_grouped run on clusters");
     k.cluster = *o.cluster;
     if (k.cluster != 1 && k.store_by_tma)  // the TMA-store epilogue is one CTA a tile's
       set_store_by_tma(k, false);
@@ -320,14 +267,10 @@ void apply(int g, const GemmOverride& o, const KernelShape& s, GemmKernel& k) {
     MOEBLAZE_UNSUPPORTED_IF(!varlen_k || k.family != KernelFamily::ws_varlen_k, "kernel override ",
                             name, ".store_tma: only dw2_proj and dw1_proj on ws_varlen_k have it; ",
                             name, " runs ", family_name(k.family));
-    const bool pp = k.schedule == KernelSchedule::ping_pong;
-    MOEBLAZE_UNSUPPORTED_IF(pp && *o.store_tma, "kernel override ", name,
-                            ".store_tma=1: the ping-pong varlen-K kernel stores 16 bytes a lane "
-                            "(its epilogue runs under the other warpgroup's MMAs)");
     MOEBLAZE_UNSUPPORTED_IF(*o.store_tma && k.cluster != 1, "kernel override ", name,
                             ".store_tma=1: the TMA-store epilogue is built for one CTA a tile (",
                             name, " runs on clusters of ", k.cluster, ")");
-    if (!pp) set_store_by_tma(k, *o.store_tma);
+    set_store_by_tma(k, *o.store_tma);
     k.rule = "override";
   }
 }
@@ -648,14 +591,12 @@ std::vector<KernelCandidate> kernel_candidates(int gemm, const KernelShape& shap
       specs = {ws("cooperative"), ws("pingpong"), g + ".family=two_cta"};
       break;
     case kDw2:
-      specs = {g + ".family=ws", g + ".family=ws," + g + ".store_tma=1",
-               ws("pingpong"), g + ".family=ws," + g + ".tile=256x128", g + ".family=two_cta"};
+      specs = {g + ".family=ws", g + ".family=ws," + g + ".store_tma=1", g + ".family=two_cta"};
       break;
     case kDw1:
       specs = {g + ".family=ws," + g + ".cluster=1", g + ".family=ws," + g + ".cluster=2",
                g + ".family=ws," + g + ".cluster=1," + g + ".store_tma=1",
-               g + ".family=ws," + g + ".cluster=1," + g + ".schedule=pingpong",
-               g + ".family=ws," + g + ".tile=256x128", g + ".family=two_cta"};
+               g + ".family=two_cta"};
       break;
     default: {  // down, dx: the TMA path's built tiles, the ws kernel's schedules, two_cta
       // Where the rule already picks the TMA path, a tile override keeps its bands.

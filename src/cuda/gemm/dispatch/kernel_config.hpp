@@ -34,13 +34,6 @@ constexpr int kWsCooperativeStages = 4;
 constexpr int kWsPingPongStages = 6;
 constexpr int kWsVarlenKStages = 4;
 constexpr int kWsVarlenKTmaStoreStages = 3;  // with the epilogue's 64 KiB staging tile
-constexpr int kWsVarlenKPingPongStages = 5;    // 40 KiB each (P 128 + Q 192 columns)
-constexpr int kWsVarlenKPingPongTileM = 128;  // a warpgroup's own 128 x 192 tile
-constexpr int kWsVarlenKPingPongTileN = 192;
-// The wide cooperative varlen-K tile: 256 gathered rows (two warpgroups of 128) x 128 contiguous
-// columns, on clusters of 2 sharing the contiguous operand (dw2.tile=256x128 / dw1.tile=256x128).
-constexpr int kWsVarlenKWideTileM = 256;
-constexpr int kWsVarlenKWideTileN = 128;
 constexpr int64_t kWsMaxExperts = 4096;  // the gather kernel's per-CTA expert table
 constexpr int kDefaultRasterGroup = 16;   // CTA rasterization band (raster_tile)
 
@@ -120,8 +113,7 @@ struct GemmKernel {
   bool tma_along_n = true;     // tma_grouped: tile order walks N first ...
   int tma_swizzle = 2;         // ... with this swizzle; across experts, the CTAs in
   int tma_bands = 1;           // this many bands (tma_bands_rule)
-  bool store_by_tma = false;   // ws_varlen_k cooperative: the epilogue leaves by TMA store,
-                               // 3 ring stages (the ping-pong schedule stores 16 bytes a lane)
+  bool store_by_tma = false;   // ws_varlen_k: the epilogue leaves by TMA store, 3 ring stages
   const char* rule = "";       // why this kernel (printed; not part of the value)
 
   bool operator==(const GemmKernel& o) const {

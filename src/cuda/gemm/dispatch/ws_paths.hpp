@@ -87,18 +87,6 @@ void dw1_proj_ws_ts(const RoutingPlanView& plan, const bf16* dh, const bf16* x, 
                     int64_t d, int64_t w1_rows, cudaStream_t stream);
 void dw1_proj_ws_cluster(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
                          int64_t d, int64_t w1_rows, cudaStream_t stream);
-// The ping-pong schedule (the chosen GemmKernel's schedule = ping_pong: a 128 x 192 tile a
-// warpgroup, single CTAs); their own files.
-void dw2_proj_ws_pp(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled,
-                    bf16* dw2, int64_t d, int64_t n, cudaStream_t stream);
-void dw1_proj_ws_pp(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
-                    int64_t d, int64_t w1_rows, cudaStream_t stream);
-// The wide cooperative tile (the chosen GemmKernel's tile 256x128: 256 gathered rows, clusters
-// of 2 sharing the contiguous operand); their own files.
-void dw2_proj_ws_wide(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scaled,
-                      bf16* dw2, int64_t d, int64_t n, cudaStream_t stream);
-void dw1_proj_ws_wide(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* dw1,
-                      int64_t d, int64_t w1_rows, cudaStream_t stream);
 
 
 }  // namespace moeblaze::cuda::gemm::detail

@@ -102,14 +102,8 @@ void dw2_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* a_scal
   if (kernel == GatherKernel::ping_pong || kernel == GatherKernel::warp_specialized ||
       (kernel == GatherKernel::automatic && chosen.family == KernelFamily::ws_varlen_k)) {
     MOEBLAZE_UNSUPPORTED_IF(kernel == GatherKernel::ping_pong, fn,
-                            ": GatherKernel::ping_pong is implemented for up_proj and dh_proj only (the "
-                            "varlen-K ping-pong kernel: the <gemm>.schedule=pingpong override)");
-    if (chosen.family == KernelFamily::ws_varlen_k && chosen.schedule == KernelSchedule::ping_pong)
-      detail::dw2_proj_ws_pp(plan, d_out, a_scaled, dw2, d, n, stream);
-    else if (chosen.family == KernelFamily::ws_varlen_k && chosen.tile_m == kWsVarlenKWideTileM)
-      detail::dw2_proj_ws_wide(plan, d_out, a_scaled, dw2, d, n, stream);
-    else
-      detail::dw2_proj_ws(plan, d_out, a_scaled, dw2, d, n, chosen.store_by_tma, stream);
+                            ": GatherKernel::ping_pong is implemented for up_proj and dh_proj only");
+    detail::dw2_proj_ws(plan, d_out, a_scaled, dw2, d, n, chosen.store_by_tma, stream);
     return;
   }
   sm90::VarlenKArgs a{};
@@ -140,16 +134,10 @@ void dw1_proj(const RoutingPlanView& plan, const bf16* dh, const bf16* x, bf16* 
   if (kernel == GatherKernel::ping_pong || kernel == GatherKernel::warp_specialized ||
       (kernel == GatherKernel::automatic && chosen.family == KernelFamily::ws_varlen_k)) {
     MOEBLAZE_UNSUPPORTED_IF(kernel == GatherKernel::ping_pong, fn,
-                            ": GatherKernel::ping_pong is implemented for up_proj and dh_proj only (the "
-                            "varlen-K ping-pong kernel: the <gemm>.schedule=pingpong override)");
+                            ": GatherKernel::ping_pong is implemented for up_proj and dh_proj only");
     // An explicit warp_specialized keeps the chosen cluster count (1 where the choice was two_cta).
     const int cluster = chosen.family == KernelFamily::ws_varlen_k ? chosen.cluster : 1;
-    if (chosen.family == KernelFamily::ws_varlen_k && chosen.schedule == KernelSchedule::ping_pong)
-      detail::dw1_proj_ws_pp(plan, dh, x, dw1, d, w1_rows, stream);
-    else if (chosen.family == KernelFamily::ws_varlen_k && chosen.tile_m == kWsVarlenKWideTileM)
-      detail::dw1_proj_ws_wide(plan, dh, x, dw1, d, w1_rows, stream);
-    else
-      detail::dw1_proj_ws(plan, dh, x, dw1, d, w1_rows, cluster, chosen.store_by_tma, stream);
+    detail::dw1_proj_ws(plan, dh, x, dw1, d, w1_rows, cluster, chosen.store_by_tma, stream);
     return;
   }
   sm90::VarlenKArgs a{};

@@ -24,15 +24,10 @@
 // within an expert; an expert with no slot gets zeros. The epilogue stores 16 bytes per lane
 // (varlen_k_store), or, with kTmaStore, leaves through shared memory by TMA store
 // (varlen_k_store_tma). A 2-CTA cluster variant (kCluster = 2, dW1 where experts have many rows)
-// shares Q's stages between two m-tiles by TMA multicast. The ping-pong schedule (kPingPong)
-// gives each consumer warpgroup whole 128 x 192 tiles of its own (two 64 x 192 WGMMA atoms along
-// M), so that one's epilogue and tile switch run under the other's MMAs; Q's stage is then 192
-// columns wide (3 TMA boxes) and the ring 5 stages deep.
+// shares Q's stages between two m-tiles by TMA multicast.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
-
-#include <type_traits>
 
 #include "cuda/cuda_backend.hpp"
 #include "cuda/gemm/epilogues/quad_transpose.cuh"
@@ -50,7 +45,7 @@ struct VarlenKArgs {
   const int32_t* gather;    // (S,) slot -> row of p
   const int32_t* offsets;   // (E+1,)
   int E, M, N;
-  int m_tiles, n_tiles;     // ceil(M / 128), ceil(N / tile columns): 256 (192 ping-pong)
+  int m_tiles, n_tiles;     // ceil(M / kBM), ceil(N / kBN)
   int raster_group;         // band height of raster_tile within an expert
   __nv_bfloat16* out;       // (E, M, N), or (E, N, M) for the kernel's kTransposed
   CUtensorMap tma;          // q as a 2D (S, N) tensor, 64 x 64 boxes
@@ -77,70 +72,38 @@ __device__ __forceinline__ uint32_t kfirst_offset(int mn, int k) {
   return (mn >> 6) * 8192 + k * 128 + ((((mn & 63) >> 3) ^ (k & 7)) << 4) + (mn & 7) * 2;
 }
 
-// The ping-pong schedule's tile, a warpgroup's own: 192 columns (a divisor of n = 2880, 1536,
-// 768, where 256 pads; SonicMoE's search prefers it at few rows an expert:
-// docs/notes/varlen-k-weight-gradients.md, "Open").
-constexpr int kVkPingPongTileM = 128;
-constexpr int kVkPingPongTileN = 192;
-// The wide cooperative tile (kWide): 256 gathered rows, a warpgroup's 128 of them as two 64 x 128
-// atoms, x 128 contiguous columns, on clusters of 2 sharing Q (SonicMoE's search prefers it for
-// dW2 at few rows an expert: docs/notes/varlen-k-weight-gradients.md, "Open").
-constexpr int kVkWideTileM = 256;
-constexpr int kVkWideTileN = 128;
-// kPingPong: each consumer warpgroup alone on a 128 x 192 tile (two 64 x 192 WGMMA atoms along
-// M, partition_fragment_C's repetition), not both on a 128 x 256 one (a 64 x 256 atom each).
-// kWide: two warpgroups along M, the 128-row TiledMma repeated over 256 rows (warpgroup w holds
-// rows 64 w + 128 a of atom a).
-template <int kStagesN = kStages, bool kPingPong = false, bool kWide = false>
+template <int kStagesN = kStages>
 struct VarlenKLayouts {
-  static constexpr int kTileM = kWide ? kVkWideTileM : kBM;
-  static constexpr int kTileN = kPingPong ? kVkPingPongTileN : kWide ? kVkWideTileN : kBN;
-  using Atom = std::conditional_t<
-      kPingPong, ct::SM90_64x192x16_F32BF16BF16_SS<GMajor::MN, GMajor::MN>,
-      std::conditional_t<kWide, ct::SM90_64x128x16_F32BF16BF16_SS<GMajor::MN, GMajor::MN>,
-                         ct::SM90_64x256x16_F32BF16BF16_SS<GMajor::MN, GMajor::MN>>>;
+  static constexpr int kTileN = kBN;
   using TiledMma = decltype(ct::make_tiled_mma(
-      Atom{}, ct::Layout<ct::Shape<ct::Int<kPingPong ? 1 : 2>, ct::_1, ct::_1>>{}));
+      ct::SM90_64x256x16_F32BF16BF16_SS<GMajor::MN, GMajor::MN>{},
+      ct::Layout<ct::Shape<ct::_2, ct::_1, ct::_1>>{}));
   using Order = ct::Step<ct::_2, ct::_1, ct::_3>;
   using SmemLayoutA = decltype(ct::tile_to_shape(
       ct::GMMA::Layout_MN_SW128_Atom<Elem>{},
-      ct::Shape<ct::Int<kTileM>, ct::Int<kBK>, ct::Int<kStagesN>>{}, Order{}));  // (BM, BK, stages)
+      ct::Shape<ct::Int<kBM>, ct::Int<kBK>, ct::Int<kStagesN>>{}, Order{}));  // (BM, BK, stages)
   using SmemLayoutB = decltype(ct::tile_to_shape(
       ct::GMMA::Layout_MN_SW128_Atom<Elem>{},
-      ct::Shape<ct::Int<kTileN>, ct::Int<kBK>, ct::Int<kStagesN>>{}, Order{}));  // (BN, BK, stages)
+      ct::Shape<ct::Int<kBN>, ct::Int<kBK>, ct::Int<kStagesN>>{}, Order{}));  // (BN, BK, stages)
 };
 
 // The varlen-K kernel's ring: the cooperative one, its stages shared by kCluster CTAs. With
 // kTmaStore the epilogue's 64 KiB staging tile takes one stage's place (3 x 48 + 64 KiB).
-// Ping-pong: stages of 128 rows of P (16 KiB) and 192 of Q (24 KiB), each read by one
-// warpgroup; 5 of them (200 KiB), no staging tile (its epilogue is under the other's MMAs).
 constexpr int kVkTmaStoreStages = 3;
-constexpr int kVkPingPongStages = 5;
 constexpr size_t kVkStagingBytes = size_t(kBM) * kBN * 2;  // (2 warpgroups, 4 boxes, 64, 64) bf16
-// Wide: stages of 256 rows of P (32 KiB) and 128 of Q (16 KiB), 4 of them.
-template <int kCluster, bool kTmaStore = false, bool kPingPong = false, bool kWide = false>
+template <int kCluster, bool kTmaStore = false>
 using VarlenKRing =
-    RingT<VarlenKLayouts<kStages, kPingPong, kWide>::kTileN,
-          kPingPong ? kVkPingPongStages : kTmaStore ? kVkTmaStoreStages : kStages,
-          kPingPong ? kConsumerThreads / 2 : kConsumerThreads, kCluster,
-          VarlenKLayouts<kStages, kPingPong, kWide>::kTileM>;
-template <int kCluster, bool kTmaStore, bool kPingPong = false, bool kWide = false>
+    RingT<kBN, kTmaStore ? kVkTmaStoreStages : kStages, kConsumerThreads, kCluster>;
+template <int kCluster, bool kTmaStore>
 constexpr size_t varlen_k_smem_bytes() {
-  return VarlenKRing<kCluster, kTmaStore, kPingPong, kWide>::kBytes +
-         (kTmaStore ? 1024 + kVkStagingBytes : 0);
+  return VarlenKRing<kCluster, kTmaStore>::kBytes + (kTmaStore ? 1024 + kVkStagingBytes : 0);
 }
 static_assert(varlen_k_smem_bytes<1, true>() <= 227 * 1024, "staging tile + 3 stages fit");
-static_assert(varlen_k_smem_bytes<1, false, true>() <= 227 * 1024, "5 ping-pong stages fit");
-static_assert(varlen_k_smem_bytes<2, false, false, true>() <= 227 * 1024, "4 wide stages fit");
 
 // Registers after setmaxnreg: 128 x 88 + 256 x 208 = 64512. The producer holds 8 row ids
 // of the next stage besides the current ones.
 constexpr int kVkProducerRegs = 88;
 constexpr int kVkConsumerRegs = 208;
-// Ping-pong: a warpgroup's 128 x 192 tile is 192 fp32 accumulators a thread, so 128 x 40 +
-// 256 x 232 = 64512 (ptxas of CUDA 13.0 spills 4 bytes there, 12 at 56 / 224).
-constexpr int kVkPingPongProducerRegs = 40;
-constexpr int kVkPingPongConsumerRegs = 232;
 
 // Copies one stage's share of an MN-major operand of kCols columns (128 or 256) by cp.async:
 // thread t copies chunk t % (kCols / 8) of k-rows t / (kCols / 8) + j * (1024 / kCols) ... i.e.
@@ -162,44 +125,17 @@ struct MnCopy {
   }
 };
 
-// An expert's partial last K step of a kCols-wide MN-major operand where kCols / 8 chunks do not
-// divide the producer's threads (192: the ping-pong schedule's Q): thread t copies chunks t,
-// t + 128, ... of the stage's 64 k-rows x kCols / 8, zero-filling rows at or past k_end and
-// columns at or past n_cols.
-template <int kCols>
-__device__ __forceinline__ void copy_mn_partial(uint32_t stage, const __nv_bfloat16* src,
-                                                int64_t ld, int col0, int n_cols, int k0,
-                                                int k_end) {
-  constexpr int kChunks = kCols / 8;
-#pragma unroll 4
-  for (int c = threadIdx.x; c < kChunks * kBK; c += kProducerThreads) {
-    const int r = c / kChunks, ch = c - r * kChunks;
-    const int k = k0 + r, col = col0 + ch * 8;
-    const bool ok = k < k_end && col < n_cols;
-    cp_async_16(stage + kfirst_offset(ch * 8, r), ok ? src + int64_t(k) * ld + col : src, ok);
-  }
-}
-
 // A whole stage of P (every row of it valid): thread t's row j, at k-row first_row() + kStep j,
 // lands at chunk_off + j * kStep * 128 (kStep = 8: the swizzle, k % 8, is the same for every j)
-// and comes from src_col + row[j] * row_bytes, src_col the thread's 16-byte column chunk. With
-// kStep = 4 (256 columns, the wide tile) the even and odd j alternate between two swizzle phases:
-// row j lands at (j odd ? chunk_off_odd : chunk_off) + (j / 2) * 1024, chunk_off_odd being the
-// offset of k-row first_row() + 4.
+// and comes from src_col + row[j] * row_bytes, src_col the thread's 16-byte column chunk.
 template <class Copy>
-__device__ __forceinline__ void lean_copy_p(uint32_t stage, uint32_t chunk_off,
-                                            uint32_t chunk_off_odd, const char* src_col,
+__device__ __forceinline__ void lean_copy_p(uint32_t stage, uint32_t chunk_off, const char* src_col,
                                             int row_bytes, const int (&row)[Copy::kRows]) {
-  static_assert(Copy::kStep % 8 == 0 || Copy::kStep == 4, "one or two swizzle phases");
+  static_assert(Copy::kStep % 8 == 0, "one swizzle phase for all of a thread's rows");
 #pragma unroll
-  for (int j = 0; j < Copy::kRows; ++j) {
-    uint32_t off;
-    if constexpr (Copy::kStep % 8 == 0)
-      off = chunk_off + j * Copy::kStep * 128;
-    else
-      off = ((j & 1) ? chunk_off_odd : chunk_off) + (j >> 1) * 1024;
-    cp_async_16(stage + off, src_col + mul_wide(row[j], row_bytes), true);
-  }
+  for (int j = 0; j < Copy::kRows; ++j)
+    cp_async_16(stage + chunk_off + j * Copy::kStep * 128, src_col + mul_wide(row[j], row_bytes),
+                true);
 }
 
 // movmatrix: the 8 x 8 bf16 matrix a warp holds in the MMA fragment layout (lane l: row l / 4,
@@ -223,55 +159,44 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t a) {
 //     16 contiguous bytes: out row n0 + 8 (i0 + q / 2) + r8, m = the warp's 16 rows' half q % 2.
 //     A warp's store covers 16 rows n of 32 contiguous bytes each: full sectors.
 // M and N are multiples of 64; nothing past them is stored.
-// m_wg: the first of the rows m this warpgroup holds: kAtomsM WGMMA atoms of 64 x kTileN, atom
-// a's rows m_wg + kAtomStride a .. + 64 in its accumulators a kTileN / 2 on (the cooperative
-// schedule: one 64 x 256 atom; ping-pong: two 64 x 192 atoms, stride 64; the wide tile: two
-// 64 x 128 atoms, stride 128, the two warpgroups' atoms interleaved).
-template <bool kTransposed, int kTileN = kBN, int kAtomsM = 1, int kAtomStride = 64, class Acc>
+template <bool kTransposed, class Acc>
 __device__ __forceinline__ void varlen_k_store(const VarlenKArgs& p, Acc& acc, int expert,
-                                               int m_wg, int n_tile) {
-  constexpr int kGroups = kTileN / 8;  // column groups of 8 per atom row
+                                               int m_tile, int n_tile) {
   __nv_bfloat16* out = p.out + int64_t(expert) * p.M * p.N;
-  const int n0 = n_tile * kTileN;
+  const int m0 = m_tile * kBM, n0 = n_tile * kBN;
   const int lane = threadIdx.x & 31, q = lane & 3;
+  if constexpr (kTransposed) {
+    // The warp's 16 rows m start at ws_frag_row(0) - lane / 4.
+    const int m = m0 + ws_frag_row(0) - (lane >> 2) + 8 * (q & 1);
+    const bool m_ok = m < p.M;
 #pragma unroll
-  for (int a = 0; a < kAtomsM; ++a) {
-    const int m_atom = m_wg + kAtomStride * a, e0 = a * (kTileN / 2);
-    if constexpr (kTransposed) {
-      // The warp's 16 rows m start at its warpgroup's row ws_frag_row(0) % 64 - lane / 4.
-      const int m = m_atom + (ws_frag_row(0) & 63) - (lane >> 2) + 8 * (q & 1);
-      const bool m_ok = m < p.M;
+    for (int i0 = 0; i0 < kFragColGroups; i0 += 2) {
+      uint32_t w[4];
 #pragma unroll
-      for (int i0 = 0; i0 < kGroups; i0 += 2) {
+      for (int k = 0; k < 4; ++k) {  // block (i0 + k / 2, v1 = k % 2)
+        const int e = 4 * (i0 + (k >> 1)) + 2 * (k & 1);
+        w[k] = movmatrix_trans(pack_bf16x2(acc(e), acc(e + 1)));
+      }
+      quad_transpose(w);
+      const int n = n0 + 8 * (i0 + (q >> 1)) + (lane >> 2);
+      if (m_ok && n < p.N)
+        *reinterpret_cast<uint4*>(out + int64_t(n) * p.M + m) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  } else {
+#pragma unroll
+    for (int v1 = 0; v1 < 2; ++v1) {
+      const int m = m0 + ws_frag_row(v1);
+#pragma unroll
+      for (int i0 = 0; i0 < kFragColGroups; i0 += 4) {
         uint32_t w[4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {  // block (i0 + k / 2, v1 = k % 2)
-          const int e = e0 + 4 * (i0 + (k >> 1)) + 2 * (k & 1);
-          w[k] = movmatrix_trans(pack_bf16x2(acc(e), acc(e + 1)));
-        }
+        for (int k = 0; k < 4; ++k)
+          w[k] = pack_bf16x2(acc(4 * (i0 + k) + 2 * v1), acc(4 * (i0 + k) + 2 * v1 + 1));
         quad_transpose(w);
-        const int n = n0 + 8 * (i0 + (q >> 1)) + (lane >> 2);
-        if (m_ok && n < p.N)
-          *reinterpret_cast<uint4*>(out + int64_t(n) * p.M + m) =
+        const int n = n0 + 8 * (i0 + q);
+        if (m < p.M && n < p.N)
+          *reinterpret_cast<uint4*>(out + int64_t(m) * p.N + n) =
               make_uint4(w[0], w[1], w[2], w[3]);
-      }
-    } else {
-#pragma unroll
-      for (int v1 = 0; v1 < 2; ++v1) {
-        const int m = m_atom + (ws_frag_row(v1) & 63);
-#pragma unroll
-        for (int i0 = 0; i0 < kGroups; i0 += 4) {
-          uint32_t w[4];
-#pragma unroll
-          for (int k = 0; k < 4; ++k)
-            w[k] = pack_bf16x2(acc(e0 + 4 * (i0 + k) + 2 * v1),
-                               acc(e0 + 4 * (i0 + k) + 2 * v1 + 1));
-          quad_transpose(w);
-          const int n = n0 + 8 * (i0 + q);
-          if (m < p.M && n < p.N)
-            *reinterpret_cast<uint4*>(out + int64_t(m) * p.N + n) =
-                make_uint4(w[0], w[1], w[2], w[3]);
-        }
       }
     }
   }
@@ -296,11 +221,9 @@ __device__ __forceinline__ void varlen_k_store(const VarlenKArgs& p, Acc& acc, i
 //     stmatrix.trans writes a block's column as a row: box row = n = 8 i + L % 8, chunk = the
 //     block's 8 rows m.
 // Boxes wholly past M or N (multiples of 64) are not stored.
-// m_wg as for varlen_k_store (64 rows, one 64 x 256 atom). The two warpgroups' halves of
-// `staging` and their named barriers are their own.
 template <bool kTransposed, class Acc>
 __device__ __forceinline__ void varlen_k_store_tma(const VarlenKArgs& p, Acc& acc, int expert,
-                                                   int m_wg, int n_tile, char* staging) {
+                                                   int m_tile, int n_tile, char* staging) {
   const int t = threadIdx.x - kProducerThreads, w = t >> 7, warp = (t >> 5) & 3;
   const bool issuer = (t & 127) == 0;
   const int lane = threadIdx.x & 31, rho = lane & 7, blk = lane >> 3;
@@ -336,7 +259,7 @@ __device__ __forceinline__ void varlen_k_store_tma(const VarlenKArgs& p, Acc& ac
   cute::tma_store_fence();  // this thread's shared-memory writes, visible to the TMA unit
   cutlass::arch::NamedBarrier::sync(128, 1 + w);
   if (issuer) {
-    const int m_box = m_wg;  // this warpgroup's 64 of M
+    const int m_box = m_tile * kBM + 64 * w;  // this warpgroup's 64 of M
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int n_box = n_tile * kBN + 64 * j;
@@ -359,32 +282,20 @@ __device__ __forceinline__ void varlen_k_store_tma(const VarlenKArgs& p, Acc& ac
 // takes part in the loads and barriers, and stores nothing. An expert's partial last K step is
 // copied by each CTA for itself (cp.async), as without a cluster.
 // kTmaStore: the epilogue leaves through shared memory by TMA store (varlen_k_store_tma), the
-// ring one stage shorter; one CTA per tile (cooperative) only.
-// kPingPong: tiles of 128 x 192, each consumer warpgroup alone on every other tile of the CTA
-// (pingpong_varlen_consumer_loop), so one warpgroup's epilogue and tile switch run under the
-// other's MMAs with the same MMA work per ring byte as nearly as the cooperative tile
-// (docs/notes/varlen-k-weight-gradients.md: a 64 x 256 tile a warpgroup, half of it, lost);
-// 16-byte stores, single CTAs (Q's 3 boxes do not split over 2).
-// kWide: the cooperative tile 256 x 128 (256 gathered rows, 128 a warpgroup as two atoms), on
-// clusters of 2 sharing Q; P's stage is 256 columns (16 cp.async rows a producer thread).
-template <bool kTransposed, int kCluster, bool kTmaStore = false, bool kPingPong = false,
-          bool kWide = false>
+// ring one stage shorter; one CTA per tile only.
+template <bool kTransposed, int kCluster, bool kTmaStore = false>
 __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_constant__
                                                                   VarlenKArgs p) {
   static_assert(kCluster == 1 || !kTmaStore, "the TMA-store epilogue is built for one CTA a tile");
-  static_assert(!kPingPong || (kCluster == 1 && !kTmaStore),
-                "the ping-pong schedule: single CTAs, 16-byte stores");
-  static_assert(!kWide || (kCluster == 2 && !kTmaStore && !kPingPong),
-                "the wide tile: cooperative, clusters of 2, 16-byte stores");
   pdl_wait();  // before any global memory access (src/cuda/pdl.cuh)
   pdl_launch_dependents();
   using namespace cute;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  using R = VarlenKRing<kCluster, kTmaStore, kPingPong, kWide>;
-  using L = VarlenKLayouts<R::kStageCount, kPingPong, kWide>;
-  constexpr int kTileM = L::kTileM, kTileN = L::kTileN;
-  using CopyG = MnCopy<kTileM>;  // P, gathered
-  constexpr int kBoxesC = kTileN / kBox;         // TMA boxes of a Q stage
+  using R = VarlenKRing<kCluster, kTmaStore>;
+  using L = VarlenKLayouts<R::kStageCount>;
+  using CopyG = MnCopy<kBM>;  // P, gathered
+  using CopyC = MnCopy<kBN>;  // Q, contiguous (an expert's partial last K step only)
+  constexpr int kBoxesC = kBN / kBox;          // TMA boxes of a Q stage
   constexpr int kBoxesOwn = kBoxesC / kCluster;  // of which this CTA loads
   extern __shared__ char smem_raw[];
   const R ring = R::carve(smem_raw);
@@ -406,11 +317,9 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
   };
 
   if (threadIdx.x < kProducerThreads) {
-    cutlass::arch::warpgroup_reg_dealloc<kPingPong ? kVkPingPongProducerRegs : kVkProducerRegs>();
+    cutlass::arch::warpgroup_reg_dealloc<kVkProducerRegs>();
     const uint32_t a_base = smem_u32(ring.a), b_base = smem_u32(ring.b);
     const uint32_t g_chunk_off = kfirst_offset(CopyG::chunk() * 8, CopyG::first_row());
-    const uint32_t g_chunk_off_odd =  // the wide tile's second swizzle phase (lean_copy_p)
-        CopyG::kStep % 8 == 0 ? 0u : kfirst_offset(CopyG::chunk() * 8, CopyG::first_row() + 4);
     const int g_row_bytes = p.M * 2;  // < 2^31 (launch_varlen_k_ws)
     RingPosT<R::kStageCount> pos;
     for (int t = first; t < num_tiles; t += stride) {
@@ -418,8 +327,9 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
       decode(t, expert, m_tile, n_tile);
       const int k_begin = p.offsets[expert], k_end = p.offsets[expert + 1];
       const int k_tiles = (k_end - k_begin + kBK - 1) / kBK;
-      const int g_col0 = m_tile * kTileM, c_col0 = n_tile * kTileN;
+      const int g_col0 = m_tile * kBM, c_col0 = n_tile * kBN;
       const bool g_col_ok = g_col0 + CopyG::chunk() * 8 < p.M;
+      const bool c_col_ok = c_col0 + CopyC::chunk() * 8 < p.N;
       // This thread's ids start at k-row first_row() of each stage; its row j of stage kt exists
       // when kStep j < rows_after - kt kBK.
       const int32_t* ids = p.gather + k_begin + CopyG::first_row();
@@ -444,13 +354,13 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
       for (int kt = 0; kt < k_tiles; ++kt) {
         const int stage = pos.stage;
         Barrier::wait(&ring.empty[stage], pos.phase ^ 1);
-        const uint32_t sa = a_base + stage * R::kStageBytesA, sb = b_base + stage * R::kStageBytesB;
+        const uint32_t sa = a_base + stage * kStageBytesA, sb = b_base + stage * kStageBytesB;
         const int k0 = k_begin + kt * kBK;
         if (k0 + kBK <= k_end) {  // a whole K step: the contiguous operand by TMA
           if (threadIdx.x == 0) {
             // The whole stage lands here: this CTA's boxes and, multicast, the other CTAs'.
             Barrier::arrive_and_expect_tx(&ring.full[stage], kBoxesC * kBoxBytes);
-            char* dst = ring.b + stage * R::kStageBytesB;
+            char* dst = ring.b + stage * kStageBytesB;
 #pragma unroll
             for (int j = 0; j < kBoxesOwn; ++j) {
               const int h = rank * kBoxesOwn + j;
@@ -466,23 +376,17 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
             }
           }
         } else {  // the expert's partial last step: cp.async with zero fill past k_end
-          if constexpr (kTileN == kBN) {
-            using CopyC = MnCopy<kBN>;  // Q, contiguous
-            const bool c_col_ok = c_col0 + CopyC::chunk() * 8 < p.N;
-            int crow[CopyC::kRows];
+          int crow[CopyC::kRows];
 #pragma unroll
-            for (int j = 0; j < CopyC::kRows; ++j) {
-              const int k = k0 + CopyC::first_row() + CopyC::kStep * j;
-              crow[j] = (c_col_ok && k < k_end) ? k : -1;
-            }
-            CopyC::copy(sb, p.q, p.N, c_col0, crow);
-          } else {
-            copy_mn_partial<kTileN>(sb, p.q, p.N, c_col0, p.N, k0, k_end);
+          for (int j = 0; j < CopyC::kRows; ++j) {
+            const int k = k0 + CopyC::first_row() + CopyC::kStep * j;
+            crow[j] = (c_col_ok && k < k_end) ? k : -1;
           }
+          CopyC::copy(sb, p.q, p.N, c_col0, crow);
           if (threadIdx.x == 0) Barrier::arrive(&ring.full[stage]);
         }
         if (g_whole)
-          lean_copy_p<CopyG>(sa, g_chunk_off, g_chunk_off_odd, g_src, g_row_bytes, grow);
+          lean_copy_p<CopyG>(sa, g_chunk_off, g_src, g_row_bytes, grow);
         else
           CopyG::copy(sa, p.p, p.M, g_col0, grow);
         cutlass::arch::cpasync_barrier_arrive_noinc(&ring.full[stage]);
@@ -492,32 +396,18 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
     }
   } else {
     int expert, m_tile, n_tile;
-    auto k_steps = [&](int e) { return (p.offsets[e + 1] - p.offsets[e] + kBK - 1) / kBK; };
-    auto begin = [&](int t) {
-      decode(t, expert, m_tile, n_tile);
-      return k_steps(expert);
-    };
-    if constexpr (kPingPong) {
-      pingpong_varlen_consumer_loop<L, kVkPingPongConsumerRegs>(
-          ring, first, stride, num_tiles,
-          [&](int t) { return k_steps(t / tiles_per_expert); }, begin,
-          [&](int, auto& acc) {
-            varlen_k_store<kTransposed, kTileN, 2>(p, acc, expert, m_tile * kTileM, n_tile);
-          });
-    } else {
-      // This warpgroup's 64 rows of each 128 rows of the tile.
-      const int w = (threadIdx.x - kProducerThreads) >> 7;
-      consumer_loop<L, kVkConsumerRegs, kTileM>(
-          ring, first, stride, num_tiles, begin, [&](int, auto& acc) {
-            const int m_wg = m_tile * kTileM + 64 * w;
-            if constexpr (kTmaStore)
-              varlen_k_store_tma<kTransposed>(p, acc, expert, m_wg, n_tile, staging);
-            else if constexpr (kWide)
-              varlen_k_store<kTransposed, kTileN, 2, 128>(p, acc, expert, m_wg, n_tile);
-            else
-              varlen_k_store<kTransposed>(p, acc, expert, m_wg, n_tile);
-          });
-    }
+    consumer_loop<L, kVkConsumerRegs>(
+        ring, first, stride, num_tiles,
+        [&](int t) {
+          decode(t, expert, m_tile, n_tile);
+          return (p.offsets[expert + 1] - p.offsets[expert] + kBK - 1) / kBK;
+        },
+        [&](int, auto& acc) {
+          if constexpr (kTmaStore)
+            varlen_k_store_tma<kTransposed>(p, acc, expert, m_tile, n_tile, staging);
+          else
+            varlen_k_store<kTransposed>(p, acc, expert, m_tile, n_tile);
+        });
     // The last stores complete (not only read their staging) before the CTA leaves.
     if constexpr (kTmaStore)
       if (((threadIdx.x - kProducerThreads) & 127) == 0)
@@ -528,14 +418,11 @@ __global__ void __launch_bounds__(kThreads, 1) varlen_k_ws_kernel(const __grid_c
 }
 
 // S: rows of q (the plan's slots); raster_group: the host's band height (dispatch/raster.hpp).
-template <bool kTransposed, int kCluster, bool kTmaStore = false, bool kPingPong = false,
-          bool kWide = false>
+template <bool kTransposed, int kCluster, bool kTmaStore = false>
 void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, int raster_group, cudaStream_t stream) {
-  constexpr int kTileM = VarlenKLayouts<kStages, kPingPong, kWide>::kTileM;
-  constexpr int kTileN = VarlenKLayouts<kStages, kPingPong, kWide>::kTileN;
   VarlenKArgs q = a;
-  q.m_tiles = (a.M + kTileM - 1) / kTileM;
-  q.n_tiles = (a.N + kTileN - 1) / kTileN;
+  q.m_tiles = (a.M + kBM - 1) / kBM;
+  q.n_tiles = (a.N + kBN - 1) / kBN;
   const int64_t m_groups = (q.m_tiles + kCluster - 1) / kCluster;
   const int64_t tiles = int64_t(a.E) * m_groups * q.n_tiles;
   MOEBLAZE_UNSUPPORTED_IF(tiles > int64_t(INT32_MAX), "weight-gradient GEMM of ", tiles,
@@ -551,8 +438,8 @@ void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, int raster_group, cudaS
   if constexpr (kTmaStore)
     q.out_tma = kTransposed ? make_tma_store_3d(a.out, a.E, a.N, a.M)
                             : make_tma_store_3d(a.out, a.E, a.M, a.N);
-  const size_t smem = varlen_k_smem_bytes<kCluster, kTmaStore, kPingPong, kWide>();
-  auto kernel = &varlen_k_ws_kernel<kTransposed, kCluster, kTmaStore, kPingPong, kWide>;
+  const size_t smem = varlen_k_smem_bytes<kCluster, kTmaStore>();
+  auto kernel = &varlen_k_ws_kernel<kTransposed, kCluster, kTmaStore>;
   MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)));
   if constexpr (kCluster == 1) {

@@ -8,8 +8,7 @@
 //     threads' WGMMAs that read it have retired;
 //   * the consumers' mainloop (mma_mainloop) and tile loops, cooperative (consumer_loop: both
 //     consumer warpgroups on one 128 x 256 tile) and ping-pong (pingpong_consumer_loop: each
-//     warpgroup on whole 128 x 128 tiles, its epilogue under the other's mainloop;
-//     pingpong_varlen_consumer_loop: the same where each tile has its own K);
+//     warpgroup on whole 128 x 128 tiles, its epilogue under the other's mainloop);
 //   * the two schedules (Cooperative, PingPong) with their accumulator fragment policies
 //     (WsFrag, PingFrag: where a consumer thread's accumulators sit in the tile).
 // Moved verbatim out of sm90_ws_gather.cuh, where it was born; see that file's header for the
@@ -106,11 +105,9 @@ struct PingPong {
 // refilled when the consumers of every CTA of the cluster have released it: empty[s] counts
 // one arrival per consumer warp of each CTA (release() below, lane c of every warp arriving on
 // CTA c's barrier; without a cluster, lane 0 on its own CTA's).
-// kTileMA: A's rows a stage (kBM; the varlen-K kernel's wide tile takes 256).
-template <int kTileNB, int kStagesN, int kStageConsumers, int kCluster = 1, int kTileMA = kBM>
+template <int kTileNB, int kStagesN, int kStageConsumers, int kCluster = 1>
 struct RingT {
   static constexpr int kStageCount = kStagesN;
-  static constexpr int kStageBytesA = kTileMA * kBK * 2;
   static constexpr int kStageBytesB = kTileNB * kBK * 2;
   char* a;          // (kStagesN, BM, BK) swizzled
   char* b;          // (kStagesN, kTileNB, BK) swizzled
@@ -177,10 +174,8 @@ struct RingPosT {
       phase ^= 1;
     }
   }
-  __device__ void skip(int n) {  // n >= 0 positions another consumer warpgroup reads
-    const int s = stage + n;      // every wrap of the ring flips the phase
-    phase ^= static_cast<uint32_t>(s / kStagesN) & 1u;
-    stage = s % kStagesN;
+  __device__ void skip(int n) {  // the positions another consumer warpgroup reads
+    for (int i = 0; i < n; ++i) advance();
   }
 };
 using RingPos = RingPosT<>;
@@ -227,9 +222,8 @@ __device__ __forceinline__ void mma_mainloop(const R& r, RingPosT<R::kStageCount
 // on this thread's fp32 accumulators (zeros when k_tiles = 0). L gives TiledMma (two warpgroups
 // along M), the stage layouts and kTileN.
 // The CTA's tiles are first, first + stride, ... (blockIdx.x, gridDim.x; a cluster's index and
-// count in a kernel whose clusters share their tiles). kTileM: the tile's rows (the varlen-K
-// kernel's wide tile: 256, the TiledMma's 128 repeated along M).
-template <class L, int kRegs, int kTileM = kBM, class R, class Begin, class End>
+// count in a kernel whose clusters share their tiles).
+template <class L, int kRegs, class R, class Begin, class End>
 __device__ __forceinline__ void consumer_loop(const R& r, int first, int stride, int num_tiles,
                                               Begin begin, End end) {
   using namespace cute;
@@ -240,7 +234,7 @@ __device__ __forceinline__ void consumer_loop(const R& r, int first, int stride,
   auto thr = mma.get_slice(threadIdx.x - kProducerThreads);
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // GMMA descriptors
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
-  auto acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<L::kTileN>>{});
+  auto acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<L::kTileN>>{});
   RingPosT<R::kStageCount> pos;
   for (int t = first; t < num_tiles; t += stride) {
     const int k_tiles = begin(t);
@@ -288,47 +282,6 @@ __device__ __forceinline__ void pingpong_consumer_loop(const R& r, int num_tiles
                  [&] { OrderBarrier::arrive(&r.order[wg ^ 1]); });
     end(t, acc);
     pos.skip(k_tiles);  // the other warpgroup's next tile
-  }
-}
-
-// The ping-pong consumers where every tile has its own K (the varlen-K kernel): the CTA's tiles
-// first, first + stride, ... alternate between the warpgroups (warpgroup w: the w-th, w + 2-th,
-// ...), in the ring's order, so a warpgroup skips the other's tile by that tile's own k_tiles,
-// k_of(t) (its expert's K steps, read on the device). begin(t) returns t's k_tiles (and does the
-// tile's setup); end(t, acc) is the epilogue on this warpgroup's accumulators (zeros when
-// k_tiles = 0). The order barriers are pingpong_consumer_loop's: a warpgroup's mainloop starts
-// once the other has issued its tile's last MMA, so one warpgroup's epilogue runs under the
-// other's MMAs, and each keeps its full[s] waits within one phase of the barrier's.
-template <class L, int kRegs, class R, class KOf, class Begin, class End>
-__device__ __forceinline__ void pingpong_varlen_consumer_loop(const R& r, int first, int stride,
-                                                              int num_tiles, KOf k_of, Begin begin,
-                                                              End end) {
-  using namespace cute;
-  using OrderBarrier = cutlass::arch::ClusterBarrier;
-  cutlass::arch::warpgroup_reg_alloc<kRegs>();
-  const int wg = (threadIdx.x - kProducerThreads) >> 7;
-  typename L::TiledMma mma;
-  Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(r.a)), typename L::SmemLayoutA{});
-  Tensor sB = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(r.b)), typename L::SmemLayoutB{});
-  auto thr = mma.get_slice((threadIdx.x - kProducerThreads) & 127);
-  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // GMMA descriptors
-  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
-  auto acc = partition_fragment_C(mma, Shape<Int<L::kTileM>, Int<L::kTileN>>{});
-  RingPosT<R::kStageCount> pos;
-  if (wg == 1 && first < num_tiles) pos.skip(k_of(first));  // the CTA's first tile is wg 0's
-  uint32_t order_phase = 0;
-  int j = 0;  // tiles this warpgroup has done
-  for (int t = first + wg * stride; t < num_tiles; t += 2 * stride, ++j) {
-    const int k_tiles = begin(t);
-    if (k_tiles == 0) clear(acc);
-    if (wg == 1 || j > 0) {
-      OrderBarrier::wait(&r.order[wg], order_phase);
-      order_phase ^= 1;
-    }
-    mma_mainloop(r, pos, mma, tCrA, tCrB, acc, k_tiles,
-                 [&] { OrderBarrier::arrive(&r.order[wg ^ 1]); });
-    end(t, acc);
-    if (t + stride < num_tiles) pos.skip(k_of(t + stride));  // the other warpgroup's next tile
   }
 }
 
