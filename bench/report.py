@@ -81,7 +81,7 @@ RULES_DOWN = "down.family=ws,down.schedule=cooperative"
 # The rule's thresholds as src/cuda/gemm/dispatch/kernel_config.hpp states them, to split the rows
 # by where each rule applies (python/tests/test_report.py checks the two agree).
 RULE_CONSTANTS = {"kTmaMinRowsPerExpert": 128, "kWsContiguousMaxRowsPerExpert": 1024,
-                  "kDxWideMinReduction": 3072, "kDxWideMinD": 2560}
+                  "kTmaWideMinReduction": 3072, "kTmaWideMinD": 2560}
 # Whole Hugging Face models, one training step per experts_implementation (bench/model_step.py's
 # "model-step" rows); None until a GPU run is committed. Its table and figure
 # (docs/figures/model_step.png) also go into README.md, between the two MODEL_STEP_MARKS lines
@@ -1071,7 +1071,7 @@ def rules_section():
         auto = mean(d[""])
         dx = mean(d[RULES_DX]) / auto if RULES_DX in d else None
         down = mean(d[RULES_DOWN]) / auto if RULES_DOWN in d else None
-        wide = not ws and w1 >= k["kDxWideMinReduction"] and r["d"] >= k["kDxWideMinD"]
+        wide = not ws and w1 >= k["kTmaWideMinReduction"] and r["d"] >= k["kTmaWideMinD"]
         if dx is not None:
             (dx_in if wide else dx_out).append(dx)
         if down is not None:

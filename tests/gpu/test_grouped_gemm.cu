@@ -872,12 +872,20 @@ TEST(GroupedGemmChecks, KernelChoiceFollowsTheMeasuredRules) {
   EXPECT_EQ(choose(130944, 5000, 4096, 1024).dx.family, KernelFamily::two_cta);  // E > 4096
   // dX̃ on the TMA path: 128x256 cooperative on clusters of 2 where it reduces over >= 3072 rows
   // of w1 and d >= 2560 (Mixtral-8x7B, ERNIE-4.5-21B), else 192x128 ping-pong (d = 2048 or
-  // 2n = 2816 just below); down-proj stays on 192x128 ping-pong.
+  // 2n = 2816 just below); down-proj the same where n >= 3072 (its reduction) and d >= 2560.
   const gg::LayerKernels mixtral = choose(32768, 8, 4096, 14336);
   EXPECT_EQ(gg::tma_variant(mixtral.dx), gg::kTmaWide);
   EXPECT_EQ(mixtral.dx.schedule, KernelSchedule::cooperative);
   EXPECT_EQ(mixtral.dx.cluster, 2);
-  EXPECT_EQ(gg::tma_variant(mixtral.down), gg::kTmaPingPong);
+  EXPECT_EQ(gg::tma_variant(mixtral.down), gg::kTmaWide);
+  EXPECT_EQ(mixtral.down.cluster, 2);
+  const gg::LayerKernels ernie = choose(72000, 64, 2560, 1536);  // n 1536: down stays
+  EXPECT_EQ(gg::tma_variant(ernie.down), gg::kTmaPingPong);
+  EXPECT_EQ(gg::tma_variant(choose(72000, 64, 2560, 3072).down), gg::kTmaWide);
+  EXPECT_EQ(gg::tma_variant(choose(72000, 64, 2560, 3071).down), gg::kTmaPingPong);
+  EXPECT_EQ(gg::tma_variant(choose(72000, 64, 2048, 8192).down), gg::kTmaPingPong);  // d < 2560
+  // 178 E < S < 1024 E keeps the ws kernel whatever n is (512 rows, Llama-4's expert sizes).
+  EXPECT_EQ(choose(65536, 128, 5120, 8192).down.family, KernelFamily::ws_gather);
   EXPECT_EQ(gg::tma_variant(choose(72000, 64, 2560, 1536).dx), gg::kTmaWide);
   EXPECT_EQ(gg::tma_variant(choose(72000, 64, 2048, 1536).dx), gg::kTmaPingPong);
   EXPECT_EQ(gg::tma_variant(choose(196608, 128, 4096, 1408).dx), gg::kTmaPingPong);

@@ -141,13 +141,18 @@ LayerKernels automatic(const KernelShape& s) {
                          "178 E < S < 1024 E rows: the ws kernel, A by TMA, cooperative");
       k.dx = k.down;
     }
-  } else if (tma && w1_rows >= kDxWideMinReduction && s.d >= kDxWideMinD) {
+  } else if (tma) {
     // The TMA path only: below 128 rows an expert the single-CTA tile stays
     // (docs/notes/weight-bound-down-dx.md).
     // A long reduction amortises the epilogue that ping-pong hides; the wider tile and the
     // cluster's multicast then feed the tensor cores with less traffic.
-    k.dx = tma_grouped("dX̃, reduction >= 3072 and d >= 2560: 128x256 cooperative, clusters of 2",
-                       kTmaWide);
+    if (w1_rows >= kTmaWideMinReduction && s.d >= kTmaWideMinD)
+      k.dx = tma_grouped(
+          "dX̃, reduction >= 3072 and d >= 2560: 128x256 cooperative, clusters of 2", kTmaWide);
+    if (s.n >= kTmaWideMinReduction && s.d >= kTmaWideMinD)
+      k.down = tma_grouped(
+          "down-proj, reduction n >= 3072 and d >= 2560: 128x256 cooperative, clusters of 2",
+          kTmaWide);
   }
   // Bands on the TMA path.
   if (k.down.family == KernelFamily::tma_grouped)

@@ -81,12 +81,14 @@ constexpr int64_t kDw1ClusterMinRowsPerExpert = 4096;  // dW1 on 2-CTA clusters 
 // fixed epilogue cost is a large share of its short reduction (0.3-9 % faster in the layer at
 // 171-2048 rows, level at 3750-4096: docs/notes/varlen-k-weight-gradients.md, "TMA-store epilogue").
 constexpr int64_t kVarlenKTmaStoreMaxRowsPerExpert = 4096;
-// dX̃ on the TMA path: 128x256 cooperative on 2-CTA clusters (kTmaWide) where it reduces over at
-// least this many of w1's rows (2n when gated) and writes at least this many columns (d), the
-// smallest of each that won in the layer on the model grid (docs/notes/gathered-gemms.md,
-// "Two rules in the layer"); 192x128 ping-pong below.
-constexpr int64_t kDxWideMinReduction = 3072;
-constexpr int64_t kDxWideMinD = 2560;
+// The contiguous-A GEMMs on the TMA path (from 1024 rows an expert): 128x256 cooperative on 2-CTA
+// clusters (kTmaWide) where the GEMM reduces over at least this many rows (dX̃: w1's, 2n when
+// gated; down-proj: n) and writes at least this many columns (d), the smallest of each that won
+// in the layer on the model grid for dX̃ (docs/notes/gathered-gemms.md, "Two rules in the
+// layer"); 192x128 ping-pong below. down-proj shares the bounds: the same GEMM with W2 for W1
+// (docs/notes/gathered-gemms.md, "down-proj on the wide tile").
+constexpr int64_t kTmaWideMinReduction = 3072;
+constexpr int64_t kTmaWideMinD = 2560;
 // tma_grouped's bands (tma_bands_rule), where an expert has fewer tiles than the GPU has SMs
 // (KernelShape::sms, read from the device) and the GEMM reduces over at most kBandMaxK: enough
 // that a CTA takes about kBandRunTiles tiles of an expert in a row, few enough that the weights of
