@@ -61,6 +61,8 @@ CAPI_AB = "capi-ab-2026-12-06-7bb3029-h100.jsonl"
 # The layer under two candidate kernel rules and the rule of its commit, alternated, on the grid
 # (bench/override_sweep.py --bench layer --rounds 2: each spec's rows in run order).
 RULES_AB = "rules-layer-ab-2026-12-06-63de4e2-h100.jsonl"
+DOWN_WIDE_AB = "down-wide-rule-layer-ab-2026-12-07-a8071fa-h100.jsonl"
+DOWN_WIDE_OLD = "down.family=tma,down.tile=192x128"
 RULES_DX = "dx.tile=128x256,dx.cluster=2"
 # The weight gradients' TMA-store epilogue against their plain stores: the GEMMs alone (bench gemm
 # rows dW2-ws / dW2-ts, dW1-ws / dW1-mc / dW1-ts, two rounds in alternated order) and the layer
@@ -176,6 +178,8 @@ DESCRIBE = {
                    "writes alone",
     HALF_TILES_AB: "the layer with and without the half_tiles override (since removed) on the grid's "
                    "few-rows-per-expert shapes and four shapes off it, alternated",
+    DOWN_WIDE_AB: "the layer under down-proj's wide-tile rule against its former 192 x 128 "
+                  "tile, on the TMA path's wide shapes and four off the grid, one round",
     RULES_AB: "the layer on the grid under its rule and two candidate kernel rules, alternated",
     TMA_STORE_GEMM: "dW2 and dW1 alone with plain stores, on clusters and with the TMA-store "
                     "epilogue, two rounds in alternated order",
@@ -1336,6 +1340,34 @@ ncu). Both were removed. {caption(rows, VK_TILES)}
                           "dW1 256x128 c2"], body) + "\n"
 
 
+def down_wide_section():
+    rows = jsonl(DOWN_WIDE_AB)
+    ms = {}
+    first = {}
+    for r in rows:
+        ms.setdefault((r["config"], r["kernels"]), []).append(r["total_ms"])
+        first.setdefault(r["config"], r)
+    body, ratios = [], []
+    for c, r in sorted(first.items(), key=lambda kv: (kv[1].get("model") is None, kv[0])):
+        new, old = mean(ms[(c, "")]), mean(ms[(c, DOWN_WIDE_OLD)])
+        ratios.append(old / new)
+        body.append([r.get("model") or "(off the grid)", shape(r), f"{r['S'] / r['E']:.0f}",
+                     f2(new), f2(old), f3(old / new)])
+    ahead = sum(x > 1 for x in ratios)
+    words = f"""## down-proj on the wide tile where it reduces over n >= 3072
+
+On the TMA path down-proj now takes dX̃'s 128 x 256 tile on clusters of 2 where n >= 3072 and
+d >= 2560 (it had stayed on 192 x 128 ping-pong). The layer's step under the new rule against the
+old tile, forward + backward: the old one takes {span(ratios)}× the new one's time, the new rule
+ahead at {ahead} of {len(ratios)} shapes (four off the grid). One round in each order; two rounds
+of one spec have differed by up to 5 % in earlier layer runs, so the verdict is the sign over the
+shapes (docs/notes/gathered-gemms.md, "down-proj on the wide tile"). {caption(rows, DOWN_WIDE_AB)}
+
+"""
+    return words + table(["model", "T / d / n / E / K", "rows per expert", "rule ms",
+                          "192 x 128 ms", "192 x 128 over the rule"], body) + "\n"
+
+
 def fsdp_section():
     rows = jsonl(FSDP)
     by = {r.get("experts", "moeblaze"): r for r in rows}
@@ -1725,7 +1757,7 @@ def render():
              gemms_section(), grid_gemms_section(), fp8_section(), training_section(), grid_section(), sonic_grid_section(),
              search_section(),
              rules_section(), tma_store_section(), pingpong_vk_section(), tma_stages_section(),
-             vk_tiles_section(),
+             vk_tiles_section(), down_wide_section(),
              model_step_section(), fsdp_section(), ep_section(),
              plan_section(),
              tests_section(), known_gaps(), files_section()]
