@@ -534,7 +534,8 @@ def gemms_section():
 its time). The largest gaps in milliseconds: {gaps}. moeblaze's whole step is still
 ahead (sections above) because SonicMoE's layer spends more time between and around its
 GEMMs. The two harnesses differ (a search's timing against a breakdown step in a process of its
-own), so ratios within about 5 % are not a difference.
+own), so ratios within about 5 % are not a difference, and the breakdown's steps have since been
+found to overstate dX̃ at public-model shapes (next section), so these ratios are upper bounds.
 
 {caption([r for r in ours if r['bench'] == 'layer'], BREAKDOWN, SONIC_GEMMS)} SonicMoE's side is
 the best config of each autotune search in `bench/cache/sonicmoe-autotune.tgz` (QuACK's

@@ -97,6 +97,12 @@
 #                      it in time for the autotune file to be written; commit the rows as a new
 #                      sonicmoe-grid file (and its name in bench/report.py's SONIC_GRIDS) and
 #                      the set grows from run to run.
+#       step-grid      (not in `all`) bench/step_kernels.py at the grid shapes where SonicMoE has
+#                      rows (bench/results/sonicmoe-grid-*.jsonl; STEP_GRID names others): one
+#                      profiled step's kernels of moeblaze through PyTorch and of SonicMoE on the
+#                      same inputs, each GEMM's time inside the step → OUT/step_grid.md,
+#                      step_grid.json, step_grid.log (STEP_GRID_TIMEOUT=S stops it). SonicMoE as
+#                      for peers.
 #       model-step     (not in `all`) bench/model_step.py: whole Hugging Face models (Qwen3-MoE,
 #                      Mixtral, OLMoE, DeepSeek-V3, gpt-oss), one training step per experts
 #                      implementation (grouped_mm, sonicmoe, moeblaze) → OUT/model_step.jsonl,
@@ -156,7 +162,7 @@ OUT=$(cd "$OUT" && pwd)
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(all)
 known_parts=" all tests gpu-tests gpu-gtests routing-tests routing layer gemm ep python peers sanitize \
-fuzz-long sanitize-fuzz search peers-grid model-step sweep "
+fuzz-long sanitize-fuzz search peers-grid step-grid model-step sweep "
 for p in "${parts[@]}"; do
   case "$known_parts" in
     *" $p "*) ;;
@@ -218,7 +224,8 @@ if [ -z "${PREBUILT:-}" ]; then
   if want_named sanitize; then targets+=(moeblaze_gpu_tests); fi
   if want_named fuzz-long || want_named sanitize-fuzz; then targets+=(moeblaze_gpu_tests); fi
   # every part that installs the PyTorch package (install_python) links this library
-  if want python || want peers || want_named peers-grid || want_named model-step; then
+  if want python || want peers || want_named peers-grid || want_named step-grid ||
+      want_named model-step; then
     targets+=(moeblaze_capi)
   fi
   cmake --build "$BUILD" -j "$JOBS" --target "${targets[@]}" >"$OUT/build.log" 2>&1 || {
@@ -751,6 +758,30 @@ PY
     summary+=("bench peers-grid: $rows rows [$(( $(date +%s) - t0 )) s]")
   elif [ -s "$OUT/peers_grid.jsonl" ]; then  # stopped by PEERS_TIMEOUT: the shapes done are kept
     summary+=("bench peers-grid: stopped; $(grep -c '"bench": "peers"' "$OUT/peers_grid.jsonl" || true) rows kept")
+  fi
+fi
+
+# ---- step-grid: each GEMM inside one step, moeblaze and SonicMoE, at the grid shapes both ran ----
+if want_named step-grid && install_python; then
+  t0=$(date +%s)
+  setup_sonicmoe step_grid.log
+  step_names=${STEP_GRID:-$(python3 - <<'PY'
+import glob, json
+names = []
+for f in sorted(glob.glob("bench/results/sonicmoe-grid-*.jsonl")):
+    for line in open(f):
+        r = json.loads(line) if line.strip() else {}
+        if r.get("impl") == "sonicmoe" and r.get("total_ms") and r["config"] not in names:
+            names.append(r["config"])
+print(",".join(names))
+PY
+)}
+  if [ -z "$step_names" ]; then
+    summary+=("bench step-grid: no grid shape has SonicMoE rows (STEP_GRID names shapes)")
+  elif run_python_part "bench step-grid" step_grid.log "${STEP_GRID_TIMEOUT:-0}" \
+      bench/step_kernels.py --config "$step_names" --impl moeblaze-torch,sonicmoe --steps 3 \
+      --md "$OUT/step_grid.md" --json "$OUT/step_grid.json"; then
+    summary+=("bench step-grid: $(echo "$step_names" | tr ',' '\n' | grep -c .) shapes [$(( $(date +%s) - t0 )) s]")
   fi
 fi
 

@@ -68,8 +68,8 @@ exit 0
     fake.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", BUILD_DIR=str(tmp_path / "b"))
     env.pop("PREBUILT", None)
-    for part, capi in (("peers-grid", True), ("model-step", True), ("peers", True),
-                       ("gemm", False)):
+    for part, capi in (("peers-grid", True), ("step-grid", True), ("model-step", True),
+                       ("peers", True), ("gemm", False)):
         log.write_text("")
         p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"),
                             str(tmp_path / ("out-" + part)), part],
