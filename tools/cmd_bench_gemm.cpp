@@ -510,6 +510,8 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
           dh("dH-ws", GK::warp_specialized),
           dh("dH-pp", GK::ping_pong),
           dh_over_h("dH-ws-ip", GK::warp_specialized),
+          // clusters of 2 sharing w2's stages (dh.cluster=2), as the layer calls it
+          with_overrides("dh.family=ws,dh.cluster=2", dh_over_h("dH-mc", GK::automatic)),
           dw2("dW2", GK::two_cta),
           // the plain-store epilogue, whatever the rule picks (dW2-ts: the TMA-store one)
           with_overrides("dw2.family=ws", dw2("dW2-ws", GK::warp_specialized)),
@@ -1084,8 +1086,8 @@ void add_bench_gemm_command(CLI::App& bench) {
   sub->add_flag("--no-dense", flags->no_dense, "skip the cuBLAS same-FLOP comparison");
   sub->add_option("--only", flags->only,
                   "time only these kernels (comma list of up, up-ws, up-pp, down, dH, dH-ws, dH-ws-ip, "
-                  "dH-pp, dW2, dW2-ws, dX, down-tma, dX-tma, down-tma256, down-tmapp, down-tma128, "
-                  "down-tma128c1, dX-tma256, dX-tmapp, dX-tma128, dX-tma128c1, down-ws, down-pp, "
+                  "dH-mc, dH-pp, dW2, dW2-ws, dX, down-tma, dX-tma, down-tma256, down-tmapp, "
+                  "down-tma128, down-tma128c1, dX-tma256, dX-tmapp, dX-tma128, dX-tma128c1, down-ws, down-pp, "
                   "dX-ws, dX-pp, "
                   "dW1, dW1-ws, dW1-mc, dW2-ts, dW1-ts, up-auto, down-auto, dH-auto, dW2-auto, dX-auto, "
                   "dW1-auto, down-fp8, down-fp8-c2, down-fp8-pp, dW2-fp8, dW2-fp8-c2, "

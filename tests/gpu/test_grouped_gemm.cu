@@ -482,6 +482,25 @@ TEST_P(GroupedGemm, DhProjGatheredWithBackwardEpilogue) {
     std::printf("[dH  %s %s] S=%lld err dh %.2e a' %.2e ds %.2e\n", case_name(c).c_str(), kname,
                 (long long)S, edh, eas, eds);
   }
+  // swiglu's kernel on clusters of 2 sharing w2's stages (dh.cluster=2): the same bits as on
+  // single CTAs, also where an expert's odd m-tile count leaves its last cluster's second CTA
+  // without rows.
+  if (c.act == Activation::swiglu) {
+    gg::dh_proj(dp.view, cb(dO), cb(w2), cb(h), partials.as<float>(), mb(dh), mb(as), d, n,
+                c.act, nullptr, gg::GatherKernel::warp_specialized);
+    const auto dh_one = download<uint8_t>(dh), as_one = download<uint8_t>(as);
+    const auto part_one = download<uint8_t>(partials);
+    const ClearOverridesOnExit clear_on_exit;
+    gg::set_kernel_overrides(gg::parse_kernel_overrides("dh.cluster=2"));
+    ASSERT_EQ(gg::choose_kernels({S, c.E, d, n, c.act}).dh.cluster, 2);
+    run_twice({&partials, &dh, &as}, [&] {
+      gg::dh_proj(dp.view, cb(dO), cb(w2), cb(h), partials.as<float>(), mb(dh), mb(as), d, n,
+                  c.act, nullptr);
+    });
+    EXPECT_TRUE(bytes_equal(dh, dh_one)) << "dh on clusters of 2";
+    EXPECT_TRUE(bytes_equal(as, as_one)) << "a_scaled on clusters of 2";
+    EXPECT_TRUE(bytes_equal(partials, part_one)) << "ds partials on clusters of 2";
+  }
 }
 
 // ---- (5) dW2 and (8) dW1: varlen-K -----------------------------------------------------------
@@ -953,6 +972,31 @@ TEST(GroupedGemmChecks, CandidatesHoldTheAutomaticChoiceOnce) {
                Unsupported);
   EXPECT_THROW(gg::parse_kernel_overrides("dw2.store_tma=2"), InvalidArgument);
   EXPECT_THROW(gg::kernel_candidates(6, shapes[0]), InvalidArgument);
+}
+
+// dh.cluster=2: swiglu's cooperative dH kernel on clusters of 2 (a candidate, not the rule's);
+// refused where that kernel does not run (other activations, E > 2000, ping-pong). Host-only.
+TEST(GroupedGemmChecks, DhClusterOverride) {
+  const gg::KernelShape oss{65536, 128, 2880, 2880};  // gpt-oss-120b's sizes, swiglu
+  EXPECT_EQ(gg::choose_kernels(oss, gg::KernelOverrides{}).dh.cluster, 1);
+  const gg::GemmKernel mc = gg::choose_kernels(oss, gg::parse_kernel_overrides("dh.cluster=2")).dh;
+  EXPECT_EQ(mc.family, gg::KernelFamily::ws_gather);
+  EXPECT_EQ(mc.schedule, gg::KernelSchedule::cooperative);
+  EXPECT_EQ(mc.cluster, 2);
+  EXPECT_NE(gg::describe(mc).find("cluster=2"), std::string::npos) << gg::describe(mc);
+  gg::KernelShape relu = oss;
+  relu.act = Activation::relu;
+  relu.d = 4096;  // cooperative dH for the switch kernel
+  EXPECT_THROW(gg::choose_kernels(relu, gg::parse_kernel_overrides("dh.cluster=2")), Unsupported);
+  EXPECT_THROW(gg::choose_kernels(gg::KernelShape{65536, 2048, 2880, 2880},
+                                  gg::parse_kernel_overrides("dh.cluster=2")),
+               Unsupported);  // E > 2000: the ping-pong kernel
+  EXPECT_THROW(gg::choose_kernels(oss, gg::parse_kernel_overrides(
+                                           "dh.schedule=pingpong,dh.cluster=2")),
+               Unsupported);
+  const auto cands = gg::kernel_candidates(gg::LayerKernels::kDh, oss);
+  EXPECT_TRUE(std::any_of(cands.begin(), cands.end(),
+                          [](const gg::KernelCandidate& c) { return c.kernel.cluster == 2; }));
 }
 
 TEST(GroupedGemmChecks, TmaBandsFollowTheSmCount) {

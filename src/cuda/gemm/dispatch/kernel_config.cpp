@@ -254,9 +254,18 @@ void apply(int g, const GemmOverride& o, const KernelShape& s, GemmKernel& k) {
   }
   if (o.cluster) {
     const bool dw1_ws = g == kDw1 && k.family == KernelFamily::ws_varlen_k;
-    MOEBLAZE_UNSUPPORTED_IF(!dw1_ws && k.family != KernelFamily::tma_grouped, "kernel override ",
-                            name, ".cluster: only dw1_proj on ws_varlen_k and down_proj / "
-                            "dx_proj on tma_grouped run on clusters");
+    // dH's swiglu kernel, cooperative, shares w2's stages between two CTAs (dh_proj_swiglu_mc.cu;
+    // docs/notes/dh-epilogue.md, "Open").
+    const bool dh_ws = g == kDh && k.family == KernelFamily::ws_gather &&
+                       k.schedule == KernelSchedule::cooperative;
+    MOEBLAZE_UNSUPPORTED_IF(!dw1_ws && !dh_ws && k.family != KernelFamily::tma_grouped,
+                            "kernel override ", name, ".cluster: only dw1_proj on ws_varlen_k, "
+                            "dh_proj on ws_gather cooperative and down_proj / dx_proj on "
+                            "tma_grouped run on clusters");
+    MOEBLAZE_UNSUPPORTED_IF(dh_ws && *o.cluster != 1 &&
+                                (s.act != Activation::swiglu || s.E > kWsDhSwigluCoopMaxExperts),
+                            "kernel override ", name, ".cluster=", *o.cluster, ": dH on clusters "
+                            "is built for swiglu with E <= ", kWsDhSwigluCoopMaxExperts);
     k.cluster = *o.cluster;
     if (k.cluster != 1 && k.store_by_tma)  // the TMA-store epilogue is one CTA a tile's
       set_store_by_tma(k, false);
@@ -593,7 +602,8 @@ std::vector<KernelCandidate> kernel_candidates(int gemm, const KernelShape& shap
                g + ".family=two_cta," + g + ".b_tma=0"};
       break;
     case kDh:
-      specs = {ws("cooperative"), ws("pingpong"), g + ".family=two_cta"};
+      specs = {ws("cooperative"), ws("cooperative") + "," + g + ".cluster=2", ws("pingpong"),
+               g + ".family=two_cta"};
       break;
     case kDw2:
       specs = {g + ".family=ws", g + ".family=ws," + g + ".store_tma=1", g + ".family=two_cta"};

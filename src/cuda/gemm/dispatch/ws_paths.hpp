@@ -48,6 +48,10 @@ void dh_proj_swiglu_ws(const RoutingPlanView& plan, const bf16* d_out, const bf1
 void dh_proj_swiglu_pp(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2,
                        const bf16* h, float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d,
                        int64_t n, cudaStream_t stream);
+// dh_proj for swiglu, cooperative, on clusters of 2 sharing w2's stages (dh.cluster=2).
+void dh_proj_swiglu_mc(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2,
+                       const bf16* h, float* ds_partials, bf16* dh, bf16* a_scaled, int64_t d,
+                       int64_t n, cudaStream_t stream);
 
 // dh_proj on the ping-pong schedule; same contract as dh_proj.
 void dh_proj_pp(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,

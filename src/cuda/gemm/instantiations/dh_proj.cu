@@ -177,9 +177,10 @@ void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, con
   detail::check_ptr(fn, a_scaled, "a_scaled", need);
   using detail::GatherPath;
   const bool oai = act == Activation::swiglu_oai;
-  const GatherPath path = detail::resolve_gather_path(
-      fn, kernel, plan.E, (kernels ? *kernels : choose_kernels({plan.S, plan.E, d, n, act})).dh,
-      /*has_ping_pong=*/true);
+  const GemmKernel chosen =
+      (kernels ? *kernels : choose_kernels({plan.S, plan.E, d, n, act})).dh;
+  const GatherPath path =
+      detail::resolve_gather_path(fn, kernel, plan.E, chosen, /*has_ping_pong=*/true);
   if (oai) {
     MOEBLAZE_UNSUPPORTED_IF(path != GatherPath::cooperative, fn, ": swiglu_oai runs on its own "
                             "warp-specialised cooperative kernel only (GatherKernel automatic or "
@@ -187,8 +188,12 @@ void dh_proj(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, con
     return detail::dh_proj_oai(plan, d_out, w2, h, ds_partials, dh, a_scaled, d, n, stream);
   }
   const bool swiglu = act == Activation::swiglu;  // its own kernels (no activation switch)
+  // Clusters of 2 (dh.cluster=2) where the chosen kernel is this one: an explicit GatherKernel
+  // names a schedule, not a cluster, and keeps single CTAs.
+  const bool cluster = kernel == GatherKernel::automatic && chosen.cluster == 2;
   if (path == GatherPath::cooperative && swiglu && plan.E <= kWsDhSwigluCoopMaxExperts)
-    return detail::dh_proj_swiglu_ws(plan, d_out, w2, h, ds_partials, dh, a_scaled, d, n, stream);
+    return (cluster ? detail::dh_proj_swiglu_mc : detail::dh_proj_swiglu_ws)(
+        plan, d_out, w2, h, ds_partials, dh, a_scaled, d, n, stream);
   if (path == GatherPath::ping_pong && swiglu)
     return detail::dh_proj_swiglu_pp(plan, d_out, w2, h, ds_partials, dh, a_scaled, d, n, stream);
   if (path == GatherPath::cooperative)

@@ -33,6 +33,13 @@
 //     has issued its last MMA, so one warpgroup's epilogue runs under the other's mainloop. The
 //     price: B is loaded once per 128 rows of output instead of once per 128 x 256, and A once per
 //     128 columns. For the epilogue-heavy gathered GEMMs (dH, up-projection at short d).
+// kCluster = 2 (cooperative only): a cluster of two CTAs computes the m-tiles 2 g and 2 g + 1 of
+// one (expert, n-tile), and each CTA loads half of B's boxes by TMA multicast into both, halving
+// the weight's reads where an expert's m-tiles would each read its whole panel
+// (docs/notes/dh-epilogue.md, "Open"). A is copied per CTA, as without a cluster. When an expert
+// has an odd number of m-tiles, its last cluster's second CTA has no rows: it copies zeros, takes
+// part in the loads and barriers, and its epilogue stores nothing. The same K order per output
+// element as on single CTAs, so the same bits.
 // Included by the .cu file of each GEMM that uses it (one instantiation per file).
 #pragma once
 
@@ -146,12 +153,15 @@ __device__ __forceinline__ int expert_end(const Args& p, int e) {
   return p.offsets[e + 1];
 }
 
-// Linear tile t -> Tile, from the table tile_start[e] = first m-tile of expert e (tile_start[E]
-// = all m-tiles): the expert is the last e with tile_start[e] <= m (empty experts share their
-// successor's start and are skipped by taking the last).
-template <bool kRows>
+// Linear tile t -> Tile, from the table tile_start[e] = first m-group of expert e (tile_start[E]
+// = all m-groups; an m-group is kCluster consecutive m-tiles of one expert, the m-tile itself
+// when kCluster = 1): the expert is the last e with tile_start[e] <= m (empty experts share their
+// successor's start and are skipped by taking the last). rank: the CTA's place in its cluster,
+// which picks its m-tile of the group; past the expert's rows the tile is empty
+// (m_begin = m_end).
+template <bool kRows, int kCluster = 1>
 __device__ __forceinline__ Tile decode_tile(const Args& p, const int* tile_start, int m_total,
-                                            int t) {
+                                            int t, int rank = 0) {
   int m_linear, n_tile;
   raster_tile(t, m_total, p.n_tiles, p.raster_group, m_linear, n_tile);
   int lo = 0, hi = p.E - 1;  // answer in [lo, hi]
@@ -162,24 +172,27 @@ __device__ __forceinline__ Tile decode_tile(const Args& p, const int* tile_start
   Tile tl;
   tl.expert = lo;
   const int begin = expert_begin<kRows>(p, lo);
-  tl.m_begin = begin + (m_linear - tile_start[lo]) * kBM;
   tl.m_end = expert_end<kRows>(p, lo);
+  tl.m_begin = begin + ((m_linear - tile_start[lo]) * kCluster + rank) * kBM;
+  if (kCluster > 1 && tl.m_begin > tl.m_end) tl.m_begin = tl.m_end;  // the group's idle CTA
   tl.n_tile = n_tile;
   tl.out_shift = 0;
   if constexpr (kRows) tl.out_shift = __ldg(p.rows_out + lo) - begin;
   return tl;
 }
 
-// tile_start[e] for e in [0, E], by all threads (block-wide scan of ceil(count_e / kBM)).
-template <bool kRows>
+// tile_start[e] for e in [0, E], by all threads (block-wide scan of each expert's m-groups,
+// ceil(ceil(count_e / kBM) / kCluster)).
+template <bool kRows, int kCluster = 1>
 __device__ __forceinline__ void build_tile_table(const Args& p, int* tile_start) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   int running = 0;
   for (int base = 0; base < p.E; base += kThreads) {
     const int e = base + static_cast<int>(threadIdx.x);
-    const int cnt =
+    const int m_tiles =
         e < p.E ? (expert_end<kRows>(p, e) - expert_begin<kRows>(p, e) + kBM - 1) / kBM : 0;
+    const int cnt = (m_tiles + kCluster - 1) / kCluster;
     int excl, total;
     Scan(scan_tmp).ExclusiveSum(cnt, excl, total);
     if (e < p.E) tile_start[e] = running + excl;
@@ -202,24 +215,36 @@ constexpr size_t smem_bytes(int E) {
 // Dynamic shared memory a CTA may take beside the kernels' static 2 KiB (the tile scan's).
 constexpr size_t kMaxDynamicSmem = 227 * 1024 - 2048;
 
-template <GMajor kMajorB, class Epi, class Sched, bool kTmaA = false>
+// The gather kernel's ring: its schedule's, the stages shared by kCluster CTAs.
+template <class Sched, int kCluster>
+using GatherRing = RingT<Sched::kTileN, Sched::kStages, Sched::kStageConsumers, kCluster>;
+
+template <GMajor kMajorB, class Epi, class Sched, bool kTmaA = false, int kCluster = 1>
 __global__ void __launch_bounds__(kThreads, 1)
     gather_gemm_kernel(const __grid_constant__ Args p, const typename Epi::Params ep) {
+  static_assert(kCluster == 1 || (kCluster == 2 && !Sched::kPingPong),
+                "clusters of 2, cooperative schedule only");
   pdl_wait();  // before any global memory access (src/cuda/pdl.cuh)
   pdl_launch_dependents();
   using namespace cute;
   using L = Layouts<kMajorB, Sched>;
-  using R = RingOf<Sched>;
+  using R = GatherRing<Sched, kCluster>;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   constexpr int kTileN = Sched::kTileN;
   constexpr int kBoxes = kTileN / kBox;  // TMA boxes of B per stage
+  constexpr int kBoxesOwn = kBoxes / kCluster;  // of which this CTA loads (multicast to all)
   extern __shared__ char smem_raw[];
   const R ring = R::carve(smem_raw);
   int* tile_start = reinterpret_cast<int*>(ring.end());  // (E + 1,)
   char* epi_smem = ring.end() + tile_table_bytes(p.E);    // (Epi::kSmemBytes,)
   ring.init_barriers();
-  build_tile_table<kTmaA>(p, tile_start);
+  build_tile_table<kTmaA, kCluster>(p, tile_start);
   __syncthreads();
+  // The cluster's barriers are initialised before any CTA multicasts into, or arrives on, them.
+  if constexpr (kCluster > 1) cute::cluster_sync();
+  const int rank = kCluster > 1 ? static_cast<int>(cute::block_rank_in_cluster()) : 0;
+  // This CTA's (cluster's) tiles: first, first + stride, ...
+  const int first = blockIdx.x / kCluster, stride = gridDim.x / kCluster;
   const int m_total = tile_start[p.E];
   const int num_tiles = m_total * p.n_tiles;
   const int k_tiles = p.K / kBK;
@@ -235,8 +260,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t soff0 = swizzled_offset<GMajor::K>(tid >> 3, chunk * 8);
     const uint32_t a_base = smem_u32(ring.a);
     RingPosT<Sched::kStages> pos;
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      const Tile tl = decode_tile<kTmaA>(p, tile_start, m_total, t);
+    for (int t = first; t < num_tiles; t += stride) {
+      const Tile tl = decode_tile<kTmaA, kCluster>(p, tile_start, m_total, t, rank);
       // This thread's source row of each j (an A row id), or -1 past the expert's end.
       int src[8];
 #pragma unroll
@@ -268,14 +293,23 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (tid == 0) {
           Barrier::arrive_and_expect_tx(&ring.full[stage],
                                         kBoxes * kBoxBytes + (kTmaA ? kStageBytesA : 0));
+          // The whole stage lands here: this CTA's boxes and, multicast, the other CTA's.
           char* dst = ring.b + stage * R::kStageBytesB;
 #pragma unroll
-          for (int h = 0; h < kBoxes; ++h)
-            SM90_TMA_LOAD_2D::copy(&p.tma_b, &ring.full[stage],
-                                   static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
-                                   dst + h * kBoxBytes,
-                                   kMajorB == GMajor::K ? kt * kBK : b_x[h],
-                                   kMajorB == GMajor::K ? b_y[h] : b_y[h] + kt * kBK);
+          for (int j = 0; j < kBoxesOwn; ++j) {
+            const int h = rank * kBoxesOwn + j;
+            const int x = kMajorB == GMajor::K ? kt * kBK : b_x[h];
+            const int y = kMajorB == GMajor::K ? b_y[h] : b_y[h] + kt * kBK;
+            if constexpr (kCluster == 1)
+              SM90_TMA_LOAD_2D::copy(&p.tma_b, &ring.full[stage],
+                                     static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
+                                     dst + h * kBoxBytes, x, y);
+            else
+              SM90_TMA_LOAD_MULTICAST_2D::copy(
+                  &p.tma_b, &ring.full[stage], static_cast<uint16_t>((1u << kCluster) - 1),
+                  static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL), dst + h * kBoxBytes,
+                  x, y);
+          }
           if constexpr (kTmaA) {  // the tile's 128 rows as two 64-row boxes (past S: zero fill)
             char* a_dst = ring.a + stage * kStageBytesA;
 #pragma unroll
@@ -302,7 +336,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---------------- consumers ----------------
     Tile tl;
     auto begin = [&](int t) {
-      tl = decode_tile<kTmaA>(p, tile_start, m_total, t);
+      tl = decode_tile<kTmaA, kCluster>(p, tile_start, m_total, t, rank);
       Epi::at_tile_start(ep, tl.m_begin, tl.m_end, tl.n_tile, epi_smem);
       return k_tiles;
     };
@@ -313,21 +347,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (Sched::kPingPong)
       pingpong_consumer_loop<L, kConsumerRegs>(ring, num_tiles, k_tiles, begin, end);
     else
-      consumer_loop<L, kConsumerRegs>(ring, blockIdx.x, gridDim.x, num_tiles, begin, end);
+      consumer_loop<L, kConsumerRegs>(ring, first, stride, num_tiles, begin, end);
   }
+  // No CTA leaves while the other may still multicast into it or arrive on its barriers.
+  if constexpr (kCluster > 1) cute::cluster_sync();
 }
 
 // The grid: one CTA per SM, or fewer when there are fewer tiles than SMs (the host bound
-// (ceil(S / kBM) + E) * n_tiles).
+// (ceil(S / kBM) + E) * n_tiles); with clusters, as many clusters as can be resident at once
+// (the GPCs decide, not SMs / kCluster), or fewer when there are fewer m-groups
+// (ceil(S / (kCluster kBM)) + E per n-tile).
 // b: the stacked weights (E * b_rows_per_expert, b_cols) behind Args::tma_b; raster_group: the
 // host's band height (dispatch/raster.hpp).
-template <GMajor kMajorB, class Epi, class Sched, bool kTmaA = false>
+template <GMajor kMajorB, class Epi, class Sched, bool kTmaA = false, int kCluster = 1>
 void launch_gather_gemm(const Args& p, const void* b, const typename Epi::Params& ep, int64_t S,
                         int raster_group, cudaStream_t stream) {
   if (S == 0) return;
-  const int grid = persistent_grid(((S + kBM - 1) / kBM + p.E) * p.n_tiles);
+  const int64_t m_groups = (S + kCluster * kBM - 1) / (kCluster * kBM) + p.E;  // a bound
   Args q = p;
-  q.raster_group = clamp_raster_group(raster_group, (S + kBM - 1) / kBM + p.E);
+  q.raster_group = clamp_raster_group(raster_group, m_groups);
   const int64_t b_rows = int64_t(p.E) * p.b_rows_per_expert;
   MOEBLAZE_UNSUPPORTED_IF(b_rows > INT32_MAX, "the weight stack's ", b_rows,
                           " rows exceed the TMA coordinate range (2^31 - 1)");
@@ -336,13 +374,43 @@ void launch_gather_gemm(const Args& p, const void* b, const typename Epi::Params
     MOEBLAZE_UNSUPPORTED_IF(S > INT32_MAX, "S (", S, ") exceeds the TMA coordinate range");
     q.tma_a = make_tma_kmajor(p.a, S, p.K);  // A (S, K) row-major: K-major like a weight stack
   }
-  auto kernel = &gather_gemm_kernel<kMajorB, Epi, Sched, kTmaA>;
+  auto kernel = &gather_gemm_kernel<kMajorB, Epi, Sched, kTmaA, kCluster>;
   const size_t smem = smem_bytes<Sched, Epi>(p.E);
   MOEBLAZE_UNSUPPORTED_IF(smem > kMaxDynamicSmem, "the gather kernel's shared memory (", smem,
                           " bytes for E = ", p.E, ") exceeds the SM's ", kMaxDynamicSmem);
   MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)));
-  launch_kernel(kernel, dim3(grid), dim3(kThreads), smem, stream, 1, q, ep);
+  const int64_t tiles = m_groups * p.n_tiles;
+  if constexpr (kCluster == 1) {
+    launch_kernel(kernel, dim3(persistent_grid(tiles)), dim3(kThreads), smem, stream, 1, q, ep);
+  } else {
+    cudaLaunchConfig_t cfg{};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kCluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.gridDim = dim3(kCluster * 64);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    // Resident clusters of this instantiation at this shared-memory size (the tile table's
+    // bytes follow E), asked once per size and host thread.
+    thread_local size_t asked_smem = 0;
+    thread_local int resident = 0;
+    if (asked_smem != smem) {
+      MOEBLAZE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg));
+      asked_smem = smem;
+    }
+    MOEBLAZE_UNSUPPORTED_IF(resident <= 0, "the gather kernel: no ", kCluster,
+                            "-CTA cluster of it fits on this device (", smem, " bytes of shared "
+                            "memory a CTA)");
+    const int64_t clusters = tiles < resident ? tiles : resident;
+    launch_kernel(kernel, dim3(static_cast<unsigned>(kCluster * clusters)), dim3(kThreads), smem,
+                  stream, kCluster, q, ep);
+  }
 }
 
 }  // namespace moeblaze::cuda::gemm::sm90::ws

@@ -17,7 +17,7 @@
 //   (6) dX̃: A = dh (S, w1_rows), B = w1 N-major (w1_e (w1_rows, d): K rows of N = d).
 // Each .cu file that includes this instantiates one (GEMM, schedule) pair (up_proj_ws.cu,
 // up_proj_pp.cu, up_proj_oai.cu, dh_proj_ws.cu, dh_proj_pp.cu, dh_proj_swiglu_ws.cu,
-// dh_proj_swiglu_pp.cu, dh_proj_oai.cu, down_proj_ws.cu, down_proj_pp.cu, dx_proj_ws.cu,
+// dh_proj_swiglu_pp.cu, dh_proj_swiglu_mc.cu, dh_proj_oai.cu, down_proj_ws.cu, down_proj_pp.cu, dx_proj_ws.cu,
 // dx_proj_pp.cu).
 #pragma once
 
@@ -342,8 +342,9 @@ void up_proj_gather(const RoutingPlanView& plan, const bf16* x, const bf16* w1, 
 
 // dh_proj on the warp-specialised kernel with schedule Sched; same contract as dh_proj, act one
 // of the activations kActs names (GatherDhEpilogue; kStageH: H through shared memory). ds_cols:
-// ds_partials' columns (ds_partials_cols(n)); raster_group as for up_proj_gather.
-template <class Sched, int kActs = kAnyActivation, bool kStageH = false>
+// ds_partials' columns (ds_partials_cols(n)); raster_group as for up_proj_gather. kCluster: CTAs
+// sharing each stage of w2 by multicast (gather_gemm_kernel).
+template <class Sched, int kActs = kAnyActivation, bool kStageH = false, int kCluster = 1>
 void dh_proj_gather(const RoutingPlanView& plan, const bf16* d_out, const bf16* w2, const bf16* h,
                     float* ds_partials, int64_t ds_cols, bf16* dh, bf16* a_scaled, int64_t d,
                     int64_t n, Activation act, int raster_group, cudaStream_t stream) {
@@ -353,8 +354,8 @@ void dh_proj_gather(const RoutingPlanView& plan, const bf16* d_out, const bf16* 
   p.b_cols = static_cast<int>(n);
   p.gate_split = 0;
   const DhParams ep = make_dh_params(plan, h, ds_partials, ds_cols, dh, a_scaled, n, act);
-  launch_gather_gemm<GMajor::MN, GatherDhEpilogue<typename Sched::Frag, kActs, kStageH>, Sched>(
-      p, w2, ep, plan.S, raster_group, stream);
+  launch_gather_gemm<GMajor::MN, GatherDhEpilogue<typename Sched::Frag, kActs, kStageH>, Sched,
+                     /*kTmaA=*/false, kCluster>(p, w2, ep, plan.S, raster_group, stream);
 }
 
 // A contiguous-A GEMM on the warp-specialised kernel, over the rows `rows` names: per expert e,
