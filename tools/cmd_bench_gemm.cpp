@@ -390,9 +390,11 @@ std::vector<Kernel> shape_kernels(ShapeData& s, Activation act, cudaStream_t str
   // choice, not an argument): the TMA path's other tiles (family=tma: also where the rule picks
   // another family), the contiguous-A GEMMs on the
   // warp-specialised kernel (down/dx.family=ws, + schedule), dW1 on 2-CTA clusters.
-  // `extra` (--kernels) comes first, under every kernel's own overrides.
+  // `extra` (--kernels) comes first, under every kernel's own overrides: a GEMM the row's spec
+  // names runs the row's kernel whatever `extra` says about that GEMM (layer_kernel_overrides).
   auto with_overrides = [&extra](const char* spec, Kernel k) -> Kernel {
-    const gg::KernelOverrides o = gg::parse_kernel_overrides(extra + "," + spec);
+    const gg::KernelOverrides o = gg::layer_kernel_overrides(gg::parse_kernel_overrides(extra),
+                                                             gg::parse_kernel_overrides(spec));
     k.launch = [o, inner = k.launch] {
       gg::set_kernel_overrides(o);
       inner();

@@ -999,6 +999,35 @@ TEST(GroupedGemmChecks, DhClusterOverride) {
                           [](const gg::KernelCandidate& c) { return c.kernel.cluster == 2; }));
 }
 
+// A benchmark row's own spec over --kernels (layer_kernel_overrides): the GEMMs the row names take
+// its fields alone, so --kernels cannot combine with a row into a kernel nobody asked for (and
+// that an override refuses); every other GEMM and the global keys keep --kernels'. Host-only.
+TEST(GroupedGemmChecks, RowSpecReplacesTheBaseForTheGemmsItNames) {
+  using LK = gg::LayerKernels;
+  const gg::KernelOverrides base =
+      gg::parse_kernel_overrides("dw1.schedule=pingpong,dw2.store_tma=0,raster=8,tma.bands=4");
+  const gg::KernelOverrides row = gg::parse_kernel_overrides("dw1.family=ws,dw1.cluster=2,tma.bands=2");
+  const gg::KernelOverrides o = gg::layer_kernel_overrides(base, row);
+  EXPECT_FALSE(o.gemm[LK::kDw1].schedule.has_value());
+  EXPECT_EQ(o.gemm[LK::kDw1].cluster, 2);
+  EXPECT_EQ(o.gemm[LK::kDw1].family, gg::KernelFamily::ws_varlen_k);
+  EXPECT_EQ(o.gemm[LK::kDw2].store_tma, false);  // a GEMM the row leaves alone keeps the base's
+  EXPECT_EQ(o.raster_group, 8);
+  EXPECT_EQ(o.tma_bands, 2);  // a global key the row sets wins
+  EXPECT_EQ(o.spec, base.spec + "," + row.spec);
+  const gg::KernelShape olmoe{262144, 64, 2048, 1024};
+  // Concatenated, the two specs ask for a varlen-K ping-pong dW1, which no kernel runs.
+  EXPECT_THROW(gg::choose_kernels(olmoe, gg::parse_kernel_overrides(base.spec + "," + row.spec)),
+               Unsupported);
+  const gg::LayerKernels k = gg::choose_kernels(olmoe, o);
+  EXPECT_EQ(k.dw1.cluster, 2);
+  EXPECT_EQ(k.dw1.schedule, gg::KernelSchedule::cooperative);
+  EXPECT_FALSE(k.dw2.store_by_tma);
+  // Either side empty: the other as it is.
+  EXPECT_EQ(gg::layer_kernel_overrides(base, {}).spec, base.spec);
+  EXPECT_EQ(gg::layer_kernel_overrides({}, row).gemm[LK::kDw1].cluster, 2);
+}
+
 TEST(GroupedGemmChecks, TmaBandsFollowTheSmCount) {
   const gg::KernelOverrides none;
   auto choose = [&](int64_t S, int64_t E, int64_t d, int64_t n, int64_t sms,

@@ -506,6 +506,35 @@ KernelOverrides parse_kernel_overrides(const std::string& spec) {
   return o;
 }
 
+namespace {
+bool names_gemm(const GemmOverride& g) {
+  return g.family || g.schedule || g.cluster || g.b_by_tma || g.tile_m || g.tile_n || g.store_tma;
+}
+template <class T>
+void take_set(std::optional<T>& to, const std::optional<T>& from) {
+  if (from) to = from;
+}
+}  // namespace
+
+KernelOverrides layer_kernel_overrides(const KernelOverrides& base, const KernelOverrides& over) {
+  KernelOverrides o = base;
+  for (int g = 0; g < LayerKernels::kCount; ++g)
+    if (names_gemm(over.gemm[g])) o.gemm[g] = over.gemm[g];
+  take_set(o.raster_group, over.raster_group);
+  take_set(o.tma_along_n, over.tma_along_n);
+  take_set(o.tma_swizzle, over.tma_swizzle);
+  take_set(o.tma_bands, over.tma_bands);
+  take_set(o.token_chunks.forward, over.token_chunks.forward);
+  take_set(o.token_chunks.backward, over.token_chunks.backward);
+  take_set(o.expert_ranges, over.expert_ranges);
+  take_set(o.pdl, over.pdl);
+  take_set(o.fp8.schedule, over.fp8.schedule);
+  take_set(o.fp8.cluster, over.fp8.cluster);
+  o.naive = base.naive || over.naive;
+  o.spec = base.spec.empty() ? over.spec : over.spec.empty() ? base.spec : base.spec + "," + over.spec;
+  return o;
+}
+
 KernelOverrides kernel_overrides() {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (g_set) return g_overrides;

@@ -295,6 +295,11 @@ struct KernelOverrides {
 
 // Parses a spec; throws InvalidArgument naming the item and the rule.
 KernelOverrides parse_kernel_overrides(const std::string& spec);
+// `over` on top of `base`: a GEMM that `over` names takes `over`'s fields for it alone (base's
+// for that GEMM are dropped, so they cannot combine into a kernel neither asked for); every other
+// GEMM and the global keys keep base's unless `over` sets them. A benchmark row's own spec over
+// --kernels, so that the row runs the kernel its name says.
+KernelOverrides layer_kernel_overrides(const KernelOverrides& base, const KernelOverrides& over);
 // The overrides in force: those set by set_kernel_overrides, else MOEBLAZE_KERNELS (read and
 // parsed on first use; a bad value throws InvalidArgument naming the variable).
 KernelOverrides kernel_overrides();
