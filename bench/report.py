@@ -178,6 +178,9 @@ DESCRIBE = {
                    "writes alone",
     HALF_TILES_AB: "the layer with and without the half_tiles override (since removed) on the grid's "
                    "few-rows-per-expert shapes and four shapes off it, alternated",
+    "contiguous-tiles-gemm-sweep-2026-12-07-baf9d37-h100.jsonl": "down-proj and dX̃ alone on "
+        "the rule's kernel and on the TMA path's 128 x 256 (clusters of 1 and 2) and 192 x 128 "
+        "tiles at 14 shapes, three rounds in one process each",
     DOWN_WIDE_AB: "the layer under down-proj's wide-tile rule against its former 192 x 128 "
                   "tile, on the TMA path's wide shapes and four off the grid, one round",
     RULES_AB: "the layer on the grid under its rule and two candidate kernel rules, alternated",
