@@ -59,4 +59,25 @@ void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
   MOEBLAZE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
+// Clusters of `cluster` CTAs (along x) of `kernel` with `smem` bytes of dynamic shared memory each
+// that can be resident at once: the GPCs decide, not SMs / cluster. A persistent kernel on
+// clusters launches this many, or fewer where it has fewer tiles.
+template <typename... Params>
+int resident_clusters(void (*kernel)(Params...), dim3 block, size_t smem, int cluster) {
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.gridDim = dim3(unsigned(cluster) * 64);
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  MOEBLAZE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg));
+  return n;
+}
+
 }  // namespace moeblaze::cuda

@@ -384,24 +384,12 @@ void launch_gather_gemm(const Args& p, const void* b, const typename Epi::Params
   if constexpr (kCluster == 1) {
     launch_kernel(kernel, dim3(persistent_grid(tiles)), dim3(kThreads), smem, stream, 1, q, ep);
   } else {
-    cudaLaunchConfig_t cfg{};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = kCluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.gridDim = dim3(kCluster * 64);
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
     // Resident clusters of this instantiation at this shared-memory size (the tile table's
     // bytes follow E), asked once per size and host thread.
     thread_local size_t asked_smem = 0;
     thread_local int resident = 0;
     if (asked_smem != smem) {
-      MOEBLAZE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg));
+      resident = resident_clusters(kernel, dim3(kThreads), smem, kCluster);
       asked_smem = smem;
     }
     MOEBLAZE_UNSUPPORTED_IF(resident <= 0, "the gather kernel: no ", kCluster,

@@ -446,26 +446,9 @@ void launch_varlen_k_ws(const VarlenKArgs& a, int64_t S, int raster_group, cudaS
     const int grid = persistent_grid(tiles);
     launch_kernel(kernel, dim3(grid), dim3(kThreads), smem, stream, 1, q);
   } else {
-    cudaLaunchConfig_t cfg{};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = kCluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    // Persistent: as many clusters as can be resident at once (the GPCs decide, not SMs / 2),
-    // or one per cluster tile when there are fewer.
-    static const int resident = [&] {  // per instantiation; a process's devices are alike
-      cudaLaunchConfig_t probe = cfg;
-      probe.gridDim = dim3(kCluster * 64);
-      int n = 0;
-      MOEBLAZE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &probe));
-      return n;
-    }();
+    // Persistent: as many clusters as can be resident at once, or one per cluster tile when
+    // there are fewer (per instantiation; a process's devices are alike).
+    static const int resident = resident_clusters(kernel, dim3(kThreads), smem, kCluster);
     MOEBLAZE_UNSUPPORTED_IF(resident <= 0, "weight-gradient GEMM: no ", kCluster,
                             "-CTA cluster of its kernel fits on this device");
     const int64_t clusters = tiles < resident ? tiles : resident;
