@@ -333,6 +333,21 @@ TEST_P(GroupedGemm, UpProjGatheredWithActivationEpilogue) {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_TRUE(bytes_equal(a, a_full)) << "a differs when h is not stored";
   }
+  // The cooperative kernel on clusters of 2 sharing w1's stages (up.cluster=2): the single-CTA
+  // kernel's bits, also where an expert's odd m-tile count leaves a cluster's second CTA idle.
+  if (c.act != Activation::swiglu_oai) {
+    gg::up_proj(dp.view, cb(x), cb(w1), mb(h), mb(a), d, n, c.act, nullptr,
+                gg::GatherKernel::warp_specialized);
+    const auto h_one = download<uint8_t>(h), a_one = download<uint8_t>(a);
+    const ClearOverridesOnExit clear_on_exit;
+    gg::set_kernel_overrides(gg::parse_kernel_overrides("up.family=ws,up.cluster=2"));
+    ASSERT_EQ(gg::choose_kernels({S, c.E, d, n, c.act}).up.cluster, 2);
+    run_twice({&h, &a}, [&] {
+      gg::up_proj(dp.view, cb(x), cb(w1), mb(h), mb(a), d, n, c.act, nullptr);
+    });
+    EXPECT_TRUE(bytes_equal(h, h_one)) << "h on clusters of 2";
+    EXPECT_TRUE(bytes_equal(a, a_one)) << "a on clusters of 2";
+  }
 }
 
 // ---- (2) down-projection --------------------------------------------------------------------
@@ -974,9 +989,10 @@ TEST(GroupedGemmChecks, CandidatesHoldTheAutomaticChoiceOnce) {
   EXPECT_THROW(gg::kernel_candidates(6, shapes[0]), InvalidArgument);
 }
 
-// dh.cluster=2: swiglu's cooperative dH kernel on clusters of 2 (a candidate, not the rule's);
-// refused where that kernel does not run (other activations, E > 2000, ping-pong). Host-only.
-TEST(GroupedGemmChecks, DhClusterOverride) {
+// dh.cluster=2 / up.cluster=2: the cooperative gather kernels on clusters of 2 (candidates, not
+// the rule's); refused where that kernel does not run (dH: other activations, E > 2000;
+// ping-pong; swiglu_oai's up-projection). Host-only.
+TEST(GroupedGemmChecks, GatherClusterOverrides) {
   const gg::KernelShape oss{65536, 128, 2880, 2880};  // gpt-oss-120b's sizes, swiglu
   EXPECT_EQ(gg::choose_kernels(oss, gg::KernelOverrides{}).dh.cluster, 1);
   const gg::GemmKernel mc = gg::choose_kernels(oss, gg::parse_kernel_overrides("dh.cluster=2")).dh;
@@ -997,6 +1013,15 @@ TEST(GroupedGemmChecks, DhClusterOverride) {
   const auto cands = gg::kernel_candidates(gg::LayerKernels::kDh, oss);
   EXPECT_TRUE(std::any_of(cands.begin(), cands.end(),
                           [](const gg::KernelCandidate& c) { return c.kernel.cluster == 2; }));
+  // The up-projection's cooperative kernel too, for every activation but swiglu_oai.
+  EXPECT_EQ(gg::choose_kernels(oss, gg::parse_kernel_overrides("up.cluster=2")).up.cluster, 2);
+  EXPECT_EQ(gg::choose_kernels(relu, gg::parse_kernel_overrides("up.cluster=2")).up.cluster, 2);
+  gg::KernelShape oai = oss;
+  oai.act = Activation::swiglu_oai;
+  EXPECT_THROW(gg::choose_kernels(oai, gg::parse_kernel_overrides("up.cluster=2")), Unsupported);
+  EXPECT_THROW(gg::choose_kernels(oss, gg::parse_kernel_overrides(
+                                           "up.schedule=pingpong,up.cluster=2")),
+               Unsupported);
 }
 
 // A benchmark row's own spec over --kernels (layer_kernel_overrides): the GEMMs the row names take

@@ -254,14 +254,19 @@ void apply(int g, const GemmOverride& o, const KernelShape& s, GemmKernel& k) {
   }
   if (o.cluster) {
     const bool dw1_ws = g == kDw1 && k.family == KernelFamily::ws_varlen_k;
-    // dH's swiglu kernel, cooperative, shares w2's stages between two CTAs (dh_proj_swiglu_mc.cu;
-    // docs/notes/dh-epilogue.md, "Open").
+    // dH's swiglu kernel and the up-projection's, cooperative, share the weight's stages
+    // between two CTAs (dh_proj_swiglu_mc.cu, up_proj_mc.cu; docs/notes/dh-epilogue.md, "Open").
     const bool dh_ws = g == kDh && k.family == KernelFamily::ws_gather &&
                        k.schedule == KernelSchedule::cooperative;
-    MOEBLAZE_UNSUPPORTED_IF(!dw1_ws && !dh_ws && k.family != KernelFamily::tma_grouped,
+    const bool up_ws = g == kUp && k.family == KernelFamily::ws_gather &&
+                       k.schedule == KernelSchedule::cooperative;
+    MOEBLAZE_UNSUPPORTED_IF(!dw1_ws && !dh_ws && !up_ws && k.family != KernelFamily::tma_grouped,
                             "kernel override ", name, ".cluster: only dw1_proj on ws_varlen_k, "
-                            "dh_proj on ws_gather cooperative and down_proj / dx_proj on "
-                            "tma_grouped run on clusters");
+                            "up_proj and dh_proj on ws_gather cooperative and down_proj / dx_proj "
+                            "on tma_grouped run on clusters");
+    MOEBLAZE_UNSUPPORTED_IF(up_ws && *o.cluster != 1 && s.act == Activation::swiglu_oai,
+                            "kernel override ", name, ".cluster=", *o.cluster, ": swiglu_oai's "
+                            "up-projection runs on single CTAs");
     MOEBLAZE_UNSUPPORTED_IF(dh_ws && *o.cluster != 1 &&
                                 (s.act != Activation::swiglu || s.E > kWsDhSwigluCoopMaxExperts),
                             "kernel override ", name, ".cluster=", *o.cluster, ": dH on clusters "
@@ -627,7 +632,7 @@ std::vector<KernelCandidate> kernel_candidates(int gemm, const KernelShape& shap
   std::vector<std::string> specs;
   switch (gemm) {
     case kUp:
-      specs = {ws("cooperative"), ws("pingpong"), g + ".family=two_cta," + g + ".b_tma=1",
+      specs = {ws("cooperative"), ws("cooperative") + "," + g + ".cluster=2", ws("pingpong"), g + ".family=two_cta," + g + ".b_tma=1",
                g + ".family=two_cta," + g + ".b_tma=0"};
       break;
     case kDh:

@@ -28,6 +28,10 @@ GatherPath resolve_gather_path(const char* fn, GatherKernel kernel, int64_t E,
 void up_proj_ws(const RoutingPlanView& plan, const bf16* x, const bf16* w1, const bf16* b1, bf16* h,
                 bf16* a, int64_t d, int64_t n, Activation act, cudaStream_t stream);
 
+// up_proj, cooperative, on clusters of 2 sharing w1's stages (up.cluster=2); same contract.
+void up_proj_mc(const RoutingPlanView& plan, const bf16* x, const bf16* w1, const bf16* b1, bf16* h,
+                bf16* a, int64_t d, int64_t n, Activation act, cudaStream_t stream);
+
 // up_proj on the warp-specialised kernel's ping-pong schedule; same contract as up_proj.
 void up_proj_pp(const RoutingPlanView& plan, const bf16* x, const bf16* w1, const bf16* b1, bf16* h,
                 bf16* a, int64_t d, int64_t n, Activation act, cudaStream_t stream);

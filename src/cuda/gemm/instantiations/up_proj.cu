@@ -52,8 +52,12 @@ void up_proj(const RoutingPlanView& plan, const bf16* x, const bf16* w1, bf16* h
                             "warp_specialized)");
     return detail::up_proj_oai(plan, x, w1, b1, h, a, d, n, stream);
   }
+  // Clusters of 2 (up.cluster=2) where the chosen kernel is this one: an explicit GatherKernel
+  // names a schedule, not a cluster, and keeps single CTAs.
+  const bool cluster = kernel == GatherKernel::automatic && chosen.cluster == 2;
   if (path == GatherPath::cooperative)
-    return detail::up_proj_ws(plan, x, w1, b1, h, a, d, n, act, stream);
+    return (cluster ? detail::up_proj_mc : detail::up_proj_ws)(plan, x, w1, b1, h, a, d, n, act,
+                                                               stream);
   if (path == GatherPath::ping_pong)
     return detail::up_proj_pp(plan, x, w1, b1, h, a, d, n, act, stream);
   const bool gated = is_gated(act);

@@ -16,7 +16,7 @@
 //   (2) down-projection: A = a (S, n), B = w2 K-major (w2_e (d, n): N = d rows of K = n);
 //   (6) dX̃: A = dh (S, w1_rows), B = w1 N-major (w1_e (w1_rows, d): K rows of N = d).
 // Each .cu file that includes this instantiates one (GEMM, schedule) pair (up_proj_ws.cu,
-// up_proj_pp.cu, up_proj_oai.cu, dh_proj_ws.cu, dh_proj_pp.cu, dh_proj_swiglu_ws.cu,
+// up_proj_pp.cu, up_proj_mc.cu, up_proj_oai.cu, dh_proj_ws.cu, dh_proj_pp.cu, dh_proj_swiglu_ws.cu,
 // dh_proj_swiglu_pp.cu, dh_proj_swiglu_mc.cu, dh_proj_oai.cu, down_proj_ws.cu, down_proj_pp.cu, dx_proj_ws.cu,
 // dx_proj_pp.cu).
 #pragma once
@@ -321,8 +321,9 @@ struct GatherDhEpilogue {
 
 // up_proj on the warp-specialised kernel with schedule Sched; same contract as up_proj (kOai:
 // the swiglu_oai kernel, act must be swiglu_oai; b1 the expert biases or null). raster_group:
-// the host's band height (dispatch/raster.hpp).
-template <class Sched, bool kOai = false>
+// the host's band height (dispatch/raster.hpp). kCluster: CTAs sharing each stage of w1 by
+// multicast (gather_gemm_kernel).
+template <class Sched, bool kOai = false, int kCluster = 1>
 void up_proj_gather(const RoutingPlanView& plan, const bf16* x, const bf16* w1, const bf16* b1,
                     bf16* h, bf16* a, int64_t d, int64_t n, Activation act, int raster_group,
                     cudaStream_t stream) {
@@ -336,8 +337,8 @@ void up_proj_gather(const RoutingPlanView& plan, const bf16* x, const bf16* w1, 
   p.gate_split = gated ? static_cast<int>(n) : 0;
   ActParams ep{reinterpret_cast<__nv_bfloat16*>(h), reinterpret_cast<__nv_bfloat16*>(a),
                static_cast<int>(n), act, reinterpret_cast<const __nv_bfloat16*>(b1)};
-  launch_gather_gemm<GMajor::K, GatherActEpilogue<typename Sched::Frag, kOai>, Sched>(
-      p, w1, ep, plan.S, raster_group, stream);
+  launch_gather_gemm<GMajor::K, GatherActEpilogue<typename Sched::Frag, kOai>, Sched,
+                     /*kTmaA=*/false, kCluster>(p, w1, ep, plan.S, raster_group, stream);
 }
 
 // dh_proj on the warp-specialised kernel with schedule Sched; same contract as dh_proj, act one
