@@ -552,6 +552,10 @@ void run_bench(const BenchFlags& f) {
   if (step_table.rows()) {
     os << "\n";
     step_table.print(os);
+    // Measured on an H100 (docs/notes/sonicmoe-and-quack.md): the steps alone can read well above
+    // their time inside the layer's step; say so beside the table.
+    os << "(each step alone, 20 times back to back on buffers of its own: some GEMMs read slower "
+          "than inside the step, dX̃ up to 1.8x; bench/step_kernels.py times them in the step)\n";
   }
   if (agg_table.rows()) {
     os << "\n";
@@ -603,7 +607,9 @@ void add_bench_layer_command(CLI::App& bench) {
   sub->add_flag("--show-kernels", flags->show_kernels,
                 "print each config's kernel choice (as `bench kernels`) before its rows");
   sub->add_flag("--breakdown", flags->breakdown,
-                "also time each of the eight steps alone (keep_h, preallocated buffers)");
+                "also time each of the eight steps alone (keep_h, preallocated buffers; "
+                "alone some read slower than in the step: bench/step_kernels.py times them "
+                "there)");
   sub->callback([flags] { run_bench(*flags); });
 }
 
