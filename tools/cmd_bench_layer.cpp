@@ -552,10 +552,9 @@ void run_bench(const BenchFlags& f) {
   if (step_table.rows()) {
     os << "\n";
     step_table.print(os);
-    // Measured on an H100 (docs/notes/sonicmoe-and-quack.md): the steps alone can read well above
-    // their time inside the layer's step; say so beside the table.
-    os << "(each step alone, 20 times back to back on buffers of its own: some GEMMs read slower "
-          "than inside the step, dX̃ up to 1.8x; bench/step_kernels.py times them in the step)\n";
+    // Steps alone read slower than in the step at some shapes (docs/notes/sonicmoe-and-quack.md).
+    os << "(each step alone, back to back on buffers of its own: some read slower than inside the "
+          "step; bench/step_kernels.py times them in the step)\n";
   }
   if (agg_table.rows()) {
     os << "\n";

@@ -1039,7 +1039,9 @@ TEST(GroupedGemmChecks, RowSpecReplacesTheBaseForTheGemmsItNames) {
   EXPECT_EQ(o.gemm[LK::kDw2].store_tma, false);  // a GEMM the row leaves alone keeps the base's
   EXPECT_EQ(o.raster_group, 8);
   EXPECT_EQ(o.tma_bands, 2);  // a global key the row sets wins
-  EXPECT_EQ(o.spec, base.spec + "," + row.spec);
+  // Its spec says what is in force: the base's dw1 item gone.
+  EXPECT_EQ(o.spec, "dw2.store_tma=0,raster=8,tma.bands=4," + row.spec);
+  EXPECT_EQ(gg::parse_kernel_overrides(o.spec).gemm[LK::kDw1].schedule, std::nullopt);
   const gg::KernelShape olmoe{262144, 64, 2048, 1024};
   // Concatenated, the two specs ask for a varlen-K ping-pong dW1, which no kernel runs.
   EXPECT_THROW(gg::choose_kernels(olmoe, gg::parse_kernel_overrides(base.spec + "," + row.spec)),

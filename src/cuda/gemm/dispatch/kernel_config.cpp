@@ -523,6 +523,18 @@ void take_set(std::optional<T>& to, const std::optional<T>& from) {
 
 KernelOverrides layer_kernel_overrides(const KernelOverrides& base, const KernelOverrides& over) {
   KernelOverrides o = base;
+  // The spec says what is in force: base's items but those of the GEMMs `over` names, then over's.
+  std::string kept;
+  for (size_t at = 0; at <= base.spec.size();) {
+    const size_t comma = std::min(base.spec.find(',', at), base.spec.size());
+    const std::string item = base.spec.substr(at, comma - at);
+    at = comma + 1;
+    bool dropped = false;
+    for (int g = 0; g < LayerKernels::kCount; ++g)
+      dropped = dropped ||
+                (names_gemm(over.gemm[g]) && item.rfind(std::string(kShort[g]) + ".", 0) == 0);
+    if (!item.empty() && !dropped) kept += (kept.empty() ? "" : ",") + item;
+  }
   for (int g = 0; g < LayerKernels::kCount; ++g)
     if (names_gemm(over.gemm[g])) o.gemm[g] = over.gemm[g];
   take_set(o.raster_group, over.raster_group);
@@ -536,7 +548,7 @@ KernelOverrides layer_kernel_overrides(const KernelOverrides& base, const Kernel
   take_set(o.fp8.schedule, over.fp8.schedule);
   take_set(o.fp8.cluster, over.fp8.cluster);
   o.naive = base.naive || over.naive;
-  o.spec = base.spec.empty() ? over.spec : over.spec.empty() ? base.spec : base.spec + "," + over.spec;
+  o.spec = kept.empty() ? over.spec : over.spec.empty() ? kept : kept + "," + over.spec;
   return o;
 }
 
