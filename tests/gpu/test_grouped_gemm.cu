@@ -989,9 +989,10 @@ TEST(GroupedGemmChecks, CandidatesHoldTheAutomaticChoiceOnce) {
   EXPECT_THROW(gg::kernel_candidates(6, shapes[0]), InvalidArgument);
 }
 
-// dh.cluster=2 / up.cluster=2: the cooperative gather kernels on clusters of 2 (candidates, not
-// the rule's); refused where that kernel does not run (dH: other activations, E > 2000;
-// ping-pong; swiglu_oai's up-projection). Host-only.
+// dh.cluster=2 / up.cluster=2: the cooperative gather kernels on clusters of 2, the rule's where
+// an expert's rows fill two 128-row tiles and the GEMM is weight-bound, an override elsewhere;
+// refused where that kernel does not run (dH: other activations, E > 2000; ping-pong; swiglu_oai's
+// up-projection). Host-only.
 TEST(GroupedGemmChecks, GatherClusterOverrides) {
   const gg::KernelShape oss{65536, 128, 2880, 2880};  // gpt-oss-120b's sizes, swiglu
   EXPECT_EQ(gg::choose_kernels(oss, gg::KernelOverrides{}).dh.cluster, 1);
@@ -1022,6 +1023,36 @@ TEST(GroupedGemmChecks, GatherClusterOverrides) {
   EXPECT_THROW(gg::choose_kernels(oss, gg::parse_kernel_overrides(
                                            "up.schedule=pingpong,up.cluster=2")),
                Unsupported);
+
+  // The rule: S / E in [118, min(240, FLOPs per DRAM byte - 1)], both kernels for swiglu.
+  auto at = [](int64_t rows, int64_t fpb, Activation act) {
+    gg::KernelShape s{rows * 384, 384, 7168, 2048};  // Kimi-K2's sizes
+    s.act = act;
+    s.flops_per_byte = fpb;
+    return gg::choose_kernels(s, gg::KernelOverrides{});
+  };
+  for (const int64_t rows : {118, 170, 240}) {
+    const gg::LayerKernels k = at(rows, 319, Activation::swiglu);
+    EXPECT_EQ(k.up.cluster, 2) << rows;
+    EXPECT_EQ(k.dh.cluster, 2) << rows;
+    EXPECT_EQ(k.dh.schedule, gg::KernelSchedule::cooperative) << rows;
+  }
+  for (const int64_t rows : {117, 241, 512}) {
+    const gg::LayerKernels k = at(rows, 319, Activation::swiglu);
+    EXPECT_EQ(k.up.cluster, 1) << rows;
+    EXPECT_EQ(k.dh.cluster, 1) << rows;
+  }
+  EXPECT_EQ(at(217, 218, Activation::swiglu).up.cluster, 2);  // an H200: memory faster per FLOP
+  EXPECT_EQ(at(218, 218, Activation::swiglu).up.cluster, 1);
+  EXPECT_EQ(at(170, 319, Activation::relu).up.cluster, 2);  // the shared kernel
+  EXPECT_EQ(at(170, 319, Activation::relu).dh.cluster, 1);  // dH's switch kernel: single CTAs
+  EXPECT_EQ(at(170, 319, Activation::swiglu_oai).up.cluster, 1);
+  EXPECT_EQ(at(170, 319, Activation::swiglu_oai).dh.cluster, 1);
+  gg::KernelShape kimi{170 * 384, 384, 7168, 2048};
+  kimi.flops_per_byte = 319;
+  EXPECT_EQ(gg::choose_kernels(kimi, gg::parse_kernel_overrides("up.cluster=1,dh.cluster=1")).up.cluster, 1);
+  EXPECT_EQ(gg::choose_kernels(kimi, gg::parse_kernel_overrides("dh.schedule=pingpong")).dh.cluster, 1);
+  EXPECT_EQ(gg::choose_kernels(kimi, gg::parse_kernel_overrides("up.family=two_cta")).up.cluster, 1);
 }
 
 // A benchmark row's own spec over --kernels (layer_kernel_overrides): the GEMMs the row names take
@@ -1349,7 +1380,7 @@ TEST(GroupedGemmChecks, KernelOverridesParseApplyAndRefuse) {
   refused("up.tile=128x128", "only down_proj and dx_proj on tma_grouped have a tile choice");
   refused("down.family=ws,down.tile=256x128", "only down_proj and dx_proj on tma_grouped");
   refused("dw2.schedule=pingpong", "only the ws_gather family");
-  refused("dh.cluster=2", "only dw1_proj on ws_varlen_k and down_proj / dx_proj on tma_grouped");
+  refused("dh.schedule=pingpong,dh.cluster=2", "up_proj and dh_proj on ws_gather cooperative");
   refused("down.family=two_cta,down.cluster=1", "run on clusters");
   EXPECT_EQ(gg::choose_kernels(sm, gg::parse_kernel_overrides("dx.cluster=1")).dx.cluster, 1);
   refused("dw1.cluster=3", "[1, 2]");

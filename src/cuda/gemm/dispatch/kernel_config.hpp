@@ -62,6 +62,17 @@ constexpr int64_t weight_bound_max_rows(int64_t flops_per_byte) {
              : one_tile_rows(kWeightBoundTileRows);
 }
 static_assert(one_tile_rows(192) == 178 && one_tile_rows(128) == 117, "r + sqrt(r) <= tile rows");
+// up-projection and dH on clusters of 2: the same weight-bound measure for the gathered GEMMs'
+// 128-row tiles. Where an expert's rows need two of them (r > one_tile_rows(128)) and fit two
+// (r <= one_tile_rows(256)), a cluster of 2 takes both and reads the expert's weight tiles once by
+// multicast where two single CTAs read them twice; that pays only where the weights' stream
+// limits the GEMM (r below the device's FLOPs per DRAM byte). Above it the pair's lockstep costs
+// 3-13 % (docs/notes/dh-epilogue.md, "Clusters of 2").
+constexpr int64_t kGatherPairMinRows = one_tile_rows(128) + 1;  // 118
+constexpr int64_t gather_pair_max_rows(int64_t flops_per_byte) {
+  return flops_per_byte - 1 < one_tile_rows(256) ? flops_per_byte - 1 : one_tile_rows(256);
+}
+static_assert(one_tile_rows(256) == 240, "r + sqrt(r) <= 256");
 // Dense bf16 tensor-core FLOPs per SM per clock on Hopper (989 TFLOP/s = 132 SMs x 1.83 GHz x 4096).
 constexpr int64_t kHopperBf16FlopsPerSmClock = 4096;
 // The device's peak dense bf16 FLOP/s over its DRAM bytes/s, from its SMs, SM clock (kHz), memory
