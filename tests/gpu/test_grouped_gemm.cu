@@ -1024,7 +1024,8 @@ TEST(GroupedGemmChecks, GatherClusterOverrides) {
                                            "up.schedule=pingpong,up.cluster=2")),
                Unsupported);
 
-  // The rule: S / E in [118, min(240, FLOPs per DRAM byte - 1)], both kernels for swiglu.
+  // The rule: d >= 4096 and S / E in [118, min(240, FLOPs per DRAM byte - 1)], both kernels for
+  // swiglu.
   auto at = [](int64_t rows, int64_t fpb, Activation act) {
     gg::KernelShape s{rows * 384, 384, 7168, 2048};  // Kimi-K2's sizes
     s.act = act;
@@ -1048,6 +1049,12 @@ TEST(GroupedGemmChecks, GatherClusterOverrides) {
   EXPECT_EQ(at(170, 319, Activation::relu).dh.cluster, 1);  // dH's switch kernel: single CTAs
   EXPECT_EQ(at(170, 319, Activation::swiglu_oai).up.cluster, 1);
   EXPECT_EQ(at(170, 319, Activation::swiglu_oai).dh.cluster, 1);
+  gg::KernelShape short_k{170 * 384, 384, 4095, 2048};  // d < 4096: single CTAs share through L2
+  short_k.flops_per_byte = 319;
+  EXPECT_EQ(gg::choose_kernels(short_k, gg::KernelOverrides{}).up.cluster, 1);
+  EXPECT_EQ(gg::choose_kernels(short_k, gg::KernelOverrides{}).dh.cluster, 1);
+  short_k.d = 4096;
+  EXPECT_EQ(gg::choose_kernels(short_k, gg::KernelOverrides{}).up.cluster, 2);
   gg::KernelShape kimi{170 * 384, 384, 7168, 2048};
   kimi.flops_per_byte = 319;
   EXPECT_EQ(gg::choose_kernels(kimi, gg::parse_kernel_overrides("up.cluster=1,dh.cluster=1")).up.cluster, 1);

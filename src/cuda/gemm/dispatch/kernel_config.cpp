@@ -117,19 +117,20 @@ LayerKernels automatic(const KernelShape& s) {
   }
   // Weight-bound, an expert's rows in two 128-row tiles: the cooperative gather kernels on
   // clusters of 2 read each weight tile once (kGatherPairMinRows, gather_pair_max_rows).
-  const bool pair = ws && s.E > 0 && s.S >= s.E * kGatherPairMinRows &&
+  const bool pair = ws && s.E > 0 && s.d >= kGatherPairMinD && s.S >= s.E * kGatherPairMinRows &&
                     s.S <= s.E * gather_pair_max_rows(s.flops_per_byte);
   if (pair && s.act != Activation::swiglu_oai) {
     k.up.cluster = 2;
-    k.up.rule = "118 E <= S <= min(240, FLOPs per DRAM byte - 1) E rows (weight-bound, two "
-                "128-row tiles an expert): cooperative on clusters of 2, the weight multicast";
+    k.up.rule = "d >= 4096, 118 E <= S <= min(240, FLOPs per DRAM byte - 1) E rows (weight-"
+                "bound, two 128-row tiles an expert): cooperative on clusters of 2, the weight "
+                "multicast";
   }
   if (pair && s.act == Activation::swiglu && k.dh.family == KernelFamily::ws_gather &&
       k.dh.schedule == KernelSchedule::cooperative) {
     k.dh.cluster = 2;
-    k.dh.rule = "swiglu, 118 E <= S <= min(240, FLOPs per DRAM byte - 1) E rows (weight-bound, "
-                "two 128-row tiles an expert): its cooperative kernel on clusters of 2, the "
-                "weight multicast";
+    k.dh.rule = "swiglu, d >= 4096, 118 E <= S <= min(240, FLOPs per DRAM byte - 1) E rows "
+                "(weight-bound, two 128-row tiles an expert): its cooperative kernel on clusters "
+                "of 2, the weight multicast";
   }
   // On the TMA path, 192x128 ping-pong (one warpgroup's epilogue under the other's mainloop):
   // ahead of 128x256 cooperative in the layer at the four TMA-path configs measured.
