@@ -62,6 +62,9 @@ CAPI_AB = "capi-ab-2026-12-06-7bb3029-h100.jsonl"
 # (bench/override_sweep.py --bench layer --rounds 2: each spec's rows in run order).
 RULES_AB = "rules-layer-ab-2026-12-06-63de4e2-h100.jsonl"
 DOWN_WIDE_AB = "down-wide-rule-layer-ab-2026-12-07-a8071fa-h100.jsonl"
+PAIR_GEMM_FIRST = "gather-cluster-gemm-ab-2026-12-07-afdb054-h100.jsonl"
+PAIR_GEMM = "gather-cluster-window-gemm-ab-2026-12-07-60f3437-h100.jsonl"
+PAIR_SINGLE, PAIR_PAIR = "up.cluster=1,dh.cluster=1", "up.cluster=2,dh.cluster=2"
 DOWN_WIDE_OLD = "down.family=tma,down.tile=192x128"
 RULES_DX = "dx.tile=128x256,dx.cluster=2"
 # The weight gradients' TMA-store epilogue against their plain stores: the GEMMs alone (bench gemm
@@ -183,6 +186,10 @@ DESCRIBE = {
         "tiles at 14 shapes, three rounds in one process each",
     DOWN_WIDE_AB: "the layer under down-proj's wide-tile rule against its former 192 x 128 "
                   "tile, on the TMA path's wide shapes and four off the grid, one round",
+    PAIR_GEMM_FIRST: "the up-projection and dH alone on single CTAs and on clusters of 2 at seven "
+                     "shapes of 170 to 4096 rows an expert, three rounds",
+    PAIR_GEMM: "the up-projection and dH alone on single CTAs and on clusters of 2 at ten shapes "
+               "of 93 to 312 rows an expert, three rounds",
     RULES_AB: "the layer on the grid under its rule and two candidate kernel rules, alternated",
     TMA_STORE_GEMM: "dW2 and dW1 alone with plain stores, on clusters and with the TMA-store "
                     "epilogue, two rounds in alternated order",
@@ -1372,6 +1379,46 @@ shapes (docs/notes/gathered-gemms.md, "down-proj on the wide tile"). {caption(ro
                           "192 x 128 ms", "192 x 128 over the rule"], body) + "\n"
 
 
+def gather_pair_rule(r, flops_per_byte=319):
+    """The rule's pair window (kernel_config.hpp, gather_pair_max_rows) for a row's shape."""
+    return (r["d"] >= 4096 and r["S"] >= 118 * r["E"] and
+            r["S"] <= r["E"] * min(240, flops_per_byte - 1))
+
+
+def gather_pair_section():
+    rows = jsonl(PAIR_GEMM)
+    ms, first = {}, {}
+    for r in rows:
+        ms.setdefault((r["config"], r["gemm"], r.get("kernels", "")), []).append(r["ms"])
+        first.setdefault(r["config"], r)
+    body, inside, outside = [], [], []
+    for c, r in sorted(first.items(), key=lambda kv: kv[1]["S"] / kv[1]["E"]):
+        ratio = {g: statistics.median(ms[(c, g, PAIR_SINGLE)]) / statistics.median(ms[(c, g, PAIR_PAIR)])
+                 for g in ("up-auto", "dH-auto")}
+        rule = gather_pair_rule(r)
+        (inside if rule else outside).extend(ratio.values())
+        body.append([r.get("model") or "(off the grid)", shape(r), f"{r['S'] / r['E']:.0f}",
+                     f2(statistics.median(ms[(c, "up-auto", PAIR_SINGLE)])), f3(ratio["up-auto"]),
+                     f2(statistics.median(ms[(c, "dH-auto", PAIR_SINGLE)])), f3(ratio["dH-auto"]),
+                     "pairs" if rule else "single"])
+    words = f"""## The up-projection and dH on clusters of 2
+
+The cooperative gather kernel of the up-projection (every activation but swiglu_oai) and dH's
+swiglu kernel also run on clusters of 2: the CTAs take an expert's two 128-row tiles of one
+n-tile and each loads half of every weight stage, multicast into both, so the weight is read
+once where two single CTAs read it twice (bits equal to the single-CTA kernels'). The rule takes
+them where d >= 4096 and an expert's rows fill two 128-row tiles while the GEMM is weight-bound
+(118 E <= S <= min(240, FLOPs per DRAM byte - 1) E). Each GEMM alone, single CTAs' time over the
+pair's (above 1: the pair faster), medians of three rounds: where the rule takes pairs
+{span(inside)}, elsewhere {span(outside)} (docs/notes/dh-epilogue.md, "Clusters of 2").
+{caption(rows, PAIR_GEMM)}
+
+"""
+    return words + table(["model", "T / d / n / E / K", "rows per expert", "up single ms",
+                          "up single / pair", "dH single ms", "dH single / pair", "rule"],
+                         body) + "\n"
+
+
 def fsdp_section():
     rows = jsonl(FSDP)
     by = {r.get("experts", "moeblaze"): r for r in rows}
@@ -1761,7 +1808,7 @@ def render():
              gemms_section(), grid_gemms_section(), fp8_section(), training_section(), grid_section(), sonic_grid_section(),
              search_section(),
              rules_section(), tma_store_section(), pingpong_vk_section(), tma_stages_section(),
-             vk_tiles_section(), down_wide_section(),
+             vk_tiles_section(), down_wide_section(), gather_pair_section(),
              model_step_section(), fsdp_section(), ep_section(),
              plan_section(),
              tests_section(), known_gaps(), files_section()]
