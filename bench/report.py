@@ -1707,14 +1707,15 @@ def known_gaps():
 KNOWN_GAPS = """\
 ## Known gaps
 
-- **Shapes outside the named configs.** On the public-model grid shapes SonicMoE has run so far
-  (4, through PyTorch, H100) moeblaze's forward + backward is 0.94–0.96× SonicMoE's: short of the
-  0.90× target, and its backward is level (0.99–1.04×), not ahead (section "The public-model grid
-  through PyTorch"). An earlier run on other public shapes had the backward 13–21 % slower (H100,
-  235ce0a, 2026-12-05; no result file of that run is committed).
-- **SonicMoE's GEMMs are faster one by one.** Five of the six GEMMs read slower than SonicMoE's
-  autotuned ones (section above); moeblaze's step is ahead at the named configs because of what
-  happens around the GEMMs, not inside them.
+- **Shapes outside the named configs.** On the 10 public-model grid shapes SonicMoE has run so far
+  (through PyTorch, H100) moeblaze's forward + backward is 0.94–1.03× SonicMoE's (0.96 in geometric
+  mean): short of the 0.90× target, and its backward is 0.99–1.15×, behind at 8 of 10 (section "The
+  public-model grid through PyTorch"). An earlier run on other public shapes had the backward 13–21 %
+  slower (H100, 235ce0a, 2026-12-05; no result file of that run is committed).
+- **SonicMoE's GEMMs are faster one by one at some shapes.** Alone, our up-projection is ahead of
+  SonicMoE's autotuned one everywhere; down-proj, dH, dW2, dX̃ and dW1 are behind by up to 43 %, 19 %,
+  20 %, 22 % and 20 % (section "Each GEMM beside SonicMoE's at ten public-model shapes"); moeblaze's
+  step leads at the named configs through what happens around the GEMMs.
 - **The dense bound.** At sm-7B-n256 and sm-30B-n512 the step runs below 90 % of the dense
   bound's speed (SonicMoE section).
 - **Weight gradients where experts get few rows.** Each 128 x 256 tile of dW2 and dW1 reduces over
