@@ -188,6 +188,9 @@ DESCRIBE = {
                   "tile, on the TMA path's wide shapes and four off the grid, one round",
     PAIR_GEMM_FIRST: "the up-projection and dH alone on single CTAs and on clusters of 2 at seven "
                      "shapes of 170 to 4096 rows an expert, three rounds",
+    "gather-cluster-layer-ab-2026-12-07-60f3437-h100.md": "the layer with the up-projection and dH "
+        "on pairs against single CTAs at Kimi-K2 and four off-grid shapes, two rounds (the "
+        "sweep's printed table)",
     PAIR_GEMM: "the up-projection and dH alone on single CTAs and on clusters of 2 at ten shapes "
                "of 93 to 312 rows an expert, three rounds",
     RULES_AB: "the layer on the grid under its rule and two candidate kernel rules, alternated",
