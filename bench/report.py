@@ -111,7 +111,7 @@ GPU_FUZZ = "gpu-fuzz-2026-12-06-21b5cd3-h100.txt"  # the long round, 2000 cases
 # memcheck, racecheck, initcheck over the fuzz's short round; synccheck; initcheck, TMA writes alone
 SANITIZE_FUZZ = "sanitize-fuzz-2026-12-06-21b5cd3-h100.txt"
 SANITIZE_INIT = "sanitize-initcheck-2026-12-06-0f6b230-h100.txt"  # initcheck, every report
-GTESTS = ["gpu-gtests-2026-12-06-8e6001d-h200.txt"]  # every GPU gtest, the latest run
+GTESTS = ["gpu-gtests-2026-12-07-60f3437-h100.txt"]  # every GPU gtest, the latest run
 PYTESTS = ["gpu-pytests-2026-12-06-8e6001d-h200.txt"]  # the whole Python suite with CUDA
 
 FOUR = ["sm-7B-n256", "olmoe", "sm-30B-n512", "sm-default"]
