@@ -272,7 +272,8 @@ void apply(int g, const GemmOverride& o, const KernelShape& s, GemmKernel& k) {
   if (o.cluster) {
     const bool dw1_ws = g == kDw1 && k.family == KernelFamily::ws_varlen_k;
     // dH's swiglu kernel and the up-projection's, cooperative, share the weight's stages
-    // between two CTAs (dh_proj_swiglu_mc.cu, up_proj_mc.cu; docs/notes/dh-epilogue.md, "Open").
+    // between two CTAs (dh_proj_swiglu_mc.cu, up_proj_mc.cu; docs/notes/dh-epilogue.md,
+    // "Clusters of 2").
     const bool dh_ws = g == kDh && k.family == KernelFamily::ws_gather &&
                        k.schedule == KernelSchedule::cooperative;
     const bool up_ws = g == kUp && k.family == KernelFamily::ws_gather &&
@@ -661,8 +662,8 @@ std::vector<KernelCandidate> kernel_candidates(int gemm, const KernelShape& shap
   std::vector<std::string> specs;
   switch (gemm) {
     case kUp:
-      specs = {ws("cooperative"), ws("cooperative") + "," + g + ".cluster=2", ws("pingpong"), g + ".family=two_cta," + g + ".b_tma=1",
-               g + ".family=two_cta," + g + ".b_tma=0"};
+      specs = {ws("cooperative"), ws("cooperative") + "," + g + ".cluster=2", ws("pingpong"),
+               g + ".family=two_cta," + g + ".b_tma=1", g + ".family=two_cta," + g + ".b_tma=0"};
       break;
     case kDh:
       specs = {ws("cooperative"), ws("cooperative") + "," + g + ".cluster=2", ws("pingpong"),

@@ -67,8 +67,8 @@ static_assert(one_tile_rows(192) == 178 && one_tile_rows(128) == 117, "r + sqrt(
 // (r <= one_tile_rows(256)), a cluster of 2 takes both and reads the expert's weight tiles once by
 // multicast where two single CTAs read them twice; that pays only where the weights' stream
 // limits the GEMM (r below the device's FLOPs per DRAM byte), and only where the reduction is long
-// (d >= 4096): at shorter ones two single CTAs already share the weight tile through L2 and the
-// pair's lockstep cost 4-9 %; above the window 3-49 % (docs/notes/dh-epilogue.md, "Clusters of 2").
+// (d >= 4096, measured): at shorter ones two single CTAs already share the weight tile through L2
+// and the pair's lockstep only costs (docs/notes/dh-epilogue.md, "Clusters of 2").
 constexpr int64_t kGatherPairMinRows = one_tile_rows(128) + 1;  // 118
 constexpr int64_t kGatherPairMinD = 4096;
 constexpr int64_t gather_pair_max_rows(int64_t flops_per_byte) {

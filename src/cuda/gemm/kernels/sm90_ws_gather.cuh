@@ -36,7 +36,7 @@
 // kCluster = 2 (cooperative only): a cluster of two CTAs computes the m-tiles 2 g and 2 g + 1 of
 // one (expert, n-tile), and each CTA loads half of B's boxes by TMA multicast into both, halving
 // the weight's reads where an expert's m-tiles would each read its whole panel
-// (docs/notes/dh-epilogue.md, "Open"). A is copied per CTA, as without a cluster. When an expert
+// (docs/notes/dh-epilogue.md, "Clusters of 2"). A is copied per CTA, as without a cluster. When an expert
 // has an odd number of m-tiles, its last cluster's second CTA has no rows: it copies zeros, takes
 // part in the loads and barriers, and its epilogue stores nothing. The same K order per output
 // element as on single CTAs, so the same bits.
