@@ -19,6 +19,9 @@ import statistics
 import sys
 import textwrap
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import model_shapes  # noqa: E402  (the public-model grid, bench/model_shapes.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 DOC = os.path.join(ROOT, "docs", "PERFORMANCE.md")
@@ -1382,6 +1385,9 @@ shapes (docs/notes/gathered-gemms.md, "down-proj on the wide tile"). {caption(ro
                           "192 x 128 ms", "192 x 128 over the rule"], body) + "\n"
 
 
+GRID_BY_SHAPE = {tuple(row[1:6]): row[6] for row in model_shapes.GRID}
+
+
 def gather_pair_rule(r, flops_per_byte=319):
     """The rule's pair window (kernel_config.hpp, gather_pair_max_rows) for a row's shape."""
     return (r["d"] >= 4096 and r["S"] >= 118 * r["E"] and
@@ -1400,7 +1406,10 @@ def gather_pair_section():
                  for g in ("up-auto", "dH-auto")}
         rule = gather_pair_rule(r)
         (inside if rule else outside).extend(ratio.values())
-        body.append([r.get("model") or "(off the grid)", shape(r), f"{r['S'] / r['E']:.0f}",
+        # A grid shape run under its T-d-n-E-K name is still that model's.
+        model = r.get("model") or GRID_BY_SHAPE.get((r["T"], r["d"], r["n"], r["E"], r["K"]),
+                                                    "(off the grid)")
+        body.append([model, shape(r), f"{r['S'] / r['E']:.0f}",
                      f2(statistics.median(ms[(c, "up-auto", PAIR_SINGLE)])), f3(ratio["up-auto"]),
                      f2(statistics.median(ms[(c, "dH-auto", PAIR_SINGLE)])), f3(ratio["dH-auto"]),
                      "pairs" if rule else "single"])
