@@ -68,6 +68,7 @@ DOWN_WIDE_AB = "down-wide-rule-layer-ab-2026-12-07-a8071fa-h100.jsonl"
 PAIR_GEMM_FIRST = "gather-cluster-gemm-ab-2026-12-07-afdb054-h100.jsonl"
 PAIR_GEMM = "gather-cluster-window-gemm-ab-2026-12-07-60f3437-h100.jsonl"
 PAIR_SINGLE, PAIR_PAIR = "up.cluster=1,dh.cluster=1", "up.cluster=2,dh.cluster=2"
+PAIR_LAYER = "gather-cluster-heldout-layer-ab-2026-12-07-f262251-h100.jsonl"
 DOWN_WIDE_OLD = "down.family=tma,down.tile=192x128"
 RULES_DX = "dx.tile=128x256,dx.cluster=2"
 # The weight gradients' TMA-store epilogue against their plain stores: the GEMMs alone (bench gemm
@@ -114,7 +115,7 @@ GPU_FUZZ = "gpu-fuzz-2026-12-06-21b5cd3-h100.txt"  # the long round, 2000 cases
 # memcheck, racecheck, initcheck over the fuzz's short round; synccheck; initcheck, TMA writes alone
 SANITIZE_FUZZ = "sanitize-fuzz-2026-12-06-21b5cd3-h100.txt"
 SANITIZE_INIT = "sanitize-initcheck-2026-12-06-0f6b230-h100.txt"  # initcheck, every report
-GTESTS = ["gpu-gtests-2026-12-07-60f3437-h100.txt"]  # every GPU gtest, the latest run
+GTESTS = ["gpu-gtests-2026-12-07-f262251-h100.txt"]  # every GPU gtest, the latest run
 PYTESTS = ["gpu-pytests-2026-12-06-8e6001d-h200.txt"]  # the whole Python suite with CUDA
 
 FOUR = ["sm-7B-n256", "olmoe", "sm-30B-n512", "sm-default"]
@@ -194,6 +195,9 @@ DESCRIBE = {
     "gather-cluster-layer-ab-2026-12-07-60f3437-h100.md": "the layer with the up-projection and dH "
         "on pairs against single CTAs at Kimi-K2 and four off-grid shapes, two rounds (the "
         "sweep's printed table)",
+    PAIR_LAYER: "the layer with the up-projection, dH or both forced back from clusters of 2 to "
+                "single CTAs at Kimi-K2 and six held-out shapes of 132 to 240 rows an expert, two "
+                "rounds each (moeblaze built at f262251)",
     PAIR_GEMM: "the up-projection and dH alone on single CTAs and on clusters of 2 at ten shapes "
                "of 93 to 312 rows an expert, three rounds",
     RULES_AB: "the layer on the grid under its rule and two candidate kernel rules, alternated",
@@ -1389,9 +1393,15 @@ GRID_BY_SHAPE = {tuple(row[1:6]): row[6] for row in model_shapes.GRID}
 
 
 def gather_pair_rule(r, flops_per_byte=319):
-    """The rule's pair window (kernel_config.hpp, gather_pair_max_rows) for a row's shape."""
-    return (r["d"] >= 4096 and r["S"] >= 118 * r["E"] and
-            r["S"] <= r["E"] * min(240, flops_per_byte - 1))
+    """The rule's pair windows (kernel_config.hpp: gather_pair_max_rows, kGatherPairUpMaxRows) for
+    a row's shape: (up-projection on pairs, dH on pairs)."""
+    dh = (r["d"] >= 4096 and r["S"] >= 118 * r["E"] and
+          r["S"] <= r["E"] * min(240, flops_per_byte - 1))
+    return dh and r["S"] <= 150 * r["E"], dh
+
+
+def rule_word(up, dh):
+    return {(True, True): "both pairs", (False, True): "dH pairs"}.get((up, dh), "single")
 
 
 def gather_pair_section():
@@ -1400,30 +1410,67 @@ def gather_pair_section():
     for r in rows:
         ms.setdefault((r["config"], r["gemm"], r.get("kernels", "")), []).append(r["ms"])
         first.setdefault(r["config"], r)
-    body, inside, outside = [], [], []
+    body = []
     for c, r in sorted(first.items(), key=lambda kv: kv[1]["S"] / kv[1]["E"]):
         ratio = {g: statistics.median(ms[(c, g, PAIR_SINGLE)]) / statistics.median(ms[(c, g, PAIR_PAIR)])
                  for g in ("up-auto", "dH-auto")}
-        rule = gather_pair_rule(r)
-        (inside if rule else outside).extend(ratio.values())
         # A grid shape run under its T-d-n-E-K name is still that model's.
         model = r.get("model") or GRID_BY_SHAPE.get((r["T"], r["d"], r["n"], r["E"], r["K"]),
                                                     "(off the grid)")
         body.append([model, shape(r), f"{r['S'] / r['E']:.0f}",
                      f2(statistics.median(ms[(c, "up-auto", PAIR_SINGLE)])), f3(ratio["up-auto"]),
                      f2(statistics.median(ms[(c, "dH-auto", PAIR_SINGLE)])), f3(ratio["dH-auto"]),
-                     "pairs" if rule else "single"])
+                     rule_word(*gather_pair_rule(r))])
+    # The layer: each GEMM forced back to single CTAs (the rule then paired both over the window).
+    lrows = jsonl(PAIR_LAYER)
+    lms, lfirst = {}, {}
+    for r in lrows:
+        lms.setdefault((r["config"], r["kernels"]), []).append(r)
+        lfirst.setdefault(r["config"], r)
+    lbody, up_in, up_out, up_out_fwd, dh_in = [], [], [], [], []
+
+    def med(c, k, key):
+        return statistics.median(x[key] for x in lms[(c, k)])
+    for c, r in sorted(lfirst.items(), key=lambda kv: kv[1]["S"] / kv[1]["E"]):
+        up = med(c, "up.cluster=1", "total_ms") / med(c, "", "total_ms")
+        dh = med(c, "dh.cluster=1", "total_ms") / med(c, "", "total_ms")
+        up_fwd = med(c, "up.cluster=1", "fwd_ms") / med(c, "", "fwd_ms")
+        rule_up, rule_dh = gather_pair_rule(r)
+        (up_in if rule_up else up_out).append(up)
+        if not rule_up:
+            up_out_fwd.append(1 / up_fwd - 1)
+        if rule_dh:
+            dh_in.append(dh)
+        model = r.get("model") or GRID_BY_SHAPE.get((r["T"], r["d"], r["n"], r["E"], r["K"]),
+                                                    "(off the grid)")
+        lbody.append([model, shape(r), f"{r['S'] / r['E']:.0f}", f2(med(c, "", "total_ms")),
+                      f3(up), f3(up_fwd), f3(dh), rule_word(rule_up, rule_dh)])
     words = f"""## The up-projection and dH on clusters of 2
 
 The cooperative gather kernel of the up-projection (every activation but swiglu_oai) and dH's
 swiglu kernel also run on clusters of 2: the CTAs take an expert's two 128-row tiles of one
 n-tile and each loads half of every weight stage, multicast into both, so the weight is read
 once where two single CTAs read it twice (bits equal to the single-CTA kernels'). The rule takes
-them where d >= 4096 and an expert's rows fill two 128-row tiles while the GEMM is weight-bound
-(118 E <= S <= min(240, FLOPs per DRAM byte - 1) E). Each GEMM alone, single CTAs' time over the
-pair's (above 1: the pair faster), medians of three rounds: where the rule takes pairs
-{span(inside)}, elsewhere {span(outside)} (docs/notes/dh-epilogue.md, "Clusters of 2").
-{caption(rows, PAIR_GEMM)}
+them for dH where d >= 4096 and an expert's rows fill two 128-row tiles while the GEMM is
+weight-bound (118 E <= S <= min(240, FLOPs per DRAM byte - 1) E), and for the up-projection in
+that window to S <= 150 E only.
+
+In the layer (forward + backward), the step's time with one GEMM forced back to single CTAs
+over its time with both on pairs (above 1: the pair faster), medians of two rounds: the
+up-projection {span(up_in)} where the rule keeps its pair and {span(up_out)} where it no longer
+does (its forward {span_pct(up_out_fwd)} faster on single CTAs there), dH {span(dh_in)} over its
+window (docs/notes/dh-epilogue.md, "Clusters of 2").
+{caption(lrows, PAIR_LAYER)}
+
+"""
+    words += table(["model", "T / d / n / E / K", "rows per expert", "step ms (both pairs)",
+                    "up single / pair", "up single / pair (fwd)", "dH single / pair", "rule"],
+                   lbody) + "\n"
+    words += f"""
+Each GEMM alone, single CTAs' time over the pair's, medians of three rounds. At Kimi-K2 the
+up-projection alone reads far faster on pairs than the layer shows: `bench gemm`'s near-balanced
+routing after an L2 flush is not the layer's softmax top-K there (the note's Open), so the rule is
+decided in the layer. {caption(rows, PAIR_GEMM)}
 
 """
     return words + table(["model", "T / d / n / E / K", "rows per expert", "up single ms",

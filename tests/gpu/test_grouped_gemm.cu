@@ -1024,32 +1024,40 @@ TEST(GroupedGemmChecks, GatherClusterOverrides) {
                                            "up.schedule=pingpong,up.cluster=2")),
                Unsupported);
 
-  // The rule: d >= 4096 and S / E in [118, min(240, FLOPs per DRAM byte - 1)], both kernels for
-  // swiglu.
+  // The rule: d >= 4096 and S / E in [118, min(240, FLOPs per DRAM byte - 1)] for dH (swiglu), the
+  // up-projection to 150 rows an expert.
   auto at = [](int64_t rows, int64_t fpb, Activation act) {
     gg::KernelShape s{rows * 384, 384, 7168, 2048};  // Kimi-K2's sizes
     s.act = act;
     s.flops_per_byte = fpb;
     return gg::choose_kernels(s, gg::KernelOverrides{});
   };
-  for (const int64_t rows : {118, 170, 240}) {
+  for (const int64_t rows : {118, 150}) {
     const gg::LayerKernels k = at(rows, 319, Activation::swiglu);
     EXPECT_EQ(k.up.cluster, 2) << rows;
     EXPECT_EQ(k.dh.cluster, 2) << rows;
     EXPECT_EQ(k.dh.schedule, gg::KernelSchedule::cooperative) << rows;
+  }
+  for (const int64_t rows : {151, 170, 240}) {
+    const gg::LayerKernels k = at(rows, 319, Activation::swiglu);
+    EXPECT_EQ(k.up.cluster, 1) << rows;
+    EXPECT_EQ(k.dh.cluster, 2) << rows;
   }
   for (const int64_t rows : {117, 241, 512}) {
     const gg::LayerKernels k = at(rows, 319, Activation::swiglu);
     EXPECT_EQ(k.up.cluster, 1) << rows;
     EXPECT_EQ(k.dh.cluster, 1) << rows;
   }
-  EXPECT_EQ(at(216, 217, Activation::swiglu).up.cluster, 2);  // an H200: memory faster per FLOP
-  EXPECT_EQ(at(217, 217, Activation::swiglu).up.cluster, 1);
-  EXPECT_EQ(at(170, 319, Activation::relu).up.cluster, 2);  // the shared kernel
-  EXPECT_EQ(at(170, 319, Activation::relu).dh.cluster, 1);  // dH's switch kernel: single CTAs
-  EXPECT_EQ(at(170, 319, Activation::swiglu_oai).up.cluster, 1);
-  EXPECT_EQ(at(170, 319, Activation::swiglu_oai).dh.cluster, 1);
-  gg::KernelShape short_k{170 * 384, 384, 4095, 2048};  // d < 4096: single CTAs share through L2
+  EXPECT_EQ(at(216, 217, Activation::swiglu).dh.cluster, 2);  // an H200: memory faster per FLOP
+  EXPECT_EQ(at(217, 217, Activation::swiglu).dh.cluster, 1);
+  EXPECT_EQ(at(140, 141, Activation::swiglu).up.cluster, 2);  // the window's edge under 150
+  EXPECT_EQ(at(141, 141, Activation::swiglu).up.cluster, 1);
+  EXPECT_EQ(at(141, 141, Activation::swiglu).dh.cluster, 1);
+  EXPECT_EQ(at(140, 319, Activation::relu).up.cluster, 2);  // the shared kernel
+  EXPECT_EQ(at(140, 319, Activation::relu).dh.cluster, 1);  // dH's switch kernel: single CTAs
+  EXPECT_EQ(at(140, 319, Activation::swiglu_oai).up.cluster, 1);
+  EXPECT_EQ(at(140, 319, Activation::swiglu_oai).dh.cluster, 1);
+  gg::KernelShape short_k{140 * 384, 384, 4095, 2048};  // d < 4096: single CTAs share through L2
   short_k.flops_per_byte = 319;
   EXPECT_EQ(gg::choose_kernels(short_k, gg::KernelOverrides{}).up.cluster, 1);
   EXPECT_EQ(gg::choose_kernels(short_k, gg::KernelOverrides{}).dh.cluster, 1);

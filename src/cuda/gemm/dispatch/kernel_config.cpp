@@ -116,14 +116,15 @@ LayerKernels automatic(const KernelShape& s) {
                             "activation switch leaves it out)");
   }
   // Weight-bound, an expert's rows in two 128-row tiles: the cooperative gather kernels on
-  // clusters of 2 read each weight tile once (kGatherPairMinRows, gather_pair_max_rows).
+  // clusters of 2 read each weight tile once (kGatherPairMinRows, gather_pair_max_rows); the
+  // up-projection only while the second tile holds few rows (kGatherPairUpMaxRows).
   const bool pair = ws && s.E > 0 && s.d >= kGatherPairMinD && s.S >= s.E * kGatherPairMinRows &&
                     s.S <= s.E * gather_pair_max_rows(s.flops_per_byte);
-  if (pair && s.act != Activation::swiglu_oai) {
+  if (pair && s.S <= s.E * kGatherPairUpMaxRows && s.act != Activation::swiglu_oai) {
     k.up.cluster = 2;
-    k.up.rule = "d >= 4096, 118 E <= S <= min(240, FLOPs per DRAM byte - 1) E rows (weight-"
-                "bound, two 128-row tiles an expert): cooperative on clusters of 2, the weight "
-                "multicast";
+    k.up.rule = "d >= 4096, 118 E <= S <= min(150, FLOPs per DRAM byte - 1) E rows (weight-"
+                "bound, an expert's second 128-row tile nearly empty): cooperative on clusters "
+                "of 2, the weight multicast";
   }
   if (pair && s.act == Activation::swiglu && k.dh.family == KernelFamily::ws_gather &&
       k.dh.schedule == KernelSchedule::cooperative) {
