@@ -1,7 +1,8 @@
 """Kernel overrides side by side: `moeblaze bench gemm` (each GEMM alone) or `moeblaze bench layer`
 (--bench layer: the keep_h step's fwd+bwd) under each MOEBLAZE_KERNELS spec, in alternating rounds
 (spec order forwards, then backwards, so clock and temperature drift fall on all alike), one table
-of each GEMM's (or the step's) median ms per spec and its ratio to the first spec.
+of each GEMM's (or the step's, and its forward and backward apart) median ms per spec and its
+ratio to the first spec.
 
 A spec is what MOEBLAZE_KERNELS takes (kernel_config.hpp; "" = the automatic choice); specs are
 separated by ';' because a spec holds commas. Every row that bench prints is kept, with the
@@ -72,10 +73,16 @@ def run_once(cli, bench, configs, only, spec, reps, timeout, impl="moeblaze", sh
 
 
 def table(rows, specs):
-    """Markdown: per (config, gemm), each spec's median ms and its ratio to specs[0]'s."""
+    """Markdown: per (config, gemm), each spec's median ms and its ratio to specs[0]'s; bench layer
+    rows also give their forward and backward alone ('<impl> fwd', '<impl> bwd'), which tell the
+    GEMMs of one pass from the other's (an override of up moves fwd, of dH bwd)."""
     by = {}
     for r in rows:
         by.setdefault((r["config"], r["gemm"]), {}).setdefault(r["kernels"], []).append(r["ms"])
+        for part in ("fwd", "bwd"):
+            if r.get(f"{part}_ms") is not None and r["gemm"] == r.get("impl"):
+                by.setdefault((r["config"], f"{r['gemm']} {part}"), {}).setdefault(
+                    r["kernels"], []).append(r[f"{part}_ms"])
     head = "| config | gemm | " + " | ".join(f"`{s or 'auto'}` ms" for s in specs) + " |"
     lines = [head, "|---|---|" + "---:|" * len(specs)]
     for (config, gemm), per in by.items():

@@ -23,7 +23,8 @@ ms = 2.0 if "raster=8" in os.environ.get("MOEBLAZE_KERNELS", "") else 1.0
 with open(out, "w") as f:
     for n in names:
         name = "T" + n.replace(",", "-") if "," in n else n
-        f.write(json.dumps({"config": name, "impl": "moeblaze", "total_ms": ms}) + "\n")
+        f.write(json.dumps({"config": name, "impl": "moeblaze", "total_ms": ms, "fwd_ms": ms / 4,
+                            "bwd_ms": 3 * ms / 4}) + "\n")
 '''
 
 
@@ -47,6 +48,9 @@ def test_shapes_run_one_call_each_after_the_configs(tmp_path):
     assert len(rows) == 16 and {r["kernels"] for r in rows} == {"", "raster=8"}
     for name in ("a", "b", "T8-64-32-4-2", "T9-64-32-4-2"):
         assert f"| {name} | moeblaze | 1.000 | 2.000 (2.000) |" in p.stdout
+        # the step's forward and backward apart, under the same specs
+        assert f"| {name} | moeblaze fwd | 0.250 | 0.500 (2.000) |" in p.stdout
+        assert f"| {name} | moeblaze bwd | 0.750 | 1.500 (2.000) |" in p.stdout
 
 
 def test_shapes_need_bench_layer_and_something_to_run(tmp_path):
