@@ -1392,6 +1392,12 @@ shapes (docs/notes/gathered-gemms.md, "down-proj on the wide tile"). {caption(ro
 GRID_BY_SHAPE = {tuple(row[1:6]): row[6] for row in model_shapes.GRID}
 
 
+def model_of(r):
+    """A row's model: its own, or the grid's where it ran under its T-d-n-E-K name."""
+    return r.get("model") or GRID_BY_SHAPE.get((r["T"], r["d"], r["n"], r["E"], r["K"]),
+                                               "(off the grid)")
+
+
 def gather_pair_rule(r, flops_per_byte=319):
     """The rule's pair windows (kernel_config.hpp: gather_pair_max_rows, kGatherPairUpMaxRows) for
     a row's shape: (up-projection on pairs, dH on pairs)."""
@@ -1414,10 +1420,7 @@ def gather_pair_section():
     for c, r in sorted(first.items(), key=lambda kv: kv[1]["S"] / kv[1]["E"]):
         ratio = {g: statistics.median(ms[(c, g, PAIR_SINGLE)]) / statistics.median(ms[(c, g, PAIR_PAIR)])
                  for g in ("up-auto", "dH-auto")}
-        # A grid shape run under its T-d-n-E-K name is still that model's.
-        model = r.get("model") or GRID_BY_SHAPE.get((r["T"], r["d"], r["n"], r["E"], r["K"]),
-                                                    "(off the grid)")
-        body.append([model, shape(r), f"{r['S'] / r['E']:.0f}",
+        body.append([model_of(r), shape(r), f"{r['S'] / r['E']:.0f}",
                      f2(statistics.median(ms[(c, "up-auto", PAIR_SINGLE)])), f3(ratio["up-auto"]),
                      f2(statistics.median(ms[(c, "dH-auto", PAIR_SINGLE)])), f3(ratio["dH-auto"]),
                      rule_word(*gather_pair_rule(r))])
@@ -1441,9 +1444,7 @@ def gather_pair_section():
             up_out_fwd.append(1 / up_fwd - 1)
         if rule_dh:
             dh_in.append(dh)
-        model = r.get("model") or GRID_BY_SHAPE.get((r["T"], r["d"], r["n"], r["E"], r["K"]),
-                                                    "(off the grid)")
-        lbody.append([model, shape(r), f"{r['S'] / r['E']:.0f}", f2(med(c, "", "total_ms")),
+        lbody.append([model_of(r), shape(r), f"{r['S'] / r['E']:.0f}", f2(med(c, "", "total_ms")),
                       f3(up), f3(up_fwd), f3(dh), rule_word(rule_up, rule_dh)])
     words = f"""## The up-projection and dH on clusters of 2
 

@@ -69,11 +69,10 @@ static_assert(one_tile_rows(192) == 178 && one_tile_rows(128) == 117, "r + sqrt(
 // limits the GEMM (r below the device's FLOPs per DRAM byte), and only where the reduction is long
 // (d >= 4096, measured): at shorter ones two single CTAs already share the weight tile through L2
 // and the pair's lockstep only costs (docs/notes/dh-epilogue.md, "Clusters of 2").
-// In the layer the up-projection's pair paid only while an expert's second tile held few rows
-// (r <= 150); with more, the single CTAs' fuller second tile hides the weight's second read and the
-// pair's forward was 1-4 % slower. dH's pair paid or was level over the whole window.
 constexpr int64_t kGatherPairMinRows = one_tile_rows(128) + 1;  // 118
 constexpr int64_t kGatherPairMinD = 4096;
+// The up-projection's pair only while an expert's second tile holds few rows: a fuller one hides
+// the single CTAs' second weight read and the pair lost (measured in the layer; same note).
 constexpr int64_t kGatherPairUpMaxRows = 150;
 constexpr int64_t gather_pair_max_rows(int64_t flops_per_byte) {
   return flops_per_byte - 1 < one_tile_rows(256) ? flops_per_byte - 1 : one_tile_rows(256);
