@@ -1400,7 +1400,8 @@ def model_of(r):
 
 def gather_pair_rule(r, flops_per_byte=319):
     """The rule's pair windows (kernel_config.hpp: gather_pair_max_rows, kGatherPairUpMaxRows) for
-    a row's shape: (up-projection on pairs, dH on pairs)."""
+    a row's shape: (up-projection on pairs, dH on pairs). A copy of the C++ rule: python/tests/
+    test_report.py asks `moeblaze bench kernels` at every edge and fails where the two differ."""
     dh = (r["d"] >= 4096 and r["S"] >= 118 * r["E"] and
           r["S"] <= r["E"] * min(240, flops_per_byte - 1))
     return dh and r["S"] <= 150 * r["E"], dh

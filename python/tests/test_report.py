@@ -133,3 +133,39 @@ def test_sonic_grid_section_reads_every_run_and_keeps_a_shapes_last(monkeypatch)
     assert "| B | 8192 / 1024 / 512 / 32 / 4 | H100 | 9.500 | 10.000 | 0.950 | 0.950 |" in out
     assert "| A | 8192 / 1024 / 512 / 32 / 4 | H100 |" not in out
     assert "`old.jsonl`" in out and "`new.jsonl`" in out
+
+
+def _cli():
+    """MOEBLAZE_CLI, else the repository's build/moeblaze (the rule's own answer needs no GPU)."""
+    built = os.path.join(ROOT, "build", "moeblaze")
+    return os.environ.get("MOEBLAZE_CLI") or (built if os.access(built, os.X_OK) else None)
+
+
+@pytest.mark.skipif(not os.path.isfile(REPORT) or not _cli(),
+                    reason="needs the repository's bench/ and a moeblaze CLI (set MOEBLAZE_CLI)")
+def test_pair_rule_copy_agrees_with_the_kernel_rule():
+    """report.py labels each pair-table row with its own copy of the up-projection's and dH's
+    cluster-of-2 window (gather_pair_rule). It must say what the C++ rule picks: asked here of
+    `moeblaze bench kernels` for shapes on both sides of every edge of the window (rows per expert
+    117-241, d on both sides of 4096) on the H100's and the H200's FLOPs per DRAM byte."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("report", REPORT)
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    E, K, n = 64, 8, 512
+    shapes = [(r * E // K, d) for r in (117, 118, 150, 151, 160, 216, 217, 240, 241)
+              for d in (2048, 4096)]
+    names = [f"T{T}-d{d}-n{n}-E{E}-K{K}" for T, d in shapes]
+    for fpb in (319, 217):
+        out = subprocess.run([_cli(), "bench", "kernels", "--config", ",".join(names),
+                              "--flops-per-byte", str(fpb)],
+                             capture_output=True, text=True, timeout=120, check=True).stdout
+        cluster = {}
+        for line in out.splitlines():
+            cells = [c.strip() for c in line.split("|")]
+            if len(cells) == 10 and cells[2] in ("up_proj", "dh_proj"):
+                cluster[(cells[0], cells[2])] = cells[7] == "2"
+        for (T, d), name in zip(shapes, names):
+            row = {"S": T * K, "E": E, "d": d}
+            want = (cluster[(name, "up_proj")], cluster[(name, "dh_proj")])
+            assert report.gather_pair_rule(row, fpb) == want, (name, fpb, want)
