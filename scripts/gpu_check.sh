@@ -5,7 +5,7 @@
 #
 #   scripts/gpu_check.sh OUT [PART ...]
 #     PART: all (default) | tests | gpu-tests | gpu-gtests | routing-tests | routing | layer | gemm
-#           | ep | python | peers | sanitize | fuzz-long | sanitize-fuzz | search | peers-grid
+#           | ep | python | peers | sanitize | fuzz-long | sanitize-fuzz | search | layer-search | peers-grid
 #           | model-step | sweep
 #       tests          ctest, every test (CPU and GPU)          → OUT/ctest.log
 #       gpu-tests      (not in `all`) the quick GPU check: moeblaze_gpu_tests (GTEST_FILTER picks
@@ -64,6 +64,11 @@
 #                      42 shapes over calls with SEARCH_SLICE=i/k (every k-th shape from the
 #                      i-th, so each part mixes big and small ones) or SEARCH_CONFIGS, to stay
 #                      within 10 minutes each
+#       layer-search   (not in `all`) moeblaze bench layer --search over the same shapes
+#                      (LAYER_SEARCH_CONFIGS, else SEARCH_CONFIGS, replaces them; SEARCH_SLICE splits
+#                      them): every legal kernel of each GEMM timed inside the real keep_h call
+#                      against the automatic choice → OUT/layer_search.log (the table),
+#                      layer_search.jsonl ("layer-search" rows), layer_search_progress.log
 #       sanitize-fuzz  (not in `all`) compute-sanitizer over the fuzz's short round: memcheck,
 #                      racecheck and initcheck over GpuFuzz.* (MOEBLAZE_GPU_FUZZ_CASES=
 #                      ${SANITIZE_FUZZ_CASES:-25}: sanitized kernels run 10-100x slower; 100 is the
@@ -162,7 +167,7 @@ OUT=$(cd "$OUT" && pwd)
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(all)
 known_parts=" all tests gpu-tests gpu-gtests routing-tests routing layer gemm ep python peers sanitize \
-fuzz-long sanitize-fuzz search peers-grid step-grid model-step sweep "
+fuzz-long sanitize-fuzz search layer-search peers-grid step-grid model-step sweep "
 for p in "${parts[@]}"; do
   case "$known_parts" in
     *" $p "*) ;;
@@ -242,7 +247,7 @@ else
     need+=(moeblaze_gpu_tests)
   fi
   if want routing || want layer || want gemm || want ep || want_named sanitize ||
-      want_named search || want_named sweep; then need+=(moeblaze); fi
+      want_named search || want_named layer-search || want_named sweep; then need+=(moeblaze); fi
   for b in "${need[@]}"; do
     [ -x "$BUILD/$b" ] || { echo "gpu_check: PREBUILT set but $BUILD/$b is missing"; exit 1; }
   done
@@ -410,6 +415,20 @@ if want_named search; then
   line=$(grep -E '^choice / best over|^auto / choice' "$OUT/search.log" | paste -sd ';' - || true)
   if [ $rc -eq 0 ]; then summary+=("kernel search: ${line:-no summary} [$(( $(date +%s) - t0 )) s]")
   else status=1; tail -5 "$OUT/search_progress.log"; summary+=("kernel search: FAILED rc $rc (search_progress.log)"); fi
+fi
+
+# ---- layer-search: the same candidates timed inside the real layer call (bench layer --search;
+# docs/notes/gathered-gemms.md, "Each GEMM inside the layer call"; not in `all`) ----
+if want_named layer-search; then
+  t0=$(date +%s)
+  rc=0
+  "$BUILD/moeblaze" bench layer --search --reps 20 --warmup 1 \
+    --config "${LAYER_SEARCH_CONFIGS:-${SEARCH_CONFIGS:-grid,$SEARCH_RANDOM}}" \
+    --slice "${SEARCH_SLICE:-1/1}" --out "$OUT/layer_search.jsonl" \
+    >"$OUT/layer_search.log" 2>"$OUT/layer_search_progress.log" || rc=$?
+  if [ $rc -eq 0 ]; then
+    summary+=("layer search: $(grep -c '"bench": "layer-search"' "$OUT/layer_search.jsonl" || true) rows [$(( $(date +%s) - t0 )) s]")
+  else status=1; tail -5 "$OUT/layer_search_progress.log"; summary+=("layer search: FAILED rc $rc (layer_search_progress.log)"); fi
 fi
 
 # ---- sweep: kernel overrides side by side (bench/override_sweep.py), alternated rounds ----

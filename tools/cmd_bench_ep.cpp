@@ -215,7 +215,7 @@ void trim_pool(int device) {
 
 // Writes the flush buffer on `stream` and waits: no operand of the next repetition is in L2.
 void flush_l2(const DevBuf& flush, int rep, cudaStream_t stream) {
-  MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(flush.p, (rep * 37 + 1) & 0xff, flush.bytes, stream));
+  write_l2_flush(flush.p, rep, stream);
   MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 

@@ -1029,16 +1029,8 @@ void run(const Flags& f) {
   const Activation act = parse_activation(f.activation);
   std::vector<Shape> shapes = find_shapes(f.configs);
   MOEBLAZE_REQUIRE(!shapes.empty(), "--configs is empty");
-  if (!f.slice.empty()) {  // every k-th from the i-th: big and small shapes in every part
-    const size_t slash = f.slice.find('/');
-    char* end = nullptr;
-    const long i = slash == std::string::npos ? 0 : std::strtol(f.slice.c_str(), &end, 10);
-    const bool i_ok = slash != std::string::npos && end == f.slice.c_str() + slash;
-    const long k = i_ok ? std::strtol(f.slice.c_str() + slash + 1, &end, 10) : 0;
-    MOEBLAZE_REQUIRE(i_ok && *end == '\0' && k >= 1 && k <= 1000 && i >= 1 && i <= k,
-                     "--slice (", f.slice, ") must be i/k with 1 <= i <= k <= 1000");
-    std::vector<Shape> part;
-    for (size_t j = size_t(i - 1); j < shapes.size(); j += size_t(k)) part.push_back(shapes[j]);
+  if (!f.slice.empty()) {
+    const std::vector<Shape> part = parse_slice(f.slice).of(shapes);
     MOEBLAZE_REQUIRE(!part.empty(), "--slice ", f.slice, " leaves none of the ", shapes.size(),
                      " shapes");
     shapes = part;

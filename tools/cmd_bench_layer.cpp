@@ -12,6 +12,11 @@
 //
 // Also measures the aggregation kernel (step 3) against the device-to-device copy ceiling
 // measured in the same run: rows with bench "aggregate".
+//
+// --steps: each step's GPU time inside the real call (rows "layer-call-step"), from CUDA events at
+// the layer's step marks (cuda/layer/step_marks.hpp). --search: instead of the impls, every legal
+// kernel of each GEMM timed inside the real keep_h call against the automatic choice (rows
+// "layer-search"; search_in_call below).
 #include <CLI/CLI.hpp>
 #include <cuda_runtime.h>
 
@@ -39,6 +44,7 @@
 #include "cuda/gemm/dispatch/kernel_config.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/layer/layer_cuda.hpp"
+#include "cuda/layer/step_marks.hpp"
 #include "moeblaze/moeblaze.hpp"
 #include "reference/reference_layer.hpp"
 #include "table.hpp"
@@ -59,6 +65,13 @@ struct BenchFlags {
   bool json = false;
   bool no_aggregate = false;
   bool breakdown = false;
+  // --steps: each step's ms inside the real forward + backward call (the layer's step marks).
+  bool steps = false;
+  // --search: every legal kernel of each GEMM in turn, timed inside the real call (below).
+  bool search = false;
+  int rounds = 5;  // --search: rotated rounds, reps spread over them
+  std::string search_gemms;  // --search: these GEMMs only (comma list; "" = all six)
+  std::string slice;  // "i/k": every k-th of --config's shapes from the i-th (split runs)
   // Routing of the plan timed: "topk" (softmax top-K, the benchmark routing) or a token
   // rounding mode ("nr-f", "sr-f", "up", "down") applied to that top-K with tile m_tile.
   std::string routing = "topk";
@@ -216,6 +229,127 @@ double sample_error(const SampleRef& ref, const RoutingPlan& host_plan, const La
   return std::max({rel_frob(o, ref.out), rel_frob(g, ref.dx), rel_frob(p, ref.dpw)});
 }
 
+// ---- each step inside the real call --------------------------------------------------------------
+
+// The GPU time of each step of one real layer_forward + layer_backward call: a CUDA event at each
+// of the layer's step marks (cuda/layer/step_marks.hpp), so the steps run on the call's own
+// workspaces, in its order, on its values, where `--breakdown` replays them on buffers of its own
+// (docs/notes/gathered-gemms.md, "Each GEMM inside the layer call"). A step's ms runs from the
+// mark before it (the call's start for the first) to its own; a step marked more than once (token
+// chunks) is summed; "  rest of the call" is the last mark to the call's end.
+class StepTimer final : public cuda::StepMarks {
+ public:
+  using Sample = std::vector<std::pair<std::string, double>>;  // (step, ms) in mark order
+
+  StepTimer(cudaStream_t stream, void* flush) : stream_(stream), flush_(flush) {
+    MOEBLAZE_CUDA_CHECK(cudaEventCreate(&start_));
+    MOEBLAZE_CUDA_CHECK(cudaEventCreate(&stop_));
+  }
+  ~StepTimer() override {
+    cuda::set_step_marks(nullptr);
+    for (cudaEvent_t e : pool_) cudaEventDestroy(e);
+    cudaEventDestroy(start_);
+    cudaEventDestroy(stop_);
+  }
+  StepTimer(const StepTimer&) = delete;
+  StepTimer& operator=(const StepTimer&) = delete;
+
+  void mark(cudaStream_t stream, const char* step) override {
+    if (used_ == pool_.size()) {
+      cudaEvent_t e;
+      MOEBLAZE_CUDA_CHECK(cudaEventCreate(&e));
+      pool_.push_back(e);
+    }
+    MOEBLAZE_CUDA_CHECK(cudaEventRecord(pool_[used_++], stream));
+    names_.push_back(step);
+  }
+
+  // warmup + reps repetitions of: before() (untimed), the L2 flush, then fn() between the marks;
+  // per timed repetition, each step's ms and, last, "call": the whole region's.
+  template <typename Before, typename Fn>
+  std::vector<Sample> samples(int warmup, int reps, Before&& before, Fn&& fn) {
+    std::vector<Sample> out;
+    for (int i = 0; i < warmup + reps; ++i) {
+      before();
+      write_l2_flush(flush_, i, stream_);
+      used_ = 0;
+      names_.clear();
+      MOEBLAZE_CUDA_CHECK(cudaEventRecord(start_, stream_));
+      cuda::set_step_marks(this);
+      try {
+        fn();
+      } catch (...) {
+        cuda::set_step_marks(nullptr);
+        throw;
+      }
+      cuda::set_step_marks(nullptr);
+      MOEBLAZE_CUDA_CHECK(cudaEventRecord(stop_, stream_));
+      MOEBLAZE_CUDA_CHECK(cudaEventSynchronize(stop_));
+      if (i < warmup) continue;
+      Sample s;
+      cudaEvent_t prev = start_;
+      for (size_t m = 0; m < used_; ++m) {
+        add(s, names_[m], elapsed(prev, pool_[m]));
+        prev = pool_[m];
+      }
+      add(s, "  rest of the call", elapsed(prev, stop_));
+      s.emplace_back("call", elapsed(start_, stop_));
+      out.push_back(std::move(s));
+    }
+    return out;
+  }
+
+ private:
+  static double elapsed(cudaEvent_t a, cudaEvent_t b) {
+    float ms = 0;
+    MOEBLAZE_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    return ms;
+  }
+  static void add(Sample& s, const std::string& step, double ms) {
+    for (auto& [name, v] : s)
+      if (name == step) {
+        v += ms;
+        return;
+      }
+    s.emplace_back(step, ms);
+  }
+  cudaStream_t stream_;
+  void* flush_;
+  cudaEvent_t start_, stop_;
+  std::vector<cudaEvent_t> pool_;
+  std::vector<const char*> names_;
+  size_t used_ = 0;
+};
+
+// Per step (in first-seen order), every sample's ms pooled.
+std::vector<std::pair<std::string, std::vector<double>>> pool_steps(
+    const std::vector<StepTimer::Sample>& samples) {
+  std::vector<std::pair<std::string, std::vector<double>>> out;
+  for (const StepTimer::Sample& s : samples)
+    for (const auto& [name, ms] : s) {
+      auto it = std::find_if(out.begin(), out.end(), [&](const auto& p) { return p.first == name; });
+      if (it == out.end()) {
+        out.emplace_back(name, std::vector<double>{});
+        it = out.end() - 1;
+      }
+      it->second.push_back(ms);
+    }
+  return out;
+}
+
+// The step each GEMM (a LayerKernels index) is timed as.
+const char* gemm_step(int gemm) {
+  using LK = cuda::gemm::LayerKernels;
+  switch (gemm) {
+    case LK::kUp: return cuda::step::kUpProj;
+    case LK::kDown: return cuda::step::kDownProj;
+    case LK::kDh: return cuda::step::kDh;
+    case LK::kDw2: return cuda::step::kDw2;
+    case LK::kDx: return cuda::step::kDx;
+    default: return cuda::step::kDw1;
+  }
+}
+
 // ---- one config -------------------------------------------------------------------------------
 
 struct Row {
@@ -254,10 +388,244 @@ void emit(const BenchFlags& f, const Meta& m, const NamedConfig& nc, const Layer
                  std::isnan(r.err) ? "-" : scientific(r.err, 2)});
 }
 
+// --steps rows and table lines: each step's median ms inside the call, and its share of the call.
+void emit_call_steps(const BenchFlags& f, const Meta& meta, const NamedConfig& nc, int64_t S,
+                     const std::string& impl,
+                     const std::vector<std::pair<std::string, std::vector<double>>>& pooled,
+                     Table& table, std::ofstream* out) {
+  double call = 0;
+  for (const auto& [name, v] : pooled)
+    if (name == "call") call = median(v);
+  for (const auto& [name, v] : pooled) {
+    const double ms = median(v);
+    JsonLine j;
+    j.add("bench", "layer-call-step").add("config", nc.name);
+    if (nc.model) j.add("model", nc.model);
+    j.add("impl", impl).add("step", name).add("S", S).add("ms", ms);
+    j.add("share_of_call", call > 0 ? ms / call : 0.0).add("reps", int64_t(v.size()));
+    j.add("gpu", meta.gpu).add("driver", meta.driver).add("commit", meta.commit);
+    j.add("date", meta.date);
+    if (f.json) std::cout << j.str() << "\n";
+    if (out) *out << j.str() << "\n" << std::flush;
+    table.add_row({nc.name, impl, name, fixed(ms, 3),
+                   name == "call" ? "-" : fixed(100.0 * ms / call, 1)});
+  }
+}
+
+// One kernel choice timed by --search: the automatic one (gemm < 0) or one candidate of one GEMM.
+struct SearchEntry {
+  int gemm = -1;              // LayerKernels index; -1: every GEMM on its automatic kernel
+  std::string spec;           // the candidate's override spec ("" for the automatic choice)
+  std::string kernel;         // describe() of the candidate
+  cuda::gemm::KernelOverrides overrides;
+  std::string skipped;        // why it did not run ("" if it ran)
+  double err = NAN;           // sampled max rel err of its checked call
+  std::vector<StepTimer::Sample> samples;
+  std::vector<std::vector<double>> round_ms;  // per round: each GEMM's step median, then call's
+};
+
+// --search-gemms as a mask over LayerKernels' GEMMs (all for ""); throws naming a bad entry.
+std::vector<bool> search_gemm_mask(const std::string& list) {
+  using LK = cuda::gemm::LayerKernels;
+  std::vector<bool> wanted(LK::kCount, list.empty());
+  for (const std::string& g : split_commas(list)) {
+    bool known = false;
+    for (int i = 0; i < LK::kCount; ++i)
+      if (g == LK::name(i) || g + "_proj" == LK::name(i)) wanted[i] = known = true;
+    MOEBLAZE_REQUIRE(known, "search-gemms: '", g, "' is not one of up, down, dh, dw2, dx, dw1");
+  }
+  return wanted;
+}
+
+// --search: every legal kernel of each GEMM (kernel_candidates: the set the rule picks from) timed
+// inside the real keep_h forward + backward call, one GEMM off its automatic choice at a time.
+// Each choice first runs once, untimed, checked against the float64 sample; then --rounds rounds
+// of warm-up + ceil(reps / rounds) timed calls per choice, their order rotated each round so that
+// clock and temperature drift fall on all alike. The verdict per GEMM compares that GEMM's own
+// step (the events at its marks) under each candidate with the automatic choice's, pooled medians:
+// the search's question asked where the kernel runs, on the call's values, between its neighbours.
+void search_in_call(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
+                    const LayerConfig& c, int64_t S, const RoutingPlan& plan,
+                    const RoutingPlan& host_plan, const LayerTensors& lt, const SampleRef& ref,
+                    StepTimer& st, Table& table, std::ofstream* jsonl,
+                    std::vector<std::string>& failures) {
+  namespace gg = cuda::gemm;
+  using LK = gg::LayerKernels;
+  const gg::KernelOverrides base = gg::kernel_overrides();
+  const gg::KernelShape shape{S, c.E, c.d, c.n, c.activation};
+  const LK chosen = gg::choose_kernels(shape, base);
+  const std::vector<bool> wanted = search_gemm_mask(f.search_gemms);
+  std::vector<SearchEntry> entries(1);
+  entries[0].overrides = base;
+  for (int g = 0; g < LK::kCount; ++g) {
+    if (!wanted[g]) continue;
+    for (const gg::KernelCandidate& k : gg::kernel_candidates(g, shape)) {
+      if (k.kernel == chosen.at(g)) continue;  // the automatic entry times it
+      SearchEntry e;
+      e.gemm = g;
+      e.spec = k.spec;
+      e.kernel = gg::describe(k.kernel);
+      e.overrides = gg::layer_kernel_overrides(base, gg::parse_kernel_overrides(k.spec));
+      entries.push_back(std::move(e));
+    }
+  }
+  // The overrides in force again on every way out (a device error ends the config's search).
+  struct Restore {
+    bool had_flag;
+    gg::KernelOverrides base;
+    ~Restore() {
+      if (had_flag) gg::set_kernel_overrides(base); else gg::clear_kernel_overrides();
+    }
+  } restore{!f.kernels.empty(), base};
+  const DevBuf &out = lt.out, &dx = lt.dx, &dpw = lt.dpw;
+  SavedForBackward saved;
+  LayerOptions opts;
+  opts.mode = LayerMode::keep_h;
+  opts.dh_over_h = true;
+  auto call = [&] {
+    layer_forward(c, plan, lt.xv, lt.w1v, lt.w2v, LayerBiases{}, lt.outv, saved, opts);
+    layer_backward(c, plan, lt.xv, lt.w1v, lt.w2v, LayerBiases{}, lt.doutv, saved, lt.grads, opts);
+  };
+  auto reset = [&] { saved = SavedForBackward(); };
+  const double tol = check_tolerance(parse_impl("moeblaze"), DType::bf16);
+  // Each choice once, untimed and checked (outputs poisoned first: NaN fails the error).
+  for (SearchEntry& e : entries) {
+    gg::set_kernel_overrides(e.overrides);
+    try {
+      MOEBLAZE_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.bytes));
+      MOEBLAZE_CUDA_CHECK(cudaMemset(dx.p, 0xFF, dx.bytes));
+      MOEBLAZE_CUDA_CHECK(cudaMemset(dpw.p, 0xFF, dpw.bytes));
+      reset();
+      call();
+      MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
+      e.err = sample_error(ref, host_plan, c, out.p, dx.p, dpw.as<float>());
+      if (!(e.err <= tol))
+        failures.push_back(std::string(nc.name) + " search " +
+                           (e.gemm < 0 ? std::string("automatic") : e.spec) + ": max rel err " +
+                           scientific(e.err, 2) + " > " + scientific(tol, 2));
+    } catch (const Unsupported& x) {
+      e.skipped = x.what();
+    } catch (const DeviceError& x) {
+      e.skipped = std::string("device error: ") + x.what();
+      (void)cudaGetLastError();
+    }
+  }
+  if (!entries[0].skipped.empty()) {
+    std::cerr << "bench layer: " << nc.name << ": search skipped: the automatic choice did not run: "
+              << entries[0].skipped << "\n";
+    return;
+  }
+  const int rounds = std::max(1, f.rounds);
+  const int per_round = std::max(1, (f.reps + rounds - 1) / rounds);
+  const size_t count = entries.size();
+  for (int r = 0; r < rounds; ++r) {
+    for (size_t k = 0; k < count; ++k) {
+      SearchEntry& e = entries[(k + size_t(r)) % count];
+      if (!e.skipped.empty()) continue;
+      gg::set_kernel_overrides(e.overrides);
+      std::vector<StepTimer::Sample> t = st.samples(r == 0 ? f.warmup : 1, per_round, reset, call);
+      std::vector<double> per;  // each GEMM's step median this round, then the call's
+      const auto pooled = pool_steps(t);
+      auto step_median = [&](const char* step) {
+        for (const auto& [name, v] : pooled)
+          if (name == step) return median(v);
+        return double(NAN);
+      };
+      for (int g = 0; g < LK::kCount; ++g) per.push_back(step_median(gemm_step(g)));
+      per.push_back(step_median("call"));
+      e.round_ms.push_back(per);
+      e.samples.insert(e.samples.end(), t.begin(), t.end());
+    }
+    std::cerr << "bench layer: " << nc.name << " search round " << r + 1 << " of " << rounds
+              << " done\n";
+  }
+
+  // A choice's pooled median of one step (NaN where it did not run or has no such step).
+  auto ms_of = [](const SearchEntry& e, const char* step) {
+    for (const auto& [name, v] : pool_steps(e.samples))
+      if (name == step) return median(v);
+    return double(NAN);
+  };
+  const SearchEntry& aut = entries[0];
+  for (const SearchEntry& e : entries) {
+    for (int g = 0; g < LK::kCount; ++g) {
+      if (e.gemm >= 0 ? g != e.gemm : !wanted[g]) continue;
+      JsonLine j;
+      j.add("bench", "layer-search").add("config", nc.name);
+      if (nc.model) j.add("model", nc.model);
+      j.add("T", c.T).add("d", c.d).add("n", c.n).add("E", c.E).add("K", c.K).add("S", S);
+      j.add("activation", activation_name(c.activation)).add("gemm", LK::name(g));
+      j.add("kernel", e.gemm < 0 ? gg::describe(chosen.at(g)) : e.kernel);
+      j.add("spec", e.spec).add("auto", e.gemm < 0);
+      if (!e.skipped.empty()) {
+        j.add("skipped", e.skipped);
+      } else {
+        j.add("ms", ms_of(e, gemm_step(g))).add("call_ms", ms_of(e, "call"));
+        std::vector<double> gr, cr;
+        for (const auto& per : e.round_ms) {
+          gr.push_back(per[size_t(g)]);
+          cr.push_back(per.back());
+        }
+        j.add("round_ms", gr).add("call_round_ms", cr);
+        if (std::isnan(e.err)) j.add_null("max_rel_err"); else j.add("max_rel_err", e.err);
+      }
+      j.add("base_kernels", base.spec).add("rounds", rounds).add("reps", rounds * per_round);
+      j.add("gpu", meta.gpu).add("driver", meta.driver).add("commit", meta.commit);
+      j.add("date", meta.date);
+      if (f.json) std::cout << j.str() << "\n";
+      if (jsonl) *jsonl << j.str() << "\n" << std::flush;
+    }
+  }
+  // The verdict per GEMM: the automatic kernel's step against the fastest that ran.
+  for (int g = 0; g < LK::kCount; ++g) {
+    if (!wanted[g]) continue;
+    const double auto_ms = ms_of(aut, gemm_step(g));
+    const SearchEntry* best = &aut;
+    double best_ms = auto_ms;
+    for (const SearchEntry& e : entries)
+      if (e.gemm == g && e.skipped.empty() && ms_of(e, gemm_step(g)) < best_ms) {
+        best = &e;
+        best_ms = ms_of(e, gemm_step(g));
+      }
+    // Whether the fastest beat the automatic choice in every round's medians, too.
+    std::string every = "-";
+    if (best != &aut) {
+      bool all = true;
+      for (size_t r = 0; r < best->round_ms.size() && r < aut.round_ms.size(); ++r)
+        all = all && best->round_ms[r][size_t(g)] < aut.round_ms[r][size_t(g)];
+      every = all ? "yes" : "no";
+    }
+    int ran = 0;
+    for (const SearchEntry& e : entries) ran += e.gemm == g && e.skipped.empty();
+    table.add_row({nc.name, LK::name(g), gg::describe(chosen.at(g)), fixed(auto_ms, 3),
+                   best == &aut ? std::string("(the automatic)") : best->kernel, fixed(best_ms, 3),
+                   fixed(auto_ms / best_ms, 3),
+                   best == &aut ? "-" : fixed(ms_of(aut, "call") / ms_of(*best, "call"), 3), every,
+                   std::to_string(ran + 1)});
+  }
+}
+
+// The command's tables, filled config by config and printed at the end.
+struct Tables {
+  Table main{{{"config", Align::left}, {"impl", Align::left}, {"fwd ms"}, {"bwd ms"},
+              {"total ms"}, {"fwd TFLOPS"}, {"bwd TFLOPS"}, {"total TFLOPS"}, {"kept"},
+              {"peak"}, {"max rel err"}}};
+  Table agg{{{"config", Align::left}, {"S"}, {"aggregate us"}, {"GB/s"}, {"copy GB/s"},
+             {"% of copy"}}};
+  Table step{{{"config", Align::left}, {"step", Align::left}, {"ms"}, {"TFLOPS"}, {"GB/s"}}};
+  Table call{{{"config", Align::left}, {"impl", Align::left}, {"step in the call", Align::left},
+              {"ms"}, {"% of call"}}};
+  Table search{{{"config", Align::left}, {"GEMM", Align::left}, {"automatic", Align::left},
+                {"ms"}, {"fastest", Align::left}, {"ms"}, {"auto / fastest"},
+                {"call: auto / fastest's"}, {"every round"}, {"kernels"}}};
+};
+
 void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
-                  const std::vector<std::string>& impls, void* flush, Table& table,
-                  Table& agg_table, Table& step_table, std::ofstream* jsonl,
-                  std::vector<std::string>& failures) {
+                  const std::vector<std::string>& impls, void* flush, Tables& tables,
+                  std::ofstream* jsonl, std::vector<std::string>& failures) {
+  Table& table = tables.main;
+  Table& agg_table = tables.agg;
+  Table& step_table = tables.step;
   const LayerConfig c = layer_config(nc, parse_activation(activation_of(f, nc)), DType::bf16);
   cuda::gemm::check_gemm_shape(c.d, c.n);  // Unsupported naming the dimension: skip the config
   const cudaStream_t stream = nullptr;
@@ -298,6 +666,7 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
   const SampleRef ref = reference_on_sample(c, host_plan, x.as<bf16>(), w1.as<bf16>(),
                                             w2.as<bf16>(), dout.as<bf16>(), f.sample_tokens, f.seed);
   GpuTimer timer(stream, flush);
+  StepTimer step_timer(stream, flush);
   // With --bias: b1 (E, w1_rows), b2 (E, d) N(0, 0.5), their gradients beside the others.
   const int64_t Rb = f.bias ? R : 0, db = f.bias ? c.d : 0;
   DevBuf b1(c.E * Rb * 2), b2(c.E * db * 2), db1(c.E * Rb * 2), db2(c.E * db * 2);
@@ -314,6 +683,7 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
   }
 
   for (const std::string& impl : impls) {
+    if (f.search) break;  // --search times its own choices (below) instead of the impls
     Row r;
     r.impl = impl;
     const bool biased = f.bias && impl != "dense-bound" && impl != "materialized";
@@ -367,10 +737,16 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
         r.fwd = timer.median_ms(f.warmup, f.reps, reset, [&] {
           layer_forward(lc, plan, xv, w1v, w2v, biases, outv, saved, opts);
         });
-        r.total = timer.median_ms(f.warmup, f.reps, reset, [&] {
+        auto step = [&] {
           layer_forward(lc, plan, xv, w1v, w2v, biases, outv, saved, opts);
           layer_backward(lc, plan, xv, w1v, w2v, biases, doutv, saved, gb, opts);
-        });
+        };
+        r.total = timer.median_ms(f.warmup, f.reps, reset, step);
+        // The FP8 path has no step marks: its whole call would read as one step.
+        if (f.steps && !is_fp8(im.compute))
+          emit_call_steps(f, meta, nc, S, r.impl,
+                          pool_steps(step_timer.samples(f.warmup, f.reps, reset, step)),
+                          tables.call, jsonl);
       }
     } catch (const DeviceError& e) {  // e.g. out of device memory: the other impls still run
       std::cerr << "bench layer: " << nc.name << " " << impl << ": device error: " << e.what() << "\n";
@@ -387,6 +763,10 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
     }
     std::cerr << "bench layer: " << nc.name << " " << impl << " done\n";
   }
+
+  if (f.search && S > 0)
+    search_in_call(f, meta, nc, c, S, plan, host_plan, lt, ref, step_timer, tables.search, jsonl,
+                   failures);
 
   if (f.breakdown && S > 0) {
     // Each of the eight steps alone (keep_h), on preallocated buffers, by the same protocol:
@@ -482,6 +862,12 @@ void run_bench(const BenchFlags& f) {
   MOEBLAZE_REQUIRE(f.warmup >= 1, "warmup (", f.warmup, ") must be >= 1");
   MOEBLAZE_REQUIRE(f.sample_tokens >= 1, "sample-tokens (", f.sample_tokens, ") must be >= 1");
   MOEBLAZE_REQUIRE(f.m_tile >= 1, "m-tile (", f.m_tile, ") must be >= 1");
+  MOEBLAZE_REQUIRE(f.rounds >= 1, "rounds (", f.rounds, ") must be >= 1");
+  MOEBLAZE_REQUIRE(!f.search || !f.bias, "search: runs without expert biases (drop --bias)");
+  MOEBLAZE_REQUIRE(!f.search || f.routing == "topk",
+                   "search: runs the top-K benchmark routing (drop --routing)");
+  MOEBLAZE_REQUIRE(f.search || f.search_gemms.empty(), "search-gemms: needs --search");
+  search_gemm_mask(f.search_gemms);
   if (f.routing != "topk") parse_rounding(f.routing);  // throws naming the valid modes
   if (!f.activation.empty()) parse_activation(f.activation);
   if (!f.kernels.empty()) cuda::gemm::set_kernel_overrides(cuda::gemm::parse_kernel_overrides(f.kernels));
@@ -506,6 +892,12 @@ void run_bench(const BenchFlags& f) {
   } else {
     configs = select_configs(f.config);
   }
+  if (!f.slice.empty()) {
+    const std::vector<const NamedConfig*> part = parse_slice(f.slice).of(configs);
+    MOEBLAZE_REQUIRE(!part.empty(), "--slice ", f.slice, " leaves none of the ", configs.size(),
+                     " configs");
+    configs = part;
+  }
   const std::vector<std::string> impls = split_commas(f.impl);
   MOEBLAZE_REQUIRE(!impls.empty(), "impl list '", f.impl, "' is empty");
   for (const std::string& i : impls)
@@ -529,17 +921,14 @@ void run_bench(const BenchFlags& f) {
             << meta.commit << ", grouped GEMM " << cuda::gemm_ops().name << "\n";
   DevBuf flush(kL2FlushBytes);
 
-  Table table({{"config", Align::left}, {"impl", Align::left}, {"fwd ms"}, {"bwd ms"},
-               {"total ms"}, {"fwd TFLOPS"}, {"bwd TFLOPS"}, {"total TFLOPS"}, {"kept"},
-               {"peak"}, {"max rel err"}});
-  Table agg_table({{"config", Align::left}, {"S"}, {"aggregate us"}, {"GB/s"}, {"copy GB/s"},
-                   {"% of copy"}});
-  Table step_table({{"config", Align::left}, {"step", Align::left}, {"ms"}, {"TFLOPS"}, {"GB/s"}});
+  Tables tables;
+  Table& table = tables.main;
+  Table& agg_table = tables.agg;
+  Table& step_table = tables.step;
   std::vector<std::string> failures;  // --check
   for (const NamedConfig* nc : configs) {
     try {
-      bench_config(f, meta, *nc, impls, flush.p, table, agg_table, step_table, out.get(),
-                   failures);
+      bench_config(f, meta, *nc, impls, flush.p, tables, out.get(), failures);
     } catch (const Unsupported& e) {
       std::cerr << "bench layer: " << nc->name << ": skipped: " << e.what() << "\n";
     } catch (const DeviceError& e) {
@@ -548,7 +937,20 @@ void run_bench(const BenchFlags& f) {
     }
   }
   std::ostream& os = f.json ? std::cerr : std::cout;
-  table.print(os);
+  if (table.rows()) table.print(os);
+  if (tables.call.rows()) {
+    os << "\n";
+    tables.call.print(os);
+    os << "(each step's GPU time inside the real forward + backward call, from the layer's step "
+          "marks; median of " << f.reps << ")\n";
+  }
+  if (tables.search.rows()) {
+    os << "\n";
+    tables.search.print(os);
+    os << "(each GEMM's step inside the real keep_h call, pooled median of " << f.rounds
+       << " rotated rounds; auto / fastest > 1.03: the rule misses by more than 3 %; call: the "
+          "whole call's ratio under the two choices; kernels: how many were timed)\n";
+  }
   if (step_table.rows()) {
     os << "\n";
     step_table.print(os);
@@ -605,6 +1007,19 @@ void add_bench_layer_command(CLI::App& bench) {
                 "--check`'s bound (bf16 2e-2, FP8 0.1); --bias rows have no error to check");
   sub->add_flag("--show-kernels", flags->show_kernels,
                 "print each config's kernel choice (as `bench kernels`) before its rows");
+  sub->add_flag("--steps", flags->steps,
+                "also time each step inside the real forward + backward call (bf16 moeblaze "
+                "impls; the layer's step marks): where the call's time goes");
+  sub->add_flag("--search", flags->search,
+                "instead of the impls: every legal kernel of each GEMM timed inside the real "
+                "keep_h call against the automatic choice, rotated rounds, each choice checked "
+                "against the float64 sample first");
+  sub->add_option("--rounds", flags->rounds, "--search: rotated rounds (reps spread over them)")
+      ->capture_default_str()->check(integer_in(1, 1000));
+  sub->add_option("--slice", flags->slice,
+                  "i/k: every k-th of --config's shapes from the i-th (a long run split over calls)");
+  sub->add_option("--search-gemms", flags->search_gemms,
+                  "--search: these GEMMs only, a comma list of up, down, dh, dw2, dx, dw1");
   sub->add_flag("--breakdown", flags->breakdown,
                 "also time each of the eight steps alone (keep_h, preallocated buffers; "
                 "alone some read slower than in the step: bench/step_kernels.py times them "

@@ -63,10 +63,11 @@ GpuTimer::~GpuTimer() {
   cudaEventDestroy(stop_);
 }
 
-void GpuTimer::flush(int rep) {
-  // A different byte each time, so the writes cannot be elided or compressed away.
-  MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(flush_, (rep * 37 + 1) & 0xff, kL2FlushBytes, stream_));
+void write_l2_flush(void* flush, int rep, cudaStream_t stream) {
+  MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(flush, (rep * 37 + 1) & 0xff, kL2FlushBytes, stream));
 }
+
+void GpuTimer::flush(int rep) { write_l2_flush(flush_, rep, stream_); }
 
 }  // namespace moeblaze::tools
 

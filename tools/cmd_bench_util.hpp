@@ -19,6 +19,9 @@ namespace moeblaze::tools {
 constexpr size_t kL2FlushBytes = size_t(256) << 20;
 
 double median(std::vector<double> v);
+// The protocol's L2 flush: writes the kL2FlushBytes at `flush` on `stream`, a different byte for
+// each repetition `rep` (so that the writes cannot be elided or compressed away).
+void write_l2_flush(void* flush, int rep, cudaStream_t stream);
 // "580.159.04" from nvidia-smi, else the CUDA driver API version.
 std::string driver_version();
 

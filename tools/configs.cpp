@@ -1,6 +1,7 @@
 #include "configs.hpp"
 
 #include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <mutex>
 
@@ -151,17 +152,28 @@ const NamedConfig* shape_config(const std::string& name) {
 
 std::vector<const NamedConfig*> select_configs(const std::string& spec) {
   std::vector<const NamedConfig*> configs;
-  if (spec == "all") {
-    for (const NamedConfig& c : named_configs()) configs.push_back(&c);
-  } else if (spec == "grid") {
-    for (const NamedConfig& c : model_grid()) configs.push_back(&c);
-  } else {
-    for (const std::string& name : split_commas(spec)) {
+  for (const std::string& name : split_commas(spec)) {
+    if (name == "all") {
+      for (const NamedConfig& c : named_configs()) configs.push_back(&c);
+    } else if (name == "grid") {
+      for (const NamedConfig& c : model_grid()) configs.push_back(&c);
+    } else {
       const NamedConfig* shape = shape_config(name);
       configs.push_back(shape ? shape : &require_config(name));
     }
   }
   return configs;
+}
+
+Slice parse_slice(const std::string& slice) {
+  const size_t slash = slice.find('/');
+  char* end = nullptr;
+  const long i = slash == std::string::npos ? 0 : std::strtol(slice.c_str(), &end, 10);
+  const bool i_ok = slash != std::string::npos && end == slice.c_str() + slash;
+  const long k = i_ok ? std::strtol(slice.c_str() + slash + 1, &end, 10) : 0;
+  MOEBLAZE_REQUIRE(i_ok && *end == '\0' && k >= 1 && k <= 1000 && i >= 1 && i <= k, "--slice (",
+                   slice, ") must be i/k with 1 <= i <= k <= 1000");
+  return {size_t(i), size_t(k)};
 }
 
 const NamedConfig& require_config(const std::string& name) {

@@ -2,6 +2,7 @@
 // `moeblaze bench` commands so that every result row names its shape the same way.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <ostream>
 #include <string>
@@ -43,10 +44,23 @@ const NamedConfig& require_config(const std::string& name);
 // naming it for a dimension below 1 or K > E.
 const NamedConfig* shape_config(const std::string& name);
 
-// The configs a --config flag names: "all" (every named config, in docs/DESIGN.md's order), "grid" (the
-// public-model grid, in its order) or a comma list of names (either list's) and shapes by name
-// (InvalidArgument listing the valid names for an unknown one).
+// The configs a --config flag names: a comma list of "all" (every named config, in
+// docs/DESIGN.md's order), "grid" (the public-model grid, in its order), names (either list's)
+// and shapes by name (InvalidArgument listing the valid names for an unknown one).
 std::vector<const NamedConfig*> select_configs(const std::string& spec);
+
+// A --slice "i/k" (1 <= i <= k <= 1000): every k-th of a run's shapes from the i-th, so that each
+// part of a run split over calls mixes big and small shapes. InvalidArgument naming the flag.
+struct Slice {
+  size_t i = 1, k = 1;
+  template <typename T>
+  std::vector<T> of(const std::vector<T>& all) const {
+    std::vector<T> part;
+    for (size_t j = i - 1; j < all.size(); j += k) part.push_back(all[j]);
+    return part;
+  }
+};
+Slice parse_slice(const std::string& slice);
 
 // "mb-conf1, mb-conf3, ..., cpu-default" (the grid's names: grid_names())
 std::string config_names();

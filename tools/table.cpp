@@ -99,6 +99,21 @@ JsonLine& JsonLine::add(const std::string& key, bool value) {
   fields_.emplace_back(key, value ? "true" : "false");
   return *this;
 }
+JsonLine& JsonLine::add(const std::string& key, const std::vector<double>& values) {
+  std::string a = "[";
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (i) a += ", ";
+    if (!std::isfinite(values[i])) {
+      a += "null";
+      continue;
+    }
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.6g", values[i]);
+    a += buf;
+  }
+  fields_.emplace_back(key, a + "]");
+  return *this;
+}
 JsonLine& JsonLine::add(const std::string& key, const JsonLine& object) {
   fields_.emplace_back(key, object.str());
   return *this;

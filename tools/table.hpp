@@ -47,6 +47,7 @@ class JsonLine {
   JsonLine& add(const std::string& key, bool value);
   JsonLine& add_null(const std::string& key);
   JsonLine& add(const std::string& key, const JsonLine& object);  // a nested object
+  JsonLine& add(const std::string& key, const std::vector<double>& values);  // an array
   std::string str() const;  // {"key": value, ...} without a trailing newline
 
  private:

@@ -23,6 +23,7 @@
 #include "cuda/cuda_backend.hpp"
 #include "cuda/gemm/dispatch/kernel_config.hpp"
 #include "cuda/layer/layer_cuda.hpp"
+#include "cuda/layer/step_marks.hpp"
 #include "cuda/layer/token_chunks.hpp"
 #include "gpu/gpu_test_util.hpp"
 #include "moeblaze/moeblaze.hpp"
@@ -876,6 +877,47 @@ TEST(LayerGpu, TokenChunksGiveTheWholeStepsBits) {
         EXPECT_LT(layer_workspace_bytes(in.cfg, S, mode, Device::cuda, LayerPass::backward, false),
                   whole_bwd);
       }
+    }
+}
+
+// The step marks (cuda/layer/step_marks.hpp) that `bench layer --steps / --search` times each
+// step by: with a recorder installed the layer names every step once, in pipeline order (a
+// chunked GEMM and its aggregation once per token chunk; recompute's second up-projection before
+// dH), and the step's bits are those of an unmarked call; uninstalled, nothing is called.
+TEST(LayerGpu, StepMarksNameEveryStepInOrderAndChangeNoBits) {
+  MOEBLAZE_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const ClearOverridesAtExit restore;
+  struct Names final : cuda::StepMarks {
+    std::vector<std::string> seen;
+    void mark(cudaStream_t, const char* step) override { seen.push_back(step); }
+  };
+  namespace st = cuda::step;
+  for (const LayerMode mode : {LayerMode::keep_h, LayerMode::recompute})
+    for (const int chunks : {1, 3}) {
+      SCOPED_TRACE(std::string(layer_mode_name(mode)) + " chunks " + std::to_string(chunks));
+      // S >= 128 E: down_proj and dx_proj on the TMA path, which takes token chunks.
+      const Inputs in = make_inputs({1500, 512, 128, 8, 3, Activation::swiglu, mode,
+                                     RouteKind::skewed}, seed);
+      cuda::gemm::set_kernel_overrides(cuda::gemm::parse_kernel_overrides(
+          "down.family=tma,dx.family=tma,chunks=" + std::to_string(chunks)));
+      const GpuResult plain = run_gpu(in, mode);
+      Names names;
+      cuda::set_step_marks(&names);
+      const GpuResult marked = run_gpu(in, mode);
+      cuda::set_step_marks(nullptr);
+      expect_same_bits(plain, marked);
+      std::vector<std::string> want = {st::kUpProj};
+      for (int c = 0; c < chunks; ++c) want.insert(want.end(), {st::kDownProj, st::kAggregate});
+      if (mode == LayerMode::recompute) want.push_back(st::kUpProjAgain);
+      want.insert(want.end(), {st::kDh, st::kDsReduce, st::kDw2, st::kPairGrads});
+      for (int c = 0; c < chunks; ++c) want.insert(want.end(), {st::kDx, st::kDxAggregate});
+      want.push_back(st::kDw1);
+      EXPECT_EQ(names.seen, want);
+      const size_t seen = names.seen.size();
+      run_gpu(in, mode);  // uninstalled: not called
+      EXPECT_EQ(names.seen.size(), seen);
     }
 }
 

@@ -17,6 +17,8 @@
 // same outputs, a chunk-sized buffer instead of (S, d)); recompute's backward runs in expert
 // ranges where expert_ranges.hpp's rule says (bitwise the same outputs, range-sized H/dH, A' and
 // dX̃ instead of (S, ·)).
+// Each step ends with mark_step (step_marks.hpp): a no-op unless a benchmark times the steps
+// inside the call.
 // Kept for backward: H (keep_h) and the plan, nothing else; every temporary comes from one
 // workspace Buffer per call, sized by layer_workspace_bytes. All work is stream-ordered on
 // opts.stream, so a piece of the workspace is reused as soon as its last reader was enqueued.
@@ -35,6 +37,7 @@
 #include "cuda/gemm/dispatch/gemm_checks.hpp"  // check_gpu_activation
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/layer/naive_grouped_gemm.hpp"
+#include "cuda/layer/step_marks.hpp"
 #include "moeblaze/error.hpp"
 
 namespace moeblaze::cuda {
@@ -354,20 +357,25 @@ void layer_forward(const LayerConfig& cfg, const RoutingPlan& plan, const Tensor
     if (S > 0)
       g.up_proj(pv, x.as<bf16>(), w1.as<bf16>(), Saved::h(next).as<bf16>(), w.a, cfg.d, cfg.n,
                 cfg.activation, stream, b1);
+    mark_step(stream, step::kUpProj);
     if (chunks.count > 1) {
       // Y one token chunk at a time into w.y, each chunk's tokens aggregated before the next.
       build_chunk_maps(pv, chunks, w.maps, stream);
       for (int64_t c = 0; c < chunks.count; ++c) {
         gemm::down_proj_rows(pv, chunk_rows(w.maps, cfg.E, c), w.a, w2.as<bf16>(), w.y, cfg.d,
                              cfg.n, stream, w.scratch);
+        mark_step(stream, step::kDownProj);
         aggregate_chunk(pv, chunks, w.maps, c, w.y, pv.slot_weights, out.data, cfg.d, stream,
                         b2);
+        mark_step(stream, step::kAggregate);
       }
     } else {
       if (S > 0)
         g.down_proj(pv, w.a, w2.as<bf16>(), w.y, cfg.d, cfg.n, stream,
                     tma_scratch(w.scratch, gemm::choose_kernels({S, cfg.E, cfg.d, cfg.n}).down));
+      mark_step(stream, step::kDownProj);
       aggregate_rows(pv, w.y, pv.slot_weights, out.data, cfg.d, DType::bf16, stream, b2);
+      mark_step(stream, step::kAggregate);
     }
     // The workspace is freed when `ws` goes out of scope, in stream order after the kernels
     // above (Buffer is stream-ordered on opts.stream).
@@ -522,6 +530,7 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   if (ranges.on) {
     backward_in_ranges(cfg, pv, ranges, w, x.as<bf16>(), w1.as<bf16>(), w2.as<bf16>(), b1, b2,
                        d_out.as<bf16>(), grads, db1, db2, stream);
+    mark_step(stream, step::kRanges);
     return;
   }
   const bf16* h = Saved::h(saved).as<bf16>();
@@ -530,12 +539,16 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   if (opts.mode == LayerMode::recompute) {
     g.up_proj(pv, x.as<bf16>(), w1.as<bf16>(), w.h, nullptr, cfg.d, cfg.n, cfg.activation,
               stream, b1);
+    mark_step(stream, step::kUpProjAgain);
     h = w.h;
   }
   g.dh_proj(pv, d_out.as<bf16>(), w2.as<bf16>(), h, w.ds_partials, dh, w.a_scaled, cfg.d,
             cfg.n, cfg.activation, stream);
+  mark_step(stream, step::kDh);
   g.reduce_ds(w.ds_partials, w.ds, S, cfg.n, stream);
+  mark_step(stream, step::kDsReduce);
   g.dw2_proj(pv, d_out.as<bf16>(), w.a_scaled, grads.dw2.as<bf16>(), cfg.d, cfg.n, stream);
+  mark_step(stream, step::kDw2);
   // b2's share: A' (S, n) bf16 is dead now (dW2 read it last), so its bytes hold the pass's
   // (S, d / 512) fp32 partials until dX̃ writes there.
   if (b2)
@@ -545,6 +558,7 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
   gather_pair_grads(pv, w.ds, grads.d_pair_weights.as<float>(), stream);
   // dx sums each token's slots in ascending order, the order expert ranges can keep too.
   ascending_token_slots(pv, w.dx_order, stream);
+  mark_step(stream, step::kPairGrads);
   RoutingPlanView by_slot = pv;  // the token view walked in that order (unweighted sums only)
   by_slot.token_index_map = w.dx_order;
   if (chunks.count > 1) {
@@ -553,15 +567,20 @@ void layer_backward(const LayerConfig& cfg, const RoutingPlan& plan, const Tenso
     for (int64_t c = 0; c < chunks.count; ++c) {
       gemm::dx_proj_rows(pv, chunk_rows(w.maps, cfg.E, c), dh, w1.as<bf16>(), w.dx_slots, cfg.d,
                          cfg.n, cfg.activation, stream, w.scratch);
+      mark_step(stream, step::kDx);
       aggregate_chunk(by_slot, chunks, w.maps, c, w.dx_slots, nullptr, grads.dx.data, cfg.d,
                       stream);
+      mark_step(stream, step::kDxAggregate);
     }
   } else {
     g.dx_proj(pv, dh, w1.as<bf16>(), w.dx_slots, cfg.d, cfg.n, cfg.activation, stream,
               tma_scratch(w.scratch, gemm::choose_kernels({S, cfg.E, cfg.d, cfg.n}).dx));
+    mark_step(stream, step::kDx);
     aggregate_rows(by_slot, w.dx_slots, nullptr, grads.dx.data, cfg.d, DType::bf16, stream);
+    mark_step(stream, step::kDxAggregate);
   }
   g.dw1_proj(pv, dh, x.as<bf16>(), grads.dw1.as<bf16>(), cfg.d, cfg.n, cfg.activation, stream);
+  mark_step(stream, step::kDw1);
   if (db1) expert_column_sums(pv, dh, /*gathered=*/false, /*weighted=*/false, db1,
                               cfg.w1_rows(), stream);
 }
