@@ -36,27 +36,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-# docs/DESIGN.md's named configs (T, d, n, E, K).
-CONFIGS = {
-    "mb-conf1": (65536, 512, 2048, 4, 1),
-    "mb-conf3": (65536, 1024, 4096, 16, 4),
-    "mb-conf4": (32768, 2048, 8192, 16, 4),
-    "mb-conf7": (8192, 2048, 8192, 8, 4),
-    "sm-1.4B-n256": (40960, 768, 256, 128, 8),
-    "sm-7B-n256": (24576, 1536, 256, 128, 8),
-    "sm-7B-n1024": (24576, 1536, 1024, 32, 2),
-    "sm-30B-n512": (32768, 4096, 512, 128, 8),
-    "sm-default": (32768, 4096, 1024, 128, 8),
-    "olmoe": (16384, 2048, 1024, 64, 8),
-    "cpu-default": (2048, 256, 512, 16, 4),
-}
-
-# Shapes off the named configs (a wide and a fine-grained family; DeepSeek-V2's layer).
-EXTRA_SHAPES = {
-    "wide-d7168-E256": (16384, 7168, 2048, 256, 8),
-    "fine-n320-E512": (16384, 2048, 320, 512, 10),
-    "dsv2-d5120": (16384, 5120, 1536, 160, 6),
-}
+# docs/DESIGN.md's named configs and the extra shapes (T, d, n, E, K): bench/named_configs.py,
+# which needs no torch.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from named_configs import CONFIGS, EXTRA_SHAPES  # noqa: E402,F401
 
 
 def moe_layer(x, w1, w2, topk_ids, topk_w, n, E, K, pad_to=0, grouped_mm=None):
