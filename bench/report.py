@@ -236,6 +236,9 @@ DESCRIBE = {
         "by the one-tile rule (the 192-row tile from 128 to 178 rows an expert, the single-CTA "
         "128-row tile below 128) against the other side's kernel, on shapes either side of "
         "both lines, alternated",
+    "fp8-peak-bound-2026-12-07-bb8d5c9.md": "the bytes a keep_h step must hold at its end, bf16 "
+    "and FP8 with one orientation of the weights' codes resident (host arithmetic), beside the "
+    "peaks measured through PyTorch at 5d8a446",
     "fp8-pow2-scales-cpu-2026-12-07-cf90693.md": "the FP8 recipe's error against float64 with "
         "power-of-two scales beside the exact ones (the CPU emulation, 3 seeds)",
     "switch-prefetch-gemm-ab-2026-12-06-e55c249-h200.jsonl": "dW2 and dW1 with the varlen-K "
@@ -1795,7 +1798,11 @@ KNOWN_GAPS = """\
 - **FP8 is slower than bf16 and peaks higher.** On the C++ path the fp8 step takes
   {fp8_speed}× the bf16 step's time and peaks at {fp8_peak}× bf16's ({fp8_prov}):
   the quantize and activation passes take back what the FP8 GEMMs save, and the weights' FP8
-  codes add to the peak. Its error against float64 is many times bf16's (FP8 section).
+  codes add to the peak. Counted in the peak, one orientation of those codes costs more bytes
+  than FP8's kept H saves wherever an expert gets fewer than 1.5 d rows: by arithmetic, at
+  sm-default, olmoe and the wide grid shapes no FP8 step with the codes resident can peak at or
+  below bf16's (`fp8-peak-bound-2026-12-07-bb8d5c9.md`; docs/notes/fp8.md). Its error against
+  float64 is many times bf16's (FP8 section).
 - **Expert parallelism** is slower than one GPU at sm-7B-n256 (host-built dispatch lists and a
   host synchronisation per exchange) and is measured on two GPUs only.
 - **The plan build** does not reach 2× the sort everywhere at T ≥ 1M, nor half a copy's
