@@ -111,6 +111,9 @@ SEARCH_ROWS = {"kernel-search-2026-12-06-3137ddf-h100.jsonl":
 # A search's candidate timings re-scored against a later rule without a GPU (bench/rescore_search.py):
 # a prediction, shown as one; None where there is none newer than the searches.
 SEARCH_RESCORED = "kernel-search-rescored-2026-12-07-778d353-h200.md"
+# `bench layer --search` runs (each GEMM's candidates timed inside the real layer call;
+# bench/layer_search.py's verdict); empty until a GPU run is committed.
+LAYER_SEARCH = []
 GPU_FUZZ = "gpu-fuzz-2026-12-06-21b5cd3-h100.txt"  # the long round, 2000 cases
 # memcheck, racecheck, initcheck over the fuzz's short round; synccheck; initcheck, TMA writes alone
 SANITIZE_FUZZ = "sanitize-fuzz-2026-12-06-21b5cd3-h100.txt"
@@ -1186,6 +1189,55 @@ as the GEMM's `*-auto` row: the run's noise.
                 table(["GPU", "model or shape", "T / d / n / E / K", "gemm", "chosen",
                        "fastest", "choice / best", "in every round"], misses,
                       ["---", "---", "---", "---", "---", "---", "---:", "---"]) + "\n")
+    return out + layer_search_section()
+
+
+def layer_search_section():
+    """The same question asked inside the real layer call (`bench layer --search`), per run, and
+    its misses beside what the search alone said of the same GEMM on the same GPU."""
+    if not LAYER_SEARCH:
+        return ""
+    import layer_search
+    alone = {}
+    for name in SEARCH:
+        alone.update(layer_search.alone_index(jsonl(name)))
+    body, misses = [], []
+    for name in LAYER_SEARCH:
+        rows = [r for r in jsonl(name) if r.get("bench") == "layer-search"]
+        vs = layer_search.verdicts(rows)
+        ratios = [v["auto_over_best"] for v in vs]
+        geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        body.append([short_gpu(vs[0]["gpu"]), rows[0]["commit"], len({v["config"] for v in vs}),
+                     len(vs), f3(geo), f3(max(ratios)),
+                     f"{sum(x <= layer_search.TARGET for x in ratios)} of {len(vs)}",
+                     source(name)])
+        for v in sorted(vs, key=lambda v: -v["auto_over_best"]):
+            if v["auto_over_best"] <= layer_search.TARGET:
+                continue
+            a = alone.get((v["gpu"], v["config"], v["gemm"]))
+            misses.append([short_gpu(v["gpu"]), v["model"] or v["config"],
+                           " / ".join(map(str, v["shape"])), v["gemm"], v["auto"], v["best"],
+                           f3(v["auto_over_best"]), "yes" if v["every_round"] else "no",
+                           f3(v["call_ratio"]), "-" if a is None else f3(a["choice_over_best"])])
+    out = """
+### Inside the layer call
+
+`moeblaze bench layer --search` asks the same question where the kernels run: each legal
+kernel of one GEMM at a time, the others on their automatic choice, inside the real keep_h
+forward + backward call, each GEMM's own time read from the layer's step marks, five rotated
+rounds, every choice checked against the float64 sample first (docs/notes/gathered-gemms.md,
+"Each GEMM inside the layer call"). *auto / best*: the automatic kernel's time over the fastest's.
+
+""" + table(["GPU", "commit", "shapes", "GEMMs", "auto / best geomean", "worst", "within 3 %",
+             "rows"], body, ["---", "---", "---:", "---:", "---:", "---:", "---:", "---"]) + "\n"
+    if misses:
+        out += ("\nThe GEMMs where the automatic kernel is more than 3 % slower than the fastest "
+                "inside the call; *call* is the whole call's time under the automatic kernel over "
+                "its time under the fastest; *alone* is the search alone's choice / best for the "
+                "same GEMM on the same GPU:\n\n" +
+                table(["GPU", "model or shape", "T / d / n / E / K", "gemm", "automatic",
+                       "fastest", "auto / best", "in every round", "call", "alone"], misses,
+                      ["---"] * 6 + ["---:", "---", "---:", "---:"]) + "\n")
     return out
 
 

@@ -52,6 +52,41 @@ def test_search_section_reads_the_choice_rows_and_the_rounds(monkeypatch):
 
 
 @pytest.mark.skipif(not os.path.isfile(REPORT), reason="the repository's bench/ is not here")
+def test_layer_search_section_reads_the_call_rows_beside_the_alone_search(monkeypatch):
+    """`bench layer --search` rows: one line per run (auto / best inside the call), and each
+    GEMM off by more than 3 % with the whole call's ratio and the alone search's verdict."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("report", REPORT)
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    gpu = "NVIDIA H100 80GB HBM3"
+    base = {"bench": "layer-search", "config": "s", "model": "Some-MoE", "T": 4096, "d": 2048,
+            "n": 512, "E": 32, "K": 4, "S": 16384, "gpu": gpu, "commit": "abc1234",
+            "max_rel_err": 0.003}
+    call = [dict(base, gemm="down_proj", kernel="A", auto=True, ms=1.2, call_ms=10.0,
+                 round_ms=[1.2, 1.2]),
+            dict(base, gemm="down_proj", kernel="B", auto=False, ms=1.0, call_ms=9.8,
+                 round_ms=[1.0, 1.1]),
+            dict(base, gemm="dx_proj", kernel="C", auto=True, ms=2.0, call_ms=10.0,
+                 round_ms=[2.0, 2.0]),
+            dict(base, gemm="dx_proj", kernel="D", auto=False, ms=2.02, call_ms=10.1,
+                 round_ms=[2.0, 2.1])]
+    alone = [{"bench": "kernel-search", "gpu": gpu, "config": "s", "gemm": "down_proj",
+              "choice_over_best": 1.0, "chosen": "A", "best": "A"}]
+    files = {"layer-search-2026-12-08-abc1234-h100.jsonl": call,
+             "kernel-search-2026-12-08-abc1234-h100.jsonl": alone}
+    monkeypatch.setattr(report, "LAYER_SEARCH", ["layer-search-2026-12-08-abc1234-h100.jsonl"])
+    monkeypatch.setattr(report, "SEARCH", ["kernel-search-2026-12-08-abc1234-h100.jsonl"])
+    monkeypatch.setattr(report, "jsonl", lambda name: files[name])
+    out = report.layer_search_section()
+    geo = (1.2 / 1.0 * 1.0) ** 0.5
+    assert f"| NVIDIA H100 | abc1234 | 1 | 2 | {geo:.3f} | 1.200 | 1 of 2 |" in out
+    assert ("| NVIDIA H100 | Some-MoE | 4096 / 2048 / 512 / 32 / 4 | down_proj | A | B | 1.200 | yes | "
+            "1.020 | 1.000 |") in out
+    assert "| dx_proj |" not in out  # the automatic kernel is the fastest there
+
+
+@pytest.mark.skipif(not os.path.isfile(REPORT), reason="the repository's bench/ is not here")
 def test_model_step_section_and_readme_table(monkeypatch):
     """model-step rows: moeblaze's step over SonicMoE's and grouped_mm's per model (a skipped
     impl shows as —), and README.md's table replaced between its marks, nothing else."""
