@@ -16,6 +16,12 @@ the two harnesses name different fastest kernels, the rules were set on the one 
 does not follow (docs/notes/gathered-gemms.md, "Each GEMM inside the layer call").
 
     python3 bench/layer_search.py OUT/layer_search.jsonl [--alone OUT/search.jsonl] [--md out.md]
+
+--steps compares the two harnesses kernel by kernel instead: each GEMM's automatic kernel alone
+(`bench gemm`'s "<gemm>-auto" rows) against the same GEMM's step inside the real call (`bench layer
+--steps`' "layer-call-step" rows of the moeblaze impl), per config and GPU:
+
+    python3 bench/layer_search.py --steps OUT/steps.jsonl --alone OUT/gemm.jsonl
 """
 import argparse
 import json
@@ -116,13 +122,63 @@ def table(vs, alone=None):
     return "\n".join(lines)
 
 
+# bench gemm's automatic rows and the layer's step marks (cuda/layer/step_marks.hpp) per GEMM
+STEP_OF = {"up-auto": "1 up-proj", "down-auto": "2 down-proj", "dH-auto": "4 dH",
+           "dW2-auto": "5 dW2", "dX-auto": "6 dX~", "dW1-auto": "8 dW1"}
+
+
+def harnesses(step_rows, gemm_rows):
+    """[(gpu, config, gemm row name, alone ms, in-call ms)]: the median of each side's rows."""
+    def med(xs):
+        xs = sorted(xs)
+        m = len(xs) // 2
+        return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
+    call, alone = {}, {}
+    for r in step_rows:
+        if r.get("impl", "moeblaze") == "moeblaze":
+            call.setdefault((r["gpu"], r["config"], r["step"]), []).append(r["ms"])
+    for r in gemm_rows:
+        if r.get("gemm") in STEP_OF:
+            alone.setdefault((r["gpu"], r["config"], r["gemm"]), []).append(r["ms"])
+    out = []
+    for (gpu, config, gemm), ms in alone.items():
+        c = call.get((gpu, config, STEP_OF[gemm]))
+        if c:
+            out.append((gpu, config, gemm, med(ms), med(c)))
+    return out
+
+
+def harness_table(pairs):
+    lines = ["| GPU | config | GEMM | alone ms | in the call ms | alone / in the call |",
+             "|---|---|---|---:|---:|---:|"]
+    for gpu, config, gemm, a, c in pairs:
+        lines.append(f"| {gpu} | {config} | {gemm[:-len('-auto')]} | {a:.3f} | {c:.3f} | "
+                     f"{a / c:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("rows", nargs="+", help="jsonl files with 'layer-search' rows")
     ap.add_argument("--alone", action="append", default=[],
                     help="jsonl with 'kernel-search' rows (bench gemm --search) to set beside")
     ap.add_argument("--md", default="", help="write the summary and table here as Markdown")
+    ap.add_argument("--steps", action="store_true",
+                    help="the rows are bench layer --steps' and --alone bench gemm's: compare "
+                         "each GEMM alone with the same GEMM inside the call")
     args = ap.parse_args(argv)
+    if args.steps:
+        pairs = harnesses(load(args.rows, "layer-call-step"), load(args.alone, "gemm"))
+        if not pairs:
+            print("layer_search: no GEMM with both a 'gemm' -auto row and a 'layer-call-step' row",
+                  file=sys.stderr)
+            return 1
+        text = harness_table(pairs) + "\n"
+        print(text, end="")
+        if args.md:
+            with open(args.md, "w") as f:
+                f.write(text)
+        return 0
     vs = verdicts(load(args.rows, "layer-search"))
     if not vs:
         print("layer_search: no 'layer-search' rows with an automatic choice in "

@@ -80,3 +80,23 @@ def test_no_rows_is_an_error(tmp_path, capsys):
     empty.write_text(json.dumps({"bench": "layer", "config": "x"}) + "\n")
     assert layer_search.main([str(empty)]) == 1
     assert "no 'layer-search' rows" in capsys.readouterr().err
+
+
+def test_steps_mode_sets_each_gemm_alone_beside_its_step_in_the_call(tmp_path, capsys):
+    gpu = "NVIDIA H100 80GB HBM3"
+    steps = [{"bench": "layer-call-step", "config": "kimi-k2", "impl": "moeblaze", "step": s,
+              "ms": ms, "gpu": gpu} for s, ms in (("1 up-proj", 9.9), ("2 down-proj", 4.0),
+                                                   ("call", 46.5))]
+    steps.append({"bench": "layer-call-step", "config": "kimi-k2", "impl": "moeblaze-recompute",
+                  "step": "1 up-proj", "ms": 99.0, "gpu": gpu})  # another impl: not compared
+    gemm = [{"bench": "gemm", "config": "kimi-k2", "gemm": g, "ms": ms, "gpu": gpu}
+            for g, ms in (("up-auto", 16.2), ("up-auto", 15.5), ("up-auto", 16.3),
+                          ("down-auto", 4.4), ("dW1-auto", 7.0))]
+    s_path, g_path = tmp_path / "steps.jsonl", tmp_path / "gemm.jsonl"
+    s_path.write_text("".join(json.dumps(r) + "\n" for r in steps))
+    g_path.write_text("".join(json.dumps(r) + "\n" for r in gemm))
+    assert layer_search.main(["--steps", str(s_path), "--alone", str(g_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"| {gpu} | kimi-k2 | up | 16.200 | 9.900 | {16.2 / 9.9:.3f} |" in out  # medians
+    assert f"| {gpu} | kimi-k2 | down | 4.400 | 4.000 | 1.100 |" in out
+    assert "dW1" not in out  # no step row to set it beside
