@@ -26,6 +26,7 @@ does not follow (docs/notes/gathered-gemms.md, "Each GEMM inside the layer call"
 import argparse
 import json
 import math
+import statistics
 import sys
 
 TARGET = 1.03  # the search's target: the choice within 3 % of the fastest candidate
@@ -70,7 +71,6 @@ def verdicts(rows):
             "auto_over_best": a["ms"] / best["ms"], "every_round": every,
             "call_ratio": (a["call_ms"] / best["call_ms"]) if best is not a else 1.0,
             "timed": len(ran), "skipped": len(rs) - len(ran),
-            "max_rel_err": max((r.get("max_rel_err") or 0.0) for r in ran),
         })
     return out
 
@@ -129,10 +129,6 @@ STEP_OF = {"up-auto": "1 up-proj", "down-auto": "2 down-proj", "dH-auto": "4 dH"
 
 def harnesses(step_rows, gemm_rows):
     """[(gpu, config, gemm row name, alone ms, in-call ms)]: the median of each side's rows."""
-    def med(xs):
-        xs = sorted(xs)
-        m = len(xs) // 2
-        return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
     call, alone = {}, {}
     for r in step_rows:
         if r.get("impl", "moeblaze") == "moeblaze":
@@ -144,7 +140,7 @@ def harnesses(step_rows, gemm_rows):
     for (gpu, config, gemm), ms in alone.items():
         c = call.get((gpu, config, STEP_OF[gemm]))
         if c:
-            out.append((gpu, config, gemm, med(ms), med(c)))
+            out.append((gpu, config, gemm, statistics.median(ms), statistics.median(c)))
     return out
 
 
@@ -174,18 +170,14 @@ def main(argv=None):
                   file=sys.stderr)
             return 1
         text = harness_table(pairs) + "\n"
-        print(text, end="")
-        if args.md:
-            with open(args.md, "w") as f:
-                f.write(text)
-        return 0
-    vs = verdicts(load(args.rows, "layer-search"))
-    if not vs:
-        print("layer_search: no 'layer-search' rows with an automatic choice in "
-              + ", ".join(args.rows), file=sys.stderr)
-        return 1
-    alone = alone_index(load(args.alone, "kernel-search")) if args.alone else None
-    text = "\n".join(summary(vs)) + "\n\n" + table(vs, alone) + "\n"
+    else:
+        vs = verdicts(load(args.rows, "layer-search"))
+        if not vs:
+            print("layer_search: no 'layer-search' rows with an automatic choice in "
+                  + ", ".join(args.rows), file=sys.stderr)
+            return 1
+        alone = alone_index(load(args.alone, "kernel-search")) if args.alone else None
+        text = "\n".join(summary(vs)) + "\n\n" + table(vs, alone) + "\n"
     print(text, end="")
     if args.md:
         with open(args.md, "w") as f:

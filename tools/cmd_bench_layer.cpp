@@ -322,9 +322,9 @@ class StepTimer final : public cuda::StepMarks {
 };
 
 // Per step (in first-seen order), every sample's ms pooled.
-std::vector<std::pair<std::string, std::vector<double>>> pool_steps(
-    const std::vector<StepTimer::Sample>& samples) {
-  std::vector<std::pair<std::string, std::vector<double>>> out;
+using PooledSteps = std::vector<std::pair<std::string, std::vector<double>>>;
+PooledSteps pool_steps(const std::vector<StepTimer::Sample>& samples) {
+  PooledSteps out;
   for (const StepTimer::Sample& s : samples)
     for (const auto& [name, ms] : s) {
       auto it = std::find_if(out.begin(), out.end(), [&](const auto& p) { return p.first == name; });
@@ -335,6 +335,13 @@ std::vector<std::pair<std::string, std::vector<double>>> pool_steps(
       it->second.push_back(ms);
     }
   return out;
+}
+
+// One step's median over the pooled samples; NaN where the step was not marked.
+double step_median(const PooledSteps& pooled, const std::string& step) {
+  for (const auto& [name, v] : pooled)
+    if (name == step) return median(v);
+  return NAN;
 }
 
 // The step each GEMM (a LayerKernels index) is timed as.
@@ -348,6 +355,13 @@ const char* gemm_step(int gemm) {
     case LK::kDx: return cuda::step::kDx;
     default: return cuda::step::kDw1;
   }
+}
+
+// The checked call's outputs (out, dx, the pair weights' gradient) set to 0xFF bytes, NaN in bf16
+// and fp32: an element the call leaves unwritten fails the sampled error.
+void poison_outputs(const LayerTensors& lt) {
+  for (const DevBuf* b : {&lt.out, &lt.dx, &lt.dpw})
+    MOEBLAZE_CUDA_CHECK(cudaMemset(b->p, 0xFF, b->bytes));
 }
 
 // ---- one config -------------------------------------------------------------------------------
@@ -390,12 +404,9 @@ void emit(const BenchFlags& f, const Meta& m, const NamedConfig& nc, const Layer
 
 // --steps rows and table lines: each step's median ms inside the call, and its share of the call.
 void emit_call_steps(const BenchFlags& f, const Meta& meta, const NamedConfig& nc, int64_t S,
-                     const std::string& impl,
-                     const std::vector<std::pair<std::string, std::vector<double>>>& pooled,
-                     Table& table, std::ofstream* out) {
-  double call = 0;
-  for (const auto& [name, v] : pooled)
-    if (name == "call") call = median(v);
+                     const std::string& impl, const PooledSteps& pooled, Table& table,
+                     std::ofstream* out) {
+  const double call = step_median(pooled, "call");
   for (const auto& [name, v] : pooled) {
     const double ms = median(v);
     JsonLine j;
@@ -420,7 +431,8 @@ struct SearchEntry {
   cuda::gemm::KernelOverrides overrides;
   std::string skipped;        // why it did not run ("" if it ran)
   double err = NAN;           // sampled max rel err of its checked call
-  std::vector<StepTimer::Sample> samples;
+  std::vector<StepTimer::Sample> samples;     // every timed call's steps, all rounds
+  PooledSteps pooled;                         // the same pooled per step, after the rounds
   std::vector<std::vector<double>> round_ms;  // per round: each GEMM's step median, then call's
 };
 
@@ -492,9 +504,7 @@ void search_in_call(const BenchFlags& f, const Meta& meta, const NamedConfig& nc
   for (SearchEntry& e : entries) {
     gg::set_kernel_overrides(e.overrides);
     try {
-      MOEBLAZE_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.bytes));
-      MOEBLAZE_CUDA_CHECK(cudaMemset(dx.p, 0xFF, dx.bytes));
-      MOEBLAZE_CUDA_CHECK(cudaMemset(dpw.p, 0xFF, dpw.bytes));
+      poison_outputs(lt);
       reset();
       call();
       MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
@@ -525,14 +535,9 @@ void search_in_call(const BenchFlags& f, const Meta& meta, const NamedConfig& nc
       gg::set_kernel_overrides(e.overrides);
       std::vector<StepTimer::Sample> t = st.samples(r == 0 ? f.warmup : 1, per_round, reset, call);
       std::vector<double> per;  // each GEMM's step median this round, then the call's
-      const auto pooled = pool_steps(t);
-      auto step_median = [&](const char* step) {
-        for (const auto& [name, v] : pooled)
-          if (name == step) return median(v);
-        return double(NAN);
-      };
-      for (int g = 0; g < LK::kCount; ++g) per.push_back(step_median(gemm_step(g)));
-      per.push_back(step_median("call"));
+      const PooledSteps pooled = pool_steps(t);
+      for (int g = 0; g < LK::kCount; ++g) per.push_back(step_median(pooled, gemm_step(g)));
+      per.push_back(step_median(pooled, "call"));
       e.round_ms.push_back(per);
       e.samples.insert(e.samples.end(), t.begin(), t.end());
     }
@@ -540,12 +545,9 @@ void search_in_call(const BenchFlags& f, const Meta& meta, const NamedConfig& nc
               << " done\n";
   }
 
+  for (SearchEntry& e : entries) e.pooled = pool_steps(e.samples);
   // A choice's pooled median of one step (NaN where it did not run or has no such step).
-  auto ms_of = [](const SearchEntry& e, const char* step) {
-    for (const auto& [name, v] : pool_steps(e.samples))
-      if (name == step) return median(v);
-    return double(NAN);
-  };
+  auto ms_of = [](const SearchEntry& e, const char* step) { return step_median(e.pooled, step); };
   const SearchEntry& aut = entries[0];
   for (const SearchEntry& e : entries) {
     for (int g = 0; g < LK::kCount; ++g) {
@@ -718,9 +720,7 @@ void bench_config(const BenchFlags& f, const Meta& meta, const NamedConfig& nc,
         SavedForBackward saved;
         {
           // Memory and error on one untimed run (outputs poisoned first: NaN fails the error).
-          MOEBLAZE_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.bytes));
-          MOEBLAZE_CUDA_CHECK(cudaMemset(dx.p, 0xFF, dx.bytes));
-          MOEBLAZE_CUDA_CHECK(cudaMemset(dpw.p, 0xFF, dpw.bytes));
+          poison_outputs(lt);
           PeakScope peak(Device::cuda);
           layer_forward(lc, plan, xv, w1v, w2v, biases, outv, saved, opts);
           MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
