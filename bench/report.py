@@ -650,8 +650,8 @@ per-step times are not used here. {caption(ours, GRID_GEMMS, GRID_SONIC_GEMMS, G
     return words + table(header, body) + "\n"
 
 
-def families(impl):
-    """A step's kernel families folded into the groups the FP8 comparison is about."""
+def family_ms(impl):
+    """A step's kernel families folded into the groups the FP8 comparison is about, in ms."""
     group = {"data GEMMs": 0.0, "weight gradients": 0.0, "FP8 quantize and activation passes": 0.0,
              "other": 0.0}
     for fam, v in impl["families"].items():
@@ -664,7 +664,12 @@ def families(impl):
         else:
             key = "other"
         group[key] += v["ms"]
-    return {k: (f3(v) if v else "—") for k, v in group.items()}
+    return group
+
+
+def families(impl):
+    """family_ms as table cells ("—" for a group with no kernel)."""
+    return {k: (f3(v) if v else "—") for k, v in family_ms(impl).items()}
 
 
 def fp8_section():
@@ -724,9 +729,7 @@ def fp8_section():
         imp = cfg["impls"]
         if "moeblaze-torch" not in imp or "moeblaze-torch-fp8-cached" not in imp:
             continue
-        b16, f8 = families(imp["moeblaze-torch"]), families(imp["moeblaze-torch-fp8-cached"])
-        num = {k: float(v) if v != "—" else 0.0 for k, v in b16.items()}
-        fnum = {k: float(v) if v != "—" else 0.0 for k, v in f8.items()}
+        num, fnum = family_ms(imp["moeblaze-torch"]), family_ms(imp["moeblaze-torch-fp8-cached"])
         t = target.get(cfg["config"], 1.30)
         budget = imp["moeblaze-torch"]["kernel_sum_ms"] / t
         room = budget - fnum["other"] - num["weight gradients"]
