@@ -1213,7 +1213,7 @@ def layer_search_section():
         body.append([short_gpu(vs[0]["gpu"]), rows[0]["commit"], len({v["config"] for v in vs}),
                      len(vs), f3(geo), f3(max(ratios)),
                      f"{sum(x <= layer_search.TARGET for x in ratios)} of {len(vs)}",
-                     source(name)])
+                     f"{rows[0]['rounds']} x {rows[0]['reps']}", source(name)])
         for v in sorted(vs, key=lambda v: -v["auto_over_best"]):
             if v["auto_over_best"] <= layer_search.TARGET:
                 continue
@@ -1227,12 +1227,14 @@ def layer_search_section():
 
 `moeblaze bench layer --search` asks the same question where the kernels run: each legal
 kernel of one GEMM at a time, the others on their automatic choice, inside the real keep_h
-forward + backward call, each GEMM's own time read from the layer's step marks, five rotated
-rounds, every choice checked against the float64 sample first (docs/notes/gathered-gemms.md,
-"Each GEMM inside the layer call"). *auto / best*: the automatic kernel's time over the fastest's.
+forward + backward call, each GEMM's own time read from the layer's step marks, rotated rounds
+(*rounds x reps*: the run's rounds and timed calls per choice), every choice checked against the
+float64 sample first (docs/notes/gathered-gemms.md, "Each GEMM inside the layer call").
+*auto / best*: the automatic kernel's time over the fastest's.
 
 """ + table(["GPU", "commit", "shapes", "GEMMs", "auto / best geomean", "worst", "within 3 %",
-             "rows"], body, ["---", "---", "---:", "---:", "---:", "---:", "---:", "---"]) + "\n"
+             "rounds x reps", "rows"], body,
+            ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---"]) + "\n"
     if misses:
         out += ("\nThe GEMMs where the automatic kernel is more than 3 % slower than the fastest "
                 "inside the call; *call* is the whole call's time under the automatic kernel over "

@@ -62,7 +62,7 @@ def test_layer_search_section_reads_the_call_rows_beside_the_alone_search(monkey
     gpu = "NVIDIA H100 80GB HBM3"
     base = {"bench": "layer-search", "config": "s", "model": "Some-MoE", "T": 4096, "d": 2048,
             "n": 512, "E": 32, "K": 4, "S": 16384, "gpu": gpu, "commit": "abc1234",
-            "max_rel_err": 0.003}
+            "max_rel_err": 0.003, "rounds": 3, "reps": 9}
     call = [dict(base, gemm="down_proj", kernel="A", auto=True, ms=1.2, call_ms=10.0,
                  round_ms=[1.2, 1.2]),
             dict(base, gemm="down_proj", kernel="B", auto=False, ms=1.0, call_ms=9.8,
@@ -80,7 +80,7 @@ def test_layer_search_section_reads_the_call_rows_beside_the_alone_search(monkey
     monkeypatch.setattr(report, "jsonl", lambda name: files[name])
     out = report.layer_search_section()
     geo = (1.2 / 1.0 * 1.0) ** 0.5
-    assert f"| NVIDIA H100 | abc1234 | 1 | 2 | {geo:.3f} | 1.200 | 1 of 2 |" in out
+    assert f"| NVIDIA H100 | abc1234 | 1 | 2 | {geo:.3f} | 1.200 | 1 of 2 | 3 x 9 |" in out
     assert ("| NVIDIA H100 | Some-MoE | 4096 / 2048 / 512 / 32 / 4 | down_proj | A | B | 1.200 | yes | "
             "1.020 | 1.000 |") in out
     assert "| dx_proj |" not in out  # the automatic kernel is the fastest there
