@@ -11,7 +11,7 @@ whole call's ratio under the two. The issue's target reads: *auto / best* within
 GEMM of at least 40 shapes, on each GPU.
 
 With --alone (a `bench gemm --search` file, rows "kernel-search"), each GEMM of a shape that both
-ran on the same GPU also gets the alone verdict (its `choice_over_best` and fastest kernel): where
+ran on the same GPU also gets the alone verdict (its choice / best and fastest kernel): where
 the two harnesses name different fastest kernels, the rules were set on the one that the layer
 does not follow (docs/notes/gathered-gemms.md, "Each GEMM inside the layer call").
 
@@ -96,6 +96,18 @@ def alone_index(rows):
     return {(r["gpu"], r["config"], r["gemm"]): r for r in rows}
 
 
+def alone_ratio(a):
+    """A kernel-search row's choice / best: the chosen kernel's own candidate row where the run
+    has one (files from 34823b3 on), else its *-auto row (docs/DESIGN.md, kernel-search)."""
+    return a["choice_over_best"] if "choice_over_best" in a else a["auto_over_best"]
+
+
+def alone_same_fastest(a, layer_best):
+    """Whether the search alone and the layer name the same fastest kernel; None where the alone
+    row's `best` is a bench row name (files before 34823b3), not a kernel field by field."""
+    return None if "choice_over_best" not in a else a["best"] == layer_best
+
+
 def table(vs, alone=None):
     # (header, right-aligned): numbers to the right, names and words to the left
     cols = [("GPU", 0), ("config", 0), ("T / d / n / E / K", 0), ("GEMM", 0), ("automatic", 0),
@@ -116,8 +128,9 @@ def table(vs, alone=None):
             if a is None:
                 cells += ["-", "-", "-"]
             else:
-                cells += [f"{a['choice_over_best']:.3f}", a["best"],
-                          "yes" if a["best"] == v["best"] else "no"]
+                same = alone_same_fastest(a, v["best"])
+                cells += [f"{alone_ratio(a):.3f}", a["best"],
+                          "-" if same is None else ("yes" if same else "no")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

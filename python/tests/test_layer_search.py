@@ -75,6 +75,20 @@ def test_alone_beside_and_the_command(tmp_path, capsys):
     assert dx.endswith("| - | - | - |")
 
 
+def test_alone_rows_from_before_the_candidate_rows(tmp_path, capsys):
+    """A kernel-search file before 34823b3: no choice_over_best (auto_over_best is the verdict)
+    and `best` a bench row name, which cannot be compared with a kernel named field by field."""
+    rows = tmp_path / "layer.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    alone = tmp_path / "alone.jsonl"
+    alone.write_text(json.dumps(dict(SHAPE, bench="kernel-search", config="kimi-k2",
+                                     gemm="down_proj", chosen=TMA_PP, best="down-ws",
+                                     auto_over_best=1.1)) + "\n")
+    assert layer_search.main([str(rows), "--alone", str(alone)]) == 0
+    down = [l for l in capsys.readouterr().out.splitlines() if "| down_proj |" in l][0]
+    assert down.endswith("| 1.100 | down-ws | - |")
+
+
 def test_no_rows_is_an_error(tmp_path, capsys):
     empty = tmp_path / "e.jsonl"
     empty.write_text(json.dumps({"bench": "layer", "config": "x"}) + "\n")
