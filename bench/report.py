@@ -112,13 +112,13 @@ SEARCH_ROWS = {"kernel-search-2026-12-06-3137ddf-h100.jsonl":
 # a prediction, shown as one; None where there is none newer than the searches.
 SEARCH_RESCORED = "kernel-search-rescored-2026-12-07-778d353-h200.md"
 # `bench layer --search` runs (each GEMM's candidates timed inside the real layer call;
-# bench/layer_search.py's verdict); empty until a GPU run is committed.
-LAYER_SEARCH = []
+# bench/layer_search.py's verdict).
+LAYER_SEARCH = ["layer-search-2026-12-08-d5463f4-h100.jsonl"]
 GPU_FUZZ = "gpu-fuzz-2026-12-06-21b5cd3-h100.txt"  # the long round, 2000 cases
 # memcheck, racecheck, initcheck over the fuzz's short round; synccheck; initcheck, TMA writes alone
 SANITIZE_FUZZ = "sanitize-fuzz-2026-12-06-21b5cd3-h100.txt"
 SANITIZE_INIT = "sanitize-initcheck-2026-12-06-0f6b230-h100.txt"  # initcheck, every report
-GTESTS = ["gpu-gtests-2026-12-07-f262251-h100.txt"]  # every GPU gtest, the latest run
+GTESTS = ["gpu-gtests-2026-12-08-d5463f4-h100.txt"]  # every GPU gtest, the latest run
 PYTESTS = ["gpu-pytests-2026-12-06-8e6001d-h200.txt"]  # the whole Python suite with CUDA
 
 FOUR = ["sm-7B-n256", "olmoe", "sm-30B-n512", "sm-default"]
@@ -226,6 +226,10 @@ DESCRIBE = {
     "kernel-search-2026-12-06-80183b5-h200.jsonl": "the automatic kernel of each GEMM against "
         "the fastest legal candidate on the grid and 17 random shapes, five rotated rounds, run "
         "in four slices",
+    "layer-search-2026-12-08-d5463f4-h100.jsonl": "every legal kernel of each GEMM timed inside "
+        "the real forward + backward call against the automatic one, four rotated rounds of 20 "
+        "calls, on the first half of the grid and random shapes (18 shapes; the run's time ended "
+        "in the 19th)",
     "kernel-search-candidates-2026-12-06-80183b5-h200.txt": "that search's progress output: "
         "every candidate's time per GEMM and shape (three of its four slices)",
     "tma-store-heldout-layer-ab-2026-12-06-80183b5-h200.jsonl": "the layer with the TMA-store "
@@ -1221,7 +1225,7 @@ def layer_search_section():
             misses.append([short_gpu(v["gpu"]), v["model"] or v["config"],
                            " / ".join(map(str, v["shape"])), v["gemm"], v["auto"], v["best"],
                            f3(v["auto_over_best"]), "yes" if v["every_round"] else "no",
-                           f3(v["call_ratio"]), "-" if a is None else f3(a["choice_over_best"])])
+                           f3(v["call_ratio"]), "-" if a is None else f3(layer_search.alone_ratio(a))])
     out = """
 ### Inside the layer call
 
