@@ -1491,13 +1491,15 @@ def model_of(r):
                                                "(off the grid)")
 
 
-def gather_pair_rule(r, flops_per_byte=319):
-    """The rule's pair windows (kernel_config.hpp: gather_pair_max_rows, kGatherPairUpMaxRows) for
-    a row's shape: (up-projection on pairs, dH on pairs). A copy of the C++ rule: python/tests/
-    test_report.py asks `moeblaze bench kernels` at every edge and fails where the two differ."""
-    dh = (r["d"] >= 4096 and r["S"] >= 118 * r["E"] and
-          r["S"] <= r["E"] * min(240, flops_per_byte - 1))
-    return dh and r["S"] <= 150 * r["E"], dh
+def gather_pair_rule(r, flops_per_byte=319, l2_bytes=50 << 20):
+    """The rule's pair windows (kernel_config.hpp: gather_pair_max_rows, kGatherPairUpMaxRows,
+    dh_expert_outgrows_l2) for a row's shape: (up-projection on pairs, dH on pairs). A copy of
+    the C++ rule: python/tests/test_report.py asks `moeblaze bench kernels` at every edge and
+    fails where the two differ."""
+    two_tiles = r["d"] >= 4096 and r["S"] >= 118 * r["E"]
+    window = two_tiles and r["S"] <= r["E"] * min(240, flops_per_byte - 1)
+    big_expert = two_tiles and r["n"] * r["d"] * 2 >= l2_bytes
+    return window and r["S"] <= 150 * r["E"], window or big_expert
 
 
 def rule_word(up, dh):
@@ -1548,7 +1550,10 @@ n-tile and each loads half of every weight stage, multicast into both, so the we
 once where two single CTAs read it twice (bits equal to the single-CTA kernels'). The rule takes
 them for dH where d >= 4096 and an expert's rows fill two 128-row tiles while the GEMM is
 weight-bound (118 E <= S <= min(240, FLOPs per DRAM byte - 1) E), and for the up-projection in
-that window to S <= 150 E only.
+that window to S <= 150 E only. dH also takes them at any S >= 118 E where one expert's W2 (n d
+bf16) is at least the device's L2, as measured inside the layer call (section "The kernel choice
+against a search", "Inside the layer call"; docs/notes/dh-epilogue.md, "Clusters of 2 inside the
+call").
 
 In the layer (forward + backward), the step's time with one GEMM forced back to single CTAs
 over its time with both on pairs (above 1: the pair faster), medians of two rounds: the

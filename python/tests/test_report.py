@@ -182,25 +182,26 @@ def test_pair_rule_copy_agrees_with_the_kernel_rule():
     """report.py labels each pair-table row with its own copy of the up-projection's and dH's
     cluster-of-2 window (gather_pair_rule). It must say what the C++ rule picks: asked here of
     `moeblaze bench kernels` for shapes on both sides of every edge of the window (rows per expert
-    117-241, d on both sides of 4096) on the H100's and the H200's FLOPs per DRAM byte."""
+    117-241, d on both sides of 4096) on the H100's and the H200's FLOPs per DRAM byte, and, for
+    dH, on both sides of an expert's W2 filling the L2 (n = 6400 at d = 4096: 50 MiB)."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("report", REPORT)
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
-    E, K, n = 64, 8, 512
-    shapes = [(r * E // K, d) for r in (117, 118, 150, 151, 160, 216, 217, 240, 241)
-              for d in (2048, 4096)]
-    names = [f"T{T}-d{d}-n{n}-E{E}-K{K}" for T, d in shapes]
+    E, K = 64, 8
+    shapes = [(r * E // K, d, n) for r in (117, 118, 150, 151, 160, 216, 217, 240, 241, 512)
+              for d in (2048, 4096) for n in (512, 6336, 6400)]
+    names = [f"T{T}-d{d}-n{n}-E{E}-K{K}" for T, d, n in shapes]
     for fpb in (319, 217):
         out = subprocess.run([_cli(), "bench", "kernels", "--config", ",".join(names),
-                              "--flops-per-byte", str(fpb)],
+                              "--flops-per-byte", str(fpb), "--l2-mib", "50"],
                              capture_output=True, text=True, timeout=120, check=True).stdout
         cluster = {}
         for line in out.splitlines():
             cells = [c.strip() for c in line.split("|")]
             if len(cells) == 10 and cells[2] in ("up_proj", "dh_proj"):
                 cluster[(cells[0], cells[2])] = cells[7] == "2"
-        for (T, d), name in zip(shapes, names):
-            row = {"S": T * K, "E": E, "d": d}
+        for (T, d, n), name in zip(shapes, names):
+            row = {"S": T * K, "E": E, "d": d, "n": n}
             want = (cluster[(name, "up_proj")], cluster[(name, "dh_proj")])
             assert report.gather_pair_rule(row, fpb) == want, (name, fpb, want)

@@ -1025,7 +1025,8 @@ TEST(GroupedGemmChecks, GatherClusterOverrides) {
                Unsupported);
 
   // The rule: d >= 4096 and S / E in [118, min(240, FLOPs per DRAM byte - 1)] for dH (swiglu), the
-  // up-projection to 150 rows an expert.
+  // up-projection to 150 rows an expert (Kimi-K2's W2, 29 MB, is below the 50 MiB L2 assumed
+  // without a GPU, so the big-expert case below does not apply).
   auto at = [](int64_t rows, int64_t fpb, Activation act) {
     gg::KernelShape s{rows * 384, 384, 7168, 2048};  // Kimi-K2's sizes
     s.act = act;
@@ -1063,6 +1064,30 @@ TEST(GroupedGemmChecks, GatherClusterOverrides) {
   EXPECT_EQ(gg::choose_kernels(short_k, gg::KernelOverrides{}).dh.cluster, 1);
   short_k.d = 4096;
   EXPECT_EQ(gg::choose_kernels(short_k, gg::KernelOverrides{}).up.cluster, 2);
+  // dH's pair at any rows from 118 an expert up where one expert's W2 (n x d bf16) is at least
+  // the L2 (DBRX's sizes, 4096 rows an expert: 132 MB against 50 MiB); not the up-projection.
+  gg::KernelShape dbrx{65536, 16, 6144, 10752};
+  dbrx.flops_per_byte = 319;
+  dbrx.l2_bytes = int64_t(50) << 20;
+  EXPECT_EQ(gg::choose_kernels(dbrx, gg::KernelOverrides{}).dh.cluster, 2);
+  EXPECT_EQ(gg::choose_kernels(dbrx, gg::KernelOverrides{}).up.cluster, 1);
+  EXPECT_NE(std::string(gg::choose_kernels(dbrx, gg::KernelOverrides{}).dh.rule).find("L2"),
+            std::string::npos);
+  gg::KernelShape edge = dbrx;
+  edge.l2_bytes = dbrx.n * dbrx.d * 2;  // W2 exactly the L2: pairs
+  EXPECT_EQ(gg::choose_kernels(edge, gg::KernelOverrides{}).dh.cluster, 2);
+  edge.l2_bytes += 1;  // W2 below the L2: single CTAs share it through L2
+  EXPECT_EQ(gg::choose_kernels(edge, gg::KernelOverrides{}).dh.cluster, 1);
+  gg::KernelShape few = dbrx;
+  few.S = 117 * few.E;  // one 128-row tile an expert: nothing to pair
+  EXPECT_EQ(gg::choose_kernels(few, gg::KernelOverrides{}).dh.cluster, 1);
+  gg::KernelShape narrow = dbrx;
+  narrow.d = 3968;  // d < 4096, outside what was measured
+  narrow.n = 16384;
+  EXPECT_EQ(gg::choose_kernels(narrow, gg::KernelOverrides{}).dh.cluster, 1);
+  gg::KernelShape relu_big = dbrx;
+  relu_big.act = Activation::relu;  // dH's switch kernel has no pair
+  EXPECT_EQ(gg::choose_kernels(relu_big, gg::KernelOverrides{}).dh.cluster, 1);
   gg::KernelShape kimi{170 * 384, 384, 7168, 2048};
   kimi.flops_per_byte = 319;
   EXPECT_EQ(gg::choose_kernels(kimi, gg::parse_kernel_overrides("up.cluster=1,dh.cluster=1")).up.cluster, 1);

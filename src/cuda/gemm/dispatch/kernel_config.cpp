@@ -126,12 +126,18 @@ LayerKernels automatic(const KernelShape& s) {
                 "bound, an expert's second 128-row tile nearly empty): cooperative on clusters "
                 "of 2, the weight multicast";
   }
-  if (pair && s.act == Activation::swiglu && k.dh.family == KernelFamily::ws_gather &&
-      k.dh.schedule == KernelSchedule::cooperative) {
+  // dH's pair also wherever one expert's W2 outgrows the L2 (dh_expert_outgrows_l2).
+  const bool big_expert = ws && s.E > 0 && s.d >= kGatherPairMinD &&
+                          s.S >= s.E * kGatherPairMinRows &&
+                          dh_expert_outgrows_l2(s.n, s.d, s.l2_bytes);
+  if ((pair || big_expert) && s.act == Activation::swiglu &&
+      k.dh.family == KernelFamily::ws_gather && k.dh.schedule == KernelSchedule::cooperative) {
     k.dh.cluster = 2;
-    k.dh.rule = "swiglu, d >= 4096, 118 E <= S <= min(240, FLOPs per DRAM byte - 1) E rows "
-                "(weight-bound, two 128-row tiles an expert): its cooperative kernel on clusters "
-                "of 2, the weight multicast";
+    k.dh.rule = pair ? "swiglu, d >= 4096, 118 E <= S <= min(240, FLOPs per DRAM byte - 1) E rows "
+                       "(weight-bound, two 128-row tiles an expert): its cooperative kernel on "
+                       "clusters of 2, the weight multicast"
+                     : "swiglu, d >= 4096, S >= 118 E rows, one expert's W2 (n x d) at least the "
+                       "L2: its cooperative kernel on clusters of 2, the weight streamed once a pair";
   }
   // On the TMA path, 192x128 ping-pong (one warpgroup's epilogue under the other's mainloop):
   // ahead of 128x256 cooperative in the layer at the four TMA-path configs measured.
