@@ -1212,6 +1212,8 @@ def layer_search_section():
     for name in LAYER_SEARCH:
         rows = [r for r in jsonl(name) if r.get("bench") == "layer-search"]
         vs = layer_search.verdicts(rows)
+        if not vs:  # no automatic choice timed in this file: nothing to set beside it
+            continue
         ratios = [v["auto_over_best"] for v in vs]
         geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
         body.append([short_gpu(vs[0]["gpu"]), rows[0]["commit"], len({v["config"] for v in vs}),
@@ -1226,6 +1228,8 @@ def layer_search_section():
                            " / ".join(map(str, v["shape"])), v["gemm"], v["auto"], v["best"],
                            f3(v["auto_over_best"]), "yes" if v["every_round"] else "no",
                            f3(v["call_ratio"]), "-" if a is None else f3(layer_search.alone_ratio(a))])
+    if not body:
+        return ""
     out = """
 ### Inside the layer call
 

@@ -42,6 +42,7 @@ def test_search_section_reads_the_choice_rows_and_the_rounds(monkeypatch):
                  choice_ms=1.08, choice_over_best=1.08, choice_over_best_round_lo=0.97,
                  choice_over_best_round_hi=1.15)]
     monkeypatch.setattr(report, "SEARCH", ["kernel-search-2026-12-07-abc1234-h100.jsonl"])
+    monkeypatch.setattr(report, "LAYER_SEARCH", [])  # the in-call section has a test of its own
     monkeypatch.setattr(report, "jsonl", lambda name: rows)
     out = report.search_section()
     geo = (1.02 * 1.2 * 1.08) ** (1 / 3)
