@@ -118,8 +118,9 @@ LayerKernels automatic(const KernelShape& s) {
   // Weight-bound, an expert's rows in two 128-row tiles: the cooperative gather kernels on
   // clusters of 2 read each weight tile once (kGatherPairMinRows, gather_pair_max_rows); the
   // up-projection only while the second tile holds few rows (kGatherPairUpMaxRows).
-  const bool pair = ws && s.E > 0 && s.d >= kGatherPairMinD && s.S >= s.E * kGatherPairMinRows &&
-                    s.S <= s.E * gather_pair_max_rows(s.flops_per_byte);
+  const bool two_tiles =
+      ws && s.E > 0 && s.d >= kGatherPairMinD && s.S >= s.E * kGatherPairMinRows;
+  const bool pair = two_tiles && s.S <= s.E * gather_pair_max_rows(s.flops_per_byte);
   if (pair && s.S <= s.E * kGatherPairUpMaxRows && s.act != Activation::swiglu_oai) {
     k.up.cluster = 2;
     k.up.rule = "d >= 4096, 118 E <= S <= min(150, FLOPs per DRAM byte - 1) E rows (weight-"
@@ -127,9 +128,7 @@ LayerKernels automatic(const KernelShape& s) {
                 "of 2, the weight multicast";
   }
   // dH's pair also wherever one expert's W2 outgrows the L2 (dh_expert_outgrows_l2).
-  const bool big_expert = ws && s.E > 0 && s.d >= kGatherPairMinD &&
-                          s.S >= s.E * kGatherPairMinRows &&
-                          dh_expert_outgrows_l2(s.n, s.d, s.l2_bytes);
+  const bool big_expert = two_tiles && dh_expert_outgrows_l2(s.n, s.d, s.l2_bytes);
   if ((pair || big_expert) && s.act == Activation::swiglu &&
       k.dh.family == KernelFamily::ws_gather && k.dh.schedule == KernelSchedule::cooperative) {
     k.dh.cluster = 2;

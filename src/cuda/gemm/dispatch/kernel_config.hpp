@@ -77,10 +77,8 @@ constexpr int64_t kGatherPairUpMaxRows = 150;
 constexpr int64_t gather_pair_max_rows(int64_t flops_per_byte) {
   return flops_per_byte - 1 < one_tile_rows(256) ? flops_per_byte - 1 : one_tile_rows(256);
 }
-// dH also on clusters of 2, at any number of rows from two tiles up, where one expert's W2
-// (n x d bf16) is at least the device's L2: single CTAs then cannot keep an expert's weight in L2
-// between its m-tiles and stream it from DRAM again and again; a pair streams it once for two.
-// Measured inside the layer call (docs/notes/dh-epilogue.md, "Clusters of 2 inside the call").
+// dH's pair from two tiles up where one expert's W2 (n x d bf16) fills the L2: single CTAs then
+// re-stream it from DRAM per m-tile (docs/notes/dh-epilogue.md, "Clusters of 2 inside the call").
 constexpr bool dh_expert_outgrows_l2(int64_t n, int64_t d, int64_t l2_bytes) {
   return l2_bytes > 0 && n * d * 2 >= l2_bytes;
 }
